@@ -1,0 +1,31 @@
+"""autopart: automatic pipeline partitioning for PyTorch models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["compile", "Plan", "PipelinedModule", "TraceError", "PlanError",
+           "InfeasiblePlanError", "__version__"]
+__version__ = "0.1.0"
+
+# Exports resolve lazily (PEP 562) so that `import autopart.solver` or `autopart.plan`
+# never pulls in torch: the solver layer stays pure Python.
+_LAZY = {
+    "compile": ("autopart._compile", "compile"),
+    "PipelinedModule": ("autopart.pipelined", "PipelinedModule"),
+    "Plan": ("autopart.plan", "Plan"),
+    "TraceError": ("autopart.errors", "TraceError"),
+    "PlanError": ("autopart.errors", "PlanError"),
+    "InfeasiblePlanError": ("autopart.errors", "InfeasiblePlanError"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autopart' has no attribute {name!r}")

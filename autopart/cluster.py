@@ -1,0 +1,139 @@
+"""Cluster: the devices a plan targets and the links between them, with named presets."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["DeviceSpec", "Cluster", "PRESETS", "device_preset"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator (or host CPU) as the cost model sees it.
+
+    Attributes:
+        name: preset name or device string, e.g. ``"h100-sxm"`` or ``"cpu"``.
+        memory_bytes: usable device memory, bytes.
+        peak_flops: dense peak for the profiled dtype, FLOP/s (bf16 tensor cores for GPUs).
+        memory_bandwidth_bytes_per_s: device memory bandwidth, bytes/s.
+        link_bandwidth_bytes_per_s: bandwidth to a neighbouring device, bytes/s, one direction.
+        link_latency_us: fixed cost of one point-to-point transfer, µs.
+        source: public source of the figures.
+        op_overhead_us: fixed cost of one op regardless of its size (eager dispatch plus kernel
+            launch), µs. Used when costs profiled at one batch size are scaled to another:
+            ``t(b) = op_overhead_us + (t(b0) - op_overhead_us) * b / b0``.
+    """
+
+    name: str
+    memory_bytes: int
+    peak_flops: float
+    memory_bandwidth_bytes_per_s: float
+    link_bandwidth_bytes_per_s: float
+    link_latency_us: float
+    source: str
+    op_overhead_us: float = 5.0
+
+    def __post_init__(self) -> None:
+        for attr in ("memory_bytes", "peak_flops", "memory_bandwidth_bytes_per_s",
+                     "link_bandwidth_bytes_per_s"):
+            if getattr(self, attr) <= 0:
+                raise ValueError(f"DeviceSpec {self.name!r}: {attr} must be > 0")
+        if self.link_latency_us < 0:
+            raise ValueError(f"DeviceSpec {self.name!r}: link_latency_us must be >= 0")
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+_GB = 10**9
+PRESETS: dict[str, DeviceSpec] = {
+    "h100-sxm": DeviceSpec(
+        "h100-sxm", 80 * _GB, 989e12, 3.35e12, 450e9, 5.0,
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, "
+        "80 GB, NVLink 900 GB/s bidirectional)"),
+    "h200": DeviceSpec(
+        "h200", 141 * _GB, 989e12, 4.8e12, 450e9, 5.0,
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS dense BF16, 4.8 TB/s HBM3e, "
+        "141 GB, NVLink 900 GB/s bidirectional)"),
+    "a100-80gb": DeviceSpec(
+        "a100-80gb", 80 * _GB, 312e12, 2.039e12, 300e9, 5.0,
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS dense BF16, 2,039 GB/s, "
+        "NVLink 600 GB/s bidirectional)"),
+    "a100-40gb": DeviceSpec(
+        "a100-40gb", 40 * _GB, 312e12, 1.555e12, 300e9, 5.0,
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB: 312 TFLOPS dense BF16, 1,555 GB/s, "
+        "NVLink 600 GB/s bidirectional)"),
+    "l4": DeviceSpec(
+        "l4", 24 * _GB, 121e12, 300e9, 32e9, 10.0,
+        "NVIDIA L4 Tensor Core GPU datasheet (121 TFLOPS dense BF16, 300 GB/s GDDR6, 24 GB, "
+        "PCIe Gen4 x16 64 GB/s bidirectional)"),
+    "cpu": DeviceSpec(
+        "cpu", _host_memory_bytes(), 1e11, 2e10, 1e10, 2.0,
+        "nominal host figures (memory read from the OS; copies between stages on one host "
+        "run at memcpy speed, taken as 10 GB/s); use measured profiles for real CPU plans"),
+}
+
+
+def device_preset(name: str) -> DeviceSpec:
+    """Look up a preset by name.
+
+    Raises:
+        KeyError: unknown name; the message lists the valid ones.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown device preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Devices in pipeline order; link ``i`` joins ``devices[i]`` and ``devices[i + 1]``.
+
+    Attributes:
+        devices: one spec per rank.
+        device_names: runtime device strings per rank (``"cuda:0"``, ``"cpu"``).
+    """
+
+    devices: tuple[DeviceSpec, ...]
+    device_names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("Cluster needs at least one device")
+        if len(self.devices) != len(self.device_names):
+            raise ValueError(f"Cluster: {len(self.devices)} device specs but "
+                             f"{len(self.device_names)} device names")
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of ranks (devices)."""
+        return len(self.devices)
+
+    def transfer_us(self, nbytes: int, src: int, dst: int) -> float:
+        """Time to move ``nbytes`` from rank ``src`` to rank ``dst``, µs (0 on the same device).
+
+        Uses the slower endpoint's link: bytes / bandwidth + latency.
+        """
+        if nbytes <= 0 or self.device_names[src] == self.device_names[dst] and src == dst:
+            return 0.0
+        a, b = self.devices[src], self.devices[dst]
+        bw = min(a.link_bandwidth_bytes_per_s, b.link_bandwidth_bytes_per_s)
+        return nbytes / bw * 1e6 + max(a.link_latency_us, b.link_latency_us)
+
+    def fingerprint(self) -> str:
+        """Short text naming the devices, e.g. ``"4xh100-sxm"`` or ``"cpu,cpu"``."""
+        names = [d.name for d in self.devices]
+        if len(set(names)) == 1:
+            return f"{len(names)}x{names[0]}"
+        return ",".join(names)
+
+    @classmethod
+    def uniform(cls, spec: DeviceSpec, device_names: list[str] | tuple[str, ...]) -> Cluster:
+        """A cluster of identical devices."""
+        return cls(tuple(spec for _ in device_names), tuple(device_names))

@@ -1,0 +1,178 @@
+"""CostGraph: per-node costs of a captured graph, the contract between profiler and solver."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopart._jsonio import dumps, write_text_atomic
+from autopart.errors import PlanError
+
+__all__ = ["NodeCost", "CostGraph", "COSTGRAPH_SCHEMA_VERSION"]
+
+COSTGRAPH_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """Costs of one FX node (an op of the captured graph), for one profiled batch.
+
+    Attributes:
+        name: FX node name, unique in the graph.
+        op: the op it calls, e.g. ``"aten.linear.default"``.
+        module_path: innermost ``nn_module_stack`` FQN (``""`` at the model's top level).
+        fwd_us: forward time, µs.
+        bwd_input_us: backward time for the gradient w.r.t. its tensor inputs, µs.
+        bwd_weight_us: backward time for the gradient w.r.t. its parameters, µs.
+        flops: floating-point operations of the forward (0 when not counted).
+        bytes_accessed: bytes read + written by the forward (0 when not counted).
+        output_bytes: bytes of the tensors it returns.
+        saved_bytes: bytes autograd keeps from this node for the backward, parameters excluded.
+        param_bytes: bytes of the parameters this node is the first to read.
+        inputs: names of the nodes or graph inputs whose values it reads, in order.
+        params: FQNs of the parameters and buffers it reads (any use, not just the first).
+        output_is_tensor: False when it returns a tuple, list, scalar or None; such a value
+            never crosses a cut.
+    """
+
+    name: str
+    op: str
+    module_path: str
+    fwd_us: float
+    bwd_input_us: float
+    bwd_weight_us: float
+    flops: int
+    bytes_accessed: int
+    output_bytes: int
+    saved_bytes: int
+    param_bytes: int
+    inputs: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+    output_is_tensor: bool = True
+
+    def __post_init__(self) -> None:
+        for attr in ("fwd_us", "bwd_input_us", "bwd_weight_us", "flops", "bytes_accessed",
+                     "output_bytes", "saved_bytes", "param_bytes"):
+            if getattr(self, attr) < 0:
+                raise ValueError(f"node {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)}")
+
+    @property
+    def bwd_us(self) -> float:
+        """Full backward time, µs (input-gradient plus weight-gradient part)."""
+        return self.bwd_input_us + self.bwd_weight_us
+
+
+@dataclass(frozen=True, slots=True)
+class CostGraph:
+    """Nodes of a captured graph in topological order, with their costs.
+
+    Attributes:
+        nodes: op nodes in topological order (placeholders and parameters excluded).
+        graph_inputs: name -> bytes of each (flattened) graph input, in call order.
+        graph_outputs: names of the nodes or graph inputs the graph returns (flattened);
+            every one of them must reach the last stage.
+        param_sizes: FQN -> bytes of every parameter and buffer the graph reads.
+        param_numel: FQN -> number of elements, same keys as ``param_sizes``.
+        trainable: FQNs in ``param_sizes`` that are trainable parameters (the rest are buffers).
+        source: where the numbers came from, ``"measured:<device>"`` or ``"analytical:<spec>"``.
+        bwd_source: ``"measured"`` or ``"estimated:<rule>"`` for the backward columns.
+        batch_size: leading dimension of the inputs that were profiled.
+        fingerprint: hash of the graph's structure (see ``autopart.capture.graph_fingerprint``).
+        profile_wall_s: seconds the profiling took.
+    """
+
+    nodes: tuple[NodeCost, ...]
+    graph_inputs: dict[str, int]
+    graph_outputs: tuple[str, ...]
+    param_sizes: dict[str, int]
+    param_numel: dict[str, int]
+    trainable: frozenset[str]
+    source: str
+    bwd_source: str
+    batch_size: int
+    fingerprint: str
+    profile_wall_s: float = 0.0
+    schema_version: int = field(default=COSTGRAPH_SCHEMA_VERSION)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set(self.graph_inputs)
+        for node in self.nodes:
+            if node.name in seen:
+                raise ValueError(f"CostGraph: node name {node.name!r} appears twice")
+            for inp in node.inputs:
+                if inp not in seen:
+                    raise ValueError(
+                        f"CostGraph: node {node.name!r} reads {inp!r}, which is neither a graph "
+                        "input nor an earlier node; nodes must be in topological order")
+            for p in node.params:
+                if p not in self.param_sizes:
+                    raise ValueError(f"CostGraph: node {node.name!r} reads unknown parameter {p!r}")
+            seen.add(node.name)
+        for out in self.graph_outputs:
+            if out not in seen:
+                raise ValueError(f"CostGraph: graph output {out!r} is not a node or graph input")
+        if set(self.param_numel) != set(self.param_sizes):
+            raise ValueError("CostGraph: param_numel and param_sizes must have the same keys")
+        if not self.trainable <= set(self.param_sizes):
+            raise ValueError("CostGraph: trainable names a parameter missing from param_sizes")
+        if self.batch_size < 1:
+            raise ValueError(f"CostGraph: batch_size must be >= 1, got {self.batch_size}")
+
+    # ---- derived views -------------------------------------------------------------
+    def total_fwd_us(self) -> float:
+        """Sum of every node's forward time, µs."""
+        return sum(n.fwd_us for n in self.nodes)
+
+    def total_bwd_us(self) -> float:
+        """Sum of every node's backward time, µs."""
+        return sum(n.bwd_us for n in self.nodes)
+
+    # ---- JSON ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (lists for tuples, sorted list for the trainable set)."""
+        d = asdict(self)
+        d["trainable"] = sorted(self.trainable)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostGraph:
+        """Build and validate from :meth:`to_dict` output.
+
+        Raises:
+            PlanError: a field is missing or has the wrong type, or the schema version differs.
+        """
+        try:
+            if d.get("schema_version") != COSTGRAPH_SCHEMA_VERSION:
+                raise PlanError(
+                    f"CostGraph schema_version {d.get('schema_version')!r} is not supported "
+                    f"(this autopart reads {COSTGRAPH_SCHEMA_VERSION}); profile the model again")
+            nodes = tuple(
+                NodeCost(**{**n, "inputs": tuple(n["inputs"]), "params": tuple(n["params"])})
+                for n in d["nodes"])
+            return cls(nodes=nodes, graph_inputs=dict(d["graph_inputs"]),
+                       graph_outputs=tuple(d["graph_outputs"]), param_sizes=dict(d["param_sizes"]),
+                       param_numel=dict(d["param_numel"]),
+                       trainable=frozenset(d["trainable"]), source=d["source"],
+                       bwd_source=d["bwd_source"], batch_size=int(d["batch_size"]),
+                       fingerprint=d["fingerprint"], profile_wall_s=float(d["profile_wall_s"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"not a valid CostGraph: {exc}") from exc
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write as JSON, atomically."""
+        write_text_atomic(path, dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CostGraph:
+        """Read and validate a CostGraph JSON file.
+
+        Raises:
+            PlanError: the file is not valid JSON or not a CostGraph.
+        """
+        try:
+            data = json.loads(open(path, encoding="utf-8").read())
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{path}: not JSON ({exc}); pass a file written by autopart") from exc
+        return cls.from_dict(data)
