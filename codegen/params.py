@@ -1,0 +1,105 @@
+"""Parameter ownership: each stage holds only what it reads; tied parameters are replicated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopart.capture import CapturedGraph
+from autopart.codegen.split import StageGraph
+
+__all__ = ["Placement", "build_stage_modules"]
+
+
+@dataclass
+class Placement:
+    """Where each parameter and buffer lives after codegen.
+
+    Attributes:
+        owner: canonical FQN -> stage index that owns it (first stage to read it).
+        replicas: canonical FQN -> other stage indices holding a copy. Parameter replicas
+            are separate tensors whose gradients the runtime sums into the owner's;
+            buffer replicas share the owner's tensor when on the same device.
+        tensors: (stage index, FQN) -> the tensor that stage reads.
+    """
+
+    owner: dict[str, int] = field(default_factory=dict)
+    replicas: dict[str, list[int]] = field(default_factory=dict)
+    tensors: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+
+def _attr_root(tensors: dict[str, torch.Tensor], buffers: set[str]) -> nn.Module:
+    """An nn.Module tree holding ``tensors`` under their dotted FQNs."""
+    root = nn.Module()
+    for fqn, value in tensors.items():
+        *path, leaf = fqn.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        if isinstance(value, nn.Parameter):
+            mod.register_parameter(leaf, value)
+        else:
+            mod.register_buffer(leaf, value, persistent=fqn in buffers)
+    return root
+
+
+def _to_device(value: torch.Tensor, device: torch.device, copy: bool) -> torch.Tensor:
+    if isinstance(value, nn.Parameter):
+        if not copy and value.device == device:
+            return value
+        data = value.detach().to(device, copy=True)
+        return nn.Parameter(data, requires_grad=value.requires_grad)
+    if not copy and value.device == device:
+        return value
+    return value.detach().to(device, copy=True)
+
+
+def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
+                        devices: list[torch.device]) -> tuple[list[fx.GraphModule], Placement]:
+    """Turn stage graphs into ``fx.GraphModule``s on their devices, each owning its tensors.
+
+    The owner stage keeps the model's own tensor when it already sits on that stage's device
+    (no copy: the pipeline and the model share storage, as torchgpipe does); otherwise it
+    gets a copy on its device. A parameter read by several stages (GPT-2's tied ``wte`` and
+    ``lm_head``) is replicated into every later stage that reads it.
+
+    Args:
+        captured: the captured model.
+        stage_graphs: from :func:`autopart.codegen.split.split_graph`.
+        devices: one device per stage.
+
+    Returns:
+        The stage modules (class names ``Stage0``..) and the placement of every tensor.
+    """
+    if len(devices) != len(stage_graphs):
+        raise ValueError(f"{len(stage_graphs)} stages but {len(devices)} devices")
+    placement = Placement()
+    modules: list[fx.GraphModule] = []
+    for sg, device in zip(stage_graphs, devices):
+        tensors: dict[str, torch.Tensor] = {}
+        persistent: set[str] = set()
+        for target in sg.attr_targets:
+            fqn = captured.attr_fqns.get(target, target)
+            original = captured.attr_value(target)
+            if fqn not in placement.owner:
+                placement.owner[fqn] = sg.stage_index
+                value = _to_device(original, device, copy=False)
+            else:
+                placement.replicas.setdefault(fqn, []).append(sg.stage_index)
+                owner_value = placement.tensors[(placement.owner[fqn], fqn)]
+                # Parameters get their own replica (own .grad); buffers and constants are
+                # shared when the device allows, so in-place updates reach every reader.
+                value = _to_device(owner_value, device, copy=isinstance(original, nn.Parameter))
+            placement.tensors[(sg.stage_index, fqn)] = value
+            tensors[fqn] = value
+            if fqn in captured.buffers:
+                persistent.add(fqn)
+        root = _attr_root(tensors, persistent)
+        gm = fx.GraphModule(root, sg.graph, class_name=f"Stage{sg.stage_index}")
+        modules.append(gm)
+    return modules, placement
