@@ -1,0 +1,46 @@
+"""The ``autopart`` command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="autopart: automatic pipeline partitioning for PyTorch models.")
+
+
+@app.command()
+def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan and stage "
+                                      "sources are written"),
+         steps: int = typer.Option(3, min=1, help="training steps to run"),
+         num_stages: int = typer.Option(4, min=1, help="pipeline stages (all on cpu)")) -> None:
+    """Compile GPT-2 (124M, random weights) into pipeline stages and train it beside the plain model."""
+    from autopart.demo import run_demo
+
+    losses = run_demo(out_dir, steps=steps, num_stages=num_stages)
+    worst = max(abs(a - b) for a, b in losses)
+    if worst > 1e-4:
+        typer.echo(f"pipeline and unpartitioned losses differ by {worst:.2e} (> 1e-4)", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def show(plan: Path = typer.Argument(..., exists=True, dir_okay=False, help="a plan JSON file")) -> None:
+    """Print a saved plan as a table."""
+    from autopart.errors import PlanError
+    from autopart.plan import Plan
+    from autopart.report import print_plan
+
+    try:
+        print_plan(Plan.load(plan))
+    except PlanError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
