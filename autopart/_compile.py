@@ -146,6 +146,7 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     timings: dict[str, float] = {}
+    full_capture: CapturedGraph | None = None
     if plan is not None:
         loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
         device_names = _resolve_devices(devices, num_stages or loaded.num_stages)
@@ -155,17 +156,20 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         the_plan = loaded
     else:
         device_names = _resolve_devices(devices, num_stages)
-        the_plan = _solve(model, example_inputs, kwargs, device_names, num_microbatches,
-                          optimize, loss_fn is not None, time_limit_s, timings)
+        the_plan, full_capture = _solve(model, example_inputs, kwargs, device_names,
+                                        num_microbatches, optimize, loss_fn is not None,
+                                        time_limit_s, timings)
     m = the_plan.num_microbatches
-    leaves = pytree.tree_leaves((example_inputs, kwargs))
-    batch = next(int(t.shape[0]) for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0)
+    batch = _batch_size(example_inputs, kwargs)
     if batch != the_plan.batch_size:
         raise PlanError(f"the plan was made for batch {the_plan.batch_size}, the example inputs "
                         f"have batch {batch}; pass example inputs of the planned batch or re-plan")
     t0 = time.perf_counter()
     mb_args, mb_kwargs = _microbatch_inputs(example_inputs, kwargs, m)
-    captured = capture(model, mb_args, mb_kwargs)
+    # The graph is specialised to its input shapes: stages run at the microbatch size.
+    reuse = full_capture is not None and full_capture.batch_size == batch // m
+    captured = full_capture if reuse and full_capture is not None else capture(
+        model, mb_args, mb_kwargs)
     timings["capture_s"] = timings.get("capture_s", 0.0) + time.perf_counter() - t0
     t0 = time.perf_counter()
     _check_plan_matches(the_plan, captured)
@@ -204,11 +208,29 @@ def _check_plan_matches(plan: Plan, captured: CapturedGraph) -> None:
 
 def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
            device_names: list[str], num_microbatches: int | None, optimize: str,
-           training: bool, time_limit_s: float, timings: dict[str, float]) -> Plan:
+           training: bool, time_limit_s: float, timings: dict[str, float],
+           ) -> tuple[Plan, CapturedGraph]:
+    """Capture, profile and solve. Returns the plan and the capture it was made from.
+
+    With ``num_microbatches`` given, the model is captured and profiled at the microbatch
+    size, so the same capture serves code generation. Otherwise it is captured at the full
+    batch and the solver picks m among the divisors that leave microbatches of at least 2
+    rows (export specialises size-1 dimensions, which can change the graph).
+    """
     from autopart.profiler import profile_graph
     from autopart.solver import SolveOptions, solve
 
     t0 = time.perf_counter()
+    batch = _batch_size(args, kwargs)
+    if num_microbatches is not None:
+        if num_microbatches < 1 or batch % num_microbatches:
+            raise PlanError(f"num_microbatches={num_microbatches} must be >= 1 and divide the "
+                            f"batch of {batch}")
+        args, kwargs = _microbatch_inputs(args, kwargs, num_microbatches)
+        candidates = None
+    else:
+        candidates = tuple(m for m in range(1, batch + 1)
+                           if batch % m == 0 and (batch // m >= 2 or batch == 1))
     captured = capture(model, args, kwargs)
     timings["capture_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -216,10 +238,18 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     costs = profile_graph(captured, flat, device=device_names[0], training=training)
     timings["profile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    options = SolveOptions(num_stages=len(device_names), batch_size=captured.batch_size,
-                           num_microbatches=num_microbatches, optimize=optimize,
-                           training=training, time_limit_s=time_limit_s,
+    options = SolveOptions(num_stages=len(device_names), batch_size=batch,
+                           num_microbatches=num_microbatches, microbatch_candidates=candidates,
+                           optimize=optimize, training=training, time_limit_s=time_limit_s,
                            library_versions=library_versions())
     plan = solve(costs, cluster_for_devices(device_names), options)
     timings["solve_s"] = time.perf_counter() - t0
-    return plan
+    return plan, captured
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise PlanError("no tensor input with a batch dimension; pass at least one tensor whose "
+                    "dim 0 is the batch")

@@ -6,6 +6,7 @@ import hashlib
 import linecache
 import os
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,7 +171,10 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
             ) -> CapturedGraph:
     """Capture ``model(*args, **kwargs)`` as a flat FX graph with ``torch.export`` (non-strict).
 
-    The model keeps its train/eval mode; dropout and batch-norm behave as in that mode.
+    The graph is functionalised (``run_decompositions({})``: in-place ops become
+    out-of-place, nothing is decomposed). Shapes are specialised to the example inputs;
+    a dimension of size 1 may capture differently from larger sizes. The model keeps its
+    train/eval mode; dropout and batch-norm behave as in that mode.
 
     Args:
         model: the module to capture; its parameters are shared, not copied.
@@ -189,6 +193,11 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
                          "wrap a single tensor as (x,)")
     try:
         ep = torch.export.export(model, args, kwargs, strict=False)
+        # Functionalise (no decompositions): in-place ops such as ``add_`` or ``relu_``
+        # become out-of-place, so no stage ever writes into a tensor another stage sent it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # pytree deprecation inside torch
+            ep = ep.run_decompositions({})
     except Exception as exc:  # export raises many unrelated types; all become one clear error
         raise _trace_error(exc) from exc
     gm = ep.module()

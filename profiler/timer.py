@@ -1,0 +1,131 @@
+"""Device seam of the profiler: device checks, per-call timers (CPU clock, CUDA events), RNG."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autopart.errors import ProfileError
+
+__all__ = ["check_device", "time_calls", "RngState"]
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
+
+# A factory does the untimed set-up of one call (e.g. cloning tensors the op writes to)
+# and returns the thunk that is timed.
+CallFactory = Callable[[], Callable[[], Any]]
+
+
+def check_device(device: str) -> torch.device:
+    """Validate a profiling device string.
+
+    Args:
+        device: ``"cpu"`` or ``"cuda:N"``.
+
+    Returns:
+        The parsed :class:`torch.device`.
+
+    Raises:
+        ProfileError: the string is malformed, CUDA is asked for but
+            ``torch.cuda.is_available()`` is False, or ``N`` is not a visible GPU.
+    """
+    match = _DEVICE_RE.match(device)
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        choices = "'cpu', " + ", ".join(f"'cuda:{i}'" for i in range(count))
+    else:
+        count = 0
+        choices = "'cpu' (torch.cuda.is_available() is False)"
+    if match is None:
+        raise ProfileError(f"profile device {device!r} is not valid; choose one of {choices}")
+    if match.group(2) is not None:
+        if count == 0:
+            raise ProfileError(f"profile device {device!r} needs CUDA, but "
+                               f"torch.cuda.is_available() is False; choose one of {choices}")
+        if int(match.group(2)) >= count:
+            raise ProfileError(f"profile device {device!r} is not a visible GPU "
+                               f"({count} visible); choose one of {choices}")
+    return torch.device(device)
+
+
+def time_calls(device: torch.device, factory: CallFactory, warmup: int, repeats: int,
+               long_us: float = math.inf) -> tuple[float, Any]:
+    """Call ``factory()()`` ``warmup + repeats`` times and time the repeats.
+
+    Only the thunk is timed, never the factory's set-up. On CPU each call is timed with
+    ``time.perf_counter``; on CUDA with a ``torch.cuda.Event`` pair per call, recorded on
+    the current stream, and one synchronize after the last call (none inside a timed
+    region). A first call that takes ``long_us`` or more is the only sample (the
+    adaptive rule of ``timeit.Timer.autorange``: a long call needs no warm-up and its
+    noise is small); on CUDA that check synchronizes once, after the first call's end
+    event.
+
+    Args:
+        device: where the calls run.
+        factory: untimed set-up; returns the thunk to time.
+        warmup: untimed calls first (>= 0).
+        repeats: timed calls (>= 1).
+        long_us: first-call duration, µs, from which one call is enough.
+
+    Returns:
+        ``(median µs over the timed calls, result of the last call)``.
+    """
+    result: Any = None
+    samples: list[float] = []
+    if device.type == "cuda":
+        pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        for i in range(warmup + repeats):
+            thunk = factory()
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            result = thunk()
+            end.record()
+            if i == 0 and math.isfinite(long_us):
+                end.synchronize()
+                first_us = float(start.elapsed_time(end)) * 1e3  # ms -> µs
+                if first_us >= long_us:
+                    return first_us, result
+            if i >= warmup:
+                pairs.append((start, end))
+        torch.cuda.synchronize(device)
+        samples = [float(s.elapsed_time(e)) * 1e3 for s, e in pairs]
+    else:
+        for i in range(warmup + repeats):
+            thunk = factory()
+            t0 = time.perf_counter()
+            result = thunk()
+            us = (time.perf_counter() - t0) * 1e6
+            if i == 0 and us >= long_us:
+                return us, result
+            if i >= warmup:
+                samples.append(us)
+    return float(statistics.median(samples)), result
+
+
+class RngState:
+    """Snapshot of the CPU (and, on CUDA, that device's) random state, restored on exit."""
+
+    def __init__(self, device: torch.device) -> None:
+        """Capture the random state now.
+
+        Args:
+            device: the profiling device; its CUDA generator is saved too when it is a GPU.
+        """
+        self._device = device
+        self._cpu = torch.get_rng_state()
+        self._cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def __enter__(self) -> RngState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self._cpu)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state(self._cuda, self._device)

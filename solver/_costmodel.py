@@ -1,0 +1,213 @@
+"""Per-microbatch costs of segments and stages: time and communication (µs), peak memory (bytes)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopart.solver.candidates import CutCandidates, crossing_profile
+
+from autopart.cluster import Cluster
+from autopart.costgraph import CostGraph
+
+#: CP-SAT time unit: chain costs are integers in tenths of a µs (round half to even).
+TIME_UNITS_PER_US = 10
+
+
+def to_time_units(us: float) -> int:
+    """µs -> integer CP-SAT time units (0.1 µs)."""
+    return int(round(us * TIME_UNITS_PER_US))
+
+
+@dataclass(frozen=True, slots=True)
+class StageEstimate:
+    """Predicted per-microbatch cost of op nodes ``start .. stop - 1`` run as stage ``stage``.
+
+    Attributes:
+        stage: stage index (= rank).
+        start: first op node index.
+        stop: one past the last op node index.
+        fwd_us: forward time, µs.
+        bwd_us: backward time, µs (0 for inference).
+        comm_us: forward send of the outgoing cut plus, when training, the gradient send of the
+            incoming cut, µs.
+        peak_memory_bytes: parameter state + saved activations of all microbatches + largest
+            single-node output + incoming and outgoing crossing bytes.
+        param_bytes: bytes of every parameter and buffer its nodes read.
+        num_parameters: elements of the trainable parameters its nodes read.
+    """
+
+    stage: int
+    start: int
+    stop: int
+    fwd_us: float
+    bwd_us: float
+    comm_us: float
+    peak_memory_bytes: int
+    param_bytes: int
+    num_parameters: int
+
+    @property
+    def time_us(self) -> float:
+        """Stage time per microbatch, µs: fwd + bwd + comm."""
+        return self.fwd_us + self.bwd_us + self.comm_us
+
+
+class CostModel:
+    """The cost model of DESIGN.md evaluated at microbatch size ``b = batch_size / m``.
+
+    Time of one node at batch ``b`` from its profiled time ``t0`` at ``b0``, with ``ov`` the
+    device's ``op_overhead_us``: ``t(b) = min(t0, ov) + max(t0 - ov, 0) * b / b0``. For
+    ``t0 >= ov`` this is ``DeviceSpec``'s ``ov + (t0 - ov) * b / b0``; ops cheaper than the
+    overhead (views, getitem) stay at ``t0`` instead of being raised to ``ov``. The backward of a
+    node (input + weight gradient) is scaled as one op. Activation bytes (outputs, saved,
+    crossing, graph inputs) scale as ``ceil(bytes * b / b0)``; parameter bytes do not scale.
+
+    Args:
+        costs: the cost graph, profiled at ``costs.batch_size``.
+        cluster: devices; ``op_overhead_us`` is read from ``cluster.devices[0]``.
+        batch_size: the full batch the plan is for.
+        training: include backward time, gradient sends, saved activations and optimizer state.
+        state_factor: optimizer state bytes per trainable parameter byte (AdamW: 2.0); a
+            trainable parameter then holds ``(2 + state_factor) x`` its bytes (weight, gradient,
+            state); buffers, and every parameter when not training, hold 1x.
+    """
+
+    def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
+                 state_factor: float) -> None:
+        self.costs = costs
+        self.cluster = cluster
+        self.batch_size = batch_size
+        self.training = training
+        self.overhead_us = cluster.devices[0].op_overhead_us
+        self.crossing, _ = crossing_profile(costs)
+        ov = self.overhead_us
+        self._fixed = [0.0]   # prefix sums of the batch-independent part of node time, µs
+        self._linear = [0.0]  # prefix sums of the part linear in b / b0, µs
+        self._saved = [0]     # prefix sums of saved bytes at b0
+        first_use: dict[str, int] = {}
+        for i, nd in enumerate(costs.nodes):
+            fixed = min(nd.fwd_us, ov) + (min(nd.bwd_us, ov) if training else 0.0)
+            linear = max(nd.fwd_us - ov, 0.0) + (max(nd.bwd_us - ov, 0.0) if training else 0.0)
+            self._fixed.append(self._fixed[-1] + fixed)
+            self._linear.append(self._linear[-1] + linear)
+            self._saved.append(self._saved[-1] + nd.saved_bytes)
+            for p in nd.params:
+                first_use.setdefault(p, i)
+        mult = (2.0 + state_factor) if training else 1.0
+        self.state_bytes = {
+            p: int(math.ceil(nbytes * mult)) if p in costs.trainable else nbytes
+            for p, nbytes in costs.param_sizes.items()}
+        self._first_state = [0] * (len(costs.nodes) + 1)  # prefix sums of first-use state bytes
+        per_node = [0] * len(costs.nodes)
+        for p, i in first_use.items():
+            per_node[i] += self.state_bytes[p]
+        for i, v in enumerate(per_node):
+            self._first_state[i + 1] = self._first_state[i] + v
+
+    # ---- scaling -------------------------------------------------------------------
+    def ratio(self, m: int) -> float:
+        """``b / b0`` for ``m`` microbatches."""
+        return self.batch_size / m / self.costs.batch_size
+
+    @staticmethod
+    def scale_bytes(nbytes: int, ratio: float) -> int:
+        """Activation bytes at the scaled batch, rounded up."""
+        return int(math.ceil(nbytes * ratio - 1e-9))
+
+    def time_us(self, start: int, stop: int, ratio: float) -> float:
+        """Compute time (fwd, + bwd when training) of nodes ``start .. stop - 1``, µs."""
+        return (self._fixed[stop] - self._fixed[start]
+                + (self._linear[stop] - self._linear[start]) * ratio)
+
+    def link_us(self, nbytes: int) -> float:
+        """Slowest neighbour link's time for ``nbytes`` (what the chain model charges), µs."""
+        n = self.cluster.num_ranks
+        if n < 2:
+            return 0.0
+        return max(self.cluster.transfer_us(nbytes, r, r + 1) for r in range(n - 1))
+
+    # ---- chain data for the partition solvers --------------------------------------
+    def chain_time(self, cands: CutCandidates, m: int) -> tuple[list[int], list[int], list[int]]:
+        """Integer chain costs at ``m`` microbatches: (segment time, cut out-charge, cut in-charge).
+
+        The out-charge is the forward activation send (sender's stage), the in-charge the gradient
+        send (receiver's stage, training only); both in 0.1 µs units.
+        """
+        r = self.ratio(m)
+        seg = [to_time_units(self.time_us(s.start, s.stop, r)) for s in cands.segments]
+        out = [to_time_units(self.link_us(self.scale_bytes(c, r))) for c in cands.crossing_bytes]
+        cin = out if self.training else [0] * len(out)
+        return seg, out, cin
+
+    def chain_memory(self, cands: CutCandidates, m: int) -> tuple[list[int], list[int]]:
+        """Additive memory weights at ``m`` microbatches, bytes: (segment, cut).
+
+        Segment weight = state of the parameters first read in it + ``m x`` its saved activations
+        (training); cut weight = its crossing bytes, held by both neighbouring stages. Tied
+        parameters count once here (the exact check in :meth:`evaluate` counts every replica).
+        """
+        r = self.ratio(m)
+        seg = []
+        for s in cands.segments:
+            saved = m * self.scale_bytes(self._saved[s.stop] - self._saved[s.start], r)
+            state = self._first_state[s.stop] - self._first_state[s.start]
+            seg.append(state + (saved if self.training else 0))
+        cut = [self.scale_bytes(c, r) for c in cands.crossing_bytes]
+        return seg, cut
+
+    def chain_memory_caps(self, caps_bytes: Sequence[int], m: int) -> list[int]:
+        """Per-stage caps for :meth:`chain_memory` weights, bytes.
+
+        From each device cap it subtracts what the additive weights leave out: the graph's
+        largest single-node output (a conservative transient), the graph inputs on the first
+        stage and the graph outputs on the last.
+        """
+        r = self.ratio(m)
+        n = len(self.costs.nodes)
+        transient = max((self.scale_bytes(nd.output_bytes, r) for nd in self.costs.nodes),
+                        default=0)
+        caps = []
+        for s, cap in enumerate(caps_bytes):
+            room = cap - transient
+            if s == 0:
+                room -= self.scale_bytes(self.crossing[0], r)
+            if s == len(caps_bytes) - 1:
+                room -= self.scale_bytes(self.crossing[n], r)
+            caps.append(max(room, 0))
+        return caps
+
+    # ---- exact evaluation ----------------------------------------------------------
+    def evaluate(self, positions: Sequence[int], m: int) -> list[StageEstimate]:
+        """Predicted time and memory of every stage for cuts at node ``positions`` and ``m``.
+
+        Communication uses the actual link between the two ranks of each cut.
+        """
+        costs, r = self.costs, self.ratio(m)
+        n = len(costs.nodes)
+        bounds = [0, *positions, n]
+        out: list[StageEstimate] = []
+        for s, (a, z) in enumerate(itertools.pairwise(bounds)):
+            fwd = sum(min(nd.fwd_us, self.overhead_us)
+                      + max(nd.fwd_us - self.overhead_us, 0.0) * r for nd in costs.nodes[a:z])
+            bwd = sum(min(nd.bwd_us, self.overhead_us)
+                      + max(nd.bwd_us - self.overhead_us, 0.0) * r
+                      for nd in costs.nodes[a:z]) if self.training else 0.0
+            cross_in = self.scale_bytes(self.crossing[a], r)
+            cross_out = self.scale_bytes(self.crossing[z], r)
+            comm = self.cluster.transfer_us(cross_out, s, s + 1) if z < n else 0.0
+            if self.training and a > 0:
+                comm += self.cluster.transfer_us(cross_in, s, s - 1)
+            params = sorted({p for nd in costs.nodes[a:z] for p in nd.params})
+            state = sum(self.state_bytes[p] for p in params)
+            saved = m * self.scale_bytes(self._saved[z] - self._saved[a], r) if self.training else 0
+            transient = max(self.scale_bytes(nd.output_bytes, r) for nd in costs.nodes[a:z])
+            out.append(StageEstimate(
+                stage=s, start=a, stop=z, fwd_us=fwd, bwd_us=bwd, comm_us=comm,
+                peak_memory_bytes=state + saved + transient + cross_in + cross_out,
+                param_bytes=sum(costs.param_sizes[p] for p in params),
+                num_parameters=sum(costs.param_numel[p] for p in params if p in costs.trainable),
+            ))
+        return out

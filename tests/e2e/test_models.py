@@ -1,0 +1,87 @@
+"""Whole models through autopart.compile (capture, profile, solve, split) against the plain model."""
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import autopart
+import autopart.profiler as autopart_profiler
+import autopart.solver as autopart_solver
+from autopart.demo import run_demo
+from tests.zoo import ZOO, bert, gpt2, mlp, resnet
+
+TOL = {"rtol": 1e-5, "atol": 4e-5}
+
+
+def _primary(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("num_stages", [2, 4])
+@pytest.mark.parametrize("build", [gpt2, bert, resnet, mlp], ids=lambda b: b.__name__)
+def test_outputs_loss_and_every_gradient_match(build: Any, num_stages: int, m: int) -> None:
+    model, args, target, loss_fn = build()
+    reference = copy.deepcopy(model)
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=num_stages,
+                            num_microbatches=m, time_limit_s=5.0)
+    assert pipe.plan.num_stages == num_stages and pipe.plan.num_microbatches == m
+    assert pipe.plan.solver.status in ("OPTIMAL", "FEASIBLE")
+    torch.testing.assert_close(_primary(pipe(*args)), _primary(reference(*args)), **TOL)
+    loss = pipe.train_step(*args, target=target)
+    ref_loss = loss_fn(reference(*args), target)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    ref_params = dict(reference.named_parameters())
+    checked = 0
+    for name, p in pipe.named_parameters():
+        ref_grad = ref_params[name].grad
+        if ref_grad is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref_grad, **TOL, msg=name)
+        checked += 1
+    assert checked >= len(ref_params) - 2  # BERT's unused pooler is the only exception
+
+
+def test_replaying_a_saved_plan_gives_the_same_split_without_solving(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, args, target, loss_fn = ZOO["gpt2"]()
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=3, time_limit_s=5.0)
+    path = tmp_path / "gpt2.plan.json"
+    pipe.plan.save(path)
+    loaded = autopart.Plan.load(path)
+    assert loaded == pipe.plan
+
+    def no_solving(*_: Any, **__: Any) -> None:
+        raise AssertionError("replay must not call the solver")
+
+    monkeypatch.setattr(autopart_solver, "solve", no_solving)
+    monkeypatch.setattr(autopart_profiler, "profile_graph", no_solving)
+    replay = autopart.compile(model, args, loss_fn=loss_fn, plan=str(path))
+    assert [s.graph.nodes.__len__() for s in replay.stages] == \
+           [s.graph.nodes.__len__() for s in pipe.stages]
+    assert [str(s.code) for s in replay.stages] == [str(s.code) for s in pipe.stages]
+    torch.testing.assert_close(replay.train_step(*args, target=target),
+                               pipe.train_step(*args, target=target), **TOL)
+
+
+def test_solver_chooses_the_microbatch_count_when_not_given() -> None:
+    model, args, target, loss_fn = mlp()
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=2, time_limit_s=5.0)
+    assert 8 % pipe.plan.num_microbatches == 0
+    assert pipe.timings_s.keys() >= {"capture_s", "profile_s", "solve_s", "codegen_s"}
+
+
+def test_demo_on_a_small_gpt2_matches_and_writes_its_files(tmp_path: Path) -> None:
+    losses = run_demo(tmp_path, n_layer=2, n_embd=64, n_head=4, vocab_size=512, batch_size=4,
+                      seq_len=16, num_stages=2, steps=2)
+    assert len(losses) == 2
+    for ours, theirs in losses:
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=4e-5)
+    assert (tmp_path / "gpt2.plan.json").exists()
+    assert (tmp_path / "stage_0.py").exists() and (tmp_path / "stage_1.py").exists()

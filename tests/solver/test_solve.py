@@ -1,0 +1,170 @@
+"""solve(): balanced cuts, microbatch choice under a memory cap, errors, determinism, JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from autopart.solver import SolveOptions, solve
+
+from autopart.costgraph import CostGraph
+from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.plan import Plan
+
+FAST_LINK = 1e15  # bytes/s: communication ~0 where a test works times by hand
+
+
+def no_wall(plan: Plan) -> Plan:
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, wall_s=0.0))
+
+
+def mixed_graph(build: Any) -> CostGraph:
+    """12 nodes with uneven time, saved activations and parameters (and an embedding-like head)."""
+    fwd = [30, 5, 5, 10, 10, 10, 10, 10, 10, 5, 5, 40]
+    saved = [10, 400, 400, 50, 50, 50, 50, 50, 50, 300, 300, 10]
+    pbytes = [4000, 0, 0, 400, 400, 400, 400, 400, 400, 0, 0, 800]
+    nodes, params, prev = [], {}, "x"
+    for i in range(12):
+        ps = (f"p{i}",) if pbytes[i] else ()
+        if pbytes[i]:
+            params[f"p{i}"] = (pbytes[i], pbytes[i] // 4)
+        nodes.append(build.node(f"n{i}", (prev,), fwd=fwd[i], bwd=2 * fwd[i], out=80,
+                                saved=saved[i], params=ps, param_bytes=pbytes[i]))
+        prev = f"n{i}"
+    return build.graph(nodes, inputs={"x": 80}, params=params)
+
+
+def test_uniform_chain_is_balanced_hand_worked(build: Any) -> None:
+    g = build.chain(8, param_bytes=400)  # each node: fwd 10, bwd 20, out 100, saved 50, b0 = 8
+    plan = solve(g, build.cluster(4, link_bw=FAST_LINK),
+                 SolveOptions(num_stages=4, batch_size=16, num_microbatches=2))
+    assert [c.position for c in plan.cuts] == [2, 4, 6]
+    assert [(c.after_node, c.before_node) for c in plan.cuts] == [("n1", "n2"), ("n3", "n4"),
+                                                                   ("n5", "n6")]
+    # b = 8 = b0: stage = 2 x (10 + 20) = 60 µs; GPipe step = (2 - 1) * 60 + 4 * 60 = 300 µs;
+    # busy = 2 * 60 = 120 µs per rank, bubble = 1 - 120 / 300 = 0.6.
+    assert plan.predicted_step_time_us == pytest.approx(300.0, abs=0.01)
+    assert plan.bubble_fraction == pytest.approx(0.6, abs=1e-4)
+    for st in plan.stages:
+        assert (st.num_nodes, st.predicted_fwd_us, st.predicted_bwd_us) == (2, 20.0, 40.0)
+        assert (st.num_parameters, st.param_bytes) == (200, 800)
+        # state 4 x 800 + 2 microbatches x 100 saved + 100 transient + 100 in + 100 out
+        assert st.predicted_peak_memory_bytes == 3700
+    assert plan.stages[0].module_range == ("layers.0", "layers.1")
+    assert [r.peak_memory_bytes for r in plan.ranks] == [3700] * 4
+    assert (plan.solver.status, plan.solver.gap) == ("OPTIMAL", 0.0)
+    assert plan.solver.objective == pytest.approx(60.0, abs=0.1)  # 0.1 µs units
+
+
+def test_heavy_last_node_pulls_the_cut(build: Any) -> None:
+    n = build.node
+    g = build.graph([n("a", ("x",), fwd=10, bwd=0), n("b", ("a",), fwd=10, bwd=0),
+                     n("c", ("b",), fwd=10, bwd=0), n("d", ("c",), fwd=10, bwd=0),
+                     n("e", ("d",), fwd=40, bwd=0)])
+    plan = solve(g, build.cluster(2, link_bw=FAST_LINK),
+                 SolveOptions(num_stages=2, batch_size=8, num_microbatches=1))
+    assert [c.position for c in plan.cuts] == [4]  # 40 | 40
+
+
+def test_microbatch_ties_go_to_the_smaller_m(build: Any) -> None:
+    # One stage, no overhead: step = m * t(b) is the same for every m, so m = 1.
+    plan = solve(build.chain(4), build.cluster(1), SolveOptions(num_stages=1, batch_size=16))
+    assert plan.num_microbatches == 1
+    assert plan.cuts == ()
+    # Four stages: more microbatches shrink the bubble; the largest allowed m wins.
+    opts = SolveOptions(num_stages=4, batch_size=16, microbatch_candidates=(2, 4))
+    assert solve(build.chain(8), build.cluster(4), opts).num_microbatches == 4
+
+
+def test_memory_cap_changes_the_microbatch_count(build: Any) -> None:
+    g = build.chain(8, param_bytes=400)
+    cluster = build.cluster(4, overhead_us=5.0)  # per-op overhead makes small microbatches slow
+    free = solve(g, cluster, SolveOptions(num_stages=4, batch_size=16))
+    cap = max(r.peak_memory_bytes for r in free.ranks) - 1
+    capped = solve(g, cluster, SolveOptions(num_stages=4, batch_size=16, memory_cap_bytes=cap))
+    assert capped.num_microbatches > free.num_microbatches
+    assert all(r.peak_memory_bytes <= cap for r in capped.ranks)
+    assert capped.predicted_step_time_us >= free.predicted_step_time_us
+
+
+def test_tiny_cap_is_infeasible(build: Any) -> None:
+    with pytest.raises(InfeasiblePlanError,
+                       match=r"fits the memory cap: the smallest predicted peak is \d+ bytes .*"
+                             r"cap is 1000 bytes .* use more stages/devices, or a memory cap of "
+                             r"at least \d+ bytes"):
+        solve(build.chain(8, param_bytes=400), build.cluster(4),
+              SolveOptions(num_stages=4, batch_size=16, memory_cap_bytes=1000))
+
+
+def test_memory_mode_never_uses_more_memory(build: Any) -> None:
+    g = mixed_graph(build)
+    for s in (2, 3, 4):
+        cluster = build.cluster(s, overhead_us=2.0)
+        speed = solve(g, cluster, SolveOptions(num_stages=s, batch_size=8))
+        memory = solve(g, cluster, SolveOptions(num_stages=s, batch_size=8, optimize="memory"))
+        assert memory.optimize == "memory"
+        assert (max(r.peak_memory_bytes for r in memory.ranks)
+                <= max(r.peak_memory_bytes for r in speed.ranks))
+        assert speed.predicted_step_time_us <= memory.predicted_step_time_us + 1e-6
+
+
+def test_tied_parameter_counts_on_both_stages(build: Any) -> None:
+    n = build.node
+    g = build.graph([n("emb", ("x",), params=("wte",), param_bytes=1000),
+                     n("mid", ("emb",)),
+                     n("head", ("mid",), params=("wte",))],
+                    params={"wte": (1000, 250)})
+    plan = solve(g, build.cluster(2), SolveOptions(num_stages=2, batch_size=8,
+                                                   num_microbatches=1))
+    assert [st.param_bytes for st in plan.stages] == [1000, 1000]
+    assert [st.num_parameters for st in plan.stages] == [250, 250]
+    assert all(st.predicted_peak_memory_bytes >= 4000 for st in plan.stages)
+
+
+def test_inference_drops_backward_and_optimizer_state(build: Any) -> None:
+    g = build.chain(8, param_bytes=400)
+    plan = solve(g, build.cluster(4, link_bw=FAST_LINK),
+                 SolveOptions(num_stages=4, batch_size=16, num_microbatches=2, training=False))
+    assert all(st.predicted_bwd_us == 0.0 for st in plan.stages)
+    # weights 800 + transient 100 + in 100 + out 100; no saved activations.
+    assert [r.peak_memory_bytes for r in plan.ranks] == [1100] * 4
+
+
+def test_same_inputs_same_plan(build: Any) -> None:
+    g, cluster = mixed_graph(build), build.cluster(3, overhead_us=2.0)
+    opts = SolveOptions(num_stages=3, batch_size=8, library_versions={"autopart": "0.1.0"})
+    assert no_wall(solve(g, cluster, opts)) == no_wall(solve(g, cluster, opts))
+
+
+def test_plan_round_trips_through_json(build: Any, tmp_path: Path) -> None:
+    opts = SolveOptions(num_stages=3, batch_size=8, library_versions={"torch": "2.6.0"})
+    plan = solve(mixed_graph(build), build.cluster(3), opts)
+    assert plan.library_versions.keys() == {"ortools", "torch"}
+    assert (plan.graph_fingerprint, plan.cluster_fingerprint, plan.cost_source) == (
+        "test-graph", "3xtest-dev", "analytical:test")
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == plan
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"schedule_kind": "1f1b"}, "runs gpipe only in this version"),
+    ({"optimize": "fast"}, "optimize='fast'"),
+    ({"num_microbatches": 3}, r"num_microbatches \[3\] must be >= 1 and divide batch_size=16"),
+    ({"microbatch_candidates": (2, 5)}, r"num_microbatches \[5\]"),
+    ({"num_stages": 3}, "num_stages=3 but the cluster has 4 ranks"),
+])
+def test_bad_requests_raise(build: Any, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        solve(build.chain(8), build.cluster(4),
+              SolveOptions(**{"num_stages": 4, "batch_size": 16, **kwargs}))
+
+
+def test_solver_never_imports_torch() -> None:
+    code = "import autopart.solver, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
