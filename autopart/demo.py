@@ -29,7 +29,8 @@ def gpt2_loss(output: object, target: torch.Tensor) -> torch.Tensor:
 
 def run_demo(out_dir: str | Path = "autopart-out", *, n_layer: int = 12, n_embd: int = 768,
              n_head: int = 12, vocab_size: int = 50257, batch_size: int = 8, seq_len: int = 128,
-             num_stages: int = 4, steps: int = 3, console: Console | None = None) -> list[tuple[float, float]]:
+             num_stages: int = 4, steps: int = 3,
+             console: Console | None = None) -> list[tuple[float, float]]:
     """Compile a randomly initialised GPT-2 into ``num_stages`` CPU stages and train it.
 
     Builds ``GPT2LMHeadModel(GPT2Config(n_layer, n_embd, n_head, vocab_size))`` with seed 0
@@ -46,7 +47,7 @@ def run_demo(out_dir: str | Path = "autopart-out", *, n_layer: int = 12, n_embd:
     import autopart
     from autopart.report import print_plan
 
-    console = console or Console()
+    console = console or Console(width=None if Console().is_terminal else 120)
     torch.manual_seed(0)
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size,
                         n_positions=max(1024, seq_len), resid_pdrop=0.0, embd_pdrop=0.0,

@@ -137,7 +137,7 @@ class LocalExecutor:
             assert loss is not None, "loss is computed in the last stage's forward"
             tensors, grad_tensors = [loss], [None]
         else:
-            pairs = [(o, g) for o, g in zip(outs, grads.pop((s, i)))
+            pairs = [(o, g) for o, g in zip(outs, grads.pop((s, i)), strict=True)
                      if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
             tensors = [o for o, _ in pairs]
             grad_tensors = [g for _, g in pairs]

@@ -58,7 +58,7 @@ def merge_leaves(per_mb: list[list[Any]]) -> list[Any]:
     when microbatches are the same size; other values come from the first microbatch.
     """
     merged: list[Any] = []
-    for parts in zip(*per_mb):
+    for parts in zip(*per_mb, strict=True):
         first = parts[0]
         if isinstance(first, torch.Tensor) and first.dim() >= 1:
             merged.append(torch.cat(parts, dim=0))

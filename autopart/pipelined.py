@@ -162,7 +162,7 @@ class PipelinedModule(nn.Module):
             raise PlanError(f"inputs have structure {spec}, but the pipeline was compiled for "
                             f"{self._in_spec}; pass the same positional and keyword inputs")
         batch = None
-        for i, (leaf, shape) in enumerate(zip(leaves, self._input_shapes)):
+        for i, (leaf, shape) in enumerate(zip(leaves, self._input_shapes, strict=True)):
             if shape is None or not isinstance(leaf, torch.Tensor):
                 continue
             if tuple(leaf.shape[1:]) != shape[1:]:

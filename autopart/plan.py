@@ -144,7 +144,8 @@ class Plan:
         if len(self.stages) != len(self.cuts) + 1:
             raise bad(f"{len(self.stages)} stages but {len(self.cuts)} cuts; S stages need S - 1 cuts")
         positions = [c.position for c in self.cuts]
-        if any(b <= a for a, b in zip(positions, positions[1:])) or any(p < 1 for p in positions):
+        ascending = all(a < b for a, b in zip(positions, positions[1:], strict=False))
+        if not ascending or any(p < 1 for p in positions):
             raise bad(f"cut positions {positions} must be >= 1 and strictly ascending")
         for i, st in enumerate(self.stages):
             if st.stage_index != i:

@@ -15,7 +15,14 @@ def _gib(nbytes: float) -> str:
 
 
 def _short(path: str) -> str:
-    return path or "(top level)"
+    """A module path cut after its first numeric part: ``transformer.h.3.mlp.c_fc`` -> ``transformer.h.3``."""
+    if not path:
+        return "(top level)"
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return path
 
 
 def plan_table(plan: Plan) -> Table:
@@ -42,7 +49,7 @@ def plan_table(plan: Plan) -> Table:
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     """Print :func:`plan_table` (and the baselines, when the plan has any)."""
-    console = console or Console()
+    console = console or Console(width=None if Console().is_terminal else 120)
     console.print(plan_table(plan))
     if plan.baselines:
         base = Table(title="baselines on the same costs")

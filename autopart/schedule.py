@@ -135,6 +135,6 @@ def execution_order(schedule: Schedule, num_stages: int) -> list[Action]:
                 cursors[rank] += 1
                 progressed = True
         if not progressed:
-            blocked = [str(acts[c]) for acts, c in zip(schedule, cursors) if c < len(acts)]
+            blocked = [str(acts[c]) for acts, c in zip(schedule, cursors, strict=True) if c < len(acts)]
             raise PlanError(f"schedule deadlocks: every rank waits ({', '.join(blocked)} blocked)")
     return order

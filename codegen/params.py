@@ -80,7 +80,7 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
         raise ValueError(f"{len(stage_graphs)} stages but {len(devices)} devices")
     placement = Placement()
     modules: list[fx.GraphModule] = []
-    for sg, device in zip(stage_graphs, devices):
+    for sg, device in zip(stage_graphs, devices, strict=True):
         tensors: dict[str, torch.Tensor] = {}
         persistent: set[str] = set()
         for target in sg.attr_targets:

@@ -44,7 +44,8 @@ def stage_of_nodes(num_nodes: int, positions: list[int] | tuple[int, ...]) -> li
         PlanError: positions are not ascending within 1..num_nodes-1.
     """
     pos = list(positions)
-    if any(not 1 <= p <= num_nodes - 1 for p in pos) or any(b <= a for a, b in zip(pos, pos[1:])):
+    ascending = all(a < b for a, b in zip(pos, pos[1:], strict=False))
+    if any(not 1 <= p <= num_nodes - 1 for p in pos) or not ascending:
         raise PlanError(f"cut positions {pos} must be strictly ascending within 1..{num_nodes - 1} "
                         f"(the graph has {num_nodes} op nodes); re-plan for this model")
     stage, out = 0, []
@@ -105,7 +106,7 @@ def split_graph(captured: CapturedGraph, positions: list[int] | tuple[int, ...])
     stage_of = stage_of_nodes(len(ops), positions)
     crossings = crossing_names(captured, positions)
     by_name = {node.name: node for node in graph.nodes}
-    for k, names in zip(positions, crossings):
+    for k, names in zip(positions, crossings, strict=True):
         for name in names:
             val = by_name[name].meta.get("val")
             if by_name[name].op != "placeholder" and not isinstance(val, torch.Tensor):
@@ -126,7 +127,7 @@ def split_graph(captured: CapturedGraph, positions: list[int] | tuple[int, ...])
         attrs: dict[str, fx.Node] = {}
 
         def lookup(node: fx.Node, g: fx.Graph = g, env: dict[str, fx.Node] = env,
-                   attrs: dict[str, fx.Node] = attrs) -> fx.Node:
+                   attrs: dict[str, fx.Node] = attrs, s: int = s) -> fx.Node:
             if node.op == "get_attr":
                 target = str(node.target)
                 if target not in attrs:
@@ -137,7 +138,7 @@ def split_graph(captured: CapturedGraph, positions: list[int] | tuple[int, ...])
                 raise PlanError(f"stage {s} needs {node.name!r} but does not receive it")
             return env[node.name]
 
-        mine = [node for node, st in zip(ops, stage_of) if st == s]
+        mine = [node for node, st in zip(ops, stage_of, strict=True) if st == s]
         for node in mine:
             env[node.name] = g.node_copy(node, lookup)
         if s == num_stages - 1:

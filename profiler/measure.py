@@ -10,14 +10,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from autopart.profiler.meters import SavedTensorMeter, storage_key, tensor_leaves, tree_nbytes
-from autopart.profiler.timer import RngState, check_device, time_calls
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from autopart.capture import CapturedGraph, node_module_path, op_nodes
 from autopart.costgraph import CostGraph, NodeCost
 from autopart.errors import ProfileError
+from autopart.profiler.meters import SavedTensorMeter, storage_key, tensor_leaves, tree_nbytes
+from autopart.profiler.timer import RngState, check_device, time_calls
 
 __all__ = ["profile_graph"]
 

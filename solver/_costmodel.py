@@ -7,10 +7,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopart.solver.candidates import CutCandidates, crossing_profile
-
 from autopart.cluster import Cluster
 from autopart.costgraph import CostGraph
+from autopart.solver.candidates import CutCandidates, crossing_profile
 
 #: CP-SAT time unit: chain costs are integers in tenths of a µs (round half to even).
 TIME_UNITS_PER_US = 10

@@ -7,10 +7,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopart.solver.partition_dp import check_chain, stage_costs
 from ortools.sat.python import cp_model
 
 from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.solver.partition_dp import check_chain, stage_costs
 
 __all__ = ["CpSatResult", "partition_cpsat", "greedy_cuts"]
 

@@ -6,14 +6,13 @@ import math
 from dataclasses import dataclass, field
 from importlib.metadata import version
 
-from autopart.solver._costmodel import TIME_UNITS_PER_US, CostModel, StageEstimate
-from autopart.solver.candidates import CutCandidates, find_candidates
-from autopart.solver.partition_cpsat import CpSatResult, partition_cpsat
-
 from autopart.cluster import Cluster
 from autopart.costgraph import CostGraph
 from autopart.errors import InfeasiblePlanError, PlanError
 from autopart.plan import OPTIMIZE_TARGETS, Cut, Plan, RankPlan, SolverReport, StagePlan
+from autopart.solver._costmodel import TIME_UNITS_PER_US, CostModel, StageEstimate
+from autopart.solver.candidates import CutCandidates, find_candidates
+from autopart.solver.partition_cpsat import CpSatResult, partition_cpsat
 
 __all__ = ["SolveOptions", "solve"]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from autopart.profiler import profile_graph
 from torch import nn
 
 from autopart.capture import CapturedGraph, capture, op_nodes
 from autopart.costgraph import CostGraph, NodeCost
 from autopart.errors import ProfileError
+from autopart.profiler import profile_graph
 
 B, D_IN, D_HID, D_OUT = 5, 8, 16, 4
 F32 = 4  # bytes per float32 element

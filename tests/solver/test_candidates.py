@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from autopart.solver.candidates import crossing_profile, crossing_values, find_candidates
 
 from autopart.costgraph import CostGraph
 from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.solver.candidates import crossing_profile, crossing_values, find_candidates
 
 
 def skip_graph(build: Any, *, b_is_tensor: bool = True) -> CostGraph:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from autopart.solver.partition_cpsat import greedy_cuts, partition_cpsat
-from autopart.solver.partition_dp import partition_brute_force, partition_dp, stage_costs
 
 from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.solver.partition_cpsat import greedy_cuts, partition_cpsat
+from autopart.solver.partition_dp import partition_brute_force, partition_dp, stage_costs
 
 # (seg_cost, cut_cost, cut_in_cost, S) -> (objective, cuts); worked by hand.
 HAND = [

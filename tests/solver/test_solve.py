@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from autopart.solver import SolveOptions, solve
 
 from autopart.costgraph import CostGraph
 from autopart.errors import InfeasiblePlanError, PlanError
 from autopart.plan import Plan
+from autopart.solver import SolveOptions, solve
 
 FAST_LINK = 1e15  # bytes/s: communication ~0 where a test works times by hand
 
