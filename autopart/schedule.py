@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 from autopart.errors import PlanError
 
-__all__ = ["Action", "Schedule", "gpipe_schedule", "forward_schedule", "validate_schedule",
-           "execution_order"]
+__all__ = ["Action", "Schedule", "gpipe_schedule", "one_f_one_b_schedule",
+           "interleaved_1f1b_schedule", "zero_bubble_schedule", "build_schedule",
+           "forward_schedule", "validate_schedule", "execution_order", "in_flight_counts",
+           "to_csv", "from_csv", "format_timeline"]
 
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
@@ -58,8 +60,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int, *, training: bool = T
 
     One stage per rank. Rank ``s``: ``sF0 .. sF(m-1)`` then ``sB(m-1) .. sB0``.
     """
-    if num_stages < 1 or num_microbatches < 1:
-        raise PlanError(f"num_stages={num_stages} and num_microbatches={num_microbatches} must be >= 1")
+    _check_sizes(num_stages, num_microbatches)
     ranks = []
     for s in range(num_stages):
         acts = [Action(s, "F", i) for i in range(num_microbatches)]
@@ -69,9 +70,121 @@ def gpipe_schedule(num_stages: int, num_microbatches: int, *, training: bool = T
     return tuple(ranks)
 
 
-def forward_schedule(num_stages: int, num_microbatches: int) -> Schedule:
-    """Inference: each rank runs its stage's forwards in microbatch order."""
-    return gpipe_schedule(num_stages, num_microbatches, training=False)
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush; Narayanan et al., 2021), one stage per rank.
+
+    Rank ``s`` runs ``w = min(p - 1 - s, m)`` warm-up forwards, then alternates one forward
+    and one backward, then drains the remaining backwards. At most ``w + 1`` microbatches
+    are in flight on rank ``s`` (``p - s`` when ``m >= p``).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    ranks = []
+    for s in range(p):
+        w = min(p - 1 - s, m)
+        acts = [Action(s, "F", i) for i in range(w)]
+        for k in range(m - w):
+            acts += [Action(s, "F", w + k), Action(s, "B", k)]
+        acts += [Action(s, "B", i) for i in range(m - w, m)]
+        ranks.append(tuple(acts))
+    return tuple(ranks)
+
+
+def interleaved_1f1b_schedule(num_ranks: int, num_microbatches: int,
+                              stages_per_rank: int) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM virtual pipeline; Narayanan et al., 2021).
+
+    ``S = p * v`` stages; rank ``r`` runs stages ``r, r + p, .., r + (v - 1) p``. Forwards go
+    through the rank's chunks in groups of ``p`` microbatches; backwards the same with the
+    chunks reversed. Rank ``r`` warms up with ``min(2 (p - r - 1) + (v - 1) p, m v)``
+    forwards, then alternates forward and backward, then drains.
+
+    Raises:
+        PlanError: ``num_microbatches`` is not a multiple of ``num_ranks`` (the grouping
+            needs it; Megatron has the same rule).
+    """
+    p, v, m = num_ranks, stages_per_rank, num_microbatches
+    _check_sizes(p, m)
+    if v < 1:
+        raise PlanError(f"stages_per_rank={v} must be >= 1")
+    if m % p:
+        raise PlanError(f"interleaved_1f1b needs num_microbatches ({m}) to be a multiple of the "
+                        f"number of ranks ({p}); choose m in {[p * k for k in range(1, 5)]}")
+
+    def unit(r: int, k: int, kind: str) -> Action:
+        chunk = (k // p) % v
+        if kind == "B":
+            chunk = v - 1 - chunk
+        mb = (k // (p * v)) * p + k % p
+        return Action(chunk * p + r, kind, mb)
+
+    total = m * v
+    ranks = []
+    for r in range(p):
+        w = min(2 * (p - r - 1) + (v - 1) * p, total)
+        acts = [unit(r, k, "F") for k in range(w)]
+        for k in range(total - w):
+            acts += [unit(r, w + k, "F"), unit(r, k, "B")]
+        acts += [unit(r, k, "B") for k in range(total - w, total)]
+        ranks.append(tuple(acts))
+    return tuple(ranks)
+
+
+def zero_bubble_schedule(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), one stage per rank.
+
+    The backward is split into ``I`` (gradient w.r.t. the stage's inputs, on the critical
+    path) and ``W`` (gradient w.r.t. its weights, which nothing downstream waits for). Rank
+    ``s`` follows 1F1B with each ``B`` replaced by ``I`` then ``W``: the previous stage
+    receives its gradient after ``I`` instead of after the whole backward, and ``W`` runs
+    while the rank would otherwise wait, which shrinks the cool-down bubble. In-flight
+    microbatches (activations held) stay at 1F1B's ``p - s``, the H1 memory bound.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    split: list[tuple[Action, ...]] = []
+    for acts in one_f_one_b_schedule(num_stages, num_microbatches):
+        out: list[Action] = []
+        for a in acts:
+            if a.kind == "B":
+                out += [Action(a.stage_index, "I", a.mb_index), Action(a.stage_index, "W", a.mb_index)]
+            else:
+                out.append(a)
+        split.append(tuple(out))
+    return tuple(split)
+
+
+def build_schedule(kind: str, num_ranks: int, num_microbatches: int,
+                   stages_per_rank: int = 1) -> Schedule:
+    """The training schedule of ``kind`` (one of ``SCHEDULE_KINDS``) as per-rank action lists.
+
+    Raises:
+        PlanError: unknown kind, or ``stages_per_rank > 1`` for a kind without interleaving.
+    """
+    if kind == "interleaved_1f1b":
+        return interleaved_1f1b_schedule(num_ranks, num_microbatches, stages_per_rank)
+    if stages_per_rank != 1:
+        raise PlanError(f"schedule {kind!r} runs one stage per rank; stages_per_rank="
+                        f"{stages_per_rank} needs schedule 'interleaved_1f1b'")
+    builders = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule,
+                "zero_bubble": zero_bubble_schedule}
+    if kind not in builders:
+        raise PlanError(f"unknown schedule kind {kind!r}; expected one of "
+                        "gpipe, 1f1b, interleaved_1f1b, zero_bubble")
+    return builders[kind](num_ranks, num_microbatches)
+
+
+def forward_schedule(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """Inference: each rank runs its stages' forwards, microbatch by microbatch, stage order."""
+    _check_sizes(num_ranks, num_microbatches)
+    p, v = num_ranks, stages_per_rank
+    return tuple(tuple(Action(c * p + r, "F", i) for c in range(v) for i in range(num_microbatches))
+                 for r in range(p))
+
+
+def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
+    if num_ranks < 1 or num_microbatches < 1:
+        raise PlanError(f"num_ranks={num_ranks} and num_microbatches={num_microbatches} "
+                        "must be >= 1")
 
 
 def _deps(action: Action, num_stages: int) -> list[Action]:
@@ -80,8 +193,11 @@ def _deps(action: Action, num_stages: int) -> list[Action]:
         return [Action(s - 1, "F", i)] if s > 0 else []
     if action.kind in "BI":
         own = [Action(s, "F", i)]
-        return own + ([Action(s + 1, "B", i)] if s < num_stages - 1 else [])
-    return [Action(s, "F", i)]  # W
+        if s == num_stages - 1:
+            return own
+        # the next stage's input gradient comes from its B or its I, whichever it runs
+        return own + [Action(s + 1, "B", i), Action(s + 1, "I", i)]
+    return [Action(s, "I", i)]  # W follows its own I
 
 
 def validate_schedule(schedule: Schedule, num_stages: int, num_microbatches: int,
@@ -100,12 +216,17 @@ def validate_schedule(schedule: Schedule, num_stages: int, num_microbatches: int
                 raise PlanError(f"action {a} on rank {rank} is out of range for "
                                 f"{num_stages} stages x {num_microbatches} microbatches")
             seen.add(a)
-    kinds = "FB" if training else "F"
     for s in range(num_stages):
         for i in range(num_microbatches):
-            for k in kinds:
-                if Action(s, k, i) not in seen:
-                    raise PlanError(f"schedule never runs {Action(s, k, i)}")
+            needed = [Action(s, "F", i)]
+            if training:
+                split = Action(s, "I", i) in seen or Action(s, "W", i) in seen
+                needed += [Action(s, "I", i), Action(s, "W", i)] if split else [Action(s, "B", i)]
+                if split and Action(s, "B", i) in seen:
+                    raise PlanError(f"stage {s} microbatch {i} has both B and I/W; use one")
+            for a in needed:
+                if a not in seen:
+                    raise PlanError(f"schedule never runs {a}")
     execution_order(schedule, num_stages)
 
 
@@ -138,3 +259,58 @@ def execution_order(schedule: Schedule, num_stages: int) -> list[Action]:
             blocked = [str(acts[c]) for acts, c in zip(schedule, cursors, strict=True) if c < len(acts)]
             raise PlanError(f"schedule deadlocks: every rank waits ({', '.join(blocked)} blocked)")
     return order
+
+
+def in_flight_counts(schedule: Schedule, num_stages: int) -> list[int]:
+    """Per stage, the most microbatches whose forward has run and whose backward has not
+    finished (B, or W for split backwards), following each rank's own order.
+
+    This is the number of microbatches' saved activations the stage holds at its peak:
+    ``m`` for GPipe, ``p - s`` for 1F1B and ZB-H1 when ``m >= p``.
+    """
+    peak = [0] * num_stages
+    live = [0] * num_stages
+    for acts in schedule:
+        for a in acts:
+            if a.kind == "F":
+                live[a.stage_index] += 1
+                peak[a.stage_index] = max(peak[a.stage_index], live[a.stage_index])
+            elif a.kind in "BW":
+                live[a.stage_index] -= 1
+    return peak
+
+
+def to_csv(schedule: Schedule) -> str:
+    """One line per rank, actions separated by commas: the CSV action format that
+    ``torch.distributed.pipelining`` schedules load (``_PipelineScheduleRuntime._load_csv``)."""
+    return "".join(",".join(str(a) for a in acts) + "\n" for acts in schedule)
+
+
+def from_csv(text: str) -> Schedule:
+    """Parse :func:`to_csv` output (blank lines are ranks with no actions).
+
+    Raises:
+        PlanError: an action cannot be parsed.
+    """
+    rows = text.splitlines()
+    return tuple(tuple(Action.parse(cell) for cell in row.split(",") if cell.strip())
+                 for row in rows)
+
+
+def format_timeline(schedule: Schedule, num_stages: int) -> str:
+    """ASCII timeline: one row per rank, one column per time slot of the one-process order.
+
+    Each action takes one slot; a rank waiting on another shows ``.``. Example (GPipe,
+    2 ranks, 2 microbatches)::
+
+        rank 0 | 0F0 0F1  .   .   .   .  0B1 0B0
+        rank 1 |  .   .  1F0 1F1 1B1 1B0  .   .
+    """
+    order = execution_order(schedule, num_stages)
+    owner = {a: r for r, acts in enumerate(schedule) for a in acts}
+    width = max((len(str(a)) for a in order), default=3)
+    rows = []
+    for r in range(len(schedule)):
+        cells = [str(a).rjust(width) if owner[a] == r else ".".center(width) for a in order]
+        rows.append(f"rank {r} | " + " ".join(cells))
+    return "\n".join(rows)
