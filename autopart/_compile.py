@@ -52,23 +52,27 @@ def cluster_for_devices(devices: list[str]) -> Cluster:
     return Cluster(tuple(specs), tuple(devices))
 
 
-def _resolve_devices(devices: list[str] | None, num_stages: int | None) -> list[str]:
+def _resolve_devices(devices: list[str] | None, num_ranks: int | None) -> list[str]:
+    """One device string per rank.
+
+    Raises:
+        PlanError: nothing to go on (no GPU, no count), a count that differs from the
+            devices given, or a CUDA device that is not visible.
+    """
     if devices is None:
-        if torch.cuda.is_available() and num_stages is None:
-            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available() and num_stages is not None \
-                and num_stages <= torch.cuda.device_count():
-            return [f"cuda:{i}" for i in range(num_stages)]
-        if num_stages is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and (num_ranks is None or num_ranks <= count):
+            return [f"cuda:{i}" for i in range(num_ranks or count)]
+        if num_ranks is None:
             raise PlanError("no GPU is visible, so pass num_stages=S (stages run on 'cpu') "
                             "or devices=[...]")
-        return ["cpu"] * num_stages
+        return ["cpu"] * num_ranks
     devices = [str(d) for d in devices]
     if not devices:
         raise PlanError("devices is empty; pass at least one device, e.g. ['cuda:0', 'cuda:1']")
-    if num_stages is not None and num_stages != len(devices):
-        raise PlanError(f"num_stages={num_stages} but {len(devices)} devices were given; this "
-                        "version runs one stage per device: make them equal")
+    if num_ranks is not None and num_ranks != len(devices):
+        raise PlanError(f"the plan has {num_ranks} ranks but {len(devices)} devices were "
+                        "given; pass one device per rank")
     for d in devices:
         dev = torch.device(d)
         if dev.type == "cuda" and (not torch.cuda.is_available()
@@ -107,14 +111,17 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             devices: list[str] | None = None, num_stages: int | None = None,
             num_microbatches: int | None = None, optimize: str = "speed",
             plan: Plan | str | os.PathLike[str] | None = None,
+            schedule: str | None = None, stages_per_rank: int | None = None,
+            recompute: bool | None = None, fuse: bool = False,
             time_limit_s: float = 10.0) -> PipelinedModule:
     """Partition ``model`` into pipeline stages and return a module that runs them.
 
-    Steps: capture with ``torch.export`` (non-strict) at the full batch, measure every
-    node's cost on ``devices[0]``, let the CP-SAT solver choose the cuts and the number of
-    microbatches, capture again at the microbatch size, split the graph into one
-    ``fx.GraphModule`` per stage and place each on its device. With ``plan=`` the profile
-    and solve steps are skipped and the plan's cuts and microbatch count are replayed.
+    Steps: capture with ``torch.export`` (non-strict), measure every node's cost on the
+    first device, let the CP-SAT solver choose the cuts, the number of microbatches, the
+    schedule, the virtual stages per rank and recompute (any of them can be fixed by the
+    arguments below), split the graph into one ``fx.GraphModule`` per stage and place each
+    on its rank's device. With ``plan=`` the profile and solve steps are skipped and the
+    plan is replayed.
 
     Args:
         model: the model; its parameters are shared with the pipeline (not copied) where
@@ -124,12 +131,20 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         example_inputs: positional inputs, tensors ``(batch, ...)``.
         example_kwargs: keyword inputs.
         loss_fn: ``(output, target) -> scalar``; ``None`` = inference only.
-        devices: one device string per stage; default: the visible GPUs, else
-            ``["cpu"] * num_stages``.
-        num_stages: default ``len(devices)``.
+        devices: one device string per rank; default: the visible GPUs, else
+            ``["cpu"] * ranks`` with ``ranks = num_stages // stages_per_rank``.
+        num_stages: total stages S (``ranks * stages_per_rank``); default ``len(devices)``
+            times the chosen stages per rank. Giving it fixes ``stages_per_rank``.
         num_microbatches: m; ``None`` lets the solver choose among the batch's divisors.
         optimize: ``"speed"`` (least step time) or ``"memory"`` (least peak memory).
         plan: a :class:`Plan` or a path to a plan file to replay without solving.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``;
+            ``None`` lets the solver choose.
+        stages_per_rank: v virtual stages per rank (interleaving); ``None``: solver's choice.
+        recompute: recompute activations in backward on every stage (``True``), on none
+            (``False``), or where the solver decides (``None``).
+        fuse: compile each stage with ``torch.compile`` (Inductor); the compile time is
+            reported in ``pipe.timings_s["fuse_s"]`` (compilation happens on first call).
         time_limit_s: CP-SAT time limit per solve, seconds (default 10).
 
     Returns:
@@ -148,17 +163,14 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     timings: dict[str, float] = {}
     full_capture: CapturedGraph | None = None
     if plan is not None:
-        loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
-        device_names = _resolve_devices(devices, num_stages or loaded.num_stages)
-        if len(device_names) != loaded.num_stages:
-            raise PlanError(f"the plan has {loaded.num_stages} stages but {len(device_names)} "
-                            "devices were given; pass as many devices as stages")
-        the_plan = loaded
+        the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+        device_names = _resolve_devices(devices, len(the_plan.ranks))
     else:
-        device_names = _resolve_devices(devices, num_stages)
+        device_names, v = _ranks_and_v(devices, num_stages, stages_per_rank)
+        choices = {"schedule_kind": schedule, "stages_per_rank": v, "recompute": recompute}
         the_plan, full_capture = _solve(model, example_inputs, kwargs, device_names,
                                         num_microbatches, optimize, loss_fn is not None,
-                                        time_limit_s, timings)
+                                        time_limit_s, timings, choices)
     m = the_plan.num_microbatches
     batch = _batch_size(example_inputs, kwargs)
     if batch != the_plan.batch_size:
@@ -171,25 +183,77 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     captured = full_capture if reuse and full_capture is not None else capture(
         model, mb_args, mb_kwargs)
     timings["capture_s"] = timings.get("capture_s", 0.0) + time.perf_counter() - t0
+    return build_pipeline(model, captured, the_plan, device_names, loss_fn=loss_fn,
+                          fuse=fuse, timings=timings)
+
+
+def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan, device_names: list[str],
+                   *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   fuse: bool = False, timings: dict[str, float] | None = None,
+                   ) -> PipelinedModule:
+    """Split ``captured`` as ``plan`` says and wrap the stages (the codegen half of compile).
+
+    Args:
+        model: the model ``captured`` was captured from (for its parameter names).
+        captured: the model captured at the plan's microbatch size.
+        plan: the plan to follow; stage ``s`` runs on ``device_names[plan.stages[s].rank]``.
+        device_names: one device per rank.
+
+    Raises:
+        PlanError: the plan does not match the captured graph or the device count.
+    """
+    timings = {} if timings is None else timings
+    if len(device_names) != len(plan.ranks):
+        raise PlanError(f"the plan has {len(plan.ranks)} ranks but {len(device_names)} devices "
+                        "were given; pass one device per rank")
     t0 = time.perf_counter()
-    _check_plan_matches(the_plan, captured)
-    stage_graphs = split_graph(captured, [c.position for c in the_plan.cuts])
-    torch_devices = [torch.device(d) for d in device_names]
+    _check_plan_matches(plan, captured)
+    stage_graphs = split_graph(captured, [c.position for c in plan.cuts])
+    torch_devices = [torch.device(device_names[st.rank]) for st in plan.stages]
     modules, placement = build_stage_modules(captured, stage_graphs, torch_devices)
     state_keys, param_order, buffer_order = _state_layout(model)
     used = set(placement.owner)
     unused = {fqn: t for fqn, t in list(model.named_parameters()) + list(model.named_buffers())
               if fqn not in used}
-    mb_leaves = pytree.tree_leaves((mb_args, mb_kwargs))
+    examples = [n.meta.get("val") for n in captured.graph_module.graph.nodes
+                if n.op == "placeholder"]  # one per flattened input, in call order
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() > 0 else None
-              for t in mb_leaves]
+              for t in examples]
+    runners: list[nn.Module] = list(modules)
+    if fuse:
+        t1 = time.perf_counter()
+        runners = [torch.compile(mod) for mod in modules]  # type: ignore[misc]
+        timings["fuse_s"] = time.perf_counter() - t1
     pipe = PipelinedModule(
-        plan=the_plan, stages=modules, devices=torch_devices, placement=placement,
+        plan=plan, stages=modules, runners=runners, devices=torch_devices, placement=placement,
         in_spec=captured.in_spec, out_spec=captured.out_spec, input_shapes=shapes,
-        microbatch_size=batch // m, state_keys=state_keys, param_order=param_order,
+        microbatch_size=captured.batch_size, state_keys=state_keys, param_order=param_order,
         buffer_order=buffer_order, unused=unused, loss_fn=loss_fn, timings_s=timings)
     timings["codegen_s"] = time.perf_counter() - t0
     return pipe
+
+
+def _ranks_and_v(devices: list[str] | None, num_stages: int | None,
+                 stages_per_rank: int | None) -> tuple[list[str], int | None]:
+    """Device per rank, and the stages per rank fixed by the arguments (None: solver's)."""
+    if stages_per_rank is not None and stages_per_rank < 1:
+        raise PlanError(f"stages_per_rank={stages_per_rank} must be >= 1")
+    if devices is not None:
+        names = _resolve_devices(devices, None)
+        if num_stages is None:
+            return names, stages_per_rank
+        if num_stages % len(names) or (stages_per_rank is not None
+                                       and num_stages != len(names) * stages_per_rank):
+            raise PlanError(f"num_stages={num_stages} does not equal {len(names)} devices x "
+                            f"stages_per_rank={stages_per_rank or num_stages / len(names):g}; "
+                            "pass num_stages = devices x stages_per_rank")
+        return names, num_stages // len(names)
+    v = stages_per_rank or 1
+    if num_stages is not None and num_stages % v:
+        raise PlanError(f"num_stages={num_stages} is not a multiple of stages_per_rank={v}")
+    ranks = None if num_stages is None else num_stages // v
+    names = _resolve_devices(None, ranks)
+    return names, (v if num_stages is not None or stages_per_rank is not None else None)
 
 
 def _check_plan_matches(plan: Plan, captured: CapturedGraph) -> None:
@@ -209,7 +273,7 @@ def _check_plan_matches(plan: Plan, captured: CapturedGraph) -> None:
 def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
            device_names: list[str], num_microbatches: int | None, optimize: str,
            training: bool, time_limit_s: float, timings: dict[str, float],
-           ) -> tuple[Plan, CapturedGraph]:
+           choices: dict[str, Any] | None = None) -> tuple[Plan, CapturedGraph]:
     """Capture, profile and solve. Returns the plan and the capture it was made from.
 
     With ``num_microbatches`` given, the model is captured and profiled at the microbatch
@@ -238,10 +302,11 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     costs = profile_graph(captured, flat, device=device_names[0], training=training)
     timings["profile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    fixed = {k: v for k, v in (choices or {}).items() if v is not None}
     options = SolveOptions(num_stages=len(device_names), batch_size=batch,
                            num_microbatches=num_microbatches, microbatch_candidates=candidates,
                            optimize=optimize, training=training, time_limit_s=time_limit_s,
-                           library_versions=library_versions())
+                           library_versions=library_versions(), **fixed)
     plan = solve(costs, cluster_for_devices(device_names), options)
     timings["solve_s"] = time.perf_counter() - t0
     return plan, captured

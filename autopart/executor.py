@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from autopart.schedule import Action, Schedule, execution_order
 
@@ -14,6 +15,8 @@ __all__ = ["LocalExecutor", "StepResult"]
 
 # loss_closure(mb_index, flat_outputs_of_last_stage) -> scalar loss already scaled by 1/m
 LossClosure = Callable[[int, tuple[Any, ...]], torch.Tensor]
+# on_action(action, live) with live[s] = microbatches whose activations stage s holds now
+ActionHook = Callable[[Action, list[int]], None]
 
 
 class StepResult:
@@ -23,7 +26,7 @@ class StepResult:
         outputs: per microbatch, the last stage's flat outputs (detached), in mb order.
         losses: per microbatch, the scaled loss (training only), detached.
         max_live_activations: per stage, the most microbatches whose forward state was held
-            at once (what the schedule's memory model predicts: m for GPipe).
+            at once (the schedule's in-flight count: m for GPipe, p - s for 1F1B).
     """
 
     def __init__(self, num_microbatches: int, num_stages: int) -> None:
@@ -32,7 +35,7 @@ class StepResult:
         self.max_live_activations = [0] * num_stages
 
 
-def _detach_for(value: Any, device: torch.device, requires_grad: bool) -> Any:
+def _receive(value: Any, device: torch.device, requires_grad: bool) -> Any:
     """The receiving stage's copy of a sent value: on its device, a fresh autograd leaf."""
     if not isinstance(value, torch.Tensor):
         return value
@@ -42,111 +45,160 @@ def _detach_for(value: Any, device: torch.device, requires_grad: bool) -> Any:
     return moved
 
 
+class _MicrobatchState:
+    """A stage's live state for one microbatch between its forward and its (last) backward."""
+
+    __slots__ = ("inputs", "outputs", "roots", "root_grads")
+
+    def __init__(self, inputs: list[Any], outputs: tuple[Any, ...]) -> None:
+        self.inputs = inputs  # the leaves the forward ran on
+        self.outputs = outputs  # what it returned (sent on to the next stage)
+        self.roots: list[torch.Tensor] = []  # where the backward starts (loss or outputs)
+        self.root_grads: list[torch.Tensor | None] = []  # gradients of those roots
+
+
 class LocalExecutor:
-    """Runs F and B actions of a schedule on stage modules held in this process.
+    """Runs F, B, I and W actions of a schedule on stage modules held in this process.
 
     Each forward runs under autograd (training) with its inputs as fresh leaves, so the
-    backward of stage ``s`` stops at its inputs and their ``.grad`` is what stage ``s - 1``
-    receives as output gradients. A stage's saved activations are dropped as soon as its
-    backward for that microbatch has run. On CPU the actions run one after another in the
-    order :func:`autopart.schedule.execution_order` gives.
+    backward of stage ``s`` stops at its inputs and their gradients are what stage ``s - 1``
+    receives. ``B`` is the full backward (``torch.autograd.backward``); ``I`` computes only
+    the input gradients (``torch.autograd.grad`` w.r.t. the stage inputs, graph retained)
+    and ``W`` only the weight gradients (``torch.autograd.grad`` w.r.t. the stage's
+    parameters, added to ``.grad``); ``I + W`` equals ``B`` exactly but walks the graph
+    twice. A stage in ``recompute`` runs its forward under non-reentrant
+    ``torch.utils.checkpoint``: only its inputs are kept, the rest is recomputed in backward.
+    A stage's state for a microbatch is dropped as soon as its last backward action ran.
+    On CPU the actions run one after another in :func:`autopart.schedule.execution_order`.
 
     Args:
         stages: stage modules; stage ``s`` takes the values stage ``s - 1`` returns.
         devices: device of each stage.
+        recompute: indices of stages that recompute their forward in backward.
     """
 
-    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device],
+                 recompute: Sequence[int] = ()) -> None:
         if len(stages) != len(devices):
             raise ValueError(f"{len(stages)} stages but {len(devices)} devices")
         self.stages = list(stages)
         self.devices = list(devices)
+        self.recompute = frozenset(recompute)
 
     def run(self, schedule: Schedule, mb_inputs: list[list[Any]], *,
-            loss_closure: LossClosure | None = None) -> StepResult:
+            loss_closure: LossClosure | None = None, on_action: ActionHook | None = None,
+            ) -> StepResult:
         """Run every action of ``schedule``.
 
         Args:
-            schedule: per-rank action lists (one stage per rank).
+            schedule: per-rank action lists.
             mb_inputs: per microbatch, the flat inputs of stage 0.
             loss_closure: training when given: called on the last stage's outputs of each
                 microbatch; the backward starts from the loss it returns.
+            on_action: called after every action with the live-microbatch count per stage.
 
         Returns:
             The outputs, losses and live-activation counts (see :class:`StepResult`).
         """
         num_stages = len(self.stages)
-        m = len(mb_inputs)
         training = loss_closure is not None
-        result = StepResult(m, num_stages)
-        # inputs[(s, i)]: stage s's input leaves for microbatch i (kept for backward)
-        inputs: dict[tuple[int, int], list[Any]] = {}
-        # outputs[(s, i)]: stage s's outputs for microbatch i, until the next stage's F
-        # (inference) or its own B (training) has consumed them
-        outputs: dict[tuple[int, int], tuple[Any, ...]] = {}
+        result = StepResult(len(mb_inputs), num_stages)
+        # state[(s, i)]: stage s's inputs/outputs for microbatch i until its backward is done
+        state: dict[tuple[int, int], _MicrobatchState] = {}
         # grads[(s, i)]: gradients w.r.t. stage s's outputs, sent back by stage s + 1
         grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         live = [0] * num_stages
         for action in execution_order(schedule, num_stages):
             s, i = action.stage_index, action.mb_index
             if action.kind == "F":
-                self._forward(s, i, mb_inputs, inputs, outputs, training)
+                self._forward(s, i, mb_inputs, state, training)
+                if s == num_stages - 1:
+                    outs = state[(s, i)].outputs
+                    result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                                              for o in outs)
+                    if loss_closure is not None:
+                        result.losses[i] = loss_closure(i, outs)
                 if training:
                     live[s] += 1
                     result.max_live_activations[s] = max(result.max_live_activations[s], live[s])
-                if s == num_stages - 1:
-                    result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
-                                              for o in outputs[(s, i)])
-                    if loss_closure is not None:
-                        loss = loss_closure(i, outputs[(s, i)])
-                        result.losses[i] = loss
-                if not training and s > 0:
-                    outputs.pop((s - 1, i), None)
-                    inputs.pop((s, i), None)
-            elif action.kind == "B":
-                self._backward(action, result, inputs, outputs, grads)
-                live[s] -= 1
+                else:  # inference: what the next stage has received can go
+                    state.pop((s - 1, i), None)
+                    if s == num_stages - 1:
+                        del state[(s, i)]
             else:
-                raise NotImplementedError(f"action kind {action.kind} ({action}) needs the "
-                                          "zero-bubble runtime, which this version lacks")
+                st = state[(s, i)]
+                if not st.roots:
+                    self._set_roots(st, s, i, result, grads)
+                if action.kind == "B":
+                    if st.roots:
+                        torch.autograd.backward(st.roots, st.root_grads)
+                    self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)
+                                                      else None for a in st.inputs], grads)
+                elif action.kind == "I":
+                    self._send_input_grads(s, i, st, self._input_grads(st), grads)
+                else:  # W
+                    self._weight_grads(s, st)
+                if action.kind in "BW":
+                    del state[(s, i)]
+                    live[s] -= 1
+            if on_action is not None:
+                on_action(action, list(live))
         result.losses = [None if loss is None else loss.detach() for loss in result.losses]
         return result
 
     def _forward(self, s: int, i: int, mb_inputs: list[list[Any]],
-                 inputs: dict[tuple[int, int], list[Any]],
-                 outputs: dict[tuple[int, int], tuple[Any, ...]], training: bool) -> None:
+                 state: dict[tuple[int, int], _MicrobatchState], training: bool) -> None:
         device = self.devices[s]
         if s == 0:
-            args = [_detach_for(v, device, requires_grad=False) for v in mb_inputs[i]]
+            args = [_receive(v, device, requires_grad=False) for v in mb_inputs[i]]
         else:
-            args = [_detach_for(v, device, training) for v in outputs[(s - 1, i)]]
-        inputs[(s, i)] = args
+            args = [_receive(v, device, training) for v in state[(s - 1, i)].outputs]
         with torch.set_grad_enabled(training):
-            out = self.stages[s](*args)
-        outputs[(s, i)] = tuple(out)
+            if training and s in self.recompute:
+                out = checkpoint(self.stages[s], *args, use_reentrant=False)
+            else:
+                out = self.stages[s](*args)
+        state[(s, i)] = _MicrobatchState(args, tuple(out))
 
-    def _backward(self, action: Action, result: StepResult,
-                  inputs: dict[tuple[int, int], list[Any]],
-                  outputs: dict[tuple[int, int], tuple[Any, ...]],
-                  grads: dict[tuple[int, int], list[torch.Tensor | None]]) -> None:
-        s, i = action.stage_index, action.mb_index
-        last = s == len(self.stages) - 1
-        outs = outputs.pop((s, i))
-        if last:
+    @staticmethod
+    def _set_roots(st: _MicrobatchState, s: int, i: int, result: StepResult,
+                   grads: dict[tuple[int, int], list[torch.Tensor | None]]) -> None:
+        received = grads.pop((s, i), None)
+        if received is None:  # last stage: the backward starts at the loss
             loss = result.losses[i]
-            assert loss is not None, "loss is computed in the last stage's forward"
-            tensors, grad_tensors = [loss], [None]
-        else:
-            pairs = [(o, g) for o, g in zip(outs, grads.pop((s, i)), strict=True)
-                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-            tensors = [o for o, _ in pairs]
-            grad_tensors = [g for _, g in pairs]
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
-        args = inputs.pop((s, i))
-        if s > 0:
-            prev = self.devices[s - 1]
-            grads[(s - 1, i)] = [a.grad.to(prev, non_blocking=True)
-                                 if isinstance(a, torch.Tensor) and a.grad is not None else None
-                                 for a in args]
-        del outs, args
+            assert loss is not None, "the last stage's forward computes the loss"
+            st.roots, st.root_grads = [loss], [None]
+            return
+        pairs = [(o, g) for o, g in zip(st.outputs, received, strict=True)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        st.roots = [o for o, _ in pairs]
+        st.root_grads = [g for _, g in pairs]
+
+    @staticmethod
+    def _input_grads(st: _MicrobatchState) -> list[torch.Tensor | None]:
+        wanted = [a for a in st.inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+        got: tuple[torch.Tensor | None, ...] = ()
+        if wanted and st.roots:
+            got = torch.autograd.grad(st.roots, wanted, st.root_grads, retain_graph=True,
+                                      allow_unused=True)
+        by_id = {id(a): g for a, g in zip(wanted, got, strict=False)}
+        return [by_id.get(id(a)) if isinstance(a, torch.Tensor) else None for a in st.inputs]
+
+    def _weight_grads(self, s: int, st: _MicrobatchState) -> None:
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        if not params or not st.roots:
+            return
+        got = torch.autograd.grad(st.roots, params, st.root_grads, allow_unused=True)
+        with torch.no_grad():
+            for p, g in zip(params, got, strict=True):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def _send_input_grads(self, s: int, i: int, st: _MicrobatchState,
+                          input_grads: list[torch.Tensor | None],
+                          grads: dict[tuple[int, int], list[torch.Tensor | None]]) -> None:
+        if s == 0:
+            return
+        prev = self.devices[s - 1]
+        grads[(s - 1, i)] = [g.to(prev, non_blocking=True) if g is not None else None
+                             for g in input_grads]

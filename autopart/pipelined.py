@@ -19,7 +19,7 @@ from autopart.errors import PlanError
 from autopart.executor import LocalExecutor
 from autopart.microbatch import merge_leaves, split_leaves, split_tree
 from autopart.plan import Plan
-from autopart.schedule import forward_schedule, gpipe_schedule
+from autopart.schedule import build_schedule, forward_schedule
 
 __all__ = ["PipelinedModule"]
 
@@ -40,11 +40,12 @@ class PipelinedModule(nn.Module):
     Attributes:
         plan: the plan this pipeline runs.
         stages: the stage modules (``fx.GraphModule``), stage ``s`` on ``devices[s]``.
-        devices: device of each stage.
+        devices: device of each stage (its rank's device).
         timings_s: seconds spent per compile phase (capture, profile, solve, codegen).
     """
 
-    def __init__(self, *, plan: Plan, stages: list[fx.GraphModule], devices: list[torch.device],
+    def __init__(self, *, plan: Plan, stages: list[fx.GraphModule], runners: list[nn.Module],
+                 devices: list[torch.device],
                  placement: Placement, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec,
                  input_shapes: list[tuple[int, ...] | None], microbatch_size: int,
                  state_keys: list[tuple[str, str]], param_order: list[str],
@@ -66,7 +67,9 @@ class PipelinedModule(nn.Module):
         self._buffer_order = buffer_order
         self._unused = unused
         self._loss_fn = loss_fn
-        self._executor = LocalExecutor(stages, devices)
+        self._num_ranks = len(plan.ranks)
+        recompute = [st.stage_index for st in plan.stages if st.recompute]
+        self._executor = LocalExecutor(runners, devices, recompute=recompute)
         self._replica_versions: dict[str, int] = {}
 
     # ---- tensors under original names ----------------------------------------------
@@ -187,7 +190,8 @@ class PipelinedModule(nn.Module):
         self._sync_replicas()
         mbs = self._microbatches(args, kwargs)
         with torch.no_grad():
-            result = self._executor.run(forward_schedule(len(self.stages), len(mbs)), mbs)
+            schedule = forward_schedule(self._num_ranks, len(mbs), self.plan.stages_per_rank)
+            result = self._executor.run(schedule, mbs)
         return pytree.tree_unflatten(merge_leaves([list(o) for o in result.outputs]), self._out_spec)
 
     def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -220,7 +224,8 @@ class PipelinedModule(nn.Module):
             out = pytree.tree_unflatten(list(flat_out), out_spec)
             return loss_fn(out, targets[i]) / m
 
-        schedule = gpipe_schedule(len(self.stages), m)
+        schedule = build_schedule(self.plan.schedule_kind, self._num_ranks, m,
+                                  self.plan.stages_per_rank)
         result = self._executor.run(schedule, mbs, loss_closure=loss_closure)
         self._reduce_replica_grads()
         return torch.stack([loss for loss in result.losses if loss is not None]).sum()

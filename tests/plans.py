@@ -7,17 +7,26 @@ from autopart.plan import Cut, Plan, RankPlan, SolverReport, StagePlan
 
 
 def manual_plan(captured: CapturedGraph, positions: list[int], num_microbatches: int,
-                batch_size: int) -> Plan:
-    """A plan with cuts at ``positions`` (op-node indices) and zero predictions."""
+                batch_size: int, *, schedule_kind: str = "gpipe", stages_per_rank: int = 1,
+                recompute: bool = False) -> Plan:
+    """A plan with cuts at ``positions`` (op-node indices) and zero predictions.
+
+    Stage ``s`` runs on rank ``s % p`` with ``p = stages / stages_per_rank`` (interleaving).
+    """
     names = [n.name for n in op_nodes(captured.graph_module.graph)]
     num_stages = len(positions) + 1
-    stages = tuple(StagePlan(s, s, "cpu", "", "", 0, ("", ""), 0, 0, 0.0, 0.0, 0.0, 0)
+    p = num_stages // stages_per_rank
+    stages = tuple(StagePlan(s, s % p, "cpu", "", "", 0, ("", ""), 0, 0, 0.0, 0.0, 0.0, 0,
+                             recompute=recompute)
                    for s in range(num_stages))
     return Plan(graph_fingerprint=captured.fingerprint, cluster_fingerprint=f"{num_stages}xcpu",
                 cost_source="manual", library_versions={}, optimize="speed",
-                batch_size=batch_size, num_microbatches=num_microbatches, schedule_kind="gpipe",
-                cuts=tuple(Cut(p, names[p - 1], names[p], 0) for p in positions),
-                stages=stages, ranks=tuple(RankPlan(s, "cpu", (s,), 0) for s in range(num_stages)),
+                batch_size=batch_size, num_microbatches=num_microbatches,
+                schedule_kind=schedule_kind, stages_per_rank=stages_per_rank,
+                cuts=tuple(Cut(k, names[k - 1], names[k], 0) for k in positions),
+                stages=stages,
+                ranks=tuple(RankPlan(r, "cpu", tuple(range(r, num_stages, p)), 0)
+                            for r in range(p)),
                 predicted_step_time_us=0.0, bubble_fraction=0.0,
                 solver=SolverReport("MANUAL", 0.0, 0.0, 0.0, 0.0, name="manual"))
 

@@ -99,5 +99,57 @@ def skip_mlp() -> tuple[nn.Module, tuple[Any, ...], Any, Callable[[Any, Any], to
     return model, (torch.randn(BATCH, 32),), torch.randn(BATCH, 4), loss
 
 
+def llama() -> tuple[nn.Module, tuple[Any, ...], Any, Callable[[Any, Any], torch.Tensor]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                      max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    x = torch.randint(0, 512, (BATCH, 16))
+    return model, (x,), torch.randint(0, 512, (BATCH, 16)), _lm_loss
+
+
+def vit() -> tuple[nn.Module, tuple[Any, ...], Any, Callable[[Any, Any], torch.Tensor]]:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                    intermediate_size=128, image_size=32, patch_size=8, num_labels=10,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = ViTForImageClassification(cfg)
+
+    def loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits, target)
+
+    return model, (torch.randn(BATCH, 3, 32, 32),), torch.randint(0, 10, (BATCH,)), loss
+
+
+class TiedMLP(nn.Module):
+    """The input projection's weight is read again by the output (like GPT-2's wte / lm_head)."""
+
+    def __init__(self, width: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, width, bias=False)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # (batch, width)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return h @ self.proj.weight  # (batch, 16): the tied weight again, in the last stage
+
+
+def tied_mlp() -> tuple[nn.Module, tuple[Any, ...], Any, Callable[[Any, Any], torch.Tensor]]:
+    torch.manual_seed(0)
+    model = TiedMLP()
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, target)
+
+    return model, (torch.randn(BATCH, 16),), torch.randn(BATCH, 16), loss
+
+
 ZOO: dict[str, Builder] = {"gpt2": gpt2, "bert": bert, "resnet": resnet, "mlp": mlp,
-                           "skip_mlp": skip_mlp}
+                           "skip_mlp": skip_mlp, "llama": llama, "vit": vit, "tied_mlp": tied_mlp}

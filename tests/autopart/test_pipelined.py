@@ -100,7 +100,7 @@ def test_a_plan_for_another_model_is_refused() -> None:
         autopart.compile(other, args, loss_fn=loss_fn, plan=plan)
     with pytest.raises(PlanError, match="made for batch 8"):
         autopart.compile(model, (args[0][:4],), loss_fn=loss_fn, plan=plan)
-    with pytest.raises(PlanError, match="num_stages=2 but 3 devices"):
+    with pytest.raises(PlanError, match="2 ranks but 3 devices"):
         autopart.compile(model, args, loss_fn=loss_fn, plan=plan, devices=["cpu"] * 3)
 
 

@@ -1,0 +1,79 @@
+"""Every schedule kind x stages x interleaving x recompute, on a model zoo, against the plain model.
+
+Plans are written by hand (cuts at even op-node counts) so the matrix tests the runtime
+alone; each model is captured once per module and deep-copied per case.
+"""
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from autopart._compile import build_pipeline
+from autopart.capture import CapturedGraph, capture
+from autopart.microbatch import split_leaves
+from tests.plans import even_positions, manual_plan
+from tests.zoo import ZOO
+
+TOL = {"rtol": 1e-5, "atol": 4e-5}
+M = 4  # microbatches; batch 8 -> microbatch 2
+MODELS = ["gpt2", "bert", "llama", "vit", "resnet", "skip_mlp", "tied_mlp"]
+# (schedule kind, total stages, stages per rank)
+LAYOUTS = [("gpipe", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
+           ("zero_bubble", 2, 1), ("zero_bubble", 4, 1),
+           ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2)]
+
+_CAPTURED: dict[str, tuple[Any, ...]] = {}
+
+
+def _captured(name: str) -> tuple[Any, ...]:
+    if name not in _CAPTURED:
+        model, args, target, loss_fn = ZOO[name]()
+        mb_args = tuple(split_leaves(list(args), M)[0])
+        _CAPTURED[name] = (model, capture(model, mb_args), args, target, loss_fn)
+    return _CAPTURED[name]
+
+
+def _primary(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize(("kind", "num_stages", "v"), LAYOUTS,
+                         ids=[f"{k}-S{s}-v{v}" for k, s, v in LAYOUTS])
+@pytest.mark.parametrize("name", MODELS)
+def test_schedule_matches_the_unpartitioned_model(name: str, kind: str, num_stages: int, v: int,
+                                                  recompute: bool) -> None:
+    model0, captured0, args, target, loss_fn = _captured(name)
+    # fresh parameters for this case: the model and its capture are copied together
+    model, captured = copy.deepcopy((model0, captured0))
+    assert isinstance(captured, CapturedGraph)
+    reference = copy.deepcopy(model0)
+    plan = manual_plan(captured, even_positions(captured, num_stages), M, 8,
+                       schedule_kind=kind, stages_per_rank=v, recompute=recompute)
+    pipe = build_pipeline(model, captured, plan, ["cpu"] * (num_stages // v), loss_fn=loss_fn)
+
+    torch.testing.assert_close(_primary(pipe(*args)), _primary(reference(*args)), **TOL)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    ref_params = dict(reference.named_parameters())
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pipe.train_step(*args, target=target)
+        ref_loss = loss_fn(reference(*args), target)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        if step == 0:
+            for pname, p in pipe.named_parameters():
+                ref_grad = ref_params[pname].grad
+                if ref_grad is None:
+                    assert p.grad is None, pname
+                else:
+                    assert p.grad is not None, pname
+                    torch.testing.assert_close(p.grad, ref_grad, **TOL, msg=pname)
+        opt.step()
+        ref_opt.step()
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(p, ref_params[pname], **TOL, msg=pname)
