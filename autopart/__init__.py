@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["compile", "Plan", "PipelinedModule", "TraceError", "PlanError",
+__all__ = ["compile", "load", "Plan", "PipelinedModule", "TraceError", "PlanError",
            "InfeasiblePlanError", "__version__"]
 __version__ = "0.1.0"
 
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 # never pulls in torch: the solver layer stays pure Python.
 _LAZY = {
     "compile": ("autopart._compile", "compile"),
+    "load": ("autopart.checkpoint", "load"),
     "PipelinedModule": ("autopart.pipelined", "PipelinedModule"),
     "Plan": ("autopart.plan", "Plan"),
     "TraceError": ("autopart.errors", "TraceError"),

@@ -129,6 +129,25 @@ class PipelinedModule(nn.Module):
         self._sync_replicas(force=True)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
+    def state_layout(self) -> list[tuple[str, str]]:
+        """(state_dict key, canonical FQN) pairs: tied names map to the FQN that owns them."""
+        return list(self._state_keys)
+
+    def owned_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per stage, the parameters and buffers it owns (replicas excluded), by FQN; tensors
+        the graph never reads are listed with stage 0."""
+        owned: dict[int, dict[str, torch.Tensor]] = {s: {} for s in range(len(self.stages))}
+        for fqn in self._param_order + self._buffer_order:
+            stage = self._placement.owner.get(fqn, 0)
+            owned[stage][fqn] = self._tensor(fqn)
+        return owned
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Checkpoint weights and plan atomically; see :func:`autopart.checkpoint.save_checkpoint`."""
+        from autopart.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory)
+
     # ---- tied-parameter replicas -----------------------------------------------------
     def _sync_replicas(self, force: bool = False) -> None:
         """Refresh replicas from their owner when the owner changed since the last sync."""

@@ -1,0 +1,150 @@
+"""Checkpoints: one safetensors file per stage plus the plan, written atomically, loadable anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from autopart._jsonio import dumps, write_text_atomic
+from autopart.errors import PlanError
+from autopart.plan import Plan
+
+if TYPE_CHECKING:
+    from autopart.pipelined import PipelinedModule
+
+__all__ = ["save_checkpoint", "load", "CHECKPOINT_FORMAT"]
+
+CHECKPOINT_FORMAT = 1
+_LATEST = "latest"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(pipe: PipelinedModule, directory: str | os.PathLike[str]) -> Path:
+    """Write ``pipe``'s weights (one ``stage_<s>.safetensors`` per stage) and plan.
+
+    Layout: ``directory/ckpt-<n>/`` holds ``plan.json``, ``manifest.json`` and the stage
+    files; ``directory/latest`` names the current ``ckpt-<n>``. A new checkpoint is
+    written to a temporary folder, renamed into place, and only then does ``latest``
+    move to it (an atomic file replace); older checkpoints are removed after that. A crash
+    at any point leaves the previous checkpoint complete and ``latest`` pointing at it.
+
+    Each stage file holds the tensors that stage owns, under the original model's FQNs
+    (tied replicas are not stored twice); parameters the graph never reads go with stage 0.
+
+    Returns:
+        The new ``ckpt-<n>`` folder.
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    previous = sorted(p for p in root.glob("ckpt-*") if p.is_dir() and p.name[5:].isdigit())
+    number = int(previous[-1].name[5:]) + 1 if previous else 0
+    final = root / f"ckpt-{number:06d}"
+    tmp = root / f".ckpt-{number:06d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        owned = pipe.owned_tensors()
+        for stage_index, tensors in owned.items():
+            path = tmp / f"stage_{stage_index}.safetensors"
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+        manifest = {"format": CHECKPOINT_FORMAT, "graph_fingerprint": pipe.plan.graph_fingerprint,
+                    "state_keys": [[k, fqn] for k, fqn in pipe.state_layout()],
+                    "stage_of": {fqn: s for s, tensors in owned.items() for fqn in tensors},
+                    "shapes": {fqn: list(t.shape) for tensors in owned.values()
+                               for fqn, t in tensors.items()}}
+        write_text_atomic(tmp / "manifest.json", dumps(manifest))
+        pipe.plan.save(tmp / "plan.json")
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        write_text_atomic(root / _LATEST, final.name + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in previous:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _current(root: Path) -> Path:
+    pointer = root / _LATEST
+    if not pointer.is_file():
+        raise PlanError(f"{root} is not an autopart checkpoint (no 'latest' file); pass a "
+                        "directory written by pipe.save(...)")
+    folder = root / pointer.read_text(encoding="utf-8").strip()
+    if not (folder / "manifest.json").is_file():
+        raise PlanError(f"{root}/latest points at {folder.name}, which has no manifest.json; "
+                        "the checkpoint is damaged")
+    return folder
+
+
+def _check_model(manifest: dict[str, Any], model: nn.Module, folder: Path) -> None:
+    theirs: dict[str, list[int]] = manifest["shapes"]
+    ours = {k: list(v.shape) for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+    missing = sorted(set(ours) - set(theirs))
+    unexpected = sorted(set(theirs) - set(ours))
+    shapes = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])
+    if missing or unexpected or shapes:
+        detail = "; ".join(part for part in (
+            f"missing from checkpoint: {missing[:5]}" if missing else "",
+            f"not in the model: {unexpected[:5]}" if unexpected else "",
+            "shape differs: " + ", ".join(f"{k} {theirs[k]} vs model {ours[k]}" for k in shapes[:5])
+            if shapes else "") if part)
+        raise PlanError(f"checkpoint {folder} is from another model ({detail}); load it into "
+                        "the model it was saved from")
+
+
+def load(directory: str | os.PathLike[str], model: nn.Module,
+         example_inputs: tuple[Any, ...] | None = None, **compile_kwargs: Any,
+         ) -> nn.Module | PipelinedModule:
+    """Load a checkpoint written by ``pipe.save(directory)``.
+
+    Args:
+        directory: the checkpoint directory.
+        model: a model of the same architecture (any device; weights are overwritten).
+        example_inputs: when given, the model is compiled with the saved plan (no profiling
+            or solving) and the weights are loaded into the pipeline, which is returned;
+            when ``None`` the weights go into ``model`` itself, which is returned.
+        **compile_kwargs: passed to :func:`autopart.compile` (``loss_fn``, ``devices``,
+            ``example_kwargs``, ``fuse``).
+
+    Raises:
+        PlanError: not a checkpoint, a damaged one, or one saved from another model (the
+            message lists the parameters that differ).
+    """
+    folder = _current(Path(directory))
+    manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise PlanError(f"checkpoint format {manifest.get('format')!r} is not supported "
+                        f"(this autopart reads {CHECKPOINT_FORMAT})")
+    _check_model(manifest, model, folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for stage_index in sorted(set(manifest["stage_of"].values())):
+        tensors.update(load_file(str(folder / f"stage_{stage_index}.safetensors")))
+    state = {key: tensors[fqn] for key, fqn in manifest["state_keys"]}
+    plan = Plan.load(folder / "plan.json")
+    if example_inputs is None:
+        model.load_state_dict(state)
+        return model
+    from autopart._compile import compile as autopart_compile
+
+    pipe = autopart_compile(model, example_inputs, plan=plan, **compile_kwargs)
+    pipe.load_state_dict(state)
+    return pipe
