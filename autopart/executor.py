@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,14 +36,12 @@ class StepResult:
         self.max_live_activations = [0] * num_stages
 
 
-def _receive(value: Any, device: torch.device, requires_grad: bool) -> Any:
-    """The receiving stage's copy of a sent value: on its device, a fresh autograd leaf."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    moved = value.detach().to(device, non_blocking=True)
-    if requires_grad and value.requires_grad and moved.is_floating_point():
-        moved.requires_grad_(True)
-    return moved
+def _as_leaf(sent: Any, received: Any, requires_grad: bool) -> Any:
+    """Make the receiving stage's copy a fresh autograd leaf when the sent value needs grad."""
+    if (requires_grad and isinstance(sent, torch.Tensor) and sent.requires_grad
+            and isinstance(received, torch.Tensor) and received.is_floating_point()):
+        received.requires_grad_(True)
+    return received
 
 
 class _MicrobatchState:
@@ -57,6 +56,74 @@ class _MicrobatchState:
         self.root_grads: list[torch.Tensor | None] = []  # gradients of those roots
 
 
+class _Streams:
+    """CUDA streams and events of a run: one compute and one copy stream per CUDA stage.
+
+    Work is issued from this one thread in schedule order; kernels run asynchronously, so
+    stages on different streams (and GPUs) overlap. A value handed from stage ``a`` to
+    stage ``b`` carries an event recorded on ``a``'s compute stream after it was produced;
+    ``b``'s copy stream waits for it, copies across devices, and ``b``'s compute stream
+    waits for the copy (torchgpipe's scheme). ``record_stream`` keeps the caching allocator
+    from reusing a buffer another stream still reads. CPU stages get no streams: their work
+    is synchronous.
+    """
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.compute = [torch.cuda.Stream(d) if d.type == "cuda" else None for d in devices]
+        self.copy = [torch.cuda.Stream(d) if d.type == "cuda" else None for d in devices]
+        self.active = any(st is not None for st in self.compute)
+
+    @contextlib.contextmanager
+    def on(self, s: int) -> Iterator[None]:
+        """Make stage ``s``'s compute stream current (no-op on CPU)."""
+        stream = self.compute[s]
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            yield
+
+    def mark(self, s: int) -> torch.cuda.Event | None:
+        """An event at the current end of stage ``s``'s compute stream."""
+        stream = self.compute[s]
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def move(self, value: Any, src_event: torch.cuda.Event | None, dst: int,
+             device: torch.device) -> Any:
+        """Bring ``value`` to stage ``dst``'s device, ordered after ``src_event``."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        compute, copy = self.compute[dst], self.copy[dst]
+        if compute is None or copy is None:
+            if src_event is not None:
+                src_event.synchronize()
+            return value.detach().to(device)
+        if value.device == device:
+            if src_event is not None:
+                compute.wait_event(src_event)
+            value.record_stream(compute)
+            return value.detach()
+        with torch.cuda.stream(copy):
+            if src_event is not None:
+                copy.wait_event(src_event)
+            if value.is_cuda:
+                value.record_stream(copy)
+            moved = value.detach().to(device, non_blocking=True)
+        compute.wait_stream(copy)
+        moved.record_stream(compute)
+        return moved
+
+    def finish(self) -> None:
+        """Make the caller's current streams wait for every stage's work."""
+        for stream in self.compute:
+            if stream is not None:
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
 class LocalExecutor:
     """Runs F, B, I and W actions of a schedule on stage modules held in this process.
 
@@ -69,7 +136,9 @@ class LocalExecutor:
     twice. A stage in ``recompute`` runs its forward under non-reentrant
     ``torch.utils.checkpoint``: only its inputs are kept, the rest is recomputed in backward.
     A stage's state for a microbatch is dropped as soon as its last backward action ran.
-    On CPU the actions run one after another in :func:`autopart.schedule.execution_order`.
+    Actions are issued in :func:`autopart.schedule.execution_order`; on CPU they run one
+    after another, on CUDA each stage has its own compute stream and copies go on a copy
+    stream, so stages overlap (see :class:`_Streams`).
 
     Args:
         stages: stage modules; stage ``s`` takes the values stage ``s - 1`` returns.
@@ -108,6 +177,10 @@ class LocalExecutor:
         # grads[(s, i)]: gradients w.r.t. stage s's outputs, sent back by stage s + 1
         grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         live = [0] * num_stages
+        streams = _Streams(self.devices)
+        # done[(kind, s, i)]: event after stage s produced its outputs ("F") or input grads ("G")
+        done: dict[tuple[str, int, int], torch.cuda.Event | None] = {}
+        self._streams, self._done = streams, done
         for action in execution_order(schedule, num_stages):
             s, i = action.stage_index, action.mb_index
             if action.kind == "F":
@@ -117,7 +190,8 @@ class LocalExecutor:
                     result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
                                               for o in outs)
                     if loss_closure is not None:
-                        result.losses[i] = loss_closure(i, outs)
+                        with streams.on(s):
+                            result.losses[i] = loss_closure(i, outs)
                 if training:
                     live[s] += 1
                     result.max_live_activations[s] = max(result.max_live_activations[s], live[s])
@@ -129,35 +203,40 @@ class LocalExecutor:
                 st = state[(s, i)]
                 if not st.roots:
                     self._set_roots(st, s, i, result, grads)
-                if action.kind == "B":
-                    if st.roots:
-                        torch.autograd.backward(st.roots, st.root_grads)
-                    self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)
-                                                      else None for a in st.inputs], grads)
-                elif action.kind == "I":
-                    self._send_input_grads(s, i, st, self._input_grads(st), grads)
-                else:  # W
-                    self._weight_grads(s, st)
+                with streams.on(s):
+                    if action.kind == "B":
+                        if st.roots:
+                            torch.autograd.backward(st.roots, st.root_grads)
+                        self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)
+                                                          else None for a in st.inputs], grads)
+                    elif action.kind == "I":
+                        self._send_input_grads(s, i, st, self._input_grads(st), grads)
+                    else:  # W
+                        self._weight_grads(s, st)
                 if action.kind in "BW":
                     del state[(s, i)]
                     live[s] -= 1
             if on_action is not None:
                 on_action(action, list(live))
+        streams.finish()
         result.losses = [None if loss is None else loss.detach() for loss in result.losses]
         return result
 
     def _forward(self, s: int, i: int, mb_inputs: list[list[Any]],
                  state: dict[tuple[int, int], _MicrobatchState], training: bool) -> None:
         device = self.devices[s]
+        streams = self._streams
         if s == 0:
-            args = [_receive(v, device, requires_grad=False) for v in mb_inputs[i]]
+            sent, event, grad = mb_inputs[i], None, False
         else:
-            args = [_receive(v, device, training) for v in state[(s - 1, i)].outputs]
-        with torch.set_grad_enabled(training):
+            sent, event, grad = state[(s - 1, i)].outputs, self._done.get(("F", s - 1, i)), training
+        args = [_as_leaf(v, streams.move(v, event, s, device), grad) for v in sent]
+        with streams.on(s), torch.set_grad_enabled(training):
             if training and s in self.recompute:
                 out = checkpoint(self.stages[s], *args, use_reentrant=False)
             else:
                 out = self.stages[s](*args)
+        self._done[("F", s, i)] = streams.mark(s)
         state[(s, i)] = _MicrobatchState(args, tuple(out))
 
     @staticmethod
@@ -200,5 +279,6 @@ class LocalExecutor:
         if s == 0:
             return
         prev = self.devices[s - 1]
-        grads[(s - 1, i)] = [g.to(prev, non_blocking=True) if g is not None else None
+        event = self._streams.mark(s)
+        grads[(s - 1, i)] = [self._streams.move(g, event, s - 1, prev) if g is not None else None
                              for g in input_grads]

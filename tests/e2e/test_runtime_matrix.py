@@ -77,3 +77,24 @@ def test_schedule_matches_the_unpartitioned_model(name: str, kind: str, num_stag
         ref_opt.step()
     for pname, p in pipe.named_parameters():
         torch.testing.assert_close(p, ref_params[pname], **TOL, msg=pname)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize(("kind", "num_stages", "v"), LAYOUTS,
+                         ids=[f"{k}-S{s}-v{v}" for k, s, v in LAYOUTS])
+def test_cuda_streams_match_the_unpartitioned_model(kind: str, num_stages: int, v: int) -> None:
+    model0, captured0, args, target, loss_fn = _captured("gpt2")
+    model, captured = copy.deepcopy((model0, captured0))
+    reference = copy.deepcopy(model0).cuda()
+    plan = manual_plan(captured, even_positions(captured, num_stages), M, 8,
+                       schedule_kind=kind, stages_per_rank=v)
+    pipe = build_pipeline(model, captured, plan, ["cuda:0"] * (num_stages // v), loss_fn=loss_fn)
+    cuda_args = tuple(a.cuda() for a in args)
+    torch.testing.assert_close(_primary(pipe(*args)), _primary(reference(*cuda_args)), **TOL)
+    loss = pipe.train_step(*args, target=target.cuda())
+    ref_loss = loss_fn(reference(*cuda_args), target.cuda())
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    ref_params = dict(reference.named_parameters())
+    for pname, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[pname].grad, **TOL, msg=pname)
