@@ -113,7 +113,8 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             plan: Plan | str | os.PathLike[str] | None = None,
             schedule: str | None = None, stages_per_rank: int | None = None,
             recompute: bool | None = None, fuse: bool = False,
-            time_limit_s: float = 10.0) -> PipelinedModule:
+            backend: str | None = None, checkpoint: str | os.PathLike[str] | None = None,
+            mesh: Any = None, time_limit_s: float = 10.0) -> Any:
     """Partition ``model`` into pipeline stages and return a module that runs them.
 
     Steps: capture with ``torch.export`` (non-strict), measure every node's cost on the
@@ -145,10 +146,20 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             (``False``), or where the solver decides (``None``).
         fuse: compile each stage with ``torch.compile`` (Inductor); the compile time is
             reported in ``pipe.timings_s["fuse_s"]`` (compilation happens on first call).
+        backend: ``"local"`` (one process) or ``"distributed"`` (this process is one rank of
+            a ``torchrun`` launch; it builds only its own stages, see
+            :class:`autopart.distributed.DistributedPipeline`). Default: distributed when a
+            process group with more than one rank is initialised, else local.
+        checkpoint: distributed only: a ``pipe.save`` directory each rank loads its own
+            stages' weights from, so a model built on the ``meta`` device never materialises
+            whole. Without it, a meta model's modules that this rank needs are initialised
+            (``reset_parameters`` / Hugging Face ``_init_weights``).
+        mesh: distributed only: a 2-D ``DeviceMesh`` with dims ``("pp", "dp")``: stages go
+            along ``pp``; gradients are averaged across ``dp`` replicas of each stage.
         time_limit_s: CP-SAT time limit per solve, seconds (default 10).
 
     Returns:
-        The :class:`PipelinedModule`.
+        The :class:`PipelinedModule` (local) or :class:`DistributedPipeline` (distributed).
 
     Raises:
         TraceError: the model cannot be captured.
@@ -162,6 +173,21 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         example_inputs = (example_inputs,)
     timings: dict[str, float] = {}
     full_capture: CapturedGraph | None = None
+    if backend is None:
+        import torch.distributed as dist
+
+        backend = ("distributed" if dist.is_available() and dist.is_initialized()
+                   and dist.get_world_size() > 1 else "local")
+    if backend not in ("local", "distributed"):
+        raise PlanError(f"backend={backend!r}; expected 'local' or 'distributed'")
+    if backend == "distributed":
+        from autopart._launch import compile_distributed
+
+        return compile_distributed(model, example_inputs, kwargs, loss_fn=loss_fn, plan=plan,
+                                   num_microbatches=num_microbatches, schedule=schedule,
+                                   stages_per_rank=stages_per_rank, recompute=recompute,
+                                   optimize=optimize, checkpoint=checkpoint,
+                                   mesh=mesh, time_limit_s=time_limit_s)
     if plan is not None:
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         device_names = _resolve_devices(devices, len(the_plan.ranks))
@@ -210,7 +236,8 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan, device
     _check_plan_matches(plan, captured)
     stage_graphs = split_graph(captured, [c.position for c in plan.cuts])
     torch_devices = [torch.device(device_names[st.rank]) for st in plan.stages]
-    modules, placement = build_stage_modules(captured, stage_graphs, torch_devices)
+    built, placement = build_stage_modules(captured, stage_graphs, torch_devices)
+    modules = [mod for mod in built if mod is not None]
     state_keys, param_order, buffer_order = _state_layout(model)
     used = set(placement.owner)
     unused = {fqn: t for fqn, t in list(model.named_parameters()) + list(model.named_buffers())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +61,9 @@ def _to_device(value: torch.Tensor, device: torch.device, copy: bool) -> torch.T
 
 
 def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
-                        devices: list[torch.device]) -> tuple[list[fx.GraphModule], Placement]:
+                        devices: list[torch.device], *, keep: set[int] | None = None,
+                        tensor_of: Callable[[str], torch.Tensor] | None = None,
+                        ) -> tuple[list[fx.GraphModule | None], Placement]:
     """Turn stage graphs into ``fx.GraphModule``s on their devices, each owning its tensors.
 
     The owner stage keeps the model's own tensor when it already sits on that stage's device
@@ -72,6 +75,12 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
         captured: the captured model.
         stage_graphs: from :func:`autopart.codegen.split.split_graph`.
         devices: one device per stage.
+        keep: build only these stages (a rank of a multi-process pipeline); the others are
+            ``None`` in the result, but ownership is still decided over all stages. A kept
+            stage whose tensor's owner is not kept takes the tensor itself (it is that
+            rank's copy).
+        tensor_of: where a tensor comes from, by canonical FQN; default: the captured
+            graph's own attribute (the model's tensor).
 
     Returns:
         The stage modules (class names ``Stage0``..) and the placement of every tensor.
@@ -79,26 +88,36 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
     if len(devices) != len(stage_graphs):
         raise ValueError(f"{len(stage_graphs)} stages but {len(devices)} devices")
     placement = Placement()
-    modules: list[fx.GraphModule] = []
+    modules: list[fx.GraphModule | None] = []
     for sg, device in zip(stage_graphs, devices, strict=True):
+        built = keep is None or sg.stage_index in keep
         tensors: dict[str, torch.Tensor] = {}
         persistent: set[str] = set()
         for target in sg.attr_targets:
             fqn = captured.attr_fqns.get(target, target)
-            original = captured.attr_value(target)
-            if fqn not in placement.owner:
+            first = fqn not in placement.owner
+            if first:
                 placement.owner[fqn] = sg.stage_index
-                value = _to_device(original, device, copy=False)
             else:
                 placement.replicas.setdefault(fqn, []).append(sg.stage_index)
-                owner_value = placement.tensors[(placement.owner[fqn], fqn)]
+            if not built:
+                continue
+            original = tensor_of(fqn) if tensor_of is not None else captured.attr_value(target)
+            owner_key = (placement.owner[fqn], fqn)
+            if first or owner_key not in placement.tensors:
+                value = _to_device(original, device, copy=False)
+            else:
                 # Parameters get their own replica (own .grad); buffers and constants are
                 # shared when the device allows, so in-place updates reach every reader.
-                value = _to_device(owner_value, device, copy=isinstance(original, nn.Parameter))
+                value = _to_device(placement.tensors[owner_key], device,
+                                   copy=isinstance(original, nn.Parameter))
             placement.tensors[(sg.stage_index, fqn)] = value
             tensors[fqn] = value
             if fqn in captured.buffers:
                 persistent.add(fqn)
+        if not built:
+            modules.append(None)
+            continue
         root = _attr_root(tensors, persistent)
         gm = fx.GraphModule(root, sg.graph, class_name=f"Stage{sg.stage_index}")
         modules.append(gm)

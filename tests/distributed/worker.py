@@ -1,0 +1,98 @@
+"""Worker processes for the multi-process tests (spawned with torch.multiprocessing, gloo)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _setup(rank: int, world: int, port: int, timeout_s: float) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: int,
+             result_dir: str) -> None:
+    """Train one step on a plan for ``world`` ranks; write this rank's check results."""
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, 60)
+    model, args, target, loss_fn = ZOO[model_name]()
+    reference = copy.deepcopy(model)
+    m = 4
+    captured = capture(model, tuple(a[: 8 // m] for a in args))
+    plan = manual_plan(captured, even_positions(captured, world * v), m, 8, schedule_kind=kind,
+                       stages_per_rank=v)
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+    loss = pipe.train_step(*args, target=target)
+    ref_loss = loss_fn(reference(*args), target)
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters())
+    problems = []
+    try:
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=4e-5)
+    except AssertionError as exc:
+        problems.append(f"loss: {exc}")
+    names = []
+    for name, p in pipe.named_parameters():
+        names.append(name)
+        try:
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=4e-5)
+        except (AssertionError, TypeError) as exc:
+            problems.append(f"{name}: {str(exc).splitlines()[0]}")
+    out = pipe(*args)
+    ref_out = reference(*args)
+    ref_primary = ref_out.logits if hasattr(ref_out, "logits") else ref_out
+    primary = out.logits if hasattr(out, "logits") else out
+    try:
+        torch.testing.assert_close(primary, ref_primary, rtol=1e-5, atol=4e-5)
+    except AssertionError as exc:
+        problems.append(f"output: {str(exc).splitlines()[0]}")
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join([f"params {len(names)}", *problems]) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def dies(rank: int, world: int, port: int, victim: int, timeout_s: float) -> None:
+    """Every rank trains; ``victim`` kills itself in the middle of its second step."""
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, timeout_s)
+    model, args, target, loss_fn = ZOO["mlp"]()
+    captured = capture(model, tuple(a[:2] for a in args))
+    plan = manual_plan(captured, even_positions(captured, world), 4, 8, schedule_kind="1f1b")
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+    pipe.train_step(*args, target=target)
+    if rank == victim:
+        os._exit(17)  # killed mid-run: no clean-up, no goodbye
+    pipe.train_step(*args, target=target)
+    pipe.train_step(*args, target=target)
+    raise SystemExit(0)
+
+
+def run_everyone(fn: Any, world: int, *args: Any) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
+
+
+__all__: list[str] = ["numerics", "dies"]
+_ = Any
