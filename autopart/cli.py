@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from autopart.cli_profile import profile as _profile
+
 __all__ = ["app", "main"]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -39,6 +41,9 @@ def show(plan: Path = typer.Argument(..., exists=True, dir_okay=False, help="a p
     except PlanError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+app.command(name="profile")(_profile)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ class DeviceSpec:
         name: preset name or device string, e.g. ``"h100-sxm"`` or ``"cpu"``.
         memory_bytes: usable device memory, bytes.
         peak_flops: dense peak for the profiled dtype, FLOP/s (bf16 tensor cores for GPUs).
+            Kept for the solver; :meth:`peak_flops_for` gives the per-dtype figures.
         memory_bandwidth_bytes_per_s: device memory bandwidth, bytes/s.
         link_bandwidth_bytes_per_s: bandwidth to a neighbouring device, bytes/s, one direction.
         link_latency_us: fixed cost of one point-to-point transfer, µs.
@@ -23,6 +24,11 @@ class DeviceSpec:
         op_overhead_us: fixed cost of one op regardless of its size (eager dispatch plus kernel
             launch), µs. Used when costs profiled at one batch size are scaled to another:
             ``t(b) = op_overhead_us + (t(b0) - op_overhead_us) * b / b0``.
+        peak_flops_fp32: dense FP32 peak (CUDA cores, no tensor cores), FLOP/s; 0 = unknown.
+        peak_flops_tf32: dense TF32 tensor-core peak, FLOP/s; 0 = unknown.
+        peak_flops_bf16: dense BF16/FP16 tensor-core peak, FLOP/s; 0 = unknown.
+        flops_source: datasheet the per-dtype peaks come from (dense figures: the
+            datasheets' "with sparsity" numbers are halved).
     """
 
     name: str
@@ -33,12 +39,44 @@ class DeviceSpec:
     link_latency_us: float
     source: str
     op_overhead_us: float = 5.0
+    peak_flops_fp32: float = 0.0
+    peak_flops_tf32: float = 0.0
+    peak_flops_bf16: float = 0.0
+    flops_source: str = ""
+
+    def peak_flops_for(self, dtype: str, *, tf32: bool = False) -> float:
+        """Dense peak FLOP/s for matmuls in ``dtype``.
+
+        Args:
+            dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (``torch.float32`` etc. as
+                text also work: the ``"torch."`` prefix is ignored).
+            tf32: float32 matmuls run on TF32 tensor cores (PyTorch's default is off:
+                ``torch.backends.cuda.matmul.allow_tf32 = False``).
+
+        Returns:
+            FLOP/s; a per-dtype figure left at 0 falls back to ``peak_flops``.
+
+        Raises:
+            ValueError: a dtype other than the three above.
+        """
+        name = dtype.removeprefix("torch.")
+        if name in ("bfloat16", "float16"):
+            value = self.peak_flops_bf16
+        elif name == "float32":
+            value = self.peak_flops_tf32 if tf32 else self.peak_flops_fp32
+        else:
+            raise ValueError(f"DeviceSpec {self.name!r}: no peak for dtype {dtype!r}; "
+                             "use float32, bfloat16 or float16")
+        return value if value > 0 else self.peak_flops
 
     def __post_init__(self) -> None:
         for attr in ("memory_bytes", "peak_flops", "memory_bandwidth_bytes_per_s",
                      "link_bandwidth_bytes_per_s"):
             if getattr(self, attr) <= 0:
                 raise ValueError(f"DeviceSpec {self.name!r}: {attr} must be > 0")
+        for attr in ("peak_flops_fp32", "peak_flops_tf32", "peak_flops_bf16"):
+            if getattr(self, attr) < 0:
+                raise ValueError(f"DeviceSpec {self.name!r}: {attr} must be >= 0")
         if self.link_latency_us < 0:
             raise ValueError(f"DeviceSpec {self.name!r}: link_latency_us must be >= 0")
 
@@ -55,27 +93,50 @@ PRESETS: dict[str, DeviceSpec] = {
     "h100-sxm": DeviceSpec(
         "h100-sxm", 80 * _GB, 989e12, 3.35e12, 450e9, 5.0,
         "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS dense BF16, 3.35 TB/s HBM3, "
-        "80 GB, NVLink 900 GB/s bidirectional)"),
+        "80 GB, NVLink 900 GB/s bidirectional)",
+        peak_flops_fp32=67e12, peak_flops_tf32=494.7e12,
+        peak_flops_bf16=989.4e12,
+        flops_source=("NVIDIA H100 Tensor Core GPU datasheet, SXM5: FP32 67 TFLOPS, "
+                      "TF32 989 TFLOPS and BF16/FP16 1,979 TFLOPS with sparsity (dense: half)")),
     "h200": DeviceSpec(
         "h200", 141 * _GB, 989e12, 4.8e12, 450e9, 5.0,
         "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS dense BF16, 4.8 TB/s HBM3e, "
-        "141 GB, NVLink 900 GB/s bidirectional)"),
+        "141 GB, NVLink 900 GB/s bidirectional)",
+        peak_flops_fp32=67e12, peak_flops_tf32=494.7e12,
+        peak_flops_bf16=989.4e12,
+        flops_source=("NVIDIA H200 Tensor Core GPU datasheet, SXM: FP32 67 TFLOPS, "
+                      "TF32 989 TFLOPS and BF16/FP16 1,979 TFLOPS with sparsity (dense: half)")),
     "a100-80gb": DeviceSpec(
         "a100-80gb", 80 * _GB, 312e12, 2.039e12, 300e9, 5.0,
         "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS dense BF16, 2,039 GB/s, "
-        "NVLink 600 GB/s bidirectional)"),
+        "NVLink 600 GB/s bidirectional)",
+        peak_flops_fp32=19.5e12, peak_flops_tf32=156e12,
+        peak_flops_bf16=312e12,
+        flops_source=("NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5 TFLOPS, "
+                      "TF32 156 TFLOPS, BF16/FP16 312 TFLOPS (dense)")),
     "a100-40gb": DeviceSpec(
         "a100-40gb", 40 * _GB, 312e12, 1.555e12, 300e9, 5.0,
         "NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB: 312 TFLOPS dense BF16, 1,555 GB/s, "
-        "NVLink 600 GB/s bidirectional)"),
+        "NVLink 600 GB/s bidirectional)",
+        peak_flops_fp32=19.5e12, peak_flops_tf32=156e12,
+        peak_flops_bf16=312e12,
+        flops_source=("NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5 TFLOPS, "
+                      "TF32 156 TFLOPS, BF16/FP16 312 TFLOPS (dense)")),
     "l4": DeviceSpec(
         "l4", 24 * _GB, 121e12, 300e9, 32e9, 10.0,
         "NVIDIA L4 Tensor Core GPU datasheet (121 TFLOPS dense BF16, 300 GB/s GDDR6, 24 GB, "
-        "PCIe Gen4 x16 64 GB/s bidirectional)"),
+        "PCIe Gen4 x16 64 GB/s bidirectional)",
+        peak_flops_fp32=30.3e12, peak_flops_tf32=60e12,
+        peak_flops_bf16=121e12,
+        flops_source=("NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS, "
+                      "TF32 120 TFLOPS and BF16/FP16 242 TFLOPS with sparsity (dense: half)")),
     "cpu": DeviceSpec(
         "cpu", _host_memory_bytes(), 1e11, 2e10, 1e10, 2.0,
         "nominal host figures (memory read from the OS; copies between stages on one host "
-        "run at memcpy speed, taken as 10 GB/s); use measured profiles for real CPU plans"),
+        "run at memcpy speed, taken as 10 GB/s); use measured profiles for real CPU plans",
+        peak_flops_fp32=1e11, peak_flops_tf32=1e11,
+        peak_flops_bf16=1e11,
+        flops_source="nominal: one figure for every dtype; measure on CPU instead"),
 }
 
 

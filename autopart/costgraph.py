@@ -35,6 +35,9 @@ class NodeCost:
         params: FQNs of the parameters and buffers it reads (any use, not just the first).
         output_is_tensor: False when it returns a tuple, list, scalar or None; such a value
             never crosses a cut.
+        transient_bytes: bytes live only while this node's backward runs: the gradients
+            of its outputs and of its differentiable tensor inputs (0 when not training);
+            a stage's largest is its transient working set. Optional (default 0).
     """
 
     name: str
@@ -51,10 +54,11 @@ class NodeCost:
     inputs: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     output_is_tensor: bool = True
+    transient_bytes: int = 0
 
     def __post_init__(self) -> None:
         for attr in ("fwd_us", "bwd_input_us", "bwd_weight_us", "flops", "bytes_accessed",
-                     "output_bytes", "saved_bytes", "param_bytes"):
+                     "output_bytes", "saved_bytes", "param_bytes", "transient_bytes"):
             if getattr(self, attr) < 0:
                 raise ValueError(f"node {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)}")
 

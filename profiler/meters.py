@@ -62,6 +62,11 @@ class SavedTensorMeter:
         return t
 
     @property
+    def keys(self) -> set[tuple[str, int]]:
+        """Storage keys counted so far."""
+        return set(self._seen)
+
+    @property
     def saved_bytes(self) -> int:
         """Bytes of the distinct, non-excluded storages saved so far."""
         return sum(self._seen.values())

@@ -13,7 +13,7 @@ import torch
 
 from autopart.errors import ProfileError
 
-__all__ = ["check_device", "time_calls", "RngState"]
+__all__ = ["check_device", "time_calls", "time_samples", "spread", "RngState"]
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
 
@@ -56,6 +56,21 @@ def check_device(device: str) -> torch.device:
 
 def time_calls(device: torch.device, factory: CallFactory, warmup: int, repeats: int,
                long_us: float = math.inf) -> tuple[float, Any]:
+    """Median of :func:`time_samples`: ``(median µs, result of the last call)``."""
+    samples, result = time_samples(device, factory, warmup, repeats, long_us)
+    return float(statistics.median(samples)), result
+
+
+def spread(samples: list[float]) -> float:
+    """Relative spread of timing samples: ``(max - min) / median`` (0 for one sample)."""
+    if len(samples) < 2:
+        return 0.0
+    med = statistics.median(samples)
+    return (max(samples) - min(samples)) / med if med > 0 else 0.0
+
+
+def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeats: int,
+                 long_us: float = math.inf) -> tuple[list[float], Any]:
     """Call ``factory()()`` ``warmup + repeats`` times and time the repeats.
 
     Only the thunk is timed, never the factory's set-up. On CPU each call is timed with
@@ -74,7 +89,7 @@ def time_calls(device: torch.device, factory: CallFactory, warmup: int, repeats:
         long_us: first-call duration, µs, from which one call is enough.
 
     Returns:
-        ``(median µs over the timed calls, result of the last call)``.
+        ``(µs of each timed call, result of the last call)``.
     """
     result: Any = None
     samples: list[float] = []
@@ -91,7 +106,7 @@ def time_calls(device: torch.device, factory: CallFactory, warmup: int, repeats:
                 end.synchronize()
                 first_us = float(start.elapsed_time(end)) * 1e3  # ms -> µs
                 if first_us >= long_us:
-                    return first_us, result
+                    return [first_us], result
             if i >= warmup:
                 pairs.append((start, end))
         torch.cuda.synchronize(device)
@@ -103,10 +118,10 @@ def time_calls(device: torch.device, factory: CallFactory, warmup: int, repeats:
             result = thunk()
             us = (time.perf_counter() - t0) * 1e6
             if i == 0 and us >= long_us:
-                return us, result
+                return [us], result
             if i >= warmup:
                 samples.append(us)
-    return float(statistics.median(samples)), result
+    return samples, result
 
 
 class RngState:

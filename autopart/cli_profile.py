@@ -1,0 +1,185 @@
+"""``autopart profile``: capture a model, profile it (measured or analytical) and print a table."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+__all__ = ["profile", "build_model", "parse_device", "ProfileCLIError"]
+
+_DTYPES = ("float32", "bfloat16")
+
+
+class ProfileCLIError(Exception):
+    """Bad command-line input; the message lists what is valid."""
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_device(device: str) -> tuple[str, Any]:
+    """``("measured", "cpu" | "cuda:N")`` or ``("analytical", DeviceSpec)``.
+
+    Raises:
+        ProfileCLIError: unknown preset or malformed device, or CUDA without a GPU.
+    """
+    from autopart.cluster import PRESETS
+    from autopart.errors import ProfileError
+    from autopart.profiler.timer import check_device
+
+    if device in PRESETS and device != "cpu":
+        return "analytical", PRESETS[device]
+    try:
+        check_device(device)
+    except ProfileError as exc:
+        raise ProfileCLIError(f"{exc}; or a device preset: {', '.join(p for p in PRESETS if p != 'cpu')}"
+                              ) from None
+    return "measured", device
+
+
+def build_model(spec: str, config: list[str], batch_size: int, seq_len: int, *, meta: bool,
+                ) -> tuple[Any, tuple[Any, ...]]:
+    """Build ``hf:<Class>`` from its config class (random weights) or call ``file.py:function``.
+
+    Raises:
+        ProfileCLIError: unknown class, config key or file/function.
+    """
+    import torch
+
+    if spec.startswith("hf:"):
+        import transformers
+
+        name = spec[3:]
+        cls = getattr(transformers, name, None) if name.isidentifier() else None
+        config_cls = getattr(cls, "config_class", None)
+        if cls is None or config_cls is None:
+            names = [n for n in dir(transformers) if n.endswith(("Model", "LMHeadModel", "ForCausalLM"))]
+            close = difflib.get_close_matches(name, names, n=6)
+            raise ProfileCLIError(f"unknown transformers model class {name!r}; valid: a transformers "
+                                  f"model class with a config class, e.g. {', '.join(close or names[:6])}")
+        cfg = config_cls()
+        for item in config:
+            key, sep, value = item.partition("=")
+            if not sep or not hasattr(cfg, key):
+                valid = ", ".join(sorted(cfg.to_dict()))
+                raise ProfileCLIError(f"--config {item!r}: {config_cls.__name__} has no key {key!r}; "
+                                      f"valid keys: {valid}")
+            setattr(cfg, key, _parse_value(value))
+        if hasattr(cfg, "use_cache"):
+            cfg.use_cache = False
+        if meta:
+            with torch.device("meta"):
+                model = cls(cfg)
+        else:
+            torch.manual_seed(0)
+            model = cls(cfg)
+        vocab = int(getattr(cfg, "vocab_size", 2) or 2)
+        device = "meta" if meta else "cpu"
+        x = torch.randint(0, vocab, (batch_size, seq_len), device="cpu").to(device)
+        return model.train(), (x,)
+    path, sep, func = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not Path(path).is_file():
+        raise ProfileCLIError(f"MODEL {spec!r}: valid forms are hf:<transformers model class> or "
+                              "path/to/file.py:function")
+    mod_spec = importlib.util.spec_from_file_location("_autopart_user_model", path)
+    assert mod_spec is not None and mod_spec.loader is not None
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    fn = getattr(module, func, None)
+    if fn is None:
+        funcs = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
+        raise ProfileCLIError(f"{path} has no function {func!r}; valid: {', '.join(funcs)}")
+    model, inputs = fn()
+    return model, inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _table(costs: Any, depth: int, top: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    groups: dict[str, list[float]] = {}
+    for n in costs.nodes:
+        key = ".".join(n.module_path.split(".")[:depth]) or "<top>"
+        g = groups.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+        g[0] += n.fwd_us + n.bwd_us
+        g[1] += n.flops
+        g[2] += n.saved_bytes
+        g[3] += n.param_bytes
+    table = Table(title=f"{costs.source}  batch {costs.batch_size}  ({len(costs.nodes)} nodes)")
+    for col in ("module path", "fwd+bwd ms", "GFLOP (fwd)", "saved MB", "params MB"):
+        table.add_column(col, justify="left" if col == "module path" else "right")
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    for key, (us, flops, saved, params) in rows[:top]:
+        table.add_row(key, f"{us / 1e3:.3f}", f"{flops / 1e9:.3f}", f"{saved / 1e6:.2f}",
+                      f"{params / 1e6:.2f}")
+    if len(rows) > top:
+        table.add_row(f"... {len(rows) - top} more", "", "", "", "")
+    tot = [sum(g[i] for g in groups.values()) for i in range(4)]
+    table.add_row("total", f"{tot[0] / 1e3:.3f}", f"{tot[1] / 1e9:.3f}", f"{tot[2] / 1e6:.2f}",
+                  f"{tot[3] / 1e6:.2f}", style="bold")
+    Console().print(table)
+
+
+def profile(model: str = typer.Argument(..., help="hf:<transformers class> or file.py:function"),
+            config: list[str] = typer.Option([], "--config", help="KEY=VALUE config override"),
+            batch_size: int = typer.Option(1, min=1, help="batch size B (hf: models)"),
+            seq_len: int = typer.Option(128, min=1, help="sequence length T (hf: models)"),
+            dtype: str = typer.Option("float32", help="float32 or bfloat16"),
+            device: str = typer.Option("cpu", help="cpu, cuda:N or a device preset (analytical)"),
+            out: Path = typer.Option(Path("profile.json"), help="CostGraph JSON to write"),
+            depth: int = typer.Option(3, min=1, help="module-path components per table row"),
+            top: int = typer.Option(25, min=1, help="table rows shown"),
+            no_cache: bool = typer.Option(False, "--no-cache", help="ignore the profile cache"),
+            ) -> None:
+    """Profile a model's per-op costs and write its CostGraph JSON."""
+    try:
+        if dtype not in _DTYPES:
+            raise ProfileCLIError(f"--dtype {dtype!r}; valid: {', '.join(_DTYPES)}")
+        method, target = parse_device(device)
+        net, inputs = build_model(model, config, batch_size, seq_len, meta=method == "analytical")
+    except ProfileCLIError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    _run(net, inputs, method, target, dtype, out, depth, top, not no_cache)
+
+
+def _run(net: Any, inputs: tuple[Any, ...], method: str, target: Any, dtype: str, out: Path,
+         depth: int, top: int, use_cache: bool) -> None:
+    import torch
+    from rich.progress import Progress
+
+    from autopart.capture import capture
+    from autopart.profiler import profile_analytical, profile_graph
+    from autopart.profiler.cache import cached_profile, profile_key
+
+    torch_dtype = getattr(torch, dtype)
+    net = net.to(torch_dtype)
+    captured = capture(net, inputs)
+    flat = captured.flatten_inputs(inputs, {})
+    name = target.name if method == "analytical" else target
+    key = profile_key(captured.fingerprint, name, flat, dtype=dtype, training=True, method=method)
+
+    def compute() -> Any:
+        if method == "analytical":
+            return profile_analytical(captured, flat, target, dtype=torch_dtype)
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"measuring on {target}", total=None)
+            return profile_graph(captured, flat, device=target,
+                                 progress=lambda d, t: bar.update(task, completed=d, total=t))
+
+    if use_cache:
+        costs, hit = cached_profile(key, compute)
+    else:
+        costs, hit = compute(), False
+    _table(costs, depth, top)
+    costs.save(out)
+    typer.echo(f"wrote {out} ({'from cache, ' if hit else ''}{costs.profile_wall_s:.1f} s profiling)")

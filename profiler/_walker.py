@@ -1,0 +1,348 @@
+"""The measuring interpreter behind profile_graph: one op node at a time, on real values."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopart.capture import CapturedGraph, node_module_path, op_nodes
+from autopart.costgraph import NodeCost
+from autopart.errors import ProfileError
+from autopart.profiler._oputil import (
+    EXTRA_FLOP_FORMULAS,
+    MeasureReport,
+    _clone_written,
+    _Run,
+    _written_args,
+)
+from autopart.profiler.meters import SavedTensorMeter, storage_key, tensor_leaves, tree_nbytes
+from autopart.profiler.timer import spread, time_calls, time_samples
+
+__all__: list[str] = []
+
+_Key = tuple[str, int]
+Progress = Callable[[int, int], None]
+
+
+class _Walker:
+    """Interprets the graph once, profiling each op node as its inputs become available."""
+
+    def __init__(self, captured: CapturedGraph, device: torch.device, training: bool,
+                 warmup: int, repeats: int, long_us: float) -> None:
+        self.captured = captured
+        self.device = device
+        self.training = training
+        self.warmup = warmup
+        self.repeats = repeats
+        self.long_us = long_us
+        self.graph = captured.graph_module.graph
+        self.env: dict[fx.Node, Any] = {}
+        self.needs_grad: dict[fx.Node, bool] = {}
+        self.fqn: dict[fx.Node, str] = {}
+        self.protected: set[_Key] = set()  # storages of the model's and the caller's tensors
+        self.param_sizes: dict[str, int] = {}
+        self.param_numel: dict[str, int] = {}
+        self.estimated: list[str] = []
+        self._moved: dict[int, torch.Tensor] = {}
+        self.reuse: dict[fx.Node, fx.Node] = {}
+        self.progress: Progress | None = None
+        self.report = MeasureReport()
+        self._done: dict[fx.Node, tuple[NodeCost, float]] = {}  # measured: (cost, wall s)
+        self._saved_live: set[_Key] = set()  # saved storages already counted, still alive
+        self._live_refs: Counter[_Key] = Counter()  # live env values per storage
+
+    # ---- walk --------------------------------------------------------------------
+    def run(self, flat_inputs: list[Any]) -> list[NodeCost]:
+        """Interpret the graph; return one NodeCost per op node, in topological order."""
+        last_use = self._last_uses()
+        inputs = iter(flat_inputs)
+        costs: list[NodeCost] = []
+        seen_params: set[str] = set()
+        ops = op_nodes(self.graph)
+        op_set = set(ops)
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                value = self._to_device(next(inputs))
+                self._set(node, value)
+                self.needs_grad[node] = (isinstance(value, torch.Tensor)
+                                         and value.requires_grad)
+            elif node.op == "get_attr":
+                self.env[node] = self._get_attr(node)
+            elif node in op_set:
+                t0 = time.perf_counter()
+                rep = self.reuse.get(node)
+                if rep in self._done and self._same_grads(node, rep):
+                    cost = self._reuse_node(node, rep, seen_params)
+                    self.report.reuse_saved_s += self._done[rep][1] - (time.perf_counter() - t0)
+                else:
+                    cost = self._profile_node(node, seen_params)
+                    self._done[node] = (cost, time.perf_counter() - t0)
+                seen_params.update(cost.params)
+                costs.append(cost)
+                if self.progress is not None:
+                    self.progress(len(costs), len(ops))
+            for dead in last_use.get(node, ()):
+                self._drop(dead)
+        return costs
+
+    def _set(self, node: fx.Node, value: Any) -> None:
+        self.env[node] = value
+        self._live_refs.update({k for t in tensor_leaves(value) if (k := storage_key(t))})
+
+    def _drop(self, node: fx.Node) -> None:
+        for key in {k for t in tensor_leaves(self.env.pop(node, None)) if (k := storage_key(t))}:
+            self._live_refs[key] -= 1
+            if self._live_refs[key] <= 0:
+                del self._live_refs[key]
+                self._saved_live.discard(key)
+
+    def _same_grads(self, node: fx.Node, rep: fx.Node) -> bool:
+        """Whether the node's inputs need gradients exactly where its representative's did."""
+        mine = [self.needs_grad.get(n, False) for n in node.all_input_nodes]
+        theirs = [self.needs_grad.get(n, False) for n in rep.all_input_nodes]
+        return mine == theirs
+
+    def _reuse_node(self, node: fx.Node, rep: fx.Node, seen_params: set[str]) -> NodeCost:
+        """Run a node once for its value; take its representative's measured costs."""
+        fn = self._callable(node)
+        written = _written_args(node)
+        args, kwargs = self._load(node)
+        try:
+            if written:
+                result = self._commit(node, fn, written, self.env.__getitem__)
+            else:
+                a, k = _clone_written(args, kwargs, [])
+                result = fn(*a, **k)
+        except Exception as exc:  # the same error as a measured node
+            raise ProfileError(f"node {node.name!r} ({node.target}) failed on {self.device}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        self._set(node, result)
+        self.needs_grad[node] = self.needs_grad.get(rep, False)
+        self.report.reused[node.name] = rep.name
+        self.report.fwd_spread[node.name] = 0.0
+        base = self._done[rep][0]
+        params = tuple(dict.fromkeys(self.fqn[n] for n in node.all_input_nodes if n in self.fqn))
+        return dataclasses.replace(
+            base, name=node.name, module_path=node_module_path(node),
+            param_bytes=sum(self.param_sizes[p] for p in params if p not in seen_params),
+            inputs=tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"),
+            params=params)
+
+    def output_names(self) -> tuple[str, ...]:
+        """Names of the op nodes and placeholders the graph returns (constants skipped)."""
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        names: list[str] = []
+        fx.node.map_arg(out.args, lambda n: names.append(n.name) if n.op != "get_attr" else None)
+        return tuple(names)
+
+    def _last_uses(self) -> dict[fx.Node, list[fx.Node]]:
+        seen: set[fx.Node] = set()
+        last: dict[fx.Node, list[fx.Node]] = {}
+        for node in reversed(self.graph.nodes):
+            for inp in node.all_input_nodes:
+                if inp not in seen:
+                    seen.add(inp)
+                    last.setdefault(node, []).append(inp)
+        return last
+
+    def _to_device(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            self.protected.add(storage_key(value) or ("", 0))
+            if value.device != self.device:
+                value = value.detach().to(self.device)
+                self.protected.add(storage_key(value) or ("", 0))
+        return value
+
+    def _get_attr(self, node: fx.Node) -> Any:
+        target = str(node.target)
+        obj: Any = self.captured.graph_module
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        if not isinstance(obj, torch.Tensor):
+            return obj  # a submodule of a higher-order op
+        value = self.captured.attr_value(target)
+        fqn = self.captured.attr_fqns.get(target, target)
+        self.fqn[node] = fqn
+        if node.users:
+            self.param_sizes[fqn] = value.numel() * value.element_size()
+            self.param_numel[fqn] = value.numel()
+        if id(value) not in self._moved:
+            self._moved[id(value)] = self._to_device(value)
+        return self._moved[id(value)]
+
+    def _load(self, node: fx.Node, value_of: Callable[[fx.Node], Any] | None = None,
+              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The node's args and kwargs with Nodes replaced by values, device literals remapped."""
+        get = value_of or self.env.__getitem__
+        args, kwargs = fx.node.map_aggregate(
+            fx.node.map_arg((node.args, node.kwargs), get),
+            lambda x: self.device if isinstance(x, torch.device) else x)
+        return tuple(args), dict(kwargs)
+
+    def _callable(self, node: fx.Node) -> Callable[..., Any]:
+        if node.op == "call_function":
+            return node.target  # type: ignore[return-value]
+        if node.op == "call_module":
+            mod: Callable[..., Any] = self.captured.graph_module.get_submodule(str(node.target))
+            return mod
+        name = str(node.target)  # call_method: args[0] is self
+        return lambda obj, *a, **k: getattr(obj, name)(*a, **k)
+
+    # ---- one node ----------------------------------------------------------------
+    def _profile_node(self, node: fx.Node, seen_params: set[str]) -> NodeCost:
+        fn = self._callable(node)
+        written = _written_args(node)
+        # Buffers, frozen parameters and constants go in as clones: some ops (aten.batch_norm
+        # in training) update them in place without saying so in their schema.
+        clones = {n: pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
+                                     self.env[n])
+                  for n in node.all_input_nodes
+                  if n.op == "get_attr" and self.fqn.get(n) not in self.captured.trainable}
+
+        def value_of(n: fx.Node) -> Any:
+            return clones[n] if n in clones else self.env[n]
+
+        args, kwargs = self._load(node, value_of)
+
+        def factory() -> Callable[[], Any]:
+            a, k = _clone_written(args, kwargs, written)
+            return lambda: fn(*a, **k)
+
+        try:
+            run = self._instrumented_run(node, fn, written, value_of)
+            samples = [run.us]
+            if run.us < self.long_us:  # the instrumented run was the warm-up's first call
+                samples, _ = time_samples(self.device, factory, self.warmup, self.repeats)
+            fwd_us = float(statistics.median(samples))
+            self.report.fwd_spread[node.name] = spread(samples)
+            result = self._commit(node, fn, written, value_of) if written else run.value
+            bwd_in, bwd_w = self._time_backward(node, run, fwd_us)
+        except Exception as exc:  # any op failure becomes one error that names the node
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ProfileError(
+                f"node {node.name!r} ({node.target}, module {node_module_path(node)!r}) failed "
+                f"on {self.device}: {type(exc).__name__}: {text}; check that the inputs match "
+                "the captured example inputs and that every op runs on this device") from exc
+        self._set(node, result)
+        live = {k for t in tensor_leaves(result) if (k := storage_key(t))}
+        live |= {k for n in node.all_input_nodes for t in tensor_leaves(self.env.get(n))
+                 if (k := storage_key(t))}
+        self._saved_live |= run.saved_keys & live  # op-internal saved tensors die with it
+        params = tuple(dict.fromkeys(self.fqn[n] for n in node.all_input_nodes
+                                     if n in self.fqn))
+        transient = (tree_nbytes(run.outs) + tree_nbytes(run.input_leaves)
+                     if self.training and run.outs else 0)
+        return NodeCost(
+            name=node.name, op=str(node.target), module_path=node_module_path(node),
+            fwd_us=fwd_us, bwd_input_us=bwd_in, bwd_weight_us=bwd_w, flops=run.flops,
+            bytes_accessed=tree_nbytes((args, kwargs)) + tree_nbytes(result),
+            output_bytes=tree_nbytes(result), saved_bytes=run.saved_bytes,
+            param_bytes=sum(self.param_sizes[p] for p in params if p not in seen_params),
+            inputs=tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"),
+            params=params, output_is_tensor=isinstance(result, torch.Tensor),
+            transient_bytes=transient)
+
+    def _commit(self, node: fx.Node, fn: Callable[..., Any], written: list[int | str],
+                value_of: Callable[[fx.Node], Any]) -> Any:
+        """Run a writing op once for the graph's sake, never on the model's or caller's tensors.
+
+        A written activation is updated in place, as in the model; a written graph input or
+        attribute is first replaced, for the rest of the walk, by a clone.
+        """
+        for w in written:
+            src = node.args[w] if isinstance(w, int) else node.kwargs.get(w)
+            if isinstance(src, fx.Node) and isinstance(self.env.get(src), torch.Tensor):
+                if storage_key(self.env[src]) in self.protected:
+                    self.env[src] = self.env[src].clone()
+        args, kwargs = self._load(node, value_of)
+        return fn(*args, **kwargs)
+
+    def _instrumented_run(self, node: fx.Node, fn: Callable[..., Any],
+                          written: list[int | str], value_of: Callable[[fx.Node], Any]) -> _Run:
+        """One timed forward under the FLOP counter and, when training, with grad enabled.
+
+        With grad, the inputs that need a gradient and the trainable parameters become
+        detached ``requires_grad`` aliases (no data copied) and the saved-tensor hooks
+        size what autograd keeps.
+        """
+        run = _Run()
+        cache: dict[fx.Node, Any] = {}
+
+        def grad_value(src: fx.Node) -> Any:
+            if src in cache:
+                return cache[src]
+            value = value_of(src)
+            if src.op == "get_attr":
+                want = self.fqn.get(src) in self.captured.trainable
+                leaves = run.weight_leaves
+            else:
+                want, leaves = self.needs_grad.get(src, False), run.input_leaves
+
+            def leaf(x: Any) -> Any:
+                if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+                    x = x.detach().requires_grad_(True)
+                    leaves.append(x)
+                return x
+
+            cache[src] = pytree.tree_map(leaf, value) if want else value
+            return cache[src]
+
+        args, kwargs = self._load(node, grad_value if self.training else value_of)
+        with torch.set_grad_enabled(self.training):  # a clone of a grad leaf stays in the graph
+            args, kwargs = _clone_written(args, kwargs, written)
+        excluded = {k for n in node.all_input_nodes if n.op == "get_attr"
+                    for t in tensor_leaves(value_of(n)) if (k := storage_key(t)) is not None}
+        meter = SavedTensorMeter(excluded | self._saved_live)
+        counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+
+        def factory() -> Callable[[], Any]:
+            def thunk() -> Any:
+                with torch.set_grad_enabled(self.training), \
+                        saved_tensors_hooks(meter.pack, meter.unpack), counter:
+                    return fn(*args, **kwargs)
+            return thunk
+
+        run.us, out = time_calls(self.device, factory, 0, 1)
+        run.flops = int(counter.get_total_flops())
+        run.value = pytree.tree_map(
+            lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+        run.outs = [t for t in tensor_leaves(out) if t.requires_grad]
+        self.needs_grad[node] = bool(run.outs)
+        if run.outs:
+            run.saved_bytes = meter.saved_bytes
+            run.saved_keys = meter.keys
+        return run
+
+    def _time_backward(self, node: fx.Node, run: _Run, fwd_us: float) -> tuple[float, float]:
+        """``(bwd_input_us, bwd_weight_us)``; 0 when no output needs a gradient."""
+        if not run.outs:
+            return 0.0, 0.0
+        grads = [torch.ones_like(t) for t in run.outs]
+        try:
+            return (self._time_grad(run.outs, grads, run.input_leaves),
+                    self._time_grad(run.outs, grads, run.weight_leaves))
+        except RuntimeError:  # an op without a derivative formula: estimate, and say so
+            self.estimated.append(node.name)
+            return fwd_us, fwd_us
+
+    def _time_grad(self, outs: list[torch.Tensor], grads: list[torch.Tensor],
+                   leaves: list[torch.Tensor]) -> float:
+        if not leaves:
+            return 0.0
+
+        def factory() -> Callable[[], Any]:
+            return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True,
+                                               allow_unused=True)
+
+        us, _ = time_calls(self.device, factory, self.warmup, self.repeats, self.long_us)
+        return float(us)

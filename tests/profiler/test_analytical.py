@@ -1,0 +1,102 @@
+"""Tests of profile_analytical: FLOPs against torch's counter and the closed form, roofline, meta models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopart.capture import capture
+from autopart.cluster import PRESETS
+from autopart.errors import ProfileError
+from autopart.profiler import profile_analytical, profile_graph
+from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
+from autopart.profiler.analytical import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+from tests.profiler._models import B, D, L, T, V, small_gpt2
+
+pytest.importorskip("transformers")
+
+
+def test_gpt2_flops_match_counter_and_closed_form() -> None:
+    model, x = small_gpt2()
+    captured = capture(model, (x,))
+    costs = profile_analytical(captured, None, PRESETS["h100-sxm"])
+    flops = sum(n.flops for n in costs.nodes)
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:
+        model(x)
+    assert abs(flops / counter.get_total_flops() - 1) < 0.03
+    # 2 * matmul parameters * tokens + attention (QK^T and AV: 2 * 2 * B * T^2 * D per layer).
+    closed = 2 * (L * 12 * D * D + D * V) * B * T + L * 4 * B * T * T * D
+    assert abs(flops / closed - 1) < 0.03
+    assert costs.source == "analytical:h100-sxm" and costs.bwd_source.startswith("estimated:")
+    assert costs.fingerprint == captured.fingerprint
+
+
+def test_linear_roofline_hand_worked() -> None:
+    spec = PRESETS["a100-80gb"]
+    model = nn.Sequential(nn.Linear(256, 512))
+    x = torch.randn(128, 256)
+    costs = profile_analytical(capture(model, (x,)), [x], spec, dtype=torch.float32)
+    (node,) = costs.nodes
+    flops = 2 * 128 * 256 * 512
+    nbytes = (128 * 256 + 512 * 256 + 512 + 128 * 512) * 4
+    assert node.flops == flops and node.bytes_accessed == nbytes
+    expect = max(flops / (19.5e12 * MATMUL_EFFICIENCY),
+                 nbytes / (spec.memory_bandwidth_bytes_per_s * MEMORY_EFFICIENCY)) * 1e6
+    assert node.fwd_us == pytest.approx(expect + spec.op_overhead_us)
+    # Backward: weight gradient one forward's worth; no input gradient (x needs none).
+    assert node.bwd_weight_us == pytest.approx(node.fwd_us) and node.bwd_input_us == 0
+    assert node.saved_bytes == 128 * 256 * 4  # the input; the weight is a parameter
+
+
+def test_analytical_saved_matches_measured_except_attention() -> None:
+    model, x = small_gpt2()
+    captured = capture(model, (x,))
+    ana = profile_analytical(captured, [x], PRESETS["cpu"])
+    meas = profile_graph(captured, [x], warmup=0, repeats=1)
+    for a, m in zip(ana.nodes, meas.nodes, strict=True):
+        assert a.flops == m.flops, a.name
+        if "scaled_dot_product" not in a.op:  # analytical follows the GPU fused kernels
+            assert a.saved_bytes == m.saved_bytes, a.name
+
+
+def test_meta_llama_profiles_without_weights() -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+                                   max_position_embeddings=64, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    x = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    captured = capture(model, (x,))
+    costs = profile_analytical(captured, None, PRESETS["h100-sxm"], dtype=torch.bfloat16)
+    linear_flops = 2 * 32 * sum(n for k, n in costs.param_numel.items()
+                                if k.endswith("proj.weight") or k == "lm_head.weight")
+    total = sum(n.flops for n in costs.nodes)
+    assert linear_flops <= total < 1.1 * linear_flops
+    assert costs.total_bwd_us() > 0 and costs.total_fwd_us() > 0
+    assert sum(n.saved_bytes for n in costs.nodes) > 0
+
+
+def test_bad_arguments_raise() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    captured = capture(model, (x,))
+    with pytest.raises(ProfileError, match=r"takes 1 flat inputs, got 2"):
+        profile_analytical(captured, [x, x], PRESETS["l4"])
+    with pytest.raises(ProfileError, match=r"no peak for dtype 'torch.int8'.*float32, bfloat16"):
+        profile_analytical(captured, None, PRESETS["l4"], dtype=torch.int8)
+
+
+def test_preset_peaks_per_dtype() -> None:
+    h100 = PRESETS["h100-sxm"]
+    assert h100.peak_flops_for("bfloat16") == 989.4e12
+    assert h100.peak_flops_for("torch.float32") == 67e12
+    assert h100.peak_flops_for("float32", tf32=True) == 494.7e12
+    for name in ("h100-sxm", "h200", "a100-40gb", "a100-80gb", "l4", "cpu"):
+        spec = PRESETS[name]
+        assert spec.flops_source and spec.peak_flops_for("float16") > 0
+    with pytest.raises(ValueError, match=r"no peak for dtype 'int8'"):
+        h100.peak_flops_for("int8")

@@ -1,0 +1,68 @@
+"""Saved-for-backward bytes against what autograd actually keeps; repeated-block reuse; spread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from autopart.capture import capture, op_nodes
+from autopart.profiler import profile_graph_report
+from autopart.profiler.blocks import find_blocks, path_pattern, repeated_blocks
+from autopart.profiler.meters import SavedTensorMeter, storage_key
+from tests.profiler._models import small_gpt2
+
+pytest.importorskip("transformers")
+
+
+def _real_saved(model: torch.nn.Module, gm: torch.fx.GraphModule, x: torch.Tensor) -> int:
+    """Distinct non-parameter storages autograd packs in one forward, checked by a backward."""
+    excluded = {k for t in [*model.parameters(), *model.buffers()] if (k := storage_key(t))}
+    meter = SavedTensorMeter(excluded)
+    with saved_tensors_hooks(meter.pack, meter.unpack):
+        out = gm(x)
+    out[0].float().sum().backward()
+    assert model.lm_head.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    return meter.saved_bytes
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_saved_bytes_equal_what_autograd_keeps(reuse: bool) -> None:
+    model, x = small_gpt2()
+    captured = capture(model, (x,))
+    costs, report = profile_graph_report(captured, [x], warmup=0, repeats=1,
+                                         reuse_repeated_blocks=reuse)
+    assert sum(n.saved_bytes for n in costs.nodes) == _real_saved(model, captured.graph_module, x)
+    assert bool(report.reused) == reuse
+    assert all(n.transient_bytes >= n.output_bytes for n in costs.nodes if n.bwd_us > 0)
+
+
+def test_repeated_blocks_map_layer_1_onto_layer_0() -> None:
+    model, x = small_gpt2()
+    captured = capture(model, (x,))
+    assert path_pattern("transformer.h.1.attn") == ("transformer.h", 1)
+    assert path_pattern("lm_head") is None
+    blocks = find_blocks(captured.graph_module.graph)
+    assert [(b.prefix, b.index) for b in blocks] == [("transformer.h", 0), ("transformer.h", 1)]
+    mapping = repeated_blocks(captured.graph_module)
+    assert set(mapping) == set(blocks[1].nodes)
+    assert all(mapping[a] is b for a, b in zip(blocks[1].nodes, blocks[0].nodes, strict=True))
+    costs, report = profile_graph_report(captured, [x], warmup=0, repeats=2)
+    by_name = {n.name: n for n in costs.nodes}
+    for node, rep in mapping.items():
+        assert by_name[node.name].fwd_us == by_name[rep.name].fwd_us
+        assert report.reused[node.name] == rep.name
+    assert len(costs.nodes) == len(op_nodes(captured.graph_module.graph))
+    assert report.reuse_saved_s > 0
+    assert all(s >= 0 for s in report.fwd_spread.values())
+
+
+def test_reuse_keeps_outputs_exact() -> None:
+    """Reused nodes still compute their values: the last node's output is the model's."""
+    model, x = small_gpt2()
+    captured = capture(model, (x,))
+    a, _ = profile_graph_report(captured, [x], warmup=0, repeats=1, reuse_repeated_blocks=True)
+    b, _ = profile_graph_report(captured, [x], warmup=0, repeats=1, reuse_repeated_blocks=False)
+    assert [n.flops for n in a.nodes] == [n.flops for n in b.nodes]
+    assert [n.output_bytes for n in a.nodes] == [n.output_bytes for n in b.nodes]
