@@ -9,7 +9,7 @@ from importlib.metadata import version
 from autopart.cluster import Cluster
 from autopart.costgraph import CostGraph
 from autopart.errors import InfeasiblePlanError, PlanError
-from autopart.plan import OPTIMIZE_TARGETS, Cut, Plan, RankPlan, SolverReport, StagePlan
+from autopart.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Cut, Plan, RankPlan, SolverReport, StagePlan
 from autopart.solver._costmodel import TIME_UNITS_PER_US, CostModel, StageEstimate
 from autopart.solver.candidates import CutCandidates, find_candidates
 from autopart.solver.partition_cpsat import CpSatResult, partition_cpsat
@@ -32,7 +32,10 @@ class SolveOptions:
         optimize: ``"speed"`` (smallest step time under the memory cap) or ``"memory"``
             (smallest peak memory, then step time).
         training: plan for fwd + bwd (True) or forward-only inference.
-        schedule_kind: only ``"gpipe"`` in this version.
+        schedule_kind: one of ``SCHEDULE_KINDS``; ``None`` = ``"1f1b"`` when training (same
+            step time as GPipe, fewer microbatches in flight), ``"gpipe"`` for inference.
+        stages_per_rank: v; ``None`` or 1 in this version (one stage per rank).
+        recompute: recompute every stage's activations in backward; ``None`` = False.
         memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.
         optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte
             (AdamW: 2.0); weights + grads + state = ``(2 + this) x`` parameter bytes.
@@ -49,7 +52,9 @@ class SolveOptions:
     microbatch_candidates: tuple[int, ...] | None = None
     optimize: str = "speed"
     training: bool = True
-    schedule_kind: str = "gpipe"
+    schedule_kind: str | None = None
+    stages_per_rank: int | None = None
+    recompute: bool | None = None
     memory_cap_bytes: int | None = None
     optimizer_state_bytes_per_param_byte: float = 2.0
     time_limit_s: float = 10.0
@@ -59,9 +64,12 @@ class SolveOptions:
     max_candidates: int = 128
 
     def __post_init__(self) -> None:
-        if self.schedule_kind != "gpipe":
-            raise PlanError(f"schedule_kind={self.schedule_kind!r}: the runtime runs gpipe only in "
-                            "this version; pass schedule_kind='gpipe'")
+        if self.schedule_kind is not None and self.schedule_kind not in SCHEDULE_KINDS:
+            raise PlanError(f"schedule_kind={self.schedule_kind!r}; expected one of "
+                            f"{SCHEDULE_KINDS} or None")
+        if self.stages_per_rank not in (None, 1):
+            raise PlanError(f"stages_per_rank={self.stages_per_rank}: this solver version plans "
+                            "one stage per rank; pass stages_per_rank=1 or None")
         if self.optimize not in OPTIMIZE_TARGETS:
             raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
         if self.num_stages < 1 or self.batch_size < 1:
@@ -244,7 +252,8 @@ def _plan(costs: CostGraph, cluster: Cluster, options: SolveOptions, cands: CutC
             num_parameters=st.num_parameters, param_bytes=st.param_bytes,
             predicted_fwd_us=round(st.fwd_us, 3), predicted_bwd_us=round(st.bwd_us, 3),
             predicted_comm_us=round(st.comm_us, 3),
-            predicted_peak_memory_bytes=st.peak_memory_bytes))
+            predicted_peak_memory_bytes=st.peak_memory_bytes,
+            recompute=bool(options.recompute)))
     ranks = tuple(RankPlan(rank=st.stage, device=cluster.device_names[st.stage],
                            stage_indices=(st.stage,), peak_memory_bytes=st.peak_memory_bytes)
                   for st in best.stages)
@@ -262,7 +271,7 @@ def _plan(costs: CostGraph, cluster: Cluster, options: SolveOptions, cands: CutC
         optimize=options.optimize,
         batch_size=options.batch_size,
         num_microbatches=best.m,
-        schedule_kind=options.schedule_kind,
+        schedule_kind=options.schedule_kind or ("1f1b" if options.training else "gpipe"),
         cuts=cuts,
         stages=tuple(stages),
         ranks=ranks,

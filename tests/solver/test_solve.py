@@ -153,7 +153,8 @@ def test_plan_round_trips_through_json(build: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"schedule_kind": "1f1b"}, "runs gpipe only in this version"),
+    ({"schedule_kind": "pipedream"}, r"schedule_kind=.pipedream.; expected one of"),
+    ({"stages_per_rank": 2}, "plans one stage per rank"),
     ({"optimize": "fast"}, "optimize='fast'"),
     ({"num_microbatches": 3}, r"num_microbatches \[3\] must be >= 1 and divide batch_size=16"),
     ({"microbatch_candidates": (2, 5)}, r"num_microbatches \[5\]"),
