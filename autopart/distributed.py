@@ -218,6 +218,10 @@ class DistributedPipeline(nn.Module):
                            for mod, s in zip(self.stages, self.local_stages, strict=True)]
         store = dist.distributed_c10d._get_default_store()
         self._heartbeat = _Heartbeat(store, dist.get_rank(), dist.get_world_size())
+        # The last runtime built, kept while steps keep its (m, training): a new runtime re-runs
+        # the stages' shape inference and buffer set-up (a P2P exchange). Only one is kept
+        # because the stages hold the buffers of whichever runtime set them up last.
+        self._runtime: tuple[tuple[int, bool], _PipelineScheduleRuntime] | None = None
 
     def _make_tied_groups(self, placement: Any) -> list[tuple[str, dist.ProcessGroup | None]]:
         """One group per parameter read on several pipeline ranks; created on every rank in
@@ -250,6 +254,11 @@ class DistributedPipeline(nn.Module):
 
     # ---- running ---------------------------------------------------------------------
     def _schedule(self, m: int, training: bool) -> _PipelineScheduleRuntime:
+        if self._runtime is None or self._runtime[0] != (m, training):
+            self._runtime = ((m, training), self._new_runtime(m, training))
+        return self._runtime[1]
+
+    def _new_runtime(self, m: int, training: bool) -> _PipelineScheduleRuntime:
         def loss(out: Any, target: Any) -> torch.Tensor:
             assert self._loss_fn is not None
             flat = list(out) if isinstance(out, (tuple, list)) else [out]
