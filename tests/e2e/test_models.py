@@ -1,6 +1,7 @@
 """Whole models through autopart.compile (capture, profile, solve, split) against the plain model."""
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import autopart
 import autopart.profiler as autopart_profiler
 import autopart.solver as autopart_solver
 from autopart.demo import run_demo
+from autopart.errors import PlanError
 from tests.zoo import ZOO, bert, gpt2, mlp, resnet
 
 TOL = {"rtol": 1e-5, "atol": 4e-5}
@@ -85,3 +87,19 @@ def test_demo_on_a_small_gpt2_matches_and_writes_its_files(tmp_path: Path) -> No
         assert ours == pytest.approx(theirs, rel=1e-5, abs=4e-5)
     assert (tmp_path / "gpt2.plan.json").exists()
     assert (tmp_path / "stage_0.py").exists() and (tmp_path / "stage_1.py").exists()
+
+
+def test_a_plan_for_another_model_is_refused_naming_what_differs(tmp_path: Path) -> None:
+    model, args, target, loss_fn = mlp()
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=2, num_microbatches=2,
+                            time_limit_s=5.0)
+    wider = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 4))
+    with pytest.raises(PlanError, match=r"the plan was made for graph .* a different model"):
+        autopart.compile(wider, args, loss_fn=loss_fn, plan=pipe.plan)
+    # same graph, but a cut that names nodes the model does not have there
+    cut = pipe.plan.cuts[0]
+    moved = dataclasses.replace(cut, after_node="no_such_node")
+    edited = dataclasses.replace(pipe.plan, cuts=(moved, *pipe.plan.cuts[1:]))
+    with pytest.raises(PlanError, match=rf"plan cut at position {cut.position} expects nodes "
+                                        r"'no_such_node'"):
+        autopart.compile(model, args, loss_fn=loss_fn, plan=edited)
