@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.capture import capture
+from autopart.capture import CapturedGraph, capture
 from autopart.errors import PlanError
 from autopart.plan import Plan
 
@@ -71,6 +71,18 @@ def _initialise(model: nn.Module, fqns: set[str], device: torch.device) -> Any:
     return tensor_of
 
 
+def _retarget_device(captured: CapturedGraph, device: torch.device) -> None:
+    """Point ops that a meta-device capture pinned to ``meta`` (``arange(..., device=meta)``,
+    ``_assert_tensor_metadata(..., device=meta)``) at the device the stages run on."""
+    changed = False
+    for node in captured.graph_module.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "meta":
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+    if changed:
+        captured.graph_module.recompile()
+
+
 def compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                         loss_fn: Any, plan: Plan | str | os.PathLike[str] | None,
                         num_microbatches: int | None, schedule: str | None,
@@ -114,6 +126,8 @@ def compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
         mb_args, mb_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
                                                   (mb_args, mb_kwargs))
     captured = capture(model, mb_args, mb_kwargs)
+    if meta:
+        _retarget_device(captured, device)
     tensor_of = None
     if checkpoint is not None:
         tensor_of = _checkpoint_tensors(checkpoint)

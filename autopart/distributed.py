@@ -224,19 +224,27 @@ class DistributedPipeline(nn.Module):
         self._runtime: tuple[tuple[int, bool], _PipelineScheduleRuntime] | None = None
 
     def _make_tied_groups(self, placement: Any) -> list[tuple[str, dist.ProcessGroup | None]]:
-        """One group per parameter read on several pipeline ranks; created on every rank in
-        the same order (``new_group`` is collective)."""
+        """One group per parameter read on several pipeline ranks, per pipeline replica.
+
+        ``new_group`` is collective over the whole world: every rank creates every replica's
+        groups in the same order (with a pp x dp mesh each data-parallel replica has its own
+        pipeline group), and keeps those it belongs to.
+        """
         groups: list[tuple[str, dist.ProcessGroup | None]] = []
-        global_ranks = (dist.get_process_group_ranks(self.pp_group) if self.pp_group is not None
-                        else list(range(dist.get_world_size())))
+        mine = (dist.get_process_group_ranks(self.pp_group) if self.pp_group is not None
+                else list(range(dist.get_world_size())))
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        pipelines = sorted({tuple(ranks) for ranks in every})
         for fqn in sorted(placement.replicas):
             readers = [placement.owner[fqn], *placement.replicas[fqn]]
             ranks = sorted({self.plan.stages[s].rank for s in readers})
             if len(ranks) < 2:
                 continue
-            group = dist.new_group([global_ranks[r] for r in ranks])
-            if self.pp_rank in ranks and fqn in self._local:
-                groups.append((fqn, group))
+            for pipeline in pipelines:
+                group = dist.new_group([pipeline[r] for r in ranks])
+                if list(pipeline) == mine and self.pp_rank in ranks and fqn in self._local:
+                    groups.append((fqn, group))
         return groups
 
     # ---- parameters -----------------------------------------------------------------

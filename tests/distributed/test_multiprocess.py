@@ -74,3 +74,44 @@ def test_a_killed_rank_makes_the_others_exit_naming_it() -> None:
     assert "PipelineFailure" in survivor_err, survivor_err[-3000:]
     assert "rank 1 (stages [1]) failed or stopped responding" in survivor_err, survivor_err[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s with a {timeout_s} s timeout"
+
+
+def _reports(out: str, world: int) -> dict[str, list[str]]:
+    reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
+    assert sorted(reports) == [f"rank{r}.txt" for r in range(world)]
+    return reports
+
+
+def test_a_meta_model_materialises_only_each_ranks_stages_from_a_checkpoint(tmp_path: Path) -> None:
+    import autopart
+    from autopart.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    model, args, target, loss_fn = ZOO["gpt2"]()
+    captured = capture(model, tuple(a[:2] for a in args))
+    plan = manual_plan(captured, even_positions(captured, 2), 4, 8, schedule_kind="1f1b")
+    plan.save(tmp_path / "plan.json")
+    autopart.compile(model, args, loss_fn=loss_fn, plan=plan).save(tmp_path / "ckpt")
+    every = {name for name, _ in model.named_parameters()}
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("from_meta", 2, str(tmp_path / "ckpt"), str(tmp_path / "plan.json"), out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = _reports(out, 2)
+    owned = [set(reports[f"rank{r}.txt"][0].split()) for r in range(2)]
+    for r in range(2):
+        assert reports[f"rank{r}.txt"][1:] == [], reports[f"rank{r}.txt"][1:]
+        assert owned[r] < every  # a strict subset: the rest never left the meta device
+    assert owned[0] | owned[1] == every
+    # only the tied embedding / lm_head weight lives on both ranks
+    assert owned[0] & owned[1] == {"transformer.wte.weight"}
+
+
+def test_pipeline_times_data_parallel_gradients_equal_the_full_batch() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("pp_dp", 4, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = _reports(out, 4)
+    for name, lines in reports.items():
+        assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
+        assert lines[1:] == [], f"{name}: {lines[1:]}"

@@ -67,6 +67,80 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
     dist.destroy_process_group()
 
 
+def _compare(pipe: Any, loss: torch.Tensor, ref_loss: torch.Tensor,
+             reference: torch.nn.Module) -> list[str]:
+    problems = []
+    try:
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=4e-5)
+    except AssertionError as exc:
+        problems.append(f"loss: {str(exc).splitlines()[0]}")
+    ref_params = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        try:
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=4e-5)
+        except (AssertionError, TypeError) as exc:
+            problems.append(f"{name}: {str(exc).splitlines()[0]}")
+    return problems
+
+
+def from_meta(rank: int, world: int, port: int, ckpt: str, plan_path: str, result_dir: str) -> None:
+    """Build GPT-2 on the meta device; each rank loads only its stages from ``ckpt``."""
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.plan import Plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, 60)
+    reference, args, target, loss_fn = ZOO["gpt2"]()
+    with torch.device("meta"):
+        model = ZOO["gpt2"]()[0]
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=Plan.load(plan_path),
+                            backend="distributed", checkpoint=ckpt)
+    mine = dict(pipe.named_parameters())
+    problems = [f"{n} is on meta" for n, p in mine.items() if p.is_meta]
+    loss = pipe.train_step(*args, target=target)
+    ref_loss = loss_fn(reference(*args), target)
+    ref_loss.backward()
+    problems += _compare(pipe, loss, ref_loss, reference)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join([" ".join(sorted(mine)), *problems]) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
+    """A 2 x 2 (pp x dp) mesh: each data-parallel replica trains on its half of the batch;
+    after the dp all-reduce every gradient equals the full-batch gradient."""
+    sys.path.insert(0, os.getcwd())
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopart
+    from autopart.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, 60)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    reference, args, target, loss_fn = ZOO["gpt2"]()
+    model = copy.deepcopy(reference)
+    dp_rank, half = mesh.get_local_rank("dp"), args[0].shape[0] // 2
+    mine = slice(dp_rank * half, (dp_rank + 1) * half)
+    my_args, my_target = tuple(a[mine] for a in args), target[mine]
+    captured = capture(model, tuple(a[: half // 2] for a in my_args))
+    plan = manual_plan(captured, even_positions(captured, 2), 2, half, schedule_kind="1f1b")
+    pipe = autopart.compile(model, my_args, loss_fn=loss_fn, plan=plan, backend="distributed",
+                            mesh=mesh)
+    loss = pipe.train_step(*my_args, target=my_target)
+    ref_loss = loss_fn(reference(*my_args), my_target)  # this replica's loss
+    full = loss_fn(reference(*args), target)             # full-batch gradients
+    full.backward()
+    problems = _compare(pipe, loss, ref_loss, reference)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join([f"params {len(list(pipe.named_parameters()))}", *problems]) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
 def dies(rank: int, world: int, port: int, victim: int, timeout_s: float) -> None:
     """Every rank trains; ``victim`` kills itself in the middle of its second step."""
     sys.path.insert(0, os.getcwd())
@@ -94,5 +168,5 @@ def run_everyone(fn: Any, world: int, *args: Any) -> None:
     mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
 
 
-__all__: list[str] = ["numerics", "dies"]
+__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies"]
 _ = Any
