@@ -330,7 +330,9 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     timings["profile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     fixed = {k: v for k, v in (choices or {}).items() if v is not None}
-    options = SolveOptions(num_stages=len(device_names), batch_size=batch,
+    # num_stages stays None: the solver picks v (stages per rank) unless choices fix it, and
+    # the plan has len(device_names) ranks either way.
+    options = SolveOptions(batch_size=batch,
                            num_microbatches=num_microbatches, microbatch_candidates=candidates,
                            optimize=optimize, training=training, time_limit_s=time_limit_s,
                            library_versions=library_versions(), **fixed)

@@ -10,7 +10,8 @@ from typing import Any
 from autopart._jsonio import dumps, write_text_atomic
 from autopart.errors import PlanError
 
-__all__ = ["Cut", "StagePlan", "RankPlan", "SolverReport", "BaselineReport", "Plan",
+__all__ = ["Cut", "StagePlan", "RankPlan", "SolverReport", "BaselineReport", "ParetoPoint",
+           "LowerBounds", "Plan",
            "PLAN_SCHEMA_VERSION", "SCHEDULE_KINDS", "OPTIMIZE_TARGETS"]
 
 PLAN_SCHEMA_VERSION = 1
@@ -87,6 +88,33 @@ class BaselineReport:
 
 
 @dataclass(frozen=True, slots=True)
+class ParetoPoint:
+    """One non-dominated (step time µs, largest rank peak memory bytes) point the search saw."""
+
+    predicted_step_time_us: float
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LowerBounds:
+    """Physical lower bounds the plan is certified against, and its ratio to them.
+
+    Attributes:
+        step_time_us: total compute of one step spread evenly over the ranks, µs (no bubble,
+            no communication): no plan can be faster.
+        peak_memory_bytes: total parameter state spread evenly over the ranks, bytes: no plan's
+            largest rank can hold less.
+        step_time_ratio: predicted step time / ``step_time_us`` (>= 1).
+        peak_memory_ratio: largest rank peak / ``peak_memory_bytes`` (>= 1).
+    """
+
+    step_time_us: float
+    peak_memory_bytes: int
+    step_time_ratio: float
+    peak_memory_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """A complete partition and schedule decision for one model, batch and cluster.
 
@@ -107,6 +135,9 @@ class Plan:
         solver: the solver's status, objective, bound, gap and wall time.
         baselines: other partitioners on the same costs (may be empty).
         stages_per_rank: v, virtual stages per rank (1 without interleaving).
+        pareto: the (step time, peak memory) frontier of the candidates the solver evaluated,
+            by ascending time (may be empty).
+        lower_bounds: physical lower bounds and the plan's ratio to them (None when absent).
     """
 
     graph_fingerprint: str
@@ -125,6 +156,8 @@ class Plan:
     solver: SolverReport
     baselines: tuple[BaselineReport, ...] = ()
     stages_per_rank: int = 1
+    pareto: tuple[ParetoPoint, ...] = ()
+    lower_bounds: LowerBounds | None = None
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -191,6 +224,9 @@ class Plan:
                 solver=_build(SolverReport, d["solver"], "solver"),
                 baselines=tuple(_build(BaselineReport, b, "baseline") for b in d.get("baselines", ())),
                 stages_per_rank=int(d.get("stages_per_rank", 1)),
+                pareto=tuple(_build(ParetoPoint, q, "pareto point") for q in d.get("pareto", ())),
+                lower_bounds=(None if d.get("lower_bounds") is None
+                              else _build(LowerBounds, d["lower_bounds"], "lower_bounds")),
                 schema_version=int(d["schema_version"]),
             )
         except KeyError as exc:

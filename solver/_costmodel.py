@@ -86,6 +86,9 @@ class CostModel:
         self._fixed = [0.0]   # prefix sums of the batch-independent part of node time, µs
         self._linear = [0.0]  # prefix sums of the part linear in b / b0, µs
         self._saved = [0]     # prefix sums of saved bytes at b0
+        # forward, input-gradient and weight-gradient parts, (fixed, linear) prefix sums, µs
+        self._parts: dict[str, tuple[list[float], list[float]]] = {
+            key: ([0.0], [0.0]) for key in ("fwd", "bwd_input", "bwd_weight")}
         first_use: dict[str, int] = {}
         for i, nd in enumerate(costs.nodes):
             fixed = min(nd.fwd_us, ov) + (min(nd.bwd_us, ov) if training else 0.0)
@@ -93,6 +96,11 @@ class CostModel:
             self._fixed.append(self._fixed[-1] + fixed)
             self._linear.append(self._linear[-1] + linear)
             self._saved.append(self._saved[-1] + nd.saved_bytes)
+            for key, t in (("fwd", nd.fwd_us), ("bwd_input", nd.bwd_input_us),
+                           ("bwd_weight", nd.bwd_weight_us)):
+                fx, ln = self._parts[key]
+                fx.append(fx[-1] + min(t, ov))
+                ln.append(ln[-1] + max(t - ov, 0.0))
             for p in nd.params:
                 first_use.setdefault(p, i)
         mult = (2.0 + state_factor) if training else 1.0
@@ -127,6 +135,40 @@ class CostModel:
         if n < 2:
             return 0.0
         return max(self.cluster.transfer_us(nbytes, r, r + 1) for r in range(n - 1))
+
+    def part_us(self, part: str, start: int, stop: int, ratio: float) -> float:
+        """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``) of nodes
+        ``start .. stop - 1`` at ``ratio = b / b0``, µs (each part scaled as its own op)."""
+        fx, ln = self._parts[part]
+        return fx[stop] - fx[start] + (ln[stop] - ln[start]) * ratio
+
+    def speed(self, rank: int) -> float:
+        """Time multiplier of ``rank`` against the profiled device: peak FLOP/s of rank 0 over
+        that of ``rank`` (1.0 on a uniform cluster)."""
+        return self.cluster.devices[0].peak_flops / self.cluster.devices[rank].peak_flops
+
+    def saved_bytes(self, start: int, stop: int) -> int:
+        """Saved activations of nodes ``start .. stop - 1`` at the profiled batch, bytes."""
+        return self._saved[stop] - self._saved[start]
+
+    def state_of(self, start: int, stop: int) -> tuple[int, int, int]:
+        """(state bytes, parameter bytes, trainable elements) of every parameter read by
+        nodes ``start .. stop - 1`` (a tied parameter counts on every stage reading it)."""
+        params = sorted({p for nd in self.costs.nodes[start:stop] for p in nd.params})
+        return (sum(self.state_bytes[p] for p in params),
+                sum(self.costs.param_sizes[p] for p in params),
+                sum(self.costs.param_numel[p] for p in params if p in self.costs.trainable))
+
+    def transient_bytes(self, start: int, stop: int, ratio: float) -> int:
+        """Largest single-node working set of nodes ``start .. stop - 1``: its output or, when
+        training, its backward transient (``NodeCost.transient_bytes``), scaled, bytes."""
+        return max(self.scale_bytes(max(nd.output_bytes, nd.transient_bytes if self.training
+                                        else 0), ratio)
+                   for nd in self.costs.nodes[start:stop])
+
+    def max_transient_bytes(self, ratio: float) -> int:
+        """:meth:`transient_bytes` over the whole graph."""
+        return self.transient_bytes(0, len(self.costs.nodes), ratio)
 
     # ---- chain data for the partition solvers --------------------------------------
     def chain_time(self, cands: CutCandidates, m: int) -> tuple[list[int], list[int], list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from autopart.costgraph import CostGraph
@@ -16,6 +17,7 @@ __all__ = [
     "crossing_profile",
     "crossing_values",
     "find_candidates",
+    "add_positions",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -301,3 +303,19 @@ def _segments(costs: CostGraph, positions: list[int]) -> tuple[Segment, ...]:
             num_nodes=stop - start,
         ))
     return tuple(segs)
+
+
+def add_positions(costs: CostGraph, cands: CutCandidates, extra: Iterable[int]) -> CutCandidates:
+    """``cands`` with the valid positions of ``extra`` added (baseline cuts, a previous plan's).
+
+    Positions outside ``1 .. n - 1`` or invalid (a non-tensor crosses them) are ignored.
+    """
+    crossing, valid = crossing_profile(costs)
+    n = len(costs.nodes)
+    merged = sorted(set(cands.positions) | {k for k in extra if 1 <= k < n and valid[k]})
+    if len(merged) == len(cands.positions):
+        return cands
+    return CutCandidates(positions=tuple(merged),
+                         crossing_bytes=tuple(crossing[k] for k in merged),
+                         segments=_segments(costs, merged), num_valid=cands.num_valid,
+                         fallback=cands.fallback)

@@ -1,53 +1,75 @@
-"""solve(costs, cluster, options) -> Plan: cuts and microbatch count for a GPipe pipeline."""
+"""solve(costs, cluster, options) -> Plan: cuts, microbatches, interleaving, schedule and recompute."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
+from typing import Any
 
 from autopart.cluster import Cluster
 from autopart.costgraph import CostGraph
 from autopart.errors import InfeasiblePlanError, PlanError
-from autopart.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Cut, Plan, RankPlan, SolverReport, StagePlan
-from autopart.solver._costmodel import TIME_UNITS_PER_US, CostModel, StageEstimate
-from autopart.solver.candidates import CutCandidates, find_candidates
-from autopart.solver.partition_cpsat import CpSatResult, partition_cpsat
+from autopart.plan import (
+    OPTIMIZE_TARGETS,
+    SCHEDULE_KINDS,
+    BaselineReport,
+    Plan,
+    SolverReport,
+)
+from autopart.solver._costmodel import TIME_UNITS_PER_US, CostModel
+from autopart.solver._evaluate import Candidate, build_plan, evaluate, lower_bounds, pareto
+from autopart.solver._schedule_cost import in_flight, objective_weights
+from autopart.solver.candidates import CutCandidates, add_positions, find_candidates
+from autopart.solver.chain import ChainAnswer, ChainProblem
+from autopart.solver.partition_cpsat import ChainResult, solve_chain_cpsat
+from autopart.solver.partition_dp import chain_dp_hint
 
 __all__ = ["SolveOptions", "solve"]
 
 _GIB = 2**30
+_V_CHOICES = (1, 2, 4)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SolveOptions:
-    """What to solve for.
+    """What to solve for (keyword-only).
 
     Attributes:
-        num_stages: S; must equal the cluster's number of ranks (rank r runs stage r).
         batch_size: the full batch (leading dimension) the plan is for.
+        num_stages: S = ranks x stages_per_rank; ``None`` (default) = the cluster's ranks times
+            the chosen v. Giving it fixes v = S / ranks.
         num_microbatches: m; ``None`` = choose among the divisors of ``batch_size``.
         microbatch_candidates: restricts the m searched when ``num_microbatches`` is None;
             each must divide ``batch_size``.
-        optimize: ``"speed"`` (smallest step time under the memory cap) or ``"memory"``
-            (smallest peak memory, then step time).
-        training: plan for fwd + bwd (True) or forward-only inference.
-        schedule_kind: one of ``SCHEDULE_KINDS``; ``None`` = ``"1f1b"`` when training (same
-            step time as GPipe, fewer microbatches in flight), ``"gpipe"`` for inference.
-        stages_per_rank: v; ``None`` or 1 in this version (one stage per rank).
-        recompute: recompute every stage's activations in backward; ``None`` = False.
+        optimize: ``"speed"`` (smallest step time with every rank under its cap) or
+            ``"memory"`` (smallest largest-rank peak memory, then step time).
+        training: plan for fwd + bwd (True) or forward-only inference (GPipe forward schedule).
+        schedule_kind: one of ``SCHEDULE_KINDS``; ``None`` = the solver chooses (training).
+        stages_per_rank: v; ``None`` = the solver chooses among 1, 2, 4 (v > 1 only with
+            ``interleaved_1f1b``, which needs m to be a multiple of the ranks).
+        recompute: ``True`` every stage recomputes, ``False`` none, ``None`` the solver picks
+            per stage.
         memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.
         optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte
             (AdamW: 2.0); weights + grads + state = ``(2 + this) x`` parameter bytes.
-        time_limit_s: CP-SAT wall-clock limit per solve, seconds.
+        time_limit_s: CP-SAT wall-clock limit per solve, seconds (a safety net; the search
+            is bounded by ``deterministic_time`` so that it is reproducible).
+        deterministic_time: CP-SAT deterministic time limit per solve (default 2.0).
+        max_cpsat_solves: how many (kind, v, m) subproblems CP-SAT refines, best DP seeds
+            first (default 8); the rest keep their DP answer.
+        max_simulated: how many best candidates the schedule simulator replays (default 4;
+            only the best when a replay has more than 8192 microbatch-stage pairs, and
+            baselines then keep their closed-form time).
+        hint: a previous plan whose cuts seed the search (warm start after a change of
+            batch, sequence length or device count).
         library_versions: package -> version recorded in the plan (ortools is added).
-        crossing_factor: see :func:`autopart.solver.candidates.find_candidates`.
-        window: see :func:`autopart.solver.candidates.find_candidates`.
-        max_candidates: see :func:`autopart.solver.candidates.find_candidates`.
+        crossing_factor, window, max_candidates: see
+            :func:`autopart.solver.candidates.find_candidates`.
     """
 
-    num_stages: int
     batch_size: int
+    num_stages: int | None = None
     num_microbatches: int | None = None
     microbatch_candidates: tuple[int, ...] | None = None
     optimize: str = "speed"
@@ -58,6 +80,10 @@ class SolveOptions:
     memory_cap_bytes: int | None = None
     optimizer_state_bytes_per_param_byte: float = 2.0
     time_limit_s: float = 10.0
+    deterministic_time: float = 2.0
+    max_cpsat_solves: int = 8
+    max_simulated: int = 4
+    hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
     crossing_factor: float = 2.0
     window: int = 32
@@ -67,19 +93,24 @@ class SolveOptions:
         if self.schedule_kind is not None and self.schedule_kind not in SCHEDULE_KINDS:
             raise PlanError(f"schedule_kind={self.schedule_kind!r}; expected one of "
                             f"{SCHEDULE_KINDS} or None")
-        if self.stages_per_rank not in (None, 1):
-            raise PlanError(f"stages_per_rank={self.stages_per_rank}: this solver version plans "
-                            "one stage per rank; pass stages_per_rank=1 or None")
+        if self.stages_per_rank is not None and self.stages_per_rank < 1:
+            raise PlanError(f"stages_per_rank={self.stages_per_rank} must be >= 1 or None")
+        if (self.stages_per_rank or 1) > 1 and self.schedule_kind not in (None, "interleaved_1f1b"):
+            raise PlanError(f"stages_per_rank={self.stages_per_rank} needs schedule_kind "
+                            f"'interleaved_1f1b' (or None), not {self.schedule_kind!r}")
         if self.optimize not in OPTIMIZE_TARGETS:
             raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
-        if self.num_stages < 1 or self.batch_size < 1:
+        if self.batch_size < 1 or (self.num_stages is not None and self.num_stages < 1):
             raise PlanError(f"num_stages={self.num_stages} and batch_size={self.batch_size} "
                             "must be >= 1")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise PlanError(f"memory_cap_bytes={self.memory_cap_bytes} must be > 0 or None")
-        if self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0:
-            raise PlanError("optimizer_state_bytes_per_param_byte must be >= 0 and "
-                            "time_limit_s > 0")
+        if (self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0
+                or self.deterministic_time <= 0 or self.max_cpsat_solves < 0
+                or self.max_simulated < 1):
+            raise PlanError("optimizer_state_bytes_per_param_byte must be >= 0, time_limit_s "
+                            "and deterministic_time > 0, max_cpsat_solves >= 0, "
+                            "max_simulated >= 1")
 
     def microbatch_counts(self) -> tuple[int, ...]:
         """The m values to search, ascending.
@@ -100,184 +131,379 @@ class SolveOptions:
                             f"batch_size={self.batch_size}; valid: {valid}")
         return tuple(sorted(set(wanted)))
 
+    def configurations(self, num_ranks: int) -> list[tuple[str, int]]:
+        """The (schedule kind, v) pairs to search.
+
+        Raises:
+            PlanError: ``num_stages`` is not a multiple of the ranks, or disagrees with
+                ``stages_per_rank``.
+        """
+        v_fixed = self.stages_per_rank
+        if self.num_stages is not None:
+            if self.num_stages % num_ranks or (v_fixed is not None
+                                               and self.num_stages != v_fixed * num_ranks):
+                raise PlanError(f"num_stages={self.num_stages} but the cluster has {num_ranks} "
+                                f"ranks and stages_per_rank={v_fixed}: num_stages must equal "
+                                "ranks x stages_per_rank; pass num_stages=None to let the "
+                                "solver choose")
+            v_fixed = self.num_stages // num_ranks
+        if not self.training:
+            return [(self.schedule_kind or "gpipe", v_fixed or 1)]
+        kinds = (self.schedule_kind,) if self.schedule_kind else SCHEDULE_KINDS
+        out = []
+        for kind in kinds:
+            if kind == "interleaved_1f1b":
+                vs = (v_fixed,) if v_fixed else ((2, 4) if self.schedule_kind is None else _V_CHOICES)
+            else:
+                vs = (1,) if v_fixed in (None, 1) else ()
+            out += [(kind, v) for v in vs if v is not None]
+        return out
+
 
 @dataclass(frozen=True, slots=True)
-class _Choice:
-    """One evaluated (m, cuts) option."""
+class _Sub:
+    """One (kind, v, m) subproblem: its chain problem, seed and solve."""
 
+    kind: str
+    v: int
     m: int
-    cuts: tuple[int, ...]  # node positions
-    stages: tuple[StageEstimate, ...]
-    step_us: float
-    result: CpSatResult
-
-    @property
-    def max_peak(self) -> int:
-        return max(st.peak_memory_bytes for st in self.stages)
-
-    def fits(self, caps: list[int]) -> bool:
-        return all(st.peak_memory_bytes <= cap for st, cap in zip(self.stages, caps, strict=True))
-
-
-def _step_time_us(stages: tuple[StageEstimate, ...], m: int) -> float:
-    """GPipe step time, µs: ``(m - 1) * max_stage + sum(stages)`` (stage times per microbatch)."""
-    times = [st.time_us for st in stages]
-    return (m - 1) * max(times) + sum(times)
+    problem: ChainProblem
+    seed: ChainAnswer | None
+    result: ChainResult | None = None
 
 
 def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
-    """Choose cuts and the microbatch count for a GPipe pipeline, one stage per rank.
+    """Choose cuts, microbatch count m, stages per rank v, schedule kind and recompute.
 
-    For every candidate m it solves the chain partition over cut candidates with CP-SAT:
-    ``"speed"`` minimises the largest per-microbatch stage time (compute + communication)
-    subject to an additive memory bound per stage; ``"memory"`` first minimises the largest
-    additive stage memory, then the stage time with that memory fixed. Each answer is then
-    re-evaluated exactly (tied parameters counted on every stage that reads them, the stage's
-    own largest output as transient). ``"speed"`` keeps the m with the smallest predicted step
-    time ``(m - 1) * max_stage + sum(stages)`` whose every stage fits the cap; ``"memory"`` the
-    one with the smallest largest peak, then step time. Ties go to the smaller m. If no
-    speed-first answer fits the cap, the memory-first cuts of every m are tried before giving up.
+    The search, for every allowed (kind, v, m):
 
-    Costs enter CP-SAT as integers: time in 0.1 µs units (rounded), memory in bytes.
-    Communication in the chain model uses the slowest neighbour link for every cut; the
-    reported stage times use the actual link of each cut. The plan's ``solver`` report gives
-    the final CP-SAT solve of the chosen m: objective and bound are its largest per-microbatch
-    stage time, µs; ``wall_s`` sums every CP-SAT solve made.
+    1. A :class:`~autopart.solver.chain.ChainProblem` over the cut candidates: segment times at
+       the microbatch size, P2P sends, memory that follows the schedule (parameter state,
+       activations x in-flight microbatches of that kind, recompute keeping only stage
+       inputs), per-rank caps, and the kind's closed-form step time as a linear objective.
+    2. An exact min-max DP seeds it (:func:`chain_dp_hint`); CP-SAT refines the
+       ``max_cpsat_solves`` most promising seeds on the full objective, with per-stage
+       recompute decisions, and returns a bound.
+    3. Every answer is costed exactly (tied parameters on every stage reading them, per-stage
+       transient) in closed form; the ``max_simulated`` best are replayed by the schedule
+       simulator, whose step time and per-rank peaks are what the plan reports.
+
+    ``"speed"`` keeps the fastest fitting candidate (ties: smaller m, then the earlier kind);
+    ``"memory"`` the smallest largest-rank peak, then time. Baseline partitioners (when
+    :mod:`autopart.solver.baselines` is present) are evaluated under 1F1B, v = 1, no
+    recompute at the chosen m and reported; a faster fitting baseline is taken instead.
 
     Args:
         costs: per-node costs, profiled at ``costs.batch_size``.
-        cluster: the devices; rank r runs stage r.
+        cluster: the devices; stage s runs on rank ``s % p``.
         options: see :class:`SolveOptions`.
 
     Returns:
         A complete plan; equal inputs give equal plans except for ``solver.wall_s``.
 
     Raises:
-        PlanError: ``num_stages`` differs from ``cluster.num_ranks``, an m does not divide the
-            batch, or CP-SAT found nothing within the time limit.
-        InfeasiblePlanError: too few valid cut positions, or no m fits under the memory cap.
+        PlanError: bad options (see :class:`SolveOptions`).
+        InfeasiblePlanError: too few cut positions for the stages, or nothing fits the memory
+            cap; the message names the smallest peak found and the cap or device count needed.
     """
-    s_total = options.num_stages
-    if s_total != cluster.num_ranks:
-        raise PlanError(f"num_stages={s_total} but the cluster has {cluster.num_ranks} ranks; "
-                        "this version runs one stage per rank, so pass num_stages="
-                        f"{cluster.num_ranks} or a cluster of {s_total} devices")
+    p = cluster.num_ranks
+    configs = options.configurations(p)
     counts = options.microbatch_counts()
-    cands = find_candidates(costs, s_total, crossing_factor=options.crossing_factor,
-                            window=options.window, max_candidates=options.max_candidates)
-    model = CostModel(costs, cluster, batch_size=options.batch_size, training=options.training,
-                      state_factor=options.optimizer_state_bytes_per_param_byte)
     caps = [dev.memory_bytes if options.memory_cap_bytes is None else options.memory_cap_bytes
             for dev in cluster.devices]
-    wall = [0.0]
+    model = CostModel(costs, cluster, batch_size=options.batch_size, training=options.training,
+                      state_factor=options.optimizer_state_bytes_per_param_byte)
+    baselines = _baseline_cuts(costs, p)
+    s_max = p * max(v for _, v in configs) if configs else p
+    cands = find_candidates(costs, min(s_max, _valid_count(costs, p)) if s_max > p else p,
+                            crossing_factor=options.crossing_factor, window=options.window,
+                            max_candidates=options.max_candidates)
+    hint_pos = _hint_positions(costs, options.hint)
+    cands = add_positions(costs, cands, [q for _, cuts in baselines for q in cuts] + hint_pos)
+    k = len(cands.segments)
+    configs = [(kind, v) for kind, v in configs if p * v <= k]
+    if not configs:
+        raise InfeasiblePlanError(f"{p} ranks need at least {p} stages but the graph has only "
+                                  f"{k} candidate segments ({cands.num_valid} valid cut "
+                                  f"positions); use at most {k} devices")
+    mode = {None: "auto", True: "all", False: "none"}[options.recompute]
+    if not options.training:
+        mode = "none"
 
-    def run(cost: list[int], out: list[int], cin: list[int], seg_weight: list[int] | None = None,
-            cut_weight: list[int] | None = None,
-            weight_cap: int | list[int] | None = None) -> CpSatResult:
-        res = partition_cpsat(cost, out, s_total, cin, seg_weight=seg_weight,
-                              cut_weight=cut_weight, weight_cap=weight_cap,
-                              time_limit_s=options.time_limit_s, num_workers=1, random_seed=0)
-        wall[0] += res.wall_s
-        return res
+    # 1. Subproblems and their DP seeds.
+    subs: list[_Sub] = []
+    for kind, v in configs:
+        for m in counts:
+            if kind == "interleaved_1f1b" and m % p:
+                continue
+            prob = _chain_problem(model, cands, caps, kind, p, v, m, mode, options)
+            seed = _seed(prob, cands, options.hint, costs)
+            subs.append(_Sub(kind, v, m, prob, seed))
+    if not subs:
+        raise PlanError(f"no microbatch count in {list(counts)} is a multiple of the {p} ranks "
+                        "that interleaved_1f1b needs; allow another m or schedule")
 
-    def choice(m: int, res: CpSatResult) -> _Choice:
-        positions = tuple(cands.positions[i] for i in res.cuts)
-        stages = tuple(model.evaluate(positions, m))
-        return _Choice(m, positions, stages, _step_time_us(stages, m), res)
-
-    def memory_first(m: int) -> _Choice:
-        seg_w, cut_w = model.chain_memory(cands, m)
-        mem = run(seg_w, cut_w, cut_w)
-        seg_t, out_t, in_t = model.chain_time(cands, m)
-        return choice(m, run(seg_t, out_t, in_t, seg_weight=seg_w, cut_weight=cut_w,
-                             weight_cap=mem.objective))
-
-    tried: list[_Choice] = []
-    for m in counts:
-        if options.optimize == "memory":
-            tried.append(memory_first(m))
+    # 2. CP-SAT on the most promising seeds.
+    wall = 0.0
+    scored = sorted(range(len(subs)), key=lambda i: _seed_score(model, cands, subs[i], options))
+    solved: list[_Sub] = []
+    for rank_i, i in enumerate(scored):
+        sub = subs[i]
+        if rank_i < options.max_cpsat_solves:
+            try:
+                res = _cpsat(sub, options)
+            except InfeasiblePlanError:
+                continue
+            wall += res.wall_s
+            sub = replace(sub, result=res)
+        if sub.result is None and sub.seed is None:
             continue
-        seg_w, cut_w = model.chain_memory(cands, m)
-        seg_t, out_t, in_t = model.chain_time(cands, m)
-        try:
-            tried.append(choice(m, run(seg_t, out_t, in_t, seg_weight=seg_w,
-                                              cut_weight=cut_w,
-                                              weight_cap=model.chain_memory_caps(caps, m))))
-        except InfeasiblePlanError:
-            continue
+        solved.append(sub)
 
-    fitting = [c for c in tried if c.fits(caps)]
-    if not fitting and options.optimize == "speed":
-        # The additive bound is conservative on transients; the memory-first cuts may still fit.
-        tried = [memory_first(m) for m in counts]
-        fitting = [c for c in tried if c.fits(caps)]
-    if not fitting:
-        raise _memory_error(options, caps, tried)
-    if options.optimize == "speed":
-        best = min(fitting, key=lambda c: (round(c.step_us, 6), c.m))
-    else:
-        best = min(fitting, key=lambda c: (c.max_peak, round(c.step_us, 6), c.m))
-    return _plan(costs, cluster, options, cands, best, wall[0])
-
-
-def _memory_error(options: SolveOptions, caps: list[int],
-                  tried: list[_Choice]) -> InfeasiblePlanError:
-    least = min(tried, key=lambda c: (c.max_peak, c.m))
-    rank = max(least.stages, key=lambda st: st.peak_memory_bytes).stage
-    return InfeasiblePlanError(
-        f"no partition into {options.num_stages} stages fits the memory cap: the smallest "
-        f"predicted peak is {least.max_peak} bytes ({least.max_peak / _GIB:.3f} GiB, rank "
-        f"{rank}, num_microbatches={least.m}) but the cap is {min(caps)} bytes "
-        f"({min(caps) / _GIB:.3f} GiB); use more stages/devices, or a memory cap of at least "
-        f"{least.max_peak} bytes ({math.ceil(least.max_peak / _GIB * 1000) / 1000:.3f} GiB)")
-
-
-def _plan(costs: CostGraph, cluster: Cluster, options: SolveOptions, cands: CutCandidates,
-          best: _Choice, wall_s: float) -> Plan:
-    nodes = costs.nodes
-    ratio = options.batch_size / best.m / costs.batch_size
-    cuts = tuple(
-        Cut(position=p, after_node=nodes[p - 1].name, before_node=nodes[p].name,
-            crossing_bytes=CostModel.scale_bytes(cands.crossing_bytes[cands.positions.index(p)],
-                                                 ratio))
-        for p in best.cuts)
-    stages = []
-    for st in best.stages:
-        paths = [nd.module_path for nd in nodes[st.start:st.stop] if nd.module_path]
-        stages.append(StagePlan(
-            stage_index=st.stage, rank=st.stage, device=cluster.device_names[st.stage],
-            first_node=nodes[st.start].name, last_node=nodes[st.stop - 1].name,
-            num_nodes=st.stop - st.start,
-            module_range=(paths[0], paths[-1]) if paths else ("", ""),
-            num_parameters=st.num_parameters, param_bytes=st.param_bytes,
-            predicted_fwd_us=round(st.fwd_us, 3), predicted_bwd_us=round(st.bwd_us, 3),
-            predicted_comm_us=round(st.comm_us, 3),
-            predicted_peak_memory_bytes=st.peak_memory_bytes,
-            recompute=bool(options.recompute)))
-    ranks = tuple(RankPlan(rank=st.stage, device=cluster.device_names[st.stage],
-                           stage_indices=(st.stage,), peak_memory_bytes=st.peak_memory_bytes)
-                  for st in best.stages)
-    busy_mean = best.m * sum(st.time_us for st in best.stages) / len(best.stages)
-    bubble = 1.0 - busy_mean / best.step_us if best.step_us > 0 else 0.0
-    res = best.result
-    objective = res.objective / TIME_UNITS_PER_US
-    bound = res.bound / TIME_UNITS_PER_US
+    # 3. Exact costs, simulator on the best, choice.
+    evaluated = [evaluate(model, cands, s.kind, p, s.v, s.m, _answer(s), caps, sub=s)
+                 for s in solved]
+    base_reports, base_cands = _baselines(model, baselines, p, caps, evaluated, counts)
+    # A baseline may replace the solver's answer only where its setting (1F1B, v = 1, no
+    # recompute) is one the options allow.
+    allowed = (options.schedule_kind in (None, base_cands[0].kind if base_cands else None)
+               and options.stages_per_rank in (None, 1) and not options.recompute
+               and options.num_stages in (None, p))
+    pool = [c for c in evaluated if c.fits] + [c for c in base_cands if c.fits and allowed]
+    if not pool:
+        raise _memory_error(model, cands, caps, configs, counts, p, options)
+    key = _key(options.optimize)
+    pool.sort(key=key)
+    n_sim = options.max_simulated if pool[0].m * p * pool[0].v <= _SIMULATE_ABOVE else 1
+    final = [c.simulated() for c in pool[:n_sim]]
+    final = [c for c in final if c.fits] or final
+    best = min(final, key=key)
+    frontier = pareto(evaluated + base_cands + final)
+    sub = best.sub
+    report = _report(sub.result if isinstance(sub, _Sub) else None, options, wall, best)
     versions = {**options.library_versions, "ortools": version("ortools")}
-    return Plan(
-        graph_fingerprint=costs.fingerprint,
-        cluster_fingerprint=cluster.fingerprint(),
-        cost_source=costs.source,
-        library_versions=dict(sorted(versions.items())),
-        optimize=options.optimize,
-        batch_size=options.batch_size,
-        num_microbatches=best.m,
-        schedule_kind=options.schedule_kind or ("1f1b" if options.training else "gpipe"),
-        cuts=cuts,
-        stages=tuple(stages),
-        ranks=ranks,
-        predicted_step_time_us=round(best.step_us, 3),
-        bubble_fraction=round(min(max(bubble, 0.0), 1.0), 6),
-        solver=SolverReport(status=res.status, objective=objective, bound=bound,
-                            gap=(objective - bound) / objective if objective > 0 else 0.0,
-                            wall_s=wall_s),
-    )
+    plan = build_plan(costs, cluster, model, cands, best, options.optimize,
+                      options.batch_size, dict(sorted(versions.items())), report,
+                      tuple(base_reports), frontier)
+    return replace(plan, lower_bounds=lower_bounds(model, plan, p))
+
+
+# ---- building blocks ----------------------------------------------------------------------
+def _valid_count(costs: CostGraph, p: int) -> int:
+    from autopart.solver.candidates import crossing_profile
+
+    _, valid = crossing_profile(costs)
+    return max(p, sum(valid[1:len(costs.nodes)]) + 1)
+
+
+def _chain_problem(model: CostModel, cands: CutCandidates, caps: list[int], kind: str, p: int,
+                   v: int, m: int, mode: str, options: SolveOptions) -> ChainProblem:
+    ratio = model.ratio(m)
+    seg_t, out_t, in_t = model.chain_time(cands, m)
+    seg_f = [int(round(model.part_us("fwd", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
+             for s in cands.segments]
+    seg_mem, cut_b = model.chain_memory(cands, 1)
+    # chain_memory(., 1) holds state + one microbatch's saved bytes at b0; rebuild at ratio.
+    state = [model._first_state[s.stop] - model._first_state[s.start] for s in cands.segments]
+    saved = [model.scale_bytes(model.saved_bytes(s.start, s.stop), ratio) if options.training
+             else 0 for s in cands.segments]
+    cut_b = [model.scale_bytes(c, ratio) for c in cands.crossing_bytes]
+    n = len(model.costs.nodes)
+    transient = model.max_transient_bytes(ratio)
+    w_stage, w_rank, w_sum = objective_weights(kind, p, m, v)
+    speed = tuple(model.speed(r) for r in range(p))
+    del seg_mem
+    return ChainProblem(
+        seg_time=tuple(seg_t), seg_fwd=tuple(seg_f if options.training else [0] * len(seg_f)),
+        cut_out=tuple(out_t), cut_in=tuple(in_t), num_ranks=p, stages_per_rank=v,
+        speed=None if all(f == 1.0 for f in speed) else speed,
+        w_stage=w_stage, w_rank=w_rank, w_sum=w_sum, seg_state=tuple(state),
+        seg_saved=tuple(saved), cut_bytes=tuple(cut_b),
+        first_in_bytes=model.scale_bytes(model.crossing[0], ratio),
+        last_out_bytes=model.scale_bytes(model.crossing[n], ratio),
+        in_flight=in_flight(kind, p, m, v, options.training),
+        rank_caps=tuple(max(c - transient, 0) for c in caps), recompute=mode,
+        optimize=options.optimize)
+
+
+def _seed(prob: ChainProblem, cands: CutCandidates, hint: Plan | None,
+          costs: CostGraph) -> ChainAnswer | None:
+    """The DP answer, or the previous plan's cuts when they fit and are no worse."""
+    dp = chain_dp_hint(prob)
+    if hint is None or len(hint.cuts) != prob.num_stages - 1:
+        return dp
+    idx = [_nearest_index(cands, q) for q in _hint_positions(costs, hint)]
+    if len(set(idx)) != len(idx) or sorted(idx) != idx:
+        return dp
+    flags = tuple(st.recompute for st in hint.stages) if prob.recompute == "auto" else (
+        (prob.recompute == "all",) * prob.num_stages)
+    if not prob.fits(idx, flags):
+        return dp
+    warm = ChainAnswer(tuple(idx), flags, prob.objective(idx, flags))
+    return warm if dp is None or warm.objective <= dp.objective else dp
+
+
+def _nearest_index(cands: CutCandidates, position: int) -> int:
+    """Index i of the candidate nearest ``position`` ("cut after segment i")."""
+    return min(range(len(cands.positions)), key=lambda i: (abs(cands.positions[i] - position), i))
+
+
+def _hint_positions(costs: CostGraph, hint: Plan | None) -> list[int]:
+    """A previous plan's cut positions mapped onto ``costs``: by the node name before each
+    cut when it exists here, else by relative position in the node order."""
+    if hint is None:
+        return []
+    index = {nd.name: i for i, nd in enumerate(costs.nodes)}
+    n_old = max(sum(st.num_nodes for st in hint.stages), 1)
+    n = len(costs.nodes)
+    out = []
+    for cut in hint.cuts:
+        pos = index.get(cut.before_node)
+        if pos is None:
+            pos = int(round(cut.position / n_old * n))
+        out.append(min(max(pos, 1), n - 1))
+    return out
+
+
+def _seed_score(model: CostModel, cands: CutCandidates, sub: _Sub,
+                options: SolveOptions) -> tuple[float, int, int]:
+    if sub.seed is None:
+        return (math.inf, sub.m, sub.v)
+    cand = evaluate(model, cands, sub.kind, sub.problem.num_ranks, sub.v, sub.m, sub.seed,
+                    None, sub=sub)
+    primary = cand.step_us if options.optimize == "speed" else float(cand.max_peak)
+    return (primary, sub.m, sub.v)
+
+
+#: Above this many x[i, s] pairs CP-SAT searches a band of +-2 stages around the seed.
+_BAND_ABOVE = 20_000
+#: Above this many actions per replay only the final choice and no baseline is simulated.
+_SIMULATE_ABOVE = 8192
+
+
+def _global_bound(prob: ChainProblem) -> int:
+    """A lower bound on ``prob``'s objective valid for every answer: each stage and rank
+    carries at least its share of the fastest segment times, communication counted as 0."""
+    if prob.optimize == "memory":
+        return -(-sum(prob.seg_state or (0,)) // prob.num_ranks)
+    fast = [min(prob.seg_time_on(r)[i] for r in range(prob.num_ranks))
+            for i in range(prob.num_segments)]
+    total = sum(fast)
+    per_stage = max(-(-total // prob.num_stages), max(fast))
+    return (prob.w_stage * per_stage + prob.w_rank * -(-total // prob.num_ranks)
+            + prob.w_sum * total)
+
+
+def _cpsat(sub: _Sub, options: SolveOptions) -> ChainResult:
+    big = sub.problem.num_segments * sub.problem.num_stages > _BAND_ABOVE and sub.seed is not None
+    kw: dict[str, Any] = {"time_limit_s": options.time_limit_s,
+                          "deterministic_time": options.deterministic_time,
+                          "band": 2 if big else None}
+    res = solve_chain_cpsat(sub.problem, sub.seed, **kw)
+    if big:
+        res = replace(res, bound=min(res.objective, max(res.bound, _global_bound(sub.problem))))
+    if sub.problem.optimize == "memory":
+        # Then the step time with the largest rank's memory held at its minimum.
+        caps = tuple(min(c, res.objective) for c in sub.problem.rank_caps or (res.objective,)
+                     * sub.problem.num_ranks)
+        timed = replace(sub.problem, optimize="speed", rank_caps=caps)
+        hint = replace(res.answer, objective=timed.time_objective(res.answer.cuts,
+                                                                   res.answer.recompute))
+        second = solve_chain_cpsat(timed, hint, **kw)
+        res = replace(second, status=res.status, bound=res.bound,
+                      answer=replace(second.answer, objective=res.objective),
+                      wall_s=res.wall_s + second.wall_s)
+    return res
+
+
+def _answer(sub: _Sub) -> ChainAnswer:
+    if sub.result is not None:
+        return sub.result.answer
+    assert sub.seed is not None
+    return sub.seed
+
+
+def _key(optimize: str):  # type: ignore[no-untyped-def]
+    order = {k: i for i, k in enumerate(SCHEDULE_KINDS)}
+    if optimize == "speed":
+        return lambda c: (round(c.step_us, 6), c.max_peak, c.m, c.v, order[c.kind])
+    return lambda c: (c.max_peak, round(c.step_us, 6), c.m, c.v, order[c.kind])
+
+
+def _baseline_cuts(costs: CostGraph, p: int) -> list[tuple[str, tuple[int, ...]]]:
+    try:
+        from autopart.solver.baselines import baseline_partitions
+    except ImportError:  # pragma: no cover - the module lands separately
+        return []
+    if p < 2:
+        return []
+    try:
+        return [(name, tuple(cuts)) for name, cuts in baseline_partitions(costs, p)]
+    except PlanError:
+        return []
+
+
+def _baselines(model: CostModel, baselines: list[tuple[str, tuple[int, ...]]], p: int,
+               caps: list[int], evaluated: list[Candidate], counts: tuple[int, ...],
+               ) -> tuple[list[BaselineReport], list[Candidate]]:
+    """Each baseline under 1F1B, v = 1, no recompute, at the m of the best candidate."""
+    if not baselines:
+        return [], []
+    fitting = [c for c in evaluated if c.fits] or evaluated
+    m = min(fitting, key=_key("speed")).m if fitting else counts[0]
+    reports, cands = [], []
+    for name, cuts in baselines:
+        kind = "1f1b" if model.training else "gpipe"
+        cand = evaluate(model, None, kind, p, 1, m, cuts, caps, name=name)
+        if m * p <= _SIMULATE_ABOVE:
+            cand = cand.simulated()
+        reports.append(BaselineReport(name=name, predicted_step_time_us=round(cand.step_us, 3),
+                                      peak_memory_bytes=cand.max_peak))
+        cands.append(cand)
+    return reports, cands
+
+
+def _report(res: ChainResult | None, options: SolveOptions, wall: float,
+            best: Candidate) -> SolverReport:
+    if res is None:
+        name = "baseline" if best.name else "dp"
+        return SolverReport(status="FEASIBLE", objective=round(best.step_us, 3),
+                            bound=0.0, gap=1.0, wall_s=wall, name=f"cp-sat+{name}")
+    scale = 1.0 if options.optimize == "memory" else 1.0 / TIME_UNITS_PER_US
+    objective, bound = res.objective * scale, res.bound * scale
+    gap = (objective - bound) / objective if objective > 0 else 0.0
+    return SolverReport(status=res.status, objective=round(objective, 3), bound=round(bound, 3),
+                        gap=round(gap, 6), wall_s=wall)
+
+
+def _memory_error(model: CostModel, cands: CutCandidates, caps: list[int],
+                  configs: list[tuple[str, int]], counts: tuple[int, ...], p: int,
+                  options: SolveOptions) -> InfeasiblePlanError:
+    """Name the smallest peak any configuration reaches without a cap, and what would fit."""
+    least: Candidate | None = None
+    for kind, v in configs:
+        for m in counts:
+            if kind == "interleaved_1f1b" and m % p:
+                continue
+            mode = "none" if not options.training else (
+                {None: "auto", True: "all", False: "none"}[options.recompute])
+            prob = _chain_problem(model, cands, caps, kind, p, v, m, mode, options)
+            seed = chain_dp_hint(replace(prob, rank_caps=None, optimize="memory"))
+            if seed is None:
+                continue
+            cand = evaluate(model, cands, kind, p, v, m, seed, caps)
+            if least is None or cand.max_peak < least.max_peak:
+                least = cand
+    if least is None:  # pragma: no cover - a chain always has some answer without caps
+        return InfeasiblePlanError("no partition fits the memory cap")
+    state_total = sum(model.state_bytes.values())
+    need = max(math.ceil(state_total / max(min(caps), 1)), p + 1)
+    rank = max(range(p), key=lambda r: least.peaks[r])
+    return InfeasiblePlanError(
+        f"no partition onto {p} ranks fits the memory cap: the smallest predicted peak is "
+        f"{least.max_peak} bytes ({least.max_peak / _GIB:.3f} GiB, rank {rank}, "
+        f"{least.kind}, v={least.v}, num_microbatches={least.m}, recompute="
+        f"{sum(least.recompute)}/{len(least.recompute)} stages) but the cap is {min(caps)} bytes "
+        f"({min(caps) / _GIB:.3f} GiB); use a memory cap of at least {least.max_peak} bytes "
+        f"({math.ceil(least.max_peak / _GIB * 1000) / 1000:.3f} GiB), or more devices (at "
+        f"least {need}: the parameter state alone is {state_total} bytes), or allow recompute")

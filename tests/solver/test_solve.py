@@ -42,7 +42,8 @@ def mixed_graph(build: Any) -> CostGraph:
 def test_uniform_chain_is_balanced_hand_worked(build: Any) -> None:
     g = build.chain(8, param_bytes=400)  # each node: fwd 10, bwd 20, out 100, saved 50, b0 = 8
     plan = solve(g, build.cluster(4, link_bw=FAST_LINK),
-                 SolveOptions(num_stages=4, batch_size=16, num_microbatches=2))
+                 SolveOptions(num_stages=4, batch_size=16, num_microbatches=2,
+                              schedule_kind="1f1b", recompute=False))
     assert [c.position for c in plan.cuts] == [2, 4, 6]
     assert [(c.after_node, c.before_node) for c in plan.cuts] == [("n1", "n2"), ("n3", "n4"),
                                                                    ("n5", "n6")]
@@ -53,12 +54,13 @@ def test_uniform_chain_is_balanced_hand_worked(build: Any) -> None:
     for st in plan.stages:
         assert (st.num_nodes, st.predicted_fwd_us, st.predicted_bwd_us) == (2, 20.0, 40.0)
         assert (st.num_parameters, st.param_bytes) == (200, 800)
-        # state 4 x 800 + 2 microbatches x 100 saved + 100 transient + 100 in + 100 out
-        assert st.predicted_peak_memory_bytes == 3700
+    # state 4 x 800 + in-flight x 100 saved + 100 transient + 100 in + 100 out; 1F1B holds
+    # min(p - s, m) microbatches: 2, 2, 2, 1.
+    assert [st.predicted_peak_memory_bytes for st in plan.stages] == [3700, 3700, 3700, 3600]
     assert plan.stages[0].module_range == ("layers.0", "layers.1")
-    assert [r.peak_memory_bytes for r in plan.ranks] == [3700] * 4
+    assert [r.peak_memory_bytes for r in plan.ranks] == [3700, 3700, 3700, 3600]
     assert (plan.solver.status, plan.solver.gap) == ("OPTIMAL", 0.0)
-    assert plan.solver.objective == pytest.approx(60.0, abs=0.1)  # 0.1 µs units
+    assert plan.solver.objective == pytest.approx(300.0, abs=0.1)  # the closed-form step, µs
 
 
 def test_heavy_last_node_pulls_the_cut(build: Any) -> None:
@@ -71,10 +73,11 @@ def test_heavy_last_node_pulls_the_cut(build: Any) -> None:
     assert [c.position for c in plan.cuts] == [4]  # 40 | 40
 
 
-def test_microbatch_ties_go_to_the_smaller_m(build: Any) -> None:
-    # One stage, no overhead: step = m * t(b) is the same for every m, so m = 1.
+def test_microbatch_time_ties_go_to_less_memory(build: Any) -> None:
+    # One stage, no overhead: step = m * t(b) is the same for every m; the largest m holds the
+    # smallest microbatch, so it has the smallest peak.
     plan = solve(build.chain(4), build.cluster(1), SolveOptions(num_stages=1, batch_size=16))
-    assert plan.num_microbatches == 1
+    assert plan.num_microbatches == 16
     assert plan.cuts == ()
     # Four stages: more microbatches shrink the bubble; the largest allowed m wins.
     opts = SolveOptions(num_stages=4, batch_size=16, microbatch_candidates=(2, 4))
@@ -95,8 +98,9 @@ def test_memory_cap_changes_the_microbatch_count(build: Any) -> None:
 def test_tiny_cap_is_infeasible(build: Any) -> None:
     with pytest.raises(InfeasiblePlanError,
                        match=r"fits the memory cap: the smallest predicted peak is \d+ bytes .*"
-                             r"cap is 1000 bytes .* use more stages/devices, or a memory cap of "
-                             r"at least \d+ bytes"):
+                             r"cap is 1000 bytes .* use a memory cap of at least \d+ bytes .*"
+                             r"or more devices \(at least 13: the parameter state alone is "
+                             r"12800 bytes\)"):
         solve(build.chain(8, param_bytes=400), build.cluster(4),
               SolveOptions(num_stages=4, batch_size=16, memory_cap_bytes=1000))
 
@@ -154,7 +158,8 @@ def test_plan_round_trips_through_json(build: Any, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"schedule_kind": "pipedream"}, r"schedule_kind=.pipedream.; expected one of"),
-    ({"stages_per_rank": 2}, "plans one stage per rank"),
+    ({"stages_per_rank": 2}, "num_stages must equal ranks x stages_per_rank"),
+    ({"stages_per_rank": 2, "schedule_kind": "1f1b"}, "needs schedule_kind 'interleaved_1f1b'"),
     ({"optimize": "fast"}, "optimize='fast'"),
     ({"num_microbatches": 3}, r"num_microbatches \[3\] must be >= 1 and divide batch_size=16"),
     ({"microbatch_candidates": (2, 5)}, r"num_microbatches \[5\]"),
@@ -169,3 +174,90 @@ def test_bad_requests_raise(build: Any, kwargs: dict[str, Any], match: str) -> N
 def test_solver_never_imports_torch() -> None:
     code = "import autopart.solver, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- joint search: kinds, v, recompute, certificates, baselines, warm start ------------------
+def test_full_search_picks_a_schedule_and_reports_everything(build: Any) -> None:
+    g = build.chain(16, param_bytes=400)
+    plan = solve(g, build.cluster(4), SolveOptions(batch_size=16))
+    assert plan.schedule_kind in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+    assert len(plan.stages) == 4 * plan.stages_per_rank
+    assert [st.rank for st in plan.stages] == [s % 4 for s in range(len(plan.stages))]
+    # Pareto: ascending time, strictly descending memory.
+    times = [q.predicted_step_time_us for q in plan.pareto]
+    mems = [q.peak_memory_bytes for q in plan.pareto]
+    assert plan.pareto and times == sorted(times) and mems == sorted(mems, reverse=True)
+    lb = plan.lower_bounds
+    assert lb is not None and lb.step_time_ratio >= 1.0 and lb.peak_memory_ratio >= 1.0
+    assert 0.0 <= plan.solver.gap <= 1.0
+    data = plan.to_dict()
+    assert {"pareto", "lower_bounds", "baselines", "solver"} <= data.keys()
+    assert Plan.from_dict(json.loads(json.dumps(data))) == plan
+
+
+def test_fixed_interleaving_runs_v_stages_per_rank(build: Any) -> None:
+    plan = solve(build.chain(16), build.cluster(2),
+                 SolveOptions(batch_size=8, schedule_kind="interleaved_1f1b", stages_per_rank=2,
+                              microbatch_candidates=(2, 4, 8)))
+    assert (plan.schedule_kind, plan.stages_per_rank, len(plan.stages)) == (
+        "interleaved_1f1b", 2, 4)
+    assert plan.num_microbatches % 2 == 0
+    assert [r.stage_indices for r in plan.ranks] == [(0, 2), (1, 3)]
+
+
+def test_interleaving_needs_a_multiple_of_the_ranks(build: Any) -> None:
+    with pytest.raises(PlanError, match="multiple of the 4 ranks"):
+        solve(build.chain(16), build.cluster(4),
+              SolveOptions(batch_size=6, schedule_kind="interleaved_1f1b",
+                           microbatch_candidates=(2, 3)))
+
+
+def test_tight_cap_turns_recompute_on(build: Any) -> None:
+    g = build.chain(8, saved=2000, param_bytes=40)
+    opts = dict(batch_size=8, num_microbatches=8, schedule_kind="gpipe")
+    free = solve(g, build.cluster(2), SolveOptions(**opts, recompute=False))  # type: ignore[arg-type]
+    assert not any(st.recompute for st in free.stages)
+    every = solve(g, build.cluster(2), SolveOptions(**opts, recompute=True))  # type: ignore[arg-type]
+    cap = max(r.peak_memory_bytes for r in every.ranks)
+    assert cap < max(r.peak_memory_bytes for r in free.ranks)
+    capped = solve(g, build.cluster(2), SolveOptions(**opts, memory_cap_bytes=cap))  # type: ignore[arg-type]
+    assert any(st.recompute for st in capped.stages)
+    assert all(r.peak_memory_bytes <= cap for r in capped.ranks)
+    assert capped.predicted_step_time_us > free.predicted_step_time_us
+    with pytest.raises(InfeasiblePlanError, match="or allow recompute"):
+        solve(g, build.cluster(2), SolveOptions(**opts, memory_cap_bytes=cap,  # type: ignore[arg-type]
+                                                recompute=False))
+
+
+def test_heterogeneous_devices_get_less_work_on_the_slow_one(build: Any) -> None:
+    from autopart.cluster import Cluster, DeviceSpec
+
+    fast = DeviceSpec("fast", 10**12, 2e12, 1e12, 1e15, 0.0, "test", op_overhead_us=0.0)
+    slow = DeviceSpec("slow", 10**12, 1e12, 1e12, 1e15, 0.0, "test", op_overhead_us=0.0)
+    cluster = Cluster((fast, slow), ("cpu:0", "cpu:1"))
+    plan = solve(build.chain(12), cluster,
+                 SolveOptions(batch_size=8, num_microbatches=4, schedule_kind="1f1b"))
+    assert plan.stages[0].num_nodes > plan.stages[1].num_nodes
+
+
+def test_never_worse_than_a_baseline(build: Any) -> None:
+    g = mixed_graph(build)
+    for p in (2, 3, 4):
+        plan = solve(g, build.cluster(p, overhead_us=2.0), SolveOptions(batch_size=8))
+        for b in plan.baselines:
+            assert plan.predicted_step_time_us <= b.predicted_step_time_us + 1e-6, b.name
+
+
+def test_warm_start_after_a_batch_change(build: Any) -> None:
+    g, cluster = build.chain(16, param_bytes=400), build.cluster(4)
+    first = solve(g, cluster, SolveOptions(batch_size=16, schedule_kind="1f1b"))
+    again = solve(g, cluster, SolveOptions(batch_size=32, schedule_kind="1f1b", hint=first))
+    cold = solve(g, cluster, SolveOptions(batch_size=32, schedule_kind="1f1b"))
+    assert again.predicted_step_time_us == pytest.approx(cold.predicted_step_time_us)
+
+
+def test_memory_objective_is_reported_in_bytes(build: Any) -> None:
+    plan = solve(mixed_graph(build), build.cluster(3), SolveOptions(batch_size=8,
+                                                                   optimize="memory"))
+    assert plan.solver.status in ("OPTIMAL", "FEASIBLE")
+    assert plan.solver.objective >= plan.solver.bound

@@ -1,0 +1,220 @@
+"""Exact costing of a candidate (cuts, m, v, kind, recompute): closed form, simulator, plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from autopart.cluster import Cluster
+from autopart.costgraph import CostGraph
+from autopart.plan import (
+    BaselineReport,
+    Cut,
+    LowerBounds,
+    ParetoPoint,
+    Plan,
+    RankPlan,
+    SolverReport,
+    StagePlan,
+)
+from autopart.schedule import build_schedule, forward_schedule
+from autopart.solver._costmodel import CostModel
+from autopart.solver._schedule_cost import (
+    busy_us,
+    closed_form_peaks,
+    closed_form_step_us,
+    in_flight,
+)
+from autopart.solver.candidates import CutCandidates
+from autopart.solver.chain import ChainAnswer
+from autopart.solver.simulate import StageCosts, simulate
+
+__all__ = ["Candidate", "evaluate", "build_plan", "lower_bounds", "pareto"]
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One fully costed option.
+
+    Attributes:
+        kind, v, m: schedule kind, stages per rank, microbatches.
+        positions: cut positions (node indices), ascending.
+        recompute: per stage.
+        costs: per-stage costs as the simulator takes them.
+        param_info: per stage (parameter bytes, trainable elements).
+        step_us: predicted step time, µs (closed form, or simulator once ``is_simulated``).
+        bubble: idle share of a rank's step.
+        peaks: per rank peak memory, bytes.
+        stage_peaks: per stage peak memory (static + in-flight saved + backward extra), bytes.
+        caps: per rank cap (None: no cap).
+        sub: the subproblem it came from (opaque to this module).
+        name: a baseline's name, ``""`` for the solver's own candidates.
+        training: fwd + bwd, or forward only.
+        is_simulated: ``step_us``, ``bubble``, ``peaks`` come from the simulator.
+    """
+
+    kind: str
+    v: int
+    m: int
+    positions: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    costs: StageCosts
+    param_info: tuple[tuple[int, int], ...]
+    step_us: float
+    bubble: float
+    peaks: tuple[int, ...]
+    stage_peaks: tuple[int, ...]
+    caps: tuple[int, ...] | None
+    sub: Any = None
+    name: str = ""
+    training: bool = True
+    is_simulated: bool = False
+
+    @property
+    def max_peak(self) -> int:
+        """Largest rank peak, bytes."""
+        return max(self.peaks)
+
+    @property
+    def fits(self) -> bool:
+        """Every rank within its cap."""
+        return self.caps is None or all(a <= b for a, b in zip(self.peaks, self.caps, strict=True))
+
+    def simulated(self) -> Candidate:
+        """This candidate with step time, bubble and per-rank peaks from the simulator."""
+        if self.is_simulated:
+            return self
+        p = len(self.peaks)
+        sched = (build_schedule(self.kind, p, self.m, self.v) if self.training
+                 else forward_schedule(p, self.m, self.v))
+        res = simulate(sched, self.costs)
+        return replace(self, step_us=res.step_time_us, bubble=res.bubble_fraction,
+                       peaks=res.peak_memory_bytes, is_simulated=True)
+
+
+def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v: int, m: int,
+             answer: ChainAnswer | Sequence[int], caps: Sequence[int] | None, *,
+             sub: Any = None, name: str = "") -> Candidate:
+    """Cost an answer exactly (closed-form step time; per-rank peaks following the schedule).
+
+    Args:
+        model: the cost model.
+        cands: the candidates the answer's cut indices refer to; ``None`` when ``answer`` is a
+            tuple of node positions (a baseline), which then runs without recompute.
+        kind, p, v, m: schedule kind, ranks, stages per rank, microbatches.
+        answer: a chain answer (cut indices + recompute) or node positions.
+        caps: per-rank memory caps, bytes (None: no cap).
+    """
+    if isinstance(answer, ChainAnswer):
+        assert cands is not None
+        positions = tuple(cands.positions[i] for i in answer.cuts)
+        rc = tuple(answer.recompute)
+    else:
+        positions, rc = tuple(answer), (False,) * (p * v)
+    training, ratio, cluster = model.training, model.ratio(m), model.cluster
+    n = len(model.costs.nodes)
+    bounds = [0, *positions, n]
+    s_total = len(bounds) - 1
+    cols: dict[str, list[Any]] = {key: [] for key in (
+        "fwd", "bi", "bw", "sf", "sb", "static", "saved", "extra")}
+    info = []
+    for s in range(s_total):
+        a, z, r = bounds[s], bounds[s + 1], s % p
+        f = model.speed(r)
+        fwd = model.part_us("fwd", a, z, ratio) * f
+        bi = model.part_us("bwd_input", a, z, ratio) * f + (fwd if rc[s] else 0.0)
+        bw = model.part_us("bwd_weight", a, z, ratio) * f
+        cross_in = model.scale_bytes(model.crossing[a], ratio)
+        cross_out = model.scale_bytes(model.crossing[z], ratio)
+        state, pbytes, numel = model.state_of(a, z)
+        act = model.scale_bytes(model.saved_bytes(a, z), ratio) if training else 0
+        transient = model.transient_bytes(a, z, ratio)
+        cols["fwd"].append(fwd)
+        cols["bi"].append(bi if training else 0.0)
+        cols["bw"].append(bw if training else 0.0)
+        cols["sf"].append(cluster.transfer_us(cross_out, r, (s + 1) % p) if s < s_total - 1
+                          else 0.0)
+        cols["sb"].append(cluster.transfer_us(cross_in, r, (s - 1) % p)
+                          if s > 0 and training else 0.0)
+        cols["static"].append(state + cross_in + cross_out + (0 if training else transient))
+        cols["saved"].append(cross_in if rc[s] else act)
+        cols["extra"].append((transient + (act if rc[s] else 0)) if training else 0)
+        info.append((pbytes, numel))
+    c = StageCosts(cols["fwd"], cols["bi"], cols["bw"], cols["sf"], cols["sb"], cols["static"],
+                   cols["saved"], cols["extra"])
+    k = in_flight(kind, p, m, v, training)
+    step = closed_form_step_us(kind, p, m, v, c, training=training)
+    busy = busy_us(c, p, m, training)
+    bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
+    peaks = closed_form_peaks(c, k, p)
+    stage_peaks = tuple(c.static_bytes[s] + k[s] * c.saved_bytes[s] + c.backward_extra_bytes[s]
+                        for s in range(s_total))
+    return Candidate(kind=kind, v=v, m=m, positions=positions, recompute=rc, costs=c,
+                     param_info=tuple(info), step_us=step, bubble=min(max(bubble, 0.0), 1.0),
+                     peaks=tuple(peaks), stage_peaks=stage_peaks,
+                     caps=None if caps is None else tuple(caps), sub=sub, name=name,
+                     training=training)
+
+
+def pareto(cands: Sequence[Candidate]) -> tuple[ParetoPoint, ...]:
+    """Non-dominated (step time, largest peak) points, ascending time, fitting or not."""
+    pts = sorted({(round(c.step_us, 3), c.max_peak) for c in cands})
+    out: list[ParetoPoint] = []
+    for t, mem in pts:
+        if not out or mem < out[-1].peak_memory_bytes:
+            out.append(ParetoPoint(predicted_step_time_us=t, peak_memory_bytes=mem))
+    return tuple(out)
+
+
+def lower_bounds(model: CostModel, plan: Plan, p: int) -> LowerBounds:
+    """Physical bounds: all compute of a step spread over the ranks (their speeds counted), and
+    all parameter state spread over the ranks."""
+    n = len(model.costs.nodes)
+    m = plan.num_microbatches
+    work = m * model.time_us(0, n, model.ratio(m))
+    step_lb = work / sum(1.0 / model.speed(r) for r in range(p))
+    mem_lb = -(-sum(model.state_bytes.values()) // p)
+    peak = max(r.peak_memory_bytes for r in plan.ranks)
+    return LowerBounds(step_time_us=round(step_lb, 3), peak_memory_bytes=mem_lb,
+                       step_time_ratio=round(plan.predicted_step_time_us / step_lb, 6)
+                       if step_lb > 0 else 1.0,
+                       peak_memory_ratio=round(peak / mem_lb, 6) if mem_lb > 0 else 1.0)
+
+
+def build_plan(costs: CostGraph, cluster: Cluster, model: CostModel, cands: CutCandidates,
+               best: Candidate, optimize: str, batch_size: int, versions: dict[str, str],
+               report: SolverReport, baselines: tuple[BaselineReport, ...],
+               frontier: tuple[ParetoPoint, ...]) -> Plan:
+    """The :class:`Plan` of the chosen candidate."""
+    nodes = costs.nodes
+    ratio = model.ratio(best.m)
+    p = cluster.num_ranks
+    cuts = tuple(Cut(position=q, after_node=nodes[q - 1].name, before_node=nodes[q].name,
+                     crossing_bytes=model.scale_bytes(model.crossing[q], ratio))
+                 for q in best.positions)
+    bounds = [0, *best.positions, len(nodes)]
+    c = best.costs
+    stages = []
+    for s in range(len(bounds) - 1):
+        a, z, r = bounds[s], bounds[s + 1], s % p
+        paths = [nd.module_path for nd in nodes[a:z] if nd.module_path]
+        stages.append(StagePlan(
+            stage_index=s, rank=r, device=cluster.device_names[r],
+            first_node=nodes[a].name, last_node=nodes[z - 1].name, num_nodes=z - a,
+            module_range=(paths[0], paths[-1]) if paths else ("", ""),
+            num_parameters=best.param_info[s][1], param_bytes=best.param_info[s][0],
+            predicted_fwd_us=round(c.fwd_us[s], 3),
+            predicted_bwd_us=round(c.bwd_input_us[s] + c.bwd_weight_us[s], 3),
+            predicted_comm_us=round(c.send_fwd_us[s] + c.send_bwd_us[s], 3),
+            predicted_peak_memory_bytes=best.stage_peaks[s], recompute=best.recompute[s]))
+    ranks = tuple(RankPlan(rank=r, device=cluster.device_names[r],
+                           stage_indices=tuple(range(r, len(stages), p)),
+                           peak_memory_bytes=best.peaks[r]) for r in range(p))
+    return Plan(
+        graph_fingerprint=costs.fingerprint, cluster_fingerprint=cluster.fingerprint(),
+        cost_source=costs.source, library_versions=versions, optimize=optimize,
+        batch_size=batch_size, num_microbatches=best.m, schedule_kind=best.kind, cuts=cuts,
+        stages=tuple(stages), ranks=ranks, predicted_step_time_us=round(best.step_us, 3),
+        bubble_fraction=round(best.bubble, 6), solver=report, baselines=baselines,
+        stages_per_rank=best.v, pareto=frontier)

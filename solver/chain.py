@@ -1,0 +1,210 @@
+"""The partition subproblem as data: a chain of segments onto p x v stages, its costs and objective."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopart.errors import InfeasiblePlanError, PlanError
+
+__all__ = ["ChainProblem", "ChainAnswer", "RECOMPUTE_MODES"]
+
+#: ``"none"``: no stage recomputes; ``"all"``: every stage does; ``"auto"``: the solver picks.
+RECOMPUTE_MODES = ("none", "all", "auto")
+
+
+@dataclass(frozen=True, slots=True)
+class ChainAnswer:
+    """Cuts and per-stage recompute flags for a :class:`ChainProblem`, with their cost.
+
+    Attributes:
+        cuts: ``S - 1`` ascending cut indices, ``i`` meaning "cut after segment i".
+        recompute: per stage, whether it recomputes its forward in backward.
+        objective: the problem's objective at this answer (integer units).
+    """
+
+    cuts: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    objective: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChainProblem:
+    """Split K segments into ``S = num_ranks * stages_per_rank`` contiguous non-empty stages.
+
+    Stage ``s`` runs on rank ``s % num_ranks``. Times are integers (0.1 µs units in
+    :mod:`autopart.solver.solve`), memory integers (bytes).
+
+    Stage time ``t_s = speed[rank] * (sum seg_time + recompute * sum seg_fwd)`` (each product
+    rounded per segment) ``+ cut_out`` of its outgoing cut ``+ cut_in`` of its incoming cut.
+    Objective (``optimize="speed"``)::
+
+        w_stage * max_s t_s + w_rank * max_r sum_{s on r} t_s + w_sum * sum_s t_s
+
+    which covers the closed forms of every schedule kind (see
+    :func:`autopart.solver._schedule_cost.objective_weights`). Stage memory::
+
+        state_s + in_s + out_s + k_s * saved_s                 (no recompute)
+        state_s + in_s + out_s + k_s * in_s + saved_s          (recompute: inputs kept, one
+                                                                microbatch rebuilt in backward)
+
+    with ``state_s`` / ``saved_s`` sums of ``seg_state`` / ``seg_saved``, ``in_s`` the bytes
+    crossing its incoming cut (``first_in_bytes`` for stage 0), ``out_s`` those of its outgoing
+    cut (``last_out_bytes`` for the last) and ``k_s = in_flight[s]``. A rank's memory is the sum
+    over its stages and must stay within ``rank_caps`` (``None``: no cap). With
+    ``optimize="memory"`` the objective is the largest rank memory instead.
+
+    Raises:
+        PlanError: lists of the wrong length, negative costs, unknown mode.
+        InfeasiblePlanError: fewer segments than stages.
+    """
+
+    seg_time: tuple[int, ...]
+    seg_fwd: tuple[int, ...]
+    cut_out: tuple[int, ...]
+    cut_in: tuple[int, ...]
+    num_ranks: int
+    stages_per_rank: int = 1
+    speed: tuple[float, ...] | None = None
+    w_stage: int = 1
+    w_rank: int = 0
+    w_sum: int = 0
+    seg_state: tuple[int, ...] | None = None
+    seg_saved: tuple[int, ...] | None = None
+    cut_bytes: tuple[int, ...] | None = None
+    first_in_bytes: int = 0
+    last_out_bytes: int = 0
+    in_flight: tuple[int, ...] | None = None
+    rank_caps: tuple[int, ...] | None = None
+    recompute: str = "none"
+    optimize: str = "speed"
+
+    def __post_init__(self) -> None:
+        k, s = len(self.seg_time), self.num_stages
+        if self.num_ranks < 1 or self.stages_per_rank < 1:
+            raise PlanError(f"num_ranks={self.num_ranks} and stages_per_rank="
+                            f"{self.stages_per_rank} must be >= 1")
+        if s > k:
+            raise InfeasiblePlanError(
+                f"num_stages={s} but the chain has only {k} segments (each stage needs at least "
+                f"one); use num_stages <= {k} or allow more cut candidates")
+        if self.recompute not in RECOMPUTE_MODES or self.optimize not in ("speed", "memory"):
+            raise PlanError(f"recompute={self.recompute!r} must be one of {RECOMPUTE_MODES} and "
+                            f"optimize={self.optimize!r} 'speed' or 'memory'")
+        lengths = {"seg_fwd": (self.seg_fwd, k), "cut_out": (self.cut_out, k - 1),
+                   "cut_in": (self.cut_in, k - 1), "speed": (self.speed, self.num_ranks),
+                   "seg_state": (self.seg_state, k), "seg_saved": (self.seg_saved, k),
+                   "cut_bytes": (self.cut_bytes, k - 1), "in_flight": (self.in_flight, s),
+                   "rank_caps": (self.rank_caps, self.num_ranks)}
+        for name, (values, want) in lengths.items():
+            if values is not None and len(values) != want:
+                raise PlanError(f"ChainProblem.{name} has {len(values)} entries; expected {want}")
+        ints = (self.seg_time, self.seg_fwd, self.cut_out, self.cut_in, self.seg_state or (),
+                self.seg_saved or (), self.cut_bytes or ())
+        if any(v < 0 for v in itertools.chain(*ints)) or min(self.speed or (1.0,)) <= 0:
+            raise PlanError("chain costs and memory must be >= 0 and speed factors > 0")
+
+    # ---- sizes -----------------------------------------------------------------------
+    @property
+    def num_segments(self) -> int:
+        """K."""
+        return len(self.seg_time)
+
+    @property
+    def num_stages(self) -> int:
+        """S = num_ranks * stages_per_rank."""
+        return self.num_ranks * self.stages_per_rank
+
+    @property
+    def has_memory(self) -> bool:
+        """True when memory enters the problem (caps or the memory objective)."""
+        return self.rank_caps is not None or self.optimize == "memory"
+
+    # ---- per-stage coefficients ------------------------------------------------------
+    def rank_of(self, stage: int) -> int:
+        """Rank that runs ``stage``."""
+        return stage % self.num_ranks
+
+    def seg_time_on(self, rank: int) -> list[int]:
+        """Segment times on ``rank`` (speed factor applied, rounded half to even)."""
+        f = 1.0 if self.speed is None else self.speed[rank]
+        return list(self.seg_time) if f == 1.0 else [int(round(c * f)) for c in self.seg_time]
+
+    def seg_fwd_on(self, rank: int) -> list[int]:
+        """Recompute extra time per segment on ``rank``."""
+        f = 1.0 if self.speed is None else self.speed[rank]
+        return list(self.seg_fwd) if f == 1.0 else [int(round(c * f)) for c in self.seg_fwd]
+
+    def in_flight_of(self, stage: int) -> int:
+        """``k_s``: microbatches whose saved activations stage ``stage`` holds at once."""
+        return 1 if self.in_flight is None else self.in_flight[stage]
+
+    # ---- evaluation of an answer -----------------------------------------------------
+    def stage_bounds(self, cuts: Sequence[int]) -> list[tuple[int, int]]:
+        """Segments ``[a, b)`` of every stage."""
+        bounds = [0, *(c + 1 for c in cuts), self.num_segments]
+        return list(itertools.pairwise(bounds))
+
+    def stage_times(self, cuts: Sequence[int], recompute: Sequence[bool]) -> list[int]:
+        """``t_s`` of every stage (see the class docstring)."""
+        out = []
+        for s, (a, b) in enumerate(self.stage_bounds(cuts)):
+            r = self.rank_of(s)
+            t = sum(self.seg_time_on(r)[a:b])
+            if recompute[s]:
+                t += sum(self.seg_fwd_on(r)[a:b])
+            if a > 0:
+                t += self.cut_in[a - 1]
+            if b < self.num_segments:
+                t += self.cut_out[b - 1]
+            out.append(t)
+        return out
+
+    def stage_memory(self, cuts: Sequence[int], recompute: Sequence[bool]) -> list[int]:
+        """Memory of every stage, bytes (0 when the problem has no memory data)."""
+        state = self.seg_state or (0,) * self.num_segments
+        saved = self.seg_saved or (0,) * self.num_segments
+        cross = self.cut_bytes or (0,) * (self.num_segments - 1)
+        out = []
+        for s, (a, b) in enumerate(self.stage_bounds(cuts)):
+            cin = cross[a - 1] if a > 0 else self.first_in_bytes
+            cout = cross[b - 1] if b < self.num_segments else self.last_out_bytes
+            k = self.in_flight_of(s)
+            act = sum(saved[a:b])
+            held = k * cin + act if recompute[s] else k * act
+            out.append(sum(state[a:b]) + cin + cout + held)
+        return out
+
+    def rank_memory(self, cuts: Sequence[int], recompute: Sequence[bool]) -> list[int]:
+        """Memory of every rank: the sum over its stages, bytes."""
+        mem = self.stage_memory(cuts, recompute)
+        return [sum(mem[r::self.num_ranks]) for r in range(self.num_ranks)]
+
+    def time_objective(self, cuts: Sequence[int], recompute: Sequence[bool]) -> int:
+        """``w_stage * max t + w_rank * max rank load + w_sum * sum t``."""
+        t = self.stage_times(cuts, recompute)
+        loads = [sum(t[r::self.num_ranks]) for r in range(self.num_ranks)]
+        return self.w_stage * max(t) + self.w_rank * max(loads) + self.w_sum * sum(t)
+
+    def fits(self, cuts: Sequence[int], recompute: Sequence[bool]) -> bool:
+        """Every rank within its cap (True without caps)."""
+        if self.rank_caps is None:
+            return True
+        return all(m <= c for m, c in zip(self.rank_memory(cuts, recompute), self.rank_caps,
+                                          strict=True))
+
+    def objective(self, cuts: Sequence[int], recompute: Sequence[bool]) -> int:
+        """The value the problem minimises (time, or largest rank memory for "memory")."""
+        if self.optimize == "memory":
+            return max(self.rank_memory(cuts, recompute))
+        return self.time_objective(cuts, recompute)
+
+    def recompute_choices(self) -> list[tuple[bool, ...]]:
+        """Every recompute assignment the mode allows (2^S for ``"auto"``)."""
+        s = self.num_stages
+        if self.recompute == "none":
+            return [(False,) * s]
+        if self.recompute == "all":
+            return [(True,) * s]
+        return [tuple(bits) for bits in itertools.product((False, True), repeat=s)]

@@ -1,0 +1,177 @@
+"""Schedule simulator: replays per-rank action lists with stage costs, P2P sends and memory."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopart.errors import PlanError
+from autopart.schedule import Action, Schedule
+
+__all__ = ["StageCosts", "SimResult", "simulate"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Per-microbatch costs of every stage, as the simulator charges them.
+
+    All lists have one entry per stage (``S = p * v``). Times in µs, memory in bytes.
+
+    Attributes:
+        fwd_us: forward compute of stage s.
+        bwd_input_us: input-gradient compute (``I``), recompute's extra forward included.
+        bwd_weight_us: weight-gradient compute (``W``); a full ``B`` costs ``I + W``.
+        send_fwd_us: time stage s spends sending its output to stage s + 1 (0 for the last).
+        send_bwd_us: time stage s spends sending its input gradient to s - 1 (0 for the first).
+        static_bytes: parameter state and other memory held for the whole step.
+        saved_bytes: memory one microbatch keeps from its forward until its backward ends
+            (the stage input only, when the stage recomputes).
+        backward_extra_bytes: memory live only while one backward of the stage runs (the
+            recomputed activations plus the transient working set).
+    """
+
+    fwd_us: Sequence[float]
+    bwd_input_us: Sequence[float]
+    bwd_weight_us: Sequence[float]
+    send_fwd_us: Sequence[float]
+    send_bwd_us: Sequence[float]
+    static_bytes: Sequence[int]
+    saved_bytes: Sequence[int]
+    backward_extra_bytes: Sequence[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd_us)
+        for name in ("bwd_input_us", "bwd_weight_us", "send_fwd_us", "send_bwd_us",
+                     "static_bytes", "saved_bytes", "backward_extra_bytes"):
+            if len(getattr(self, name)) != n:
+                raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
+                                f"fwd_us has {n}; give one per stage")
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """What one replay of a schedule gives.
+
+    Attributes:
+        step_time_us: when the last action ends, µs (all ranks start at 0).
+        bubble_fraction: ``1 - mean(busy) / step_time``, the idle share of a rank's step.
+        busy_us: per rank, time spent computing and sending, µs.
+        peak_memory_bytes: per rank, the largest memory held at any point of its action order.
+    """
+
+    step_time_us: float
+    bubble_fraction: float
+    busy_us: tuple[float, ...]
+    peak_memory_bytes: tuple[int, ...]
+
+
+def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
+    """Replay ``schedule`` (one action list per rank, e.g. from
+    :func:`autopart.schedule.build_schedule`) and time it.
+
+    Each rank runs its actions in order, one at a time; an action starts when the rank is free
+    and its inputs have arrived. Sends are blocking (the sender is busy for the transfer, the
+    receiver may start when it ends): ``F`` of stage s lasts ``fwd + send_fwd`` and is ready
+    once ``F`` of s - 1 ended; ``B`` lasts ``I + W + send_bwd``, ``I`` lasts
+    ``I + send_bwd``, both ready once the stage's own ``F`` and the ``B``/``I`` of s + 1 ended;
+    ``W`` lasts ``W`` and follows its own ``I``. Memory of a rank follows its own order: its
+    stages' ``static_bytes``, plus ``saved_bytes`` from each ``F`` until the matching ``B``
+    (or ``W``) ends, plus ``backward_extra_bytes`` while a ``B``/``I`` runs.
+
+    Args:
+        schedule: per-rank action lists; the stage count is ``len(costs.fwd_us)``.
+        costs: per-stage costs, see :class:`StageCosts`.
+
+    Returns:
+        Step time, bubble fraction, per-rank busy time and peak memory.
+
+    Raises:
+        PlanError: an action names a stage outside the costs, or the schedule deadlocks.
+    """
+    num_stages = len(costs.fwd_us)
+    end: dict[Action, float] = {}
+    free = [0.0] * len(schedule)
+    busy = [0.0] * len(schedule)
+    cursor = [0] * len(schedule)
+    present = {a for acts in schedule for a in acts}
+    for acts in schedule:
+        for a in acts:
+            if a.stage_index >= num_stages:
+                raise PlanError(f"action {a} names stage {a.stage_index}, but the costs cover "
+                                f"{num_stages} stages")
+
+    def ready(a: Action) -> float | None:
+        s, i = a.stage_index, a.mb_index
+        if a.kind == "F":
+            deps = [Action(s - 1, "F", i)] if s > 0 else []
+        elif a.kind == "W":
+            deps = [Action(s, "I", i)]
+        else:
+            deps = [Action(s, "F", i)]
+            if s < num_stages - 1:
+                nxt = Action(s + 1, "B", i)
+                deps.append(nxt if nxt in present else Action(s + 1, "I", i))
+        t = 0.0
+        for d in deps:
+            if d in present:
+                if d not in end:
+                    return None
+                t = max(t, end[d])
+        return t
+
+    def duration(a: Action) -> float:
+        s = a.stage_index
+        if a.kind == "F":
+            return costs.fwd_us[s] + costs.send_fwd_us[s]
+        if a.kind == "W":
+            return costs.bwd_weight_us[s]
+        d = costs.bwd_input_us[s] + costs.send_bwd_us[s]
+        return d + costs.bwd_weight_us[s] if a.kind == "B" else d
+
+    remaining = len(present)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(schedule):
+            while cursor[r] < len(acts):
+                a = acts[cursor[r]]
+                t = ready(a)
+                if t is None:
+                    break
+                d = duration(a)
+                end[a] = max(t, free[r]) + d
+                free[r] = end[a]
+                busy[r] += d
+                cursor[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            blocked = [str(acts[c]) for acts, c in zip(schedule, cursor, strict=True)
+                       if c < len(acts)]
+            raise PlanError(f"schedule deadlocks: every rank waits ({', '.join(blocked)} blocked)")
+    step = max(free, default=0.0)
+    bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
+    return SimResult(step_time_us=step, bubble_fraction=min(max(bubble, 0.0), 1.0),
+                     busy_us=tuple(busy), peak_memory_bytes=_peaks(schedule, costs))
+
+
+def _peaks(schedule: Schedule, costs: StageCosts) -> tuple[int, ...]:
+    """Per rank, the largest memory along its own action order (see :func:`simulate`)."""
+    peaks = []
+    for acts in schedule:
+        stages = sorted({a.stage_index for a in acts})
+        live = sum(costs.static_bytes[s] for s in stages)
+        peak = live
+        split = {a.stage_index for a in acts if a.kind == "W"}
+        for a in acts:
+            s = a.stage_index
+            if a.kind == "F":
+                live += costs.saved_bytes[s]
+                peak = max(peak, live)
+            elif a.kind in "BI":
+                peak = max(peak, live + costs.backward_extra_bytes[s])
+                if a.kind == "B" or s not in split:
+                    live -= costs.saved_bytes[s]
+            else:  # W releases what the split backward kept
+                live -= costs.saved_bytes[s]
+        peaks.append(peak)
+    return tuple(peaks)
