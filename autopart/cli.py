@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from autopart.cli_plan import plan as _plan
 from autopart.cli_profile import profile as _profile
 
 __all__ = ["app", "main"]
@@ -31,19 +32,22 @@ def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan
 
 @app.command()
 def show(plan: Path = typer.Argument(..., exists=True, dir_okay=False, help="a plan JSON file")) -> None:
-    """Print a saved plan as a table."""
+    """Print a saved plan as a table, with its baselines and the solver's certificate."""
     from autopart.errors import PlanError
     from autopart.plan import Plan
-    from autopart.report import print_plan
+    from autopart.report import print_certificate, print_plan
 
     try:
-        print_plan(Plan.load(plan))
+        loaded = Plan.load(plan)
+        print_plan(loaded)
+        print_certificate(loaded)
     except PlanError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
 
 
 app.command(name="profile")(_profile)
+app.command(name="plan")(_plan)
 
 
 def main() -> None:

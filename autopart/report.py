@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
 from autopart.plan import Plan
 
-__all__ = ["plan_table", "print_plan"]
+__all__ = ["plan_table", "print_plan", "certificate_table", "pareto_table", "skipped_baselines_table",
+           "print_certificate"]
 
 
 def _gib(nbytes: float) -> str:
@@ -62,3 +67,75 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                          f"{b.predicted_step_time_us / plan.predicted_step_time_us:.2f}x",
                          _gib(b.peak_memory_bytes))
         console.print(base)
+
+
+def _field(obj: Any, name: str) -> Any:
+    """``obj.name`` or ``obj[name]`` (Pareto points may be dataclasses or plain dicts)."""
+    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+
+
+def certificate_table(plan: Plan) -> Table:
+    """The solver's certificate: every field of ``plan.solver`` (status, objective, bound, gap, …)
+    and, when the plan has them, its physical lower bounds and its ratio to them.
+
+    Objective and bound are shown as recorded (µs for a step-time objective), the gap as a
+    percentage, the wall time in seconds; fields added to the solver report later are listed
+    under their own names.
+    """
+    table = Table(title="solver certificate")
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    for f in dataclasses.fields(plan.solver):
+        value = getattr(plan.solver, f.name)
+        if f.name == "gap" and isinstance(value, float):
+            text = f"{value:.2%}"
+        elif f.name == "wall_s" and isinstance(value, float):
+            text = f"{value:.2f} s"
+        elif isinstance(value, float):
+            text = f"{value:,.3f}"
+        else:
+            text = str(value)
+        table.add_row(f.name, text)
+    table.add_row("predicted step", f"{plan.predicted_step_time_us / 1e3:.2f} ms")
+    table.add_row("largest rank peak", _gib(max((r.peak_memory_bytes for r in plan.ranks), default=0)))
+    bounds = getattr(plan, "lower_bounds", None)
+    if bounds is not None:
+        table.add_row("step-time lower bound", f"{_field(bounds, 'step_time_us') / 1e3:.2f} ms "
+                      f"(plan {_field(bounds, 'step_time_ratio'):.2f}x)")
+        table.add_row("memory floor", f"{_gib(_field(bounds, 'peak_memory_bytes'))} "
+                      f"(plan {_field(bounds, 'peak_memory_ratio'):.2f}x)")
+    return table
+
+
+def pareto_table(plan: Plan) -> Table | None:
+    """The time-vs-memory Pareto frontier the search saw (``plan.pareto``), or None when absent."""
+    points = tuple(getattr(plan, "pareto", ()) or ())
+    if not points:
+        return None
+    table = Table(title="time vs memory frontier seen by the search")
+    table.add_column("step ms", justify="right")
+    table.add_column("largest rank peak", justify="right")
+    for pt in sorted(points, key=lambda p: (_field(p, "predicted_step_time_us"),
+                                            _field(p, "peak_memory_bytes"))):
+        table.add_row(f"{_field(pt, 'predicted_step_time_us') / 1e3:.2f}",
+                      _gib(_field(pt, "peak_memory_bytes")))
+    return table
+
+
+def skipped_baselines_table(skipped: Sequence[tuple[str, str]]) -> Table:
+    """Baselines that could not partition this graph, ``(name, reason)`` rows."""
+    table = Table(title="baselines not applicable")
+    table.add_column("partitioner")
+    table.add_column("why", overflow="fold")
+    for name, reason in skipped:
+        table.add_row(name, reason)
+    return table
+
+
+def print_certificate(plan: Plan, console: Console | None = None) -> None:
+    """Print :func:`certificate_table` and, when the plan has one, :func:`pareto_table`."""
+    console = console or Console(width=None if Console().is_terminal else 120)
+    console.print(certificate_table(plan))
+    frontier = pareto_table(plan)
+    if frontier is not None:
+        console.print(frontier)
