@@ -132,9 +132,19 @@ class CostModel:
     def link_us(self, nbytes: int) -> float:
         """Slowest neighbour link's time for ``nbytes`` (what the chain model charges), µs."""
         n = self.cluster.num_ranks
-        if n < 2:
+        if n < 2 or nbytes <= 0:
             return 0.0
-        return max(self.cluster.transfer_us(nbytes, r, r + 1) for r in range(n - 1))
+        links = getattr(self, "_links", None)
+        if links is None:
+            # Distinct (bandwidth, latency) of the neighbour links, as Cluster.transfer_us
+            # takes them: the max over these equals the max over every link.
+            devs = self.cluster.devices
+            links = sorted({(min(devs[r].link_bandwidth_bytes_per_s,
+                                 devs[r + 1].link_bandwidth_bytes_per_s),
+                             max(devs[r].link_latency_us, devs[r + 1].link_latency_us))
+                            for r in range(n - 1)})
+            self._links = links
+        return max(nbytes / bw * 1e6 + lat for bw, lat in links)
 
     def part_us(self, part: str, start: int, stop: int, ratio: float) -> float:
         """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``) of nodes

@@ -31,7 +31,13 @@ def in_flight(kind: str, num_ranks: int, num_microbatches: int, stages_per_rank:
     # The counts are set by the warm-up (fewer than (v + 1) p units), so they saturate: m = 4p
     # gives the same counts as any larger multiple of p (checked in the tests).
     short = min(m, 4 * p) if m % p == 0 else m
-    return tuple(in_flight_counts(build_schedule(kind, p, short, v), p * v))
+    return _interleaved_counts(kind, p, short, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _interleaved_counts(kind: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """In-flight counts counted on the built schedule (cached on the saturated ``m``)."""
+    return tuple(in_flight_counts(build_schedule(kind, p, m, v), p * v))
 
 
 def objective_weights(kind: str, num_ranks: int, num_microbatches: int,

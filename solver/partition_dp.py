@@ -178,23 +178,29 @@ def chain_dp_hint(problem: ChainProblem) -> ChainAnswer | None:
     act = p_saved[None, :] - p_saved[:k, None]
     valid = np.arange(k + 1)[None, :] > np.arange(k)[:, None]
     times = {}
+    by_speed: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # ranks of equal speed share
     for r in sorted({problem.rank_of(s) for s in range(s_total)}):
-        pt = np.concatenate([zero, np.cumsum(np.array(problem.seg_time_on(r), dtype=np.int64))])
-        pf = np.concatenate([zero, np.cumsum(np.array(problem.seg_fwd_on(r), dtype=np.int64))])
-        t0 = (pt[None, :] - pt[:k, None]) + cin[:k, None] + cout[None, :]
-        times[r] = (t0, t0 + (pf[None, :] - pf[:k, None]))
+        f = 1.0 if problem.speed is None else problem.speed[r]
+        if f not in by_speed:
+            pt = np.concatenate([zero, np.cumsum(np.array(problem.seg_time_on(r), dtype=np.int64))])
+            pf = np.concatenate([zero, np.cumsum(np.array(problem.seg_fwd_on(r), dtype=np.int64))])
+            t0 = (pt[None, :] - pt[:k, None]) + cin[:k, None] + cout[None, :]
+            by_speed[f] = (t0, t0 + (pf[None, :] - pf[:k, None]))
+        times[r] = by_speed[f]
     modes = {"none": (True, False), "all": (False, True), "auto": (True, True)}[problem.recompute]
 
-    def stage_matrix(s: int) -> tuple[np.ndarray, np.ndarray]:
+    def stage_matrix(s: int, rows: slice, cols: slice) -> tuple[np.ndarray, np.ndarray]:
         kk = problem.in_flight_of(s)
-        mem0 = base_mem + kk * act
-        mem1 = base_mem + kk * in_b[:, None] + act
+        bm, ac, ok = base_mem[rows, cols], act[rows, cols], valid[rows, cols]
+        mem0 = bm + kk * ac
+        mem1 = bm + kk * in_b[rows, None] + ac
         t0, t1 = times[problem.rank_of(s)]
+        t0, t1 = t0[rows, cols], t1[rows, cols]
         cap = (None if problem.rank_caps is None
                else problem.rank_caps[problem.rank_of(s)] // problem.stages_per_rank)
-        none = np.zeros_like(valid)
-        ok0 = (valid if cap is None else valid & (mem0 <= cap)) if modes[0] else none
-        ok1 = (valid if cap is None else valid & (mem1 <= cap)) if modes[1] else none
+        none = np.zeros_like(ok)
+        ok0 = (ok if cap is None else ok & (mem0 <= cap)) if modes[0] else none
+        ok1 = (ok if cap is None else ok & (mem1 <= cap)) if modes[1] else none
         if problem.optimize == "memory":
             v0, v1 = mem0, mem1
         else:
@@ -204,18 +210,30 @@ def chain_dp_hint(problem: ChainProblem) -> ChainAnswer | None:
         use1 = val1 < val0
         return np.minimum(val0, val1), use1
 
+    # Stage s (0-based) can only start at segment i in [s, K - (S - s)] and end before j in
+    # [s + 1, K - (S - s - 1)] (every stage takes one segment at least): the DP runs on that
+    # window only, which gives the same answer (ties still keep the smallest i).
     best = np.full(k + 1, big, dtype=np.int64)
     best[0] = 0
     args: list[np.ndarray] = []
     flags: list[np.ndarray] = []
     for s in range(s_total):
-        val, use1 = stage_matrix(s)
-        cand = np.maximum(best[:k, None], val)
-        cand[best[:k] >= big, :] = big
-        arg = np.argmin(cand, axis=0)
-        best = cand[arg, np.arange(k + 1)]
+        i0, i1 = s, k - (s_total - s) + 1
+        j0, j1 = s + 1, k - (s_total - s - 1) + 1
+        val, use1 = stage_matrix(s, slice(i0, i1), slice(j0, j1))
+        prev = best[i0:i1]
+        cand = np.maximum(prev[:, None], val)
+        cand[prev >= big, :] = big
+        cols = np.arange(j1 - j0)
+        arg_w = np.argmin(cand, axis=0)
+        best = np.full(k + 1, big, dtype=np.int64)
+        best[j0:j1] = cand[arg_w, cols]
+        arg = np.zeros(k + 1, dtype=np.int64)
+        arg[j0:j1] = arg_w + i0
+        flag = np.zeros(k + 1, dtype=bool)
+        flag[j0:j1] = use1[arg_w, cols]
         args.append(arg)
-        flags.append(use1[arg, np.arange(k + 1)])
+        flags.append(flag)
     if best[k] >= big:
         return None
     cuts: list[int] = []

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.errors import PlanError
-from autopart.schedule import Action, Schedule
+from autopart.schedule import Schedule
 
 __all__ = ["StageCosts", "SimResult", "simulate"]
 
@@ -89,60 +89,69 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
         PlanError: an action names a stage outside the costs, or the schedule deadlocks.
     """
     num_stages = len(costs.fwd_us)
-    end: dict[Action, float] = {}
-    free = [0.0] * len(schedule)
-    busy = [0.0] * len(schedule)
-    cursor = [0] * len(schedule)
-    present = {a for acts in schedule for a in acts}
-    for acts in schedule:
+    # Actions as plain (stage, kind, microbatch) tuples: hashing them is much cheaper than
+    # hashing Action dataclasses, which matters for replays of 10^5 actions.
+    lists = [[(a.stage_index, a.kind, a.mb_index) for a in acts] for acts in schedule]
+    present = {a for acts in lists for a in acts}
+    for acts in lists:
         for a in acts:
-            if a.stage_index >= num_stages:
-                raise PlanError(f"action {a} names stage {a.stage_index}, but the costs cover "
-                                f"{num_stages} stages")
+            if a[0] >= num_stages:
+                raise PlanError(f"action {a[0]}{a[1]}{a[2]} names stage {a[0]}, but the costs "
+                                f"cover {num_stages} stages")
+    fwd = [costs.fwd_us[s] + costs.send_fwd_us[s] for s in range(num_stages)]
+    bwd_w = list(costs.bwd_weight_us)
+    bwd_i = [costs.bwd_input_us[s] + costs.send_bwd_us[s] for s in range(num_stages)]
+    bwd_b = [bwd_i[s] + bwd_w[s] for s in range(num_stages)]
 
-    def ready(a: Action) -> float | None:
-        s, i = a.stage_index, a.mb_index
-        if a.kind == "F":
-            deps = [Action(s - 1, "F", i)] if s > 0 else []
-        elif a.kind == "W":
-            deps = [Action(s, "I", i)]
-        else:
-            deps = [Action(s, "F", i)]
-            if s < num_stages - 1:
-                nxt = Action(s + 1, "B", i)
-                deps.append(nxt if nxt in present else Action(s + 1, "I", i))
-        t = 0.0
-        for d in deps:
-            if d in present:
-                if d not in end:
-                    return None
-                t = max(t, end[d])
-        return t
+    # Per rank, each action's present dependencies and duration, in the rank's order.
+    plans: list[list[tuple[tuple[tuple[int, str, int], ...], float]]] = []
+    for acts in lists:
+        plan = []
+        for a in acts:
+            s, kind, i = a
+            if kind == "F":
+                deps: tuple[tuple[int, str, int], ...] = ((s - 1, "F", i),) if s > 0 else ()
+                d = fwd[s]
+            elif kind == "W":
+                deps, d = ((s, "I", i),), bwd_w[s]
+            else:
+                deps = ((s, "F", i),)
+                if s < num_stages - 1:
+                    nxt = (s + 1, "B", i)
+                    deps += (nxt if nxt in present else (s + 1, "I", i),)
+                d = bwd_b[s] if kind == "B" else bwd_i[s]
+            plan.append((tuple(dep for dep in deps if dep in present), d))
+        plans.append(plan)
 
-    def duration(a: Action) -> float:
-        s = a.stage_index
-        if a.kind == "F":
-            return costs.fwd_us[s] + costs.send_fwd_us[s]
-        if a.kind == "W":
-            return costs.bwd_weight_us[s]
-        d = costs.bwd_input_us[s] + costs.send_bwd_us[s]
-        return d + costs.bwd_weight_us[s] if a.kind == "B" else d
-
+    end: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * len(lists)
+    busy = [0.0] * len(lists)
+    cursor = [0] * len(lists)
     remaining = len(present)
     while remaining:
         progressed = False
-        for r, acts in enumerate(schedule):
-            while cursor[r] < len(acts):
-                a = acts[cursor[r]]
-                t = ready(a)
-                if t is None:
-                    break
-                d = duration(a)
-                end[a] = max(t, free[r]) + d
-                free[r] = end[a]
-                busy[r] += d
-                cursor[r] += 1
-                remaining -= 1
+        for r, acts in enumerate(lists):
+            plan, c, n = plans[r], cursor[r], len(acts)
+            f = free[r]
+            while c < n:
+                deps, d = plan[c]
+                t = 0.0
+                for dep in deps:
+                    e = end.get(dep)
+                    if e is None:
+                        break
+                    if e > t:
+                        t = e
+                else:
+                    f = (t if t > f else f) + d
+                    end[acts[c]] = f
+                    busy[r] += d
+                    c += 1
+                    continue
+                break
+            if c != cursor[r]:
+                remaining -= c - cursor[r]
+                cursor[r], free[r] = c, f
                 progressed = True
         if not progressed:
             blocked = [str(acts[c]) for acts, c in zip(schedule, cursor, strict=True)
