@@ -153,7 +153,10 @@ class SolveOptions:
         out = []
         for kind in kinds:
             if kind == "interleaved_1f1b":
-                vs = (v_fixed,) if v_fixed else ((2, 4) if self.schedule_kind is None else _V_CHOICES)
+                if self.schedule_kind is None:  # v = 1 is plain 1F1B: searched under that name
+                    vs = () if v_fixed == 1 else ((v_fixed,) if v_fixed else (2, 4))
+                else:
+                    vs = (v_fixed,) if v_fixed else _V_CHOICES
             else:
                 vs = (1,) if v_fixed in (None, 1) else ()
             out += [(kind, v) for v in vs if v is not None]

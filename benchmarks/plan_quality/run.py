@@ -81,7 +81,7 @@ def _versions() -> dict[str, str]:
 def solve_case(costs: CostGraph, ranks: int, optimize: str, time_limit_s: float) -> dict[str, Any]:
     """Solve onto ``ranks`` H100s; the plan's numbers, its baselines and their ratios."""
     cluster = Cluster.uniform(PRESETS[PRESET], [f"cuda:{r}" for r in range(ranks)])
-    options = SolveOptions(num_stages=ranks, batch_size=costs.batch_size, optimize=optimize,
+    options = SolveOptions(batch_size=costs.batch_size, optimize=optimize,
                            time_limit_s=time_limit_s, library_versions=_versions())
     t0 = time.perf_counter()
     try:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
           file=sys.stderr)
 
     cluster = Cluster.uniform(PRESETS["h100-sxm"], [f"cuda:{r}" for r in range(RANKS)])
-    options = SolveOptions(num_stages=RANKS, batch_size=BATCH, microbatch_candidates=MICROBATCHES,
+    options = SolveOptions(batch_size=BATCH, microbatch_candidates=MICROBATCHES,
                            schedule_kind=None, stages_per_rank=None, recompute=None,
                            optimize="speed", time_limit_s=args.time_limit,
                            library_versions={"torch": torch.__version__,
