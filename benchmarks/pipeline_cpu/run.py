@@ -124,6 +124,8 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, out_dir
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedule", default=None,
+                        help="fix autopart's schedule kind (default: the solver chooses)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results.json")))
     args = parser.parse_args()
     import tempfile
@@ -136,7 +138,7 @@ def main() -> None:
     model, tokens = build()
     t0 = time.perf_counter()
     pipe = autopart.compile(copy.deepcopy(model), (tokens,), loss_fn=gpt2_loss, num_stages=P,
-                            num_microbatches=M)
+                            num_microbatches=M, schedule=args.schedule)
     plan_s = time.perf_counter() - t0
     tmp = tempfile.mkdtemp()
     plan_path = os.path.join(tmp, "plan.json")
