@@ -134,10 +134,10 @@ class LocalExecutor:
     receives. ``B`` is the full backward (``torch.autograd.backward``); ``I`` computes only
     the input gradients and ``W`` the weight gradients from where ``I`` left them
     (:class:`autopart._split_backward.SplitBackward`), so ``I + W`` costs about one ``B``
-    and equals it exactly. A recomputed stage's ``W`` instead re-walks its graph from the
-    roots (``torch.autograd.grad`` w.r.t. the parameters): each autograd call that reads a
-    checkpointed stage's saved tensors recomputes its forward, and the split's W makes one
-    call per parameter group (measured 5x slower than the re-walk on a 4-block MLP).
+    and equals it exactly. A recomputed stage does not split: its ``I`` runs the whole
+    backward and its ``W`` has nothing left to do, because every autograd call that reads
+    a checkpointed stage's saved tensors recomputes its forward (the split's ``W``, one
+    call per parameter group, measured 5x slower than ``B`` on a 4-block MLP).
     A stage in ``recompute`` runs its forward under non-reentrant
     ``torch.utils.checkpoint``: only its inputs are kept, the rest is recomputed in backward.
     A stage's state for a microbatch is dropped as soon as its last backward action ran.
@@ -209,15 +209,17 @@ class LocalExecutor:
                 if not st.roots:
                     self._set_roots(st, s, i, result, grads)
                 with streams.on(s):
-                    if action.kind == "B":
+                    if action.kind == "B" or (action.kind == "I" and s in self.recompute):
+                        # a recomputed stage's I is its whole backward; its W has nothing left
                         if st.roots:
                             torch.autograd.backward(st.roots, st.root_grads)
                         self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)
                                                           else None for a in st.inputs], grads)
                     elif action.kind == "I":
                         self._send_input_grads(s, i, st, self._input_grads(s, st), grads)
-                    else:  # W
-                        self._weight_grads(s, st)
+                    elif st.split is not None:  # W
+                        st.split.weight_grads()
+                        st.split = None
                 if action.kind in "BW":
                     del state[(s, i)]
                     live[s] -= 1
@@ -258,36 +260,12 @@ class LocalExecutor:
         st.roots = [o for o, _ in pairs]
         st.root_grads = [g for _, g in pairs]
 
-    def _params(self, s: int) -> list[torch.Tensor]:
-        return [p for p in self.stages[s].parameters() if p.requires_grad]
-
     def _input_grads(self, s: int, st: _MicrobatchState) -> list[torch.Tensor | None]:
         tensors = [a for a in st.inputs if isinstance(a, torch.Tensor)]
-        if s in self.recompute:  # checkpointed: W re-walks the graph from the roots
-            wanted = [a for a in tensors if a.requires_grad]
-            got: Sequence[torch.Tensor | None] = [None] * len(wanted)
-            if wanted and st.roots:
-                got = torch.autograd.grad(st.roots, wanted, st.root_grads, retain_graph=True,
-                                          allow_unused=True)
-            by_id = {id(a): g for a, g in zip(wanted, got, strict=True)}
-        else:
-            st.split = SplitBackward(st.roots, st.root_grads, tensors, self._params(s))
-            by_id = {id(a): g for a, g in zip(tensors, st.split.input_grads(), strict=True)}
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        st.split = SplitBackward(st.roots, st.root_grads, tensors, params)
+        by_id = {id(a): g for a, g in zip(tensors, st.split.input_grads(), strict=True)}
         return [by_id.get(id(a)) if isinstance(a, torch.Tensor) else None for a in st.inputs]
-
-    def _weight_grads(self, s: int, st: _MicrobatchState) -> None:
-        if st.split is not None:
-            st.split.weight_grads()
-            st.split = None
-            return
-        params = self._params(s)
-        if not params or not st.roots:
-            return
-        got = torch.autograd.grad(st.roots, params, st.root_grads, allow_unused=True)
-        with torch.no_grad():
-            for p, g in zip(params, got, strict=True):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
 
     def _send_input_grads(self, s: int, i: int, st: _MicrobatchState,
                           input_grads: list[torch.Tensor | None],
