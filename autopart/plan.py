@@ -80,11 +80,18 @@ class SolverReport:
 
 @dataclass(frozen=True, slots=True)
 class BaselineReport:
-    """A baseline partitioner's result on the same costs."""
+    """A baseline partitioner's result on the same costs.
+
+    ``recompute`` is true when the baseline's cuts only fit the memory caps with every stage
+    recomputing its forward (activation checkpointing on throughout, as its users would set
+    it); ``fits`` says whether its peak fits the caps even so.
+    """
 
     name: str
     predicted_step_time_us: float
     peak_memory_bytes: int
+    recompute: bool = False
+    fits: bool = True
 
 
 @dataclass(frozen=True, slots=True)

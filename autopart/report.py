@@ -62,10 +62,12 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         base.add_column("step ms", justify="right")
         base.add_column("vs autopart", justify="right")
         base.add_column("peak memory", justify="right")
+        base.add_column("recompute")
         for b in plan.baselines:
             base.add_row(b.name, f"{b.predicted_step_time_us / 1e3:.1f}",
                          f"{b.predicted_step_time_us / plan.predicted_step_time_us:.2f}x",
-                         _gib(b.peak_memory_bytes))
+                         _gib(b.peak_memory_bytes) + ("" if b.fits else " (over cap)"),
+                         "all stages" if b.recompute else "none")
         console.print(base)
 
 

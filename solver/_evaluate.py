@@ -95,23 +95,24 @@ class Candidate:
 
 def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v: int, m: int,
              answer: ChainAnswer | Sequence[int], caps: Sequence[int] | None, *,
-             sub: Any = None, name: str = "") -> Candidate:
+             sub: Any = None, name: str = "", recompute: bool = False) -> Candidate:
     """Cost an answer exactly (closed-form step time; per-rank peaks following the schedule).
 
     Args:
         model: the cost model.
         cands: the candidates the answer's cut indices refer to; ``None`` when ``answer`` is a
-            tuple of node positions (a baseline), which then runs without recompute.
+            tuple of node positions (a baseline).
         kind, p, v, m: schedule kind, ranks, stages per rank, microbatches.
         answer: a chain answer (cut indices + recompute) or node positions.
         caps: per-rank memory caps, bytes (None: no cap).
+        recompute: for node positions only: every stage recomputes (default: none does).
     """
     if isinstance(answer, ChainAnswer):
         assert cands is not None
         positions = tuple(cands.positions[i] for i in answer.cuts)
         rc = tuple(answer.recompute)
     else:
-        positions, rc = tuple(answer), (False,) * (p * v)
+        positions, rc = tuple(answer), (recompute,) * (p * v)
     training, ratio, cluster = model.training, model.ratio(m), model.cluster
     n = len(model.costs.nodes)
     bounds = [0, *positions, n]

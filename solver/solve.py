@@ -197,8 +197,9 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
 
     ``"speed"`` keeps the fastest fitting candidate (ties: smaller m, then the earlier kind);
     ``"memory"`` the smallest largest-rank peak, then time. Baseline partitioners (when
-    :mod:`autopart.solver.baselines` is present) are evaluated under 1F1B, v = 1, no
-    recompute at the chosen m and reported; a faster fitting baseline is taken instead.
+    :mod:`autopart.solver.baselines` is present) are evaluated under 1F1B, v = 1 at the chosen m
+    (with every stage recomputing if that is what makes them fit) and reported; a faster
+    fitting baseline is taken instead.
 
     Args:
         costs: per-node costs, profiled at ``costs.batch_size``.
@@ -285,12 +286,13 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
     evaluated = [evaluate(model, cands, s.kind, p, s.v, s.m, _answer(s), caps, sub=s)
                  for s in solved]
     base_reports, base_cands = _baselines(model, baselines, p, caps, evaluated, counts)
-    # A baseline may replace the solver's answer only where its setting (1F1B, v = 1, no
+    # A baseline may replace the solver's answer only where its setting (1F1B, v = 1, its
     # recompute) is one the options allow.
     allowed = (options.schedule_kind in (None, base_cands[0].kind if base_cands else None)
-               and options.stages_per_rank in (None, 1) and not options.recompute
-               and options.num_stages in (None, p))
-    pool = [c for c in evaluated if c.fits] + [c for c in base_cands if c.fits and allowed]
+               and options.stages_per_rank in (None, 1) and options.num_stages in (None, p))
+    pool = [c for c in evaluated if c.fits] + [
+        c for c in base_cands if c.fits and allowed
+        and options.recompute in (None, any(c.recompute))]
     if not pool:
         raise _memory_error(model, cands, caps, configs, counts, p, options)
     key = _key(options.optimize)
@@ -487,7 +489,13 @@ def _baseline_cuts(costs: CostGraph, p: int) -> list[tuple[str, tuple[int, ...]]
 def _baselines(model: CostModel, baselines: list[tuple[str, tuple[int, ...]]], p: int,
                caps: list[int], evaluated: list[Candidate], counts: tuple[int, ...],
                ) -> tuple[list[BaselineReport], list[Candidate]]:
-    """Each baseline under 1F1B, v = 1, no recompute, at the m of the best candidate."""
+    """Each baseline under 1F1B, v = 1, at the m of the best candidate.
+
+    A baseline whose peak does not fit the caps is costed again with every stage
+    recomputing (DeepSpeed's ``activation_checkpoint_interval``, torchgpipe's
+    ``checkpoint="always"``): what its users turn on when memory runs out. It keeps that
+    setting if it then fits.
+    """
     if not baselines:
         return [], []
     fitting = [c for c in evaluated if c.fits] or evaluated
@@ -496,10 +504,14 @@ def _baselines(model: CostModel, baselines: list[tuple[str, tuple[int, ...]]], p
     for name, cuts in baselines:
         kind = "1f1b" if model.training else "gpipe"
         cand = evaluate(model, None, kind, p, 1, m, cuts, caps, name=name)
+        if not cand.fits and model.training:
+            again = evaluate(model, None, kind, p, 1, m, cuts, caps, name=name, recompute=True)
+            cand = again if again.fits else cand
         if m * p <= _SIMULATE_ABOVE:
             cand = cand.simulated()
         reports.append(BaselineReport(name=name, predicted_step_time_us=round(cand.step_us, 3),
-                                      peak_memory_bytes=cand.max_peak))
+                                      peak_memory_bytes=cand.max_peak,
+                                      recompute=any(cand.recompute), fits=cand.fits))
         cands.append(cand)
     return reports, cands
 

@@ -131,7 +131,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"{env['torch']}, ortools {env['ortools']}, transformers {env['transformers']}; "
              f"autopart {env['autopart_commit']}; analytical {env['device_preset']} bf16 costs.", "",
              "Step time in ms (predicted); in brackets baseline / autopart; `-` = baseline not "
-             "applicable or not reported by the solver.", "",
+             "applicable or not reported by the solver; `r` = the baseline fits only with every "
+             "stage recomputing; `!` = it does not fit 80 GB even so.", "",
              "| model | ranks | autopart ms | m | schedule | v | gap | " + " | ".join(names) + " |",
              "|---|---:|---:|---:|---|---:|---:|" + "---:|" * len(names)]
     for model, cases in results["models"].items():
@@ -141,6 +142,8 @@ def markdown(results: dict[str, Any]) -> str:
                 continue
             by_name = {b["name"]: b for b in c["baselines"]}
             cells = [f"{by_name[n]['predicted_step_time_us'] / 1e3:.2f} ({by_name[n]['ratio']:.2f}x)"
+                     + ("r" if by_name[n].get("recompute") else "")
+                     + ("" if by_name[n].get("fits", True) else "!")
                      if n in by_name else "-" for n in names]
             lines.append(f"| {model} | {c['ranks']} | {c['predicted_step_time_us'] / 1e3:.2f} | "
                          f"{c['num_microbatches']} | {c['schedule_kind']} | {c['stages_per_rank']} | "

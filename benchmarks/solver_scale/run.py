@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
             "recompute_stages": sum(st.recompute for st in plan.stages),
             "max_peak_memory_bytes": max(r.peak_memory_bytes for r in plan.ranks),
             "baselines": [{"name": b.name, "predicted_step_time_us": b.predicted_step_time_us,
-                           "ratio": b.predicted_step_time_us / plan.predicted_step_time_us}
+                           "ratio": b.predicted_step_time_us / plan.predicted_step_time_us,
+                           "peak_memory_bytes": b.peak_memory_bytes, "recompute": b.recompute,
+                           "fits": b.fits}
                           for b in plan.baselines],
         })
     results = {
@@ -128,6 +130,15 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {i} | {r['status']} | {r['wall_s']:.1f} | {r['gap']:.2%} | "
                      f"{r['predicted_step_time_us'] / 1e3:.1f} | {r['num_microbatches']} | "
                      f"{r['schedule_kind']} | {r['stages_per_rank']} | {r['recompute_stages']} |")
+    if runs[0]["status"] != "INFEASIBLE":
+        lines += ["", "Baselines on the same costs (run 0; 1F1B, v = 1, same m):", "",
+                  "| baseline | step ms | vs autopart | peak GiB | recompute | fits 80 GB |",
+                  "|---|---:|---:|---:|---|---|"]
+        for b in runs[0]["baselines"]:
+            lines.append(f"| {b['name']} | {b['predicted_step_time_us'] / 1e3:.1f} | "
+                         f"{b['ratio']:.2f}x | {b['peak_memory_bytes'] / 2**30:.1f} | "
+                         f"{'all stages' if b['recompute'] else 'none'} | "
+                         f"{'yes' if b['fits'] else 'no'} |")
     lines += ["", f"Identical plan JSON over both runs (ignoring solver.wall_s): "
                   f"{results['identical_plan_json']}; under 60 s: {results['under_60_s']}."]
     (args.out_dir / "results.md").write_text("\n".join(lines) + "\n")
