@@ -420,9 +420,10 @@ def _global_bound(prob: ChainProblem) -> int:
     carries at least its share of the fastest segment times, communication counted as 0.
 
     It is the bound (and so the gap) a plan reports when its subproblem was solved banded
-    (``solver.name == "cp-sat-band+relaxation-bound"``): a relaxation of that one (kind, v,
-    m) closed-form objective (perfect balance, no sends, no recompute), not a bound over other
-    microbatch counts or kinds and not the simulator's step time."""
+    (``solver.name == "cp-sat-band+relaxation-bound"``), and whenever it is tighter than
+    CP-SAT's own bound: a relaxation of that one (kind, v, m) closed-form objective (perfect
+    balance, no sends, no recompute), not a bound over other microbatch counts or kinds and
+    not the simulator's step time."""
     if prob.optimize == "memory":
         return -(-sum(prob.seg_state or (0,)) // prob.num_ranks)
     fast = [min(prob.seg_time_on(r)[i] for r in range(prob.num_ranks))
@@ -444,6 +445,9 @@ def _cpsat(sub: _Sub, options: SolveOptions) -> ChainResult:
     if big or res.status == "HINT":
         # CP-SAT's bound covers the band only, or CP-SAT stopped before searching: use the
         # subproblem's relaxation bound instead (see _global_bound).
+        res = replace(res, bound=min(res.objective, _global_bound(sub.problem)))
+    else:
+        # Both are lower bounds on this subproblem; report the tighter.
         res = replace(res, bound=min(res.objective, max(res.bound, _global_bound(sub.problem))))
     if sub.problem.optimize == "memory":
         # Then the step time with the largest rank's memory held at its minimum.
