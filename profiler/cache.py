@@ -15,7 +15,12 @@ from autopart._jsonio import dumps, write_text_atomic
 from autopart.costgraph import CostGraph
 from autopart.errors import PlanError
 
-__all__ = ["cache_dir", "profile_key", "load_cached", "store", "cached_profile"]
+__all__ = ["cache_dir", "profile_key", "load_cached", "store", "cached_profile",
+           "PROFILER_REVISION"]
+
+#: Bumped whenever the profiler's numbers change for the same inputs, so that profiles
+#: cached by an earlier revision are never reused (2: empty autograd-call cost subtracted).
+PROFILER_REVISION = "2"
 
 
 def cache_dir() -> Path:
@@ -30,7 +35,8 @@ def cache_dir() -> Path:
 def _versions() -> dict[str, str]:
     import autopart
 
-    versions = {"torch": torch.__version__, "autopart": autopart.__version__}
+    versions = {"torch": torch.__version__, "autopart": autopart.__version__,
+                "profiler": PROFILER_REVISION}
     try:
         import transformers
 

@@ -5,8 +5,13 @@ Measures, in one run on this machine, a GPT-2-like model (8 layers, n_embd 256, 
   (a) one process, one thread, the unpartitioned model;
   (b) torch.distributed.pipelining Schedule1F1B driving autopart's two stage modules
       (the same cuts, the same m), two gloo ranks with one thread each;
-  (c) autopart's distributed pipeline (its own plan and schedule), same ranks and threads.
-Reports each pipeline's speed-up over (a) as a fraction of the ideal m*p/(m+p-1).
+  (c) autopart's distributed pipeline (its own plan and schedule), same ranks and threads;
+  (d) what users do today: torch.distributed.pipelining's pipeline() split by hand at
+      transformer.h.4 (SplitPoint.BEGINNING), run by Schedule1F1B with the same m.
+(b) and (d) all-reduce the tied wte / lm_head gradient as (c) does, so all three compute
+the same gradients. (a) is timed before and after the two-rank runs, and its median over
+both is the reference; each pipeline's speed-up over (a) is reported as a fraction of the
+ideal m*p/(m+p-1).
 
     .venv/bin/python benchmarks/pipeline_cpu/run.py [--steps 5] [--out results.json]
 """
@@ -24,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -73,7 +79,7 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, out_dir
                             timeout=datetime.timedelta(seconds=300))
     model, tokens = build()
     plan = Plan.load(plan_path)
-    results: dict[str, list[float]] = {"autopart": [], "torch_1f1b": []}
+    results: dict[str, list[float]] = {"autopart": [], "torch_1f1b": [], "torch_hand_split": []}
     # (c) autopart
     pipe = autopart.compile(model, (tokens,), loss_fn=gpt2_loss, plan=plan, backend="distributed")
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
@@ -105,11 +111,47 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, out_dir
             sched.step(tokens)
         else:
             sched.step(target=tokens)
+        pipe._reduce_grads()  # the tied wte / lm_head replicas: the same tensors as (c)'s
         opt2.step()
 
-    # Alternate the two step by step, so that any drift in the machine's load hits both alike.
+    # (d) the hand split users write today: pipeline() + SplitPoint at layer 4, Schedule1F1B
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    class Logits(torch.nn.Module):
+        def __init__(self, lm: Any) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lm(x, use_cache=False).logits
+
+    hand_model, _ = build()
+    ir = pipeline(Logits(hand_model), mb_args=(tokens.chunk(M)[0],),
+                  split_spec={f"lm.transformer.h.{LAYERS // 2}": SplitPoint.BEGINNING})
+    hand_stage = ir.build_stage(rank, torch.device("cpu"))
+    hand_sched = Schedule1F1B(hand_stage, M, loss_fn=lambda out, target: gpt2_loss(
+        SimpleNamespace(logits=out), target))
+    hand_mod = hand_stage.submod
+    # the tied matrix: wte on stage 0 (stage 0 also lists an unused lm_head copy), lm_head on 1
+    tied_name = "transformer.wte.weight" if rank == 0 else "lm_head.weight"
+    tied = [p for n, p in hand_mod.named_parameters() if n.endswith(tied_name)]
+    assert len(tied) == 1, [n for n, _ in hand_mod.named_parameters()]
+    opt3 = torch.optim.AdamW(hand_mod.parameters(), lr=1e-4)
+
+    def hand_step() -> None:
+        opt3.zero_grad()
+        if rank == 0:
+            hand_sched.step(tokens)
+        else:
+            hand_sched.step(target=tokens)
+        for p in tied:
+            dist.all_reduce(p.grad)
+        opt3.step()
+
+    # Alternate step by step, so that any drift in the machine's load hits all alike.
     for i in range(steps + 2):
-        for name, fn in (("autopart", autopart_step), ("torch_1f1b", torch_step)):
+        for name, fn in (("autopart", autopart_step), ("torch_1f1b", torch_step),
+                         ("torch_hand_split", hand_step)):
             dist.barrier()
             t0 = time.perf_counter()
             fn()
@@ -143,11 +185,12 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     plan_path = os.path.join(tmp, "plan.json")
     pipe.plan.save(plan_path)
-    base = single(args.steps)
+    base = single(args.steps)  # (a) before and after the pipelines: drift hits it alike
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(ranked, args=(P, port, args.steps, plan_path, tmp), nprocs=P, join=True)
+    base += single(args.steps)
     per_rank = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(P)]
     ideal = M * P / (M + P - 1)
     t1 = statistics.median(base)
@@ -161,7 +204,7 @@ def main() -> None:
         "single_process_step_s": round(t1, 4),
         "single_process_steps_s": [round(t, 4) for t in base],
     }
-    for name in ("autopart", "torch_1f1b"):
+    for name in ("autopart", "torch_1f1b", "torch_hand_split"):
         tp = statistics.median(max(r[name][i] for r in per_rank) for i in range(args.steps))
         report[name] = {"step_s": round(tp, 4), "speedup": round(t1 / tp, 4),
                         "fraction_of_ideal": round(t1 / tp / ideal, 4),
