@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from autopart._split_cost import measure_split_backward_factor
 from autopart.capture import CapturedGraph, capture, op_nodes
 from autopart.cluster import PRESETS, Cluster, DeviceSpec
 from autopart.codegen.params import build_stage_modules
@@ -328,14 +329,21 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     flat = captured.flatten_inputs(args, kwargs)
     costs = profile_graph(captured, flat, device=device_names[0], training=training)
     timings["profile_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
     fixed = {k: v for k, v in (choices or {}).items() if v is not None}
+    split_factor = 1.0
+    if (training and len(device_names) > 1
+            and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble"):
+        t0 = time.perf_counter()
+        split_factor = measure_split_backward_factor(captured, flat, costs, device_names[0])
+        timings["split_cost_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     # num_stages stays None: the solver picks v (stages per rank) unless choices fix it, and
     # the plan has len(device_names) ranks either way.
     options = SolveOptions(batch_size=batch,
                            num_microbatches=num_microbatches, microbatch_candidates=candidates,
                            optimize=optimize, training=training, time_limit_s=time_limit_s,
-                           library_versions=library_versions(), **fixed)
+                           library_versions=library_versions(),
+                           split_backward_factor=split_factor, **fixed)
     plan = solve(costs, cluster_for_devices(device_names), options)
     timings["solve_s"] = time.perf_counter() - t0
     return plan, captured

@@ -75,8 +75,9 @@ class CostModel:
     """
 
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
-                 state_factor: float) -> None:
+                 state_factor: float, split_factor: float = 1.0) -> None:
         self.costs = costs
+        self.split_factor = split_factor  # (I + W) / B when the backward is split (ZB-H1)
         self.cluster = cluster
         self.batch_size = batch_size
         self.training = training

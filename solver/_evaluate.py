@@ -124,8 +124,11 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         a, z, r = bounds[s], bounds[s + 1], s % p
         f = model.speed(r)
         fwd = model.part_us("fwd", a, z, ratio) * f
-        bi = model.part_us("bwd_input", a, z, ratio) * f + (fwd if rc[s] else 0.0)
-        bw = model.part_us("bwd_weight", a, z, ratio) * f
+        # ZB-H1 splits each backward, at the runtime's measured cost, except where the
+        # stage recomputes (the executor then runs its whole backward as I)
+        split = model.split_factor if kind == "zero_bubble" and not rc[s] else 1.0
+        bi = model.part_us("bwd_input", a, z, ratio) * f * split + (fwd if rc[s] else 0.0)
+        bw = model.part_us("bwd_weight", a, z, ratio) * f * split
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)
         state, pbytes, numel = model.state_of(a, z)

@@ -64,6 +64,11 @@ class SolveOptions:
         hint: a previous plan whose cuts seed the search (warm start after a change of
             batch, sequence length or device count).
         library_versions: package -> version recorded in the plan (ortools is added).
+        split_backward_factor: measured ``(I + W) / B`` of the runtime that will run the
+            plan: what splitting one backward into its input- and weight-gradient parts
+            costs (default 1.0: free, as the ZB-H1 paper assumes). ``zero_bubble``
+            candidates have their non-recomputed stages' I and W multiplied by it; must be
+            >= 1. :func:`autopart.compile` measures it on the profiled device.
         crossing_factor, window, max_candidates: see
             :func:`autopart.solver.candidates.find_candidates`.
     """
@@ -85,6 +90,7 @@ class SolveOptions:
     max_simulated: int = 4
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
+    split_backward_factor: float = 1.0
     crossing_factor: float = 2.0
     window: int = 32
     max_candidates: int = 128
@@ -103,6 +109,9 @@ class SolveOptions:
         if self.batch_size < 1 or (self.num_stages is not None and self.num_stages < 1):
             raise PlanError(f"num_stages={self.num_stages} and batch_size={self.batch_size} "
                             "must be >= 1")
+        if not self.split_backward_factor >= 1.0:
+            raise PlanError(f"split_backward_factor={self.split_backward_factor} must be >= 1 "
+                            "(splitting a backward cannot make it cheaper)")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise PlanError(f"memory_cap_bytes={self.memory_cap_bytes} must be > 0 or None")
         if (self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0
@@ -220,7 +229,8 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
     caps = [dev.memory_bytes if options.memory_cap_bytes is None else options.memory_cap_bytes
             for dev in cluster.devices]
     model = CostModel(costs, cluster, batch_size=options.batch_size, training=options.training,
-                      state_factor=options.optimizer_state_bytes_per_param_byte)
+                      state_factor=options.optimizer_state_bytes_per_param_byte,
+                      split_factor=options.split_backward_factor)
     baselines = _baseline_cuts(costs, p)
     s_max = p * max(v for _, v in configs) if configs else p
     cands = find_candidates(costs, min(s_max, _valid_count(costs, p)) if s_max > p else p,
@@ -240,7 +250,8 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
 
     # 1. Subproblems and their DP seeds.
     # Equal chain problems (1F1B and ZB-H1 share theirs: same in-flight counts and objective
-    # weights) are seeded and solved once.
+    # weights, unless split_backward_factor > 1 lengthens ZB's stages) are seeded and solved
+    # once.
     subs: list[_Sub] = []
     seeds: dict[ChainProblem, ChainAnswer | None] = {}
     for kind, v in configs:
@@ -323,6 +334,13 @@ def _chain_problem(model: CostModel, cands: CutCandidates, caps: list[int], kind
                    v: int, m: int, mode: str, options: SolveOptions) -> ChainProblem:
     ratio = model.ratio(m)
     seg_t, out_t, in_t = model.chain_time(cands, m)
+    if kind == "zero_bubble" and options.training and model.split_factor > 1.0:
+        # every stage splits its backward (a recomputed one does not, which evaluate() knows)
+        extra = model.split_factor - 1.0
+        seg_t = [t + int(round(extra * TIME_UNITS_PER_US * (
+            model.part_us("bwd_input", s.start, s.stop, ratio)
+            + model.part_us("bwd_weight", s.start, s.stop, ratio))))
+            for t, s in zip(seg_t, cands.segments, strict=True)]
     seg_f = [int(round(model.part_us("fwd", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
              for s in cands.segments]
     seg_mem, cut_b = model.chain_memory(cands, 1)

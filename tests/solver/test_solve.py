@@ -164,6 +164,7 @@ def test_plan_round_trips_through_json(build: Any, tmp_path: Path) -> None:
     ({"num_microbatches": 3}, r"num_microbatches \[3\] must be >= 1 and divide batch_size=16"),
     ({"microbatch_candidates": (2, 5)}, r"num_microbatches \[5\]"),
     ({"num_stages": 3}, "num_stages=3 but the cluster has 4 ranks"),
+    ({"split_backward_factor": 0.9}, r"split_backward_factor=0.9 must be >= 1"),
 ])
 def test_bad_requests_raise(build: Any, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(PlanError, match=match):
@@ -261,3 +262,25 @@ def test_memory_objective_is_reported_in_bytes(build: Any) -> None:
                                                                    optimize="memory"))
     assert plan.solver.status in ("OPTIMAL", "FEASIBLE")
     assert plan.solver.objective >= plan.solver.bound
+
+
+def test_split_backward_cost_is_charged_to_zero_bubble_only(build: Any) -> None:
+    # uniform chain on 4 ranks, m = 4: stage = 2 x (10 + 20) µs, W = half the backward.
+    g = build.chain(8, param_bytes=400)
+    cluster = build.cluster(4, link_bw=FAST_LINK)
+
+    def plan(kind: str | None, factor: float) -> Plan:
+        return solve(g, cluster, SolveOptions(batch_size=8, num_microbatches=4,
+                                              schedule_kind=kind, stages_per_rank=1,
+                                              recompute=False, split_backward_factor=factor))
+
+    one, zb = plan("1f1b", 1.5), plan("zero_bubble", 1.0)
+    assert one.predicted_step_time_us == plan("1f1b", 1.0).predicted_step_time_us
+    # ZB-H1 at factor 1 beats 1F1B: its (p - 1) tail drops W
+    assert zb.predicted_step_time_us < one.predicted_step_time_us
+    # at 1.5 every I and W costs half again: the split no longer pays, and the free choice
+    # falls back to a schedule that does not split
+    slow = plan("zero_bubble", 1.5)
+    assert slow.predicted_step_time_us > one.predicted_step_time_us
+    assert plan(None, 1.5).schedule_kind != "zero_bubble"
+    assert plan(None, 1.0).schedule_kind == "zero_bubble"

@@ -1,0 +1,122 @@
+"""What splitting a backward into I and W costs on this device: ``(I + W) / B``, measured."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from autopart._split_backward import SplitBackward
+from autopart.capture import CapturedGraph
+from autopart.codegen.params import build_stage_modules
+from autopart.codegen.split import split_graph
+from autopart.costgraph import CostGraph
+
+__all__ = ["measure_split_backward_factor"]
+
+
+def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any],
+                                  costs: CostGraph, device: str, *, repeats: int = 3) -> float:
+    """``(I + W) / B`` of the executor's zero-bubble split on a middle third of the model.
+
+    The graph is cut at the two cut candidates nearest a third and two thirds of its
+    profiled time; the middle piece (whose inputs are activations, as every stage but the
+    first has) is run forward, then its backward is timed both ways, alternating, after a
+    warm-up of each: one ``torch.autograd.backward`` (``B``) against
+    :class:`autopart._split_backward.SplitBackward`'s ``input_grads`` then
+    ``weight_grads`` (``I + W``). The ratio of the medians, at least 1.0, is what the
+    solver charges zero-bubble stages (``SolveOptions.split_backward_factor``). On one thread
+    of this project's 2-core CPU it measured 1.2-1.3 for four GPT-2 blocks of width 256:
+    the split is not free, whatever the ZB-H1 paper's model assumes.
+
+    The model's parameters, buffers, gradients and random state are left as they were.
+
+    Args:
+        captured: the captured model; ``flat_inputs`` its flat inputs.
+        costs: its profile (chooses the cuts).
+        device: where to run (the profiled device).
+        repeats: timed backward passes of each kind (default 3).
+
+    Returns:
+        The factor, or 1.0 where it cannot be measured (fewer than two cut candidates, or
+        no activation between the cuts needs a gradient).
+    """
+    from autopart.solver.candidates import find_candidates
+
+    positions = find_candidates(costs, 3).positions
+    if len(positions) < 2:
+        return 1.0
+    prefix = [0.0]
+    for nd in costs.nodes:
+        prefix.append(prefix[-1] + nd.fwd_us + nd.bwd_us)
+
+    def nearest(share: float) -> int:
+        return min(positions, key=lambda q: abs(prefix[q] - share * prefix[-1]))
+
+    cuts = sorted({nearest(1 / 3), nearest(2 / 3)})
+    if len(cuts) < 2:
+        return 1.0
+    dev = torch.device(device)
+    stages, _ = build_stage_modules(captured, split_graph(captured, cuts), [dev] * 3)
+    first, middle = stages[0], stages[1]
+    assert first is not None and middle is not None
+    # a training forward may update buffers (BatchNorm statistics); backward writes .grad
+    buffers = list(middle.buffers())
+    saved_buffers = [b.detach().clone() for b in buffers]
+    all_params = list(middle.parameters())
+    saved_grads = [p.grad for p in all_params]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        with torch.no_grad():
+            sent = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+            received = list(first(*sent))
+        params = [p for p in middle.parameters() if p.requires_grad]
+
+        def once(split: bool) -> float:
+            args = [x.detach().requires_grad_(True)
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                    for x in received]
+            leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            out = middle(*args)
+            roots = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not leaves or not roots:
+                return -1.0
+            grads = [torch.ones_like(o) for o in roots]
+            _sync(dev)
+            t0 = time.perf_counter()
+            if split:
+                sb = SplitBackward(roots, grads, leaves, params)
+                sb.input_grads()
+                sb.weight_grads()
+            else:
+                torch.autograd.backward(roots, grads)
+            _sync(dev)
+            return time.perf_counter() - t0
+
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(repeats + 1):
+            for split in (False, True):
+                t = once(split)
+                if t < 0:
+                    return 1.0
+                if i > 0:  # the first of each is a warm-up
+                    samples[split].append(t)
+        factor = statistics.median(samples[True]) / statistics.median(samples[False])
+        return max(1.0, round(factor, 3))
+    finally:
+        with torch.no_grad():
+            for b, data in zip(buffers, saved_buffers, strict=True):
+                b.copy_(data)
+        for p, grad in zip(all_params, saved_grads, strict=True):
+            p.grad = grad
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
