@@ -18,18 +18,22 @@ __all__ = ["measure_split_backward_factor"]
 
 
 def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any],
-                                  costs: CostGraph, device: str, *, repeats: int = 3) -> float:
-    """``(I + W) / B`` of the executor's zero-bubble split on a middle third of the model.
+                                  costs: CostGraph, device: str, *, repeats: int = 7,
+                                  budget_s: float = 2.0) -> float:
+    """``(I + W) / B`` of the executor's zero-bubble split on a middle fifth of the model.
 
-    The graph is cut at the two cut candidates nearest a third and two thirds of its
-    profiled time; the middle piece (whose inputs are activations, as every stage but the
-    first has) is run forward, then its backward is timed both ways, alternating, after a
-    warm-up of each: one ``torch.autograd.backward`` (``B``) against
-    :class:`autopart._split_backward.SplitBackward`'s ``input_grads`` then
-    ``weight_grads`` (``I + W``). The ratio of the medians, at least 1.0, is what the
-    solver charges zero-bubble stages (``SolveOptions.split_backward_factor``). On one thread
-    of this project's 2-core CPU it measured 1.2-1.3 for four GPT-2 blocks of width 256:
-    the split is not free, whatever the ZB-H1 paper's model assumes.
+    The graph is cut at the two cut candidates nearest 40% and 60% of its profiled time (a
+    fifth keeps this to seconds: a middle third of GPT-2 small at batch 8 x 128 took 21 s
+    on this project's CPU). The middle piece, whose inputs are activations as every stage's
+    but the first are, is run forward; then its backward is timed both ways, alternating,
+    after a warm-up of each (at least three and at most ``repeats`` of each): one
+    ``torch.autograd.backward`` (``B``) against
+    :class:`autopart._split_backward.SplitBackward`'s ``input_grads`` then ``weight_grads``
+    (``I + W``). The ratio of the medians, at least 1.0, is what the solver charges
+    zero-bubble stages (``SolveOptions.split_backward_factor``). On one thread of this
+    project's 2-core CPU it measured 1.07-1.2 on the 8-layer, width-256 GPT-2 of
+    ``benchmarks/pipeline_cpu``: the split is not free, whatever the ZB-H1 paper's model
+    assumes.
 
     The model's parameters, buffers, gradients and random state are left as they were.
 
@@ -37,7 +41,9 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
         captured: the captured model; ``flat_inputs`` its flat inputs.
         costs: its profile (chooses the cuts).
         device: where to run (the profiled device).
-        repeats: timed backward passes of each kind (default 3).
+        repeats: at most this many timed backward passes of each kind (default 7).
+        budget_s: stop after three of each once both kinds have taken this many seconds
+            (default 2.0), so that big models are not timed seven times.
 
     Returns:
         The factor, or 1.0 where it cannot be measured (fewer than two cut candidates, or
@@ -55,7 +61,7 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
     def nearest(share: float) -> int:
         return min(positions, key=lambda q: abs(prefix[q] - share * prefix[-1]))
 
-    cuts = sorted({nearest(1 / 3), nearest(2 / 3)})
+    cuts = sorted({nearest(0.4), nearest(0.6)})
     if len(cuts) < 2:
         return 1.0
     dev = torch.device(device)
@@ -104,6 +110,8 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
                     return 1.0
                 if i > 0:  # the first of each is a warm-up
                     samples[split].append(t)
+            if i >= 3 and min(sum(samples[False]), sum(samples[True])) >= budget_s:
+                break
         factor = statistics.median(samples[True]) / statistics.median(samples[False])
         return max(1.0, round(factor, 3))
     finally:
