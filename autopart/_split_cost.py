@@ -26,7 +26,7 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
     fifth keeps this to seconds: a middle third of GPT-2 small at batch 8 x 128 took 21 s
     on this project's CPU). The middle piece, whose inputs are activations as every stage's
     but the first are, is run forward; then its backward is timed both ways, alternating,
-    after a warm-up of each (at least three and at most ``repeats`` of each): one
+    after a warm-up of each (at least two and at most ``repeats`` of each): one
     ``torch.autograd.backward`` (``B``) against
     :class:`autopart._split_backward.SplitBackward`'s ``input_grads`` then ``weight_grads``
     (``I + W``). The ratio of the medians, at least 1.0, is what the solver charges
@@ -42,7 +42,7 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
         costs: its profile (chooses the cuts).
         device: where to run (the profiled device).
         repeats: at most this many timed backward passes of each kind (default 7).
-        budget_s: stop after three of each once both kinds have taken this many seconds
+        budget_s: stop after two of each once both kinds have taken this many seconds
             (default 2.0), so that big models are not timed seven times.
 
     Returns:
@@ -110,7 +110,7 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
                     return 1.0
                 if i > 0:  # the first of each is a warm-up
                     samples[split].append(t)
-            if i >= 3 and min(sum(samples[False]), sum(samples[True])) >= budget_s:
+            if i >= 2 and min(sum(samples[False]), sum(samples[True])) >= budget_s:
                 break
         factor = statistics.median(samples[True]) / statistics.median(samples[False])
         return max(1.0, round(factor, 3))
