@@ -331,7 +331,8 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     timings["profile_s"] = time.perf_counter() - t0
     fixed = {k: v for k, v in (choices or {}).items() if v is not None}
     split_factor = 1.0
-    if (training and len(device_names) > 1
+    # measured only where the solver may still pick zero_bubble (which runs v = 1)
+    if (training and len(device_names) > 1 and fixed.get("stages_per_rank", 1) == 1
             and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble"):
         t0 = time.perf_counter()
         split_factor = measure_split_backward_factor(captured, flat, costs, device_names[0])

@@ -49,9 +49,9 @@ class SplitBackward:
 
     def __init__(self, roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor | None],
                  inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
-        self.roots, self.root_grads = list(roots), list(root_grads)
-        self.inputs, self.params = list(inputs), list(params)
-        root_nodes = [_grad_node(r) for r in self.roots]
+        self.inputs = list(inputs)
+        params = list(params)
+        root_nodes = [_grad_node(r) for r in roots]
         parents: dict[Node, list[Node]] = defaultdict(list)  # node -> nodes with an edge to it
         seen = {n for n in root_nodes if n is not None}
         queue = deque(seen)
@@ -77,7 +77,7 @@ class SplitBackward:
         # off (the intermediates). Parameters whose walks meet (a shared intermediate or a
         # shared weight-only node) form one group: W runs one autograd call per group, so
         # no call recomputes input-path gradients that lead only to another group.
-        group = list(range(len(self.params)))
+        group = list(range(len(params)))
 
         def find(k: int) -> int:
             while group[k] != k:
@@ -87,7 +87,7 @@ class SplitBackward:
 
         owner: dict[Node, int] = {}  # weight-only node or intermediate -> a parameter's index
         intermediates: set[Node] = set()
-        for k, p in enumerate(self.params):
+        for k, p in enumerate(params):
             start = _grad_node(p)
             if start is None or start not in seen:
                 continue
@@ -107,12 +107,12 @@ class SplitBackward:
                     else:
                         queue.append(parent)
         self._groups: dict[int, _Group] = {}
-        for k, p in enumerate(self.params):
+        for k, p in enumerate(params):
             self._groups.setdefault(find(k), _Group()).params.append(p)
         for node in intermediates:
             self._groups[find(owner[node])].intermediates.append(node)
         self._input_roots: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for r, g, node in zip(self.roots, self.root_grads, root_nodes, strict=True):
+        for r, g, node in zip(roots, root_grads, root_nodes, strict=True):
             if node is not None and node in owner and node not in on_input_path:
                 # a root off every input path: W seeds it with its own gradient
                 self._groups[find(owner[node])].weight_roots.append((r, g))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from autopart.capture import CapturedGraph
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
 from autopart.costgraph import CostGraph
+from autopart.profiler.timer import time_samples
 
 __all__ = ["measure_split_backward_factor"]
 
@@ -47,7 +48,8 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
 
     Returns:
         The factor, or 1.0 where it cannot be measured (fewer than two cut candidates, or
-        no activation between the cuts needs a gradient).
+        no floating-point activation enters the middle piece, or nothing leaves it that
+        needs a gradient).
     """
     from autopart.solver.candidates import find_candidates
 
@@ -81,38 +83,41 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
             received = list(first(*sent))
         params = [p for p in middle.parameters() if p.requires_grad]
 
-        def once(split: bool) -> float:
-            args = [x.detach().requires_grad_(True)
-                    if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                    for x in received]
-            leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            out = middle(*args)
-            roots = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
-            if not leaves or not roots:
-                return -1.0
-            grads = [torch.ones_like(o) for o in roots]
-            _sync(dev)
-            t0 = time.perf_counter()
-            if split:
-                sb = SplitBackward(roots, grads, leaves, params)
-                sb.input_grads()
-                sb.weight_grads()
-            else:
-                torch.autograd.backward(roots, grads)
-            _sync(dev)
-            return time.perf_counter() - t0
+        args = [x.detach().requires_grad_(True)
+                if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in received]
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return 1.0
 
-        samples: dict[bool, list[float]] = {False: [], True: []}
+        no_backward: list[bool] = []
+
+        def backward(split: bool) -> Callable[[], Any]:
+            """Untimed: a fresh forward; returns the backward to time (B, or I then W)."""
+            leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
+                      and a.requires_grad else a for a in args]
+            out = middle(*leaves)
+            roots = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+            grads = [torch.ones_like(o) for o in roots]
+            if not roots:  # nothing to time: the outputs need no gradient
+                no_backward.append(True)
+                return lambda: None
+            if not split:
+                return lambda: torch.autograd.backward(roots, grads)
+            sb = SplitBackward(roots, grads, [a for a in leaves if isinstance(a, torch.Tensor)
+                                               and a.requires_grad], params)
+            return lambda: (sb.input_grads(), sb.weight_grads())
+
+        # alternate B and I + W one call at a time, so that drift hits both alike
+        samples_us: dict[bool, list[float]] = {False: [], True: []}
         for i in range(repeats + 1):
             for split in (False, True):
-                t = once(split)
-                if t < 0:
-                    return 1.0
+                (us,), _ = time_samples(dev, lambda split=split: backward(split), 0, 1)
                 if i > 0:  # the first of each is a warm-up
-                    samples[split].append(t)
-            if i >= 2 and min(sum(samples[False]), sum(samples[True])) >= budget_s:
+                    samples_us[split].append(us)
+            if i >= 2 and min(sum(samples_us[False]), sum(samples_us[True])) >= budget_s * 1e6:
                 break
-        factor = statistics.median(samples[True]) / statistics.median(samples[False])
+        if no_backward:
+            return 1.0
+        factor = statistics.median(samples_us[True]) / statistics.median(samples_us[False])
         return max(1.0, round(factor, 3))
     finally:
         with torch.no_grad():
@@ -124,7 +129,3 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
