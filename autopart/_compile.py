@@ -302,15 +302,59 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
            device_names: list[str], num_microbatches: int | None, optimize: str,
            training: bool, time_limit_s: float, timings: dict[str, float],
            choices: dict[str, Any] | None = None) -> tuple[Plan, CapturedGraph]:
-    """Capture, profile and solve. Returns the plan and the capture it was made from.
+    """Capture, profile and solve. Returns the plan and the capture it was made from."""
+    from autopart.solver import solve
+
+    fixed = {k: v for k, v in (choices or {}).items() if v is not None}
+    # the split cost matters only where the solver may still pick zero_bubble (v = 1)
+    may_split = (fixed.get("stages_per_rank", 1) == 1
+                 and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble")
+    measured = _measure(model, args, kwargs, device_names, num_microbatches, training, timings,
+                        split_cost=may_split)
+    t0 = time.perf_counter()
+    plan = solve(measured.costs, cluster_for_devices(device_names),
+                 measured.options(optimize=optimize, time_limit_s=time_limit_s, **fixed))
+    timings["solve_s"] = time.perf_counter() - t0
+    return plan, measured.captured
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """What the solver needs about one model on one device: its capture, measured costs and
+    the cost of splitting backward into I and W (1.0 when not measured)."""
+
+    captured: CapturedGraph
+    costs: Any  # CostGraph
+    batch_size: int
+    num_microbatches: int | None
+    microbatch_candidates: tuple[int, ...] | None
+    training: bool
+    split_backward_factor: float
+
+    def options(self, **choices: Any) -> Any:
+        """``SolveOptions`` for these measurements; ``choices`` fixes or sets the rest
+        (``optimize``, ``time_limit_s``, ``schedule_kind``, ``stages_per_rank``, ...)."""
+        from autopart.solver import SolveOptions
+
+        return SolveOptions(batch_size=self.batch_size, num_microbatches=self.num_microbatches,
+                            microbatch_candidates=self.microbatch_candidates,
+                            training=self.training, library_versions=library_versions(),
+                            split_backward_factor=self.split_backward_factor, **choices)
+
+
+def _measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             device_names: list[str], num_microbatches: int | None, training: bool,
+             timings: dict[str, float], *, split_cost: bool = True) -> _Measured:
+    """Capture and profile ``model`` on ``device_names[0]``; times go into ``timings``.
 
     With ``num_microbatches`` given, the model is captured and profiled at the microbatch
     size, so the same capture serves code generation. Otherwise it is captured at the full
     batch and the solver picks m among the divisors that leave microbatches of at least 2
-    rows (export specialises size-1 dimensions, which can change the graph).
+    rows (export specialises size-1 dimensions, which can change the graph). With
+    ``split_cost`` (and training on more than one rank) the zero-bubble I/W split factor is
+    measured too (``autopart._split_cost``).
     """
     from autopart.profiler import profile_graph
-    from autopart.solver import SolveOptions, solve
 
     t0 = time.perf_counter()
     batch = _batch_size(args, kwargs)
@@ -329,25 +373,12 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     flat = captured.flatten_inputs(args, kwargs)
     costs = profile_graph(captured, flat, device=device_names[0], training=training)
     timings["profile_s"] = time.perf_counter() - t0
-    fixed = {k: v for k, v in (choices or {}).items() if v is not None}
     split_factor = 1.0
-    # measured only where the solver may still pick zero_bubble (which runs v = 1)
-    if (training and len(device_names) > 1 and fixed.get("stages_per_rank", 1) == 1
-            and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble"):
+    if split_cost and training and len(device_names) > 1:
         t0 = time.perf_counter()
         split_factor = measure_split_backward_factor(captured, flat, costs, device_names[0])
         timings["split_cost_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    # num_stages stays None: the solver picks v (stages per rank) unless choices fix it, and
-    # the plan has len(device_names) ranks either way.
-    options = SolveOptions(batch_size=batch,
-                           num_microbatches=num_microbatches, microbatch_candidates=candidates,
-                           optimize=optimize, training=training, time_limit_s=time_limit_s,
-                           library_versions=library_versions(),
-                           split_backward_factor=split_factor, **fixed)
-    plan = solve(costs, cluster_for_devices(device_names), options)
-    timings["solve_s"] = time.perf_counter() - t0
-    return plan, captured
+    return _Measured(captured, costs, batch, num_microbatches, candidates, training, split_factor)
 
 
 def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

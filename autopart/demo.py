@@ -90,4 +90,9 @@ def run_demo(out_dir: str | Path = "autopart-out", *, n_layer: int = 12, n_embd:
         table.add_row(str(step), f"{loss.item():.6f}", f"{ref_loss.item():.6f}",
                       f"{abs(loss.item() - ref_loss.item()):.2e}", f"{t_pipe:.2f}", f"{t_ref:.2f}")
     console.print(table)
+    console.print(f"The plan's predicted step ({pipe.plan.predicted_step_time_us / 1e6:.2f} s) is "
+                  f"for {num_stages} devices working in parallel. Here the {num_stages} stages "
+                  "share one CPU process and take turns, so a pipeline step costs about as "
+                  "much as the plain one; run the plan on several ranks (README, torchrun) "
+                  "for the parallel speed-up.")
     return losses
