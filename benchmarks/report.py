@@ -1,0 +1,268 @@
+"""One report over every benchmark's recorded results: plan against measurement, and
+autopart against the baselines users know.
+
+Reads the ``results*.json`` files that the benchmarks' ``run.py`` scripts write (it runs
+nothing itself) and writes ``REPORT.md`` plus PNG figures beside it:
+
+- ``pipeline_cpu``: measured two-rank step times of autopart, torch's Schedule1F1B /
+  ScheduleInterleaved1F1B and the hand split, beside the plan's predicted step;
+- ``executor_overhead``: the one-device pipeline against the plain model;
+- ``plan_quality``: predicted step time of the four baseline partitioners over autopart's,
+  per model and rank count (analytical H100 costs);
+- ``solver_scale``: the GPT-3-175B-shaped solve onto 64 ranks.
+
+A benchmark without recorded results is listed as missing, not guessed.
+
+    .venv/bin/python benchmarks/report.py [--results benchmarks] [--out benchmarks/REPORT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+# pipeline_cpu arms, in the order shown, with the labels the benchmark's README uses
+PIPELINE_ARMS = (("autopart", "(c) autopart"), ("torch_1f1b", "(b) torch Schedule1F1B"),
+                 ("torch_interleaved_1f1b", "(b') torch ScheduleInterleaved1F1B"),
+                 ("torch_hand_split", "(d) hand split, Schedule1F1B"))
+PIPELINE_FILES = (("results.json", "solver's choice"), ("results_1f1b.json", "v = 1 fixed"),
+                  ("results_zero_bubble.json", "zero_bubble fixed"))
+BASELINES = ("uniform_layers", "deepspeed_parameters", "pippy_equal_size",
+             "torchgpipe_balance_by_time")
+
+
+def _load(path: Path) -> Any | None:
+    """The JSON at ``path``, or None when it is absent.
+
+    Raises:
+        ValueError: the file exists but is not JSON (names the file).
+    """
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc}); re-run that benchmark's run.py") from exc
+
+
+def _figure(path: Path, draw: Callable[[Any], None], size: tuple[float, float]) -> None:
+    """Draw with matplotlib (Agg, no display needed) and save ``path`` as PNG, 120 dpi."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    draw(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pipeline_cpu(results: Path, figures: Path) -> list[str]:
+    """Markdown lines and a figure for ``pipeline_cpu``: measured vs predicted step, per arm."""
+    runs = [(name, what, data) for name, what in PIPELINE_FILES
+            if (data := _load(results / "pipeline_cpu" / name)) is not None]
+    if not runs:
+        return ["## pipeline_cpu", "", "No recorded results (`benchmarks/pipeline_cpu/run.py`).", ""]
+    first = runs[0][2]
+    lines = ["## pipeline_cpu: two ranks on CPU, plan against measurement", "",
+             f"{first['model']}, m = {first['num_microbatches']}, {first['ranks']} gloo ranks "
+             f"with {first['threads_per_rank']} thread each; {first['machine']}, Python "
+             f"{first['python']}, torch {first['torch']}. Ideal speed-up m·p/(m+p−1) = "
+             f"{first['ideal_speedup']}. Measured: medians of {len(first['autopart']['steps_s'])} "
+             "steps; predicted: the plan's step time on the profile it was solved from.", "",
+             "| run | plan | predicted s | (a) 1 process s | "
+             + " | ".join(f"{label} s" for _, label in PIPELINE_ARMS) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(PIPELINE_ARMS)]
+    for name, what, d in runs:
+        plan = d["plan"]
+        desc = (f"{plan['schedule']}, v = {plan.get('stages_per_rank', 1)}, cuts "
+                f"{'/'.join(map(str, plan['cuts']))}")
+        cells = []
+        for arm, _ in PIPELINE_ARMS:
+            if arm not in d:
+                cells.append("—")
+                continue
+            cell = f"{d[arm]['step_s']:.3f} ({d[arm]['fraction_of_ideal']:.3f} of ideal"
+            ratio = d[arm].get("time_over_autopart")
+            cell += f"; {ratio['median']:.3f}x autopart)" if ratio else ")"
+            cells.append(cell)
+        lines.append(f"| `{name}` ({what}) | {desc} | {plan['predicted_step_ms'] / 1e3:.3f} | "
+                     f"{d['single_process_step_s']:.3f} | " + " | ".join(cells) + " |")
+    fig = figures / "pipeline_cpu.png"
+
+    def draw(ax: Any) -> None:
+        width = 0.8 / (len(PIPELINE_ARMS) + 1)
+        for k, (arm, label) in enumerate(PIPELINE_ARMS):
+            xs = [i + k * width for i, (_, _, d) in enumerate(runs) if arm in d]
+            ys = [d[arm]["step_s"] for _, _, d in runs if arm in d]
+            ax.bar(xs, ys, width, label=label)
+        for i, (_, _, d) in enumerate(runs):
+            ideal = d["single_process_step_s"] / d["ideal_speedup"]
+            span = (i - width / 2, i + (len(PIPELINE_ARMS) - 0.5) * width)
+            ax.hlines(ideal, *span, colors="k", linestyles="dashed",
+                      label="(a) / ideal speed-up" if i == 0 else None)
+            ax.plot(i, d["plan"]["predicted_step_ms"] / 1e3, "kv",
+                    label="autopart predicted" if i == 0 else None)
+        ax.set_xticks([i + 1.5 * width for i in range(len(runs))],
+                      [f"{name}\n({what})" for name, what, _ in runs])
+        ax.set_ylabel("step time, s (median)")
+        ax.set_title("pipeline_cpu: 2 ranks x 1 thread, m = 8")
+        ax.set_ylim(0, 1.4 * max(d[arm]["step_s"] for _, _, d in runs for arm, _ in PIPELINE_ARMS
+                                 if arm in d))
+        ax.legend(fontsize=7, loc="upper center", ncol=3)
+
+    _figure(fig, draw, (8.0, 4.5))
+    return lines + ["", f"![pipeline_cpu]({fig.relative_to(figures.parent).as_posix()})", ""]
+
+
+def executor_overhead(results: Path) -> list[str]:
+    """Markdown lines for ``executor_overhead``."""
+    d = _load(results / "executor_overhead" / "results.json")
+    if d is None:
+        return ["## executor_overhead", "", "No recorded results.", ""]
+    lines = ["## executor_overhead: one device, pipeline against the plain model", "",
+             f"{d['device_name']}; Python {d['python']}, torch {d['torch']}; batch {d['batch']} x "
+             f"{d['seq']}, m = {d['microbatches']}, {d['stages']} stages on one {d['device']}; "
+             f"medians of {d['steps']} steps. The plan's prediction assumes {d['stages']} devices "
+             "working in parallel, so on one device it is not the step to expect.", "",
+             "| schedule | pipeline s | plain s | overhead (paired) | max loss diff | predicted s "
+             f"({d['stages']} devices) |", "|---|---:|---:|---:|---:|---:|"]
+    for kind, r in d["schedules"].items():
+        lines.append(f"| {kind} | {r['pipeline_step_s']:.3f} | {r['plain_step_s']:.3f} | "
+                     f"{r['overhead_paired']:+.1%} | {r['max_abs_loss_diff']:.1e} | "
+                     f"{r['predicted_step_ms'] / 1e3:.3f} |")
+    return lines + [""]
+
+
+def plan_quality(results: Path, figures: Path) -> list[str]:
+    """Markdown lines and a figure for ``plan_quality``: baseline step / autopart step."""
+    d = _load(results / "plan_quality" / "results.json")
+    if d is None:
+        return ["## plan_quality", "", "No recorded results.", ""]
+    env = d["environment"]
+    rows: list[tuple[str, int, float, dict[str, tuple[float, bool, bool]]]] = []
+    for model, m in d["models"].items():
+        for r in m["speed"]:
+            base = {b["name"]: (b["predicted_step_time_us"] / r["predicted_step_time_us"],
+                                b.get("recompute", False), b.get("fits", True))
+                    for b in r["baselines"]}
+            rows.append((model, r["ranks"], r["predicted_step_time_us"], base))
+    lines = ["## plan_quality: autopart against the partitioners users know", "",
+             f"Predicted step times on analytical {env['device_preset']} costs (no GPU used); "
+             f"{env['machine']}, Python {env['python']}, torch {env['torch']}, ortools "
+             f"{env['ortools']}. Each baseline's cuts are priced on the same costs and "
+             "schedule; `r`: it fits only with every stage recomputing; `!`: not even then.", "",
+             "| model | ranks | autopart ms | " + " | ".join(BASELINES) + " |",
+             "|---|---:|---:|" + "---:|" * len(BASELINES)]
+    for model, ranks, us, base in rows:
+        cells = []
+        for name in BASELINES:
+            if name not in base:
+                cells.append("—")
+                continue
+            ratio, recompute, fits = base[name]
+            cells.append(f"{ratio:.2f}x" + (" r" if recompute else "") + ("" if fits else " !"))
+        lines.append(f"| {model} | {ranks} | {us / 1e3:.2f} | " + " | ".join(cells) + " |")
+    fig = figures / "plan_quality.png"
+
+    def draw(ax: Any) -> None:
+        width = 0.8 / len(BASELINES)
+        for k, name in enumerate(BASELINES):
+            xs = [i + k * width for i, row in enumerate(rows) if name in row[3]]
+            ys = [row[3][name][0] for row in rows if name in row[3]]
+            ax.bar(xs, ys, width, label=name)
+        ax.axhline(1.0, color="k", linewidth=0.8, label="autopart")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))],
+                      [f"{model}\n{ranks} ranks" for model, ranks, _, _ in rows],
+                      fontsize=7)
+        ax.set_ylabel("predicted step / autopart's")
+        ax.set_title("plan_quality: baselines on the same costs (higher = slower)")
+        ax.set_ylim(0, 1.3 * max(row[3][n][0] for row in rows for n in row[3]))
+        ax.legend(fontsize=7, loc="upper center", ncol=5)
+
+    _figure(fig, draw, (9.0, 4.5))
+    lines += ["", f"![plan_quality]({fig.relative_to(figures.parent).as_posix()})", ""]
+    mvs = d.get("memory_vs_speed")
+    if mvs:
+        speed, memory = mvs["speed"], mvs["memory"]
+        lines += [f"`optimize=\"memory\"` on the same model and {speed['ranks']} ranks: largest "
+                  f"rank peak {speed['max_peak_memory_bytes'] / 2**30:.2f} → "
+                  f"{memory['max_peak_memory_bytes'] / 2**30:.2f} GiB "
+                  f"({mvs['peak_reduction']:+.1%}) for "
+                  f"{memory['predicted_step_time_us'] / speed['predicted_step_time_us']:.2f}x "
+                  "the step time.", ""]
+    return lines
+
+
+def solver_scale(results: Path) -> list[str]:
+    """Markdown lines for ``solver_scale``."""
+    d = _load(results / "solver_scale" / "results.json")
+    if d is None:
+        return ["## solver_scale", "", "No recorded results.", ""]
+    env = d["environment"]
+    lines = ["## solver_scale: a 175B-parameter plan on 64 ranks", "",
+             f"{d['model']}: {d['nodes']} nodes, {d['candidates']} cut candidates, "
+             f"{d['ranks']} x {d['device_preset']}; {env['machine']}, {env['cpus']} CPUs, ortools "
+             f"{env['ortools']}; peak RSS {d['peak_rss_gib']:.2f} GiB; identical plan JSON over "
+             f"runs: {d['identical_plan_json']}.", "",
+             "| run | wall s | status | gap | schedule | m | recompute stages | predicted s | "
+             "best baseline / autopart |", "|---:|---:|---|---:|---|---:|---:|---:|---:|"]
+    for i, r in enumerate(d["runs"]):
+        fitting = [b["predicted_step_time_us"] for b in r["baselines"] if b.get("fits", True)]
+        best = f"{min(fitting) / r['predicted_step_time_us']:.2f}x" if fitting else "none fits"
+        lines.append(f"| {i} | {r['wall_s']:.1f} | {r['status']} | {r['gap']:.1%} | "
+                     f"{r['schedule_kind']} | {r['num_microbatches']} | {r['recompute_stages']} | "
+                     f"{r['predicted_step_time_us'] / 1e6:.1f} | {best} |")
+    return lines + [""]
+
+
+def write_report(results: Path, out: Path) -> Path:
+    """Write the report (and its figures, in ``<out dir>/figures/``); returns ``out``.
+
+    The Markdown is written to a temporary file and renamed over ``out``, so a failed run
+    leaves the previous report whole.
+
+    Raises:
+        ValueError: a results file exists but is not JSON.
+    """
+    figures = out.parent / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    lines = ["# autopart benchmark report", "",
+             "Generated by `benchmarks/report.py` from the recorded `results*.json` of each "
+             "benchmark; every number below was measured or solved by that benchmark's "
+             "`run.py` (see its README for the command, machine and versions).", ""]
+    lines += pipeline_cpu(results, figures)
+    lines += executor_overhead(results)
+    lines += plan_quality(results, figures)
+    lines += solver_scale(results)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".report-", suffix=".md")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines))
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=HERE,
+                        help="folder holding the benchmark folders (default: benchmarks/)")
+    parser.add_argument("--out", type=Path, default=HERE / "REPORT.md")
+    args = parser.parse_args()
+    print(f"wrote {write_report(args.results, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
