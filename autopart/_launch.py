@@ -112,8 +112,8 @@ def compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
                 raise PlanError("a meta-device model cannot be profiled here; plan it first "
                                 "(autopart.compile on a materialised copy, or `autopart plan`) "
                                 "and pass plan=")
-            v = stages_per_rank or 1
-            choices = {"schedule_kind": schedule, "stages_per_rank": v, "recompute": recompute}
+            choices = {"schedule_kind": schedule, "stages_per_rank": stages_per_rank,
+                       "recompute": recompute}
             mine, _ = _solve(model, args, kwargs, ["cpu"] * pp_size if device.type == "cpu"
                              else [f"cuda:{i}" for i in range(pp_size)], num_microbatches,
                              optimize, loss_fn is not None, time_limit_s, {}, choices)
