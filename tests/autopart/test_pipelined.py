@@ -111,3 +111,23 @@ def test_stage_sources_are_written_next_to_the_plan(tmp_path: Any) -> None:
     source = (tmp_path / "stage_1.py").read_text()
     assert "class Stage1" in source and "f32[8, 32]" in source  # shapes as comments
     assert autopart.Plan.load(written[0]) == pipe.plan
+
+
+@pytest.mark.parametrize(("fixed", "measured"), [
+    ({}, True),  # the solver may pick zero_bubble: the split is priced
+    ({"schedule": "zero_bubble"}, True),
+    ({"schedule": "1f1b"}, False),  # zero_bubble ruled out: nothing to price
+    ({"stages_per_rank": 2}, False),  # zero_bubble runs one stage per rank
+])
+def test_split_cost_is_measured_only_where_zero_bubble_can_be_chosen(
+        fixed: dict[str, Any], measured: bool) -> None:
+    model, args, _, loss_fn = mlp()
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, devices=["cpu", "cpu"],
+                            num_microbatches=2, time_limit_s=2.0, **fixed)
+    assert ("split_cost_s" in pipe.timings_s) == measured
+    for key in ("capture_s", "profile_s", "solve_s", "codegen_s"):
+        assert key in pipe.timings_s
+    if "schedule" in fixed:
+        assert pipe.plan.schedule_kind == fixed["schedule"]
+    if "stages_per_rank" in fixed:
+        assert pipe.plan.stages_per_rank == fixed["stages_per_rank"]
