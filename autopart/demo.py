@@ -92,7 +92,7 @@ def run_demo(out_dir: str | Path = "autopart-out", *, n_layer: int = 12, n_embd:
     console.print(table)
     console.print(f"The plan's predicted step ({pipe.plan.predicted_step_time_us / 1e6:.2f} s) is "
                   f"for {num_stages} devices working in parallel. Here the {num_stages} stages "
-                  "share one CPU process and take turns, so a pipeline step costs about as "
-                  "much as the plain one; run the plan on several ranks (README, torchrun) "
-                  "for the parallel speed-up.")
+                  "share one CPU process and take turns, so a pipeline step takes as long as "
+                  "the plain one or longer (its microbatches make smaller matmuls); run the "
+                  "plan on several ranks (README, torchrun) for the parallel speed-up.")
     return losses
