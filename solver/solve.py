@@ -489,10 +489,13 @@ def _answer(sub: _Sub) -> ChainAnswer:
 
 
 def _key(optimize: str):  # type: ignore[no-untyped-def]
+    """Order of preference: the target, then the other measure, then the total memory of all
+    ranks (of two equally fast plans with the same largest peak, e.g. GPipe and 1F1B at
+    m = p, the one holding less on the other ranks), then fewer microbatches and stages."""
     order = {k: i for i, k in enumerate(SCHEDULE_KINDS)}
     if optimize == "speed":
-        return lambda c: (round(c.step_us, 6), c.max_peak, c.m, c.v, order[c.kind])
-    return lambda c: (c.max_peak, round(c.step_us, 6), c.m, c.v, order[c.kind])
+        return lambda c: (round(c.step_us, 6), c.max_peak, sum(c.peaks), c.m, c.v, order[c.kind])
+    return lambda c: (c.max_peak, round(c.step_us, 6), sum(c.peaks), c.m, c.v, order[c.kind])
 
 
 def _baseline_cuts(costs: CostGraph, p: int) -> list[tuple[str, tuple[int, ...]]]:

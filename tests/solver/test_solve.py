@@ -284,3 +284,18 @@ def test_split_backward_cost_is_charged_to_zero_bubble_only(build: Any) -> None:
     assert slow.predicted_step_time_us > one.predicted_step_time_us
     assert plan(None, 1.5).schedule_kind != "zero_bubble"
     assert plan(None, 1.0).schedule_kind == "zero_bubble"
+
+
+def test_of_two_equally_fast_plans_the_one_holding_less_memory_is_chosen(build: Any) -> None:
+    # m = p: GPipe and 1F1B take the same time and hold the same on rank 0 (m microbatches),
+    # but 1F1B holds p - s on the later ranks; zero-bubble's split is priced out.
+    g = build.chain(8, param_bytes=400)
+    options = SolveOptions(num_stages=4, batch_size=16, num_microbatches=4, stages_per_rank=1,
+                           recompute=False, split_backward_factor=3.0)
+    cluster = build.cluster(4, link_bw=FAST_LINK)
+    gpipe = solve(g, cluster, dataclasses.replace(options, schedule_kind="gpipe"))
+    one = solve(g, cluster, dataclasses.replace(options, schedule_kind="1f1b"))
+    assert gpipe.predicted_step_time_us == pytest.approx(one.predicted_step_time_us)
+    peaks = [[r.peak_memory_bytes for r in p.ranks] for p in (gpipe, one)]
+    assert max(peaks[0]) == max(peaks[1]) and sum(peaks[1]) < sum(peaks[0])
+    assert solve(g, cluster, options).schedule_kind == "1f1b"
