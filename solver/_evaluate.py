@@ -129,6 +129,8 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         split = model.split_factor if kind == "zero_bubble" and not rc[s] else 1.0
         bi = model.part_us("bwd_input", a, z, ratio) * f * split + (fwd if rc[s] else 0.0)
         bw = model.part_us("bwd_weight", a, z, ratio) * f * split
+        if kind == "zero_bubble" and rc[s]:  # its I is the whole backward, its W is empty
+            bi, bw = bi + bw, 0.0
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)
         state, pbytes, numel = model.state_of(a, z)

@@ -41,9 +41,14 @@ class ChainProblem:
     Objective (``optimize="speed"``)::
 
         w_stage * max_s t_s + w_rank * max_r sum_{s on r} t_s + w_sum * sum_s t_s
+            - sum_{s >= 1, not recomputing} W_s
 
     which covers the closed forms of every schedule kind (see
-    :func:`autopart.solver._schedule_cost.objective_weights`). Stage memory::
+    :func:`autopart.solver._schedule_cost.objective_weights`). The last term is ZB-H1's
+    (Qi et al. 2023): its cool-down runs each stage's weight-gradient part ``W`` off the
+    critical path, except stage 0's. ``W_s = speed[rank] * sum seg_bwd_weight`` (part of
+    ``seg_time``); it is absent (0) unless ``seg_bwd_weight`` is given, and a recomputing
+    stage runs its whole backward at once, so it hides nothing. Stage memory::
 
         state_s + in_s + out_s + k_s * saved_s                 (no recompute)
         state_s + in_s + out_s + k_s * in_s + saved_s          (recompute: inputs kept, one
@@ -79,6 +84,7 @@ class ChainProblem:
     rank_caps: tuple[int, ...] | None = None
     recompute: str = "none"
     optimize: str = "speed"
+    seg_bwd_weight: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         k, s = len(self.seg_time), self.num_stages
@@ -96,12 +102,13 @@ class ChainProblem:
                    "cut_in": (self.cut_in, k - 1), "speed": (self.speed, self.num_ranks),
                    "seg_state": (self.seg_state, k), "seg_saved": (self.seg_saved, k),
                    "cut_bytes": (self.cut_bytes, k - 1), "in_flight": (self.in_flight, s),
-                   "rank_caps": (self.rank_caps, self.num_ranks)}
+                   "rank_caps": (self.rank_caps, self.num_ranks),
+                   "seg_bwd_weight": (self.seg_bwd_weight, k)}
         for name, (values, want) in lengths.items():
             if values is not None and len(values) != want:
                 raise PlanError(f"ChainProblem.{name} has {len(values)} entries; expected {want}")
         ints = (self.seg_time, self.seg_fwd, self.cut_out, self.cut_in, self.seg_state or (),
-                self.seg_saved or (), self.cut_bytes or ())
+                self.seg_saved or (), self.cut_bytes or (), self.seg_bwd_weight or ())
         if any(v < 0 for v in itertools.chain(*ints)) or min(self.speed or (1.0,)) <= 0:
             raise PlanError("chain costs and memory must be >= 0 and speed factors > 0")
 
@@ -135,6 +142,22 @@ class ChainProblem:
         """Recompute extra time per segment on ``rank``."""
         f = 1.0 if self.speed is None else self.speed[rank]
         return list(self.seg_fwd) if f == 1.0 else [int(round(c * f)) for c in self.seg_fwd]
+
+    def seg_bwd_weight_on(self, rank: int) -> list[int]:
+        """Weight-gradient (W) time per segment on ``rank``; zeros without ``seg_bwd_weight``."""
+        if self.seg_bwd_weight is None:
+            return [0] * self.num_segments
+        f = 1.0 if self.speed is None else self.speed[rank]
+        return (list(self.seg_bwd_weight) if f == 1.0
+                else [int(round(c * f)) for c in self.seg_bwd_weight])
+
+    def hidden_weight(self, cuts: Sequence[int], recompute: Sequence[bool]) -> int:
+        """``sum_{s >= 1, not recomputing} W_s``: the W time the objective takes off."""
+        if self.seg_bwd_weight is None:
+            return 0
+        return sum(sum(self.seg_bwd_weight_on(self.rank_of(s))[a:b])
+                   for s, (a, b) in enumerate(self.stage_bounds(cuts))
+                   if s > 0 and not recompute[s])
 
     def in_flight_of(self, stage: int) -> int:
         """``k_s``: microbatches whose saved activations stage ``stage`` holds at once."""
@@ -182,10 +205,11 @@ class ChainProblem:
         return [sum(mem[r::self.num_ranks]) for r in range(self.num_ranks)]
 
     def time_objective(self, cuts: Sequence[int], recompute: Sequence[bool]) -> int:
-        """``w_stage * max t + w_rank * max rank load + w_sum * sum t``."""
+        """``w_stage * max t + w_rank * max rank load + w_sum * sum t - hidden W``."""
         t = self.stage_times(cuts, recompute)
         loads = [sum(t[r::self.num_ranks]) for r in range(self.num_ranks)]
-        return self.w_stage * max(t) + self.w_rank * max(loads) + self.w_sum * sum(t)
+        return (self.w_stage * max(t) + self.w_rank * max(loads) + self.w_sum * sum(t)
+                - self.hidden_weight(cuts, recompute))
 
     def fits(self, cuts: Sequence[int], recompute: Sequence[bool]) -> bool:
         """Every rank within its cap (True without caps)."""

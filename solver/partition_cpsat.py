@@ -245,7 +245,8 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
 
     Variables: ``x[i, s]`` segment i in stage s, ``e[i, s]`` the cut after segment i closes
     stage s, ``rc[s]`` stage s recomputes, ``t[s]`` stage time, ``mem[s]`` stage memory. The
-    objective is linear in ``max t``, ``max rank load`` and ``sum t``. With a feasible hint its
+    objective is linear in ``max t``, ``max rank load``, ``sum t`` and (ZB-H1) the hidden
+    ``W`` of the stages after the first. With a feasible hint its
     value bounds every stage's time, which prunes ``x`` to a band (as in :func:`partition_cpsat`).
 
     Args:
@@ -283,8 +284,11 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
         problem.cut_out) + sum(problem.cut_in)
     horizon = upper
     w_max = problem.w_stage + problem.w_rank
+    seg_w = {r: problem.seg_bwd_weight_on(r) for r in range(p)}
+    # the most W time the objective can take off (ZB-H1), so the horizon stays valid
+    hidden_max = sum(max(seg_w[r][i] for r in range(p)) for i in range(k))
     if hint is not None and problem.optimize == "speed" and w_max > 0:
-        horizon = min(upper, (hint.objective - problem.w_sum * prefix[k]) // w_max)
+        horizon = min(upper, (hint.objective + hidden_max - problem.w_sum * prefix[k]) // w_max)
 
     hint_stage = ([sum(1 for c in hint.cuts if c < i) for i in range(k)]
                   if hint is not None and band is not None else None)
@@ -388,8 +392,20 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
             model.add(sum(mem[r::p]) <= max_mem)
         model.minimize(max_mem)
     else:
+        # ZB-H1: stage s >= 1 that does not recompute has its W off the critical path
+        hidden: list[Any] = []
+        for s in range(1, s_total if problem.seg_bwd_weight is not None else 1):
+            w_s = sum(seg_w[problem.rank_of(s)][i] * x[i, s] for i in stage_segs[s])
+            if isinstance(rc[s], int):
+                if not rc[s]:
+                    hidden.append(w_s)
+                continue
+            h = model.new_int_var(0, hidden_max, f"hidden_w[{s}]")
+            model.add(h == w_s).only_enforce_if(rc[s].Not())
+            model.add(h == 0).only_enforce_if(rc[s])
+            hidden.append(h)
         model.minimize(problem.w_stage * max_t + problem.w_rank * max_load
-                       + problem.w_sum * sum(t))
+                       + problem.w_sum * sum(t) - sum(hidden))
     if hint is not None:
         stage = 0
         for i in range(k):

@@ -334,13 +334,19 @@ def _chain_problem(model: CostModel, cands: CutCandidates, caps: list[int], kind
                    v: int, m: int, mode: str, options: SolveOptions) -> ChainProblem:
     ratio = model.ratio(m)
     seg_t, out_t, in_t = model.chain_time(cands, m)
-    if kind == "zero_bubble" and options.training and model.split_factor > 1.0:
-        # every stage splits its backward (a recomputed one does not, which evaluate() knows)
+    seg_w: list[int] | None = None
+    if kind == "zero_bubble" and options.training:
+        # every stage splits its backward at the measured cost (a recomputed one does not,
+        # which evaluate() knows) and all but stage 0 run their W off the critical path
         extra = model.split_factor - 1.0
-        seg_t = [t + int(round(extra * TIME_UNITS_PER_US * (
-            model.part_us("bwd_input", s.start, s.stop, ratio)
-            + model.part_us("bwd_weight", s.start, s.stop, ratio))))
-            for t, s in zip(seg_t, cands.segments, strict=True)]
+        if extra > 0.0:
+            seg_t = [t + int(round(extra * TIME_UNITS_PER_US * (
+                model.part_us("bwd_input", s.start, s.stop, ratio)
+                + model.part_us("bwd_weight", s.start, s.stop, ratio))))
+                for t, s in zip(seg_t, cands.segments, strict=True)]
+        seg_w = [int(round(model.split_factor * TIME_UNITS_PER_US
+                           * model.part_us("bwd_weight", s.start, s.stop, ratio)))
+                 for s in cands.segments]
     seg_f = [int(round(model.part_us("fwd", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
              for s in cands.segments]
     seg_mem, cut_b = model.chain_memory(cands, 1)
@@ -364,7 +370,7 @@ def _chain_problem(model: CostModel, cands: CutCandidates, caps: list[int], kind
         last_out_bytes=model.scale_bytes(model.crossing[n], ratio),
         in_flight=in_flight(kind, p, m, v, options.training),
         rank_caps=tuple(max(c - transient, 0) for c in caps), recompute=mode,
-        optimize=options.optimize)
+        optimize=options.optimize, seg_bwd_weight=None if seg_w is None else tuple(seg_w))
 
 
 def _seed(prob: ChainProblem, cands: CutCandidates, hint: Plan | None,
@@ -435,7 +441,8 @@ _SIMULATE_ABOVE = 8192
 
 def _global_bound(prob: ChainProblem) -> int:
     """A lower bound on ``prob``'s objective valid for every answer: each stage and rank
-    carries at least its share of the fastest segment times, communication counted as 0.
+    carries at least its share of the fastest segment times, communication counted as 0,
+    and (ZB-H1) every segment's weight-gradient time taken off.
 
     It is the bound (and so the gap) a plan reports when its subproblem was solved banded
     (``solver.name == "cp-sat-band+relaxation-bound"``), and whenever it is tighter than
@@ -448,8 +455,11 @@ def _global_bound(prob: ChainProblem) -> int:
             for i in range(prob.num_segments)]
     total = sum(fast)
     per_stage = max(-(-total // prob.num_stages), max(fast))
+    # ZB-H1 takes off at most every segment's W (stage 0's stays, recomputed ones hide none)
+    hidden = sum(max(prob.seg_bwd_weight_on(r)[i] for r in range(prob.num_ranks))
+                 for i in range(prob.num_segments))
     return (prob.w_stage * per_stage + prob.w_rank * -(-total // prob.num_ranks)
-            + prob.w_sum * total)
+            + prob.w_sum * total - hidden)
 
 
 def _cpsat(sub: _Sub, options: SolveOptions) -> ChainResult:

@@ -23,8 +23,11 @@ def random_problem(rng: random.Random, kind: str, v: int, optimize: str) -> Chai
     k = rng.randint(s, min(s + 4, 8))
     w_stage, w_rank, w_sum = objective_weights(kind, p, m, v)
     has_cap = optimize == "memory" or rng.random() < 0.7
+    seg_time = tuple(rng.randint(0, 60) for _ in range(k))
+    # ZB-H1: each segment's W, part of its time, hidden behind later stages' work
+    seg_w = tuple(rng.randint(0, t // 2) for t in seg_time) if kind == "zero_bubble" else None
     return ChainProblem(
-        seg_time=tuple(rng.randint(0, 60) for _ in range(k)),
+        seg_time=seg_time, seg_bwd_weight=seg_w,
         seg_fwd=tuple(rng.randint(0, 20) for _ in range(k)),
         cut_out=tuple(rng.randint(0, 8) for _ in range(k - 1)),
         cut_in=tuple(rng.randint(0, 8) for _ in range(k - 1)),

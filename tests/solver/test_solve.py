@@ -299,3 +299,21 @@ def test_of_two_equally_fast_plans_the_one_holding_less_memory_is_chosen(build: 
     peaks = [[r.peak_memory_bytes for r in p.ranks] for p in (gpipe, one)]
     assert max(peaks[0]) == max(peaks[1]) and sum(peaks[1]) < sum(peaks[0])
     assert solve(g, cluster, options).schedule_kind == "1f1b"
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.3])
+def test_zero_bubble_objective_and_bound_are_of_its_own_closed_form(build: Any,
+                                                                    factor: float) -> None:
+    # uniform chain, 4 ranks, m = 4, microbatch 8 = b0: stage = 2 x (10 + 20) µs at factor 1,
+    # W = half the backward. ZB-H1: (m - 1) t + sum t - sum_{s >= 1} W_s; the 1F1B form would leave the
+    # last term out, and its bound was above the plan's own predicted step.
+    g = build.chain(8, param_bytes=400)
+    plan = solve(g, build.cluster(4, link_bw=FAST_LINK),
+                 SolveOptions(num_stages=4, batch_size=32, num_microbatches=4,
+                              schedule_kind="zero_bubble", recompute=False,
+                              split_backward_factor=factor))
+    t = 20.0 + 40.0 * factor  # the split's cost falls on the backward only
+    w = 20.0 * factor
+    assert plan.solver.objective == pytest.approx(3 * t + 4 * t - 3 * w, abs=0.5)
+    assert plan.solver.bound <= plan.solver.objective
+    assert plan.solver.bound <= plan.predicted_step_time_us * 1.02
