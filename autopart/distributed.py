@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+from torch.utils.checkpoint import checkpoint
 
 from autopart.capture import CapturedGraph
 from autopart.codegen.params import build_stage_modules
@@ -106,12 +107,16 @@ class _P2PStage(nn.Module):
 
     Outputs are made contiguous before they are sent (a pass-through mask is often an
     ``expand`` view); inputs whose captured layout was strided (a transposed activation)
-    are copied back into that layout, because the stage's graph may ``view`` them.
+    are copied back into that layout, because the stage's graph may ``view`` them. A stage
+    the plan marks ``recompute`` runs its forward under non-reentrant
+    ``torch.utils.checkpoint`` when gradients are on: only its inputs are kept, and the
+    backward rebuilds the rest.
     """
 
-    def __init__(self, stage: fx.GraphModule) -> None:
+    def __init__(self, stage: fx.GraphModule, recompute: bool = False) -> None:
         super().__init__()
         self.stage = stage
+        self.recompute = recompute
         self._layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
         for node in stage.graph.nodes:
             if node.op != "placeholder":
@@ -131,8 +136,41 @@ class _P2PStage(nn.Module):
             if layout is not None and isinstance(arg, torch.Tensor) and arg.stride() != layout[1]:
                 arg = _restride(arg, *layout)
             restored.append(arg)
-        out = self.stage(*restored)
+        if self.recompute and torch.is_grad_enabled():
+            out = checkpoint(self.stage, *restored, use_reentrant=False)
+        else:
+            out = self.stage(*restored)
         return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
+
+
+class _Stage(PipelineStage):
+    """``PipelineStage`` whose recomputed stage does not split its backward.
+
+    Every autograd call that reads a checkpointed stage's saved tensors re-runs its forward,
+    and torch's input/weight split makes several such calls per microbatch (one for the
+    input gradients, then one per parameter group): measured, 5-6 forwards per microbatch
+    instead of 2. So, as in the local executor, a recomputed stage's ``I`` runs its whole
+    backward and its ``W`` has nothing left to do; the solver prices it that way.
+    """
+
+    def __init__(self, submod: _P2PStage, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submod, *args, **kwargs)
+        self._recompute = submod.recompute
+        self._whole: set[int] = set()  # microbatches whose I ran the whole backward
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        if self._recompute and not full_backward:
+            self._whole.add(bwd_chunk_id)
+            full_backward = True
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                          last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
+        if bwd_chunk_id in self._whole:
+            self._whole.discard(bwd_chunk_id)
+            return None
+        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
 
 def _restride(dense: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -213,8 +251,8 @@ class DistributedPipeline(nn.Module):
         self._tied_groups = self._make_tied_groups(placement)
         self._last_rank = plan.stages[-1].rank
         self._first_rank = plan.stages[0].rank
-        self._stages_pp = [PipelineStage(_P2PStage(mod), s, len(stage_graphs), device,
-                                         group=pp_group)
+        self._stages_pp = [_Stage(_P2PStage(mod, plan.stages[s].recompute), s,
+                                  len(stage_graphs), device, group=pp_group)
                            for mod, s in zip(self.stages, self.local_stages, strict=True)]
         store = dist.distributed_c10d._get_default_store()
         self._heartbeat = _Heartbeat(store, dist.get_rank(), dist.get_world_size())

@@ -33,15 +33,19 @@ def _spawn(fn: str, world: int, *args: object, timeout: float = 240) -> subproce
                           text=True, timeout=timeout)
 
 
-CASES = [("gpt2", "1f1b", 1, 2), ("gpt2", "interleaved_1f1b", 2, 2), ("gpt2", "zero_bubble", 1, 2),
-         ("bert", "1f1b", 1, 4), ("llama", "interleaved_1f1b", 2, 2), ("tied_mlp", "zero_bubble", 1, 4)]
+CASES = [("gpt2", "1f1b", 1, 2, False), ("gpt2", "interleaved_1f1b", 2, 2, False),
+         ("gpt2", "zero_bubble", 1, 2, False), ("bert", "1f1b", 1, 4, False),
+         ("llama", "interleaved_1f1b", 2, 2, False), ("tied_mlp", "zero_bubble", 1, 4, False),
+         ("gpt2", "1f1b", 1, 2, True), ("tied_mlp", "zero_bubble", 1, 2, True)]
 
 
-@pytest.mark.parametrize(("model", "kind", "v", "world"), CASES,
-                         ids=[f"{m}-{k}-v{v}-{w}ranks" for m, k, v, w in CASES])
-def test_loss_output_and_every_gradient_match(model: str, kind: str, v: int, world: int) -> None:
+@pytest.mark.parametrize(("model", "kind", "v", "world", "recompute"), CASES,
+                         ids=[f"{m}-{k}-v{v}-{w}ranks" + ("-recompute" if r else "")
+                              for m, k, v, w, r in CASES])
+def test_loss_output_and_every_gradient_match(model: str, kind: str, v: int, world: int,
+                                              recompute: bool) -> None:
     with tempfile.TemporaryDirectory() as out:
-        proc = _spawn("numerics", world, model, kind, v, out)
+        proc = _spawn("numerics", world, model, kind, v, out, recompute)
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
     assert sorted(reports) == [f"rank{r}.txt" for r in range(world)]

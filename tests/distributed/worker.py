@@ -21,8 +21,11 @@ def _setup(rank: int, world: int, port: int, timeout_s: float) -> None:
 
 
 def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: int,
-             result_dir: str) -> None:
-    """Train one step on a plan for ``world`` ranks; write this rank's check results."""
+             result_dir: str, recompute: bool = False) -> None:
+    """Train one step on a plan for ``world`` ranks; write this rank's check results.
+
+    With ``recompute`` every stage recomputes, and each must run its forward twice per
+    microbatch in the training step (once more in backward)."""
     sys.path.insert(0, os.getcwd())
     import autopart
     from autopart.capture import capture
@@ -35,13 +38,22 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
     m = 4
     captured = capture(model, tuple(a[: 8 // m] for a in args))
     plan = manual_plan(captured, even_positions(captured, world * v), m, 8, schedule_kind=kind,
-                       stages_per_rank=v)
+                       stages_per_rank=v, recompute=recompute)
     pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+    # a first step sets the runtime up (its shape inference runs stages' forwards too); the
+    # weights do not change, so the second step's loss and gradients are the first's
+    pipe.train_step(*args, target=target)
+    for p in pipe.parameters():
+        p.grad = None
+    calls = [0] * len(pipe.stages)
+    for k, mod in enumerate(pipe.stages):
+        mod.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
     loss = pipe.train_step(*args, target=target)
+    problems = [f"stage {k} ran its forward {n} times for {m} microbatches"
+                for k, n in enumerate(calls) if n != m * (2 if recompute else 1)]
     ref_loss = loss_fn(reference(*args), target)
     ref_loss.backward()
     ref_params = dict(reference.named_parameters())
-    problems = []
     try:
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=4e-5)
     except AssertionError as exc:
