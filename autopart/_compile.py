@@ -6,7 +6,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -17,10 +17,14 @@ from autopart.capture import CapturedGraph, capture, op_nodes
 from autopart.cluster import PRESETS, Cluster, DeviceSpec
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
+from autopart.costgraph import CostGraph
 from autopart.errors import PlanError
 from autopart.microbatch import split_leaves
 from autopart.pipelined import PipelinedModule
 from autopart.plan import OPTIMIZE_TARGETS, Plan
+
+if TYPE_CHECKING:
+    from autopart.solver import SolveOptions
 
 __all__ = ["compile", "cluster_for_devices", "library_versions"]
 
@@ -324,14 +328,14 @@ class _Measured:
     the cost of splitting backward into I and W (1.0 when not measured)."""
 
     captured: CapturedGraph
-    costs: Any  # CostGraph
+    costs: CostGraph
     batch_size: int
     num_microbatches: int | None
     microbatch_candidates: tuple[int, ...] | None
     training: bool
     split_backward_factor: float
 
-    def options(self, **choices: Any) -> Any:
+    def options(self, **choices: Any) -> SolveOptions:
         """``SolveOptions`` for these measurements; ``choices`` fixes or sets the rest
         (``optimize``, ``time_limit_s``, ``schedule_kind``, ``stages_per_rank``, ...)."""
         from autopart.solver import SolveOptions
@@ -353,6 +357,11 @@ def _measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     rows (export specialises size-1 dimensions, which can change the graph). With
     ``split_cost`` (and training on more than one rank) the zero-bubble I/W split factor is
     measured too (``autopart._split_cost``).
+
+    Raises:
+        PlanError: ``num_microbatches`` is < 1 or does not divide the batch.
+        TraceError: the model cannot be captured.
+        ProfileError: a node fails to run on the device.
     """
     from autopart.profiler import profile_graph
 

@@ -155,12 +155,11 @@ class _Stage(PipelineStage):
 
     def __init__(self, submod: _P2PStage, *args: Any, **kwargs: Any) -> None:
         super().__init__(submod, *args, **kwargs)
-        self._recompute = submod.recompute
         self._whole: set[int] = set()  # microbatches whose I ran the whole backward
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
-        if self._recompute and not full_backward:
+        if self.submod.recompute and not full_backward:
             self._whole.add(bwd_chunk_id)
             full_backward = True
         return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,

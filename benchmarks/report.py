@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -228,8 +226,8 @@ def solver_scale(results: Path) -> list[str]:
 def write_report(results: Path, out: Path) -> Path:
     """Write the report (and its figures, in ``<out dir>/figures/``); returns ``out``.
 
-    The Markdown is written to a temporary file and renamed over ``out``, so a failed run
-    leaves the previous report whole.
+    The Markdown is written atomically (``autopart._jsonio.write_text_atomic``), after every
+    results file has been read, so a failed run leaves the previous report whole.
 
     Raises:
         ValueError: a results file exists but is not JSON.
@@ -244,14 +242,9 @@ def write_report(results: Path, out: Path) -> Path:
     lines += executor_overhead(results)
     lines += plan_quality(results, figures)
     lines += solver_scale(results)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".report-", suffix=".md")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines))
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from autopart._jsonio import write_text_atomic
+
+    write_text_atomic(out, "\n".join(lines))
     return out
 
 

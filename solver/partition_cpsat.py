@@ -394,7 +394,8 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
     else:
         # ZB-H1: stage s >= 1 that does not recompute has its W off the critical path
         hidden: list[Any] = []
-        for s in range(1, s_total if problem.seg_bwd_weight is not None else 1):
+        hiding = range(1, s_total) if problem.seg_bwd_weight is not None else range(0)
+        for s in hiding:
             w_s = sum(seg_w[problem.rank_of(s)][i] * x[i, s] for i in stage_segs[s])
             if isinstance(rc[s], int):
                 if not rc[s]:

@@ -249,9 +249,8 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
         mode = "none"
 
     # 1. Subproblems and their DP seeds.
-    # Equal chain problems (1F1B and ZB-H1 share theirs: same in-flight counts and objective
-    # weights, unless split_backward_factor > 1 lengthens ZB's stages) are seeded and solved
-    # once.
+    # Equal chain problems are seeded and solved once (1F1B and ZB-H1 share theirs for
+    # inference; in training ZB-H1's hides W and may pay a split cost).
     subs: list[_Sub] = []
     seeds: dict[ChainProblem, ChainAnswer | None] = {}
     for kind, v in configs:

@@ -51,4 +51,4 @@ def test_report_lists_missing_results_and_names_a_broken_file(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"plan_quality/results.json: not JSON"):
         report.write_report(results, tmp_path / "REPORT.md")
     assert text == (tmp_path / "REPORT.md").read_text()  # the old report is left whole
-    assert not list(tmp_path.glob(".report-*"))
+    assert not list(tmp_path.glob(".REPORT.md.*"))
