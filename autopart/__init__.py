@@ -8,16 +8,16 @@ __all__ = ["compile", "load", "Plan", "PipelinedModule", "TraceError", "PlanErro
            "InfeasiblePlanError", "__version__"]
 __version__ = "0.1.0"
 
-# Exports resolve lazily (PEP 562) so that `import autopart.solver` or `autopart.plan`
+# Exports resolve lazily (PEP 562) so that `import autopart.solver` or `autopart.core.plan`
 # never pulls in torch: the solver layer stays pure Python.
 _LAZY = {
-    "compile": ("autopart._compile", "compile"),
-    "load": ("autopart.checkpoint", "load"),
-    "PipelinedModule": ("autopart.pipelined", "PipelinedModule"),
-    "Plan": ("autopart.plan", "Plan"),
-    "TraceError": ("autopart.errors", "TraceError"),
-    "PlanError": ("autopart.errors", "PlanError"),
-    "InfeasiblePlanError": ("autopart.errors", "InfeasiblePlanError"),
+    "compile": ("autopart.api", "compile"),
+    "load": ("autopart.runtime.checkpoint", "load"),
+    "PipelinedModule": ("autopart.runtime.local", "PipelinedModule"),
+    "Plan": ("autopart.core.plan", "Plan"),
+    "TraceError": ("autopart.core.errors", "TraceError"),
+    "PlanError": ("autopart.core.errors", "PlanError"),
+    "InfeasiblePlanError": ("autopart.core.errors", "InfeasiblePlanError"),
 }
 
 

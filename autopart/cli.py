@@ -33,8 +33,8 @@ def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan
 @app.command()
 def show(plan: Path = typer.Argument(..., exists=True, dir_okay=False, help="a plan JSON file")) -> None:
     """Print a saved plan as a table, with its baselines and the solver's certificate."""
-    from autopart.errors import PlanError
-    from autopart.plan import Plan
+    from autopart.core.errors import PlanError
+    from autopart.core.plan import Plan
     from autopart.report import print_certificate, print_plan
 
     try:

@@ -24,8 +24,8 @@ def _load_costs(path: Path) -> Any:
     Raises:
         PlanCLIError: missing or unreadable file, not JSON, or not a CostGraph.
     """
-    from autopart.costgraph import CostGraph
-    from autopart.errors import PlanError
+    from autopart.core.costgraph import CostGraph
+    from autopart.core.errors import PlanError
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -58,7 +58,7 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
         PlanCLIError: both or neither option, N < 1, an unknown preset, or ``--devices`` with a
             measured GPU profile (whose GPU model the profile does not name).
     """
-    from autopart.cluster import PRESETS, Cluster
+    from autopart.core.cluster import PRESETS, Cluster
 
     if (devices is None) == (cluster is None):
         raise PlanCLIError("pass exactly one of --devices N or --cluster PRESET:N "
@@ -115,7 +115,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
          out: Path = typer.Option(Path("plan.json"), "--out", help="plan JSON to write"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap."""
-    from autopart.errors import PlanError
+    from autopart.core.errors import PlanError
     from autopart.report import print_certificate, print_plan, skipped_baselines_table
     from autopart.solver import SolveOptions, solve
     from autopart.solver.baselines import run_baselines

@@ -32,8 +32,8 @@ def parse_device(device: str) -> tuple[str, Any]:
     Raises:
         ProfileCLIError: unknown preset or malformed device, or CUDA without a GPU.
     """
-    from autopart.cluster import PRESETS
-    from autopart.errors import ProfileError
+    from autopart.core.cluster import PRESETS
+    from autopart.core.errors import ProfileError
     from autopart.profiler.timer import check_device
 
     if device in PRESETS and device != "cpu":
@@ -157,7 +157,7 @@ def _run(net: Any, inputs: tuple[Any, ...], method: str, target: Any, dtype: str
     import torch
     from rich.progress import Progress
 
-    from autopart.capture import capture
+    from autopart.core.capture import capture
     from autopart.profiler import profile_analytical, profile_graph
     from autopart.profiler.cache import cached_profile, profile_key
 

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autopart.plan import Plan
+from autopart.core.plan import Plan
 
 __all__ = ["plan_table", "print_plan", "certificate_table", "pareto_table", "skipped_baselines_table",
            "print_certificate"]

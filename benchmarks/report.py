@@ -226,7 +226,7 @@ def solver_scale(results: Path) -> list[str]:
 def write_report(results: Path, out: Path) -> Path:
     """Write the report (and its figures, in ``<out dir>/figures/``); returns ``out``.
 
-    The Markdown is written atomically (``autopart._jsonio.write_text_atomic``), after every
+    The Markdown is written atomically (``autopart.core.jsonio.write_text_atomic``), after every
     results file has been read, so a failed run leaves the previous report whole.
 
     Raises:
@@ -242,7 +242,7 @@ def write_report(results: Path, out: Path) -> Path:
     lines += executor_overhead(results)
     lines += plan_quality(results, figures)
     lines += solver_scale(results)
-    from autopart._jsonio import write_text_atomic
+    from autopart.core.jsonio import write_text_atomic
 
     write_text_atomic(out, "\n".join(lines))
     return out

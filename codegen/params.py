@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopart.capture import CapturedGraph
+from autopart.core.capture import CapturedGraph
 from autopart.codegen.split import StageGraph
 
 __all__ = ["Placement", "build_stage_modules"]

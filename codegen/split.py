@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopart.capture import CapturedGraph, op_nodes
-from autopart.errors import PlanError
+from autopart.core.capture import CapturedGraph, op_nodes
+from autopart.core.errors import PlanError
 
 __all__ = ["StageGraph", "split_graph", "stage_of_nodes", "crossing_names"]
 

@@ -15,9 +15,9 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopart.capture import CapturedGraph, node_module_path, op_nodes
-from autopart.costgraph import NodeCost
-from autopart.errors import ProfileError
+from autopart.core.capture import CapturedGraph, node_module_path, op_nodes
+from autopart.core.costgraph import NodeCost
+from autopart.core.errors import ProfileError
 from autopart.profiler._oputil import (
     EXTRA_FLOP_FORMULAS,
     MeasureReport,

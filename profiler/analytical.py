@@ -11,10 +11,10 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopart.capture import CapturedGraph, node_module_path, op_nodes
-from autopart.cluster import DeviceSpec
-from autopart.costgraph import CostGraph, NodeCost
-from autopart.errors import ProfileError
+from autopart.core.capture import CapturedGraph, node_module_path, op_nodes
+from autopart.core.cluster import DeviceSpec
+from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.errors import ProfileError
 from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
 
 __all__ = ["profile_analytical", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "SDPA_BWD_FLOP_RATIO",
@@ -109,10 +109,10 @@ def profile_analytical(captured: CapturedGraph, flat_inputs: list[Any] | None, s
     - ``transient_bytes``: gradients of the outputs plus of the differentiable inputs.
 
     Args:
-        captured: the graph from :func:`autopart.capture.capture` (real or meta model).
+        captured: the graph from :func:`autopart.core.capture.capture` (real or meta model).
         flat_inputs: one value per placeholder (only shapes and dtypes are read), or None to
             take them from each placeholder's ``meta["val"]``.
-        spec: the device, e.g. ``autopart.cluster.PRESETS["h100-sxm"]``.
+        spec: the device, e.g. ``autopart.core.cluster.PRESETS["h100-sxm"]``.
         dtype: dtype the peak is taken for; default: the first floating parameter's dtype.
             Tensor sizes are always the captured ones.
         training: also model the backward, saved bytes and gradients.

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopart.capture import node_module_path, op_nodes
+from autopart.core.capture import node_module_path, op_nodes
 
 __all__ = ["BlockInstance", "find_blocks", "repeated_blocks", "path_pattern"]
 

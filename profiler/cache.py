@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from autopart._jsonio import dumps, write_text_atomic
-from autopart.costgraph import CostGraph
-from autopart.errors import PlanError
+from autopart.core.jsonio import dumps, write_text_atomic
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import PlanError
 
 __all__ = ["cache_dir", "profile_key", "load_cached", "store", "cached_profile",
            "PROFILER_REVISION"]

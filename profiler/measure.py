@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from autopart.capture import CapturedGraph
-from autopart.costgraph import CostGraph
-from autopart.errors import ProfileError
+from autopart.core.capture import CapturedGraph
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import ProfileError
 from autopart.profiler._oputil import MeasureReport
 from autopart.profiler._walker import Progress, _Walker
 from autopart.profiler.blocks import repeated_blocks
@@ -92,7 +92,7 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
     graph (``arange(device=...)``, ``to(device=...)``) are rewritten to ``device``.
 
     Args:
-        captured: the graph from :func:`autopart.capture.capture`.
+        captured: the graph from :func:`autopart.core.capture.capture`.
         flat_inputs: one value per placeholder, e.g. ``captured.flatten_inputs(args, kwargs)``.
         device: ``"cpu"`` or ``"cuda:N"``; tensors elsewhere are copied there for profiling.
         training: also measure the backward and the saved activations.

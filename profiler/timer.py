@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autopart.errors import ProfileError
+from autopart.core.errors import ProfileError
 
 __all__ = ["check_device", "time_calls", "time_samples", "spread", "RngState"]
 

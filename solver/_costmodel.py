@@ -7,8 +7,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopart.cluster import Cluster
-from autopart.costgraph import CostGraph
+from autopart.core.cluster import Cluster
+from autopart.core.costgraph import CostGraph
 from autopart.solver.candidates import CutCandidates, crossing_profile
 
 #: CP-SAT time unit: chain costs are integers in tenths of a µs (round half to even).

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autopart.cluster import Cluster
-from autopart.costgraph import CostGraph
-from autopart.plan import (
+from autopart.core.cluster import Cluster
+from autopart.core.costgraph import CostGraph
+from autopart.core.plan import (
     BaselineReport,
     Cut,
     LowerBounds,
@@ -18,7 +18,7 @@ from autopart.plan import (
     SolverReport,
     StagePlan,
 )
-from autopart.schedule import build_schedule, forward_schedule
+from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.solver._costmodel import CostModel
 from autopart.solver._schedule_cost import (
     busy_us,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from autopart.schedule import build_schedule, in_flight_counts
+from autopart.core.schedule import build_schedule, in_flight_counts
 from autopart.solver.simulate import StageCosts
 
 __all__ = ["in_flight", "objective_weights", "closed_form_step_us"]
@@ -16,10 +16,10 @@ def in_flight(kind: str, num_ranks: int, num_microbatches: int, stages_per_rank:
               training: bool = True) -> tuple[int, ...]:
     """Per stage, the most microbatches whose saved activations it holds at once.
 
-    GPipe holds all ``m``; 1F1B and ZB-H1 (as built by :mod:`autopart.schedule`) hold
+    GPipe holds all ``m``; 1F1B and ZB-H1 (as built by :mod:`autopart.core.schedule`) hold
     ``min(p - s, m)`` on stage s (Narayanan et al. 2021; Qi et al. 2023, H1 keeps 1F1B's
     memory); interleaved 1F1B is counted on its action lists with
-    :func:`autopart.schedule.in_flight_counts`. Inference keeps nothing for a backward: 0.
+    :func:`autopart.core.schedule.in_flight_counts`. Inference keeps nothing for a backward: 0.
     """
     p, m, v = num_ranks, num_microbatches, stages_per_rank
     if not training:

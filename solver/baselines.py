@@ -1,6 +1,6 @@
 """Baseline partitioners of other pipeline libraries, re-implemented on a CostGraph (no torch).
 
-Each baseline turns a :class:`~autopart.costgraph.CostGraph` into cut positions (node indices
+Each baseline turns a :class:`~autopart.core.costgraph.CostGraph` into cut positions (node indices
 where a new stage starts) the way its library would, so that ``solve()`` can price them with the
 same cost model as autopart's own plan. The four, and their sources:
 
@@ -48,8 +48,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from autopart.costgraph import CostGraph
-from autopart.errors import PlanError
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import PlanError
 from autopart.solver.candidates import crossing_profile
 
 __all__ = [

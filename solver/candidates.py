@@ -8,8 +8,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from autopart.costgraph import CostGraph
-from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import InfeasiblePlanError, PlanError
 
 __all__ = [
     "Segment",

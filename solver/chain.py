@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.core.errors import InfeasiblePlanError, PlanError
 
 __all__ = ["ChainProblem", "ChainAnswer", "RECOMPUTE_MODES"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.solver.chain import ChainAnswer, ChainProblem
 from autopart.solver.partition_dp import check_chain, stage_costs
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.solver.chain import ChainAnswer, ChainProblem
 
 __all__ = ["partition_dp", "partition_brute_force", "stage_costs", "check_chain", "chain_dp_hint"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from autopart.errors import InfeasiblePlanError
+from autopart.core.errors import InfeasiblePlanError
 from autopart.solver.chain import ChainAnswer, ChainProblem
 
 __all__ = ["solve_brute_force"]

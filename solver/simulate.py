@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopart.errors import PlanError
-from autopart.schedule import Schedule
+from autopart.core.errors import PlanError
+from autopart.core.schedule import Schedule
 
 __all__ = ["StageCosts", "SimResult", "simulate"]
 
@@ -67,7 +67,7 @@ class SimResult:
 
 def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     """Replay ``schedule`` (one action list per rank, e.g. from
-    :func:`autopart.schedule.build_schedule`) and time it.
+    :func:`autopart.core.schedule.build_schedule`) and time it.
 
     Each rank runs its actions in order, one at a time; an action starts when the rank is free
     and its inputs have arrived. Sends are blocking (the sender is busy for the transfer, the

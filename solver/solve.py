@@ -7,10 +7,10 @@ from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from typing import Any
 
-from autopart.cluster import Cluster
-from autopart.costgraph import CostGraph
-from autopart.errors import InfeasiblePlanError, PlanError
-from autopart.plan import (
+from autopart.core.cluster import Cluster
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import InfeasiblePlanError, PlanError
+from autopart.core.plan import (
     OPTIMIZE_TARGETS,
     SCHEDULE_KINDS,
     BaselineReport,

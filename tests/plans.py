@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from autopart.capture import CapturedGraph, op_nodes
-from autopart.plan import Cut, Plan, RankPlan, SolverReport, StagePlan
+from autopart.core.capture import CapturedGraph, op_nodes
+from autopart.core.plan import Cut, Plan, RankPlan, SolverReport, StagePlan
 
 
 def manual_plan(captured: CapturedGraph, positions: list[int], num_microbatches: int,

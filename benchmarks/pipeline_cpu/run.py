@@ -84,7 +84,7 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f
 
     import autopart
     from autopart.demo import gpt2_loss
-    from autopart.plan import Plan
+    from autopart.core.plan import Plan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -199,7 +199,7 @@ def main() -> None:
     args = parser.parse_args()
     import tempfile
 
-    from autopart._compile import _measure, cluster_for_devices
+    from autopart.api import _measure, cluster_for_devices
     from autopart.solver import solve
 
     # Plan with autopart on one thread (as the ranks will run), 2 ranks, m fixed to 8. One

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import transformers
 
-from autopart.capture import capture
-from autopart.cluster import PRESETS, Cluster
-from autopart.costgraph import CostGraph
-from autopart.errors import InfeasiblePlanError
+from autopart.core.capture import capture
+from autopart.core.cluster import PRESETS, Cluster
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import InfeasiblePlanError
 from autopart.profiler import profile_analytical
 from autopart.solver import SolveOptions, solve
 from autopart.solver.baselines import run_baselines

@@ -12,8 +12,8 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopart.capture import capture
-from autopart.cluster import PRESETS
+from autopart.core.capture import capture
+from autopart.core.cluster import PRESETS
 from autopart.profiler import profile_analytical, profile_graph_report
 from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
 

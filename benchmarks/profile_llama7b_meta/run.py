@@ -10,8 +10,8 @@ import time
 import torch
 import transformers
 
-from autopart.capture import capture
-from autopart.cluster import PRESETS
+from autopart.core.capture import capture
+from autopart.core.cluster import PRESETS
 from autopart.profiler import profile_analytical
 
 

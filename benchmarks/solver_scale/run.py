@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import transformers
 
-from autopart.capture import capture
-from autopart.cluster import PRESETS, Cluster
-from autopart.errors import InfeasiblePlanError
+from autopart.core.capture import capture
+from autopart.core.cluster import PRESETS, Cluster
+from autopart.core.errors import InfeasiblePlanError
 from autopart.profiler import profile_analytical
 from autopart.solver import SolveOptions, find_candidates, solve
 

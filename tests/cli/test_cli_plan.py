@@ -13,8 +13,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from autopart.cli import app
-from autopart.costgraph import CostGraph, NodeCost
-from autopart.plan import BaselineReport, Plan
+from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.plan import BaselineReport, Plan
 from autopart.report import pareto_table
 
 

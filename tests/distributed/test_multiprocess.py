@@ -88,7 +88,7 @@ def _reports(out: str, world: int) -> dict[str, list[str]]:
 
 def test_a_meta_model_materialises_only_each_ranks_stages_from_a_checkpoint(tmp_path: Path) -> None:
     import autopart
-    from autopart.capture import capture
+    from autopart.core.capture import capture
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 

@@ -28,7 +28,7 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
     microbatch in the training step (once more in backward)."""
     sys.path.insert(0, os.getcwd())
     import autopart
-    from autopart.capture import capture
+    from autopart.core.capture import capture
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 
@@ -99,7 +99,7 @@ def from_meta(rank: int, world: int, port: int, ckpt: str, plan_path: str, resul
     """Build GPT-2 on the meta device; each rank loads only its stages from ``ckpt``."""
     sys.path.insert(0, os.getcwd())
     import autopart
-    from autopart.plan import Plan
+    from autopart.core.plan import Plan
     from tests.zoo import ZOO
 
     _setup(rank, world, port, 60)
@@ -127,7 +127,7 @@ def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autopart
-    from autopart.capture import capture
+    from autopart.core.capture import capture
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 
@@ -157,7 +157,7 @@ def dies(rank: int, world: int, port: int, victim: int, timeout_s: float) -> Non
     """Every rank trains; ``victim`` kills itself in the middle of its second step."""
     sys.path.insert(0, os.getcwd())
     import autopart
-    from autopart.capture import capture
+    from autopart.core.capture import capture
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from autopart._compile import build_pipeline
-from autopart.capture import CapturedGraph, capture
-from autopart.microbatch import split_leaves
+from autopart.api import build_pipeline
+from autopart.core.capture import CapturedGraph, capture
+from autopart.runtime.microbatch import split_leaves
 from tests.plans import even_positions, manual_plan
 from tests.zoo import ZOO
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopart.capture import capture
-from autopart.cluster import PRESETS
-from autopart.errors import ProfileError
+from autopart.core.capture import capture
+from autopart.core.cluster import PRESETS
+from autopart.core.errors import ProfileError
 from autopart.profiler import profile_analytical, profile_graph
 from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
 from autopart.profiler.analytical import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY

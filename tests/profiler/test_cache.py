@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from autopart.capture import capture
-from autopart.cluster import PRESETS
+from autopart.core.capture import capture
+from autopart.core.cluster import PRESETS
 from autopart.profiler import profile_analytical
 from autopart.profiler.cache import cache_dir, cached_profile, load_cached, profile_key, store
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autopart.cli import app
-from autopart.costgraph import CostGraph
+from autopart.core.costgraph import CostGraph
 
 pytest.importorskip("transformers")
 SMALL = ["--config", "n_layer=1", "--config", "n_embd=32", "--config", "n_head=2",

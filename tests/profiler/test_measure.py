@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from autopart.capture import CapturedGraph, capture, op_nodes
-from autopart.costgraph import CostGraph, NodeCost
-from autopart.errors import ProfileError
+from autopart.core.capture import CapturedGraph, capture, op_nodes
+from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.errors import ProfileError
 from autopart.profiler import profile_graph
 
 B, D_IN, D_HID, D_OUT = 5, 8, 16, 4

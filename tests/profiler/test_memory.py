@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from autopart.capture import capture, op_nodes
+from autopart.core.capture import capture, op_nodes
 from autopart.profiler import profile_graph_report
 from autopart.profiler.blocks import find_blocks, path_pattern, repeated_blocks
 from autopart.profiler.meters import SavedTensorMeter, storage_key

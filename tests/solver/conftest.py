@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from autopart.cluster import Cluster, DeviceSpec
-from autopart.costgraph import CostGraph, NodeCost
+from autopart.core.cluster import Cluster, DeviceSpec
+from autopart.core.costgraph import CostGraph, NodeCost
 
 
 class Build:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from autopart.costgraph import CostGraph
-from autopart.errors import PlanError
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import PlanError
 from autopart.solver.baselines import (
     BASELINE_NAMES,
     BaselineNotApplicable,

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from autopart.costgraph import CostGraph
-from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.solver.candidates import crossing_profile, crossing_values, find_candidates
 
 

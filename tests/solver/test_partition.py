@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.solver.partition_cpsat import greedy_cuts, partition_cpsat
 from autopart.solver.partition_dp import partition_brute_force, partition_dp, stage_costs
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from autopart.errors import InfeasiblePlanError, PlanError
+from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.solver._schedule_cost import in_flight, objective_weights
 from autopart.solver.chain import ChainProblem
 from autopart.solver.partition_cpsat import solve_chain_cpsat

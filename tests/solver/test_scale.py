@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from autopart.cluster import Cluster, device_preset
-from autopart.costgraph import CostGraph, NodeCost
+from autopart.core.cluster import Cluster, device_preset
+from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.solver import SolveOptions, solve
 
 H, SEQ, VOCAB = 12288, 2048, 50257

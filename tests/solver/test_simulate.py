@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from autopart.errors import PlanError
-from autopart.schedule import Action, build_schedule, in_flight_counts
+from autopart.core.errors import PlanError
+from autopart.core.schedule import Action, build_schedule, in_flight_counts
 from autopart.solver._schedule_cost import closed_form_step_us, in_flight
 from autopart.solver.simulate import StageCosts, simulate
 
@@ -80,7 +80,7 @@ def test_closed_form_within_two_percent_of_simulator(kind: str, v: int, p: int, 
 
 
 def test_inference_closed_form_matches_forward_replay() -> None:
-    from autopart.schedule import forward_schedule
+    from autopart.core.schedule import forward_schedule
 
     c = uniform(4, send=1.0)
     sim = simulate(forward_schedule(4, 8), c).step_time_us

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from autopart.costgraph import CostGraph
-from autopart.errors import InfeasiblePlanError, PlanError
-from autopart.plan import Plan
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import InfeasiblePlanError, PlanError
+from autopart.core.plan import Plan
 from autopart.solver import SolveOptions, solve
 
 FAST_LINK = 1e15  # bytes/s: communication ~0 where a test works times by hand
@@ -231,7 +231,7 @@ def test_tight_cap_turns_recompute_on(build: Any) -> None:
 
 
 def test_heterogeneous_devices_get_less_work_on_the_slow_one(build: Any) -> None:
-    from autopart.cluster import Cluster, DeviceSpec
+    from autopart.core.cluster import Cluster, DeviceSpec
 
     fast = DeviceSpec("fast", 10**12, 2e12, 1e12, 1e15, 0.0, "test", op_overhead_us=0.0)
     slow = DeviceSpec("slow", 10**12, 1e12, 1e12, 1e15, 0.0, "test", op_overhead_us=0.0)

@@ -2,8 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from autopart.capture import capture, op_nodes
-from autopart.errors import TraceError
+from autopart.core.capture import capture, op_nodes
+from autopart.core.errors import TraceError
 from tests.zoo import gpt2
 
 

@@ -1,7 +1,7 @@
 import pytest
 
-from autopart.errors import PlanError
-from autopart.schedule import Action, execution_order, gpipe_schedule, validate_schedule
+from autopart.core.errors import PlanError
+from autopart.core.schedule import Action, execution_order, gpipe_schedule, validate_schedule
 
 
 def _text(schedule: tuple[tuple[Action, ...], ...]) -> list[str]:
@@ -48,7 +48,7 @@ def test_validator_rejects_missing_duplicate_and_deadlock() -> None:
 
 
 def test_one_f_one_b_table_three_stages_four_microbatches() -> None:
-    from autopart.schedule import one_f_one_b_schedule
+    from autopart.core.schedule import one_f_one_b_schedule
 
     assert _text(one_f_one_b_schedule(3, 4)) == [
         "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
@@ -58,7 +58,7 @@ def test_one_f_one_b_table_three_stages_four_microbatches() -> None:
 
 
 def test_zero_bubble_splits_each_backward_into_input_then_weight() -> None:
-    from autopart.schedule import zero_bubble_schedule
+    from autopart.core.schedule import zero_bubble_schedule
 
     assert _text(zero_bubble_schedule(2, 2)) == [
         "0F0 0F1 0I0 0W0 0I1 0W1",
@@ -67,7 +67,7 @@ def test_zero_bubble_splits_each_backward_into_input_then_weight() -> None:
 
 
 def test_interleaved_table_two_ranks_two_chunks() -> None:
-    from autopart.schedule import interleaved_1f1b_schedule
+    from autopart.core.schedule import interleaved_1f1b_schedule
 
     assert _text(interleaved_1f1b_schedule(2, 4, 2)) == [
         "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
@@ -80,7 +80,7 @@ def test_interleaved_table_two_ranks_two_chunks() -> None:
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
 @pytest.mark.parametrize(("ranks", "m"), [(1, 1), (2, 2), (2, 4), (3, 3), (4, 8)])
 def test_every_kind_validates_and_round_trips_through_csv(kind: str, ranks: int, m: int) -> None:
-    from autopart.schedule import build_schedule, from_csv, to_csv
+    from autopart.core.schedule import build_schedule, from_csv, to_csv
 
     v = 2 if kind == "interleaved_1f1b" else 1
     schedule = build_schedule(kind, ranks, m, v)
@@ -89,7 +89,7 @@ def test_every_kind_validates_and_round_trips_through_csv(kind: str, ranks: int,
 
 
 def test_in_flight_counts_follow_the_schedule() -> None:
-    from autopart.schedule import build_schedule, in_flight_counts
+    from autopart.core.schedule import build_schedule, in_flight_counts
 
     assert in_flight_counts(build_schedule("gpipe", 4, 8), 4) == [8, 8, 8, 8]
     assert in_flight_counts(build_schedule("1f1b", 4, 8), 4) == [4, 3, 2, 1]
@@ -98,7 +98,7 @@ def test_in_flight_counts_follow_the_schedule() -> None:
 
 
 def test_timeline_shows_waiting_slots() -> None:
-    from autopart.schedule import format_timeline
+    from autopart.core.schedule import format_timeline
 
     assert format_timeline(gpipe_schedule(2, 2), 2).splitlines() == [
         "rank 0 | 0F0 0F1  .   .   .   .  0B1 0B0",

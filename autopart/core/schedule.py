@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from autopart.errors import PlanError
+from autopart.core.errors import PlanError
 
 __all__ = ["Action", "Schedule", "gpipe_schedule", "one_f_one_b_schedule",
            "interleaved_1f1b_schedule", "zero_bubble_schedule", "build_schedule",

@@ -5,11 +5,11 @@ from typing import Any
 import pytest
 import torch
 
-from autopart._compile import build_pipeline
-from autopart.capture import capture
-from autopart.errors import PlanError
-from autopart.executor import LocalExecutor
-from autopart.schedule import Action, build_schedule, in_flight_counts
+from autopart.api import build_pipeline
+from autopart.core.capture import capture
+from autopart.core.errors import PlanError
+from autopart.runtime.executor import LocalExecutor
+from autopart.core.schedule import Action, build_schedule, in_flight_counts
 from tests.plans import even_positions, manual_plan
 from tests.zoo import mlp
 

@@ -7,8 +7,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autopart._jsonio import dumps, write_text_atomic
-from autopart.errors import PlanError
+from autopart.core.jsonio import dumps, write_text_atomic
+from autopart.core.errors import PlanError
 
 __all__ = ["NodeCost", "CostGraph", "COSTGRAPH_SCHEMA_VERSION"]
 
@@ -83,7 +83,7 @@ class CostGraph:
         source: where the numbers came from, ``"measured:<device>"`` or ``"analytical:<spec>"``.
         bwd_source: ``"measured"`` or ``"estimated:<rule>"`` for the backward columns.
         batch_size: leading dimension of the inputs that were profiled.
-        fingerprint: hash of the graph's structure (see ``autopart.capture.graph_fingerprint``).
+        fingerprint: hash of the graph's structure (see ``autopart.core.capture.graph_fingerprint``).
         profile_wall_s: seconds the profiling took.
     """
 

@@ -12,16 +12,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart._split_cost import measure_split_backward_factor
-from autopart.capture import CapturedGraph, capture, op_nodes
-from autopart.cluster import PRESETS, Cluster, DeviceSpec
+from autopart.profiler.split_cost import measure_split_backward_factor
+from autopart.core.capture import CapturedGraph, capture, op_nodes
+from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
-from autopart.costgraph import CostGraph
-from autopart.errors import PlanError
-from autopart.microbatch import split_leaves
-from autopart.pipelined import PipelinedModule
-from autopart.plan import OPTIMIZE_TARGETS, Plan
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import PlanError
+from autopart.runtime.microbatch import split_leaves
+from autopart.runtime.local import PipelinedModule
+from autopart.core.plan import OPTIMIZE_TARGETS, Plan
 
 if TYPE_CHECKING:
     from autopart.solver import SolveOptions
@@ -153,7 +153,7 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             reported in ``pipe.timings_s["fuse_s"]`` (compilation happens on first call).
         backend: ``"local"`` (one process) or ``"distributed"`` (this process is one rank of
             a ``torchrun`` launch; it builds only its own stages, see
-            :class:`autopart.distributed.DistributedPipeline`). Default: distributed when a
+            :class:`autopart.runtime.distributed.DistributedPipeline`). Default: distributed when a
             process group with more than one rank is initialised, else local.
         checkpoint: distributed only: a ``pipe.save`` directory each rank loads its own
             stages' weights from, so a model built on the ``meta`` device never materialises
@@ -186,7 +186,7 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     if backend not in ("local", "distributed"):
         raise PlanError(f"backend={backend!r}; expected 'local' or 'distributed'")
     if backend == "distributed":
-        from autopart._launch import compile_distributed
+        from autopart.runtime.launch import compile_distributed
 
         return compile_distributed(model, example_inputs, kwargs, loss_fn=loss_fn, plan=plan,
                                    num_microbatches=num_microbatches, schedule=schedule,
@@ -356,7 +356,7 @@ def _measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     batch and the solver picks m among the divisors that leave microbatches of at least 2
     rows (export specialises size-1 dimensions, which can change the graph). With
     ``split_cost`` (and training on more than one rank) the zero-bubble I/W split factor is
-    measured too (``autopart._split_cost``).
+    measured too (``autopart.profiler.split_cost``).
 
     Raises:
         PlanError: ``num_microbatches`` is < 1 or does not divide the batch.

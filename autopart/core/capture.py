@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.errors import TraceError
+from autopart.core.errors import TraceError
 
 __all__ = ["CapturedGraph", "capture", "graph_fingerprint", "op_nodes", "node_module_path"]
 

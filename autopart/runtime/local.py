@@ -13,13 +13,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart._jsonio import write_text_atomic
+from autopart.core.jsonio import write_text_atomic
 from autopart.codegen.params import Placement
-from autopart.errors import PlanError
-from autopart.executor import LocalExecutor
-from autopart.microbatch import merge_leaves, split_leaves, split_tree
-from autopart.plan import Plan
-from autopart.schedule import build_schedule, forward_schedule
+from autopart.core.errors import PlanError
+from autopart.runtime.executor import LocalExecutor
+from autopart.runtime.microbatch import merge_leaves, split_leaves, split_tree
+from autopart.core.plan import Plan
+from autopart.core.schedule import build_schedule, forward_schedule
 
 __all__ = ["PipelinedModule"]
 
@@ -143,8 +143,8 @@ class PipelinedModule(nn.Module):
         return owned
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Checkpoint weights and plan atomically; see :func:`autopart.checkpoint.save_checkpoint`."""
-        from autopart.checkpoint import save_checkpoint
+        """Checkpoint weights and plan atomically; see :func:`autopart.runtime.checkpoint.save_checkpoint`."""
+        from autopart.runtime.checkpoint import save_checkpoint
 
         return save_checkpoint(self, directory)
 
@@ -204,7 +204,7 @@ class PipelinedModule(nn.Module):
         """Pipelined inference: microbatches flow forward only, nothing is kept for backward.
 
         Returns the same structure as ``model(*args, **kwargs)``; see
-        :func:`autopart.microbatch.merge_leaves` for how microbatch outputs are joined.
+        :func:`autopart.runtime.microbatch.merge_leaves` for how microbatch outputs are joined.
         """
         self._sync_replicas()
         mbs = self._microbatches(args, kwargs)

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.capture import CapturedGraph, capture
-from autopart.errors import PlanError
-from autopart.plan import Plan
+from autopart.core.capture import CapturedGraph, capture
+from autopart.core.errors import PlanError
+from autopart.core.plan import Plan
 
 __all__ = ["compile_distributed"]
 
@@ -35,7 +35,7 @@ def _checkpoint_tensors(directory: str | os.PathLike[str]) -> Any:
     """FQN -> tensor, read lazily from a ``pipe.save`` directory (only what is asked for)."""
     from safetensors import safe_open
 
-    from autopart.checkpoint import _current
+    from autopart.runtime.checkpoint import _current
 
     folder = _current(Path(directory))
     manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
@@ -94,8 +94,8 @@ def compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     Without a plan, rank 0 profiles and solves (on a materialised model) and sends the plan
     to every rank as JSON, so all ranks follow one decision.
     """
-    from autopart._compile import _microbatch_inputs, _solve
-    from autopart.distributed import DistributedPipeline, broadcast_plan
+    from autopart.api import _microbatch_inputs, _solve
+    from autopart.runtime.distributed import DistributedPipeline, broadcast_plan
 
     if not (dist.is_available() and dist.is_initialized()):
         raise PlanError("backend='distributed' needs an initialised process group: launch with "

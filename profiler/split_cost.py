@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from autopart._split_backward import SplitBackward
-from autopart.capture import CapturedGraph
+from autopart.codegen.split_backward import SplitBackward
+from autopart.core.capture import CapturedGraph
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
-from autopart.costgraph import CostGraph
+from autopart.core.costgraph import CostGraph
 from autopart.profiler.timer import time_samples
 
 __all__ = ["measure_split_backward_factor"]
@@ -29,7 +29,7 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
     but the first are, is run forward; then its backward is timed both ways, alternating,
     after a warm-up of each (at least two and at most ``repeats`` of each): one
     ``torch.autograd.backward`` (``B``) against
-    :class:`autopart._split_backward.SplitBackward`'s ``input_grads`` then ``weight_grads``
+    :class:`autopart.codegen.split_backward.SplitBackward`'s ``input_grads`` then ``weight_grads``
     (``I + W``). The ratio of the medians, at least 1.0, is what the solver charges
     zero-bubble stages (``SolveOptions.split_backward_factor``). On one thread of this
     project's 2-core CPU it measured 1.07-1.2 on the 8-layer, width-256 GPT-2 of

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import autopart
-import autopart.checkpoint as ckpt
-from autopart.errors import PlanError
+import autopart.runtime.checkpoint as ckpt
+from autopart.core.errors import PlanError
 from tests.zoo import gpt2, mlp
 
 TOL = {"rtol": 1e-5, "atol": 4e-5}

@@ -19,12 +19,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.utils.checkpoint import checkpoint
 
-from autopart.capture import CapturedGraph
+from autopart.core.capture import CapturedGraph
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
-from autopart.errors import AutopartError, PlanError
-from autopart.plan import Plan
-from autopart.schedule import build_schedule, to_csv
+from autopart.core.errors import AutopartError, PlanError
+from autopart.core.plan import Plan
+from autopart.core.schedule import build_schedule, to_csv
 
 __all__ = ["DistributedPipeline", "PipelineFailure", "broadcast_plan"]
 
@@ -37,7 +37,7 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: dist.ProcessGroup | N
     """Send ``src``'s plan to every rank as JSON bytes (validated on receipt, never pickled)."""
     import json
 
-    from autopart._jsonio import dumps
+    from autopart.core.jsonio import dumps
 
     payload = dumps(plan.to_dict()).encode() if plan is not None else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autopart._split_backward import SplitBackward
-from autopart.schedule import Action, Schedule, execution_order
+from autopart.codegen.split_backward import SplitBackward
+from autopart.core.schedule import Action, Schedule, execution_order
 
 __all__ = ["LocalExecutor", "StepResult"]
 
@@ -133,7 +133,7 @@ class LocalExecutor:
     backward of stage ``s`` stops at its inputs and their gradients are what stage ``s - 1``
     receives. ``B`` is the full backward (``torch.autograd.backward``); ``I`` computes only
     the input gradients and ``W`` the weight gradients from where ``I`` left them
-    (:class:`autopart._split_backward.SplitBackward`), so ``I + W`` costs about one ``B``
+    (:class:`autopart.codegen.split_backward.SplitBackward`), so ``I + W`` costs about one ``B``
     and equals it exactly. A recomputed stage does not split: its ``I`` runs the whole
     backward and its ``W`` has nothing left to do, because every autograd call that reads
     a checkpointed stage's saved tensors recomputes its forward (the split's ``W``, one
@@ -141,7 +141,7 @@ class LocalExecutor:
     A stage in ``recompute`` runs its forward under non-reentrant
     ``torch.utils.checkpoint``: only its inputs are kept, the rest is recomputed in backward.
     A stage's state for a microbatch is dropped as soon as its last backward action ran.
-    Actions are issued in :func:`autopart.schedule.execution_order`; on CPU they run one
+    Actions are issued in :func:`autopart.core.schedule.execution_order`; on CPU they run one
     after another, on CUDA each stage has its own compute stream and copies go on a copy
     stream, so stages overlap (see :class:`_Streams`).
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopart._split_backward import SplitBackward
+from autopart.codegen.split_backward import SplitBackward
 
 
 class _CountBackward(torch.autograd.Function):
@@ -127,8 +127,8 @@ def test_weight_pass_does_not_recompute_input_gradients() -> None:
 
 
 def test_measured_split_factor_leaves_the_model_as_it_was() -> None:
-    from autopart._split_cost import measure_split_backward_factor
-    from autopart.capture import capture
+    from autopart.profiler.split_cost import measure_split_backward_factor
+    from autopart.core.capture import capture
     from autopart.profiler import profile_graph
 
     torch.manual_seed(0)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from autopart.errors import PlanError
-from autopart.microbatch import merge_leaves, split_leaves, split_tree
+from autopart.core.errors import PlanError
+from autopart.runtime.microbatch import merge_leaves, split_leaves, split_tree
 
 
 def test_split_tensors_along_dim0_and_broadcast_the_rest() -> None:

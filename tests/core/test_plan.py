@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from autopart.errors import PlanError
-from autopart.plan import Cut, Plan, RankPlan, SolverReport, StagePlan
+from autopart.core.errors import PlanError
+from autopart.core.plan import Cut, Plan, RankPlan, SolverReport, StagePlan
 
 
 def make_plan(**overrides: object) -> Plan:

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import autopart
-from autopart.capture import capture
-from autopart.errors import PlanError
-from autopart.microbatch import split_leaves
+from autopart.core.capture import capture
+from autopart.core.errors import PlanError
+from autopart.runtime.microbatch import split_leaves
 from tests.plans import even_positions, manual_plan
 from tests.zoo import gpt2, mlp
 

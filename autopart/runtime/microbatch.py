@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from autopart.errors import PlanError
+from autopart.core.errors import PlanError
 
 __all__ = ["split_leaves", "split_tree", "merge_leaves"]
 

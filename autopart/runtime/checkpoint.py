@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from autopart._jsonio import dumps, write_text_atomic
-from autopart.errors import PlanError
-from autopart.plan import Plan
+from autopart.core.jsonio import dumps, write_text_atomic
+from autopart.core.errors import PlanError
+from autopart.core.plan import Plan
 
 if TYPE_CHECKING:
-    from autopart.pipelined import PipelinedModule
+    from autopart.runtime.local import PipelinedModule
 
 __all__ = ["save_checkpoint", "load", "CHECKPOINT_FORMAT"]
 
@@ -143,7 +143,7 @@ def load(directory: str | os.PathLike[str], model: nn.Module,
     if example_inputs is None:
         model.load_state_dict(state)
         return model
-    from autopart._compile import compile as autopart_compile
+    from autopart.api import compile as autopart_compile
 
     pipe = autopart_compile(model, example_inputs, plan=plan, **compile_kwargs)
     pipe.load_state_dict(state)
