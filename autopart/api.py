@@ -12,16 +12,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.profiler.split_cost import measure_split_backward_factor
-from autopart.core.capture import CapturedGraph, capture, op_nodes
-from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
+from autopart.core.capture import CapturedGraph, capture, op_nodes
+from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
-from autopart.runtime.microbatch import split_leaves
-from autopart.runtime.local import PipelinedModule
 from autopart.core.plan import OPTIMIZE_TARGETS, Plan
+from autopart.profiler.split_cost import measure_split_backward_factor
+from autopart.runtime.local import PipelinedModule
+from autopart.runtime.microbatch import split_leaves
 
 if TYPE_CHECKING:
     from autopart.solver import SolveOptions

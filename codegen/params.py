@@ -9,8 +9,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopart.core.capture import CapturedGraph
 from autopart.codegen.split import StageGraph
+from autopart.core.capture import CapturedGraph
 
 __all__ = ["Placement", "build_stage_modules"]
 

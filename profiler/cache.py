@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
+from autopart.core.jsonio import dumps, write_text_atomic
 
 __all__ = ["cache_dir", "profile_key", "load_cached", "store", "cached_profile",
            "PROFILER_REVISION"]

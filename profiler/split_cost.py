@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from autopart.codegen.split_backward import SplitBackward
-from autopart.core.capture import CapturedGraph
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
+from autopart.codegen.split_backward import SplitBackward
+from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
 from autopart.profiler.timer import time_samples
 

@@ -7,8 +7,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.errors import PlanError
+from autopart.core.jsonio import dumps, write_text_atomic
 
 __all__ = ["NodeCost", "CostGraph", "COSTGRAPH_SCHEMA_VERSION"]
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.errors import PlanError
+from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.plan import Plan
 
 if TYPE_CHECKING:

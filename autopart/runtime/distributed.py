@@ -19,9 +19,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.utils.checkpoint import checkpoint
 
-from autopart.core.capture import CapturedGraph
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
+from autopart.core.capture import CapturedGraph
 from autopart.core.errors import AutopartError, PlanError
 from autopart.core.plan import Plan
 from autopart.core.schedule import build_schedule, to_csv

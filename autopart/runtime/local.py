@@ -13,13 +13,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.core.jsonio import write_text_atomic
 from autopart.codegen.params import Placement
 from autopart.core.errors import PlanError
-from autopart.runtime.executor import LocalExecutor
-from autopart.runtime.microbatch import merge_leaves, split_leaves, split_tree
+from autopart.core.jsonio import write_text_atomic
 from autopart.core.plan import Plan
 from autopart.core.schedule import build_schedule, forward_schedule
+from autopart.runtime.executor import LocalExecutor
+from autopart.runtime.microbatch import merge_leaves, split_leaves, split_tree
 
 __all__ = ["PipelinedModule"]
 

@@ -83,8 +83,8 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
     import autopart
-    from autopart.demo import gpt2_loss
     from autopart.core.plan import Plan
+    from autopart.demo import gpt2_loss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from autopart.core.capture import capture, op_nodes
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import crossing_names, split_graph, stage_of_nodes
+from autopart.core.capture import capture, op_nodes
 from autopart.core.errors import PlanError
 from tests.zoo import SkipMLP, gpt2
 

@@ -127,9 +127,9 @@ def test_weight_pass_does_not_recompute_input_gradients() -> None:
 
 
 def test_measured_split_factor_leaves_the_model_as_it_was() -> None:
-    from autopart.profiler.split_cost import measure_split_backward_factor
     from autopart.core.capture import capture
     from autopart.profiler import profile_graph
+    from autopart.profiler.split_cost import measure_split_backward_factor
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU())

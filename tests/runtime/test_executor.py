@@ -8,8 +8,8 @@ import torch
 from autopart.api import build_pipeline
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
-from autopart.runtime.executor import LocalExecutor
 from autopart.core.schedule import Action, build_schedule, in_flight_counts
+from autopart.runtime.executor import LocalExecutor
 from tests.plans import even_positions, manual_plan
 from tests.zoo import mlp
 
