@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["compile", "load", "Plan", "PipelinedModule", "TraceError", "PlanError",
-           "InfeasiblePlanError", "__version__"]
+__all__ = ["compile", "plan_model", "load", "CompileOptions", "Profile", "Plan", "Pipeline",
+           "PipelinedModule", "DistributedPipeline", "AutopartError", "TraceError",
+           "ProfileError", "PlanError", "InfeasiblePlanError", "CheckpointError",
+           "PipelineFailure", "__version__"]
 __version__ = "0.1.0"
 
 # Exports resolve lazily (PEP 562) so that `import autopart.solver` or `autopart.core.plan`
 # never pulls in torch: the solver layer stays pure Python.
 _LAZY = {
     "compile": ("autopart.api", "compile"),
-    "load": ("autopart.runtime.checkpoint", "load"),
+    "load": ("autopart.api", "load"),
+    "plan_model": ("autopart.planning", "plan_model"),
+    "Profile": ("autopart.planning", "Profile"),
+    "CompileOptions": ("autopart.options", "CompileOptions"),
+    "Pipeline": ("autopart.runtime.pipeline", "Pipeline"),
     "PipelinedModule": ("autopart.runtime.local", "PipelinedModule"),
+    "DistributedPipeline": ("autopart.runtime.distributed", "DistributedPipeline"),
     "Plan": ("autopart.core.plan", "Plan"),
-    "TraceError": ("autopart.core.errors", "TraceError"),
-    "PlanError": ("autopart.core.errors", "PlanError"),
-    "InfeasiblePlanError": ("autopart.core.errors", "InfeasiblePlanError"),
+    **{name: ("autopart.core.errors", name) for name in (
+        "AutopartError", "TraceError", "ProfileError", "PlanError", "InfeasiblePlanError",
+        "CheckpointError", "PipelineFailure")},
 }
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from autopart.codegen.split import StageGraph
 from autopart.core.capture import CapturedGraph
+from autopart.core.errors import PlanError
 
 __all__ = ["Placement", "build_stage_modules"]
 
@@ -86,7 +87,8 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
         The stage modules (class names ``Stage0``..) and the placement of every tensor.
     """
     if len(devices) != len(stage_graphs):
-        raise ValueError(f"{len(stage_graphs)} stages but {len(devices)} devices")
+        raise PlanError(f"{len(stage_graphs)} stage graphs but {len(devices)} devices; pass one "
+                        "device per stage")
     placement = Placement()
     modules: list[fx.GraphModule | None] = []
     for sg, device in zip(stage_graphs, devices, strict=True):

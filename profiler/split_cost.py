@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,11 +19,11 @@ __all__ = ["measure_split_backward_factor"]
 
 
 def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any],
-                                  costs: CostGraph, device: str, *, repeats: int = 7,
-                                  budget_s: float = 2.0) -> float:
+                                  costs: CostGraph, device: str, positions: Sequence[int], *,
+                                  repeats: int = 7, budget_s: float = 2.0) -> float:
     """``(I + W) / B`` of the executor's zero-bubble split on a middle fifth of the model.
 
-    The graph is cut at the two cut candidates nearest 40% and 60% of its profiled time (a
+    The graph is cut at the two of ``positions`` nearest 40% and 60% of its profiled time (a
     fifth keeps this to seconds: a middle third of GPT-2 small at batch 8 x 128 took 21 s
     on this project's CPU). The middle piece, whose inputs are activations as every stage's
     but the first are, is run forward; then its backward is timed both ways, alternating,
@@ -42,6 +42,8 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
         captured: the captured model; ``flat_inputs`` its flat inputs.
         costs: its profile (chooses the cuts).
         device: where to run (the profiled device).
+        positions: where the graph may be cut (op-node positions, e.g. the solver's cut
+            candidates ``find_candidates(costs, 3).positions``).
         repeats: at most this many timed backward passes of each kind (default 7).
         budget_s: stop after two of each once both kinds have taken this many seconds
             (default 2.0), so that big models are not timed seven times.
@@ -51,9 +53,6 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
         no floating-point activation enters the middle piece, or nothing leaves it that
         needs a gradient).
     """
-    from autopart.solver.candidates import find_candidates
-
-    positions = find_candidates(costs, 3).positions
     if len(positions) < 2:
         return 1.0
     prefix = [0.0]

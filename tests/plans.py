@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from autopart import PipelinedModule
+from autopart.codegen import build_stages
 from autopart.core.capture import CapturedGraph, op_nodes
 from autopart.core.plan import Cut, Plan, RankPlan, SolverReport, StagePlan
+from autopart.runtime.signature import InputSignature
 
 
 def manual_plan(captured: CapturedGraph, positions: list[int], num_microbatches: int,
@@ -51,3 +56,11 @@ def even_positions(captured: CapturedGraph, num_stages: int) -> list[int]:
             p += 1
         out.append(p)
     return out
+
+
+def local_pipeline(model: Any, captured: CapturedGraph, plan: Plan, devices: list[str], *,
+                   loss_fn: Any = None, fuse: bool = False) -> PipelinedModule:
+    """A one-process pipeline of ``plan`` on ``devices`` (one per rank), built the way
+    ``autopart.compile`` builds it, without profiling or solving."""
+    stages = build_stages(captured, plan, devices, fuse=fuse)
+    return PipelinedModule(model, stages, InputSignature.of(captured), loss_fn=loss_fn)

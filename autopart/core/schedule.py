@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from autopart.core.errors import PlanError
 
 __all__ = ["Action", "Schedule", "gpipe_schedule", "one_f_one_b_schedule",
-           "interleaved_1f1b_schedule", "zero_bubble_schedule", "build_schedule",
+           "interleaved_1f1b_schedule", "zero_bubble_schedule", "splits_backward", "build_schedule",
            "forward_schedule", "validate_schedule", "execution_order", "in_flight_counts",
            "to_csv", "from_csv", "format_timeline"]
 
@@ -153,9 +154,32 @@ def zero_bubble_schedule(num_stages: int, num_microbatches: int) -> Schedule:
     return tuple(split)
 
 
+def splits_backward(kind: str, recompute: bool) -> bool:
+    """Whether a stage's backward runs as ``I`` then ``W`` (True) or as one ``B``.
+
+    Only ZB-H1 splits, and not on a stage that recomputes its forward: every autograd call
+    that reads a checkpointed stage's saved tensors re-runs its forward, and the split makes
+    several such calls per microbatch (measured 5-6 forwards per microbatch instead of 2 on
+    torch's runtime, and a ``W`` 5x slower than ``B`` on a 4-block MLP in the one-process
+    executor). This is the one place the rule lives: the schedule carries it as data (a
+    ``B`` where ``I`` would be, no ``W``), the runtimes run what the schedule says, and the
+    solver prices the same actions.
+    """
+    return kind == "zero_bubble" and not recompute
+
+
 def build_schedule(kind: str, num_ranks: int, num_microbatches: int,
-                   stages_per_rank: int = 1) -> Schedule:
+                   stages_per_rank: int = 1, *, recompute: Collection[int] = ()) -> Schedule:
     """The training schedule of ``kind`` (one of ``SCHEDULE_KINDS``) as per-rank action lists.
+
+    Args:
+        kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``.
+        num_ranks: p >= 1.
+        num_microbatches: m >= 1.
+        stages_per_rank: v >= 1 (only ``interleaved_1f1b`` takes v > 1).
+        recompute: indices of the stages that recompute their forward in backward; under
+            ``zero_bubble`` their ``I`` becomes a whole ``B`` and their ``W`` is dropped
+            (see :func:`splits_backward`). Default: none.
 
     Raises:
         PlanError: unknown kind, or ``stages_per_rank > 1`` for a kind without interleaving.
@@ -170,7 +194,20 @@ def build_schedule(kind: str, num_ranks: int, num_microbatches: int,
     if kind not in builders:
         raise PlanError(f"unknown schedule kind {kind!r}; expected one of "
                         "gpipe, 1f1b, interleaved_1f1b, zero_bubble")
-    return builders[kind](num_ranks, num_microbatches)
+    schedule = builders[kind](num_ranks, num_microbatches)
+    whole = {s for s in recompute if not splits_backward(kind, True)}
+    if kind != "zero_bubble" or not whole:
+        return schedule
+    out = []
+    for acts in schedule:
+        row = []
+        for a in acts:
+            if a.stage_index in whole and a.kind == "I":
+                row.append(Action(a.stage_index, "B", a.mb_index))  # the whole backward
+            elif not (a.stage_index in whole and a.kind == "W"):
+                row.append(a)
+        out.append(tuple(row))
+    return tuple(out)
 
 
 def forward_schedule(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:

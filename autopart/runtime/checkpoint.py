@@ -5,21 +5,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from autopart.core.errors import PlanError
+from autopart.core.errors import CheckpointError
 from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.plan import Plan
 
 if TYPE_CHECKING:
     from autopart.runtime.local import PipelinedModule
 
-__all__ = ["save_checkpoint", "load", "CHECKPOINT_FORMAT"]
+__all__ = ["save_checkpoint", "read_checkpoint", "checkpoint_tensors", "current_checkpoint",
+           "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _LATEST = "latest"
@@ -83,14 +86,19 @@ def save_checkpoint(pipe: PipelinedModule, directory: str | os.PathLike[str]) ->
     return final
 
 
-def _current(root: Path) -> Path:
+def current_checkpoint(root: Path) -> Path:
+    """The ``ckpt-<n>`` folder that ``root/latest`` names.
+
+    Raises:
+        CheckpointError: no ``latest`` pointer, or it names a folder without a manifest.
+    """
     pointer = root / _LATEST
     if not pointer.is_file():
-        raise PlanError(f"{root} is not an autopart checkpoint (no 'latest' file); pass a "
+        raise CheckpointError(f"{root} is not an autopart checkpoint (no 'latest' file); pass a "
                         "directory written by pipe.save(...)")
     folder = root / pointer.read_text(encoding="utf-8").strip()
     if not (folder / "manifest.json").is_file():
-        raise PlanError(f"{root}/latest points at {folder.name}, which has no manifest.json; "
+        raise CheckpointError(f"{root}/latest points at {folder.name}, which has no manifest.json; "
                         "the checkpoint is damaged")
     return folder
 
@@ -107,44 +115,64 @@ def _check_model(manifest: dict[str, Any], model: nn.Module, folder: Path) -> No
             f"not in the model: {unexpected[:5]}" if unexpected else "",
             "shape differs: " + ", ".join(f"{k} {theirs[k]} vs model {ours[k]}" for k in shapes[:5])
             if shapes else "") if part)
-        raise PlanError(f"checkpoint {folder} is from another model ({detail}); load it into "
+        raise CheckpointError(f"checkpoint {folder} is from another model ({detail}); load it into "
                         "the model it was saved from")
 
 
-def load(directory: str | os.PathLike[str], model: nn.Module,
-         example_inputs: tuple[Any, ...] | None = None, **compile_kwargs: Any,
-         ) -> nn.Module | PipelinedModule:
-    """Load a checkpoint written by ``pipe.save(directory)``.
+def read_checkpoint(directory: str | os.PathLike[str], model: nn.Module,
+                    ) -> tuple[dict[str, torch.Tensor], Plan]:
+    """Read a checkpoint written by ``pipe.save(directory)``, checked against ``model``.
 
     Args:
         directory: the checkpoint directory.
-        model: a model of the same architecture (any device; weights are overwritten).
-        example_inputs: when given, the model is compiled with the saved plan (no profiling
-            or solving) and the weights are loaded into the pipeline, which is returned;
-            when ``None`` the weights go into ``model`` itself, which is returned.
-        **compile_kwargs: passed to :func:`autopart.compile` (``loss_fn``, ``devices``,
-            ``example_kwargs``, ``fuse``).
+        model: a model of the same architecture (its names and shapes are compared).
+
+    Returns:
+        The model's ``state_dict`` (every key, tied names included) and the saved plan.
 
     Raises:
-        PlanError: not a checkpoint, a damaged one, or one saved from another model (the
-            message lists the parameters that differ).
+        CheckpointError: not a checkpoint, a damaged one, an unsupported format, or one
+            saved from another model (the message lists the tensors that differ).
     """
-    folder = _current(Path(directory))
-    manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-    if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise PlanError(f"checkpoint format {manifest.get('format')!r} is not supported "
-                        f"(this autopart reads {CHECKPOINT_FORMAT})")
+    folder = current_checkpoint(Path(directory))
+    manifest = _manifest(folder)
     _check_model(manifest, model, folder)
     tensors: dict[str, torch.Tensor] = {}
     for stage_index in sorted(set(manifest["stage_of"].values())):
         tensors.update(load_file(str(folder / f"stage_{stage_index}.safetensors")))
     state = {key: tensors[fqn] for key, fqn in manifest["state_keys"]}
-    plan = Plan.load(folder / "plan.json")
-    if example_inputs is None:
-        model.load_state_dict(state)
-        return model
-    from autopart.api import compile as autopart_compile
+    return state, Plan.load(folder / "plan.json")
 
-    pipe = autopart_compile(model, example_inputs, plan=plan, **compile_kwargs)
-    pipe.load_state_dict(state)
-    return pipe
+
+def checkpoint_tensors(directory: str | os.PathLike[str]) -> Callable[[str], torch.Tensor]:
+    """FQN -> tensor, read lazily from a ``pipe.save`` directory (only what is asked for),
+    for a rank that materialises only its own stages.
+
+    Raises:
+        CheckpointError: not a checkpoint, or (when called) a tensor it does not hold.
+    """
+    folder = current_checkpoint(Path(directory))
+    manifest = _manifest(folder)
+
+    def tensor_of(fqn: str) -> torch.Tensor:
+        if fqn not in manifest["stage_of"]:
+            raise CheckpointError(f"checkpoint {folder} has no tensor {fqn!r}; it is from "
+                                  "another model")
+        path = folder / f"stage_{manifest['stage_of'][fqn]}.safetensors"
+        with safe_open(str(path), framework="pt") as f:
+            return nn.Parameter(f.get_tensor(fqn))
+
+    return tensor_of
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{folder}/manifest.json cannot be read ({exc}); the checkpoint "
+                              "is damaged: load an earlier one or save again") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"checkpoint format {found!r} is not supported (this autopart "
+                              f"reads {CHECKPOINT_FORMAT}); save it again with this version")
+    return manifest

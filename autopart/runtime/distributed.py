@@ -8,36 +8,30 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.utils.checkpoint import checkpoint
 
-from autopart.codegen.params import build_stage_modules
-from autopart.codegen.split import split_graph
-from autopart.core.capture import CapturedGraph
-from autopart.core.errors import AutopartError, PlanError
+from autopart.codegen.stages import BuiltStages
+from autopart.core.errors import PipelineFailure, PlanError
+from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.plan import Plan
 from autopart.core.schedule import build_schedule, to_csv
+from autopart.runtime.signature import InputSignature, require_loss
 
-__all__ = ["DistributedPipeline", "PipelineFailure", "broadcast_plan"]
-
-
-class PipelineFailure(AutopartError):
-    """A rank of a multi-process pipeline failed or stopped responding."""
+__all__ = ["DistributedPipeline", "broadcast_plan"]
 
 
 def broadcast_plan(plan: Plan | None, src: int = 0, group: dist.ProcessGroup | None = None) -> Plan:
     """Send ``src``'s plan to every rank as JSON bytes (validated on receipt, never pickled)."""
     import json
-
-    from autopart.core.jsonio import dumps
 
     payload = dumps(plan.to_dict()).encode() if plan is not None else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
@@ -113,9 +107,10 @@ class _P2PStage(nn.Module):
     backward rebuilds the rest.
     """
 
-    def __init__(self, stage: fx.GraphModule, recompute: bool = False) -> None:
+    def __init__(self, stage: fx.GraphModule, runner: nn.Module, recompute: bool = False) -> None:
         super().__init__()
         self.stage = stage
+        self._run = [runner]  # the module itself, or torch.compile of it (not a submodule)
         self.recompute = recompute
         self._layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
         for node in stage.graph.nodes:
@@ -136,40 +131,12 @@ class _P2PStage(nn.Module):
             if layout is not None and isinstance(arg, torch.Tensor) and arg.stride() != layout[1]:
                 arg = _restride(arg, *layout)
             restored.append(arg)
+        runner = self._run[0]
         if self.recompute and torch.is_grad_enabled():
-            out = checkpoint(self.stage, *restored, use_reentrant=False)
+            out = checkpoint(runner, *restored, use_reentrant=False)
         else:
-            out = self.stage(*restored)
+            out = runner(*restored)
         return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
-
-
-class _Stage(PipelineStage):
-    """``PipelineStage`` whose recomputed stage does not split its backward.
-
-    Every autograd call that reads a checkpointed stage's saved tensors re-runs its forward,
-    and torch's input/weight split makes several such calls per microbatch (one for the
-    input gradients, then one per parameter group): measured, 5-6 forwards per microbatch
-    instead of 2. So, as in the local executor, a recomputed stage's ``I`` runs its whole
-    backward and its ``W`` has nothing left to do; the solver prices it that way.
-    """
-
-    def __init__(self, submod: _P2PStage, *args: Any, **kwargs: Any) -> None:
-        super().__init__(submod, *args, **kwargs)
-        self._whole: set[int] = set()  # microbatches whose I ran the whole backward
-
-    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
-                           last_backward: bool = False) -> Any:
-        if self.submod.recompute and not full_backward:
-            self._whole.add(bwd_chunk_id)
-            full_backward = True
-        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                          last_backward=last_backward)
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
-        if bwd_chunk_id in self._whole:
-            self._whole.discard(bwd_chunk_id)
-            return None
-        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
 
 def _restride(dense: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -193,9 +160,10 @@ class DistributedPipeline(nn.Module):
 
     Execution uses ``torch.distributed.pipelining``: each local stage module becomes a
     ``PipelineStage`` and the plan's action list (autopart's schedule, written in the CSV
-    action format) is loaded into its ``_PipelineScheduleRuntime``, which inserts the
-    point-to-point sends and receives. That runtime runs all four schedule kinds, split
-    backward (``I``/``W``) included, so no P2P code of autopart's own is needed.
+    action format, recomputed stages running whole ``B`` backwards as the schedule says)
+    is loaded into its ``_PipelineScheduleRuntime``, which inserts the point-to-point sends
+    and receives. That runtime runs all four schedule kinds, split backward (``I``/``W``)
+    included, so no P2P code of autopart's own is needed.
 
     After the step: gradients of a tied parameter held by several ranks are summed across
     them (all-reduce), and with a data-parallel group every gradient is averaged across
@@ -203,24 +171,39 @@ class DistributedPipeline(nn.Module):
     rank, so ``train_step`` returns it on every rank; ``pipe(x)`` returns the output on
     every rank the same way.
 
+    Attributes:
+        plan: the plan.
+        signature: the inputs and outputs compiled for.
+        pipeline_stages: torch ``PipelineStage`` objects of this rank's stages, in stage
+            order (for driving them with torch's own schedules).
+        timings_s: seconds per compile phase.
+
     Args:
-        model: the model (its tensors may be on ``meta``; then ``tensor_of`` supplies them).
-        captured: the model captured at the plan's microbatch size.
-        plan: the plan; stage ``s`` runs on pipeline rank ``plan.stages[s].rank``.
+        model: the model (its tensors may be on ``meta`` when ``stages`` were built from
+            other tensors); only its parameter names are read.
+        stages: this rank's stages (:func:`autopart.codegen.build_stages` with
+            ``ranks={pp_rank}``).
+        signature: the inputs and outputs compiled for.
         device: this rank's device.
         loss_fn: ``(output, target) -> scalar``, or None for inference only.
         pp_group: process group of the pipeline ranks (default: the world).
         dp_group: process group of this rank's data-parallel replicas, or None.
-        tensor_of: canonical FQN -> tensor, for materialised weights (see ``autopart.compile``).
+        timings_s: seconds per compile phase, kept as ``timings_s``.
+
+    Raises:
+        PlanError: the pipeline group's size differs from the plan's rank count.
     """
 
-    def __init__(self, model: nn.Module, captured: CapturedGraph, plan: Plan, device: torch.device,
-                 *, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    def __init__(self, model: nn.Module, stages: BuiltStages, signature: InputSignature,
+                 device: torch.device, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  pp_group: dist.ProcessGroup | None = None,
                  dp_group: dist.ProcessGroup | None = None,
-                 tensor_of: Callable[[str], torch.Tensor] | None = None) -> None:
+                 timings_s: dict[str, float] | None = None) -> None:
         super().__init__()
+        plan = stages.plan
         self.plan = plan
+        self.signature = signature
+        self.timings_s = {} if timings_s is None else timings_s
         self.pp_group = pp_group
         self.dp_group = dp_group
         self.pp_rank = dist.get_rank(pp_group)
@@ -230,18 +213,12 @@ class DistributedPipeline(nn.Module):
                             f"{self.pp_size}; launch with --nproc-per-node={len(plan.ranks)} "
                             "(times the data-parallel size)")
         self.device = device
-        self.local_stages = [st.stage_index for st in plan.stages if st.rank == self.pp_rank]
-        stage_graphs = split_graph(captured, [c.position for c in plan.cuts])
-        devices = [device] * len(stage_graphs)
-        built, placement = build_stage_modules(captured, stage_graphs, devices,
-                                               keep=set(self.local_stages), tensor_of=tensor_of)
-        self.stages = nn.ModuleList(mod for mod in built if mod is not None)
-        self._in_spec, self._out_spec = captured.in_spec, captured.out_spec
-        self._out_examples = [n for n in next(
-            n for n in captured.graph_module.graph.nodes if n.op == "output").args[0]]
-        self._microbatch_size = captured.batch_size
+        self._built = stages
+        self.local_stages = list(stages.local)
+        self.stages = nn.ModuleList(stages.modules[s] for s in self.local_stages)
         self._loss_fn = loss_fn
         self._fqn_order = [fqn for fqn, _ in model.named_parameters()]
+        placement = stages.placement
         # tensors this rank holds, by FQN (its own copy of a tied one included)
         self._local: dict[str, torch.Tensor] = {}
         for (s, fqn), t in placement.tensors.items():
@@ -250,9 +227,12 @@ class DistributedPipeline(nn.Module):
         self._tied_groups = self._make_tied_groups(placement)
         self._last_rank = plan.stages[-1].rank
         self._first_rank = plan.stages[0].rank
-        self._stages_pp = [_Stage(_P2PStage(mod, plan.stages[s].recompute), s,
-                                  len(stage_graphs), device, group=pp_group)
-                           for mod, s in zip(self.stages, self.local_stages, strict=True)]
+        self._recompute = [st.stage_index for st in plan.stages if st.recompute]
+        self.pipeline_stages = [
+            PipelineStage(_P2PStage(stages.modules[s], stages.runners[s],  # type: ignore[arg-type]
+                                    plan.stages[s].recompute),
+                          s, plan.num_stages, device, group=pp_group)
+            for s in self.local_stages]
         store = dist.distributed_c10d._get_default_store()
         self._heartbeat = _Heartbeat(store, dist.get_rank(), dist.get_world_size())
         # The last runtime built, kept while steps keep its (m, training): a new runtime re-runs
@@ -297,6 +277,29 @@ class DistributedPipeline(nn.Module):
         """This rank's tensors by FQN (parameters and buffers of its stages)."""
         return {fqn: t.detach() for fqn, t in self._local.items()}
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Copy values into this rank's tensors by FQN; keys of tensors other ranks hold are
+        skipped (a whole model's ``state_dict`` can be given to every rank).
+
+        Raises:
+            PlanError: with ``strict``, a tensor this rank holds is missing, or a shape
+                differs from the model's.
+        """
+        missing = sorted(set(self._local) - set(state_dict))
+        if strict and missing:
+            raise PlanError(f"state_dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                            f"which rank {self.pp_rank} holds; pass the whole model's state_dict")
+        with torch.no_grad():
+            for fqn, target in self._local.items():
+                if fqn not in state_dict:
+                    continue
+                value = state_dict[fqn]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise PlanError(f"state_dict[{fqn!r}] has shape {tuple(value.shape)}, the "
+                                    f"model's is {tuple(target.shape)}")
+                target.copy_(value)
+        return nn.modules.module._IncompatibleKeys(missing, [])
+
     # ---- running ---------------------------------------------------------------------
     def _schedule(self, m: int, training: bool) -> _PipelineScheduleRuntime:
         if self._runtime is None or self._runtime[0] != (m, training):
@@ -304,15 +307,11 @@ class DistributedPipeline(nn.Module):
         return self._runtime[1]
 
     def _new_runtime(self, m: int, training: bool) -> _PipelineScheduleRuntime:
-        def loss(out: Any, target: Any) -> torch.Tensor:
-            assert self._loss_fn is not None
-            flat = list(out) if isinstance(out, (tuple, list)) else [out]
-            return self._loss_fn(pytree.tree_unflatten(flat, self._out_spec), target)
-
-        runtime = _PipelineScheduleRuntime(self._stages_pp, m,
-                                           loss_fn=loss if training else None, scale_grads=True)
+        runtime = _PipelineScheduleRuntime(self.pipeline_stages, m,
+                                           loss_fn=self.loss_of_flat if training else None,
+                                           scale_grads=True)
         actions = build_schedule(self.plan.schedule_kind, self.pp_size, m,
-                                 self.plan.stages_per_rank)
+                                 self.plan.stages_per_rank, recompute=self._recompute)
         with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
             f.write(to_csv(actions))
         try:
@@ -321,19 +320,15 @@ class DistributedPipeline(nn.Module):
             os.unlink(f.name)
         return runtime
 
-    def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise PlanError(f"inputs have structure {spec}, but the pipeline was compiled for "
-                            f"{self._in_spec}; pass the same positional and keyword inputs")
-        return leaves
+    def loss_of_flat(self, out: Any, target: Any) -> torch.Tensor:
+        """``loss_fn`` on the last stage's flat output (a tensor or a tuple of them), as
+        torch's schedules call it.
 
-    def _num_microbatches(self, leaves: list[Any]) -> int:
-        batch = next(int(t.shape[0]) for t in leaves if isinstance(t, torch.Tensor) and t.dim())
-        if batch % self._microbatch_size:
-            raise PlanError(f"batch of {batch} is not a multiple of the microbatch size "
-                            f"{self._microbatch_size} this pipeline was compiled for")
-        return batch // self._microbatch_size
+        Raises:
+            PlanError: compiled without ``loss_fn``.
+        """
+        flat = list(out) if isinstance(out, (tuple, list)) else [out]
+        return require_loss(self._loss_fn)(self.signature.output(flat), target)
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -362,10 +357,9 @@ class DistributedPipeline(nn.Module):
             PlanError: compiled without ``loss_fn``, or a batch that does not fit.
             PipelineFailure: a rank failed or stopped responding; names it and its stages.
         """
-        if self._loss_fn is None:
-            raise PlanError("train_step needs a loss: pass loss_fn=... to autopart.compile")
-        leaves = self._flat(args, kwargs)
-        m = self._num_microbatches(leaves)
+        require_loss(self._loss_fn)
+        leaves = self.signature.flatten(args, kwargs)
+        m = self.signature.num_microbatches(leaves)
         runtime = self._schedule(m, training=True)
         losses: list[torch.Tensor] = []
 
@@ -379,7 +373,7 @@ class DistributedPipeline(nn.Module):
                 else torch.zeros((), device=self.device))
         self._guarded(lambda: dist.broadcast(loss, src=self._global(self._last_rank),
                                              group=self.pp_group))
-        self._reduce_grads()
+        self.reduce_grads()
         return loss
 
     def _global(self, pp_rank: int) -> int:
@@ -387,7 +381,9 @@ class DistributedPipeline(nn.Module):
             return pp_rank
         return dist.get_process_group_ranks(self.pp_group)[pp_rank]
 
-    def _reduce_grads(self) -> None:
+    def reduce_grads(self) -> None:
+        """Sum tied parameters' gradients across the ranks holding them, then average every
+        gradient across data-parallel replicas (``train_step`` calls it after the step)."""
         for fqn, group in self._tied_groups:
             p = self._local[fqn]
             if p.grad is None:
@@ -402,24 +398,48 @@ class DistributedPipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined inference; the output (same structure as the model's) on every rank."""
-        leaves = self._flat(args, kwargs)
-        m = self._num_microbatches(leaves)
+        leaves = self.signature.flatten(args, kwargs)
+        m = self.signature.num_microbatches(leaves)
         runtime = self._schedule(m, training=False)
         first, last = self.pp_rank == self._first_rank, self.pp_rank == self._last_rank
         out: Any = self._guarded(lambda: runtime.eval(*(leaves if first else [])))
-        flat_out: list[torch.Tensor] = []
-        for k, node in enumerate(self._out_examples):
-            val = node.meta["val"]
-            shape = (val.shape[0] * m, *val.shape[1:]) if val.dim() else val.shape
-            if last:
-                mine = out[k] if isinstance(out, (tuple, list)) else out
-                buf = mine.detach().contiguous()
-            else:
-                buf = torch.empty(shape, dtype=val.dtype, device=self.device)
+        flat_out: list[Any] = []
+        for k, meta in enumerate(self.signature.output_meta):
+            mine = (out[k] if isinstance(out, (tuple, list)) else out) if last else None
+            if meta is None:  # not a tensor: sent as an object
+                box = [mine]
+                self._guarded(lambda box=box: dist.broadcast_object_list(
+                    box, src=self._global(self._last_rank), group=self.pp_group))
+                flat_out.append(box[0])
+                continue
+            shape, dtype = meta
+            shape = (shape[0] * m, *shape[1:]) if shape else shape
+            buf = (mine.detach().contiguous() if isinstance(mine, torch.Tensor)
+                   else torch.empty(shape, dtype=dtype, device=self.device))
             self._guarded(lambda buf=buf: dist.broadcast(buf, src=self._global(self._last_rank),
                                                          group=self.pp_group))
             flat_out.append(buf)
-        return pytree.tree_unflatten(flat_out, self._out_spec)
+        return self.signature.output(flat_out)
+
+    # ---- files ---------------------------------------------------------------------
+    def stage_sources(self) -> dict[int, str]:
+        """Stage index -> source of this rank's stages; byte-identical to what the
+        one-process pipeline of the same plan emits for them."""
+        return self._built.sources()
+
+    def save_plan(self, path: str | os.PathLike[str]) -> list[Path]:
+        """Write the plan to ``path`` (from the first pipeline rank) and this rank's stage
+        sources as ``stage_<s>.py`` beside it, each atomically. Returns the paths written."""
+        target = Path(path)
+        written = []
+        if self.pp_rank == 0:
+            self.plan.save(target)
+            written.append(target)
+        for s, source in self.stage_sources().items():
+            out = target.parent / f"stage_{s}.py"
+            write_text_atomic(out, source)
+            written.append(out)
+        return written
 
     def close(self) -> None:
         """Stop the heartbeat thread (call before ``dist.destroy_process_group``)."""

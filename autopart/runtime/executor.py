@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autopart.codegen.split_backward import SplitBackward
+from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule, execution_order
 
 __all__ = ["LocalExecutor", "StepResult"]
@@ -134,10 +135,9 @@ class LocalExecutor:
     receives. ``B`` is the full backward (``torch.autograd.backward``); ``I`` computes only
     the input gradients and ``W`` the weight gradients from where ``I`` left them
     (:class:`autopart.codegen.split_backward.SplitBackward`), so ``I + W`` costs about one ``B``
-    and equals it exactly. A recomputed stage does not split: its ``I`` runs the whole
-    backward and its ``W`` has nothing left to do, because every autograd call that reads
-    a checkpointed stage's saved tensors recomputes its forward (the split's ``W``, one
-    call per parameter group, measured 5x slower than ``B`` on a 4-block MLP).
+    and equals it exactly. Which stages split is the schedule's to say
+    (:func:`autopart.core.schedule.build_schedule` gives a recomputed stage a ``B``, see
+    :func:`autopart.core.schedule.splits_backward`); the executor runs what it is given.
     A stage in ``recompute`` runs its forward under non-reentrant
     ``torch.utils.checkpoint``: only its inputs are kept, the rest is recomputed in backward.
     A stage's state for a microbatch is dropped as soon as its last backward action ran.
@@ -154,7 +154,8 @@ class LocalExecutor:
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device],
                  recompute: Sequence[int] = ()) -> None:
         if len(stages) != len(devices):
-            raise ValueError(f"{len(stages)} stages but {len(devices)} devices")
+            raise PlanError(f"{len(stages)} stages but {len(devices)} devices; pass one device "
+                            "per stage")
         self.stages = list(stages)
         self.devices = list(devices)
         self.recompute = frozenset(recompute)
@@ -209,8 +210,7 @@ class LocalExecutor:
                 if not st.roots:
                     self._set_roots(st, s, i, result, grads)
                 with streams.on(s):
-                    if action.kind == "B" or (action.kind == "I" and s in self.recompute):
-                        # a recomputed stage's I is its whole backward; its W has nothing left
+                    if action.kind == "B":
                         if st.roots:
                             torch.autograd.backward(st.roots, st.root_grads)
                         self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)

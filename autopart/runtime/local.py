@@ -9,19 +9,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.codegen.params import Placement
+from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import write_text_atomic
-from autopart.core.plan import Plan
 from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.runtime.executor import LocalExecutor
-from autopart.runtime.microbatch import merge_leaves, split_leaves, split_tree
+from autopart.runtime.signature import InputSignature, require_loss
 
-__all__ = ["PipelinedModule"]
+__all__ = ["PipelinedModule", "state_layout"]
+
+
+def state_layout(model: nn.Module) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """How ``model``'s state is named: ``(state_dict key, canonical FQN)`` pairs (a tied
+    name maps to the FQN that ``named_parameters`` lists), the canonical parameter order
+    and the canonical buffer order."""
+    canon: dict[int, str] = {}
+    params, buffers = [], []
+    for name, p in model.named_parameters():
+        canon[id(p)] = name
+        params.append(name)
+    for name, b in model.named_buffers():
+        if id(b) not in canon:
+            canon[id(b)] = name
+            buffers.append(name)
+    keys = [(k, canon[id(v)]) for k, v in model.state_dict(keep_vars=True).items() if id(v) in canon]
+    return keys, params, buffers
 
 
 class PipelinedModule(nn.Module):
@@ -44,32 +58,37 @@ class PipelinedModule(nn.Module):
         timings_s: seconds spent per compile phase (capture, profile, solve, codegen).
     """
 
-    def __init__(self, *, plan: Plan, stages: list[fx.GraphModule], runners: list[nn.Module],
-                 devices: list[torch.device],
-                 placement: Placement, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec,
-                 input_shapes: list[tuple[int, ...] | None], microbatch_size: int,
-                 state_keys: list[tuple[str, str]], param_order: list[str],
-                 buffer_order: list[str], unused: dict[str, torch.Tensor],
+    def __init__(self, model: nn.Module, stages: BuiltStages, signature: InputSignature, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 timings_s: dict[str, float]) -> None:
+                 timings_s: dict[str, float] | None = None) -> None:
+        """Wrap ``stages`` (every stage built, see :func:`autopart.codegen.build_stages`).
+
+        Args:
+            model: the model the stages were built from (its tensor names and the tensors
+                the graph never reads).
+            stages: the built stages of every rank.
+            signature: the inputs and outputs compiled for.
+            loss_fn: ``(output, target) -> scalar``, or None for inference only.
+            timings_s: seconds per compile phase, kept as ``timings_s``.
+        """
         super().__init__()
+        plan = stages.plan
         self.plan = plan
-        self.stages = nn.ModuleList(stages)
-        self.devices = devices
-        self.timings_s = timings_s
-        self._placement = placement
-        self._in_spec = in_spec
-        self._out_spec = out_spec
-        self._input_shapes = input_shapes
-        self._microbatch_size = microbatch_size
-        self._state_keys = state_keys
-        self._param_order = param_order
-        self._buffer_order = buffer_order
-        self._unused = unused
+        self.stages = nn.ModuleList(stages.modules)
+        self.devices = list(stages.devices)
+        self.timings_s = {} if timings_s is None else timings_s
+        self.signature = signature
+        self._built = stages
+        self._placement = stages.placement
+        self._state_keys, self._param_order, self._buffer_order = state_layout(model)
+        used = set(stages.placement.owner)
+        self._unused = {fqn: t for fqn, t in list(model.named_parameters())
+                        + list(model.named_buffers()) if fqn not in used}
         self._loss_fn = loss_fn
         self._num_ranks = len(plan.ranks)
-        recompute = [st.stage_index for st in plan.stages if st.recompute]
-        self._executor = LocalExecutor(runners, devices, recompute=recompute)
+        self._recompute = [st.stage_index for st in plan.stages if st.recompute]
+        self._executor = LocalExecutor(list(stages.runners), self.devices,  # type: ignore[arg-type]
+                                       recompute=self._recompute)
         self._replica_versions: dict[str, int] = {}
 
     # ---- tensors under original names ----------------------------------------------
@@ -178,40 +197,21 @@ class PipelinedModule(nn.Module):
                     replica.grad = None
 
     # ---- running -------------------------------------------------------------------
-    def _microbatches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise PlanError(f"inputs have structure {spec}, but the pipeline was compiled for "
-                            f"{self._in_spec}; pass the same positional and keyword inputs")
-        batch = None
-        for i, (leaf, shape) in enumerate(zip(leaves, self._input_shapes, strict=True)):
-            if shape is None or not isinstance(leaf, torch.Tensor):
-                continue
-            if tuple(leaf.shape[1:]) != shape[1:]:
-                raise PlanError(f"input leaf {i} has shape {tuple(leaf.shape)}; the pipeline was "
-                                f"compiled for (k*{self._microbatch_size}, "
-                                f"{', '.join(map(str, shape[1:]))}); recompile for new shapes")
-            if leaf.shape[0] % self._microbatch_size:
-                raise PlanError(f"batch of {leaf.shape[0]} is not a multiple of the microbatch "
-                                f"size {self._microbatch_size} this pipeline was compiled for; "
-                                "pass such a batch or recompile")
-            batch = int(leaf.shape[0])
-        if batch is None:
-            raise PlanError("no tensor input with a batch dimension")
-        return split_leaves(leaves, batch // self._microbatch_size)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined inference: microbatches flow forward only, nothing is kept for backward.
 
         Returns the same structure as ``model(*args, **kwargs)``; see
         :func:`autopart.runtime.microbatch.merge_leaves` for how microbatch outputs are joined.
+
+        Raises:
+            PlanError: inputs that do not fit the pipeline (:class:`InputSignature`).
         """
         self._sync_replicas()
-        mbs = self._microbatches(args, kwargs)
+        mbs = self.signature.split(args, kwargs)
         with torch.no_grad():
             schedule = forward_schedule(self._num_ranks, len(mbs), self.plan.stages_per_rank)
             result = self._executor.run(schedule, mbs)
-        return pytree.tree_unflatten(merge_leaves([list(o) for o in result.outputs]), self._out_spec)
+        return self.signature.merge([list(o) for o in result.outputs])
 
     def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate in ``.grad``.
@@ -230,29 +230,27 @@ class PipelinedModule(nn.Module):
         Raises:
             PlanError: compiled without ``loss_fn``, or inputs that do not fit the pipeline.
         """
-        if self._loss_fn is None:
-            raise PlanError("train_step needs a loss: pass loss_fn=... to autopart.compile "
-                            "(a callable (output, target) -> scalar)")
+        loss_fn = require_loss(self._loss_fn)
         self._sync_replicas()
-        mbs = self._microbatches(args, kwargs)
+        mbs = self.signature.split(args, kwargs)
         m = len(mbs)
-        targets = split_tree(target, m) if target is not None else [None] * m
-        loss_fn, out_spec = self._loss_fn, self._out_spec
+        targets = self.signature.split_target(target, m)
+        signature = self.signature
 
         def loss_closure(i: int, flat_out: tuple[Any, ...]) -> torch.Tensor:
-            out = pytree.tree_unflatten(list(flat_out), out_spec)
-            return loss_fn(out, targets[i]) / m
+            return loss_fn(signature.output(flat_out), targets[i]) / m
 
         schedule = build_schedule(self.plan.schedule_kind, self._num_ranks, m,
-                                  self.plan.stages_per_rank)
+                                  self.plan.stages_per_rank, recompute=self._recompute)
         result = self._executor.run(schedule, mbs, loss_closure=loss_closure)
         self._reduce_replica_grads()
         return torch.stack([loss for loss in result.losses if loss is not None]).sum()
 
     # ---- files ---------------------------------------------------------------------
-    def stage_sources(self) -> list[str]:
-        """Readable Python source of each stage, with tensor shapes as comments."""
-        return [stage.print_readable(print_output=False) for stage in self.stages]
+    def stage_sources(self) -> dict[int, str]:
+        """Stage index -> readable Python source of the stage, tensor shapes as comments
+        (:func:`autopart.codegen.stage_source`)."""
+        return self._built.sources()
 
     def save_plan(self, path: str | os.PathLike[str]) -> list[Path]:
         """Write the plan to ``path`` and each stage's source as ``stage_<s>.py`` beside it.
@@ -262,10 +260,8 @@ class PipelinedModule(nn.Module):
         target = Path(path)
         self.plan.save(target)
         written = [target]
-        for s, source in enumerate(self.stage_sources()):
+        for s, source in self.stage_sources().items():
             out = target.parent / f"stage_{s}.py"
-            header = (f'"""Stage {s} of {len(self.stages)} ({self.devices[s]}), generated by autopart '
-                      f'from graph {self.plan.graph_fingerprint}."""\n')
-            write_text_atomic(out, header + source)
+            write_text_atomic(out, source)
             written.append(out)
         return written

@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from autopart.api import build_pipeline
 from autopart.core.capture import CapturedGraph, capture
 from autopart.runtime.microbatch import split_leaves
-from tests.plans import even_positions, manual_plan
+from tests.plans import even_positions, local_pipeline, manual_plan
 from tests.zoo import ZOO
 
 TOL = {"rtol": 1e-5, "atol": 4e-5}
@@ -52,7 +51,7 @@ def test_schedule_matches_the_unpartitioned_model(name: str, kind: str, num_stag
     reference = copy.deepcopy(model0)
     plan = manual_plan(captured, even_positions(captured, num_stages), M, 8,
                        schedule_kind=kind, stages_per_rank=v, recompute=recompute)
-    pipe = build_pipeline(model, captured, plan, ["cpu"] * (num_stages // v), loss_fn=loss_fn)
+    pipe = local_pipeline(model, captured, plan, ["cpu"] * (num_stages // v), loss_fn=loss_fn)
 
     torch.testing.assert_close(_primary(pipe(*args)), _primary(reference(*args)), **TOL)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
@@ -88,7 +87,7 @@ def test_cuda_streams_match_the_unpartitioned_model(kind: str, num_stages: int, 
     reference = copy.deepcopy(model0).cuda()
     plan = manual_plan(captured, even_positions(captured, num_stages), M, 8,
                        schedule_kind=kind, stages_per_rank=v)
-    pipe = build_pipeline(model, captured, plan, ["cuda:0"] * (num_stages // v), loss_fn=loss_fn)
+    pipe = local_pipeline(model, captured, plan, ["cuda:0"] * (num_stages // v), loss_fn=loss_fn)
     cuda_args = tuple(a.cuda() for a in args)
     torch.testing.assert_close(_primary(pipe(*args)), _primary(reference(*cuda_args)), **TOL)
     loss = pipe.train_step(*args, target=target.cuda())

@@ -5,12 +5,12 @@ from typing import Any
 import pytest
 import torch
 
-from autopart.api import build_pipeline
+import autopart
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, build_schedule, in_flight_counts
 from autopart.runtime.executor import LocalExecutor
-from tests.plans import even_positions, manual_plan
+from tests.plans import even_positions, local_pipeline, manual_plan
 from tests.zoo import mlp
 
 
@@ -22,7 +22,7 @@ def test_live_activations_never_exceed_the_schedules_in_flight_count(kind: str, 
     stages = 4
     plan = manual_plan(captured, even_positions(captured, stages), 8, 8, schedule_kind=kind,
                        stages_per_rank=v)
-    pipe = build_pipeline(model, captured, plan, ["cpu"] * (stages // v), loss_fn=loss_fn)
+    pipe = local_pipeline(model, captured, plan, ["cpu"] * (stages // v), loss_fn=loss_fn)
     expected = in_flight_counts(build_schedule(kind, stages // v, 8, v), stages)
     seen = [0] * stages
     outputs: list[weakref.ref[torch.Tensor]] = []
@@ -57,7 +57,7 @@ def test_zero_bubble_weight_and_input_gradients_sum_to_the_full_backward() -> No
     for kind in ("1f1b", "zero_bubble"):
         m, c = copy.deepcopy((model, captured))
         plan = manual_plan(c, even_positions(c, 2), 4, 8, schedule_kind=kind)
-        pipe = build_pipeline(m, c, plan, ["cpu", "cpu"], loss_fn=loss_fn)
+        pipe = local_pipeline(m, c, plan, ["cpu", "cpu"], loss_fn=loss_fn)
         pipe.train_step(*args, target=target)
         grads[kind] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     for name, g in grads["1f1b"].items():
@@ -77,7 +77,8 @@ def test_fused_stages_match_within_tolerance() -> None:
     reference = copy.deepcopy(model)
     captured = capture(model, (args[0][:4],))
     plan = manual_plan(captured, even_positions(captured, 2), 2, 8)
-    pipe = build_pipeline(model, captured, plan, ["cpu", "cpu"], loss_fn=loss_fn, fuse=True)
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, devices=["cpu", "cpu"],
+                            fuse=True)
     assert "fuse_s" in pipe.timings_s
     loss = pipe.train_step(*args, target=target)
     ref_loss = loss_fn(reference(*args), target)

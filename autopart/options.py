@@ -1,0 +1,139 @@
+"""CompileOptions: every choice ``autopart.compile`` takes, validated in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from autopart.core.errors import PlanError
+from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
+
+__all__ = ["CompileOptions", "BACKENDS"]
+
+BACKENDS = ("local", "distributed")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name}={value!r} must be an integer >= 1 (or None to let the solver "
+                        "choose)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompileOptions:
+    """The choices of :func:`autopart.compile` (keyword-only, frozen, checked on creation).
+
+    ``None`` leaves a choice to the solver; a replayed ``plan`` fixes them all, so giving
+    one that disagrees with the plan is an error (:meth:`check_plan`). See
+    :func:`autopart.compile` for what each one means.
+
+    Attributes:
+        devices: one device string per rank (local backend only).
+        num_stages: total stages S = ranks x stages_per_rank, >= 1.
+        num_microbatches: m >= 1.
+        optimize: ``"speed"`` or ``"memory"``; ``None`` means ``"speed"`` (a replayed plan
+            keeps its own).
+        schedule: one of ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``.
+        stages_per_rank: v >= 1 (v > 1 needs ``interleaved_1f1b``).
+        recompute: every stage (True), none (False), solver's choice (None).
+        fuse: compile each stage with ``torch.compile`` (both backends).
+        backend: ``"local"`` or ``"distributed"``; ``None`` picks distributed inside an
+            initialised process group of more than one rank.
+        checkpoint: distributed only: a ``pipe.save`` directory the rank loads its weights
+            from.
+        mesh: distributed only: a 2-D ``DeviceMesh`` with dims ``("pp", "dp")``.
+        time_limit_s: CP-SAT wall-clock limit per solve, seconds, > 0 (default 10).
+
+    Raises:
+        PlanError: a value out of range or of the wrong type, naming it and the fix.
+    """
+
+    devices: tuple[str, ...] | None = None
+    num_stages: int | None = None
+    num_microbatches: int | None = None
+    optimize: str | None = None
+    schedule: str | None = None
+    stages_per_rank: int | None = None
+    recompute: bool | None = None
+    fuse: bool = False
+    backend: str | None = None
+    checkpoint: str | os.PathLike[str] | None = None
+    mesh: Any = None
+    time_limit_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "num_microbatches", "stages_per_rank"):
+            _positive_int(name, getattr(self, name))
+        if self.optimize is not None and self.optimize not in OPTIMIZE_TARGETS:
+            raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
+        if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
+            raise PlanError(f"schedule={self.schedule!r}; expected one of {SCHEDULE_KINDS} or "
+                            "None (the solver chooses)")
+        if (self.stages_per_rank or 1) > 1 and self.schedule not in (None, "interleaved_1f1b"):
+            raise PlanError(f"stages_per_rank={self.stages_per_rank} needs schedule="
+                            f"'interleaved_1f1b' (or None), not {self.schedule!r}")
+        if self.recompute not in (None, True, False):
+            raise PlanError(f"recompute={self.recompute!r} must be True, False or None")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise PlanError(f"backend={self.backend!r}; expected one of {BACKENDS} or None")
+        if self.devices is not None and not self.devices:
+            raise PlanError("devices is empty; pass at least one device, e.g. "
+                            "['cuda:0', 'cuda:1']")
+        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0):
+            raise PlanError(f"time_limit_s={self.time_limit_s!r} must be a number of seconds > 0")
+
+    @property
+    def choices(self) -> dict[str, Any]:
+        """The solver choices the caller fixed (``SolveOptions`` field names), None left out."""
+        fixed = {"schedule_kind": self.schedule, "stages_per_rank": self.stages_per_rank,
+                 "recompute": self.recompute}
+        return {k: v for k, v in fixed.items() if v is not None}
+
+    def check_backend(self, backend: str) -> None:
+        """Refuse what ``backend`` cannot honour.
+
+        Raises:
+            PlanError: ``checkpoint`` or ``mesh`` with the local backend; ``devices`` with
+                the distributed one (each rank runs on its own ``LOCAL_RANK`` device).
+        """
+        if backend == "local":
+            for name in ("checkpoint", "mesh"):
+                if getattr(self, name) is not None:
+                    raise PlanError(f"{name}= is for backend='distributed' (a torchrun launch); "
+                                    f"the local backend got {name}={getattr(self, name)!r}. Drop "
+                                    "it, or launch with torchrun")
+        elif self.devices is not None:
+            raise PlanError(f"devices={list(self.devices)} cannot be honoured with backend="
+                            "'distributed': each rank runs on its own device (cuda:LOCAL_RANK, or "
+                            "cpu). Drop devices=, and launch one process per device")
+
+    def check_plan(self, plan: Plan, *, ranks: int | None = None) -> None:
+        """Refuse choices that a replayed ``plan`` contradicts (it fixes them all).
+
+        Args:
+            plan: the plan to replay.
+            ranks: the number of ranks that will run it, when known (devices or world size).
+
+        Raises:
+            PlanError: naming the argument, the value given, the plan's value and the fix.
+        """
+        recompute = {st.recompute for st in plan.stages}
+        given = [("num_stages", self.num_stages, plan.num_stages),
+                 ("num_microbatches", self.num_microbatches, plan.num_microbatches),
+                 ("schedule", self.schedule, plan.schedule_kind),
+                 ("stages_per_rank", self.stages_per_rank, plan.stages_per_rank),
+                 ("optimize", self.optimize, plan.optimize),
+                 ("recompute", self.recompute,
+                  next(iter(recompute)) if len(recompute) == 1 else "per stage")]
+        for name, value, planned in given:
+            if value is not None and value != planned:
+                raise PlanError(f"{name}={value!r} conflicts with the replayed plan, which has "
+                                f"{name}={planned!r}; drop {name}= to replay the plan, or drop "
+                                "plan= to solve again with it")
+        if ranks is not None and ranks != len(plan.ranks):
+            raise PlanError(f"the plan has {len(plan.ranks)} ranks but {ranks} devices were "
+                            f"given; pass one device per rank ({len(plan.ranks)}), or re-plan "
+                            f"for {ranks}")

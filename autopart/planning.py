@@ -1,0 +1,264 @@
+"""plan_model: capture and profile a model once, then solve for a plan as many ways as wanted."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopart.core.capture import CapturedGraph, capture
+from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import PlanError
+from autopart.core.plan import Plan
+from autopart.profiler import profile_graph
+from autopart.profiler.split_cost import measure_split_backward_factor
+from autopart.runtime.signature import batch_size, microbatch_inputs
+from autopart.solver import SolveOptions, find_candidates, solve
+
+__all__ = ["Profile", "plan_model", "profile_model", "cluster_for_devices", "resolve_devices",
+           "library_versions"]
+
+_CUDA_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"),
+                 ("A100 80GB", "a100-80gb"), ("A100", "a100-40gb"), ("L4", "l4"))
+
+
+def library_versions() -> dict[str, str]:
+    """Versions a plan records: torch and autopart (the solver adds ortools)."""
+    import autopart
+
+    return {"torch": torch.__version__, "autopart": autopart.__version__}
+
+
+def cluster_for_devices(devices: list[str]) -> Cluster:
+    """A Cluster for runtime device strings: ``"cpu"`` takes the ``cpu`` preset; a CUDA device
+    takes the preset its name matches (H100, H200, A100, L4) with the memory it reports.
+
+    Raises:
+        PlanError: a device that is neither ``cpu`` nor ``cuda:N``.
+    """
+    specs: list[DeviceSpec] = []
+    for name in devices:
+        dev = torch.device(name)
+        if dev.type == "cpu":
+            specs.append(PRESETS["cpu"])
+            continue
+        if dev.type != "cuda":
+            raise PlanError(f"device {name!r}: only 'cpu' and 'cuda:N' devices are supported")
+        props = torch.cuda.get_device_properties(dev)
+        preset = next((PRESETS[p] for key, p in _CUDA_PRESETS if key in props.name), PRESETS["l4"])
+        specs.append(dataclasses.replace(preset, name=props.name.replace(" ", "-").lower(),
+                                         memory_bytes=int(props.total_memory)))
+    return Cluster(tuple(specs), tuple(devices))
+
+
+def resolve_devices(devices: list[str] | tuple[str, ...] | None, num_ranks: int | None,
+                    ) -> list[str]:
+    """One device string per rank.
+
+    Args:
+        devices: the devices given, or None (the visible GPUs, else ``num_ranks`` x cpu).
+        num_ranks: the rank count wanted, or None (as many as ``devices``).
+
+    Raises:
+        PlanError: nothing to go on (no GPU, no count), a count that differs from the
+            devices given, or a CUDA device that is not visible.
+    """
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and (num_ranks is None or num_ranks <= count):
+            return [f"cuda:{i}" for i in range(num_ranks or count)]
+        if num_ranks is None:
+            raise PlanError("no GPU is visible, so pass num_stages=S (stages run on 'cpu') "
+                            "or devices=[...]")
+        return ["cpu"] * num_ranks
+    names = [str(d) for d in devices]
+    if not names:
+        raise PlanError("devices is empty; pass at least one device, e.g. ['cuda:0', 'cuda:1']")
+    if num_ranks is not None and num_ranks != len(names):
+        raise PlanError(f"the plan has {num_ranks} ranks but {len(names)} devices were "
+                        "given; pass one device per rank")
+    for d in names:
+        dev = torch.device(d)
+        if dev.type == "cuda" and (not torch.cuda.is_available()
+                                   or (dev.index or 0) >= torch.cuda.device_count()):
+            raise PlanError(f"device {d!r} is not available (visible CUDA devices: "
+                            f"{torch.cuda.device_count()}); use 'cpu' or a visible GPU")
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What the solver needs about one model on one set of devices, measured once.
+
+    Attributes:
+        captured: the model captured at the profiled batch (the microbatch size when
+            ``num_microbatches`` was fixed, else the full batch).
+        costs: per-node costs measured on ``devices[0]``.
+        devices: one device string per rank.
+        batch_size: the full batch, rows.
+        num_microbatches: m when fixed, else None.
+        microbatch_candidates: the m values the solver may choose from (None when fixed).
+        training: profiled forward + backward (True) or forward only.
+        split_backward_factor: measured ``(I + W) / B`` of the zero-bubble split on this
+            device (1.0 when not measured: inference, one rank, or zero_bubble excluded).
+        timings_s: seconds spent in ``capture_s``, ``profile_s`` and ``split_cost_s``.
+    """
+
+    captured: CapturedGraph
+    costs: CostGraph
+    devices: tuple[str, ...]
+    batch_size: int
+    num_microbatches: int | None
+    microbatch_candidates: tuple[int, ...] | None
+    training: bool
+    split_backward_factor: float
+    timings_s: dict[str, float]
+
+    def options(self, **choices: Any) -> SolveOptions:
+        """``SolveOptions`` for this profile; ``choices`` fixes or sets the rest
+        (``optimize``, ``time_limit_s``, ``schedule_kind``, ``stages_per_rank``, ...)."""
+        return SolveOptions(batch_size=self.batch_size, num_microbatches=self.num_microbatches,
+                            microbatch_candidates=self.microbatch_candidates,
+                            training=self.training, library_versions=library_versions(),
+                            split_backward_factor=self.split_backward_factor, **choices)
+
+    def solve(self, **choices: Any) -> Plan:
+        """Solve on this profile's costs for its devices; ``choices`` as in :meth:`options`.
+
+        Raises:
+            InfeasiblePlanError: nothing fits the devices' memory or the stage count.
+            PlanError: contradictory choices.
+        """
+        return solve(self.costs, cluster_for_devices(list(self.devices)), self.options(**choices))
+
+
+def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
+                  example_kwargs: dict[str, Any] | None = None,
+                  devices: list[str] | tuple[str, ...], num_microbatches: int | None = None,
+                  training: bool = True, split_cost: bool = True) -> Profile:
+    """Capture ``model`` and measure every node's cost on ``devices[0]``.
+
+    With ``num_microbatches`` the model is captured and profiled at the microbatch size, so
+    the same capture serves code generation. Otherwise it is captured at the full batch and
+    the solver picks m among the divisors that leave microbatches of at least 2 rows
+    (export specialises size-1 dimensions, which can change the graph). With ``split_cost``
+    (and training on more than one rank) zero-bubble's I/W split factor is measured too
+    (:func:`autopart.profiler.split_cost.measure_split_backward_factor`).
+
+    Raises:
+        PlanError: ``num_microbatches`` does not divide the batch, or no batched input.
+        TraceError: the model cannot be captured.
+        ProfileError: a node fails to run on the device.
+    """
+    kwargs = dict(example_kwargs or {})
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    batch = batch_size(args, kwargs)
+    if num_microbatches is not None:
+        if num_microbatches < 1 or batch % num_microbatches:
+            raise PlanError(f"num_microbatches={num_microbatches} must be >= 1 and divide the batch of "
+                            f"{batch}; choose one of "
+                            f"{[d for d in range(1, batch + 1) if batch % d == 0]}")
+        args, kwargs = microbatch_inputs(args, kwargs, num_microbatches)
+        candidates = None
+    else:
+        candidates = tuple(m for m in range(1, batch + 1)
+                           if batch % m == 0 and (batch // m >= 2 or batch == 1))
+    captured = capture(model, args, kwargs)
+    timings["capture_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    flat = captured.flatten_inputs(args, kwargs)
+    costs = profile_graph(captured, flat, device=devices[0], training=training)
+    timings["profile_s"] = time.perf_counter() - t0
+    factor = 1.0
+    if split_cost and training and len(devices) > 1:
+        t0 = time.perf_counter()
+        factor = measure_split_backward_factor(captured, flat, costs, devices[0],
+                                               find_candidates(costs, 3).positions)
+        timings["split_cost_s"] = time.perf_counter() - t0
+    return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
+                   factor, timings)
+
+
+def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
+               example_kwargs: dict[str, Any] | None = None,
+               devices: list[str] | tuple[str, ...] | None = None,
+               num_stages: int | None = None, num_microbatches: int | None = None,
+               optimize: str = "speed", schedule: str | None = None,
+               stages_per_rank: int | None = None, recompute: bool | None = None,
+               training: bool = True, time_limit_s: float = 10.0,
+               **solve_options: Any) -> tuple[Plan, Profile]:
+    """Profile ``model`` on ``devices`` and solve for a plan ("profile once, solve several
+    ways": ``profile.solve(schedule_kind="1f1b", ...)`` re-solves on the same costs).
+
+    Args:
+        model: the model.
+        example_inputs: positional inputs, tensors ``(batch, ...)``.
+        example_kwargs: keyword inputs.
+        devices: one device per rank; default: the visible GPUs, else ``["cpu"] * ranks``
+            with ``ranks = num_stages // stages_per_rank``.
+        num_stages: total stages S = ranks x stages_per_rank; fixes v when given.
+        num_microbatches: m; None lets the solver choose among the batch's divisors.
+        optimize: ``"speed"`` (default) or ``"memory"``.
+        schedule: schedule kind, or None (the solver chooses).
+        stages_per_rank: v, or None (the solver chooses).
+        recompute: every stage, none, or None (the solver decides per stage).
+        training: plan forward + backward (default) or inference.
+        time_limit_s: CP-SAT limit per solve, seconds (default 10).
+        **solve_options: further :class:`autopart.solver.SolveOptions` fields
+            (``memory_cap_bytes``, ``optimizer_state_bytes_per_param_byte``, ...).
+
+    Returns:
+        The plan, and the profile it was solved on.
+
+    Raises:
+        PlanError: inconsistent stage, device or microbatch counts.
+        TraceError, ProfileError: capture or profiling failed.
+        InfeasiblePlanError: no plan fits.
+    """
+    device_names, v = _ranks_and_v(devices, num_stages, stages_per_rank)
+    fixed = {k: val for k, val in (("schedule_kind", schedule), ("stages_per_rank", v),
+                                   ("recompute", recompute)) if val is not None}
+    # the split cost matters only where the solver may still pick zero_bubble (v = 1)
+    may_split = (fixed.get("stages_per_rank", 1) == 1
+                 and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble")
+    profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
+                            devices=device_names, num_microbatches=num_microbatches,
+                            training=training, split_cost=may_split)
+    t0 = time.perf_counter()
+    plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed, **solve_options)
+    profile.timings_s["solve_s"] = time.perf_counter() - t0
+    return plan, profile
+
+
+def _ranks_and_v(devices: list[str] | tuple[str, ...] | None, num_stages: int | None,
+                 stages_per_rank: int | None) -> tuple[list[str], int | None]:
+    """Device per rank, and the stages per rank fixed by the arguments (None: solver's).
+
+    Raises:
+        PlanError: counts below 1, or a stage count that is not devices x stages_per_rank.
+    """
+    for name, value in (("num_stages", num_stages), ("stages_per_rank", stages_per_rank)):
+        if value is not None and value < 1:
+            raise PlanError(f"{name}={value} must be >= 1")
+    if devices is not None:
+        names = resolve_devices(devices, None)
+        if num_stages is None:
+            return names, stages_per_rank
+        if num_stages % len(names) or (stages_per_rank is not None
+                                       and num_stages != len(names) * stages_per_rank):
+            raise PlanError(f"num_stages={num_stages} does not equal {len(names)} devices x "
+                            f"stages_per_rank={stages_per_rank or num_stages / len(names):g}; "
+                            "pass num_stages = devices x stages_per_rank")
+        return names, num_stages // len(names)
+    v = stages_per_rank or 1
+    if num_stages is not None and num_stages % v:
+        raise PlanError(f"num_stages={num_stages} is not a multiple of stages_per_rank={v}")
+    ranks = None if num_stages is None else num_stages // v
+    names = resolve_devices(None, ranks)
+    return names, (v if num_stages is not None or stages_per_rank is not None else None)
