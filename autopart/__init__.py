@@ -8,7 +8,7 @@ __all__ = ["compile", "plan_model", "load", "CompileOptions", "Profile", "Plan",
            "PipelinedModule", "DistributedPipeline", "AutopartError", "TraceError",
            "ProfileError", "PlanError", "InfeasiblePlanError", "CheckpointError",
            "PipelineFailure", "__version__"]
-__version__ = "0.1.0"
+from autopart.core.version import __version__
 
 # Exports resolve lazily (PEP 562) so that `import autopart.solver` or `autopart.core.plan`
 # never pulls in torch: the solver layer stays pure Python.

@@ -9,20 +9,18 @@ from typing import Any
 
 import typer
 
-__all__ = ["plan", "build_cluster", "PlanCLIError"]
+from autopart.core.errors import UsageError
+
+__all__ = ["plan", "build_cluster"]
 
 _GIB = 2**30
-
-
-class PlanCLIError(Exception):
-    """Bad command-line input; the message says what is valid."""
 
 
 def _load_costs(path: Path) -> Any:
     """Read a CostGraph JSON file written by ``autopart profile``.
 
     Raises:
-        PlanCLIError: missing or unreadable file, not JSON, or not a CostGraph.
+        UsageError: missing or unreadable file, not JSON, or not a CostGraph.
     """
     from autopart.core.costgraph import CostGraph
     from autopart.core.errors import PlanError
@@ -30,21 +28,21 @@ def _load_costs(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise PlanCLIError(f"{path}: no such file; pass a CostGraph JSON written by "
+        raise UsageError(f"{path}: no such file; pass a CostGraph JSON written by "
                            "`autopart profile`") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise PlanCLIError(f"{path}: cannot read it ({exc})") from None
+        raise UsageError(f"{path}: cannot read it ({exc})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise PlanCLIError(f"{path}: not JSON ({exc}); pass a file written by `autopart profile`"
+        raise UsageError(f"{path}: not JSON ({exc}); pass a file written by `autopart profile`"
                            ) from None
     if not isinstance(data, dict):
-        raise PlanCLIError(f"{path}: expected a JSON object (a CostGraph), got {type(data).__name__}")
+        raise UsageError(f"{path}: expected a JSON object (a CostGraph), got {type(data).__name__}")
     try:
         return CostGraph.from_dict(data)
     except PlanError as exc:
-        raise PlanCLIError(f"{path}: {exc}") from None
+        raise UsageError(f"{path}: {exc}") from None
 
 
 def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -> Any:
@@ -55,32 +53,32 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
     ``cuda:0 .. cuda:N-1``, CPU ranks ``cpu``.
 
     Raises:
-        PlanCLIError: both or neither option, N < 1, an unknown preset, or ``--devices`` with a
+        UsageError: both or neither option, N < 1, an unknown preset, or ``--devices`` with a
             measured GPU profile (whose GPU model the profile does not name).
     """
     from autopart.core.cluster import PRESETS, Cluster
 
     if (devices is None) == (cluster is None):
-        raise PlanCLIError("pass exactly one of --devices N or --cluster PRESET:N "
+        raise UsageError("pass exactly one of --devices N or --cluster PRESET:N "
                            f"(presets: {', '.join(PRESETS)})")
     if cluster is not None:
         name, sep, count = cluster.rpartition(":")
         if not sep or not count.isdigit():
-            raise PlanCLIError(f"--cluster {cluster!r}: expected PRESET:N, e.g. h100-sxm:8 "
+            raise UsageError(f"--cluster {cluster!r}: expected PRESET:N, e.g. h100-sxm:8 "
                                f"(presets: {', '.join(PRESETS)})")
         num = int(count)
     else:
         assert devices is not None
         kind, _, name = costs_source.partition(":")
         if kind == "measured" and name != "cpu":
-            raise PlanCLIError(f"the profile was measured on {name!r}, which names no device "
+            raise UsageError(f"the profile was measured on {name!r}, which names no device "
                                "preset; pass --cluster PRESET:N "
                                f"(presets: {', '.join(PRESETS)})")
         num = devices
     if name not in PRESETS:
-        raise PlanCLIError(f"unknown device preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        raise UsageError(f"unknown device preset {name!r}; valid presets: {', '.join(PRESETS)}")
     if num < 1:
-        raise PlanCLIError(f"the cluster needs at least one device, got {num}")
+        raise UsageError(f"the cluster needs at least one device, got {num}")
     names = ["cpu"] * num if name == "cpu" else [f"cuda:{r}" for r in range(num)]
     return Cluster.uniform(PRESETS[name], names)
 
@@ -122,7 +120,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
 
     try:
         if memory_cap is not None and memory_cap <= 0:
-            raise PlanCLIError(f"--memory-cap {memory_cap}: must be > 0 GiB")
+            raise UsageError(f"--memory-cap {memory_cap}: must be > 0 GiB")
         costs = _load_costs(profile)
         the_cluster = build_cluster(costs.source, devices, cluster)
         options = SolveOptions(
@@ -133,7 +131,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
             time_limit_s=time_limit, library_versions=_versions())
         result = solve(costs, the_cluster, options)
         result.save(out)
-    except (PlanCLIError, PlanError) as exc:
+    except (UsageError, PlanError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     except OSError as exc:

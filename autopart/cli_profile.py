@@ -10,13 +10,11 @@ from typing import Any
 
 import typer
 
-__all__ = ["profile", "build_model", "parse_device", "ProfileCLIError"]
+from autopart.core.errors import UsageError
+
+__all__ = ["profile", "build_model", "parse_device"]
 
 _DTYPES = ("float32", "bfloat16")
-
-
-class ProfileCLIError(Exception):
-    """Bad command-line input; the message lists what is valid."""
 
 
 def _parse_value(text: str) -> Any:
@@ -30,7 +28,7 @@ def parse_device(device: str) -> tuple[str, Any]:
     """``("measured", "cpu" | "cuda:N")`` or ``("analytical", DeviceSpec)``.
 
     Raises:
-        ProfileCLIError: unknown preset or malformed device, or CUDA without a GPU.
+        UsageError: unknown preset or malformed device, or CUDA without a GPU.
     """
     from autopart.core.cluster import PRESETS
     from autopart.core.errors import ProfileError
@@ -41,7 +39,7 @@ def parse_device(device: str) -> tuple[str, Any]:
     try:
         check_device(device)
     except ProfileError as exc:
-        raise ProfileCLIError(f"{exc}; or a device preset: {', '.join(p for p in PRESETS if p != 'cpu')}"
+        raise UsageError(f"{exc}; or a device preset: {', '.join(p for p in PRESETS if p != 'cpu')}"
                               ) from None
     return "measured", device
 
@@ -51,7 +49,7 @@ def build_model(spec: str, config: list[str], batch_size: int, seq_len: int, *, 
     """Build ``hf:<Class>`` from its config class (random weights) or call ``file.py:function``.
 
     Raises:
-        ProfileCLIError: unknown class, config key or file/function.
+        UsageError: unknown class, config key or file/function.
     """
     import torch
 
@@ -64,14 +62,14 @@ def build_model(spec: str, config: list[str], batch_size: int, seq_len: int, *, 
         if cls is None or config_cls is None:
             names = [n for n in dir(transformers) if n.endswith(("Model", "LMHeadModel", "ForCausalLM"))]
             close = difflib.get_close_matches(name, names, n=6)
-            raise ProfileCLIError(f"unknown transformers model class {name!r}; valid: a transformers "
+            raise UsageError(f"unknown transformers model class {name!r}; valid: a transformers "
                                   f"model class with a config class, e.g. {', '.join(close or names[:6])}")
         cfg = config_cls()
         for item in config:
             key, sep, value = item.partition("=")
             if not sep or not hasattr(cfg, key):
                 valid = ", ".join(sorted(cfg.to_dict()))
-                raise ProfileCLIError(f"--config {item!r}: {config_cls.__name__} has no key {key!r}; "
+                raise UsageError(f"--config {item!r}: {config_cls.__name__} has no key {key!r}; "
                                       f"valid keys: {valid}")
             setattr(cfg, key, _parse_value(value))
         if hasattr(cfg, "use_cache"):
@@ -88,7 +86,7 @@ def build_model(spec: str, config: list[str], batch_size: int, seq_len: int, *, 
         return model.train(), (x,)
     path, sep, func = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not Path(path).is_file():
-        raise ProfileCLIError(f"MODEL {spec!r}: valid forms are hf:<transformers model class> or "
+        raise UsageError(f"MODEL {spec!r}: valid forms are hf:<transformers model class> or "
                               "path/to/file.py:function")
     mod_spec = importlib.util.spec_from_file_location("_autopart_user_model", path)
     assert mod_spec is not None and mod_spec.loader is not None
@@ -97,7 +95,7 @@ def build_model(spec: str, config: list[str], batch_size: int, seq_len: int, *, 
     fn = getattr(module, func, None)
     if fn is None:
         funcs = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
-        raise ProfileCLIError(f"{path} has no function {func!r}; valid: {', '.join(funcs)}")
+        raise UsageError(f"{path} has no function {func!r}; valid: {', '.join(funcs)}")
     model, inputs = fn()
     return model, inputs if isinstance(inputs, tuple) else (inputs,)
 
@@ -143,10 +141,10 @@ def profile(model: str = typer.Argument(..., help="hf:<transformers class> or fi
     """Profile a model's per-op costs and write its CostGraph JSON."""
     try:
         if dtype not in _DTYPES:
-            raise ProfileCLIError(f"--dtype {dtype!r}; valid: {', '.join(_DTYPES)}")
+            raise UsageError(f"--dtype {dtype!r}; valid: {', '.join(_DTYPES)}")
         method, target = parse_device(device)
         net, inputs = build_model(model, config, batch_size, seq_len, meta=method == "analytical")
-    except ProfileCLIError as exc:
+    except UsageError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     _run(net, inputs, method, target, dtype, out, depth, top, not no_cache)

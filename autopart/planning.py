@@ -14,6 +14,7 @@ from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
+from autopart.core.version import __version__
 from autopart.profiler import profile_graph
 from autopart.profiler.split_cost import measure_split_backward_factor
 from autopart.runtime.signature import batch_size, microbatch_inputs
@@ -28,9 +29,7 @@ _CUDA_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a10
 
 def library_versions() -> dict[str, str]:
     """Versions a plan records: torch and autopart (the solver adds ortools)."""
-    import autopart
-
-    return {"torch": torch.__version__, "autopart": autopart.__version__}
+    return {"torch": torch.__version__, "autopart": __version__}
 
 
 def cluster_for_devices(devices: list[str]) -> Cluster:

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopart.core.capture import CapturedGraph, node_module_path, op_nodes
 from autopart.core.cluster import DeviceSpec
 from autopart.core.costgraph import CostGraph, NodeCost
-from autopart.core.errors import ProfileError
+from autopart.core.errors import PlanError, ProfileError
 from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
 
 __all__ = ["profile_analytical", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "SDPA_BWD_FLOP_RATIO",
@@ -137,7 +137,7 @@ def profile_analytical(captured: CapturedGraph, flat_inputs: list[Any] | None, s
     the_dtype = _dtype_name(captured, dtype)
     try:
         peak = spec.peak_flops_for(str(the_dtype), tf32=tf32)
-    except ValueError as exc:
+    except PlanError as exc:
         raise ProfileError(str(exc)) from None
     start = time.perf_counter()
     walker = _MetaWalker(captured, spec, peak, training)

@@ -14,6 +14,7 @@ import torch
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
+from autopart.core.version import __version__
 
 __all__ = ["cache_dir", "profile_key", "load_cached", "store", "cached_profile",
            "PROFILER_REVISION"]
@@ -33,9 +34,7 @@ def cache_dir() -> Path:
 
 
 def _versions() -> dict[str, str]:
-    import autopart
-
-    versions = {"torch": torch.__version__, "autopart": autopart.__version__,
+    versions = {"torch": torch.__version__, "autopart": __version__,
                 "profiler": PROFILER_REVISION}
     try:
         import transformers

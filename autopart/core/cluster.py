@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from autopart.core.errors import PlanError
+
 __all__ = ["DeviceSpec", "Cluster", "PRESETS", "device_preset"]
 
 
@@ -57,7 +59,7 @@ class DeviceSpec:
             FLOP/s; a per-dtype figure left at 0 falls back to ``peak_flops``.
 
         Raises:
-            ValueError: a dtype other than the three above.
+            PlanError: a dtype other than the three above.
         """
         name = dtype.removeprefix("torch.")
         if name in ("bfloat16", "float16"):
@@ -65,20 +67,20 @@ class DeviceSpec:
         elif name == "float32":
             value = self.peak_flops_tf32 if tf32 else self.peak_flops_fp32
         else:
-            raise ValueError(f"DeviceSpec {self.name!r}: no peak for dtype {dtype!r}; "
-                             "use float32, bfloat16 or float16")
+            raise PlanError(f"DeviceSpec {self.name!r}: no peak for dtype {dtype!r}; "
+                            "use float32, bfloat16 or float16")
         return value if value > 0 else self.peak_flops
 
     def __post_init__(self) -> None:
         for attr in ("memory_bytes", "peak_flops", "memory_bandwidth_bytes_per_s",
                      "link_bandwidth_bytes_per_s"):
             if getattr(self, attr) <= 0:
-                raise ValueError(f"DeviceSpec {self.name!r}: {attr} must be > 0")
+                raise PlanError(f"DeviceSpec {self.name!r}: {attr} must be > 0")
         for attr in ("peak_flops_fp32", "peak_flops_tf32", "peak_flops_bf16"):
             if getattr(self, attr) < 0:
-                raise ValueError(f"DeviceSpec {self.name!r}: {attr} must be >= 0")
+                raise PlanError(f"DeviceSpec {self.name!r}: {attr} must be >= 0")
         if self.link_latency_us < 0:
-            raise ValueError(f"DeviceSpec {self.name!r}: link_latency_us must be >= 0")
+            raise PlanError(f"DeviceSpec {self.name!r}: link_latency_us must be >= 0")
 
 
 def _host_memory_bytes() -> int:
@@ -144,12 +146,12 @@ def device_preset(name: str) -> DeviceSpec:
     """Look up a preset by name.
 
     Raises:
-        KeyError: unknown name; the message lists the valid ones.
+        PlanError: unknown name; the message lists the valid ones.
     """
     try:
         return PRESETS[name]
     except KeyError:
-        raise KeyError(f"unknown device preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
+        raise PlanError(f"unknown device preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +168,9 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if not self.devices:
-            raise ValueError("Cluster needs at least one device")
+            raise PlanError("Cluster needs at least one device")
         if len(self.devices) != len(self.device_names):
-            raise ValueError(f"Cluster: {len(self.devices)} device specs but "
+            raise PlanError(f"Cluster: {len(self.devices)} device specs but "
                              f"{len(self.device_names)} device names")
 
     @property

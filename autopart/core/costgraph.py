@@ -60,7 +60,7 @@ class NodeCost:
         for attr in ("fwd_us", "bwd_input_us", "bwd_weight_us", "flops", "bytes_accessed",
                      "output_bytes", "saved_bytes", "param_bytes", "transient_bytes"):
             if getattr(self, attr) < 0:
-                raise ValueError(f"node {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)}")
+                raise PlanError(f"node {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)}")
 
     @property
     def bwd_us(self) -> float:
@@ -104,25 +104,25 @@ class CostGraph:
         seen: set[str] = set(self.graph_inputs)
         for node in self.nodes:
             if node.name in seen:
-                raise ValueError(f"CostGraph: node name {node.name!r} appears twice")
+                raise PlanError(f"CostGraph: node name {node.name!r} appears twice")
             for inp in node.inputs:
                 if inp not in seen:
-                    raise ValueError(
+                    raise PlanError(
                         f"CostGraph: node {node.name!r} reads {inp!r}, which is neither a graph "
                         "input nor an earlier node; nodes must be in topological order")
             for p in node.params:
                 if p not in self.param_sizes:
-                    raise ValueError(f"CostGraph: node {node.name!r} reads unknown parameter {p!r}")
+                    raise PlanError(f"CostGraph: node {node.name!r} reads unknown parameter {p!r}")
             seen.add(node.name)
         for out in self.graph_outputs:
             if out not in seen:
-                raise ValueError(f"CostGraph: graph output {out!r} is not a node or graph input")
+                raise PlanError(f"CostGraph: graph output {out!r} is not a node or graph input")
         if set(self.param_numel) != set(self.param_sizes):
-            raise ValueError("CostGraph: param_numel and param_sizes must have the same keys")
+            raise PlanError("CostGraph: param_numel and param_sizes must have the same keys")
         if not self.trainable <= set(self.param_sizes):
-            raise ValueError("CostGraph: trainable names a parameter missing from param_sizes")
+            raise PlanError("CostGraph: trainable names a parameter missing from param_sizes")
         if self.batch_size < 1:
-            raise ValueError(f"CostGraph: batch_size must be >= 1, got {self.batch_size}")
+            raise PlanError(f"CostGraph: batch_size must be >= 1, got {self.batch_size}")
 
     # ---- derived views -------------------------------------------------------------
     def total_fwd_us(self) -> float:

@@ -78,7 +78,6 @@ def single(steps: int) -> list[float]:
 
 def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f1b_path: str,
            out_dir: str) -> None:
-    import torch.utils._pytree as pytree
     from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
@@ -120,27 +119,25 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f
             optim.step()
         return step
 
-    def loss(out: Any, target: torch.Tensor) -> torch.Tensor:
-        flat = list(out) if isinstance(out, (tuple, list)) else [out]
-        return gpt2_loss(pytree.tree_unflatten(flat, pipe._out_spec), target)
+    loss = pipe.loss_of_flat  # gpt2_loss on the last stage's flat output
 
     # (b) torch's Schedule1F1B driving autopart's stage modules with the same m: (c)'s own
     # modules when its plan has one stage per rank, else the best one-stage-per-rank 1F1B
     # plan solved on the same costs
     pipe_b = pipe if plan_1f1b == plan else autopart.compile(
         copy.deepcopy(model), (tokens,), loss_fn=gpt2_loss, plan=plan_1f1b, backend="distributed")
-    stage_mod = pipe_b._stages_pp[0].submod
+    stage_mod = pipe_b.pipeline_stages[0].submod
     sched = Schedule1F1B(PipelineStage(stage_mod, rank, world, torch.device("cpu")),
                          plan.num_microbatches, loss_fn=loss)
-    steps_of["torch_1f1b"] = torch_step(sched, list(stage_mod.parameters()), pipe_b._reduce_grads)
+    steps_of["torch_1f1b"] = torch_step(sched, list(stage_mod.parameters()), pipe_b.reduce_grads)
 
     # (b') with an interleaved plan: torch's ScheduleInterleaved1F1B driving (c)'s very stages
     if plan.schedule_kind == "interleaved_1f1b":
         stages = [PipelineStage(st.submod, st.stage_index, plan.num_stages, torch.device("cpu"))
-                  for st in pipe._stages_pp]
+                  for st in pipe.pipeline_stages]
         isched = ScheduleInterleaved1F1B(stages, plan.num_microbatches, loss_fn=loss)
         params = [p for st in stages for p in st.submod.parameters()]
-        steps_of["torch_interleaved_1f1b"] = torch_step(isched, params, pipe._reduce_grads)
+        steps_of["torch_interleaved_1f1b"] = torch_step(isched, params, pipe.reduce_grads)
 
     # (d) the hand split users write today: pipeline() + SplitPoint at layer 4, Schedule1F1B
     class Logits(torch.nn.Module):
@@ -199,8 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     import tempfile
 
-    from autopart.api import _measure, cluster_for_devices
-    from autopart.solver import solve
+    import autopart
 
     # Plan with autopart on one thread (as the ranks will run), 2 ranks, m fixed to 8. One
     # profile serves both plans: autopart's choice, and the best one-stage-per-rank 1F1B
@@ -208,20 +204,16 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tokens = build()
     devices = ["cpu"] * P
-    timings: dict[str, float] = {}
-    measured = _measure(copy.deepcopy(model), (tokens,), {}, devices, M, True, timings)
-    fixed = {k: v for k, v in (("schedule_kind", args.schedule),
-                               ("stages_per_rank", args.stages_per_rank)) if v is not None}
-    t0 = time.perf_counter()
-    plan = solve(measured.costs, cluster_for_devices(devices), measured.options(**fixed))
-    timings["solve_s"] = time.perf_counter() - t0
+    plan, profile = autopart.plan_model(copy.deepcopy(model), (tokens,), devices=devices,
+                                        num_microbatches=M, schedule=args.schedule,
+                                        stages_per_rank=args.stages_per_rank)
+    timings = profile.timings_s
     tmp = tempfile.mkdtemp()
     plan_path = os.path.join(tmp, "plan.json")
     plan.save(plan_path)
     plan_1f1b, plan_1f1b_path = plan, plan_path
     if plan.stages_per_rank > 1:
-        plan_1f1b = solve(measured.costs, cluster_for_devices(devices),
-                          measured.options(schedule_kind="1f1b", stages_per_rank=1))
+        plan_1f1b = profile.solve(schedule_kind="1f1b", stages_per_rank=1)
         plan_1f1b_path = os.path.join(tmp, "plan_1f1b.json")
         plan_1f1b.save(plan_1f1b_path)
     base = single(args.steps)  # (a) before and after the pipelines: drift hits it alike
@@ -244,7 +236,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
         "torch": torch.__version__, "model": f"GPT-2 {LAYERS} layers, n_embd {N_EMBD}, batch {BATCH}x{SEQ}",
         "num_microbatches": M, "ranks": P, "threads_per_rank": 1, "ideal_speedup": round(ideal, 4),
-        "plan": {**describe(plan), "split_backward_factor": round(measured.split_backward_factor, 3),
+        "plan": {**describe(plan), "split_backward_factor": round(profile.split_backward_factor, 3),
                  "timings_s": {k: round(v, 1) for k, v in timings.items()}},
         "plan_torch_1f1b": describe(plan_1f1b),
         "single_process_step_s": round(t1, 4),

@@ -14,8 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopart.core.capture import capture
 from autopart.core.cluster import PRESETS
-from autopart.profiler import profile_analytical, profile_graph_report
-from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
+from autopart.profiler import EXTRA_FLOP_FORMULAS, profile_analytical, profile_graph_report
 
 
 def main() -> None:

@@ -40,6 +40,15 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
     plan = manual_plan(captured, even_positions(captured, world * v), m, 8, schedule_kind=kind,
                        stages_per_rank=v, recompute=recompute)
     pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+    # the one-process pipeline of the same plan emits byte-identical sources for this
+    # rank's stages: both take them from codegen.build_stages
+    local = autopart.compile(copy.deepcopy(reference), args, loss_fn=loss_fn, plan=plan,
+                             backend="local", devices=["cpu"] * world)
+    mine = pipe.stage_sources()
+    problems = [f"stage {s}: its source differs from the one-process pipeline's"
+                for s, text in mine.items() if local.stage_sources()[s] != text]
+    if sorted(mine) != [s.stage_index for s in plan.stages if s.rank == rank]:
+        problems.append(f"rank {rank} holds stages {sorted(mine)}")
     # a first step sets the runtime up (its shape inference runs stages' forwards too); the
     # weights do not change, so the second step's loss and gradients are the first's
     pipe.train_step(*args, target=target)
@@ -49,8 +58,8 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
     for k, mod in enumerate(pipe.stages):
         mod.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
     loss = pipe.train_step(*args, target=target)
-    problems = [f"stage {k} ran its forward {n} times for {m} microbatches"
-                for k, n in enumerate(calls) if n != m * (2 if recompute else 1)]
+    problems += [f"stage {k} ran its forward {n} times for {m} microbatches"
+                 for k, n in enumerate(calls) if n != m * (2 if recompute else 1)]
     ref_loss = loss_fn(reference(*args), target)
     ref_loss.backward()
     ref_params = dict(reference.named_parameters())

@@ -9,9 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopart.core.capture import capture
 from autopart.core.cluster import PRESETS
-from autopart.core.errors import ProfileError
-from autopart.profiler import profile_analytical, profile_graph
-from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
+from autopart.core.errors import PlanError, ProfileError
+from autopart.profiler import EXTRA_FLOP_FORMULAS, profile_analytical, profile_graph
 from autopart.profiler.analytical import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from tests.profiler._models import B, D, L, T, V, small_gpt2
 
@@ -98,5 +97,5 @@ def test_preset_peaks_per_dtype() -> None:
     for name in ("h100-sxm", "h200", "a100-40gb", "a100-80gb", "l4", "cpu"):
         spec = PRESETS[name]
         assert spec.flops_source and spec.peak_flops_for("float16") > 0
-    with pytest.raises(ValueError, match=r"no peak for dtype 'int8'"):
+    with pytest.raises(PlanError, match=r"no peak for dtype 'int8'"):
         h100.peak_flops_for("int8")

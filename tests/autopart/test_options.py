@@ -1,0 +1,121 @@
+"""compile() refuses, with a PlanError that names the argument, every choice a replayed plan or
+a backend cannot honour; CompileOptions checks every value in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import autopart
+from autopart import CompileOptions, PlanError
+from autopart.core.capture import capture
+from autopart.runtime.signature import InputSignature
+from tests.plans import even_positions, manual_plan
+from tests.zoo import mlp
+
+
+@pytest.fixture(scope="module")
+def replay() -> tuple[Any, ...]:
+    model, args, target, loss_fn = mlp()  # batch 8
+    captured = capture(model, (args[0][:4],))
+    plan = manual_plan(captured, even_positions(captured, 2), 2, 8, schedule_kind="1f1b")
+    return model, args, loss_fn, plan
+
+
+@pytest.mark.parametrize(("given", "match"), [
+    ({"num_stages": 3}, r"num_stages=3 conflicts with the replayed plan, which has num_stages=2"),
+    ({"num_microbatches": 4},
+     r"num_microbatches=4 conflicts with the replayed plan, which has num_microbatches=2"),
+    ({"schedule": "gpipe"}, r"schedule='gpipe' conflicts .* which has schedule='1f1b'"),
+    ({"stages_per_rank": 2, "schedule": "interleaved_1f1b"}, r"conflicts with the replayed plan"),
+    ({"optimize": "memory"}, r"optimize='memory' conflicts .* which has optimize='speed'"),
+    ({"recompute": True}, r"recompute=True conflicts .* which has recompute=False"),
+    ({"devices": ["cpu"] * 3}, r"the plan has 2 ranks but 3 devices were given"),
+])
+def test_a_replayed_plan_refuses_conflicting_choices(replay: tuple[Any, ...],
+                                                    given: dict[str, Any], match: str) -> None:
+    model, args, loss_fn, plan = replay
+    with pytest.raises(PlanError, match=match) as info:
+        autopart.compile(model, args, loss_fn=loss_fn, plan=plan, **given)
+    if "devices" not in given:
+        assert "drop" in str(info.value)  # the fix
+
+
+def test_a_replayed_plan_accepts_the_choices_it_already_has(replay: tuple[Any, ...]) -> None:
+    model, args, loss_fn, plan = replay
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, num_stages=2,
+                            num_microbatches=2, schedule="1f1b", stages_per_rank=1,
+                            optimize="speed", recompute=False, devices=["cpu", "cpu"])
+    assert isinstance(pipe, autopart.Pipeline)
+    assert pipe.plan == plan
+
+
+@pytest.mark.parametrize(("given", "match"), [
+    ({"checkpoint": "ckpt/"}, r"checkpoint= is for backend='distributed'.*Drop it"),
+    ({"mesh": object()}, r"mesh= is for backend='distributed'"),
+])
+def test_the_local_backend_refuses_distributed_only_arguments(
+        replay: tuple[Any, ...], given: dict[str, Any], match: str) -> None:
+    model, args, loss_fn, plan = replay
+    with pytest.raises(PlanError, match=match):
+        autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="local", **given)
+
+
+def test_the_distributed_backend_refuses_devices_and_needs_a_process_group(
+        replay: tuple[Any, ...]) -> None:
+    model, args, loss_fn, plan = replay
+    with pytest.raises(PlanError, match=r"devices=\['cuda:0', 'cuda:1'\] cannot be honoured "
+                                        r"with backend='distributed'.*Drop devices="):
+        autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
+                         devices=["cuda:0", "cuda:1"])
+    with pytest.raises(PlanError, match="needs an initialised process group"):
+        autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+
+
+@pytest.mark.parametrize(("given", "match"), [
+    ({"num_stages": 0}, r"num_stages=0 must be an integer >= 1"),
+    ({"num_microbatches": 2.5}, r"num_microbatches=2.5 must be an integer >= 1"),
+    ({"num_microbatches": True}, r"num_microbatches=True must be an integer >= 1"),
+    ({"stages_per_rank": -1}, r"stages_per_rank=-1 must be an integer >= 1"),
+    ({"optimize": "fast"}, r"optimize='fast'; expected one of \('speed', 'memory'\)"),
+    ({"schedule": "pipedream"}, r"schedule='pipedream'; expected one of"),
+    ({"stages_per_rank": 2, "schedule": "1f1b"}, r"stages_per_rank=2 needs schedule="),
+    ({"recompute": "yes"}, r"recompute='yes' must be True, False or None"),
+    ({"backend": "mpi"}, r"backend='mpi'; expected one of \('local', 'distributed'\)"),
+    ({"devices": ()}, r"devices is empty"),
+    ({"time_limit_s": 0}, r"time_limit_s=0 must be a number of seconds > 0"),
+])
+def test_compile_options_check_every_value(given: dict[str, Any], match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        CompileOptions(**given)
+    model, args, _, loss_fn = mlp()
+    with pytest.raises(PlanError, match=match):
+        autopart.compile(model, args, loss_fn=loss_fn, **given)
+
+
+def test_unknown_and_doubled_arguments_are_refused() -> None:
+    model, args, _, loss_fn = mlp()
+    with pytest.raises(PlanError, match="unknown argument.*fields of autopart.CompileOptions"):
+        autopart.compile(model, args, loss_fn=loss_fn, chunks=4)
+    with pytest.raises(PlanError, match=r"either as options= or as keywords, not both"):
+        autopart.compile(model, args, loss_fn=loss_fn, options=CompileOptions(), num_stages=2)
+    assert dataclasses.is_dataclass(CompileOptions)
+
+
+def test_both_runtimes_share_one_input_signature(replay: tuple[Any, ...]) -> None:
+    model, args, loss_fn, plan = replay
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan)
+    sig = pipe.signature
+    assert isinstance(sig, InputSignature) and sig.microbatch_size == 4
+    with pytest.raises(PlanError, match=r"batch of 6 is not a multiple of the microbatch size 4"):
+        pipe(torch.randn(6, 32))
+    with pytest.raises(PlanError, match=r"inputs have structure"):
+        pipe(torch.randn(8, 32), torch.randn(8, 32))
+    with pytest.raises(PlanError, match=r"no tensor input with a batch dimension"):
+        sig.num_microbatches([3])  # what the distributed runtime raised StopIteration for
+    inference = autopart.compile(model, args, plan=plan)
+    with pytest.raises(PlanError, match=r"train_step needs a loss: pass loss_fn="):
+        inference.train_step(*args)
