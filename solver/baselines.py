@@ -409,15 +409,18 @@ def block_partition(sequence: Sequence[float], partitions: int) -> list[int]:
         ``k`` stop indices, the last ``len(sequence)``.
 
     Raises:
-        ValueError: ``partitions < 1`` or longer than the sequence (as torchgpipe).
+        PlanError: ``partitions < 1`` or more than the sequence's items (where torchgpipe
+            raises ValueError).
         BaselineNotApplicable: no convergence within ``100 * n * k`` moves (a guard torchgpipe
             does not have).
     """
     if partitions < 1:
-        raise ValueError(f"partitions must be a positive integer ({partitions} < 1)")
+        raise PlanError(f"block_partition: partitions={partitions} must be >= 1; ask for at "
+                        "least one block")
     n = len(sequence)
     if n < partitions:
-        raise ValueError(f"sequence is shorter than intended partitions ({n} < {partitions})")
+        raise PlanError(f"block_partition: partitions={partitions} but the sequence has only {n} "
+                        f"items (each block needs one); use at most {n} partitions")
     low = min(sequence)
     span = max(sequence) - low
     norm = [0.0] * n if span == 0 else [(x - low) / span for x in sequence]

@@ -141,11 +141,12 @@ def crossing_values(costs: CostGraph, position: int) -> tuple[str, ...]:
         position: ``0 .. n``; a cut at ``k`` splits node ``k - 1`` from node ``k``.
 
     Raises:
-        ValueError: ``position`` is outside ``0 .. n``.
+        PlanError: ``position`` is outside ``0 .. n``.
     """
     n = len(costs.nodes)
     if not 0 <= position <= n:
-        raise ValueError(f"position {position} is outside 0..{n}")
+        raise PlanError(f"crossing_values: position={position} is outside 0..{n} (the graph has "
+                        f"{n} nodes, so a cut sits at 0..{n}); pass a position in 0..{n}")
     return tuple(v.name for v in _values(costs) if v.produced < position <= v.last_use)
 
 

@@ -105,9 +105,10 @@ def test_block_partition_table(sequence: list[int], parts: int, expected: list[i
 
 
 def test_block_partition_errors() -> None:
-    with pytest.raises(ValueError, match=r"partitions must be a positive integer \(0 < 1\)"):
+    with pytest.raises(PlanError, match=r"partitions=0 must be >= 1; ask for at least one"):
         block_partition([1, 2], 0)
-    with pytest.raises(ValueError, match=r"sequence is shorter than intended partitions \(2 < 3\)"):
+    with pytest.raises(PlanError, match=r"partitions=3 but the sequence has only 2 items .* "
+                                        r"use at most 2 partitions"):
         block_partition([1, 2], 3)
 
 

@@ -47,7 +47,8 @@ def test_crossing_table(build: Any, position: int, names: tuple[str, ...], nbyte
 
 
 def test_crossing_values_rejects_out_of_range(build: Any) -> None:
-    with pytest.raises(ValueError, match="position 6 is outside 0..5"):
+    with pytest.raises(PlanError, match=r"position=6 is outside 0\.\.5 \(the graph has 5 nodes.*"
+                                        r"pass a position in 0\.\.5"):
         crossing_values(skip_graph(build), 6)
 
 
