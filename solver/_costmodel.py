@@ -72,12 +72,15 @@ class CostModel:
         state_factor: optimizer state bytes per trainable parameter byte (AdamW: 2.0); a
             trainable parameter then holds ``(2 + state_factor) x`` its bytes (weight, gradient,
             state); buffers, and every parameter when not training, hold 1x.
+        split_factor: measured ``(I + W) / B`` of a backward run as ``I`` then ``W``, applied
+            to the stages whose backward splits (:func:`autopart.core.schedule.splits_backward`;
+            default 1.0).
     """
 
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
                  state_factor: float, split_factor: float = 1.0) -> None:
         self.costs = costs
-        self.split_factor = split_factor  # (I + W) / B when the backward is split (ZB-H1)
+        self.split_factor = split_factor  # (I + W) / B where splits_backward(kind, recompute)
         self.cluster = cluster
         self.batch_size = batch_size
         self.training = training

@@ -7,11 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
+from autopart.core.schedule import splits_backward
 
 __all__ = ["ChainProblem", "ChainAnswer", "RECOMPUTE_MODES"]
 
 #: ``"none"``: no stage recomputes; ``"all"``: every stage does; ``"auto"``: the solver picks.
 RECOMPUTE_MODES = ("none", "all", "auto")
+#: The schedule kind whose split backward ``seg_bwd_weight`` prices (ZB-H1).
+_SPLIT_KIND = "zero_bubble"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +37,7 @@ class ChainProblem:
     """Split K segments into ``S = num_ranks * stages_per_rank`` contiguous non-empty stages.
 
     Stage ``s`` runs on rank ``s % num_ranks``. Times are integers (0.1 µs units in
-    :mod:`autopart.solver.solve`), memory integers (bytes).
+    :mod:`autopart.solver._subproblems`), memory integers (bytes).
 
     Stage time ``t_s = speed[rank] * (sum seg_time + recompute * sum seg_fwd)`` (each product
     rounded per segment) ``+ cut_out`` of its outgoing cut ``+ cut_in`` of its incoming cut.
@@ -48,7 +51,8 @@ class ChainProblem:
     (Qi et al. 2023): its cool-down runs each stage's weight-gradient part ``W`` off the
     critical path, except stage 0's. ``W_s = speed[rank] * sum seg_bwd_weight`` (part of
     ``seg_time``); it is absent (0) unless ``seg_bwd_weight`` is given, and a recomputing
-    stage runs its whole backward at once, so it hides nothing. Stage memory::
+    stage runs its whole backward at once, so it hides nothing (:meth:`hides_weight`).
+    Stage memory::
 
         state_s + in_s + out_s + k_s * saved_s                 (no recompute)
         state_s + in_s + out_s + k_s * in_s + saved_s          (recompute: inputs kept, one
@@ -151,13 +155,20 @@ class ChainProblem:
         return (list(self.seg_bwd_weight) if f == 1.0
                 else [int(round(c * f)) for c in self.seg_bwd_weight])
 
+    def hides_weight(self, stage: int, recompute: bool) -> bool:
+        """Whether ``stage`` runs its ``W`` off the critical path: not stage 0, and its backward
+        splits into ``I`` and ``W`` (:func:`autopart.core.schedule.splits_backward` of ZB-H1,
+        the kind ``seg_bwd_weight`` is given for, and of the stage's recompute flag)."""
+        return (stage > 0 and self.seg_bwd_weight is not None
+                and splits_backward(_SPLIT_KIND, recompute))
+
     def hidden_weight(self, cuts: Sequence[int], recompute: Sequence[bool]) -> int:
-        """``sum_{s >= 1, not recomputing} W_s``: the W time the objective takes off."""
+        """``sum_{s >= 1, backward split} W_s``: the W time the objective takes off."""
         if self.seg_bwd_weight is None:
             return 0
         return sum(sum(self.seg_bwd_weight_on(self.rank_of(s))[a:b])
                    for s, (a, b) in enumerate(self.stage_bounds(cuts))
-                   if s > 0 and not recompute[s])
+                   if self.hides_weight(s, recompute[s]))
 
     def in_flight_of(self, stage: int) -> int:
         """``k_s``: microbatches whose saved activations stage ``stage`` holds at once."""

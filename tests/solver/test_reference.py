@@ -9,7 +9,7 @@ import pytest
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.solver._schedule_cost import in_flight, objective_weights
 from autopart.solver.chain import ChainProblem
-from autopart.solver.partition_cpsat import solve_chain_cpsat
+from autopart.solver.chain_cpsat import solve_chain_cpsat
 from autopart.solver.partition_dp import chain_dp_hint
 from autopart.solver.reference import solve_brute_force
 

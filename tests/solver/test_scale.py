@@ -105,7 +105,7 @@ def test_reduced_gpt3_shape_is_reproducible_with_a_finite_gap(
     # short CP-SAT solves; banded=True takes the big-problem path (one banded CP-SAT solve,
     # relaxation bound) that the 175B shape takes.
     if banded:
-        monkeypatch.setattr(sys.modules["autopart.solver.solve"], "_BAND_ABOVE", 0)
+        monkeypatch.setattr(sys.modules["autopart.solver._search"], "_BAND_ABOVE", 0)
     plan, _ = _solve_twice(12, 8, (8, 16, 24, 32, 48, 64, 96, 128), deterministic_time=0.2)
     _check(plan, 12, 8)
     name = plan.solver.name  # type: ignore[attr-defined]

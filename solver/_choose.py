@@ -1,0 +1,157 @@
+"""Step 3 of solve(): exact costs, baselines, simulator replays, the choice and its plan.
+
+Every answer of step 2 is costed exactly in closed form; the baseline partitioners are
+costed the same way under 1F1B, v = 1 at the chosen m (recomputing every stage if that is
+what makes them fit); the ``max_simulated`` best are replayed by the schedule simulator and the
+best by the target's preference order (:func:`_key`) becomes the plan, with the solver's
+report, the baselines, the Pareto frontier and the physical lower bounds. When nothing fits,
+:func:`_memory_error` names the smallest peak found and what would fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from importlib.metadata import version
+
+from autopart.core.errors import InfeasiblePlanError
+from autopart.core.plan import SCHEDULE_KINDS, BaselineReport, Plan, SolverReport
+from autopart.solver._costmodel import TIME_UNITS_PER_US
+from autopart.solver._evaluate import Candidate, build_plan, evaluate, lower_bounds, pareto
+from autopart.solver._search import is_big
+from autopart.solver._subproblems import Setup, Subproblem, chain_problem
+from autopart.solver.chain_cpsat import ChainResult
+from autopart.solver.partition_dp import chain_dp_hint
+
+__all__ = ["choose"]
+
+_GIB = 2**30
+#: Above this many actions per replay only the final choice and no baseline is simulated.
+_SIMULATE_ABOVE = 8192
+
+
+def choose(st: Setup, solved: list[Subproblem], wall: float) -> Plan:
+    """The plan of the best fitting candidate among ``solved`` and the baselines.
+
+    Args:
+        st: the solve's setup.
+        solved: the subproblems with an answer (:func:`autopart.solver._search.search`).
+        wall: CP-SAT wall time spent, seconds (reported as ``solver.wall_s``).
+
+    Raises:
+        InfeasiblePlanError: no candidate fits the memory cap.
+    """
+    model, options, p, caps = st.model, st.options, st.p, st.caps
+    evaluated = [evaluate(model, st.cands, s.kind, p, s.v, s.m, s.answer, caps, sub=s)
+                 for s in solved]
+    base_reports, base_cands = _baselines(st, evaluated)
+    # A baseline may replace the solver's answer only where its setting (1F1B, v = 1, its
+    # recompute) is one the options allow.
+    allowed = (options.schedule_kind in (None, base_cands[0].kind if base_cands else None)
+               and options.stages_per_rank in (None, 1) and options.num_stages in (None, p))
+    pool = [c for c in evaluated if c.fits] + [
+        c for c in base_cands if c.fits and allowed
+        and options.recompute in (None, any(c.recompute))]
+    if not pool:
+        raise _memory_error(st)
+    key = _key(options.optimize)
+    pool.sort(key=key)
+    n_sim = options.max_simulated if pool[0].m * p * pool[0].v <= _SIMULATE_ABOVE else 1
+    final = [c.simulated() for c in pool[:n_sim]]
+    final = [c for c in final if c.fits] or final
+    best = min(final, key=key)
+    frontier = pareto(evaluated + base_cands + final)
+    sub = best.sub
+    report = _report(sub.result if isinstance(sub, Subproblem) else None, st, wall, best)
+    versions = {**options.library_versions, "ortools": version("ortools")}
+    plan = build_plan(st.costs, st.cluster, model, st.cands, best, options.optimize,
+                      options.batch_size, dict(sorted(versions.items())), report,
+                      tuple(base_reports), frontier)
+    return replace(plan, lower_bounds=lower_bounds(model, plan, p))
+
+
+def _key(optimize: str) -> Callable[[Candidate], tuple[float, ...]]:
+    """Order of preference: the target, then the other measure, then the total memory of all
+    ranks (of two equally fast plans with the same largest peak, e.g. GPipe and 1F1B at
+    m = p, the one holding less on the other ranks), then fewer microbatches and stages."""
+    order = {k: i for i, k in enumerate(SCHEDULE_KINDS)}
+    if optimize == "speed":
+        return lambda c: (round(c.step_us, 6), c.max_peak, sum(c.peaks), c.m, c.v, order[c.kind])
+    return lambda c: (c.max_peak, round(c.step_us, 6), sum(c.peaks), c.m, c.v, order[c.kind])
+
+
+def _baselines(st: Setup, evaluated: list[Candidate]) -> tuple[list[BaselineReport], list[Candidate]]:
+    """Each baseline under 1F1B, v = 1, at the m of the best candidate.
+
+    A baseline whose peak does not fit the caps is costed again with every stage
+    recomputing (DeepSpeed's ``activation_checkpoint_interval``, torchgpipe's
+    ``checkpoint="always"``): what its users turn on when memory runs out. It keeps that
+    setting if it then fits.
+    """
+    if not st.baselines:
+        return [], []
+    model, p, caps = st.model, st.p, st.caps
+    fitting = [c for c in evaluated if c.fits] or evaluated
+    m = min(fitting, key=_key("speed")).m if fitting else st.counts[0]
+    reports, cands = [], []
+    for name, cuts in st.baselines:
+        kind = "1f1b" if model.training else "gpipe"
+        cand = evaluate(model, None, kind, p, 1, m, cuts, caps, name=name)
+        if not cand.fits and model.training:
+            again = evaluate(model, None, kind, p, 1, m, cuts, caps, name=name, recompute=True)
+            cand = again if again.fits else cand
+        if m * p <= _SIMULATE_ABOVE:
+            cand = cand.simulated()
+        reports.append(BaselineReport(name=name, predicted_step_time_us=round(cand.step_us, 3),
+                                      peak_memory_bytes=cand.max_peak,
+                                      recompute=any(cand.recompute), fits=cand.fits))
+        cands.append(cand)
+    return reports, cands
+
+
+def _report(res: ChainResult | None, st: Setup, wall: float, best: Candidate) -> SolverReport:
+    """The plan's ``solver`` section: CP-SAT's status, objective, bound and gap."""
+    if res is None:
+        name = "baseline" if best.name else "dp"
+        return SolverReport(status="FEASIBLE", objective=round(best.step_us, 3),
+                            bound=0.0, gap=1.0, wall_s=wall, name=f"cp-sat+{name}")
+    scale = 1.0 if st.options.optimize == "memory" else 1.0 / TIME_UNITS_PER_US
+    objective, bound = res.objective * scale, res.bound * scale
+    gap = (objective - bound) / objective if objective > 0 else 0.0
+    # A banded (big) solve's bound is relaxation_bound of the chosen (kind, v, m) chain
+    # problem, not CP-SAT's: the name says so.
+    big = isinstance(best.sub, Subproblem) and is_big(best.sub) or res.status == "HINT"
+    return SolverReport(status=res.status, objective=round(objective, 3), bound=round(bound, 3),
+                        gap=round(gap, 6), wall_s=wall,
+                        name="cp-sat-band+relaxation-bound" if big else "cp-sat")
+
+
+def _memory_error(st: Setup) -> InfeasiblePlanError:
+    """Name the smallest peak any configuration reaches without a cap, and what would fit."""
+    model, caps, p = st.model, st.caps, st.p
+    least: Candidate | None = None
+    for kind, v in st.configs:
+        for m in st.counts:
+            if kind == "interleaved_1f1b" and m % p:
+                continue
+            prob = chain_problem(st, kind, v, m)
+            seed = chain_dp_hint(replace(prob, rank_caps=None, optimize="memory"))
+            if seed is None:
+                continue
+            cand = evaluate(model, st.cands, kind, p, v, m, seed, caps)
+            if least is None or cand.max_peak < least.max_peak:
+                least = cand
+    if least is None:  # pragma: no cover - a chain always has some answer without caps
+        return InfeasiblePlanError("no partition fits the memory cap")
+    state_total = sum(model.state_bytes.values())
+    need = max(math.ceil(state_total / max(min(caps), 1)), p + 1)
+    rank = max(range(p), key=lambda r: least.peaks[r])
+    return InfeasiblePlanError(
+        f"no partition onto {p} ranks fits the memory cap: the smallest predicted peak is "
+        f"{least.max_peak} bytes ({least.max_peak / _GIB:.3f} GiB, rank {rank}, "
+        f"{least.kind}, v={least.v}, num_microbatches={least.m}, recompute="
+        f"{sum(least.recompute)}/{len(least.recompute)} stages) but the cap is {min(caps)} bytes "
+        f"({min(caps) / _GIB:.3f} GiB); use a memory cap of at least {least.max_peak} bytes "
+        f"({math.ceil(least.max_peak / _GIB * 1000) / 1000:.3f} GiB), or more devices (at "
+        f"least {need}: the parameter state alone is {state_total} bytes), or allow recompute")

@@ -1,0 +1,155 @@
+"""SolveOptions: what solve() searches over (m, v, schedule kind, recompute) and its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopart.core.errors import PlanError
+from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
+
+__all__ = ["SolveOptions"]
+
+#: The v searched for ``interleaved_1f1b`` when ``stages_per_rank`` is None.
+_V_CHOICES = (1, 2, 4)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SolveOptions:
+    """What to solve for (keyword-only).
+
+    Attributes:
+        batch_size: the full batch (leading dimension) the plan is for.
+        num_stages: S = ranks x stages_per_rank; ``None`` (default) = the cluster's ranks times
+            the chosen v. Giving it fixes v = S / ranks.
+        num_microbatches: m; ``None`` = choose among the divisors of ``batch_size``.
+        microbatch_candidates: restricts the m searched when ``num_microbatches`` is None;
+            each must divide ``batch_size``.
+        optimize: ``"speed"`` (smallest step time with every rank under its cap) or
+            ``"memory"`` (smallest largest-rank peak memory, then step time).
+        training: plan for fwd + bwd (True) or forward-only inference (GPipe forward schedule).
+        schedule_kind: one of ``SCHEDULE_KINDS``; ``None`` = the solver chooses (training).
+        stages_per_rank: v; ``None`` = the solver chooses among 1, 2, 4 (v > 1 only with
+            ``interleaved_1f1b``, which needs m to be a multiple of the ranks).
+        recompute: ``True`` every stage recomputes, ``False`` none, ``None`` the solver picks
+            per stage.
+        memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.
+        optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte
+            (AdamW: 2.0); weights + grads + state = ``(2 + this) x`` parameter bytes.
+        time_limit_s: CP-SAT wall-clock limit per solve, seconds (a safety net; the search
+            is bounded by ``deterministic_time`` so that it is reproducible).
+        deterministic_time: CP-SAT deterministic time limit per solve (default 2.0).
+        max_cpsat_solves: how many (kind, v, m) subproblems CP-SAT refines, best DP seeds
+            first (default 8); the rest keep their DP answer.
+        max_simulated: how many best candidates the schedule simulator replays (default 4;
+            only the best when a replay has more than 8192 microbatch-stage pairs, and
+            baselines then keep their closed-form time).
+        hint: a previous plan whose cuts seed the search (warm start after a change of
+            batch, sequence length or device count).
+        library_versions: package -> version recorded in the plan (ortools is added).
+        split_backward_factor: measured ``(I + W) / B`` of the runtime that will run the
+            plan: what splitting one backward into its input- and weight-gradient parts
+            costs (default 1.0: free, as the ZB-H1 paper assumes). ``zero_bubble``
+            candidates have their non-recomputed stages' I and W multiplied by it; must be
+            >= 1. :func:`autopart.compile` measures it on the profiled device.
+        crossing_factor, window, max_candidates: see
+            :func:`autopart.solver.candidates.find_candidates`.
+    """
+
+    batch_size: int
+    num_stages: int | None = None
+    num_microbatches: int | None = None
+    microbatch_candidates: tuple[int, ...] | None = None
+    optimize: str = "speed"
+    training: bool = True
+    schedule_kind: str | None = None
+    stages_per_rank: int | None = None
+    recompute: bool | None = None
+    memory_cap_bytes: int | None = None
+    optimizer_state_bytes_per_param_byte: float = 2.0
+    time_limit_s: float = 10.0
+    deterministic_time: float = 2.0
+    max_cpsat_solves: int = 8
+    max_simulated: int = 4
+    hint: Plan | None = None
+    library_versions: dict[str, str] = field(default_factory=dict)
+    split_backward_factor: float = 1.0
+    crossing_factor: float = 2.0
+    window: int = 32
+    max_candidates: int = 128
+
+    def __post_init__(self) -> None:
+        if self.schedule_kind is not None and self.schedule_kind not in SCHEDULE_KINDS:
+            raise PlanError(f"schedule_kind={self.schedule_kind!r}; expected one of "
+                            f"{SCHEDULE_KINDS} or None")
+        if self.stages_per_rank is not None and self.stages_per_rank < 1:
+            raise PlanError(f"stages_per_rank={self.stages_per_rank} must be >= 1 or None")
+        if (self.stages_per_rank or 1) > 1 and self.schedule_kind not in (None, "interleaved_1f1b"):
+            raise PlanError(f"stages_per_rank={self.stages_per_rank} needs schedule_kind "
+                            f"'interleaved_1f1b' (or None), not {self.schedule_kind!r}")
+        if self.optimize not in OPTIMIZE_TARGETS:
+            raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
+        if self.batch_size < 1 or (self.num_stages is not None and self.num_stages < 1):
+            raise PlanError(f"num_stages={self.num_stages} and batch_size={self.batch_size} "
+                            "must be >= 1")
+        if not self.split_backward_factor >= 1.0:
+            raise PlanError(f"split_backward_factor={self.split_backward_factor} must be >= 1 "
+                            "(splitting a backward cannot make it cheaper)")
+        if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
+            raise PlanError(f"memory_cap_bytes={self.memory_cap_bytes} must be > 0 or None")
+        if (self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0
+                or self.deterministic_time <= 0 or self.max_cpsat_solves < 0
+                or self.max_simulated < 1):
+            raise PlanError("optimizer_state_bytes_per_param_byte must be >= 0, time_limit_s "
+                            "and deterministic_time > 0, max_cpsat_solves >= 0, "
+                            "max_simulated >= 1")
+
+    def microbatch_counts(self) -> tuple[int, ...]:
+        """The m values to search, ascending.
+
+        Raises:
+            PlanError: a requested m does not divide ``batch_size``.
+        """
+        if self.num_microbatches is not None:
+            wanted: tuple[int, ...] = (self.num_microbatches,)
+        elif self.microbatch_candidates is not None:
+            wanted = self.microbatch_candidates
+        else:
+            return tuple(d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0)
+        bad = [m for m in wanted if m < 1 or self.batch_size % m]
+        if bad or not wanted:
+            valid = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
+            raise PlanError(f"num_microbatches {bad or list(wanted)} must be >= 1 and divide "
+                            f"batch_size={self.batch_size}; valid: {valid}")
+        return tuple(sorted(set(wanted)))
+
+    def configurations(self, num_ranks: int) -> list[tuple[str, int]]:
+        """The (schedule kind, v) pairs to search.
+
+        Raises:
+            PlanError: ``num_stages`` is not a multiple of the ranks, or disagrees with
+                ``stages_per_rank``.
+        """
+        v_fixed = self.stages_per_rank
+        if self.num_stages is not None:
+            if self.num_stages % num_ranks or (v_fixed is not None
+                                               and self.num_stages != v_fixed * num_ranks):
+                raise PlanError(f"num_stages={self.num_stages} but the cluster has {num_ranks} "
+                                f"ranks and stages_per_rank={v_fixed}: num_stages must equal "
+                                "ranks x stages_per_rank; pass num_stages=None to let the "
+                                "solver choose")
+            v_fixed = self.num_stages // num_ranks
+        if not self.training:
+            return [(self.schedule_kind or "gpipe", v_fixed or 1)]
+        kinds = (self.schedule_kind,) if self.schedule_kind else SCHEDULE_KINDS
+        out = []
+        for kind in kinds:
+            vs: tuple[int, ...]
+            if kind == "interleaved_1f1b":
+                if self.schedule_kind is None:  # v = 1 is plain 1F1B: searched under that name
+                    vs = () if v_fixed == 1 else ((v_fixed,) if v_fixed else (2, 4))
+                else:
+                    vs = (v_fixed,) if v_fixed else _V_CHOICES
+            else:
+                vs = (1,) if v_fixed in (None, 1) else ()
+            out += [(kind, v) for v in vs]
+        return out
