@@ -18,7 +18,7 @@ from autopart.core.plan import (
     SolverReport,
     StagePlan,
 )
-from autopart.core.schedule import build_schedule, forward_schedule
+from autopart.core.schedule import build_schedule, forward_schedule, splits_backward
 from autopart.solver._costmodel import CostModel
 from autopart.solver._schedule_cost import (
     busy_us,
@@ -86,8 +86,9 @@ class Candidate:
         if self.is_simulated:
             return self
         p = len(self.peaks)
-        sched = (build_schedule(self.kind, p, self.m, self.v) if self.training
-                 else forward_schedule(p, self.m, self.v))
+        recompute = [s for s, rc in enumerate(self.recompute) if rc]
+        sched = (build_schedule(self.kind, p, self.m, self.v, recompute=recompute)
+                 if self.training else forward_schedule(p, self.m, self.v))
         res = simulate(sched, self.costs)
         return replace(self, step_us=res.step_time_us, bubble=res.bubble_fraction,
                        peaks=res.peak_memory_bytes, is_simulated=True)
@@ -125,12 +126,12 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         f = model.speed(r)
         fwd = model.part_us("fwd", a, z, ratio) * f
         # ZB-H1 splits each backward, at the runtime's measured cost, except where the
-        # stage recomputes (the executor then runs its whole backward as I)
-        split = model.split_factor if kind == "zero_bubble" and not rc[s] else 1.0
+        # schedule runs the stage's backward whole (autopart.core.schedule.splits_backward)
+        split = model.split_factor if splits_backward(kind, rc[s]) else 1.0
         bi = model.part_us("bwd_input", a, z, ratio) * f * split + (fwd if rc[s] else 0.0)
         bw = model.part_us("bwd_weight", a, z, ratio) * f * split
-        if kind == "zero_bubble" and rc[s]:  # its I is the whole backward, its W is empty
-            bi, bw = bi + bw, 0.0
+        if kind == "zero_bubble" and not splits_backward(kind, rc[s]):
+            bi, bw = bi + bw, 0.0  # one B where its I would be; no W
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)
         state, pbytes, numel = model.state_of(a, z)

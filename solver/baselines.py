@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autopart.core.costgraph import CostGraph
-from autopart.core.errors import PlanError
+from autopart.core.errors import BaselineNotApplicable, PlanError
 from autopart.solver.candidates import crossing_profile
 
 __all__ = [
@@ -71,10 +71,6 @@ __all__ = [
 BASELINE_NAMES = ("uniform_layers", "deepspeed_parameters", "pippy_equal_size",
                   "torchgpipe_balance_by_time")
 _MAJOR_SHARE = 0.25  # a second block pattern counts when it holds this share of the nodes
-
-
-class BaselineNotApplicable(PlanError):
-    """A baseline cannot make the requested number of non-empty stages on this graph."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,12 +75,15 @@ class DeviceSpec:
         for attr in ("memory_bytes", "peak_flops", "memory_bandwidth_bytes_per_s",
                      "link_bandwidth_bytes_per_s"):
             if getattr(self, attr) <= 0:
-                raise PlanError(f"DeviceSpec {self.name!r}: {attr} must be > 0")
+                raise PlanError(f"DeviceSpec {self.name!r}: {attr} must be > 0, got "
+                                f"{getattr(self, attr)}")
         for attr in ("peak_flops_fp32", "peak_flops_tf32", "peak_flops_bf16"):
             if getattr(self, attr) < 0:
-                raise PlanError(f"DeviceSpec {self.name!r}: {attr} must be >= 0")
+                raise PlanError(f"DeviceSpec {self.name!r}: {attr} must be >= 0, got "
+                                f"{getattr(self, attr)}")
         if self.link_latency_us < 0:
-            raise PlanError(f"DeviceSpec {self.name!r}: link_latency_us must be >= 0")
+            raise PlanError(f"DeviceSpec {self.name!r}: link_latency_us must be >= 0, got "
+                            f"{self.link_latency_us}")
 
 
 def _host_memory_bytes() -> int:
@@ -168,7 +171,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if not self.devices:
-            raise PlanError("Cluster needs at least one device")
+            raise PlanError("Cluster needs at least one device, got none; pass one DeviceSpec "
+                            "per rank")
         if len(self.devices) != len(self.device_names):
             raise PlanError(f"Cluster: {len(self.devices)} device specs but "
                              f"{len(self.device_names)} device names")

@@ -118,9 +118,13 @@ class CostGraph:
             if out not in seen:
                 raise PlanError(f"CostGraph: graph output {out!r} is not a node or graph input")
         if set(self.param_numel) != set(self.param_sizes):
-            raise PlanError("CostGraph: param_numel and param_sizes must have the same keys")
+            differ = sorted(set(self.param_numel) ^ set(self.param_sizes))
+            raise PlanError(f"CostGraph: param_numel and param_sizes must have the same keys; "
+                            f"{differ[:5]} are in only one; re-profile the model")
         if not self.trainable <= set(self.param_sizes):
-            raise PlanError("CostGraph: trainable names a parameter missing from param_sizes")
+            extra = sorted(set(self.trainable) - set(self.param_sizes))
+            raise PlanError(f"CostGraph: trainable names {extra[:5]}, missing from param_sizes; "
+                            "re-profile the model")
         if self.batch_size < 1:
             raise PlanError(f"CostGraph: batch_size must be >= 1, got {self.batch_size}")
 
