@@ -202,7 +202,7 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
             model, launch.tensors_of_stages(captured, plan, {pp_rank}), device)
     t0 = time.perf_counter()
     stages = build_stages(captured, plan, [device] * pp_size, ranks={pp_rank},
-                          tensor_of=tensor_of, fuse=options.fuse)
+                          tensor_of=tensor_of, fuse=options.fuse, cuts_by_name=meta)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s

@@ -166,9 +166,7 @@ class _Walker:
 
     def _get_attr(self, node: fx.Node) -> Any:
         target = str(node.target)
-        obj: Any = self.captured.graph_module
-        for part in target.split("."):
-            obj = getattr(obj, part)
+        obj = self.captured.attr_object(target)
         if not isinstance(obj, torch.Tensor):
             return obj  # a submodule of a higher-order op
         value = self.captured.attr_value(target)

@@ -198,9 +198,7 @@ class _MetaWalker:
 
     def _get_attr(self, node: fx.Node) -> Any:
         target = str(node.target)
-        obj: Any = self.captured.graph_module
-        for part in target.split("."):
-            obj = getattr(obj, part)
+        obj = self.captured.attr_object(target)
         if not isinstance(obj, torch.Tensor):
             return obj
         fqn = self.captured.attr_fqns.get(target, target)

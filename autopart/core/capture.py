@@ -68,6 +68,10 @@ class CapturedGraph:
         assert isinstance(value, torch.Tensor), target
         return value
 
+    def attr_object(self, target: str) -> Any:
+        """What a ``get_attr`` target names: a tensor, or the submodule of a higher-order op."""
+        return _get_attr(self.graph_module, target)
+
 
 def op_nodes(graph: fx.Graph) -> list[fx.Node]:
     """The graph's op nodes (calls) in topological order: what cuts split between."""
@@ -99,6 +103,8 @@ def _abstract(arg: Any, index: dict[fx.Node, int]) -> Any:
         return {str(k): _abstract(v, index) for k, v in sorted(arg.items(), key=lambda kv: str(kv[0]))}
     if isinstance(arg, bool) or arg is None:
         return arg
+    if isinstance(arg, torch.device):
+        return "device"  # where it was captured (cpu, cuda:N, meta) is not the structure
     if isinstance(arg, int):
         return "int"  # shape literals change with the batch; the structure does not
     return repr(arg)
@@ -107,9 +113,9 @@ def _abstract(arg: Any, index: dict[fx.Node, int]) -> Any:
 def graph_fingerprint(gm: fx.GraphModule, attr_fqns: dict[str, str]) -> str:
     """Hash of a graph's structure: ops, wiring, module paths and parameter shapes.
 
-    Integer literals are abstracted, so the same model captured at batch 8 and at
-    microbatch 2 has the same fingerprint; a different model, layer count or hidden
-    size does not. Returns 16 hex digits of SHA-256.
+    Integer literals and devices are abstracted, so the same model captured at batch 8 and
+    at microbatch 2, or on cpu, a GPU or ``meta``, has the same fingerprint; a different
+    model, layer count or hidden size does not. Returns 16 hex digits of SHA-256.
     """
     index: dict[fx.Node, int] = {}
     h = hashlib.sha256()

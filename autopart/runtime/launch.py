@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.codegen.split import split_graph
+from autopart.codegen.stages import check_plan_matches
 from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
@@ -57,10 +58,11 @@ def retarget_meta(captured: CapturedGraph, device: torch.device) -> None:
 
 
 def tensors_of_stages(captured: CapturedGraph, plan: Plan, ranks: Collection[int]) -> set[str]:
-    """Canonical FQNs of the parameters and buffers that the stages of ``ranks`` read."""
+    """Canonical FQNs of the parameters and buffers that the stages of ``ranks`` read
+    (``captured`` may be a ``meta`` capture: cuts are found by node name)."""
     local = {st.stage_index for st in plan.stages if st.rank in ranks}
-    return {captured.attr_fqns.get(t, t)
-            for sg in split_graph(captured, [c.position for c in plan.cuts])
+    positions = check_plan_matches(plan, captured, by_name=True)
+    return {captured.attr_fqns.get(t, t) for sg in split_graph(captured, positions)
             if sg.stage_index in local for t in sg.attr_targets}
 
 

@@ -58,3 +58,24 @@ def test_inputs_of_another_structure_are_rejected() -> None:
     captured = capture(nn.Linear(2, 2), (torch.randn(2, 2),))
     with pytest.raises(TraceError, match="structure"):
         captured.flatten_inputs((torch.randn(2, 2), torch.randn(2, 2)), {})
+
+
+class _Positions(torch.nn.Module):
+    """Reads a position index made on the input's device (as GPT-2 and Llama do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device)
+        return x + self.emb(pos)
+
+
+def test_the_fingerprint_does_not_depend_on_the_capture_device() -> None:
+    model = _Positions()
+    on_cpu = capture(model, (torch.randn(2, 8, 4),))
+    on_meta = capture(_Positions().to("meta"), (torch.randn(2, 8, 4, device="meta"),))
+    assert any(isinstance(n.kwargs.get("device"), torch.device)
+               for n in on_cpu.graph_module.graph.nodes)
+    assert on_cpu.fingerprint == on_meta.fingerprint

@@ -1,0 +1,74 @@
+"""build_stages: the one stage builder both runtimes use."""
+
+import pytest
+import torch
+from torch import nn
+
+from autopart.codegen import build_stages
+from autopart.core.capture import capture
+from autopart.core.errors import PlanError
+from tests.plans import even_positions, manual_plan
+from tests.zoo import ZOO
+
+
+def test_a_rank_builds_its_own_stages_exactly_as_the_whole_pipeline_does() -> None:
+    model, args, _, _ = ZOO["llama"]()
+    captured = capture(model, tuple(a[:2] for a in args))
+    plan = manual_plan(captured, even_positions(captured, 4), 4, 8,
+                       schedule_kind="interleaved_1f1b", stages_per_rank=2)
+    whole = build_stages(captured, plan, ["cpu", "cpu"])
+    assert whole.local == (0, 1, 2, 3)
+    sources = whole.sources()
+    for rank in (0, 1):
+        mine = build_stages(captured, plan, ["cpu", "cpu"], ranks={rank})
+        assert mine.local == (rank, rank + 2)
+        assert [m is None for m in mine.modules] == [s % 2 != rank for s in range(4)]
+        assert mine.placement.owner == whole.placement.owner  # ownership over all stages
+        assert mine.sources() == {s: sources[s] for s in mine.local}  # byte-identical
+    # a second capture in the same process (its graph-module counter has moved on) too
+    again = capture(model, tuple(a[:2] for a in args))
+    assert build_stages(again, plan, ["cpu", "cpu"]).sources() == sources
+
+
+def test_build_stages_refuses_what_does_not_match() -> None:
+    model, args, _, _ = ZOO["mlp"]()
+    captured = capture(model, tuple(a[:4] for a in args))
+    plan = manual_plan(captured, even_positions(captured, 2), 2, 8)
+    with pytest.raises(PlanError, match="the plan has 2 ranks but 3 devices"):
+        build_stages(captured, plan, ["cpu"] * 3)
+    with pytest.raises(PlanError, match=r"ranks \[0, 5\] are not all in the plan's ranks 0..1"):
+        build_stages(captured, plan, ["cpu"] * 2, ranks={0, 5})
+    other = capture(nn.Sequential(nn.Linear(32, 8), nn.Linear(8, 4)), (args[0][:4],))
+    with pytest.raises(PlanError, match="a different model or config"):
+        build_stages(other, plan, ["cpu"] * 2)
+
+
+def test_fuse_wraps_only_the_built_stages() -> None:
+    model, args, _, _ = ZOO["mlp"]()
+    captured = capture(model, tuple(a[:4] for a in args))
+    plan = manual_plan(captured, even_positions(captured, 2), 2, 8)
+    built = build_stages(captured, plan, ["cpu"] * 2, ranks={1}, fuse=True)
+    assert built.runners[0] is None and built.runners[1] is not built.modules[1]
+    assert built.fuse_s >= 0.0
+    out = built.runners[1](*[torch.randn(4, 32)])  # compiled on first call
+    assert out[0].shape == (4, 4)
+
+
+def test_a_meta_capture_finds_the_plans_cuts_by_node_name() -> None:
+    from autopart.codegen import check_plan_matches
+    from autopart.core.capture import op_nodes
+
+    model, args, _, _ = ZOO["gpt2"]()
+    on_cpu = capture(model, tuple(a[:2] for a in args))
+    with torch.device("meta"):
+        meta_model = ZOO["gpt2"]()[0]
+    on_meta = capture(meta_model, tuple(a[:2].to("meta") for a in args))
+    # transformers' attention takes a device-dependent branch: an extra clone per block
+    assert len(op_nodes(on_meta.graph_module.graph)) > len(op_nodes(on_cpu.graph_module.graph))
+    plan = manual_plan(on_cpu, even_positions(on_cpu, 3), 4, 8)
+    with pytest.raises(PlanError, match="a different model or config"):
+        check_plan_matches(plan, on_meta)
+    positions = check_plan_matches(plan, on_meta, by_name=True)
+    names = [n.name for n in op_nodes(on_meta.graph_module.graph)]
+    assert [names[k - 1] for k in positions] == [c.after_node for c in plan.cuts]
+    assert positions == sorted(positions) and positions != [c.position for c in plan.cuts]
