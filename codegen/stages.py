@@ -27,6 +27,21 @@ def _base(name: str) -> str:
     return re.sub(r"_\d+$", "", name)
 
 
+def _find_cut(names: list[str], after: str, before: str) -> list[int]:
+    """Positions k with ``names[k - 1] == after`` and ``names[k] == before``; where there is
+    none (an inserted op renumbers its kind: ``clone_3`` -> ``clone_5``), one side exact and
+    the other by kind, tried in that order."""
+    tiers = ((after, before, False, False), (after, before, False, True),
+             (after, before, True, False))
+    for a, b, loose_a, loose_b in tiers:
+        found = [k for k in range(1, len(names))
+                 if (_base(names[k - 1]) == _base(a) if loose_a else names[k - 1] == a)
+                 and (_base(names[k]) == _base(b) if loose_b else names[k] == b)]
+        if found:
+            return found
+    return []
+
+
 @dataclass(frozen=True)
 class BuiltStages:
     """The stages of one plan, as built on this process.
@@ -103,16 +118,7 @@ def check_plan_matches(plan: Plan, captured: CapturedGraph, *, by_name: bool = F
         return [c.position for c in plan.cuts]
     positions = []
     for cut in plan.cuts:
-        # exact names first; an inserted op renumbers its kind (clone_3 -> clone_5), so
-        # then one side exact and the other by kind
-        after, before = cut.after_node, cut.before_node
-        found: list[int] = []
-        for same in ((lambda k: names[k - 1] == after and names[k] == before),
-                     (lambda k: names[k - 1] == after and _base(names[k]) == _base(before)),
-                     (lambda k: _base(names[k - 1]) == _base(after) and names[k] == before)):
-            found = [k for k in range(1, len(names)) if same(k)]
-            if found:
-                break
+        found = _find_cut(names, cut.after_node, cut.before_node)
         if len(found) != 1:
             raise PlanError(f"the plan's cut {cut.after_node!r} | {cut.before_node!r} is "
                             f"{'not' if not found else 'not uniquely'} in this capture (graph "
