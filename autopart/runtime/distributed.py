@@ -213,7 +213,7 @@ class DistributedPipeline(nn.Module):
                             f"{self.pp_size}; launch with --nproc-per-node={len(plan.ranks)} "
                             "(times the data-parallel size)")
         self.device = device
-        self._built = stages
+        self._built: BuiltStages = stages
         self.local_stages = list(stages.local)
         self.stages = nn.ModuleList(stages.modules[s] for s in self.local_stages)
         self._loss_fn = loss_fn
@@ -229,7 +229,7 @@ class DistributedPipeline(nn.Module):
         self._first_rank = plan.stages[0].rank
         self._recompute = [st.stage_index for st in plan.stages if st.recompute]
         self.pipeline_stages = [
-            PipelineStage(_P2PStage(stages.modules[s], stages.runners[s],  # type: ignore[arg-type]
+            PipelineStage(_P2PStage(stages.modules[s], stages.runners[s],
                                     plan.stages[s].recompute),
                           s, plan.num_stages, device, group=pp_group)
             for s in self.local_stages]

@@ -78,7 +78,7 @@ class PipelinedModule(nn.Module):
         self.devices = list(stages.devices)
         self.timings_s = {} if timings_s is None else timings_s
         self.signature = signature
-        self._built = stages
+        self._built: BuiltStages = stages
         self._placement = stages.placement
         self._state_keys, self._param_order, self._buffer_order = state_layout(model)
         used = set(stages.placement.owner)
