@@ -119,3 +119,13 @@ def test_pipeline_times_data_parallel_gradients_equal_the_full_batch() -> None:
     for name, lines in reports.items():
         assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"
+
+
+def test_fuse_is_honoured_by_the_distributed_backend() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("fused", 2, out, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = _reports(out, 2)
+    for name, lines in reports.items():
+        assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
+        assert lines[1:] == [], f"{name}: {lines[1:]}"  # torch.compile'd stages, same numbers

@@ -183,11 +183,39 @@ def dies(rank: int, world: int, port: int, victim: int, timeout_s: float) -> Non
     raise SystemExit(0)
 
 
+def fused(rank: int, world: int, port: int, result_dir: str) -> None:
+    """``fuse=True`` under torchrun: each rank's stages run through ``torch.compile``; the
+    loss and every gradient still match the plain model."""
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.core.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, 120)
+    model, args, target, loss_fn = ZOO["mlp"]()
+    reference = copy.deepcopy(model)
+    captured = capture(model, tuple(a[:2] for a in args))
+    plan = manual_plan(captured, even_positions(captured, world), 4, 8, schedule_kind="1f1b")
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
+                            fuse=True)
+    problems = [] if "fuse_s" in pipe.timings_s else ["no fuse_s timing"]
+    loss = pipe.train_step(*args, target=target)
+    ref_loss = loss_fn(reference(*args), target)
+    ref_loss.backward()
+    problems += _compare(pipe, loss, ref_loss, reference)
+    names = [n for n, _ in pipe.named_parameters()]
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join([f"params {len(names)}", *problems]) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
 def run_everyone(fn: Any, world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
 
 
-__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies"]
+__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused"]
 _ = Any
