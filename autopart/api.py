@@ -20,7 +20,7 @@ from autopart.options import CompileOptions
 from autopart.planning import plan_model, resolve_devices
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_tensors, read_checkpoint
-from autopart.runtime.distributed import DistributedPipeline, broadcast_plan
+from autopart.runtime.distributed import DistributedPipeline
 from autopart.runtime.local import PipelinedModule
 from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
@@ -185,7 +185,7 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                      else [f"cuda:{i}" for i in range(pp_size)])
             mine, _, timings = _solve(model, args, kwargs, loss_fn is not None, options,
                                       tuple(names))
-        plan = broadcast_plan(mine)  # from global rank 0 to every rank
+        plan = launch.broadcast_plan(mine)  # from global rank 0 to every rank
     elif len(plan.ranks) != pp_size:
         raise PlanError(f"the plan has {len(plan.ranks)} ranks but the pipeline group has "
                         f"{pp_size}; launch with --nproc-per-node={len(plan.ranks)} "

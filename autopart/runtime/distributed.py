@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,79 +19,12 @@ from torch.utils.checkpoint import checkpoint
 
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
-from autopart.core.jsonio import dumps, write_text_atomic
-from autopart.core.plan import Plan
+from autopart.core.jsonio import write_text_atomic
 from autopart.core.schedule import build_schedule, to_csv
+from autopart.runtime.heartbeat import Heartbeat
 from autopart.runtime.signature import InputSignature, require_loss
 
-__all__ = ["DistributedPipeline", "broadcast_plan"]
-
-
-def broadcast_plan(plan: Plan | None, src: int = 0, group: dist.ProcessGroup | None = None) -> Plan:
-    """Send ``src``'s plan to every rank as JSON bytes (validated on receipt, never pickled)."""
-    import json
-
-    payload = dumps(plan.to_dict()).encode() if plan is not None else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, src=src, group=group)
-    data = torch.zeros(int(size.item()), dtype=torch.uint8)
-    if plan is not None:
-        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(data, src=src, group=group)
-    return Plan.from_dict(json.loads(bytes(data.tolist()).decode()))
-
-
-class _Heartbeat:
-    """Each rank stamps ``autopart/alive/<rank>`` in the rendezvous store every ``period_s``;
-    after a failure the stalest stamp names the rank that died."""
-
-    def __init__(self, store: dist.Store, rank: int, world: int, period_s: float = 0.5) -> None:
-        self.store, self.rank, self.world, self.period_s = store, rank, world, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="autopart-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.store.set(f"autopart/alive/{self.rank}", repr(time.time()))
-            except Exception:  # the store went away with rank 0; the main thread reports it
-                return
-            self._stop.wait(self.period_s)
-
-    def suspect(self, within_s: float = 5.0) -> list[int]:
-        """Ranks whose stamp is older than four periods (or missing), polling for up to
-        ``within_s`` seconds: a dead peer's stamp needs a few periods to go stale."""
-        deadline = time.time() + within_s
-        while True:
-            stale = self._stale()
-            if stale or time.time() >= deadline:
-                return stale
-            time.sleep(self.period_s)
-
-    def _stale(self) -> list[int]:
-        now, stale = time.time(), []
-        for r in range(self.world):
-            if r == self.rank:
-                continue
-            try:
-                self.store.wait([f"autopart/alive/{r}"], _timedelta(0.2))
-                stamp = float(self.store.get(f"autopart/alive/{r}").decode())
-            except Exception:
-                stale.append(r)
-                continue
-            if now - stamp > 4 * self.period_s:
-                stale.append(r)
-        return stale
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def _timedelta(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
+__all__ = ["DistributedPipeline"]
 
 
 class _P2PStage(nn.Module):
@@ -234,7 +165,7 @@ class DistributedPipeline(nn.Module):
                           s, plan.num_stages, device, group=pp_group)
             for s in self.local_stages]
         store = dist.distributed_c10d._get_default_store()
-        self._heartbeat = _Heartbeat(store, dist.get_rank(), dist.get_world_size())
+        self._heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size())
         # The last runtime built, kept while steps keep its (m, training): a new runtime re-runs
         # the stages' shape inference and buffer set-up (a P2P exchange). Only one is kept
         # because the stages hold the buffers of whichever runtime set them up last.

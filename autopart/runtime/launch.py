@@ -3,6 +3,7 @@ device, and its weights when the model was built on ``meta``."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Collection
 
@@ -14,9 +15,10 @@ from autopart.codegen.split import split_graph
 from autopart.codegen.stages import check_plan_matches
 from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
+from autopart.core.jsonio import dumps
 from autopart.core.plan import Plan
 
-__all__ = ["require_process_group", "rank_device", "on_meta", "retarget_meta",
+__all__ = ["require_process_group", "broadcast_plan", "rank_device", "on_meta", "retarget_meta",
            "tensors_of_stages", "materialise"]
 
 
@@ -91,3 +93,15 @@ def materialise(model: nn.Module, fqns: set[str], device: torch.device,
             return model.get_buffer(fqn)
 
     return tensor_of
+
+
+def broadcast_plan(plan: Plan | None, src: int = 0, group: dist.ProcessGroup | None = None) -> Plan:
+    """Send ``src``'s plan to every rank as JSON bytes (validated on receipt, never pickled)."""
+    payload = dumps(plan.to_dict()).encode() if plan is not None else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if plan is not None:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(data, src=src, group=group)
+    return Plan.from_dict(json.loads(bytes(data.tolist()).decode()))
