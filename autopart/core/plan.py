@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+import reprlib
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from autopart.core.errors import PlanError
@@ -32,6 +34,9 @@ class Cut:
     before_node: str
     crossing_bytes: int
 
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
 
 @dataclass(frozen=True, slots=True)
 class StagePlan:
@@ -55,6 +60,9 @@ class StagePlan:
     predicted_peak_memory_bytes: int
     recompute: bool = False
 
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
 
 @dataclass(frozen=True, slots=True)
 class RankPlan:
@@ -64,6 +72,9 @@ class RankPlan:
     device: str
     stage_indices: tuple[int, ...]
     peak_memory_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +87,9 @@ class SolverReport:
     gap: float
     wall_s: float
     name: str = "cp-sat"
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +107,9 @@ class BaselineReport:
     recompute: bool = False
     fits: bool = True
 
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
 
 @dataclass(frozen=True, slots=True)
 class ParetoPoint:
@@ -100,6 +117,9 @@ class ParetoPoint:
 
     predicted_step_time_us: float
     peak_memory_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +139,9 @@ class LowerBounds:
     peak_memory_bytes: int
     step_time_ratio: float
     peak_memory_ratio: float
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,32 +191,14 @@ class Plan:
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> PlanError:
-            return PlanError(f"invalid plan: {msg}")
+        """Check every field's type, then the plan as a whole (:func:`_check_whole`).
 
-        if self.schema_version != PLAN_SCHEMA_VERSION:
-            raise bad(f"schema_version {self.schema_version} is not supported (this autopart "
-                      f"reads {PLAN_SCHEMA_VERSION}); re-plan with this version")
-        if self.optimize not in OPTIMIZE_TARGETS:
-            raise bad(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
-        if self.schedule_kind not in SCHEDULE_KINDS:
-            raise bad(f"schedule_kind={self.schedule_kind!r}; expected one of {SCHEDULE_KINDS}")
-        if self.num_microbatches < 1 or self.batch_size % self.num_microbatches:
-            raise bad(f"num_microbatches={self.num_microbatches} must be >= 1 and divide "
-                      f"batch_size={self.batch_size}")
-        if len(self.stages) != len(self.cuts) + 1:
-            raise bad(f"{len(self.stages)} stages but {len(self.cuts)} cuts; S stages need S - 1 cuts")
-        positions = [c.position for c in self.cuts]
-        ascending = all(a < b for a, b in zip(positions, positions[1:], strict=False))
-        if not ascending or any(p < 1 for p in positions):
-            raise bad(f"cut positions {positions} must be >= 1 and strictly ascending")
-        for i, st in enumerate(self.stages):
-            if st.stage_index != i:
-                raise bad(f"stage {i} has stage_index {st.stage_index}")
-            if not 0 <= st.rank < len(self.ranks):
-                raise bad(f"stage {i} is on rank {st.rank}, but the plan has {len(self.ranks)} ranks")
-        if not 0.0 <= self.bubble_fraction <= 1.0:
-            raise bad(f"bubble_fraction={self.bubble_fraction} is outside [0, 1]")
+        Raises:
+            PlanError: the first field or invariant that does not hold, with its value and
+                the fix.
+        """
+        _check_fields(self, "")
+        _check_whole(self)
 
     @property
     def num_stages(self) -> int:
@@ -207,39 +212,24 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        """Build and validate a plan from :meth:`to_dict` output.
+        """Build and validate a plan from :meth:`to_dict` output (values are taken as they are:
+        ``2.7``, ``true`` or ``"2"`` where an integer belongs is refused, not converted).
 
         Raises:
-            PlanError: a field is missing, unknown or of the wrong type; the message names it.
+            PlanError: a field is missing, unknown, of the wrong type or out of range, or the
+                fields disagree with each other; the message names the field, the value and
+                the fix.
         """
-        if not isinstance(d, dict):
-            raise PlanError(f"invalid plan: expected a JSON object, got {type(d).__name__}")
-        try:
-            _check_keys(cls, d, "plan")
-            return cls(
-                graph_fingerprint=str(d["graph_fingerprint"]),
-                cluster_fingerprint=str(d["cluster_fingerprint"]),
-                cost_source=str(d["cost_source"]),
-                library_versions={str(k): str(v) for k, v in d["library_versions"].items()},
-                optimize=d["optimize"], batch_size=int(d["batch_size"]),
-                num_microbatches=int(d["num_microbatches"]), schedule_kind=d["schedule_kind"],
-                cuts=tuple(_build(Cut, c, "cut") for c in d["cuts"]),
-                stages=tuple(_build(StagePlan, s, "stage") for s in d["stages"]),
-                ranks=tuple(_build(RankPlan, r, "rank") for r in d["ranks"]),
-                predicted_step_time_us=float(d["predicted_step_time_us"]),
-                bubble_fraction=float(d["bubble_fraction"]),
-                solver=_build(SolverReport, d["solver"], "solver"),
-                baselines=tuple(_build(BaselineReport, b, "baseline") for b in d.get("baselines", ())),
-                stages_per_rank=int(d.get("stages_per_rank", 1)),
-                pareto=tuple(_build(ParetoPoint, q, "pareto point") for q in d.get("pareto", ())),
-                lower_bounds=(None if d.get("lower_bounds") is None
-                              else _build(LowerBounds, d["lower_bounds"], "lower_bounds")),
-                schema_version=int(d["schema_version"]),
-            )
-        except KeyError as exc:
-            raise PlanError(f"invalid plan: missing field {exc.args[0]!r}") from exc
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise PlanError(f"invalid plan: {exc}") from exc
+        kwargs = _kwargs(cls, d, "")
+        for name, kind in (("cuts", Cut), ("stages", StagePlan), ("ranks", RankPlan),
+                           ("baselines", BaselineReport), ("pareto", ParetoPoint)):
+            if name in kwargs:
+                items = _listed(kwargs[name], name)
+                kwargs[name] = tuple(_build(kind, x, f"{name}[{i}]") for i, x in enumerate(items))
+        kwargs["solver"] = _build(SolverReport, kwargs["solver"], "solver")
+        if kwargs.get("lower_bounds") is not None:
+            kwargs["lower_bounds"] = _build(LowerBounds, kwargs["lower_bounds"], "lower_bounds")
+        return cls(**kwargs)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON (sorted keys), atomically: the old file or the new, never half."""
@@ -250,33 +240,196 @@ class Plan:
         """Read and validate a plan file (JSON only; nothing is unpickled).
 
         Raises:
-            PlanError: the file is not JSON or not a valid plan.
-            FileNotFoundError: no such file.
+            PlanError: the path cannot be read (missing, a directory, no permission), the
+                file is not UTF-8 JSON (binary, truncated, duplicate keys, nested too deep,
+                numbers too long), or it is not a valid plan; the message names the path.
         """
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        fix = "pass a plan JSON file written by Plan.save or `autopart plan`"
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{path}: not a JSON plan file ({exc}); pass a file written by "
-                            "Plan.save or `autopart plan`") from exc
-        return cls.from_dict(data)
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise PlanError(f"{path}: cannot read a plan file there ({exc.strerror or exc}); "
+                            f"{fix}") from None
+        try:
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        except UnicodeDecodeError as exc:
+            raise PlanError(f"{path}: not a JSON plan file (not UTF-8 text: byte {exc.start}); "
+                            f"{fix}") from None
+        except RecursionError:
+            raise PlanError(f"{path}: not a JSON plan file (nested too deep to read); "
+                            f"{fix}") from None
+        except ValueError as exc:  # json.JSONDecodeError, or an integer of > 4300 digits
+            raise PlanError(f"{path}: not a JSON plan file ({exc}); {fix}") from None
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            raise PlanError(f"{path}: {exc}") from None
 
 
+_FIX = "correct the field, or re-plan with `autopart plan` / autopart.compile"
 _TUPLE_FIELDS = {"module_range", "stage_indices"}
+#: What each field annotation admits: (test, description for the message).
+_KINDS: dict[str, tuple[Any, str]] = {
+    "int": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (not a bool or a fraction)"),
+    "float": (lambda v: _is_number(v), "a finite number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "tuple[str, str]": (lambda v: isinstance(v, tuple) and len(v) == 2
+                        and all(isinstance(x, str) for x in v), "a list of two strings"),
+    "tuple[int, ...]": (lambda v: isinstance(v, tuple) and all(_is_int(x) and x >= 0 for x in v),
+                        "a list of integers >= 0"),
+    "dict[str, str]": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and
+                                                             isinstance(x, str)
+                                                             for k, x in v.items()),
+                       "an object of strings (package -> version)"),
+    "SolverReport": (lambda v: isinstance(v, SolverReport), "a solver report object"),
+    "LowerBounds | None": (lambda v: v is None or isinstance(v, LowerBounds),
+                           "a lower-bounds object or null"),
+    "tuple[Cut, ...]": (lambda v: _tuple_of(v, Cut), "a list of cuts"),
+    "tuple[StagePlan, ...]": (lambda v: _tuple_of(v, StagePlan), "a list of stages"),
+    "tuple[RankPlan, ...]": (lambda v: _tuple_of(v, RankPlan), "a list of ranks"),
+    "tuple[BaselineReport, ...]": (lambda v: _tuple_of(v, BaselineReport), "a list of baselines"),
+    "tuple[ParetoPoint, ...]": (lambda v: _tuple_of(v, ParetoPoint), "a list of Pareto points"),
+}
 
 
-def _check_keys(cls: type, d: dict[str, Any], what: str) -> None:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an integer beyond float's range
+        return False
+
+
+def _tuple_of(v: Any, cls: type) -> bool:
+    return isinstance(v, tuple) and all(isinstance(x, cls) for x in v)
+
+
+def _show(value: Any) -> str:
+    return reprlib.repr(value)
+
+
+def _check_fields(obj: Any, where: str | None = None) -> None:
+    """Every field of a plan dataclass holds what its annotation says (no coercion).
+
+    ``where`` prefixes the field's name in the message (default: the class name).
+    """
+    _check_values(type(obj), {f.name: getattr(obj, f.name) for f in fields(obj)},
+                  f"{type(obj).__name__}." if where is None else where)
+
+
+def _check_values(cls: type, values: dict[str, Any], where: str) -> None:
+    for f in fields(cls):
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        test, desc = _KINDS[str(f.type)]
+        if not test(value):
+            raise PlanError(f"invalid plan: {where}{f.name}={_show(value)} must be {desc}; {_FIX}")
+
+
+def _check_whole(plan: Plan) -> None:
+    """The cross-field invariants the runtimes rely on (stage s runs on rank s % p)."""
+    def bad(msg: str) -> PlanError:
+        return PlanError(f"invalid plan: {msg}")
+
+    if plan.schema_version != PLAN_SCHEMA_VERSION:
+        raise bad(f"schema_version {plan.schema_version} is not supported (this autopart "
+                  f"reads {PLAN_SCHEMA_VERSION}); re-plan with this version")
+    for name in ("graph_fingerprint", "cluster_fingerprint", "cost_source"):
+        if not getattr(plan, name).strip():
+            raise bad(f"{name} is empty; a plan names what it was made for: {_FIX}")
+    if plan.optimize not in OPTIMIZE_TARGETS:
+        raise bad(f"optimize={plan.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
+    if plan.schedule_kind not in SCHEDULE_KINDS:
+        raise bad(f"schedule_kind={plan.schedule_kind!r}; expected one of {SCHEDULE_KINDS}")
+    m, batch, v, p = plan.num_microbatches, plan.batch_size, plan.stages_per_rank, len(plan.ranks)
+    if batch < 1 or m < 1 or batch % m:
+        raise bad(f"num_microbatches={m} must be >= 1 and divide batch_size={batch}; "
+                  "choose a divisor of the batch")
+    if v < 1 or (v > 1 and plan.schedule_kind != "interleaved_1f1b"):
+        raise bad(f"stages_per_rank={v} with schedule_kind={plan.schedule_kind!r}: only "
+                  "'interleaved_1f1b' runs more than one stage per rank (v >= 1); set "
+                  "stages_per_rank to 1 or the schedule to 'interleaved_1f1b'")
+    if p < 1 or len(plan.stages) != p * v:
+        raise bad(f"{len(plan.stages)} stages on {p} ranks with stages_per_rank={v}; the "
+                  f"number of stages must be ranks x stages_per_rank = {p * v}")
+    if plan.schedule_kind == "interleaved_1f1b" and m % p:
+        raise bad(f"interleaved_1f1b needs num_microbatches ({m}) to be a multiple of the "
+                  f"number of ranks ({p}); choose m in {[p * k for k in range(1, 5)]}")
+    num_stages = len(plan.stages)
+    for r, rank in enumerate(plan.ranks):
+        want = tuple(range(r, num_stages, p))
+        if rank.rank != r or rank.stage_indices != want:
+            raise bad(f"ranks[{r}] has rank={rank.rank}, stage_indices={list(rank.stage_indices)}; "
+                      f"rank {r} of {p} runs stages {list(want)} (stage s on rank s % {p})")
+    for i, st in enumerate(plan.stages):
+        if st.stage_index != i:
+            raise bad(f"stages[{i}] has stage_index {st.stage_index}; stages are listed in "
+                      f"order 0..{num_stages - 1}")
+        if st.rank != i % p:
+            raise bad(f"stage {i} is on rank {st.rank}, but the plan has {p} ranks and "
+                      f"stage s runs on rank s % {p} = {i % p}")
+        if st.device != plan.ranks[st.rank].device:
+            raise bad(f"stage {i} names device {st.device!r}, its rank {st.rank} names "
+                      f"{plan.ranks[st.rank].device!r}; make them agree")
+    if len(plan.cuts) != num_stages - 1:
+        raise bad(f"{num_stages} stages but {len(plan.cuts)} cuts; S stages need S - 1 cuts")
+    positions = [c.position for c in plan.cuts]
+    ascending = all(a < b for a, b in zip(positions, positions[1:], strict=False))
+    if not ascending or any(q < 1 for q in positions):
+        raise bad(f"cut positions {reprlib.repr(positions)} must be >= 1 and strictly ascending")
+    for i, cut in enumerate(plan.cuts):
+        if not cut.after_node or not cut.before_node:
+            raise bad(f"cuts[{i}] names no node on one side ({cut.after_node!r} | "
+                      f"{cut.before_node!r}); {_FIX}")
+    if not 0.0 <= plan.bubble_fraction <= 1.0:
+        raise bad(f"bubble_fraction={plan.bubble_fraction} is outside [0, 1]")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a key given twice is refused (JSON would keep the last silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise PlanError(f"invalid plan: key {key!r} appears twice in one object; keep one")
+        out[key] = value
+    return out
+
+
+def _listed(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        raise PlanError(f"invalid plan: {where}={_show(value)} must be a list; {_FIX}")
+    return list(value)
+
+
+def _kwargs(cls: type, d: Any, where: str) -> dict[str, Any]:
+    """``d``'s fields as keyword arguments of ``cls``: unknown and missing keys refused."""
+    what = where or "plan"
+    if not isinstance(d, dict):
+        raise PlanError(f"invalid plan: {what} must be a JSON object, got {type(d).__name__}")
     known = {f.name for f in fields(cls)}
     unknown = set(d) - known
     if unknown:
         raise PlanError(f"invalid plan: unknown {what} field(s) {sorted(unknown)}; "
                         f"known: {sorted(known)}")
+    required = [f.name for f in fields(cls)
+                if f.default is MISSING and f.default_factory is MISSING]
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise PlanError(f"invalid plan: missing field {missing[0]!r}"
+                        f"{f' in {where}' if where else ''}; {_FIX}")
+    return {k: tuple(v) if k in _TUPLE_FIELDS and isinstance(v, list) else v
+            for k, v in d.items()}
 
 
-def _build(cls: type, d: Any, what: str) -> Any:
-    if not isinstance(d, dict):
-        raise PlanError(f"invalid plan: {what} must be a JSON object, got {type(d).__name__}")
-    _check_keys(cls, d, what)
-    kwargs = {k: tuple(v) if k in _TUPLE_FIELDS else v for k, v in d.items()}
+def _build(cls: type, d: Any, where: str) -> Any:
+    kwargs = _kwargs(cls, d, where)
+    _check_values(cls, kwargs, f"{where}.")
     return cls(**kwargs)
