@@ -68,6 +68,21 @@ _SCALARS = st.one_of(
     st.integers(-5, 20), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6))
 
 
+def _same_kind(value: Any) -> st.SearchStrategy[Any]:
+    if isinstance(value, bool):
+        return st.booleans()
+    if isinstance(value, int):
+        return st.integers(0, 9)
+    if isinstance(value, float):
+        return st.floats(0.0, 2.0)
+    if isinstance(value, str):
+        return st.sampled_from(["", "cpu", "cuda:0", "linear", "linear_3", "gelu_2", "gpipe",
+                                "1f1b", "interleaved_1f1b", "zero_bubble", "memory", value + "x"])
+    if isinstance(value, list):
+        return st.lists(st.integers(0, 4), max_size=4)
+    return st.just(value)
+
+
 def _containers(value: Any) -> list[tuple[Any, Any]]:
     """Every (container, key) pair under ``value``, depth first."""
     out: list[tuple[Any, Any]] = []
@@ -83,9 +98,12 @@ def _mutate_data(data: dict[str, Any], draw: Any) -> None:
     """One structural mutation of the parsed plan, in place."""
     spots = _containers(data)
     parent, key = spots[draw(st.integers(0, len(spots) - 1))]
-    op = draw(st.sampled_from(["replace", "nudge", "drop", "add", "duplicate", "swap", "nest"]))
+    op = draw(st.sampled_from(["replace", "same_kind", "same_kind", "nudge", "drop", "add",
+                               "duplicate", "swap", "nest"]))
     value = parent[key]
-    if op == "replace":
+    if op == "same_kind":  # a value of the right type that may still be wrong
+        parent[key] = draw(_same_kind(value))
+    elif op == "replace":
         parent[key] = draw(_SCALARS)
     elif op == "nudge" and isinstance(value, int | float) and not isinstance(value, bool):
         parent[key] = value + draw(st.sampled_from([-2, -1, 1, 2, 0.5, -0.5]))
