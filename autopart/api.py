@@ -21,6 +21,7 @@ from autopart.planning import plan_model, resolve_devices
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_tensors, read_checkpoint
 from autopart.runtime.distributed import DistributedPipeline
+from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S
 from autopart.runtime.local import PipelinedModule
 from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
@@ -68,7 +69,9 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             weights from, so a ``meta`` model never materialises whole; without it a meta
             model's modules this rank needs are initialised), ``mesh`` (distributed: a 2-D
             ``DeviceMesh`` with dims ``("pp", "dp")``), ``time_limit_s`` (CP-SAT limit per
-            solve, seconds, default 10). ``None`` leaves a choice to the solver.
+            solve, seconds, default 10), ``step_timeout_s`` (distributed: a pipeline send or
+            receive waiting this long fails the step and names the rank that died or hangs,
+            default 300). ``None`` leaves a choice to the solver.
 
     Returns:
         A :class:`autopart.Pipeline`: :class:`autopart.PipelinedModule` (local) or
@@ -208,7 +211,8 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
         timings["fuse_s"] = stages.fuse_s
     return DistributedPipeline(model, stages, InputSignature.of(captured), device,
                                loss_fn=loss_fn, pp_group=pp_group, dp_group=dp_group,
-                               timings_s=timings)
+                               timings_s=timings,
+                               step_timeout_s=options.step_timeout_s or DEFAULT_STEP_TIMEOUT_S)
 
 
 def load(directory: str | os.PathLike[str], model: nn.Module,

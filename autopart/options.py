@@ -46,6 +46,8 @@ class CompileOptions:
             from.
         mesh: distributed only: a 2-D ``DeviceMesh`` with dims ``("pp", "dp")``.
         time_limit_s: CP-SAT wall-clock limit per solve, seconds, > 0 (default 10).
+        step_timeout_s: distributed only: a pipeline send or receive that waits this long
+            fails the step, naming the rank that died or hangs (default 300 s).
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -63,6 +65,7 @@ class CompileOptions:
     checkpoint: str | os.PathLike[str] | None = None
     mesh: Any = None
     time_limit_s: float = 10.0
+    step_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "num_microbatches", "stages_per_rank"):
@@ -84,6 +87,11 @@ class CompileOptions:
                             "['cuda:0', 'cuda:1']")
         if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0):
             raise PlanError(f"time_limit_s={self.time_limit_s!r} must be a number of seconds > 0")
+        if self.step_timeout_s is not None and not (
+                isinstance(self.step_timeout_s, (int, float))
+                and not isinstance(self.step_timeout_s, bool) and self.step_timeout_s > 0):
+            raise PlanError(f"step_timeout_s={self.step_timeout_s!r} must be a number of seconds "
+                            "> 0 (or None: 300 s)")
 
     @property
     def choices(self) -> dict[str, Any]:
@@ -96,11 +104,12 @@ class CompileOptions:
         """Refuse what ``backend`` cannot honour.
 
         Raises:
-            PlanError: ``checkpoint`` or ``mesh`` with the local backend; ``devices`` with
+            PlanError: ``checkpoint``, ``mesh`` or ``step_timeout_s`` with the local backend;
+                ``devices`` with
                 the distributed one (each rank runs on its own ``LOCAL_RANK`` device).
         """
         if backend == "local":
-            for name in ("checkpoint", "mesh"):
+            for name in ("checkpoint", "mesh", "step_timeout_s"):
                 if getattr(self, name) is not None:
                     raise PlanError(f"{name}= is for backend='distributed' (a torchrun launch); "
                                     f"the local backend got {name}={getattr(self, name)!r}. Drop "

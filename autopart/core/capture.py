@@ -241,6 +241,12 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
                 trainable.add(fqn)
         elif fqn in canon.values():
             buffers.add(fqn)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if not any(isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
+               for v in pytree.tree_leaves(output.args[0])):
+        raise TraceError(f"{type(model).__name__}.forward returns no tensor (its output is "
+                         f"{ep.call_spec.out_spec}); return the model's output (e.g. the logits "
+                         "or the loss) from forward")
     leaves = pytree.tree_leaves((args, kwargs))
     return CapturedGraph(
         graph_module=gm, in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,

@@ -3,6 +3,7 @@ torch.distributed.pipelining's runtime (gloo on CPU, NCCL on GPU)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -21,8 +22,8 @@ from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.jsonio import write_text_atomic
 from autopart.core.schedule import build_schedule, to_csv
-from autopart.runtime.heartbeat import Heartbeat
-from autopart.runtime.signature import InputSignature, require_loss
+from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
+from autopart.runtime.signature import InputSignature, call_loss, require_loss
 
 __all__ = ["DistributedPipeline"]
 
@@ -86,6 +87,28 @@ def _restride(dense: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ..
     return strided.copy_(dense)
 
 
+class _TracedStage(PipelineStage):
+    """``PipelineStage`` that marks each action it computes on the heartbeat (``"1F3"``,
+    ``"1B3"``, ``"1W3"``), so that a rank stuck inside one is named with it."""
+
+    def __init__(self, heartbeat: Heartbeat, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._heartbeat = heartbeat
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._heartbeat.action(f"{self.stage_index}F{fwd_chunk_id}"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        kind = "B" if kwargs.get("full_backward", True) else "I"
+        with self._heartbeat.action(f"{self.stage_index}{kind}{bwd_chunk_id}"):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._heartbeat.action(f"{self.stage_index}W{bwd_chunk_id}"):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
 class DistributedPipeline(nn.Module):
     """This rank's share of a pipeline: its stages, run under the plan's schedule.
 
@@ -120,6 +143,11 @@ class DistributedPipeline(nn.Module):
         pp_group: process group of the pipeline ranks (default: the world).
         dp_group: process group of this rank's data-parallel replicas, or None.
         timings_s: seconds per compile phase, kept as ``timings_s``.
+        step_timeout_s: a send or receive of the pipeline that waits this long fails the
+            step (default 300 s): every rank then raises :class:`PipelineFailure` naming the
+            rank that died or hangs and the action it hangs in, and a hung rank is told to
+            exit (its heartbeat thread ends the process; see
+            :class:`autopart.runtime.heartbeat.Heartbeat`).
 
     Raises:
         PlanError: the pipeline group's size differs from the plan's rank count.
@@ -129,7 +157,8 @@ class DistributedPipeline(nn.Module):
                  device: torch.device, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  pp_group: dist.ProcessGroup | None = None,
                  dp_group: dist.ProcessGroup | None = None,
-                 timings_s: dict[str, float] | None = None) -> None:
+                 timings_s: dict[str, float] | None = None,
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         super().__init__()
         plan = stages.plan
         self.plan = plan
@@ -155,23 +184,45 @@ class DistributedPipeline(nn.Module):
         for (s, fqn), t in placement.tensors.items():
             if s in self.local_stages:
                 self._local.setdefault(fqn, t)
-        self._tied_groups = self._make_tied_groups(placement)
+        self.step_timeout_s = step_timeout_s
+        pipelines, mine = self._pipelines()
+        self._p2p_group = self._make_timed_group(pipelines, mine)
+        self._tied_groups = self._make_tied_groups(placement, pipelines, mine)
         self._last_rank = plan.stages[-1].rank
         self._first_rank = plan.stages[0].rank
         self._recompute = [st.stage_index for st in plan.stages if st.recompute]
-        self.pipeline_stages = [
-            PipelineStage(_P2PStage(stages.modules[s], stages.runners[s],
-                                    plan.stages[s].recompute),
-                          s, plan.num_stages, device, group=pp_group)
-            for s in self.local_stages]
         store = dist.distributed_c10d._get_default_store()
-        self._heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size())
+        self._heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size(),
+                                    hung_after_s=step_timeout_s)
+        self.pipeline_stages = [
+            _TracedStage(self._heartbeat,
+                         _P2PStage(stages.modules[s], stages.runners[s], plan.stages[s].recompute),
+                         s, plan.num_stages, device, group=self._p2p_group)
+            for s in self.local_stages]
         # The last runtime built, kept while steps keep its (m, training): a new runtime re-runs
         # the stages' shape inference and buffer set-up (a P2P exchange). Only one is kept
         # because the stages hold the buffers of whichever runtime set them up last.
         self._runtime: tuple[tuple[int, bool], _PipelineScheduleRuntime] | None = None
 
-    def _make_tied_groups(self, placement: Any) -> list[tuple[str, dist.ProcessGroup | None]]:
+    def _pipelines(self) -> tuple[list[tuple[int, ...]], list[int]]:
+        """Every pipeline replica's global ranks (sorted), and this rank's pipeline."""
+        mine = (dist.get_process_group_ranks(self.pp_group) if self.pp_group is not None
+                else list(range(dist.get_world_size())))
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return sorted({tuple(ranks) for ranks in every}), mine
+
+    def _make_timed_group(self, pipelines: list[tuple[int, ...]], mine: list[int],
+                          ) -> dist.ProcessGroup:
+        """The pipeline's ranks again, as a group whose operations time out after
+        ``step_timeout_s``: its sends, receives and loss broadcast. ``new_group`` is
+        collective over the whole world, so every rank makes every replica's group."""
+        timeout = datetime.timedelta(seconds=self.step_timeout_s)
+        made = [dist.new_group(list(pipeline), timeout=timeout) for pipeline in pipelines]
+        return made[pipelines.index(tuple(mine))]
+
+    def _make_tied_groups(self, placement: Any, pipelines: list[tuple[int, ...]],
+                          mine: list[int]) -> list[tuple[str, dist.ProcessGroup | None]]:
         """One group per parameter read on several pipeline ranks, per pipeline replica.
 
         ``new_group`` is collective over the whole world: every rank creates every replica's
@@ -179,18 +230,14 @@ class DistributedPipeline(nn.Module):
         pipeline group), and keeps those it belongs to.
         """
         groups: list[tuple[str, dist.ProcessGroup | None]] = []
-        mine = (dist.get_process_group_ranks(self.pp_group) if self.pp_group is not None
-                else list(range(dist.get_world_size())))
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        pipelines = sorted({tuple(ranks) for ranks in every})
+        timeout = datetime.timedelta(seconds=self.step_timeout_s)
         for fqn in sorted(placement.replicas):
             readers = [placement.owner[fqn], *placement.replicas[fqn]]
             ranks = sorted({self.plan.stages[s].rank for s in readers})
             if len(ranks) < 2:
                 continue
             for pipeline in pipelines:
-                group = dist.new_group([pipeline[r] for r in ranks])
+                group = dist.new_group([pipeline[r] for r in ranks], timeout=timeout)
                 if list(pipeline) == mine and self.pp_rank in ranks and fqn in self._local:
                     groups.append((fqn, group))
         return groups
@@ -256,10 +303,11 @@ class DistributedPipeline(nn.Module):
         torch's schedules call it.
 
         Raises:
-            PlanError: compiled without ``loss_fn``.
+            PlanError: compiled without ``loss_fn``, a loss that is not a scalar, or one that
+                fails without a target (:func:`autopart.runtime.signature.call_loss`).
         """
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
-        return require_loss(self._loss_fn)(self.signature.output(flat), target)
+        return call_loss(require_loss(self._loss_fn), self.signature.output(flat), target)
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -267,16 +315,37 @@ class DistributedPipeline(nn.Module):
         except PlanError:
             raise
         except Exception as exc:
-            suspects = self._heartbeat.suspect()
-            stages_of = {r: [st.stage_index for st in self.plan.stages if st.rank == r]
-                         for r in range(self.pp_size)}
-            text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if not suspects:
-                raise PipelineFailure(f"pipeline step failed on rank {self.pp_rank} (stages "
-                                      f"{stages_of[self.pp_rank]}): {text}") from exc
-            who = ", ".join(f"rank {r} (stages {stages_of.get(r, '?')})" for r in suspects)
-            raise PipelineFailure(f"pipeline step failed on rank {self.pp_rank}: {who} failed or "
-                                  f"stopped responding ({text})") from exc
+            raise self._failure(exc) from exc
+
+    def _failure(self, exc: Exception) -> PipelineFailure:
+        """The error a failed step raises: which rank died or hangs, and in which action.
+
+        A hung rank (inside one action for at least half the step timeout while this rank's
+        send or receive timed out) is told to exit."""
+        dead, hung = self._heartbeat.diagnose(hung_after_s=self.step_timeout_s / 2)
+        ranks = self._p2p_ranks()
+        pp_of = {g: r for r, g in enumerate(ranks)}
+        stages_of = {r: [st.stage_index for st in self.plan.stages if st.rank == r]
+                     for r in range(self.pp_size)}
+        text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        who = [f"rank {g} (stages {stages_of.get(pp_of.get(g, -1), '?')}) died or stopped "
+               "responding" for g in dead]
+        for g, (action, stuck_s) in sorted(hung.items()):
+            reason = (f"it hangs in action {action} (no progress for {stuck_s:.0f} s, step "
+                      f"timeout {self.step_timeout_s:g} s)")
+            told = ("it was told to exit" if self._heartbeat.tell_to_exit(g, reason)
+                    else "telling it to exit was not acknowledged")
+            who.append(f"rank {g} (stages {stages_of.get(pp_of.get(g, -1), '?')}) hangs in "
+                       f"action {action} (no progress for {stuck_s:.0f} s; {told})")
+        if not who:
+            return PipelineFailure(f"pipeline step failed on rank {self.pp_rank} (stages "
+                                   f"{stages_of[self.pp_rank]}): {text}")
+        return PipelineFailure(f"pipeline step failed on rank {self.pp_rank}: {'; '.join(who)} "
+                               f"({text}); restart the job (from the last checkpoint) once the "
+                               "rank is healthy")
+
+    def _p2p_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self._p2p_group)
 
     def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Every microbatch forward and backward; returns the mean loss on every rank.
@@ -303,7 +372,7 @@ class DistributedPipeline(nn.Module):
         loss = (torch.stack([x.detach() for x in losses]).mean() if losses
                 else torch.zeros((), device=self.device))
         self._guarded(lambda: dist.broadcast(loss, src=self._global(self._last_rank),
-                                             group=self.pp_group))
+                                             group=self._p2p_group))
         self.reduce_grads()
         return loss
 
@@ -340,7 +409,7 @@ class DistributedPipeline(nn.Module):
             if meta is None:  # not a tensor: sent as an object
                 box = [mine]
                 self._guarded(lambda box=box: dist.broadcast_object_list(
-                    box, src=self._global(self._last_rank), group=self.pp_group))
+                    box, src=self._global(self._last_rank), group=self._p2p_group))
                 flat_out.append(box[0])
                 continue
             shape, dtype = meta
@@ -348,7 +417,7 @@ class DistributedPipeline(nn.Module):
             buf = (mine.detach().contiguous() if isinstance(mine, torch.Tensor)
                    else torch.empty(shape, dtype=dtype, device=self.device))
             self._guarded(lambda buf=buf: dist.broadcast(buf, src=self._global(self._last_rank),
-                                                         group=self.pp_group))
+                                                         group=self._p2p_group))
             flat_out.append(buf)
         return self.signature.output(flat_out)
 

@@ -1,62 +1,150 @@
-"""Liveness of the ranks of a pipeline: who stopped stamping the rendezvous store."""
+"""Liveness and progress of the ranks of a pipeline: who died, who hangs, and in which action."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
+import os
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["Heartbeat"]
+__all__ = ["Heartbeat", "RankState", "DEFAULT_STEP_TIMEOUT_S", "HUNG_EXIT_CODE"]
+
+DEFAULT_STEP_TIMEOUT_S = 300.0
+HUNG_EXIT_CODE = 75  # what a rank told it hangs exits with (EX_TEMPFAIL)
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What a rank last published.
+
+    Attributes:
+        stamp: wall time of its last beat, seconds since the epoch (the process is alive).
+        action: the schedule action its main thread is computing (``"1F3"``), ``""`` when it
+            is between actions (sending, receiving, waiting).
+        since: wall time it entered ``action`` (or left the last one), seconds.
+    """
+
+    stamp: float
+    action: str
+    since: float
 
 
 class Heartbeat:
-    """Liveness beside a multi-process pipeline (started by :class:`DistributedPipeline`).
+    """Liveness and progress beside a multi-process pipeline (one per rank).
 
-    Each rank stamps ``autopart/alive/<rank>`` in the rendezvous store every ``period_s``;
-    after a failure the stalest stamp names the rank that died."""
+    The main thread marks every action it computes (:meth:`action`); a background thread
+    publishes ``autopart/state/<rank>`` in the rendezvous store every ``period_s``: a time
+    stamp (the process lives), the action being computed and since when (it progresses).
+    A thread that beats says nothing about the main thread, so a hang is read from the
+    action, not the stamp: a rank inside one action for longer than the step timeout hangs.
 
-    def __init__(self, store: dist.Store, rank: int, world: int, period_s: float = 0.5) -> None:
+    After a step fails, :meth:`diagnose` names the ranks that died (stale stamp) or hang
+    (stuck in an action), and :meth:`tell_to_exit` asks a hung rank's own heartbeat thread
+    to end its process (exit code ``HUNG_EXIT_CODE``), since its main thread cannot.
+
+    Args:
+        store: the process group's rendezvous store.
+        rank: this process's global rank; ``world``: the global world size.
+        period_s: seconds between beats (default 0.5).
+        hung_after_s: when the store is gone (rank 0, which serves it, has ended) and the
+            main thread has been inside one action this long, nobody can tell this rank to
+            exit any more, so it exits by itself (default: the step timeout, 300 s).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world: int, period_s: float = 0.5,
+                 hung_after_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         self.store, self.rank, self.world, self.period_s = store, rank, world, period_s
+        self.hung_after_s = hung_after_s
+        self._action, self._since = "", time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="autopart-heartbeat", daemon=True)
         self._thread.start()
 
+    @contextlib.contextmanager
+    def action(self, text: str) -> Iterator[None]:
+        """Mark the main thread as computing ``text`` (e.g. ``"1F3"``) while inside."""
+        self._action, self._since = text, time.time()
+        try:
+            yield
+        finally:
+            self._action, self._since = "", time.time()
+
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
-                self.store.set(f"autopart/alive/{self.rank}", repr(time.time()))
-            except Exception:  # the store went away with rank 0; the main thread reports it
-                return
+                state = {"stamp": time.time(), "action": self._action, "since": self._since}
+                self.store.set(f"autopart/state/{self.rank}", json.dumps(state))
+                if self.store.check([f"autopart/exit/{self.rank}"]):
+                    reason = self.store.get(f"autopart/exit/{self.rank}").decode()
+                    self.store.set(f"autopart/exited/{self.rank}", reason)
+                    self._exit(reason)
+            except Exception:  # the store went away with rank 0: the job is over
+                if self._action and time.time() - self._since > self.hung_after_s:
+                    self._exit(f"it hangs in action {self._action} and the job has ended")
             self._stop.wait(self.period_s)
 
-    def suspect(self, within_s: float = 5.0) -> list[int]:
-        """Ranks whose stamp is older than four periods (or missing), polling for up to
-        ``within_s`` seconds: a dead peer's stamp needs a few periods to go stale."""
+    def _exit(self, reason: str) -> None:
+        print(f"autopart: rank {self.rank} exits: {reason}", file=sys.stderr, flush=True)
+        os._exit(HUNG_EXIT_CODE)
+
+    def state(self, rank: int) -> RankState | None:
+        """What ``rank`` last published, or None when nothing can be read."""
+        try:
+            self.store.wait([f"autopart/state/{rank}"], _timedelta(0.2))
+            raw = json.loads(self.store.get(f"autopart/state/{rank}").decode())
+            return RankState(float(raw["stamp"]), str(raw["action"]), float(raw["since"]))
+        except Exception:
+            return None
+
+    def diagnose(self, hung_after_s: float, within_s: float = 5.0,
+                 ) -> tuple[list[int], dict[int, tuple[str, float]]]:
+        """The other ranks that died and those that hang.
+
+        Polls up to ``within_s`` seconds, since a dead peer's stamp needs a few periods to
+        go stale.
+
+        Args:
+            hung_after_s: a rank inside one action for longer than this hangs.
+            within_s: how long to wait for a verdict, seconds.
+
+        Returns:
+            The dead ranks (stamp older than four periods, or none), and per hung rank its
+            action and how long it has been in it, seconds.
+        """
         deadline = time.time() + within_s
         while True:
-            stale = self._stale()
-            if stale or time.time() >= deadline:
-                return stale
+            now, dead, hung = time.time(), [], {}
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                st = self.state(r)
+                if st is None or now - st.stamp > 4 * self.period_s:
+                    dead.append(r)
+                elif st.action and now - st.since > hung_after_s:
+                    hung[r] = (st.action, now - st.since)
+            if dead or hung or time.time() >= deadline:
+                return dead, hung
             time.sleep(self.period_s)
 
-    def _stale(self) -> list[int]:
-        now, stale = time.time(), []
-        for r in range(self.world):
-            if r == self.rank:
-                continue
-            try:
-                self.store.wait([f"autopart/alive/{r}"], _timedelta(0.2))
-                stamp = float(self.store.get(f"autopart/alive/{r}").decode())
-            except Exception:
-                stale.append(r)
-                continue
-            if now - stamp > 4 * self.period_s:
-                stale.append(r)
-        return stale
+    def tell_to_exit(self, rank: int, reason: str, wait_s: float = 5.0) -> bool:
+        """Ask ``rank``'s heartbeat thread to end its process (it hangs), and wait up to
+        ``wait_s`` seconds for it to say it does (this rank may serve the store, which
+        ends with it). Returns whether it acknowledged."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"autopart/exit/{rank}", reason)
+            self.store.wait([f"autopart/exited/{rank}"], _timedelta(wait_s))
+            return True
+        return False
 
     def stop(self) -> None:
+        """Stop beating (call before the process group is destroyed)."""
         self._stop.set()
 
 

@@ -16,7 +16,7 @@ from autopart.core.errors import PlanError
 from autopart.core.jsonio import write_text_atomic
 from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.runtime.executor import LocalExecutor
-from autopart.runtime.signature import InputSignature, require_loss
+from autopart.runtime.signature import InputSignature, call_loss, require_loss
 
 __all__ = ["PipelinedModule", "state_layout"]
 
@@ -238,7 +238,7 @@ class PipelinedModule(nn.Module):
         signature = self.signature
 
         def loss_closure(i: int, flat_out: tuple[Any, ...]) -> torch.Tensor:
-            return loss_fn(signature.output(flat_out), targets[i]) / m
+            return call_loss(loss_fn, signature.output(flat_out), targets[i]) / m
 
         schedule = build_schedule(self.plan.schedule_kind, self._num_ranks, m,
                                   self.plan.stages_per_rank, recompute=self._recompute)

@@ -13,7 +13,7 @@ from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
 from autopart.runtime.microbatch import merge_leaves, split_leaves, split_tree
 
-__all__ = ["InputSignature", "batch_size", "microbatch_inputs", "require_loss"]
+__all__ = ["InputSignature", "batch_size", "microbatch_inputs", "require_loss", "call_loss"]
 
 
 def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -53,6 +53,29 @@ def require_loss(loss_fn: Callable[..., Any] | None) -> Callable[..., Any]:
         raise PlanError("train_step needs a loss: pass loss_fn=... to autopart.compile "
                         "(a callable (output, target) -> scalar)")
     return loss_fn
+
+
+def call_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any) -> torch.Tensor:
+    """``loss_fn(output, target)`` for one microbatch, checked: both runtimes call it so.
+
+    Raises:
+        PlanError: the loss function failed while ``target`` is None (``train_step`` was
+            called without ``target=``), or it returned something other than a one-element
+            floating-point tensor (the message gives what it returned).
+    """
+    try:
+        loss = loss_fn(output, target)
+    except Exception as exc:
+        if target is None:
+            raise PlanError(f"loss_fn failed with target=None ({type(exc).__name__}: {exc}); "
+                            "pass the target to train_step(..., target=y)") from exc
+        raise
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+                if isinstance(loss, torch.Tensor) else f"{type(loss).__name__} {loss!r:.60}")
+        raise PlanError(f"loss_fn returned {what}; it must return a scalar floating-point tensor "
+                        "(reduce it, e.g. loss.mean())")
+    return loss.reshape(())
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,38 @@ def test_both_runtimes_share_one_input_signature(replay: tuple[Any, ...]) -> Non
     inference = autopart.compile(model, args, plan=plan)
     with pytest.raises(PlanError, match=r"train_step needs a loss: pass loss_fn="):
         inference.train_step(*args)
+
+
+class _ReturnsNothing(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.lin(x)
+
+
+def test_one_clear_error_for_each_careless_call(replay: tuple[Any, ...]) -> None:
+    with pytest.raises(autopart.TraceError, match=r"_ReturnsNothing.forward returns no tensor"):
+        autopart.compile(_ReturnsNothing(), (torch.randn(8, 4),), num_stages=2)
+    model, args, loss_fn, plan = replay
+
+    def indexes_target(out: torch.Tensor, target: Any) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, target[:, :4])  # target=None: TypeError
+
+    pipe = autopart.compile(model, args, loss_fn=indexes_target, plan=plan)
+    with pytest.raises(PlanError, match=r"loss_fn failed with target=None \(TypeError.*pass "
+                                        r"the target to train_step"):
+        pipe.train_step(*args)
+    per_row = autopart.compile(model, args, plan=plan,
+                               loss_fn=lambda out, target: ((out - target) ** 2).mean(dim=1))
+    with pytest.raises(PlanError, match=r"loss_fn returned a tensor of shape \(4,\).*must return "
+                                        r"a scalar .*loss.mean\(\)"):
+        per_row.train_step(*args, target=torch.randn(8, 4))
+    with pytest.raises(PlanError, match=r"loss_fn returned str"):
+        autopart.compile(model, args, plan=plan,
+                         loss_fn=lambda out, target: "loss").train_step(*args, target=args[0])
+    with pytest.raises(PlanError, match=r"step_timeout_s= is for backend='distributed'"):
+        autopart.compile(model, args, loss_fn=loss_fn, plan=plan, step_timeout_s=30)
+    with pytest.raises(PlanError, match=r"step_timeout_s=0 must be a number of seconds > 0"):
+        CompileOptions(step_timeout_s=0)

@@ -76,7 +76,7 @@ def test_a_killed_rank_makes_the_others_exit_naming_it() -> None:
     survivor_err = results[0][1]
     assert procs[0].returncode != 0
     assert "PipelineFailure" in survivor_err, survivor_err[-3000:]
-    assert "rank 1 (stages [1]) failed or stopped responding" in survivor_err, survivor_err[-3000:]
+    assert "rank 1 (stages [1]) died or stopped responding" in survivor_err, survivor_err[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s with a {timeout_s} s timeout"
 
 
@@ -129,3 +129,28 @@ def test_fuse_is_honoured_by_the_distributed_backend() -> None:
     for name, lines in reports.items():
         assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"  # torch.compile'd stages, same numbers
+
+
+@pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_a_hung_rank_is_named_by_the_others_and_told_to_exit(kind: str, v: int) -> None:
+    port, world, victim, step_timeout_s = _free_port(), 2, 1, 6.0
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.distributed.worker import hangs
+        hangs(int(sys.argv[1]), {world}, {port}, {victim}, {kind!r}, {v}, {step_timeout_s})
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(world)]
+    results = [p.communicate(timeout=180) for p in procs]
+    healthy_err, victim_err = results[0][1], results[victim][1]
+    assert procs[0].returncode == 0, healthy_err[-3000:]
+    line = next(x for x in healthy_err.splitlines() if "PipelineFailure" in x or "after " in x)
+    stages = "[1]" if v == 1 else "[1, 3]"
+    assert f"rank 1 (stages {stages}) hangs in action " in line, line
+    assert "it was told to exit" in line, line
+    elapsed = float(line.split("after ")[1].split(" s:")[0])
+    assert elapsed < step_timeout_s + 10, line  # named within the timeout + 10 s
+    assert procs[victim].returncode == 75, victim_err[-3000:]  # HUNG_EXIT_CODE
+    assert "exits: it hangs in action" in victim_err, victim_err[-3000:]

@@ -174,7 +174,8 @@ def dies(rank: int, world: int, port: int, victim: int, timeout_s: float) -> Non
     model, args, target, loss_fn = ZOO["mlp"]()
     captured = capture(model, tuple(a[:2] for a in args))
     plan = manual_plan(captured, even_positions(captured, world), 4, 8, schedule_kind="1f1b")
-    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
+                            step_timeout_s=timeout_s)
     pipe.train_step(*args, target=target)
     if rank == victim:
         os._exit(17)  # killed mid-run: no clean-up, no goodbye
@@ -211,11 +212,50 @@ def fused(rank: int, world: int, port: int, result_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def hangs(rank: int, world: int, port: int, victim: int, kind: str, v: int,
+          step_timeout_s: float) -> None:
+    """Every rank trains; ``victim``'s first stage hangs (sleeps) in a forward of the second
+    step. Healthy ranks print the PipelineFailure and exit 0; the victim never returns on
+    its own (its heartbeat thread ends it when told to)."""
+    import time
+
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.core.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, 600)  # the default group would wait for minutes
+    model, args, target, loss_fn = ZOO["mlp"]()
+    captured = capture(model, tuple(a[:2] for a in args))
+    plan = manual_plan(captured, even_positions(captured, world * v), 4, 8, schedule_kind=kind,
+                       stages_per_rank=v)
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
+                            step_timeout_s=step_timeout_s)
+    pipe.train_step(*args, target=target)
+    if rank == victim:
+        calls = [0]
+
+        def stall(*_: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 2:  # mid-step: the second microbatch's forward
+                time.sleep(3600)
+
+        pipe.stages[0].register_forward_pre_hook(stall)
+    start = time.monotonic()
+    try:
+        pipe.train_step(*args, target=target)
+    except autopart.PipelineFailure as exc:
+        print(f"after {time.monotonic() - start:.1f} s: {exc}", file=sys.stderr, flush=True)
+        os._exit(0)
+    os._exit(5)  # the step should not have succeeded
+
+
 def run_everyone(fn: Any, world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
 
 
-__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused"]
+__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs"]
 _ = Any
