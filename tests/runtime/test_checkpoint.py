@@ -59,7 +59,7 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path: Path,
     monkeypatch.setattr(ckpt, "save_file", dies_on_second_stage)
     with pytest.raises(OSError, match="killed mid-write"):
         pipe.save(tmp_path / "ck")
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ckpt-000000", "latest"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".lock", "ckpt-000000", "latest"]
     model, *_ = mlp()
     restored = autopart.load(tmp_path / "ck", model)
     for key, value in restored.state_dict().items():
