@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 import autopart
