@@ -57,14 +57,15 @@ def test_loss_output_and_every_gradient_match(model: str, kind: str, v: int, wor
     assert total > 0
 
 
-def test_a_killed_rank_makes_the_others_exit_naming_it() -> None:
+@pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_a_killed_rank_makes_the_others_exit_naming_it(kind: str, v: int) -> None:
     # separate processes (not mp.spawn, which would terminate the survivors for us)
     port, world, victim, timeout_s = _free_port(), 2, 1, 8.0
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         from tests.distributed.worker import dies
-        dies(int(sys.argv[1]), {world}, {port}, {victim}, {timeout_s})
+        dies(int(sys.argv[1]), {world}, {port}, {victim}, {timeout_s}, {kind!r}, {v})
     """)
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], cwd=ROOT, text=True,
@@ -76,7 +77,9 @@ def test_a_killed_rank_makes_the_others_exit_naming_it() -> None:
     survivor_err = results[0][1]
     assert procs[0].returncode != 0
     assert "PipelineFailure" in survivor_err, survivor_err[-3000:]
-    assert "rank 1 (stages [1]) died or stopped responding" in survivor_err, survivor_err[-3000:]
+    stages = "[1]" if v == 1 else "[1, 3]"
+    assert f"rank 1 (stages {stages}) died or stopped responding" in survivor_err, \
+        survivor_err[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s with a {timeout_s} s timeout"
 
 

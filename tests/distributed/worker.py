@@ -162,7 +162,8 @@ def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def dies(rank: int, world: int, port: int, victim: int, timeout_s: float) -> None:
+def dies(rank: int, world: int, port: int, victim: int, timeout_s: float, kind: str = "1f1b",
+         v: int = 1) -> None:
     """Every rank trains; ``victim`` kills itself in the middle of its second step."""
     sys.path.insert(0, os.getcwd())
     import autopart
@@ -173,7 +174,8 @@ def dies(rank: int, world: int, port: int, victim: int, timeout_s: float) -> Non
     _setup(rank, world, port, timeout_s)
     model, args, target, loss_fn = ZOO["mlp"]()
     captured = capture(model, tuple(a[:2] for a in args))
-    plan = manual_plan(captured, even_positions(captured, world), 4, 8, schedule_kind="1f1b")
+    plan = manual_plan(captured, even_positions(captured, world * v), 4, 8, schedule_kind=kind,
+                       stages_per_rank=v)
     pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
                             step_timeout_s=timeout_s)
     pipe.train_step(*args, target=target)
