@@ -15,12 +15,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from importlib.metadata import version
 
-from autopart.core.errors import InfeasiblePlanError
+from autopart.core.cluster import Cluster
+from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import SCHEDULE_KINDS, BaselineReport, Plan, SolverReport
 from autopart.solver._costmodel import TIME_UNITS_PER_US
 from autopart.solver._evaluate import Candidate, build_plan, evaluate, lower_bounds, pareto
 from autopart.solver._search import is_big
-from autopart.solver._subproblems import Setup, Subproblem, chain_problem
+from autopart.solver._subproblems import Setup, Subproblem, chain_problem, setup
 from autopart.solver.chain_cpsat import ChainResult
 from autopart.solver.partition_dp import chain_dp_hint
 
@@ -127,31 +128,93 @@ def _report(res: ChainResult | None, st: Setup, wall: float, best: Candidate) ->
                         name="cp-sat-band+relaxation-bound" if big else "cp-sat")
 
 
-def _memory_error(st: Setup) -> InfeasiblePlanError:
-    """Name the smallest peak any configuration reaches without a cap, and what would fit."""
-    model, caps, p = st.model, st.caps, st.p
+def _least_peak(st: Setup) -> Candidate | None:
+    """The candidate with the smallest largest-rank peak over every (kind, v, m) of ``st``:
+    each chain solved for memory by the exact DP, without caps."""
     least: Candidate | None = None
     for kind, v in st.configs:
         for m in st.counts:
-            if kind == "interleaved_1f1b" and m % p:
+            if kind == "interleaved_1f1b" and m % st.p:
                 continue
             prob = chain_problem(st, kind, v, m)
             seed = chain_dp_hint(replace(prob, rank_caps=None, optimize="memory"))
             if seed is None:
                 continue
-            cand = evaluate(model, st.cands, kind, p, v, m, seed, caps)
+            cand = evaluate(st.model, st.cands, kind, st.p, v, m, seed, st.caps)
             if least is None or cand.max_peak < least.max_peak:
                 least = cand
+    return least
+
+
+def _on(st: Setup, n: int) -> Candidate | None:
+    """:func:`_least_peak` on ``n`` devices like rank 0 (same cap); None where the graph has
+    too few cut positions for ``n`` stages."""
+    cluster = Cluster.uniform(st.cluster.devices[0], [st.cluster.device_names[0]] * n)
+    options = replace(st.options, num_stages=None, hint=None)
+    try:
+        return _least_peak(setup(st.costs, cluster, options))
+    except PlanError:
+        return None
+
+
+def _devices_that_fit(st: Setup, lowest: int) -> tuple[int, Candidate] | None:
+    """The fewest devices (>= ``lowest``) on which a partition was found that fits the cap, by
+    doubling then bisection, each count checked by solving for memory; None when no count up
+    to the most stages the graph's cuts allow fits."""
+    top = st.cands.num_valid + 1  # the most stages (so ranks) the graph's cuts allow
+    if lowest > top:
+        return None
+    low, n = lowest - 1, lowest
+    while True:
+        cand = _on(st, n)
+        if cand is not None and cand.fits:
+            break
+        if cand is None or n >= top:
+            return None
+        low, n = n, min(2 * n, top)
+    fits = (n, cand)
+    while n - low > 1:
+        mid = (low + n) // 2
+        cand = _on(st, mid)
+        if cand is not None and cand.fits:
+            n, fits = mid, (mid, cand)
+        else:
+            low = mid
+    return fits
+
+
+def _memory_error(st: Setup) -> InfeasiblePlanError:
+    """Name the smallest peak any configuration reaches without a cap, and what would fit: the
+    cap on these devices, and a device count checked by solving (or that none fits, with the
+    cap that would on the most devices the graph allows)."""
+    model, caps, p = st.model, st.caps, st.p
+    least = _least_peak(st)
     if least is None:  # pragma: no cover - a chain always has some answer without caps
         return InfeasiblePlanError("no partition fits the memory cap")
     state_total = sum(model.state_bytes.values())
-    need = max(math.ceil(state_total / max(min(caps), 1)), p + 1)
+    cap = min(caps)
+    # the parameter state alone, spread evenly, bounds the device count from below
+    lowest = max(math.ceil(state_total / max(cap, 1)), p + 1)
+    more = _devices_that_fit(st, lowest)
+    if more is not None:
+        n, cand = more
+        verdict = (f"{n} devices fit (checked: largest predicted peak {cand.max_peak} bytes, "
+                   f"{cand.kind}, num_microbatches={cand.m})")
+    else:
+        top = st.cands.num_valid + 1
+        widest = _on(st, top) if top > p else None
+        n, floor = (top, widest.max_peak) if widest is not None and \
+            widest.max_peak < least.max_peak else (p, least.max_peak)
+        verdict = (f"but no number of devices fits this cap (the graph's cuts allow at most "
+                   f"{top} stages): raise the cap to at least {floor} bytes "
+                   f"({math.ceil(floor / _GIB * 1000) / 1000:.3f} GiB), which fits on {n} devices")
     rank = max(range(p), key=lambda r: least.peaks[r])
     return InfeasiblePlanError(
         f"no partition onto {p} ranks fits the memory cap: the smallest predicted peak is "
         f"{least.max_peak} bytes ({least.max_peak / _GIB:.3f} GiB, rank {rank}, "
         f"{least.kind}, v={least.v}, num_microbatches={least.m}, recompute="
-        f"{sum(least.recompute)}/{len(least.recompute)} stages) but the cap is {min(caps)} bytes "
-        f"({min(caps) / _GIB:.3f} GiB); use a memory cap of at least {least.max_peak} bytes "
+        f"{sum(least.recompute)}/{len(least.recompute)} stages) but the cap is {cap} bytes "
+        f"({cap / _GIB:.3f} GiB); use a memory cap of at least {least.max_peak} bytes "
         f"({math.ceil(least.max_peak / _GIB * 1000) / 1000:.3f} GiB), or more devices (at "
-        f"least {need}: the parameter state alone is {state_total} bytes), or allow recompute")
+        f"least {lowest}: the parameter state alone is {state_total} bytes) — {verdict}; or "
+        "allow recompute")
