@@ -34,7 +34,10 @@ def _load_costs(path: Path) -> Any:
         raise UsageError(f"{path}: cannot read it ({exc})") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        raise UsageError(f"{path}: not JSON (nested too deep to read); pass a file written by "
+                         "`autopart profile`") from None
+    except ValueError as exc:  # json.JSONDecodeError, or an integer of > 4300 digits
         raise UsageError(f"{path}: not JSON ({exc}); pass a file written by `autopart profile`"
                            ) from None
     if not isinstance(data, dict):
@@ -43,6 +46,10 @@ def _load_costs(path: Path) -> Any:
         return CostGraph.from_dict(data)
     except PlanError as exc:
         raise UsageError(f"{path}: {exc}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError,
+            RecursionError) as exc:  # a damaged file CostGraph.from_dict does not name
+        raise UsageError(f"{path}: not a valid CostGraph ({type(exc).__name__}: {exc}); pass a "
+                         "file written by `autopart profile`") from None
 
 
 def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -> Any:

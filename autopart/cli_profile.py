@@ -71,15 +71,23 @@ def build_model(spec: str, config: list[str], batch_size: int, seq_len: int, *, 
                 valid = ", ".join(sorted(cfg.to_dict()))
                 raise UsageError(f"--config {item!r}: {config_cls.__name__} has no key {key!r}; "
                                       f"valid keys: {valid}")
-            setattr(cfg, key, _parse_value(value))
+            try:
+                setattr(cfg, key, _parse_value(value))
+            except Exception as exc:  # the config class validates: its message, one line
+                raise UsageError(f"--config {item!r}: {config_cls.__name__} refused it: "
+                                 f"{_brief(exc)}; pass a value of the key's type") from None
         if hasattr(cfg, "use_cache"):
             cfg.use_cache = False
-        if meta:
-            with torch.device("meta"):
+        try:
+            if meta:
+                with torch.device("meta"):
+                    model = cls(cfg)
+            else:
+                torch.manual_seed(0)
                 model = cls(cfg)
-        else:
-            torch.manual_seed(0)
-            model = cls(cfg)
+        except Exception as exc:  # a config the model cannot be built with
+            raise UsageError(f"{name}({config_cls.__name__} with --config {config}) could not be "
+                             f"built: {_brief(exc)}; fix the --config values") from None
         vocab = int(getattr(cfg, "vocab_size", 2) or 2)
         device = "meta" if meta else "cpu"
         x = torch.randint(0, vocab, (batch_size, seq_len), device="cpu").to(device)
@@ -91,13 +99,29 @@ def build_model(spec: str, config: list[str], batch_size: int, seq_len: int, *, 
     mod_spec = importlib.util.spec_from_file_location("_autopart_user_model", path)
     assert mod_spec is not None and mod_spec.loader is not None
     module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: name it and its error on one line
+        raise UsageError(f"{path}: importing it failed: {_brief(exc)}; fix the file") from None
     fn = getattr(module, func, None)
-    if fn is None:
+    if fn is None or not callable(fn):
         funcs = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
         raise UsageError(f"{path} has no function {func!r}; valid: {', '.join(funcs)}")
-    model, inputs = fn()
+    try:
+        out = fn()
+    except Exception as exc:
+        raise UsageError(f"{spec}: calling it failed: {_brief(exc)}; fix the function") from None
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise UsageError(f"{spec} returned {type(out).__name__}; it must return "
+                         "(model, example_inputs)")
+    model, inputs = out
     return model, inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _brief(exc: BaseException) -> str:
+    """``Type: message`` on one line (at most 300 characters)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _table(costs: Any, depth: int, top: int) -> None:

@@ -65,10 +65,15 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         base.add_column("recompute")
         for b in plan.baselines:
             base.add_row(b.name, f"{b.predicted_step_time_us / 1e3:.1f}",
-                         f"{b.predicted_step_time_us / plan.predicted_step_time_us:.2f}x",
+                         _ratio(b.predicted_step_time_us, plan.predicted_step_time_us),
                          _gib(b.peak_memory_bytes) + ("" if b.fits else " (over cap)"),
                          "all stages" if b.recompute else "none")
         console.print(base)
+
+
+def _ratio(value: float, reference: float) -> str:
+    """``value / reference`` as ``1.25x``; ``-`` when the reference is 0 (e.g. a hand-written plan)."""
+    return f"{value / reference:.2f}x" if reference > 0 else "-"
 
 
 def _field(obj: Any, name: str) -> Any:
