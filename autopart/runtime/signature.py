@@ -75,7 +75,9 @@ def call_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any) -> t
                 if isinstance(loss, torch.Tensor) else f"{type(loss).__name__} {loss!r:.60}")
         raise PlanError(f"loss_fn returned {what}; it must return a scalar floating-point tensor "
                         "(reduce it, e.g. loss.mean())")
-    return loss.reshape(())
+    # returned as it is: torch's split backward (I/W) walks the loss's own autograd graph,
+    # and an extra view node in front of it breaks that walk
+    return loss
 
 
 @dataclass(frozen=True)
