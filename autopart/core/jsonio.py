@@ -13,7 +13,7 @@ from typing import Any
 
 from autopart.core.errors import PlanError
 
-__all__: list[str] = []
+__all__ = ["dumps", "write_text_atomic", "fsync_dir"]
 
 # os.umask can only be read by setting it; the lock keeps two writers from racing on it.
 _UMASK_LOCK = threading.Lock()
@@ -74,7 +74,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 def _mode_for(target: Path) -> int:
@@ -100,7 +100,7 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the rename durable; best effort (some platforms cannot open a directory)."""
     try:
         fd = os.open(directory, os.O_RDONLY)

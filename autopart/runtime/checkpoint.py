@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from autopart.core.errors import CheckpointError
-from autopart.core.jsonio import dumps, write_text_atomic
+from autopart.core.jsonio import dumps, fsync_dir, write_text_atomic
 from autopart.core.plan import Plan
 
 if TYPE_CHECKING:
@@ -30,17 +30,6 @@ __all__ = ["save_checkpoint", "read_checkpoint", "checkpoint_tensors", "current_
 CHECKPOINT_FORMAT = 2  # 2: sha256, size and dtypes per file; 1 (no digests) still loads
 _READABLE_FORMATS = (1, 2)
 _LATEST = "latest"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(pipe: PipelinedModule, directory: str | os.PathLike[str]) -> Path:
@@ -88,9 +77,9 @@ def save_checkpoint(pipe: PipelinedModule, directory: str | os.PathLike[str]) ->
                                    for fqn, t in tensors.items()}}
             write_text_atomic(tmp / "manifest.json", dumps(manifest))
             pipe.plan.save(tmp / "plan.json")
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.replace(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
             write_text_atomic(root / _LATEST, final.name + "\n")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -162,22 +162,29 @@ def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def dies(rank: int, world: int, port: int, victim: int, timeout_s: float, kind: str = "1f1b",
-         v: int = 1) -> None:
-    """Every rank trains; ``victim`` kills itself in the middle of its second step."""
+def _mlp_pipeline(world: int, kind: str, v: int, **compile_kwargs: Any) -> tuple[Any, ...]:
+    """The test MLP on a hand-made plan for ``world`` ranks, compiled distributed; returns
+    ``(pipe, args, target, loss_fn)``."""
     sys.path.insert(0, os.getcwd())
     import autopart
     from autopart.core.capture import capture
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 
-    _setup(rank, world, port, timeout_s)
     model, args, target, loss_fn = ZOO["mlp"]()
     captured = capture(model, tuple(a[:2] for a in args))
     plan = manual_plan(captured, even_positions(captured, world * v), 4, 8, schedule_kind=kind,
                        stages_per_rank=v)
     pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
-                            step_timeout_s=timeout_s)
+                            **compile_kwargs)
+    return pipe, args, target, loss_fn
+
+
+def dies(rank: int, world: int, port: int, victim: int, timeout_s: float, kind: str = "1f1b",
+         v: int = 1) -> None:
+    """Every rank trains; ``victim`` kills itself in the middle of its second step."""
+    _setup(rank, world, port, timeout_s)
+    pipe, args, target, _ = _mlp_pipeline(world, kind, v, step_timeout_s=timeout_s)
     pipe.train_step(*args, target=target)
     if rank == victim:
         os._exit(17)  # killed mid-run: no clean-up, no goodbye
@@ -190,18 +197,11 @@ def fused(rank: int, world: int, port: int, result_dir: str) -> None:
     """``fuse=True`` under torchrun: each rank's stages run through ``torch.compile``; the
     loss and every gradient still match the plain model."""
     sys.path.insert(0, os.getcwd())
-    import autopart
-    from autopart.core.capture import capture
-    from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 
     _setup(rank, world, port, 120)
-    model, args, target, loss_fn = ZOO["mlp"]()
-    reference = copy.deepcopy(model)
-    captured = capture(model, tuple(a[:2] for a in args))
-    plan = manual_plan(captured, even_positions(captured, world), 4, 8, schedule_kind="1f1b")
-    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
-                            fuse=True)
+    reference = ZOO["mlp"]()[0]  # the same seed: the same weights
+    pipe, args, target, loss_fn = _mlp_pipeline(world, "1f1b", 1, fuse=True)
     problems = [] if "fuse_s" in pipe.timings_s else ["no fuse_s timing"]
     loss = pipe.train_step(*args, target=target)
     ref_loss = loss_fn(reference(*args), target)
@@ -221,19 +221,10 @@ def hangs(rank: int, world: int, port: int, victim: int, kind: str, v: int,
     its own (its heartbeat thread ends it when told to)."""
     import time
 
-    sys.path.insert(0, os.getcwd())
     import autopart
-    from autopart.core.capture import capture
-    from tests.plans import even_positions, manual_plan
-    from tests.zoo import ZOO
 
     _setup(rank, world, port, 600)  # the default group would wait for minutes
-    model, args, target, loss_fn = ZOO["mlp"]()
-    captured = capture(model, tuple(a[:2] for a in args))
-    plan = manual_plan(captured, even_positions(captured, world * v), 4, 8, schedule_kind=kind,
-                       stages_per_rank=v)
-    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
-                            step_timeout_s=step_timeout_s)
+    pipe, args, target, _ = _mlp_pipeline(world, kind, v, step_timeout_s=step_timeout_s)
     pipe.train_step(*args, target=target)
     if rank == victim:
         calls = [0]
