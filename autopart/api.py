@@ -201,8 +201,7 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     if options.checkpoint is not None:
         tensor_of = checkpoint_tensors(options.checkpoint)
     elif meta:
-        tensor_of = launch.materialise(
-            model, launch.tensors_of_stages(captured, plan, {pp_rank}), device)
+        tensor_of = launch.materialise(model, device)
     t0 = time.perf_counter()
     stages = build_stages(captured, plan, [device] * pp_size, ranks={pp_rank},
                           tensor_of=tensor_of, fuse=options.fuse, cuts_by_name=meta)

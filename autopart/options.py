@@ -14,6 +14,13 @@ __all__ = ["CompileOptions", "BACKENDS"]
 BACKENDS = ("local", "distributed")
 
 
+def _positive_seconds(name: str, value: Any, default: str, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PlanError(f"{name}={value!r} must be a number of seconds > 0 ({default})")
+
+
 def _positive_int(name: str, value: Any) -> None:
     if value is None:
         return
@@ -85,28 +92,17 @@ class CompileOptions:
         if self.devices is not None and not self.devices:
             raise PlanError("devices is empty; pass at least one device, e.g. "
                             "['cuda:0', 'cuda:1']")
-        if not (isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0):
-            raise PlanError(f"time_limit_s={self.time_limit_s!r} must be a number of seconds > 0")
-        if self.step_timeout_s is not None and not (
-                isinstance(self.step_timeout_s, (int, float))
-                and not isinstance(self.step_timeout_s, bool) and self.step_timeout_s > 0):
-            raise PlanError(f"step_timeout_s={self.step_timeout_s!r} must be a number of seconds "
-                            "> 0 (or None: 300 s)")
-
-    @property
-    def choices(self) -> dict[str, Any]:
-        """The solver choices the caller fixed (``SolveOptions`` field names), None left out."""
-        fixed = {"schedule_kind": self.schedule, "stages_per_rank": self.stages_per_rank,
-                 "recompute": self.recompute}
-        return {k: v for k, v in fixed.items() if v is not None}
+        _positive_seconds("time_limit_s", self.time_limit_s, "default 10")
+        _positive_seconds("step_timeout_s", self.step_timeout_s, "or None: 300 s",
+                          optional=True)
 
     def check_backend(self, backend: str) -> None:
         """Refuse what ``backend`` cannot honour.
 
         Raises:
             PlanError: ``checkpoint``, ``mesh`` or ``step_timeout_s`` with the local backend;
-                ``devices`` with
-                the distributed one (each rank runs on its own ``LOCAL_RANK`` device).
+                ``devices`` with the distributed one (each rank runs on its own
+                ``LOCAL_RANK`` device).
         """
         if backend == "local":
             for name in ("checkpoint", "mesh", "step_timeout_s"):

@@ -130,7 +130,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         split = model.split_factor if splits_backward(kind, rc[s]) else 1.0
         bi = model.part_us("bwd_input", a, z, ratio) * f * split + (fwd if rc[s] else 0.0)
         bw = model.part_us("bwd_weight", a, z, ratio) * f * split
-        if kind == "zero_bubble" and not splits_backward(kind, rc[s]):
+        if splits_backward(kind, False) and not splits_backward(kind, rc[s]):
             bi, bw = bi + bw, 0.0  # one B where its I would be; no W
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)

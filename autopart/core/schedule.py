@@ -195,16 +195,17 @@ def build_schedule(kind: str, num_ranks: int, num_microbatches: int,
         raise PlanError(f"unknown schedule kind {kind!r}; expected one of "
                         "gpipe, 1f1b, interleaved_1f1b, zero_bubble")
     schedule = builders[kind](num_ranks, num_microbatches)
-    whole = {s for s in recompute if not splits_backward(kind, True)}
-    if kind != "zero_bubble" or not whole:
+    whole = set(recompute)
+    if not whole:
         return schedule
     out = []
     for acts in schedule:
         row = []
         for a in acts:
-            if a.stage_index in whole and a.kind == "I":
-                row.append(Action(a.stage_index, "B", a.mb_index))  # the whole backward
-            elif not (a.stage_index in whole and a.kind == "W"):
+            if a.kind in "IW" and not splits_backward(kind, a.stage_index in whole):
+                if a.kind == "I":  # the whole backward where I would be; its W goes
+                    row.append(Action(a.stage_index, "B", a.mb_index))
+            else:
                 row.append(a)
         out.append(tuple(row))
     return tuple(out)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 from torch import nn
 
 from autopart.core.errors import CheckpointError
@@ -166,7 +167,7 @@ def checkpoint_tensors(directory: str | os.PathLike[str]) -> Callable[[str], tor
                                   "another model")
         name = f"stage_{manifest['stage_of'][fqn]}.safetensors"
         if name not in verified:
-            _verify_file(folder, name, manifest)
+            _read_verified(folder, name, manifest)
             verified.add(name)
         with safe_open(str(folder / name), framework="pt") as f:
             value = f.get_tensor(fqn)
@@ -219,30 +220,38 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _verify_file(folder: Path, name: str, manifest: dict[str, Any]) -> None:
-    """Check a stage file's size and SHA-256 against the manifest (format 2).
+def _read_verified(folder: Path, name: str, manifest: dict[str, Any]) -> bytes:
+    """A stage file's bytes, read once and checked against the manifest's size and SHA-256
+    (format 2; format 1 recorded neither).
 
     Raises:
         CheckpointError: the file is missing, truncated, grown or altered.
     """
     path = folder / name
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is damaged: "
-                              "load an earlier one or save again")
-    if manifest["format"] < 2:
-        return
-    sha, size = manifest["files"][name]["sha256"], int(manifest["files"][name]["bytes"])
-    if path.stat().st_size != size or _sha256(path) != sha:
-        raise CheckpointError(f"checkpoint file {path} does not match its manifest (size "
-                              f"{path.stat().st_size} vs {size} bytes, or SHA-256 differs): it was "
-                              "damaged or changed after the save; load an earlier checkpoint or "
-                              "save again")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing or unreadable ({exc}); the "
+                              "checkpoint is damaged: load an earlier one or save again") from exc
+    if manifest["format"] >= 2:
+        sha, size = manifest["files"][name]["sha256"], int(manifest["files"][name]["bytes"])
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
+            raise CheckpointError(f"checkpoint file {path} does not match its manifest (size "
+                                  f"{len(data)} vs {size} bytes, or SHA-256 differs): it was "
+                                  "damaged or changed after the save; load an earlier "
+                                  "checkpoint or save again")
+    return data
 
 
 def _load_verified(folder: Path, name: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    _verify_file(folder, name, manifest)
+    """Every tensor of a verified stage file, by FQN.
+
+    Raises:
+        CheckpointError: see :func:`_read_verified`, or bytes safetensors cannot parse.
+    """
+    data = _read_verified(folder, name, manifest)
     try:
-        return load_file(str(folder / name))
+        return safetensors_load(data)
     except Exception as exc:  # safetensors raises its own error types for bad headers
         raise CheckpointError(f"checkpoint file {folder / name} cannot be read "
                               f"({type(exc).__name__}: {exc}); load an earlier checkpoint or "

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.codegen.split import split_graph
-from autopart.codegen.stages import check_plan_matches
 from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps
 from autopart.core.plan import Plan
 
 __all__ = ["require_process_group", "broadcast_plan", "rank_device", "on_meta", "retarget_meta",
-           "tensors_of_stages", "materialise"]
+           "materialise"]
 
 
 def require_process_group() -> None:
@@ -59,34 +57,28 @@ def retarget_meta(captured: CapturedGraph, device: torch.device) -> None:
         captured.graph_module.recompile()
 
 
-def tensors_of_stages(captured: CapturedGraph, plan: Plan, ranks: Collection[int]) -> set[str]:
-    """Canonical FQNs of the parameters and buffers that the stages of ``ranks`` read
-    (``captured`` may be a ``meta`` capture: cuts are found by node name)."""
-    local = {st.stage_index for st in plan.stages if st.rank in ranks}
-    positions = check_plan_matches(plan, captured, by_name=True)
-    return {captured.attr_fqns.get(t, t) for sg in split_graph(captured, positions)
-            if sg.stage_index in local for t in sg.attr_targets}
-
-
-def materialise(model: nn.Module, fqns: set[str], device: torch.device,
-                ) -> Callable[[str], torch.Tensor]:
-    """Materialise only the modules holding ``fqns`` (meta -> ``device``) and initialise them
-    (``reset_parameters``, else Hugging Face's ``_init_weights``).
+def materialise(model: nn.Module, device: torch.device) -> Callable[[str], torch.Tensor]:
+    """A ``tensor_of`` for :func:`autopart.codegen.build_stages` that materialises, on first
+    request, only the module holding the tensor asked for (meta -> ``device``) and
+    initialises it (``reset_parameters``, else Hugging Face's ``_init_weights``). Codegen
+    asks only for the tensors of the stages it builds, so nothing else leaves ``meta``.
 
     Returns:
-        canonical FQN -> the materialised tensor.
+        canonical FQN -> the materialised parameter or buffer.
     """
-    owners = {fqn.rpartition(".")[0] for fqn in fqns}
     init = getattr(model, "_init_weights", None)
-    for name in sorted(owners):
-        module = model.get_submodule(name) if name else model
-        module.to_empty(device=device, recurse=False)
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-        elif callable(init):
-            init(module)
+    done: set[str] = set()
 
     def tensor_of(fqn: str) -> torch.Tensor:
+        owner = fqn.rpartition(".")[0]
+        if owner not in done:
+            module = model.get_submodule(owner) if owner else model
+            module.to_empty(device=device, recurse=False)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            elif callable(init):
+                init(module)
+            done.add(owner)
         try:
             return model.get_parameter(fqn)
         except AttributeError:
