@@ -2,6 +2,7 @@
 
 import copy
 import json
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ def test_trace_has_every_action_once_per_rank_in_schedule_order(kind: str, v: in
     for r in range(p):
         assert trace.actions(r) == [str(a) for a in expected[r]]
         ev = [e for e in trace.of_rank(r) if e.action is not None]
-        assert all(a.end_us <= b.start_us + 1e-3 for a, b in zip(ev, ev[1:]))  # no overlap
+        assert all(a.end_us <= b.start_us + 1e-3 for a, b in pairwise(ev))  # no overlap
     last = pipe.plan.stages[-1].rank
     assert sum(e.name == "loss" for e in trace.of_rank(last)) == 4
     path = tmp_path / "step.json"
