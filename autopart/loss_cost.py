@@ -63,11 +63,12 @@ def _outputs(signature: InputSignature, device: torch.device) -> list[Any]:
 
 
 def measure_loss_cost(captured: CapturedGraph, loss_fn: Any, target: Any, device: str, *,
-                      repeats: int = 5) -> LossCost:
+                      repeats: int = 3, long_us: float = 100_000.0) -> LossCost:
     """Time and size ``loss_fn`` on outputs shaped as ``captured``'s (random values; the
     cost of a loss does not depend on them) and ``target`` (one captured batch of it).
 
-    Time: medians of ``repeats`` calls after one warm-up, forward and backward apart.
+    Time: medians of ``repeats`` calls after one warm-up, forward and backward apart (a
+    first call of ``long_us`` or more is the one sample, as in the profiler).
     Saved bytes: :class:`autopart.profiler.meters.SavedTensorMeter` over one forward.
     Transient: the largest allocation during forward + backward
     (:func:`autopart.runtime.tracing.measure_peak_bytes`) less the saved bytes.
@@ -87,13 +88,13 @@ def measure_loss_cost(captured: CapturedGraph, loss_fn: Any, target: Any, device
         return leaves, call_loss(loss_fn, signature.output(leaves), target)
 
     with RngState(dev):
-        fwd_us, _ = time_calls(dev, lambda: forward, 1, repeats)
+        fwd_us, _ = time_calls(dev, lambda: forward, 1, repeats, long_us)
 
         def backward_factory() -> Any:
             _, loss = forward()
             return loss.backward
 
-        bwd_us, _ = time_calls(dev, backward_factory, 1, repeats)
+        bwd_us, _ = time_calls(dev, backward_factory, 1, repeats, long_us)
         meter = SavedTensorMeter(set())
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             leaves, loss = forward()

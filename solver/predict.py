@@ -7,15 +7,16 @@ from dataclasses import dataclass
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
-from autopart.core.plan import Plan
+from autopart.core.plan import Plan, SolverReport
 from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.trace import Trace, TraceEvent
 from autopart.solver._costmodel import CostModel
-from autopart.solver._evaluate import evaluate
+from autopart.solver._evaluate import build_plan, evaluate
+from autopart.solver.baselines import baseline_partitions
 from autopart.solver.options import SolveOptions
 from autopart.solver.simulate import StageCosts, simulate
 
-__all__ = ["Prediction", "predict"]
+__all__ = ["Prediction", "predict", "plan_at", "baseline_plan"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,52 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
             "step_time_us": round(res.step_time_us, 3)}
     return Prediction(step_time_us=res.step_time_us, peak_memory_bytes=res.peak_memory_bytes,
                       stage_costs=c, trace=Trace(tuple(events), "predicted", meta))
+
+
+def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,
+            positions: tuple[int, ...] | list[int], *, kind: str, num_microbatches: int,
+            stages_per_rank: int = 1, recompute: bool = False, name: str = "manual") -> Plan:
+    """The plan of given cuts, costed like the solver's own (no search): to run a baseline
+    partition or a hand split under the same runtime and compare predictions.
+
+    Args:
+        costs, cluster, options: as for :func:`autopart.solver.solve` (``options`` gives the
+            batch size, training, optimizer state and split factor).
+        positions: cut positions (node indices), ``ranks x stages_per_rank - 1`` of them.
+        kind, num_microbatches, stages_per_rank: the schedule.
+        recompute: every stage recomputes its forward (default False).
+        name: the solver name recorded in ``plan.solver`` (status ``"FIXED"``).
+
+    Raises:
+        PlanError: a position count that does not match the stages, or positions out of order.
+    """
+    p, v = cluster.num_ranks, stages_per_rank
+    positions = tuple(positions)
+    if len(positions) != p * v - 1 or list(positions) != sorted(set(positions)):
+        raise PlanError(f"{len(positions)} cut positions {list(positions)} for {p} ranks x "
+                        f"{v} stages per rank: give {p * v - 1} ascending, distinct positions")
+    model = CostModel(costs, cluster, batch_size=options.batch_size, training=options.training,
+                      state_factor=options.optimizer_state_bytes_per_param_byte,
+                      split_factor=options.split_backward_factor)
+    cand = evaluate(model, None, kind, p, v, num_microbatches, positions, None,
+                    recompute=recompute).simulated()
+    report = SolverReport("FIXED", cand.step_us, cand.step_us, 0.0, 0.0, name=name)
+    return build_plan(costs, cluster, model, None, cand, options.optimize, options.batch_size,  # type: ignore[arg-type]
+                      dict(options.library_versions), report, (), ())
+
+
+def baseline_plan(costs: CostGraph, cluster: Cluster, options: SolveOptions, baseline: str, *,
+                  kind: str, num_microbatches: int, recompute: bool = False) -> Plan:
+    """:func:`plan_at` the cuts a baseline partitioner makes onto ``cluster``'s ranks
+    (``"uniform_layers"``: equal layers per stage, the usual hand split;
+    ``"deepspeed_parameters"``, ``"pippy_equal_size"``, ``"torchgpipe_balance_by_time"``).
+
+    Raises:
+        PlanError: an unknown baseline name, or one that does not apply to this graph.
+    """
+    cuts = dict(baseline_partitions(costs, cluster.num_ranks))
+    if baseline not in cuts:
+        raise PlanError(f"baseline {baseline!r} does not apply to this graph onto "
+                        f"{cluster.num_ranks} ranks; choose one of {sorted(cuts)}")
+    return plan_at(costs, cluster, options, cuts[baseline], kind=kind,
+                   num_microbatches=num_microbatches, recompute=recompute, name=baseline)
