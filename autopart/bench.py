@@ -125,28 +125,24 @@ def load_workload(spec: str, config: dict[str, Any] | None = None) -> Workload:
 
 
 def _hf_workload(cls_name: str, config: dict[str, Any]) -> Workload:
-    import transformers
-
+    from autopart.cli_profile import build_model
     from autopart.demo import gpt2_loss
 
     batch, seq = int(config.pop("batch", 8)), int(config.pop("seq", 128))
-    cls = getattr(transformers, cls_name, None)
-    if cls is None or not hasattr(cls, "config_class"):
-        raise UsageError(f"hf:{cls_name} is not a transformers model class (e.g. "
-                         "hf:GPT2LMHeadModel)")
-    cfg = cls.config_class(**config)
-    vocab = int(getattr(cfg, "vocab_size", 1000))
+    items = [f"{k}={json.dumps(v)}" for k, v in config.items()]
+    model, (tokens,) = build_model(f"hf:{cls_name}", items, batch, seq, meta=False)
+    cfg = model.config
+    vocab = int(getattr(cfg, "vocab_size", 2) or 2)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) >= vocab:
             setattr(cfg, key, 0)
     for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob",
                 "attention_probs_dropout_prob", "dropout", "attention_dropout"):
-        if hasattr(cfg, key):
+        if isinstance(getattr(cfg, key, None), float):
             setattr(cfg, key, 0.0)
-    cfg.use_cache = False
-    torch.manual_seed(0)
-    model = cls(cfg)
-    tokens = torch.randint(0, vocab, (batch, seq))
+    for mod in model.modules():  # the modules read their rates at construction
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
     return model, (tokens,), tokens, gpt2_loss
 
 

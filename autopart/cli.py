@@ -9,6 +9,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from autopart.cli_bench import bench as _bench
 from autopart.cli_plan import plan as _plan
 from autopart.cli_profile import profile as _profile
 
@@ -98,6 +99,7 @@ def show(plan: Path = typer.Argument(..., help="a plan JSON file")) -> None:
 
 app.command(name="profile")(_profile)
 app.command(name="plan")(_plan)
+app.command(name="bench")(_bench)
 
 
 def main() -> None:
