@@ -7,7 +7,7 @@ from typing import Any
 __all__ = ["compile", "plan_model", "load", "CompileOptions", "Profile", "Plan", "Pipeline",
            "PipelinedModule", "DistributedPipeline", "AutopartError", "TraceError",
            "ProfileError", "PlanError", "InfeasiblePlanError", "CheckpointError",
-           "PipelineFailure", "__version__"]
+           "PipelineFailure", "trace", "__version__"]
 from autopart.core.version import __version__
 
 # Exports resolve lazily (PEP 562) so that `import autopart.solver` or `autopart.core.plan`
@@ -29,6 +29,12 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("trace", "bench"):  # submodules: autopart.trace.save(...), autopart.bench
+        import importlib
+
+        module = importlib.import_module(f"autopart.{name}")
+        globals()[name] = module
+        return module
     if name in _LAZY:
         import importlib
 

@@ -38,6 +38,8 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
           ranks: int = typer.Option(2, min=2, help="local processes (gloo on CPU)"),
           steps: int = typer.Option(5, min=1, help="timed steps per arm"),
           num_microbatches: int = typer.Option(None, min=1, help="m (default: the solver's)"),
+          schedule: str = typer.Option(None, help="schedule kind (default: the solver's): "
+                                       "gpipe, 1f1b, interleaved_1f1b, zero_bubble"),
           out: Path = typer.Option(Path("autopart-bench"), help="report folder")) -> None:
     """Plan MODEL for --ranks ranks, run the plan, the unpartitioned model and the baselines
     (equal layers; DeepSpeed's parameter balance) on real processes, and write a report."""
@@ -63,7 +65,8 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
     net, args, target, loss_fn = load_workload(spec, dict(cfg))
     t0 = time.perf_counter()
     plan, profile = autopart.plan_model(net, args, devices=["cpu"] * ranks, loss_fn=loss_fn,
-                                        example_target=target, num_microbatches=num_microbatches)
+                                        example_target=target, num_microbatches=num_microbatches,
+                                        schedule=schedule)
     plan_s = time.perf_counter() - t0
     cluster = cluster_for_devices(list(profile.devices))
     plans = {"autopart": plan}

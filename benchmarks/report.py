@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,40 @@ def solver_scale(results: Path) -> list[str]:
     return lines + [""]
 
 
+def fidelity(results: Path, figures: Path) -> list[str]:
+    """Markdown lines for ``fidelity``: predicted against measured, per plan, and the
+    timeline figure the benchmark drew."""
+    d = _load(results / "fidelity" / "results.json")
+    if d is None:
+        return ["## fidelity", "", "No recorded results.", ""]
+    s = d["summary"]
+    lines = ["## fidelity: predicted vs measured step time and peak memory", "",
+             f"{d['machine']}; Python {d['python']}, torch {d['torch']}; {d['ranks']} gloo "
+             f"ranks x {d['threads_per_rank']} thread; median of {d['steps']} steps, plans "
+             f"alternated; recorded {d['date']}.", "",
+             f"{s['plans']} plans: median |step error| {s['median_abs_step_error']:.1%}, worst "
+             f"{s['max_abs_step_error']:.1%}; per-rank peaks under-predicted: "
+             f"{s['under_predicted_peaks']}; most over-predicted peak {s['max_peak_over']:+.1%}.",
+             ""]
+    for key, value in s.items():
+        if key.endswith("_solver_over_fastest"):
+            lines.append(f"- {key.split('_')[0]}: the solver's plan measured {value:+.1%} "
+                         "against the fastest plan of the sweep.")
+    lines += ["", "| workload | plan | predicted s | measured s | error | peak MiB pred / meas |",
+              "|---|---|---:|---:|---:|---|"]
+    for r in d["rows"]:
+        peaks = ", ".join(f"{a / 2**20:.0f} / {b / 2**20:.0f}" for a, b in
+                          zip(r["predicted_peak_bytes"], r["measured_peak_bytes"], strict=True))
+        lines.append(f"| {r['workload']} | {', '.join(r['labels'])} | "
+                     f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
+                     f"{r['step_error']:+.1%} | {peaks} |")
+    png = results / "fidelity" / "timeline.png"
+    if png.exists():
+        shutil.copyfile(png, figures / "fidelity_timeline.png")
+        lines += ["", "![predicted and measured timelines](figures/fidelity_timeline.png)"]
+    return lines + [""]
+
+
 def write_report(results: Path, out: Path) -> Path:
     """Write the report (and its figures, in ``<out dir>/figures/``); returns ``out``.
 
@@ -242,6 +277,7 @@ def write_report(results: Path, out: Path) -> Path:
     lines += executor_overhead(results)
     lines += plan_quality(results, figures)
     lines += solver_scale(results)
+    lines += fidelity(results, figures)
     from autopart.core.jsonio import write_text_atomic
 
     write_text_atomic(out, "\n".join(lines))

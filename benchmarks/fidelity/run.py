@@ -5,10 +5,12 @@ the way ``autopart.compile`` takes it (one thread, the ranks' own thread count),
 are solved on it over a grid of microbatch counts, schedule kinds and recompute, plus the
 solver's own choice. Two gloo ranks with one thread each then build every plan's pipeline
 and run them alternately, step by step, in an order rotated each step (so drift in the
-machine's load hits every plan alike). Per plan: the median of ``--steps`` timed
-``train_step`` calls (slowest rank, after a barrier; the optimizer step is not part of the
-plan's prediction and is not timed), one traced step, and one step whose per-rank peak
-memory is measured with AdamW's state held (:func:`autopart.runtime.tracing.measure_peak_bytes`).
+machine's load hits every plan alike; :func:`autopart.bench.run_arms`). Per plan: the
+median of ``--steps`` timed ``train_step`` calls (slowest rank, after a barrier; the
+optimizer step is not part of the plan's prediction and is not timed), one traced step, and
+one step whose per-rank peak memory is measured with AdamW's state held
+(:func:`autopart.runtime.tracing.measure_peak_bytes`). The loss is profiled with an example
+target, as ``autopart.compile(..., example_target=)`` does.
 
     .venv/bin/python benchmarks/fidelity/run.py [--quick] [--steps 7] [--out DIR]
 
@@ -19,12 +21,10 @@ and measured Gantt charts of the solver's GPT-2 plan) into ``--out`` (default: t
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,60 +113,9 @@ GRID = [("gpt2", "gpipe", 1, 4, False), ("gpt2", "gpipe", 1, 8, False),
 QUICK = [("gpt2", "1f1b", 1, 8, False), ("gpt2", "gpipe", 1, 4, False)]
 
 
-# ---- the ranks ----------------------------------------------------------------------------
-def ranked(rank: int, world: int, port: int, steps: int, work: str) -> None:
-    import autopart
-    from autopart.core.plan import Plan
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    rows = json.loads(Path(work, "rows.json").read_text())
-    built = {name: fn() for name, fn in WORKLOADS.items() if any(r["workload"] == name
-                                                                   for r in rows)}
-    arms = []
-    for row in rows:
-        model, args, target, loss_fn = built[row["workload"]]
-        plan = Plan.load(Path(work, f"plan_{row['id']}.json"))
-        pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan,
-                                backend="distributed")
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-5)
-        arms.append((row["id"], pipe, opt, args, target))
-    for _, pipe, opt, args, target in arms:  # warm-up; AdamW's state exists from here on
-        for _ in range(WARMUP):
-            opt.zero_grad()
-            pipe.train_step(*args, target=target)
-            opt.step()
-    times: dict[str, list[float]] = {a[0]: [] for a in arms}
-    for i in range(steps):
-        for k in range(len(arms)):
-            key, pipe, opt, args, target = arms[(i + k) % len(arms)]
-            opt.zero_grad()
-            dist.barrier()
-            t0 = time.perf_counter()
-            pipe.train_step(*args, target=target)
-            elapsed = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[key].append(float(elapsed))
-    out: dict[str, Any] = {}
-    for key, pipe, opt, args, target in arms:
-        opt.zero_grad()
-        pipe.train_step(*args, target=target, trace=True)
-        opt.zero_grad()
-        pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
-        out[key] = {"times_s": times[key], "peaks": pipe.last_peak_memory_bytes}
-        if rank == 0:
-            pipe.last_trace.save(Path(work, f"trace_{key}.json"))
-        pipe.close()
-    if rank == 0:
-        Path(work, "measured.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
-
-
 # ---- the parent ---------------------------------------------------------------------------
 def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
-          with_solver: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+          with_solver: bool) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Profile each workload once, solve the grid's plans (and the solver's choice)."""
     import autopart
     from autopart.trace import predict
@@ -177,10 +124,12 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
     rows: list[dict[str, Any]] = []
     profiles: dict[str, Any] = {}
     seen: dict[str, str] = {}
+    plan_of: dict[str, Any] = {}
     for name in dict.fromkeys(w for w, *_ in grid):
-        model, args, _, _ = WORKLOADS[name]()
+        model, args, target, loss_fn = WORKLOADS[name]()
         t0 = time.perf_counter()
-        solver_plan, profile = autopart.plan_model(model, args, devices=["cpu"] * P)
+        solver_plan, profile = autopart.plan_model(model, args, devices=["cpu"] * P,
+                                                   loss_fn=loss_fn, example_target=target)
         profiles[name] = {"profile": profile, "compile_s": time.perf_counter() - t0}
         wanted = [(k, v, m, rc) for w, k, v, m, rc in grid if w == name]
         todo: list[tuple[str, Any]] = [("solver", solver_plan)] if with_solver else []
@@ -197,6 +146,7 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
             rid = f"{name}_{len(rows)}"
             seen[key] = rid
             plan.save(Path(work, f"plan_{rid}.json"))
+            plan_of[rid] = plan
             pred = predict(profile, plan)
             pred.trace.save(Path(work, f"predicted_{rid}.json"))
             rows.append({"id": rid, "workload": name, "labels": [label],
@@ -207,7 +157,7 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
                          "predicted_step_s": plan.predicted_step_time_us / 1e6,
                          "simulated_step_s": pred.step_time_us / 1e6,
                          "predicted_peak_bytes": [r.peak_memory_bytes for r in plan.ranks]})
-    return rows, profiles
+    return rows, profiles, plan_of
 
 
 def main() -> None:
@@ -216,22 +166,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7, help="timed steps per plan (default 7)")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     opts = parser.parse_args()
+    from autopart.bench import run_arms
     from autopart.trace import Trace, gantt
 
     work = tempfile.mkdtemp(prefix="autopart-fidelity-")
     t_start = time.perf_counter()
-    rows, profiles = plans(QUICK if opts.quick else GRID, work, with_solver=True)
-    Path(work, "rows.json").write_text(json.dumps(rows))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(ranked, args=(P, port, opts.steps, work), nprocs=P, join=True)
-    measured = json.loads(Path(work, "measured.json").read_text())
+    rows, profiles, plan_of = plans(QUICK if opts.quick else GRID, work, with_solver=True)
+    here = Path(__file__).resolve()
+    measured: dict[str, Any] = {}
+    for name in profiles:  # one set of ranks per workload, its plans alternated
+        mine = {r["id"]: plan_of[r["id"]] for r in rows if r["workload"] == name}
+        got = run_arms(f"{here}:{name}", mine, ranks=P, steps=opts.steps, warmup=WARMUP,
+                       single=False)
+        for rid, res in got.items():
+            measured[rid] = res
+            if res.trace is not None:
+                res.trace.save(Path(work, f"trace_{rid}.json"))
     for row in rows:
         got = measured[row["id"]]
-        row["measured_steps_s"] = [round(t, 4) for t in got["times_s"]]
-        row["measured_step_s"] = statistics.median(got["times_s"])
-        row["measured_peak_bytes"] = got["peaks"]
+        row["measured_steps_s"] = [round(t, 4) for t in got.steps_s]
+        row["measured_step_s"] = got.step_s
+        row["measured_peak_bytes"] = got.peak_bytes
         row["step_error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
         row["peak_error"] = [p / m - 1 for p, m in zip(row["predicted_peak_bytes"],
                                                         row["measured_peak_bytes"], strict=True)]

@@ -1,0 +1,70 @@
+"""A plan's predicted trace and plans at given cuts (baselines) on hand-made costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopart.core.errors import PlanError
+from autopart.core.schedule import build_schedule
+from autopart.solver import SolveOptions, solve
+from autopart.solver.predict import baseline_plan, plan_at, predict
+from autopart.solver.simulate import simulate
+
+
+def test_gpipe_timeline_recorded_by_the_simulator_is_hand_worked() -> None:
+    from tests.solver.test_simulate import uniform
+
+    res = simulate(build_schedule("gpipe", 2, 2), uniform(2), record=True)
+    # rank 0: F0 0..10, F1 10..20, B1 50..70, B0 70..90; rank 1: F0 10..20, F1 20..30,
+    # B1 30..50, B0 50..70 (see test_gpipe_two_stages_hand_worked)
+    got = {(r, f"{s}{k}{i}"): (a, b) for r, s, k, i, a, b in res.timeline}
+    assert got[(0, "0F0")] == (0.0, 10.0) and got[(0, "0B0")] == (70.0, 90.0)
+    assert got[(1, "1F1")] == (20.0, 30.0) and got[(1, "1B1")] == (30.0, 50.0)
+    assert len(res.timeline) == 8
+    assert simulate(build_schedule("gpipe", 2, 2), uniform(2)).timeline == ()
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zero_bubble"])
+def test_predicted_trace_replays_the_plan(build, kind: str) -> None:  # type: ignore[no-untyped-def]
+    costs = build.chain(12, param_bytes=400)
+    cluster = build.cluster(2, link_bw=1e6, latency_us=5.0)
+    opts = SolveOptions(batch_size=8, num_microbatches=4, schedule_kind=kind,
+                        stages_per_rank=1, time_limit_s=5)
+    plan = solve(costs, cluster, opts)
+    pred = predict(plan, costs, cluster, opts)
+    assert pred.peak_memory_bytes == tuple(r.peak_memory_bytes for r in plan.ranks)
+    assert pred.step_time_us == pytest.approx(plan.predicted_step_time_us, rel=0.02)
+    expected = build_schedule(kind, 2, 4)
+    for r in range(2):
+        assert pred.trace.actions(r) == [str(a) for a in expected[r]]
+    sends = [e for e in pred.trace.events if e.name.startswith("send ")]
+    assert sends and all(e.duration_us > 0 for e in sends)
+    assert pred.trace.step_time_us == pytest.approx(pred.step_time_us)
+
+
+def test_plan_at_the_solvers_cuts_costs_like_the_solver(build) -> None:  # type: ignore[no-untyped-def]
+    costs = build.chain(12, param_bytes=400)
+    cluster = build.cluster(2)
+    opts = SolveOptions(batch_size=8, num_microbatches=4, schedule_kind="1f1b",
+                        stages_per_rank=1, time_limit_s=5)
+    plan = solve(costs, cluster, opts)
+    again = plan_at(costs, cluster, opts, [c.position for c in plan.cuts], kind="1f1b",
+                    num_microbatches=4)
+    assert [c.position for c in again.cuts] == [c.position for c in plan.cuts]
+    assert again.predicted_step_time_us == pytest.approx(plan.predicted_step_time_us, rel=0.02)
+    assert again.solver.status == "FIXED"
+    equal = baseline_plan(costs, cluster, opts, "uniform_layers", kind="1f1b",
+                          num_microbatches=4)
+    assert [c.position for c in equal.cuts] == [6]
+    with pytest.raises(PlanError, match="give 1 ascending, distinct positions"):
+        plan_at(costs, cluster, opts, [3, 6], kind="1f1b", num_microbatches=4)
+    with pytest.raises(PlanError, match="choose one of"):
+        baseline_plan(costs, cluster, opts, "nope", kind="1f1b", num_microbatches=4)
+
+
+def test_predict_refuses_a_plan_for_other_ranks(build) -> None:  # type: ignore[no-untyped-def]
+    costs = build.chain(8)
+    opts = SolveOptions(batch_size=8, num_microbatches=2, time_limit_s=5)
+    plan = solve(costs, build.cluster(2), opts)
+    with pytest.raises(PlanError, match="the plan has 2 ranks but the cluster 4"):
+        predict(plan, costs, build.cluster(4), opts)
