@@ -75,12 +75,17 @@ class CostModel:
         split_factor: measured ``(I + W) / B`` of a backward run as ``I`` then ``W``, applied
             to the stages whose backward splits (:func:`autopart.core.schedule.splits_backward`;
             default 1.0).
+        receive_buffers_per_microbatch: training stages hold m receive buffers for their
+            input and m for their outputs' gradient (torch.distributed.pipelining's stages
+            allocate one per microbatch up front; default False: one of each).
     """
 
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
-                 state_factor: float, split_factor: float = 1.0) -> None:
+                 state_factor: float, split_factor: float = 1.0,
+                 receive_buffers_per_microbatch: bool = False) -> None:
         self.costs = costs
         self.split_factor = split_factor  # (I + W) / B where splits_backward(kind, recompute)
+        self.receive_buffers_per_microbatch = receive_buffers_per_microbatch
         self.cluster = cluster
         self.batch_size = batch_size
         self.training = training
@@ -201,7 +206,8 @@ class CostModel:
         """Additive memory weights at ``m`` microbatches, bytes: (segment, cut).
 
         Segment weight = state of the parameters first read in it + ``m x`` its saved activations
-        (training); cut weight = its crossing bytes, held by both neighbouring stages. Tied
+        (training); cut weight = its crossing bytes (``m x`` with per-microbatch receive
+        buffers), held by both neighbouring stages. Tied
         parameters count once here (the exact check in :meth:`evaluate` counts every replica).
         """
         r = self.ratio(m)
@@ -210,7 +216,9 @@ class CostModel:
             saved = m * self.scale_bytes(self._saved[s.stop] - self._saved[s.start], r)
             state = self._first_state[s.stop] - self._first_state[s.start]
             seg.append(state + (saved if self.training else 0))
-        cut = [self.scale_bytes(c, r) for c in cands.crossing_bytes]
+        per_cut = m if self.training and self.receive_buffers_per_microbatch else 1
+        per_cut += m if self.training else 0  # the sender holds its output until backward
+        cut = [per_cut * self.scale_bytes(c, r) for c in cands.crossing_bytes]
         return seg, cut
 
     def chain_memory_caps(self, caps_bytes: Sequence[int], m: int) -> list[int]:

@@ -148,8 +148,12 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
                           else 0.0)
         cols["sb"].append(cluster.transfer_us(cross_in, r, (s - 1) % p)
                           if s > 0 and training else 0.0)
-        cols["static"].append(state + cross_in + cross_out + (0 if training else transient))
-        cols["saved"].append(cross_in if rc[s] else act)
+        buffers = m if training and model.receive_buffers_per_microbatch else 1
+        cols["static"].append(state + buffers * (cross_in + cross_out)
+                              + (0 if training else transient))
+        # a stage's outputs (the last stage's: the logits the loss reads) stay held, in both
+        # runtimes, from its forward until that microbatch's backward
+        cols["saved"].append((cross_in if rc[s] else act) + (cross_out if training else 0))
         cols["extra"].append((transient + (act if rc[s] else 0)) if training else 0)
         info.append((pbytes, numel))
     c = StageCosts(cols["fwd"], cols["bi"], cols["bw"], cols["sf"], cols["sb"], cols["static"],

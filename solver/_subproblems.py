@@ -96,7 +96,8 @@ def setup(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Setup:
             for dev in cluster.devices]
     model = CostModel(costs, cluster, batch_size=options.batch_size, training=options.training,
                       state_factor=options.optimizer_state_bytes_per_param_byte,
-                      split_factor=options.split_backward_factor)
+                      split_factor=options.split_backward_factor,
+                      receive_buffers_per_microbatch=options.receive_buffers_per_microbatch)
     baselines = _baseline_cuts(costs, p)
     s_max = p * max(v for _, v in configs) if configs else p
     cands = find_candidates(costs, min(s_max, _valid_count(costs, p)) if s_max > p else p,

@@ -53,6 +53,11 @@ class SolveOptions:
             >= 1. :func:`autopart.compile` measures it on the profiled device.
         crossing_factor, window, max_candidates: see
             :func:`autopart.solver.candidates.find_candidates`.
+        receive_buffers_per_microbatch: when training, every stage holds one receive
+            buffer per microbatch for its input and one for its outputs' gradient for the
+            whole step, as torch.distributed.pipelining's stages allocate them (default
+            True, the distributed runtime; the one-process executor allocates them as
+            values arrive, so the figure is then high by ``m - 1`` of each).
     """
 
     batch_size: int
@@ -73,6 +78,7 @@ class SolveOptions:
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
     split_backward_factor: float = 1.0
+    receive_buffers_per_microbatch: bool = True
     crossing_factor: float = 2.0
     window: int = 32
     max_candidates: int = 128

@@ -64,7 +64,8 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
                         "on the cost graph it was solved on")
     model = CostModel(costs, cluster, batch_size=plan.batch_size, training=options.training,
                       state_factor=options.optimizer_state_bytes_per_param_byte,
-                      split_factor=options.split_backward_factor)
+                      split_factor=options.split_backward_factor,
+                      receive_buffers_per_microbatch=options.receive_buffers_per_microbatch)
     positions = tuple(c.position for c in plan.cuts)
     recompute = tuple(st.recompute for st in plan.stages)
     m, v, kind = plan.num_microbatches, plan.stages_per_rank, plan.schedule_kind
@@ -115,7 +116,8 @@ def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,
                         f"{v} stages per rank: give {p * v - 1} ascending, distinct positions")
     model = CostModel(costs, cluster, batch_size=options.batch_size, training=options.training,
                       state_factor=options.optimizer_state_bytes_per_param_byte,
-                      split_factor=options.split_backward_factor)
+                      split_factor=options.split_backward_factor,
+                      receive_buffers_per_microbatch=options.receive_buffers_per_microbatch)
     cand = evaluate(model, None, kind, p, v, num_microbatches, positions, None,
                     recompute=recompute).simulated()
     report = SolverReport("FIXED", cand.step_us, cand.step_us, 0.0, 0.0, name=name)
