@@ -148,8 +148,12 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
                           else 0.0)
         cols["sb"].append(cluster.transfer_us(cross_in, r, (s - 1) % p)
                           if s > 0 and training else 0.0)
-        buffers = m if training and model.receive_buffers_per_microbatch else 1
-        cols["static"].append(state + buffers * (cross_in + cross_out)
+        # torch's stages receive into one buffer per microbatch: the input (not on the first
+        # stage, which reads the user's microbatches) and the output gradient (not on the
+        # last, which starts from the loss)
+        many = m if training and model.receive_buffers_per_microbatch else 1
+        cols["static"].append(state + (many if s > 0 else 1) * cross_in
+                              + (many if s < s_total - 1 else 1) * cross_out
                               + (0 if training else transient))
         # a stage's outputs (the last stage's: the logits the loss reads) stay held, in both
         # runtimes, from its forward until that microbatch's backward
