@@ -396,6 +396,55 @@ class DistributedPipeline(nn.Module):
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
                     p.grad.div_(size)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every rank's gradients by the whole model's gradient norm.
+
+        The norm equals ``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model: each
+        rank takes the p-norm of the parameters it owns (a tied parameter on the rank of
+        its owning stage only; its replicas hold the same summed gradient), the pipeline
+        ranks sum ``norm ** p`` (max for ``inf``), and data-parallel replicas, whose
+        gradients are equal after ``train_step``, are not counted again. Every rank then
+        scales all its gradients (replicas included) by ``min(1, max_norm / (norm + 1e-6))``.
+        Collective over the pipeline group: call it on every rank after ``train_step``.
+
+        Args:
+            max_norm: the largest norm allowed, > 0.
+            norm_type: p of the p-norm (default 2.0; ``float("inf")`` for the largest entry).
+            error_if_nonfinite: raise when the norm is nan or inf (torch's flag).
+
+        Returns:
+            The total norm before clipping, the same on every rank (0-dim float32 tensor).
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (torch's error).
+            PipelineFailure: a pipeline rank died during the reduction.
+        """
+        p = float(norm_type)
+        owned = [t for fqn, t in self.named_parameters() if t.grad is not None
+                 and self.plan.stages[self._built.placement.owner.get(fqn, 0)].rank
+                 == self.pp_rank]
+        if owned:
+            local = torch.nn.utils.get_total_norm([t.grad for t in owned], p,
+                                                  foreach=None).to(torch.float32)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=self.device)
+        if p == float("inf"):
+            total = local.clone()
+            self._guarded(lambda: dist.all_reduce(total, op=dist.ReduceOp.MAX,
+                                                  group=self._p2p_group))
+        else:
+            total = local.pow(p)
+            self._guarded(lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM,
+                                                  group=self._p2p_group))
+            total = total.pow(1.0 / p)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {p} of the gradients is non-finite, so "
+                               "it cannot be clipped; pass error_if_nonfinite=False to clip "
+                               "anyway")
+        torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
+        return total
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined inference; the output (same structure as the model's) on every rank."""
         leaves = self.signature.flatten(args, kwargs)

@@ -157,3 +157,22 @@ def test_a_hung_rank_is_named_by_the_others_and_told_to_exit(kind: str, v: int) 
     assert elapsed < step_timeout_s + 10, line  # named within the timeout + 10 s
     assert procs[victim].returncode == 75, victim_err[-3000:]  # HUNG_EXIT_CODE
     assert "exits: it hangs in action" in victim_err, victim_err[-3000:]
+
+
+CLIP_CASES = [("gpt2", "2.0", 2, 2), ("tied_mlp", "2.0", 4, 4), ("gpt2", "inf", 2, 2),
+              ("gpt2", "2.0", 4, 2)]
+
+
+@pytest.mark.parametrize(("model", "norm_type", "world", "pp"), CLIP_CASES,
+                         ids=[f"{m}-norm{n}-{w}ranks-pp{p}" for m, n, w, p in CLIP_CASES])
+def test_clip_grad_norm_is_the_whole_models_norm(model: str, norm_type: str, world: int,
+                                                 pp: int) -> None:
+    # tied weights (gpt2's wte/lm_head, tied_mlp) are counted once; with pp x dp
+    # (world 4, pp 2) the data-parallel replicas are not counted twice
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("clip_norm", world, model, norm_type, pp, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = _reports(out, world)
+    for name, lines in reports.items():
+        assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
+        assert lines[1:] == [], f"{name}: {lines[1:]}"

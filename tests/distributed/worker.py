@@ -244,11 +244,76 @@ def hangs(rank: int, world: int, port: int, victim: int, kind: str, v: int,
     os._exit(5)  # the step should not have succeeded
 
 
+def _clip_checks(pipe: Any, reference: torch.nn.Module, max_norm: float,
+                 norm_type: float) -> list[str]:
+    """``pipe.clip_grad_norm_`` against ``clip_grad_norm_`` on the plain model (whose
+    gradients must already be the full-batch ones): the norm and every clipped gradient."""
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm,
+                                              norm_type=norm_type)
+    norm = pipe.clip_grad_norm_(max_norm, norm_type=norm_type)
+    problems = []
+    try:
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    except AssertionError as exc:
+        problems.append(f"norm {norm_type}: {str(exc).splitlines()[0]} ({norm} vs {ref_norm})")
+    if not float(ref_norm) > max_norm:
+        problems.append(f"the test clips nothing: norm {float(ref_norm)} <= {max_norm}")
+    ref_params = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        try:
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=1e-7)
+        except (AssertionError, TypeError) as exc:
+            problems.append(f"clipped {name}: {str(exc).splitlines()[0]}")
+    return problems
+
+
+def clip_norm(rank: int, world: int, port: int, model_name: str, norm_type: float | str,
+              mesh_pp: int, result_dir: str) -> None:
+    """One training step of ``model_name`` on ``world`` ranks (a ``mesh_pp`` x
+    ``world // mesh_pp`` pp x dp mesh when ``mesh_pp < world``), then clip to a tenth of
+    the norm; the norm and clipped gradients must equal the plain model's."""
+    sys.path.insert(0, os.getcwd())
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopart
+    from autopart.core.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, 60)
+    norm_type = float(norm_type)  # "inf" passes through the spawn script as a string
+    reference, args, target, loss_fn = ZOO[model_name]()
+    model = copy.deepcopy(reference)
+    kwargs: dict[str, Any] = {}
+    my_args, my_target = args, target
+    if mesh_pp < world:
+        mesh = init_device_mesh("cpu", (mesh_pp, world // mesh_pp), mesh_dim_names=("pp", "dp"))
+        kwargs["mesh"] = mesh
+        dp, part = mesh.get_local_rank("dp"), args[0].shape[0] * mesh_pp // world
+        mine = slice(dp * part, (dp + 1) * part)
+        my_args, my_target = tuple(a[mine] for a in args), target[mine]
+    batch = my_args[0].shape[0]
+    captured = capture(model, tuple(a[: batch // 2] for a in my_args))
+    plan = manual_plan(captured, even_positions(captured, mesh_pp), 2, batch,
+                       schedule_kind="1f1b")
+    pipe = autopart.compile(model, my_args, loss_fn=loss_fn, plan=plan, backend="distributed",
+                            **kwargs)
+    pipe.train_step(*my_args, target=my_target)
+    loss_fn(reference(*args), target).backward()  # full-batch gradients
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()], norm_type)
+    problems = _clip_checks(pipe, reference, float(ref_norm) / 10, norm_type)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join([f"params {len(list(pipe.named_parameters()))}", *problems]) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
 def run_everyone(fn: Any, world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
 
 
-__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs"]
+__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs",
+                      "clip_norm"]
 _ = Any
