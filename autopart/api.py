@@ -19,7 +19,7 @@ from autopart.core.plan import Plan
 from autopart.options import CompileOptions
 from autopart.planning import plan_model, resolve_devices
 from autopart.runtime import launch
-from autopart.runtime.checkpoint import checkpoint_tensors, read_checkpoint
+from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
 from autopart.runtime.distributed import DistributedPipeline
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S
 from autopart.runtime.local import PipelinedModule
@@ -215,27 +215,37 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 
 
 def load(directory: str | os.PathLike[str], model: nn.Module,
-         example_inputs: tuple[Any, ...] | None = None, **compile_kwargs: Any,
+         example_inputs: tuple[Any, ...] | None = None, *,
+         optimizer: torch.optim.Optimizer | None = None, **compile_kwargs: Any,
          ) -> nn.Module | Pipeline:
-    """Load a checkpoint written by ``pipe.save(directory)``.
+    """Restore a checkpoint written by ``pipe.save(directory)`` onto any plan.
 
     Args:
-        directory: the checkpoint directory.
-        model: a model of the same architecture (any device; weights are overwritten).
-        example_inputs: when given, the model is compiled with the saved plan (no profiling
-            or solving) and the weights are loaded into the pipeline, which is returned;
-            when ``None`` the weights go into ``model`` itself, which is returned.
-        **compile_kwargs: passed to :func:`autopart.compile` (``loss_fn``, ``devices``,
-            ``example_kwargs``, ``fuse``).
+        directory: the checkpoint directory (its ``latest``), one committed ``ckpt-<n>``
+            folder, or a plain model's weights (a ``.safetensors`` file, a
+            ``save_pretrained`` folder, a format 1/2 autopart checkpoint).
+        model: where the state goes: a pipeline of any plan (a
+            :class:`autopart.DistributedPipeline` on every rank, any rank count), or the
+            plain model. Weights are cast to its dtype.
+        example_inputs: with a plain ``model``, compile it with the saved plan first (no
+            profiling or solving) and return the pipeline.
+        optimizer: an optimizer over ``model``'s parameters (so not with
+            ``example_inputs``, whose pipeline does not exist yet); its state and each param
+            group's options are restored by FQN.
+        **compile_kwargs: passed to :func:`autopart.compile` with ``example_inputs``.
+
+    Returns:
+        ``model``, or the compiled pipeline with ``example_inputs``. The ``extra`` dict
+        saved with the checkpoint: :func:`autopart.checkpoint_extra`.
 
     Raises:
-        CheckpointError: not a checkpoint, a damaged one, or one saved from another model
-            (the message lists the tensors that differ).
+        CheckpointError: not a checkpoint, a partial or damaged one, or one saved from
+            another model (the message lists the tensors that differ); a checkpoint of a
+            plain model given ``example_inputs`` (it has no plan).
     """
-    state, plan = read_checkpoint(directory, model)
-    if example_inputs is None:
-        model.load_state_dict(state)
-        return model
-    pipe = compile(model, example_inputs, plan=plan, **compile_kwargs)
-    pipe.load_state_dict(state)
-    return pipe
+    if example_inputs is not None and not isinstance(model, Pipeline):
+        pipe = compile(model, example_inputs, plan=checkpoint_plan(directory), **compile_kwargs)
+        load_checkpoint(directory, pipe, optimizer=optimizer)  # type: ignore[arg-type]
+        return pipe
+    load_checkpoint(directory, model, optimizer=optimizer)  # type: ignore[arg-type]
+    return model

@@ -470,6 +470,24 @@ class DistributedPipeline(nn.Module):
             flat_out.append(buf)
         return self.signature.output(flat_out)
 
+    # ---- checkpoints -------------------------------------------------------------------
+    def owned_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors whose owning stage is on this rank, by FQN (a tied parameter's
+        replica on another rank excluded): what this rank writes to a checkpoint."""
+        owner = self._built.placement.owner
+        return {fqn: t for fqn, t in self._local.items()
+                if self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank}
+
+    def save(self, directory: str | os.PathLike[str], *, optimizer: Any = None,
+             extra: dict[str, Any] | None = None, async_save: bool = False,
+             keep: int = 1) -> Any:
+        """Checkpoint model and optimizer state with DCP; call on every rank. See
+        :func:`autopart.runtime.checkpoint.save_checkpoint`."""
+        from autopart.runtime.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, optimizer=optimizer, extra=extra,
+                               async_save=async_save, keep=keep)
+
     # ---- files ---------------------------------------------------------------------
     def stage_sources(self) -> dict[int, str]:
         """Stage index -> source of this rank's stages; byte-identical to what the

@@ -161,11 +161,15 @@ class PipelinedModule(nn.Module):
             owned[stage][fqn] = self._tensor(fqn)
         return owned
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Checkpoint weights and plan atomically; see :func:`autopart.runtime.checkpoint.save_checkpoint`."""
+    def save(self, directory: str | os.PathLike[str], *, optimizer: Any = None,
+             extra: dict[str, Any] | None = None, async_save: bool = False,
+             keep: int = 1) -> Any:
+        """Checkpoint model and optimizer state (DCP) and the plan atomically; see
+        :func:`autopart.runtime.checkpoint.save_checkpoint`."""
         from autopart.runtime.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory)
+        return save_checkpoint(self, directory, optimizer=optimizer, extra=extra,
+                               async_save=async_save, keep=keep)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -308,6 +308,67 @@ def clip_norm(rank: int, world: int, port: int, model_name: str, norm_type: floa
     dist.destroy_process_group()
 
 
+def _gpt2_pipeline(world: int, positions_of: Any = None) -> tuple[Any, ...]:
+    """GPT-2 (tests.zoo) on a 2-microbatch 1F1B plan over ``world`` ranks, compiled
+    distributed; returns ``(pipe, loss_fn)``."""
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.core.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    model, args, target, loss_fn = ZOO["gpt2"]()
+    captured = capture(model, tuple(a[:4] for a in args))
+    plan = manual_plan(captured, even_positions(captured, world), 2, 8, schedule_kind="1f1b")
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+    return pipe, loss_fn
+
+
+def ckpt_train(rank: int, world: int, port: int, root: str, result_dir: str) -> None:
+    """Train GPT-2 3 steps (AdamW, clipping) on ``world`` ranks, then save with the
+    optimizer; rank 0 writes the losses."""
+    from tests import training
+
+    _setup(rank, world, port, 120)
+    pipe, _ = _gpt2_pipeline(world)
+    opt = training.adamw(pipe.named_parameters())
+    losses = training.train(lambda a, t: pipe.train_step(*a, target=t), pipe.clip_grad_norm_,
+                            opt, range(3))
+    pipe.save(root, optimizer=opt, extra={"step": 3})
+    if rank == 0:
+        with open(os.path.join(result_dir, "losses.txt"), "w") as f:
+            f.write(" ".join(repr(x) for x in losses) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def ckpt_resume(rank: int, world: int, port: int, root: str, result_dir: str) -> None:
+    """A scrambled GPT-2 on ``world`` ranks loads the checkpoint and trains 3 more steps;
+    writes the losses (rank 0) and each rank's optimizer state right after the load."""
+    from safetensors.torch import save_file
+
+    import autopart
+    from tests import training
+
+    _setup(rank, world, port, 120)
+    pipe, _ = _gpt2_pipeline(world)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.add_(0.5)
+    opt = training.adamw(pipe.named_parameters())
+    autopart.load(root, pipe, optimizer=opt)
+    extra = autopart.checkpoint_extra(root)
+    state = training.optimizer_state(pipe.named_parameters(), opt)
+    save_file(state, os.path.join(result_dir, f"state{rank}.safetensors"))
+    losses = training.train(lambda a, t: pipe.train_step(*a, target=t), pipe.clip_grad_norm_,
+                            opt, range(extra["step"], extra["step"] + 3))
+    if rank == 0:
+        with open(os.path.join(result_dir, "losses.txt"), "w") as f:
+            f.write(" ".join(repr(x) for x in losses) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
 def run_everyone(fn: Any, world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
@@ -315,5 +376,5 @@ def run_everyone(fn: Any, world: int, *args: Any) -> None:
 
 
 __all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs",
-                      "clip_norm"]
+                      "clip_norm", "ckpt_train", "ckpt_resume"]
 _ = Any
