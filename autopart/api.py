@@ -64,9 +64,11 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             ``pipe.timings_s["fuse_s"]`` covers wrapping, compilation runs on first call),
             ``backend`` (``"local"``: one process; ``"distributed"``: this process is one
             rank of a ``torchrun`` launch and builds only its own stages; default
-            distributed inside an initialised process group of more than one rank),
-            ``checkpoint`` (distributed: a ``pipe.save`` directory each rank loads its own
-            weights from, so a ``meta`` model never materialises whole; without it a meta
+            distributed inside an initialised process group of more than one rank; under
+            ``torchrun`` with no group yet one is initialised first, gloo on CPU and NCCL
+            on GPU, see :func:`autopart.runtime.launch.init_from_env`, unless
+            ``backend="local"``), ``checkpoint`` (distributed: a ``pipe.save`` directory
+            each rank loads its own weights from, so a ``meta`` model never materialises whole; without it a meta
             model's modules this rank needs are initialised), ``mesh`` (distributed: a 2-D
             ``DeviceMesh`` with dims ``("pp", "dp")``), ``time_limit_s`` (CP-SAT limit per
             solve, seconds, default 10), ``step_timeout_s`` (distributed: a pipeline send or
@@ -97,6 +99,8 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                             "fields of autopart.CompileOptions") from None
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
+    if options.backend != "local":
+        launch.init_from_env()  # under torchrun without a group: make the default one
     backend = options.backend or ("distributed" if dist.is_available() and dist.is_initialized()
                                   and dist.get_world_size() > 1 else "local")
     options.check_backend(backend)

@@ -176,3 +176,37 @@ def test_clip_grad_norm_is_the_whole_models_norm(model: str, norm_type: str, wor
     for name, lines in reports.items():
         assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"
+
+
+def test_a_torchrun_script_that_never_calls_init_process_group_runs() -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                f"--master-port={_free_port()}", "--max-restarts=0"]
+    proc = subprocess.run([*torchrun, str(ROOT / "tests/distributed/torchrun_no_init.py")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 ok loss" in proc.stdout and "rank 1 ok loss" in proc.stdout, proc.stdout
+    said = [x for x in proc.stderr.splitlines() if "initialised the default process group" in x]
+    assert len(said) == 1 and "gloo, 2 ranks" in said[0], proc.stderr[-3000:]  # once, rank 0
+
+
+def test_an_explicit_group_wins_and_partial_torchrun_variables_are_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import autopart
+    from autopart.runtime import launch
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert launch.init_from_env() is False  # not under torchrun: nothing to do
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(autopart.PlanError, match="MASTER_ADDR, MASTER_PORT are not"):
+        launch.init_from_env()
+    import torch.distributed as dist
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    dist.init_process_group("gloo", rank=0, world_size=1)  # the program's own group
+    try:
+        assert launch.init_from_env() is False and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
