@@ -369,7 +369,8 @@ class DistributedPipeline(nn.Module):
                          losses=losses if last else None, return_outputs=False)
 
         self._guarded(step)
-        loss = (torch.stack([x.detach() for x in losses]).mean() if losses
+        # float32 on every rank: the broadcast needs one dtype (a bf16 model's loss is bf16)
+        loss = (torch.stack([x.detach() for x in losses]).mean().float() if losses
                 else torch.zeros((), device=self.device))
         self._guarded(lambda: dist.broadcast(loss, src=self._global(self._last_rank),
                                              group=self._p2p_group))

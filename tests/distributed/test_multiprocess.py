@@ -210,3 +210,14 @@ def test_an_explicit_group_wins_and_partial_torchrun_variables_are_named(
         assert launch.init_from_env() is False and dist.get_world_size() == 1
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16"])
+def test_bf16_on_two_ranks_matches_the_plain_model_run_the_same_way(mode: str) -> None:
+    # tolerances justified in tests/precision.py
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("mixed_precision", 2, mode, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = _reports(out, 2)
+    for name, lines in reports.items():
+        assert lines[0].startswith("ok "), f"{name}: {lines}"

@@ -369,6 +369,22 @@ def ckpt_resume(rank: int, world: int, port: int, root: str, result_dir: str) ->
     dist.destroy_process_group()
 
 
+def mixed_precision(rank: int, world: int, port: int, mode: str, result_dir: str) -> None:
+    """GPT-2 on ``world`` ranks under ``torch.autocast`` bf16 (``mode="autocast"``) or with
+    bf16 weights (``mode="bf16"``), against the plain model run the same way; writes the
+    loss difference and the worst gradient error (``tests.precision`` decides)."""
+    sys.path.insert(0, os.getcwd())
+    from tests import precision
+
+    _setup(rank, world, port, 120)
+    reference, pipe, args, target, loss_fn = precision.models(mode, world, "distributed")
+    report = precision.compare(pipe, reference, args, target, loss_fn, mode)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(report + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
 def run_everyone(fn: Any, world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
@@ -376,5 +392,6 @@ def run_everyone(fn: Any, world: int, *args: Any) -> None:
 
 
 __all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs",
-                      "clip_norm", "ckpt_train", "ckpt_resume"]
+                      "clip_norm", "ckpt_train", "ckpt_resume",
+                      "mixed_precision"]
 _ = Any
