@@ -16,7 +16,7 @@ from autopart.codegen import build_stages
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.options import CompileOptions
+from autopart.options import CompileOptions, optimizer_state_factor
 from autopart.planning import plan_model, resolve_devices
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
@@ -123,8 +123,18 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], trai
                                optimize=options.optimize or "speed", schedule=options.schedule,
                                stages_per_rank=options.stages_per_rank,
                                recompute=options.recompute, training=training,
-                               time_limit_s=options.time_limit_s)
+                               time_limit_s=options.time_limit_s,
+                               optimizer_state_bytes_per_param_byte=_state_factor(model, options))
     return plan, profile.captured, profile.timings_s
+
+
+def _state_factor(model: nn.Module, options: CompileOptions) -> float:
+    """Optimizer state bytes per parameter byte for ``options.optimizer`` on this model's
+    trainable parameters (their dtypes)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return optimizer_state_factor(options.optimizer, sum(p.numel() * p.element_size()
+                                                         for p in trainable),
+                                  sum(p.numel() for p in trainable))
 
 
 def _capture_for(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Plan,
