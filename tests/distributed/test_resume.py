@@ -93,3 +93,20 @@ def test_resume_on_two_ranks_in_one_process_on_three_stages_and_in_the_plain_mod
                            opt, range(3, 6))
     torch.testing.assert_close(first + later, ref_losses, **TOL)
 
+
+
+def test_an_async_save_on_two_ranks_holds_the_state_of_its_step(tmp_path: Path) -> None:
+    model, _, _, loss_fn = gpt2()
+    opt = training.adamw(model.named_parameters())
+    training.train(training.plain_step(model, loss_fn),
+                   lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n), opt, range(3))
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("ckpt_train", 2, str(tmp_path / "ckpt"), out, True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = training.scrambled(gpt2()[0])
+    popt = training.adamw(plain.named_parameters())
+    autopart.load(tmp_path / "ckpt", plain, optimizer=popt)
+    for (name, a), (_, b) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    _check_state(training.optimizer_state(plain.named_parameters(), popt),
+                 training.optimizer_state(model.named_parameters(), opt))

@@ -324,9 +324,11 @@ def _gpt2_pipeline(world: int, positions_of: Any = None) -> tuple[Any, ...]:
     return pipe, loss_fn
 
 
-def ckpt_train(rank: int, world: int, port: int, root: str, result_dir: str) -> None:
+def ckpt_train(rank: int, world: int, port: int, root: str, result_dir: str,
+               async_save: bool = False) -> None:
     """Train GPT-2 3 steps (AdamW, clipping) on ``world`` ranks, then save with the
-    optimizer; rank 0 writes the losses."""
+    optimizer (with ``async_save``: changes the weights while the files are written, then
+    waits); rank 0 writes the losses."""
     from tests import training
 
     _setup(rank, world, port, 120)
@@ -334,7 +336,12 @@ def ckpt_train(rank: int, world: int, port: int, root: str, result_dir: str) -> 
     opt = training.adamw(pipe.named_parameters())
     losses = training.train(lambda a, t: pipe.train_step(*a, target=t), pipe.clip_grad_norm_,
                             opt, range(3))
-    pipe.save(root, optimizer=opt, extra={"step": 3})
+    saved = pipe.save(root, optimizer=opt, extra={"step": 3}, async_save=async_save)
+    if async_save:
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p.add_(1.0)  # training goes on: the checkpoint must hold the copied state
+        saved.wait()
     if rank == 0:
         with open(os.path.join(result_dir, "losses.txt"), "w") as f:
             f.write(" ".join(repr(x) for x in losses) + "\n")
