@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["compile", "plan_model", "load", "checkpoint_extra", "CompileOptions", "Profile", "Plan", "Pipeline",
-           "PipelinedModule", "DistributedPipeline", "AutopartError", "TraceError",
+__all__ = ["compile", "plan_model", "load", "checkpoint_extra", "CompileOptions", "Profile",
+           "Plan", "Pipeline", "PipelinedModule", "DistributedPipeline", "AutopartError", "TraceError",
            "ProfileError", "PlanError", "InfeasiblePlanError", "CheckpointError",
            "PipelineFailure", "__version__"]
 from autopart.core.version import __version__

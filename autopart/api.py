@@ -68,8 +68,9 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             ``torchrun`` with no group yet one is initialised first, gloo on CPU and NCCL
             on GPU, see :func:`autopart.runtime.launch.init_from_env`, unless
             ``backend="local"``), ``checkpoint`` (distributed: a ``pipe.save`` directory
-            each rank loads its own weights from, so a ``meta`` model never materialises whole; without it a meta
-            model's modules this rank needs are initialised), ``mesh`` (distributed: a 2-D
+            each rank loads its own weights from, so a ``meta`` model never materialises
+            whole; without it a meta model's modules this rank needs are initialised),
+            ``mesh`` (distributed: a 2-D
             ``DeviceMesh`` with dims ``("pp", "dp")``), ``time_limit_s`` (CP-SAT limit per
             solve, seconds, default 10), ``step_timeout_s`` (distributed: a pipeline send or
             receive waiting this long fails the step and names the rank that died or hangs,
@@ -259,7 +260,7 @@ def load(directory: str | os.PathLike[str], model: nn.Module,
     """
     if example_inputs is not None and not isinstance(model, Pipeline):
         pipe = compile(model, example_inputs, plan=checkpoint_plan(directory), **compile_kwargs)
-        load_checkpoint(directory, pipe, optimizer=optimizer)  # type: ignore[arg-type]
+        load_checkpoint(directory, pipe, optimizer=optimizer)  # type: ignore[arg-type, unused-ignore]
         return pipe
-    load_checkpoint(directory, model, optimizer=optimizer)  # type: ignore[arg-type]
+    load_checkpoint(directory, model, optimizer=optimizer)
     return model

@@ -11,8 +11,9 @@ power of two) and the pipeline's is the mean of per-microbatch bf16 losses, one 
 apart (seen: 6.21875 vs 6.25, one spacing at 6.25). With bf16 weights the gradients are
 bf16 tensors too: each microbatch's gradient is rounded, scaled by 1/m and summed in bf16,
 and the activation gradients they come from were rounded at every layer on the way back,
-so we allow 8 * 2**-8 there (seen: 1.8e-2 on a LayerNorm weight on 2 ranks). A real bug (a missing microbatch, a
-gradient counted twice, autocast not applied on a stage) is off by 10% or more.
+so we allow 8 * 2**-8 there (seen: 1.8e-2 on a LayerNorm weight on 2 ranks). A real bug (a
+missing microbatch, a gradient counted twice, autocast not applied on a stage) is off by 10%
+or more.
 """
 
 from __future__ import annotations

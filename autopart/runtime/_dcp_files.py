@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from autopart.core.errors import CheckpointError
@@ -73,7 +73,7 @@ class SafeReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise CheckpointError("rank-local DCP metadata is not written by autopart")
         metadata = read_metadata(Path(str(self.path)))
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

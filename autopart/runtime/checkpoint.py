@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopart.core.errors import CheckpointError
 from autopart.core.jsonio import dumps, fsync_dir, write_text_atomic
@@ -52,12 +53,13 @@ class _Target:
     after_load: Callable[[], None]
 
 
-def _target(obj: nn.Module) -> _Target:
+def _target(module: nn.Module) -> _Target:
     """The checkpoint's view of a pipeline (told apart by what it offers, since the runtimes
     import this module) or of a plain module."""
-    if not isinstance(obj, nn.Module):
-        raise CheckpointError(f"cannot checkpoint a {type(obj).__name__}; pass a pipeline or an "
-                              "nn.Module")
+    if not isinstance(module, nn.Module):
+        raise CheckpointError(f"cannot checkpoint a {type(module).__name__}; pass a pipeline or "
+                              "an nn.Module")
+    obj: Any = module
     params = {id(p): f for f, p in obj.named_parameters()}
     if hasattr(obj, "pp_rank"):  # DistributedPipeline: this rank's stages
         held = obj.state_dict(keep_vars=True)
@@ -145,7 +147,8 @@ def save_checkpoint(obj: nn.Module, directory: str | os.PathLike[str], *,
         raise CheckpointError(f"extra={extra!r:.80} is not JSON-serialisable ({exc}); pass "
                               "numbers, strings, lists and dicts") from exc
     state = {f: t.detach() for f, t in target.writes.items()}
-    groups, scalars = ([], {})
+    groups: list[dict[str, Any]] = []
+    scalars: dict[str, dict[str, Any]] = {}
     if optimizer is not None:
         tensors, groups, scalars = _optimizer_state(optimizer, target)
         state.update(tensors)
@@ -183,8 +186,10 @@ def save_checkpoint(obj: nn.Module, directory: str | os.PathLike[str], *,
         kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "no_dist": not target.distributed}
         with _quiet():
             if async_save:
-                return PendingSave(dcp.async_save(state, **kwargs), commit)
-            dcp.save(state, **kwargs)
+                future = state_dict_saver.async_save(state, **kwargs)
+                assert isinstance(future, Future)  # the thread checkpointer's response
+                return PendingSave(future, commit)
+            state_dict_saver.save(state, **kwargs)
     except BaseException:
         lock.__exit__(None, None, None)
         raise
@@ -315,7 +320,7 @@ def load_checkpoint(directory: str | os.PathLike[str], obj: nn.Module, *,
                                   "optimizer=); load without optimizer= or save with it")
         state.update(_optimizer_buffers(optimizer, target, metadata))
     with torch.no_grad(), _quiet():
-        dcp.load(state, storage_reader=SafeReader(str(folder)), no_dist=True)
+        state_dict_loader.load(state, storage_reader=SafeReader(str(folder)), no_dist=True)
     target.after_load()
     if optimizer is not None:
         _restore_optimizer(optimizer, target, state, meta["optimizer"], folder)
@@ -328,11 +333,9 @@ def _optimizer_buffers(optimizer: torch.optim.Optimizer, target: _Target,
     optimizer holds, under their DCP keys."""
     by_fqn: dict[str, list[str]] = {}
     for key in metadata:
-        if key.startswith(_OPT):
-            for fqn in target.params.values():
-                rest = key[len(_OPT) + len(fqn) + 1:]
-                if key.startswith(f"{_OPT}{fqn}.") and "." not in rest:
-                    by_fqn.setdefault(fqn, []).append(rest)
+        if key.startswith(_OPT):  # optim.state.<fqn>.<name>; state names have no dots
+            owner, name = key[len(_OPT):].rsplit(".", 1)
+            by_fqn.setdefault(owner, []).append(name)
     out: dict[str, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -352,14 +355,17 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, target: _Target, state:
     current = optimizer.state_dict()
     order = [p for g in optimizer.param_groups for p in g["params"]]
     new_state: dict[int, dict[str, Any]] = {}
+    loaded: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        if key.startswith(_OPT):
+            fqn, name = key[len(_OPT):].rsplit(".", 1)
+            loaded.setdefault(fqn, {})[name] = value
     for index, p in enumerate(order):
         fqn = target.params[id(p)]
-        entries = {k[len(_OPT) + len(fqn) + 1:]: v for k, v in state.items()
-                   if k.startswith(f"{_OPT}{fqn}.") and "." not in k[len(_OPT) + len(fqn) + 1:]}
-        entries.update(saved["scalars"].get(fqn, {}))
+        entries = {**loaded.get(fqn, {}), **saved["scalars"].get(fqn, {})}
         if entries:
             new_state[index] = entries
-    group_of = {}
+    group_of: dict[str, dict[str, Any]] = {}
     for g in saved["groups"]:
         for fqn in g["params"]:
             group_of.setdefault(fqn, g)
@@ -525,12 +531,12 @@ def checkpoint_tensors(directory: str | os.PathLike[str]) -> Callable[[str], tor
 
     def tensor_of(fqn: str) -> torch.Tensor:
         m = metadata.get(fqn)
-        if m is None or fqn.startswith(_OPT):
+        if not isinstance(m, TensorStorageMetadata) or fqn.startswith(_OPT):
             raise CheckpointError(f"checkpoint {folder} has no tensor {fqn!r}; it is from "
                                   "another model")
         value = torch.empty(tuple(m.size), dtype=m.properties.dtype)
         with _quiet():
-            dcp.load({fqn: value}, storage_reader=SafeReader(str(folder)), no_dist=True)
+            state_dict_loader.load({fqn: value}, storage_reader=SafeReader(str(folder)), no_dist=True)
         return nn.Parameter(value)
 
     return tensor_of

@@ -422,22 +422,22 @@ class DistributedPipeline(nn.Module):
             PipelineFailure: a pipeline rank died during the reduction.
         """
         p = float(norm_type)
-        owned = [t for fqn, t in self.named_parameters() if t.grad is not None
-                 and self.plan.stages[self._built.placement.owner.get(fqn, 0)].rank
-                 == self.pp_rank]
-        if owned:
-            local = torch.nn.utils.get_total_norm([t.grad for t in owned], p,
-                                                  foreach=None).to(torch.float32)
+        owner = self._built.placement.owner
+        grads = [t.grad for fqn, t in self.named_parameters() if t.grad is not None
+                 and self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank]
+        if grads:
+            local = torch.nn.utils.get_total_norm(grads, p, foreach=None).to(torch.float32)
         else:
             local = torch.zeros((), dtype=torch.float32, device=self.device)
-        if p == float("inf"):
-            total = local.clone()
-            self._guarded(lambda: dist.all_reduce(total, op=dist.ReduceOp.MAX,
-                                                  group=self._p2p_group))
-        else:
-            total = local.pow(p)
-            self._guarded(lambda: dist.all_reduce(total, op=dist.ReduceOp.SUM,
-                                                  group=self._p2p_group))
+        inf = p == float("inf")
+        total = local.clone() if inf else local.pow(p)
+
+        def reduce() -> None:
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op, group=self._p2p_group)
+
+        self._guarded(reduce)
+        if not inf:
             total = total.pow(1.0 / p)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {p} of the gradients is non-finite, so "

@@ -18,8 +18,8 @@ from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps
 from autopart.core.plan import Plan
 
-__all__ = ["init_from_env", "require_process_group", "broadcast_plan", "rank_device", "on_meta", "retarget_meta",
-           "materialise"]
+__all__ = ["init_from_env", "require_process_group", "broadcast_plan", "rank_device", "on_meta",
+           "retarget_meta", "materialise"]
 
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

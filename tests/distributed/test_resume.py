@@ -4,7 +4,6 @@ its optimizer state equal one unpartitioned 6-step run with the same clipping.""
 
 from __future__ import annotations
 
-
 import tempfile
 from pathlib import Path
 

@@ -105,7 +105,7 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path: Path,
         (Path(kwargs["checkpoint_id"]) / "__0_0.distcp").write_bytes(b"half a file")
         raise OSError("killed mid-write")
 
-    monkeypatch.setattr(ckpt.dcp, "save", dies)
+    monkeypatch.setattr(ckpt.state_dict_saver, "save", dies)
     with pytest.raises(OSError, match="killed mid-write"):
         pipe.save(tmp_path / "ck", optimizer=opt, extra={"step": 2})
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
