@@ -432,7 +432,7 @@ def current_checkpoint(root: Path) -> Path:
         CheckpointError: no ``latest`` pointer, a partial folder (no ``autopart.json``: its
             save did not finish), or ``latest`` naming a folder that is gone.
     """
-    if (root / _MANIFEST).is_file():
+    if (root / _MANIFEST).is_file() or (root / "manifest.json").is_file():  # format 3; 1-2
         return root
     if root.name.startswith((".ckpt-", "ckpt-")) and root.is_dir():
         raise CheckpointError(f"{root} is a partial checkpoint: its save did not finish (no "
