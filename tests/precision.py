@@ -60,8 +60,9 @@ def compare(pipe: Any, reference: torch.nn.Module, args: Any, target: Any, loss_
         return f"the reference ran in {out.logits.dtype}, not bf16"
     ref_loss.backward()
     problems = []
-    if abs(float(loss) - float(ref_loss)) > LOSS_TOL * abs(float(ref_loss)):
-        problems.append(f"loss {float(loss)} vs {float(ref_loss)}")
+    ref_value = float(ref_loss.detach())
+    if abs(float(loss) - ref_value) > LOSS_TOL * abs(ref_value):
+        problems.append(f"loss {float(loss)} vs {ref_value}")
     ref = dict(reference.named_parameters())
     worst = 0.0
     for name, p in pipe.named_parameters():
