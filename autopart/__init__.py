@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["compile", "plan_model", "load", "CompileOptions", "Profile", "Plan", "Pipeline",
-           "PipelinedModule", "DistributedPipeline", "AutopartError", "TraceError",
+__all__ = ["compile", "plan_model", "load", "checkpoint_extra", "CompileOptions", "Profile",
+           "Plan", "Pipeline", "PipelinedModule", "DistributedPipeline", "AutopartError", "TraceError",
            "ProfileError", "PlanError", "InfeasiblePlanError", "CheckpointError",
            "PipelineFailure", "trace", "__version__"]
 from autopart.core.version import __version__
@@ -15,6 +15,7 @@ from autopart.core.version import __version__
 _LAZY = {
     "compile": ("autopart.api", "compile"),
     "load": ("autopart.api", "load"),
+    "checkpoint_extra": ("autopart.runtime.checkpoint", "checkpoint_extra"),
     "plan_model": ("autopart.planning", "plan_model"),
     "Profile": ("autopart.planning", "Profile"),
     "CompileOptions": ("autopart.options", "CompileOptions"),

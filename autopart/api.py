@@ -16,10 +16,10 @@ from autopart.codegen import build_stages
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.options import CompileOptions
+from autopart.options import CompileOptions, optimizer_state_factor
 from autopart.planning import plan_model, resolve_devices
 from autopart.runtime import launch
-from autopart.runtime.checkpoint import checkpoint_tensors, read_checkpoint
+from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
 from autopart.runtime.distributed import DistributedPipeline
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S
 from autopart.runtime.local import PipelinedModule
@@ -67,10 +67,13 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             ``pipe.timings_s["fuse_s"]`` covers wrapping, compilation runs on first call),
             ``backend`` (``"local"``: one process; ``"distributed"``: this process is one
             rank of a ``torchrun`` launch and builds only its own stages; default
-            distributed inside an initialised process group of more than one rank),
-            ``checkpoint`` (distributed: a ``pipe.save`` directory each rank loads its own
-            weights from, so a ``meta`` model never materialises whole; without it a meta
-            model's modules this rank needs are initialised), ``mesh`` (distributed: a 2-D
+            distributed inside an initialised process group of more than one rank; under
+            ``torchrun`` with no group yet one is initialised first, gloo on CPU and NCCL
+            on GPU, see :func:`autopart.runtime.launch.init_from_env`, unless
+            ``backend="local"``), ``checkpoint`` (distributed: a ``pipe.save`` directory
+            each rank loads its own weights from, so a ``meta`` model never materialises
+            whole; without it a meta model's modules this rank needs are initialised),
+            ``mesh`` (distributed: a 2-D
             ``DeviceMesh`` with dims ``("pp", "dp")``), ``time_limit_s`` (CP-SAT limit per
             solve, seconds, default 10), ``step_timeout_s`` (distributed: a pipeline send or
             receive waiting this long fails the step and names the rank that died or hangs,
@@ -100,6 +103,8 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                             "fields of autopart.CompileOptions") from None
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
+    if options.backend != "local":
+        launch.init_from_env()  # under torchrun without a group: make the default one
     backend = options.backend or ("distributed" if dist.is_available() and dist.is_initialized()
                                   and dist.get_world_size() > 1 else "local")
     options.check_backend(backend)
@@ -126,8 +131,18 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                optimize=options.optimize or "speed", schedule=options.schedule,
                                stages_per_rank=options.stages_per_rank,
                                recompute=options.recompute, training=training,
-                               time_limit_s=options.time_limit_s)
+                               time_limit_s=options.time_limit_s,
+                               optimizer_state_bytes_per_param_byte=_state_factor(model, options))
     return plan, profile.captured, profile.timings_s
+
+
+def _state_factor(model: nn.Module, options: CompileOptions) -> float:
+    """Optimizer state bytes per parameter byte for ``options.optimizer`` on this model's
+    trainable parameters (their dtypes)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return optimizer_state_factor(options.optimizer, sum(p.numel() * p.element_size()
+                                                         for p in trainable),
+                                  sum(p.numel() for p in trainable))
 
 
 def _capture_for(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Plan,
@@ -224,27 +239,37 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 
 
 def load(directory: str | os.PathLike[str], model: nn.Module,
-         example_inputs: tuple[Any, ...] | None = None, **compile_kwargs: Any,
+         example_inputs: tuple[Any, ...] | None = None, *,
+         optimizer: torch.optim.Optimizer | None = None, **compile_kwargs: Any,
          ) -> nn.Module | Pipeline:
-    """Load a checkpoint written by ``pipe.save(directory)``.
+    """Restore a checkpoint written by ``pipe.save(directory)`` onto any plan.
 
     Args:
-        directory: the checkpoint directory.
-        model: a model of the same architecture (any device; weights are overwritten).
-        example_inputs: when given, the model is compiled with the saved plan (no profiling
-            or solving) and the weights are loaded into the pipeline, which is returned;
-            when ``None`` the weights go into ``model`` itself, which is returned.
-        **compile_kwargs: passed to :func:`autopart.compile` (``loss_fn``, ``devices``,
-            ``example_kwargs``, ``fuse``).
+        directory: the checkpoint directory (its ``latest``), one committed ``ckpt-<n>``
+            folder, or a plain model's weights (a ``.safetensors`` file, a
+            ``save_pretrained`` folder, a format 1/2 autopart checkpoint).
+        model: where the state goes: a pipeline of any plan (a
+            :class:`autopart.DistributedPipeline` on every rank, any rank count), or the
+            plain model. Weights are cast to its dtype.
+        example_inputs: with a plain ``model``, compile it with the saved plan first (no
+            profiling or solving) and return the pipeline.
+        optimizer: an optimizer over ``model``'s parameters (so not with
+            ``example_inputs``, whose pipeline does not exist yet); its state and each param
+            group's options are restored by FQN.
+        **compile_kwargs: passed to :func:`autopart.compile` with ``example_inputs``.
+
+    Returns:
+        ``model``, or the compiled pipeline with ``example_inputs``. The ``extra`` dict
+        saved with the checkpoint: :func:`autopart.checkpoint_extra`.
 
     Raises:
-        CheckpointError: not a checkpoint, a damaged one, or one saved from another model
-            (the message lists the tensors that differ).
+        CheckpointError: not a checkpoint, a partial or damaged one, or one saved from
+            another model (the message lists the tensors that differ); a checkpoint of a
+            plain model given ``example_inputs`` (it has no plan).
     """
-    state, plan = read_checkpoint(directory, model)
-    if example_inputs is None:
-        model.load_state_dict(state)
-        return model
-    pipe = compile(model, example_inputs, plan=plan, **compile_kwargs)
-    pipe.load_state_dict(state)
-    return pipe
+    if example_inputs is not None and not isinstance(model, Pipeline):
+        pipe = compile(model, example_inputs, plan=checkpoint_plan(directory), **compile_kwargs)
+        load_checkpoint(directory, pipe, optimizer=optimizer)  # type: ignore[arg-type, unused-ignore]
+        return pipe
+    load_checkpoint(directory, model, optimizer=optimizer)
+    return model

@@ -9,9 +9,42 @@ from typing import Any
 from autopart.core.errors import PlanError
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
 
-__all__ = ["CompileOptions", "BACKENDS"]
+__all__ = ["CompileOptions", "BACKENDS", "OPTIMIZER_STATE_TENSORS", "optimizer_state_factor"]
 
 BACKENDS = ("local", "distributed")
+# State tensors per parameter, each shaped and typed like the parameter (torch.optim keeps
+# exp_avg / exp_avg_sq and momentum_buffer in the parameter's dtype): AdamW/Adam 2, SGD
+# with momentum 1 (SGD without momentum keeps none: pass optimizer=0.0).
+OPTIMIZER_STATE_TENSORS = {"adamw": 2, "adam": 2, "sgd": 1}
+
+
+def optimizer_state_factor(optimizer: str | float, param_bytes: int, param_count: int) -> float:
+    """Optimizer state bytes per parameter byte, the figure the solver's memory model uses.
+
+    Args:
+        optimizer: a name in ``OPTIMIZER_STATE_TENSORS`` (state follows the parameters'
+            dtype, so bf16 weights have bf16 state), or bytes of state per parameter
+            (element), e.g. 12.0 for AdamW with fp32 state and an fp32 master copy of bf16
+            weights (4 + 4 + 4).
+        param_bytes: trainable parameter bytes of the model (its dtypes).
+        param_count: trainable parameter elements.
+
+    Returns:
+        ``state bytes / parameter bytes`` (>= 0); 0.0 for a model without parameters.
+
+    Raises:
+        PlanError: an unknown name, or a negative / non-numeric figure.
+    """
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZER_STATE_TENSORS:
+            raise PlanError(f"optimizer={optimizer!r}; expected one of "
+                            f"{sorted(OPTIMIZER_STATE_TENSORS)} or the optimizer state's bytes "
+                            "per parameter (a number >= 0)")
+        return float(OPTIMIZER_STATE_TENSORS[optimizer.lower()])
+    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or optimizer < 0:
+        raise PlanError(f"optimizer={optimizer!r} must be a name "
+                        f"({sorted(OPTIMIZER_STATE_TENSORS)}) or bytes per parameter >= 0")
+    return float(optimizer) * param_count / param_bytes if param_bytes else 0.0
 
 
 def _positive_seconds(name: str, value: Any, default: str, *, optional: bool = False) -> None:
@@ -55,6 +88,10 @@ class CompileOptions:
         time_limit_s: CP-SAT wall-clock limit per solve, seconds, > 0 (default 10).
         step_timeout_s: distributed only: a pipeline send or receive that waits this long
             fails the step, naming the rank that died or hangs (default 300 s).
+        optimizer: the optimizer whose state the plan's per-rank memory counts:
+            ``"adamw"`` (default) / ``"adam"`` (2 tensors like each parameter), ``"sgd"``
+            (momentum, 1), or bytes of state per parameter (see
+            :func:`optimizer_state_factor`). Ignored when a plan is replayed.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -73,8 +110,10 @@ class CompileOptions:
     mesh: Any = None
     time_limit_s: float = 10.0
     step_timeout_s: float | None = None
+    optimizer: str | float = "adamw"
 
     def __post_init__(self) -> None:
+        optimizer_state_factor(self.optimizer, 1, 1)  # checks the name or figure
         for name in ("num_stages", "num_microbatches", "stages_per_rank"):
             _positive_int(name, getattr(self, name))
         if self.optimize is not None and self.optimize not in OPTIMIZE_TARGETS:

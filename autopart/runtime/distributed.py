@@ -423,7 +423,8 @@ class DistributedPipeline(nn.Module):
                 self._guarded(step)
         finally:
             self._set_recorder(None)
-        loss = (torch.stack([x.detach() for x in losses]).mean() if losses
+        # float32 on every rank: the broadcast needs one dtype (a bf16 model's loss is bf16)
+        loss = (torch.stack([x.detach() for x in losses]).mean().float() if losses
                 else torch.zeros((), device=self.device))
         self._guarded(lambda: dist.broadcast(loss, src=self._global(self._last_rank),
                                              group=self._p2p_group))
@@ -493,6 +494,55 @@ class DistributedPipeline(nn.Module):
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
                     p.grad.div_(size)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every rank's gradients by the whole model's gradient norm.
+
+        The norm equals ``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model: each
+        rank takes the p-norm of the parameters it owns (a tied parameter on the rank of
+        its owning stage only; its replicas hold the same summed gradient), the pipeline
+        ranks sum ``norm ** p`` (max for ``inf``), and data-parallel replicas, whose
+        gradients are equal after ``train_step``, are not counted again. Every rank then
+        scales all its gradients (replicas included) by ``min(1, max_norm / (norm + 1e-6))``.
+        Collective over the pipeline group: call it on every rank after ``train_step``.
+
+        Args:
+            max_norm: the largest norm allowed, > 0.
+            norm_type: p of the p-norm (default 2.0; ``float("inf")`` for the largest entry).
+            error_if_nonfinite: raise when the norm is nan or inf (torch's flag).
+
+        Returns:
+            The total norm before clipping, the same on every rank (0-dim float32 tensor).
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (torch's error).
+            PipelineFailure: a pipeline rank died during the reduction.
+        """
+        p = float(norm_type)
+        owner = self._built.placement.owner
+        grads = [t.grad for fqn, t in self.named_parameters() if t.grad is not None
+                 and self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank]
+        if grads:
+            local = torch.nn.utils.get_total_norm(grads, p, foreach=None).to(torch.float32)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=self.device)
+        inf = p == float("inf")
+        total = local.clone() if inf else local.pow(p)
+
+        def reduce() -> None:
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op, group=self._p2p_group)
+
+        self._guarded(reduce)
+        if not inf:
+            total = total.pow(1.0 / p)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {p} of the gradients is non-finite, so "
+                               "it cannot be clipped; pass error_if_nonfinite=False to clip "
+                               "anyway")
+        torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
+        return total
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined inference; the output (same structure as the model's) on every rank."""
         leaves = self.signature.flatten(args, kwargs)
@@ -517,6 +567,24 @@ class DistributedPipeline(nn.Module):
                                                          group=self._p2p_group))
             flat_out.append(buf)
         return self.signature.output(flat_out)
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def owned_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors whose owning stage is on this rank, by FQN (a tied parameter's
+        replica on another rank excluded): what this rank writes to a checkpoint."""
+        owner = self._built.placement.owner
+        return {fqn: t for fqn, t in self._local.items()
+                if self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank}
+
+    def save(self, directory: str | os.PathLike[str], *, optimizer: Any = None,
+             extra: dict[str, Any] | None = None, async_save: bool = False,
+             keep: int = 1) -> Any:
+        """Checkpoint model and optimizer state with DCP; call on every rank. See
+        :func:`autopart.runtime.checkpoint.save_checkpoint`."""
+        from autopart.runtime.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, optimizer=optimizer, extra=extra,
+                               async_save=async_save, keep=keep)
 
     # ---- files ---------------------------------------------------------------------
     def stage_sources(self) -> dict[int, str]:

@@ -3,8 +3,10 @@ device, and its weights when the model was built on ``meta``."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -16,8 +18,50 @@ from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps
 from autopart.core.plan import Plan
 
-__all__ = ["require_process_group", "broadcast_plan", "rank_device", "on_meta", "retarget_meta",
-           "materialise"]
+__all__ = ["init_from_env", "require_process_group", "broadcast_plan", "rank_device", "on_meta",
+           "retarget_meta", "materialise"]
+
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_from_env(timeout_s: float = 600.0) -> bool:
+    """Initialise the default process group from ``torchrun``'s environment when none exists.
+
+    Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set)
+    with no group yet: ``init_process_group`` with NCCL when CUDA is available (after
+    ``torch.cuda.set_device(LOCAL_RANK)``), else gloo, rendezvous ``env://``; rank 0 says so
+    once on stderr. A group the program made itself is left as it is.
+
+    Args:
+        timeout_s: the group's collective timeout, seconds (default 600, torch's NCCL default).
+
+    Returns:
+        True when this call made the group.
+
+    Raises:
+        PlanError: only some of the four variables are set (name the missing ones).
+    """
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    present = [v for v in _TORCHRUN_VARS if os.environ.get(v)]
+    if not present:
+        return False
+    if len(present) < len(_TORCHRUN_VARS):
+        missing = [v for v in _TORCHRUN_VARS if v not in present]
+        raise PlanError(f"{', '.join(present)} are set but {', '.join(missing)} are not; launch "
+                        "with torchrun, or set all four, or call init_process_group yourself")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.get_rank() == 0:
+        print(f"autopart: initialised the default process group ({backend}, "
+              f"{dist.get_world_size()} ranks, from torchrun's environment)", file=sys.stderr,
+              flush=True)
+    return True
 
 
 def require_process_group() -> None:
@@ -28,7 +72,8 @@ def require_process_group() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise PlanError("backend='distributed' needs an initialised process group: launch with "
-                        "torchrun and call torch.distributed.init_process_group() first")
+                        "torchrun (autopart.compile then initialises it) or call "
+                        "torch.distributed.init_process_group() first")
 
 
 def rank_device() -> torch.device:

@@ -165,11 +165,35 @@ class PipelinedModule(nn.Module):
             owned[stage][fqn] = self._tensor(fqn)
         return owned
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Checkpoint weights and plan atomically; see :func:`autopart.runtime.checkpoint.save_checkpoint`."""
+    def save(self, directory: str | os.PathLike[str], *, optimizer: Any = None,
+             extra: dict[str, Any] | None = None, async_save: bool = False,
+             keep: int = 1) -> Any:
+        """Checkpoint model and optimizer state (DCP) and the plan atomically; see
+        :func:`autopart.runtime.checkpoint.save_checkpoint`."""
         from autopart.runtime.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory)
+        return save_checkpoint(self, directory, optimizer=optimizer, extra=extra,
+                               async_save=async_save, keep=keep)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every gradient by the whole model's gradient norm, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does on the plain model.
+
+        Call after ``train_step`` (which has summed tied replicas' gradients into their
+        owner, so each parameter is counted once).
+
+        Args:
+            max_norm: the largest norm allowed, > 0.
+            norm_type: p of the p-norm (default 2.0; ``float("inf")`` for the largest entry).
+            error_if_nonfinite: raise when the norm is nan or inf (torch's flag).
+
+        Returns:
+            The total norm before clipping (0-dim float tensor on the first stage's device).
+        """
+        return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm,
+                                              norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
 
     # ---- tied-parameter replicas -----------------------------------------------------
     def _sync_replicas(self, force: bool = False) -> None:

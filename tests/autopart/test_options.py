@@ -154,3 +154,29 @@ def test_one_clear_error_for_each_careless_call(replay: tuple[Any, ...]) -> None
         autopart.compile(model, args, loss_fn=loss_fn, plan=plan, step_timeout_s=30)
     with pytest.raises(PlanError, match=r"step_timeout_s=0 must be a number of seconds > 0"):
         CompileOptions(step_timeout_s=0)
+
+
+def test_the_optimizer_sets_the_state_bytes_the_plan_counts() -> None:
+    from autopart.options import optimizer_state_factor
+
+    assert optimizer_state_factor("adamw", 400, 100) == 2.0  # 2 tensors like the parameter
+    assert optimizer_state_factor("SGD", 400, 100) == 1.0
+    assert optimizer_state_factor(12.0, 200, 100) == 6.0  # bf16 weights, fp32 state + master
+    assert optimizer_state_factor(0.0, 400, 100) == 0.0
+    for bad, match in (("lion", r"optimizer='lion'; expected one of \['adam', 'adamw', 'sgd'\]"),
+                       (-1.0, r"optimizer=-1.0 must be a name"), (True, "optimizer=True")):
+        with pytest.raises(PlanError, match=match):
+            CompileOptions(optimizer=bad)
+
+
+def test_a_plan_for_sgd_needs_less_memory_than_for_adamw() -> None:
+    model, args, _, loss_fn = mlp()
+    peaks = {}
+    for optimizer in ("adamw", "sgd", 0.0):
+        pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=2, num_microbatches=2,
+                                schedule="1f1b", optimizer=optimizer, time_limit_s=5.0)
+        peaks[optimizer] = max(r.peak_memory_bytes for r in pipe.plan.ranks)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the whole model's state: 2x, 1x, 0x its parameter bytes, split over the two ranks
+    assert peaks["adamw"] > peaks["sgd"] > peaks[0.0]
+    assert peaks["adamw"] - peaks[0.0] >= params  # >= half of 2x on the larger rank

@@ -181,3 +181,66 @@ def test_a_real_step_traces_every_action_of_every_rank_in_order(kind: str, v: in
         assert trace.actions(r) == [str(a) for a in expected[r]]
     assert sum(e.name == "loss" for e in trace.events) == 4
     assert all(int(x) > 0 for x in peaks[:world])
+
+CLIP_CASES = [("gpt2", "2.0", 2, 2), ("tied_mlp", "2.0", 4, 4), ("gpt2", "inf", 2, 2),
+              ("gpt2", "2.0", 4, 2)]
+
+
+@pytest.mark.parametrize(("model", "norm_type", "world", "pp"), CLIP_CASES,
+                         ids=[f"{m}-norm{n}-{w}ranks-pp{p}" for m, n, w, p in CLIP_CASES])
+def test_clip_grad_norm_is_the_whole_models_norm(model: str, norm_type: str, world: int,
+                                                 pp: int) -> None:
+    # tied weights (gpt2's wte/lm_head, tied_mlp) are counted once; with pp x dp
+    # (world 4, pp 2) the data-parallel replicas are not counted twice
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("clip_norm", world, model, norm_type, pp, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = _reports(out, world)
+    for name, lines in reports.items():
+        assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
+        assert lines[1:] == [], f"{name}: {lines[1:]}"
+
+
+def test_a_torchrun_script_that_never_calls_init_process_group_runs() -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                f"--master-port={_free_port()}", "--max-restarts=0"]
+    proc = subprocess.run([*torchrun, str(ROOT / "tests/distributed/torchrun_no_init.py")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 ok loss" in proc.stdout and "rank 1 ok loss" in proc.stdout, proc.stdout
+    said = [x for x in proc.stderr.splitlines() if "initialised the default process group" in x]
+    assert len(said) == 1 and "gloo, 2 ranks" in said[0], proc.stderr[-3000:]  # once, rank 0
+
+
+def test_an_explicit_group_wins_and_partial_torchrun_variables_are_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import autopart
+    from autopart.runtime import launch
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert launch.init_from_env() is False  # not under torchrun: nothing to do
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(autopart.PlanError, match="MASTER_ADDR, MASTER_PORT are not"):
+        launch.init_from_env()
+    import torch.distributed as dist
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    dist.init_process_group("gloo", rank=0, world_size=1)  # the program's own group
+    try:
+        assert launch.init_from_env() is False and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16"])
+def test_bf16_on_two_ranks_matches_the_plain_model_run_the_same_way(mode: str) -> None:
+    # tolerances justified in tests/precision.py
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("mixed_precision", 2, mode, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = _reports(out, 2)
+    for name, lines in reports.items():
+        assert lines[0].startswith("ok "), f"{name}: {lines}"

@@ -264,6 +264,151 @@ def traced(rank: int, world: int, port: int, kind: str, v: int, result_dir: str)
         pipe.last_trace.save(os.path.join(result_dir, "trace.json"))
         with open(os.path.join(result_dir, "peaks.txt"), "w") as f:
             f.write(" ".join(map(str, peaks)) + f"\n{float(loss)}\n")
+
+def _clip_checks(pipe: Any, reference: torch.nn.Module, max_norm: float,
+                 norm_type: float) -> list[str]:
+    """``pipe.clip_grad_norm_`` against ``clip_grad_norm_`` on the plain model (whose
+    gradients must already be the full-batch ones): the norm and every clipped gradient."""
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm,
+                                              norm_type=norm_type)
+    norm = pipe.clip_grad_norm_(max_norm, norm_type=norm_type)
+    problems = []
+    try:
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    except AssertionError as exc:
+        problems.append(f"norm {norm_type}: {str(exc).splitlines()[0]} ({norm} vs {ref_norm})")
+    if not float(ref_norm) > max_norm:
+        problems.append(f"the test clips nothing: norm {float(ref_norm)} <= {max_norm}")
+    ref_params = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        try:
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=1e-7)
+        except (AssertionError, TypeError) as exc:
+            problems.append(f"clipped {name}: {str(exc).splitlines()[0]}")
+    return problems
+
+
+def clip_norm(rank: int, world: int, port: int, model_name: str, norm_type: float | str,
+              mesh_pp: int, result_dir: str) -> None:
+    """One training step of ``model_name`` on ``world`` ranks (a ``mesh_pp`` x
+    ``world // mesh_pp`` pp x dp mesh when ``mesh_pp < world``), then clip to a tenth of
+    the norm; the norm and clipped gradients must equal the plain model's."""
+    sys.path.insert(0, os.getcwd())
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopart
+    from autopart.core.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, 60)
+    norm_type = float(norm_type)  # "inf" passes through the spawn script as a string
+    reference, args, target, loss_fn = ZOO[model_name]()
+    model = copy.deepcopy(reference)
+    kwargs: dict[str, Any] = {}
+    my_args, my_target = args, target
+    if mesh_pp < world:
+        mesh = init_device_mesh("cpu", (mesh_pp, world // mesh_pp), mesh_dim_names=("pp", "dp"))
+        kwargs["mesh"] = mesh
+        dp, part = mesh.get_local_rank("dp"), args[0].shape[0] * mesh_pp // world
+        mine = slice(dp * part, (dp + 1) * part)
+        my_args, my_target = tuple(a[mine] for a in args), target[mine]
+    batch = my_args[0].shape[0]
+    captured = capture(model, tuple(a[: batch // 2] for a in my_args))
+    plan = manual_plan(captured, even_positions(captured, mesh_pp), 2, batch,
+                       schedule_kind="1f1b")
+    pipe = autopart.compile(model, my_args, loss_fn=loss_fn, plan=plan, backend="distributed",
+                            **kwargs)
+    pipe.train_step(*my_args, target=my_target)
+    loss_fn(reference(*args), target).backward()  # full-batch gradients
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()], norm_type)
+    problems = _clip_checks(pipe, reference, float(ref_norm) / 10, norm_type)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join([f"params {len(list(pipe.named_parameters()))}", *problems]) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def _gpt2_pipeline(world: int, positions_of: Any = None) -> tuple[Any, ...]:
+    """GPT-2 (tests.zoo) on a 2-microbatch 1F1B plan over ``world`` ranks, compiled
+    distributed; returns ``(pipe, loss_fn)``."""
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.core.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    model, args, target, loss_fn = ZOO["gpt2"]()
+    captured = capture(model, tuple(a[:4] for a in args))
+    plan = manual_plan(captured, even_positions(captured, world), 2, 8, schedule_kind="1f1b")
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+    return pipe, loss_fn
+
+
+def ckpt_train(rank: int, world: int, port: int, root: str, result_dir: str,
+               async_save: bool = False) -> None:
+    """Train GPT-2 3 steps (AdamW, clipping) on ``world`` ranks, then save with the
+    optimizer (with ``async_save``: changes the weights while the files are written, then
+    waits); rank 0 writes the losses."""
+    from tests import training
+
+    _setup(rank, world, port, 120)
+    pipe, _ = _gpt2_pipeline(world)
+    opt = training.adamw(pipe.named_parameters())
+    losses = training.train(lambda a, t: pipe.train_step(*a, target=t), pipe.clip_grad_norm_,
+                            opt, range(3))
+    saved = pipe.save(root, optimizer=opt, extra={"step": 3}, async_save=async_save)
+    if async_save:
+        with torch.no_grad():
+            for p in pipe.parameters():
+                p.add_(1.0)  # training goes on: the checkpoint must hold the copied state
+        saved.wait()
+    if rank == 0:
+        with open(os.path.join(result_dir, "losses.txt"), "w") as f:
+            f.write(" ".join(repr(x) for x in losses) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def ckpt_resume(rank: int, world: int, port: int, root: str, result_dir: str) -> None:
+    """A scrambled GPT-2 on ``world`` ranks loads the checkpoint and trains 3 more steps;
+    writes the losses (rank 0) and each rank's optimizer state right after the load."""
+    from safetensors.torch import save_file
+
+    import autopart
+    from tests import training
+
+    _setup(rank, world, port, 120)
+    pipe, _ = _gpt2_pipeline(world)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.add_(0.5)
+    opt = training.adamw(pipe.named_parameters())
+    autopart.load(root, pipe, optimizer=opt)
+    extra = autopart.checkpoint_extra(root)
+    state = training.optimizer_state(pipe.named_parameters(), opt)
+    save_file(state, os.path.join(result_dir, f"state{rank}.safetensors"))
+    losses = training.train(lambda a, t: pipe.train_step(*a, target=t), pipe.clip_grad_norm_,
+                            opt, range(extra["step"], extra["step"] + 3))
+    if rank == 0:
+        with open(os.path.join(result_dir, "losses.txt"), "w") as f:
+            f.write(" ".join(repr(x) for x in losses) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def mixed_precision(rank: int, world: int, port: int, mode: str, result_dir: str) -> None:
+    """GPT-2 on ``world`` ranks under ``torch.autocast`` bf16 (``mode="autocast"``) or with
+    bf16 weights (``mode="bf16"``), against the plain model run the same way; writes the
+    loss difference and the worst gradient error (``tests.precision`` decides)."""
+    sys.path.insert(0, os.getcwd())
+    from tests import precision
+
+    _setup(rank, world, port, 120)
+    reference, pipe, args, target, loss_fn = precision.models(mode, world, "distributed")
+    report = precision.compare(pipe, reference, args, target, loss_fn, mode)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(report + "\n")
     pipe.close()
     dist.destroy_process_group()
 
@@ -274,5 +419,6 @@ def run_everyone(fn: Any, world: int, *args: Any) -> None:
     mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
 
 
-__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs", "traced"]
+__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs", "traced",
+                      "clip_norm", "ckpt_train", "ckpt_resume", "mixed_precision"]
 _ = Any

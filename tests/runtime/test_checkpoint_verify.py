@@ -1,9 +1,12 @@
-"""Checkpoints are verified on load (digests, sizes, dtypes, manifest shape) and killed saves
-leave nothing behind after the next save."""
+"""Checkpoints are verified on load (digests, sizes, manifest shape, DCP metadata read without
+unpickling arbitrary objects), and killed saves leave the last checkpoint loadable and
+nothing behind after the next save."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 import signal
 import subprocess
 import sys
@@ -12,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from safetensors.torch import load_file, save_file
+import torch
+from safetensors.torch import save_file
 
 import autopart
 from autopart import CheckpointError
@@ -26,62 +30,79 @@ def saved(tmp_path: Path) -> tuple[Any, ...]:
     model, args, target, loss_fn = mlp()
     pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=2, num_microbatches=2,
                             schedule="gpipe", time_limit_s=5.0)
-    folder = pipe.save(tmp_path / "ck")
+    opt = torch.optim.AdamW(pipe.parameters())
+    pipe.train_step(*args, target=target)
+    opt.step()
+    folder = pipe.save(tmp_path / "ck", optimizer=opt)
     return folder, tmp_path / "ck", mlp()[0], args, loss_fn
 
 
 def _manifest(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "manifest.json").read_text())
+    return json.loads((folder / "autopart.json").read_text())
 
 
 def test_a_flipped_byte_or_a_truncated_file_is_refused(saved: tuple[Any, ...]) -> None:
     folder, root, fresh, args, _ = saved
-    stage = folder / "stage_1.safetensors"
-    data = bytearray(stage.read_bytes())
+    data_file = folder / "__0_0.distcp"
+    data = bytearray(data_file.read_bytes())
     data[-3] ^= 0x40  # one bit in the last weight
-    stage.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"stage_1.safetensors does not match its manifest"):
+    data_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp does not match its manifest"):
         autopart.load(root, fresh)
-    stage.write_bytes(bytes(data[: len(data) // 2]))
+    data_file.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(CheckpointError, match=r"size \d+ vs \d+ bytes"):
         autopart.load(root, fresh)
-    stage.unlink()
-    with pytest.raises(CheckpointError, match=r"stage_1.safetensors is missing"):
+    data_file.unlink()
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is missing"):
         autopart.load(root, fresh)
 
 
-def test_a_stage_re_saved_in_another_dtype_is_refused(saved: tuple[Any, ...]) -> None:
-    folder, root, fresh, args, _ = saved
-    stage = folder / "stage_0.safetensors"
-    half = {k: v.half() for k, v in load_file(str(stage)).items()}
-    save_file(half, str(stage))
+class _Boom:
+    def __reduce__(self) -> Any:
+        return (print, ("unpickled",))
+
+
+def test_dcp_metadata_is_never_unpickled_beyond_dcp_types(saved: tuple[Any, ...]) -> None:
+    folder, root, fresh, *_ = saved
+    evil = pickle.dumps(_Boom())
+    (folder / ".metadata").write_bytes(evil)
     manifest = _manifest(folder)
-    import hashlib
-    manifest["files"]["stage_0.safetensors"] = {
-        "sha256": hashlib.sha256(stage.read_bytes()).hexdigest(), "bytes": stage.stat().st_size}
-    (folder / "manifest.json").write_text(json.dumps(manifest))  # digests made to agree
-    with pytest.raises(CheckpointError, match=r"is float16, its manifest says float32"):
+    manifest["files"][".metadata"] = {"sha256": hashlib.sha256(evil).hexdigest(),
+                                      "bytes": len(evil)}  # digests made to agree
+    (folder / "autopart.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"builtins.print is not allowed in DCP metadata"):
         autopart.load(root, fresh)
-    manifest["dtypes"] = {k: "float16" if k in half else d for k, d in manifest["dtypes"].items()}
-    (folder / "manifest.json").write_text(json.dumps(manifest))  # ... and the dtypes too
-    with pytest.raises(CheckpointError, match=r"is float16, the model's is float32; convert"):
-        autopart.load(root, fresh)
+
+
+def test_a_format_2_checkpoint_loads_its_weights(tmp_path: Path) -> None:
+    model, args, _, loss_fn = mlp()
+    folder = tmp_path / "old" / "ckpt-000000"
+    folder.mkdir(parents=True)
+    state = model.state_dict()
+    half = len(state) // 2
+    save_file(dict(list(state.items())[:half]), str(folder / "stage_0.safetensors"))
+    save_file(dict(list(state.items())[half:]), str(folder / "stage_1.safetensors"))
+    (folder / "manifest.json").write_text(json.dumps({"format": 2}))
+    (tmp_path / "old" / "latest").write_text("ckpt-000000\n")
+    fresh = autopart.load(tmp_path / "old", mlp()[0])
+    for key, value in state.items():
+        torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("damage", "match"), [
-    (lambda m: "{not json", r"manifest.json cannot be read \(JSONDecodeError"),
+    (lambda m: "{not json", r"autopart.json cannot be read \(JSONDecodeError"),
     (lambda m: json.dumps([1, 2]), r"checkpoint format \[1, 2\] is not supported"),
     (lambda m: json.dumps({**m, "format": 99}), r"checkpoint format 99 is not supported"),
-    (lambda m: json.dumps({k: v for k, v in m.items() if k != "stage_of"}),
-     r"manifest.json is damaged \(KeyError: 'stage_of'\)"),
-    (lambda m: json.dumps({**m, "state_keys": 5}), r"manifest.json is damaged \(TypeError"),
-    (lambda m: json.dumps({**m, "files": {}}), r"manifest.json is damaged \(its tensor, stage"),
-    (lambda m: json.dumps({**m, "shapes": {"x": "ab"}}), r"manifest.json is damaged"),
+    (lambda m: json.dumps({k: v for k, v in m.items() if k != "optimizer"}),
+     r"autopart.json is damaged \(KeyError: 'optimizer'\)"),
+    (lambda m: json.dumps({**m, "files": 5}), r"autopart.json is damaged \(AttributeError"),
+    (lambda m: json.dumps({**m, "files": {}}), r"autopart.json is damaged \(no .metadata"),
+    (lambda m: json.dumps({**m, "extra": [1]}), r"autopart.json is damaged"),
 ])
 def test_a_damaged_manifest_is_refused_naming_it(saved: tuple[Any, ...], damage: Any,
                                                  match: str) -> None:
     folder, root, fresh, *_ = saved
-    (folder / "manifest.json").write_text(damage(_manifest(folder)))
+    (folder / "autopart.json").write_text(damage(_manifest(folder)))
     with pytest.raises(CheckpointError, match=match):
         autopart.load(root, fresh)
 
@@ -89,20 +110,27 @@ def test_a_damaged_manifest_is_refused_naming_it(saved: tuple[Any, ...], damage:
 _SAVER = """
 import sys
 sys.path.insert(0, {root!r})
+import torch
 import autopart
 from tests.zoo import mlp
 model, args, target, loss_fn = mlp()
 pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=2, num_microbatches=2,
                         schedule="gpipe", time_limit_s=5.0)
+opt = torch.optim.AdamW(pipe.parameters())
+pipe.train_step(*args, target=target)
+opt.step()
 print("ready", flush=True)
+step = 0
 while True:
-    pipe.save({out!r})
+    step += 1
+    pipe.save({out!r}, optimizer=opt, extra={{"step": step}})
 """
 
 
 def test_killed_saves_leave_nothing_after_the_next_save(saved: tuple[Any, ...]) -> None:
     folder, root, fresh, args, loss_fn = saved
     script = _SAVER.format(root=str(ROOT), out=str(root))
+    steps: list[int] = []
     for k in range(8):
         proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -110,11 +138,15 @@ def test_killed_saves_leave_nothing_after_the_next_save(saved: tuple[Any, ...]) 
         time.sleep(0.05 + 0.04 * k)  # somewhere inside a save
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        autopart.load(root, fresh)  # the last complete checkpoint always loads
+        # the last complete checkpoint always loads, model and optimizer
+        opt = torch.optim.AdamW(fresh.parameters())
+        autopart.load(root, fresh, optimizer=opt)
+        steps.append(autopart.checkpoint_extra(root).get("step", 0))
     model, *_ = mlp()
     pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=2, num_microbatches=2,
                             schedule="gpipe", time_limit_s=5.0)
     final = pipe.save(root)
     left = sorted(p.name for p in root.iterdir())
     assert left == [".lock", final.name, "latest"], left
+    assert max(steps) > 0, steps  # the killed writers did commit checkpoints
     autopart.load(root, fresh)
