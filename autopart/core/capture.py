@@ -165,6 +165,29 @@ def _trace_error(exc: BaseException) -> TraceError:
                       f"{where}\n  fix: {fix}")
 
 
+# Ops that fail unless their input's strides are what the fake tensors of the capture had.
+_STRIDE_BOUND_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _tolerate_real_strides(graph: fx.Graph) -> None:
+    """Turn the graph's ``view`` nodes into ``reshape``: same values, any input layout.
+
+    torch.export records a ``view`` where the *fake* input was contiguous, and drops a
+    model's ``.contiguous()`` when the fake tensor already was. Real kernels do not always
+    lay out their outputs as the fake ones say: CPU ``scaled_dot_product_attention`` takes
+    the fused path (output ``(B, T, H, D)``-major) when no input needs a gradient and the
+    math path (contiguous ``(B, H, T, D)``) when the mask does, so T5's relative-position
+    attention, transposed back and viewed, fails in training with "view size is not
+    compatible with input tensor's size and stride". ``reshape`` is a view where one exists
+    (no copy) and a copy otherwise, which is what the model's own ``.contiguous().view()``
+    did. The graph is functional (no in-place op writes through a view), so a copy where
+    the capture had a view changes no value.
+    """
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _STRIDE_BOUND_VIEWS:
+            node.target = torch.ops.aten.reshape.default
+
+
 def _leading_dim(leaves: list[Any]) -> int:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
@@ -213,6 +236,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
             gm.graph.erase_node(node)
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
+    _tolerate_real_strides(gm.graph)
     # Flat calling convention: forward(*leaves) -> tuple(leaves).
     gm.graph._codegen = fx.graph.CodeGen()
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
