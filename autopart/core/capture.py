@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import linecache
+import operator
 import os
 import traceback
 import warnings
@@ -188,6 +189,94 @@ def _tolerate_real_strides(graph: fx.Graph) -> None:
             node.target = torch.ops.aten.reshape.default
 
 
+_BN_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
+_BN_IN_PLACE = torch.ops.aten._native_batch_norm_legit.default
+_COPY = torch.ops.aten.copy_.default
+
+
+def _buffer_copies(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """``copy_`` nodes that write a new value into a ``get_attr`` buffer: value -> copy node."""
+    return {n.args[1]: n for n in graph.nodes
+            if n.op == "call_function" and n.target == _COPY and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "get_attr" and isinstance(n.args[1], fx.Node)}
+
+
+def _in_place_variant(node: fx.Node) -> Any:
+    """``aten.add_.Tensor`` for an ``aten.add.Tensor`` node, None when there is none."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1] + "_", None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _update_buffers_where_read(graph: fx.Graph) -> None:
+    """Put each buffer update back where the buffer is read, so no cut can fall in between.
+
+    Functionalisation turns BatchNorm's in-place update of its running statistics into
+    ``_native_batch_norm_legit_functional`` returning new statistics, and a ``copy_`` into
+    the buffer at the graph's very end. Split into stages, that ``copy_`` lands in the last
+    stage, which runs microbatch 0's update after the first stage has already read the
+    buffer for microbatch 1 (and on another device writes a replica, not the buffer the
+    reading stage owns); and the ``copy_`` bumps the version of a tensor autograd saved for
+    BatchNorm's backward, which then refuses to run. So:
+
+    - BatchNorm whose new statistics only feed those ``copy_`` nodes becomes the in-place
+      ``_native_batch_norm_legit`` (what eager runs: it updates the buffers itself);
+    - an out-of-place op whose result only goes to that ``copy_``, and which is the last to
+      read the buffer, becomes its in-place variant (``num_batches_tracked``'s ``add`` +
+      ``copy_`` becomes ``add_``);
+    - any other ``copy_`` into a buffer moves right after the last node that reads the
+      buffer or makes its new value, and when the buffer is floating the nodes that read it
+      take a ``clone`` made just before the first of them, so autograd keeps the old value.
+      (A cut may still fall between such a reader and its ``copy_``.)
+
+    Each microbatch then updates the buffers in order, as running the model on the
+    microbatches one after another does.
+    """
+    copies = _buffer_copies(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != _BN_FUNCTIONAL:
+            continue
+        running = node.args[3:5]
+        outs = {u.args[1]: u for u in node.users
+                if u.target is operator.getitem and isinstance(u.args[1], int)}
+        stats = [outs.get(3), outs.get(4)]
+        if not all(isinstance(r, fx.Node) and r.op == "get_attr" for r in running) or \
+                not all(st is not None and list(st.users) == [copies.get(st)]
+                        and copies[st].args[0] is r for st, r in zip(stats, running, strict=True)):
+            continue
+        for st in stats:
+            assert st is not None
+            graph.erase_node(copies.pop(st))
+            graph.erase_node(st)
+        node.target = _BN_IN_PLACE
+    for new, copy in copies.items():
+        buffer = copy.args[0]
+        assert isinstance(buffer, fx.Node)
+        readers = [u for u in buffer.users if u is not copy]
+        in_place = _in_place_variant(new)
+        if in_place is not None and new.args[0] is buffer and list(new.users) == [copy] and \
+                max(readers, key=order.__getitem__) is new:
+            new.target = in_place  # ``add`` + ``copy_`` -> ``add_``: one node, no cut between
+            graph.erase_node(copy)
+            continue
+        last = max([new, *readers], key=order.__getitem__)
+        floating = isinstance(buffer.meta.get("val"), torch.Tensor) and \
+            buffer.meta["val"].is_floating_point()
+        if readers and floating:
+            first = min(readers, key=order.__getitem__)
+            with graph.inserting_before(first):
+                old = graph.call_function(torch.ops.aten.clone.default, (buffer,))
+            old.meta = dict(buffer.meta)
+            for r in readers:
+                r.replace_input_with(buffer, old)
+        if last.next is not copy:
+            last.append(copy)
+    graph.lint()
+
+
 def _leading_dim(leaves: list[Any]) -> int:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
@@ -237,6 +326,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
     _tolerate_real_strides(gm.graph)
+    _update_buffers_where_read(gm.graph)
     # Flat calling convention: forward(*leaves) -> tuple(leaves).
     gm.graph._codegen = fx.graph.CodeGen()
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
