@@ -6,6 +6,7 @@ import hashlib
 import linecache
 import operator
 import os
+import re
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from torch import nn
 
 from autopart.core.errors import TraceError
 
-__all__ = ["CapturedGraph", "capture", "graph_fingerprint", "op_nodes", "node_module_path"]
+__all__ = ["CapturedGraph", "capture", "graph_fingerprint", "op_nodes", "node_module_path",
+           "node_source"]
 
 _OP_KINDS = ("call_function", "call_method", "call_module")
 
@@ -86,6 +88,18 @@ def node_module_path(node: fx.Node) -> str:
         return ""
     fqn = list(stack.values())[-1][0]
     return str(fqn)
+
+
+def node_source(node: fx.Node) -> str:
+    """Where the model made ``node``: ``"file.py:123 (code)"`` of the innermost frame that
+    torch.export recorded, or ``"unknown source line"`` when it recorded none (nodes that
+    autopart or export inserted)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    if not frames:
+        return "unknown source line"
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} ({code.strip()})"
 
 
 def _get_attr(root: nn.Module, target: str) -> Any:
