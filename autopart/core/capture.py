@@ -203,6 +203,51 @@ def _tolerate_real_strides(graph: fx.Graph) -> None:
             node.target = torch.ops.aten.reshape.default
 
 
+def _differentiable_copies(graph: fx.Graph) -> None:
+    """Replace functional ``aten.copy(dst, src)`` by ops autograd can differentiate.
+
+    Functionalisation turns an in-place ``copy_`` into a slice of an activation
+    (``y[:, :2].copy_(h)``) into ``aten.copy`` + ``slice_scatter``; ``aten.copy`` has no
+    derivative ("derivative for aten::copy is not implemented"), so training the captured
+    graph failed in backward. Its value is ``src`` cast to ``dst``'s dtype and broadcast to
+    ``dst``'s shape (``dst``'s values are all overwritten), which is ``_to_copy`` (when
+    the dtype or device differ), ``expand_copy`` (when the shape does) or ``clone``.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.copy.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        if not isinstance(dst, fx.Node) or not isinstance(src, fx.Node):
+            continue
+        dv, sv = dst.meta.get("val"), src.meta.get("val")
+        if not isinstance(dv, torch.Tensor) or not isinstance(sv, torch.Tensor):
+            continue
+        steps: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+        if sv.dtype != dv.dtype or sv.device != dv.device:
+            steps.append((torch.ops.aten._to_copy.default, (),
+                          {"dtype": dv.dtype, **({"device": dv.device}
+                                                 if sv.device != dv.device else {})}))
+        if tuple(sv.shape) != tuple(dv.shape):
+            steps.append((torch.ops.aten.expand_copy.default, (list(dv.shape),), {}))
+        if not steps:
+            steps.append((torch.ops.aten.clone.default, (), {}))
+        value: fx.Node = src
+        val: Any = sv
+        with graph.inserting_before(node):
+            for op, extra, kwargs in steps:
+                value = graph.call_function(op, (value, *extra), kwargs)
+                mode = getattr(val, "fake_mode", None)
+                if mode is not None:
+                    with mode:
+                        val = op(val, *extra, **kwargs)
+                    value.meta["val"] = val
+                for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+                    if key in node.meta:
+                        value.meta[key] = node.meta[key]
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+
+
 _BN_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
 _BN_IN_PLACE = torch.ops.aten._native_batch_norm_legit.default
 _COPY = torch.ops.aten.copy_.default
@@ -340,6 +385,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
     _tolerate_real_strides(gm.graph)
+    _differentiable_copies(gm.graph)
     _update_buffers_where_read(gm.graph)
     # Flat calling convention: forward(*leaves) -> tuple(leaves).
     gm.graph._codegen = fx.graph.CodeGen()

@@ -56,6 +56,7 @@ _SHRINK: dict[str, Any] = {
                     4),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
+    **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
     "vocab_size": VOCAB,
     "max_position_embeddings": 128,
     "n_positions": 128,

@@ -6,7 +6,7 @@ process builds the tiny model (``models.build``) and records, step by step:
 - ``eager``: the model runs forward on its inputs (batch 4);
 - ``export``: ``torch.export.export(model, (), kwargs, strict=False)`` captures it;
 - ``compile_2`` / ``compile_4``: ``autopart.compile`` into 2 (and, with at least 40 op
-  nodes, 4) stages, 2 microbatches, schedule 1F1B, CP-SAT limit 2 s;
+  nodes, 4) stages, 2 microbatches, schedule 1F1B, CP-SAT limit 1 s;
 - ``match_2`` / ``match_4``: one ``train_step`` of the pipeline against the unpartitioned
   model: relative error ``||a - b|| / ||b||`` of the loss, of every parameter's gradient
   and of every floating buffer (max over them), passing at <= 1e-5 (fp32), against the
@@ -203,7 +203,7 @@ def run_one(entry: Entry) -> dict[str, Any]:
             model = copy.deepcopy(built.model)
             pipe = step(f"compile_{stages}", lambda s=stages, mdl=model: autopart.compile(
                 mdl, (), example_kwargs=built.kwargs, loss_fn=built.loss_fn, num_stages=s,
-                num_microbatches=MICROBATCHES, schedule="1f1b", time_limit_s=2.0))
+                num_microbatches=MICROBATCHES, schedule="1f1b", time_limit_s=1.0))
             rec[f"compile_{stages}"] = True
             got = step(f"match_{stages}", lambda p=pipe: _check(p, built, full, by_hand,
                                                                batchnorm))
@@ -344,6 +344,20 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _round_robin(todo: list[Entry]) -> list[Entry]:
+    """One model of each family in turn, so that a sweep cut short by ``--budget`` still
+    covers every family."""
+    queues: dict[str, list[Entry]] = {}
+    for e in todo:
+        queues.setdefault(e.family, []).append(e)
+    out: list[Entry] = []
+    while any(queues.values()):
+        for q in queues.values():
+            if q:
+                out.append(q.pop(0))
+    return out
+
+
 def _prepare(repeats: int) -> None:
     """Set the profiler's repeats and warm every lazy import up once, before the forks.
 
@@ -380,6 +394,9 @@ def main() -> None:
     ap.add_argument("--profile-repeats", type=int, default=1,
                     help="timed calls per node when profiling (autopart's default is 3 after "
                          "1 warm-up; the sweep checks correctness, not timings: 1, no warm-up)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds after which no new model starts (the rest is listed as "
+                         "not run); default: no limit")
     ap.add_argument("--resume", action="store_true",
                     help="keep the models already in results.jsonl and run the rest")
     a = ap.parse_args()
@@ -404,11 +421,18 @@ def main() -> None:
             done[r["class"]] = r
     elif stream.exists():
         stream.unlink()
-    todo = [e for e in todo if e.class_name not in done]
+    todo = _round_robin([e for e in todo if e.class_name not in done])
     t0 = time.perf_counter()
     print(f"{len(todo)} models to run, {len(done)} kept", flush=True)
     with ThreadPoolExecutor(max_workers=a.jobs) as pool, stream.open("a") as fh:
-        for i, rec in enumerate(pool.map(lambda e: _child(e, a.timeout), todo)):
+        def run(e: Entry) -> dict[str, Any] | None:
+            if a.budget is not None and time.perf_counter() - t0 > a.budget:
+                return None
+            return _child(e, a.timeout)
+
+        for i, rec in enumerate(pool.map(run, todo)):
+            if rec is None:
+                continue
             done[rec["class"]] = rec
             fh.write(json.dumps(rec, default=str) + "\n")
             fh.flush()
@@ -425,6 +449,7 @@ def main() -> None:
         "transformers": transformers.__version__, "batch": BATCH,
         "microbatches": MICROBATCHES, "tolerance": TOLERANCE,
         "wall_s": round(time.perf_counter() - t0, 1), "summary": summarize(records),
+        "not_run": [e.class_name for e in entries() if e.class_name not in done],
         "models": records,
     }
     write_text_atomic(a.out / "results.json", json.dumps(result, indent=1, default=str) + "\n")
