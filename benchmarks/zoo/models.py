@@ -22,13 +22,13 @@ BATCH = 4
 SEQ = 16
 """Tokens per row for text inputs (decoder inputs: ``SEQ // 2``)."""
 
-FAMILIES: dict[str, str] = {
-    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-    "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+FAMILIES: dict[str, str] = {  # in this order: a model type runs in its first family
     "seq2seq_lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "speech_seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "image_classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "audio_classification": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
 }
 """Family name -> the ``transformers.models.auto.modeling_auto`` mapping it comes from."""
 
@@ -107,7 +107,8 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """Every model class of :data:`FAMILIES`, each class once (its first family wins).
+    """Every model type of :data:`FAMILIES` once (its first family wins), with that
+    family's class for it.
 
     Model types that only alias another one's config (``gpt-sw3`` is GPT-2's config and
     class) are skipped.
@@ -120,10 +121,10 @@ def entries() -> list[Entry]:
     for family, mapping in FAMILIES.items():
         for model_type, names in getattr(modeling_auto, mapping).items():
             name = names[0] if isinstance(names, (list, tuple)) else names
-            if name in seen or getattr(CONFIG_MAPPING[model_type], "model_type",
-                                       model_type) != model_type:
+            if model_type in seen or getattr(CONFIG_MAPPING[model_type], "model_type",
+                                             model_type) != model_type:
                 continue
-            seen.add(name)
+            seen.add(model_type)
             out.append(Entry(family, model_type, name))
     return out
 

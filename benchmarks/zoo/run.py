@@ -1,6 +1,6 @@
 """The zoo: every architecture in transformers' auto mappings through autopart, tiny and random.
 
-For each model class of :data:`benchmarks.zoo.models.FAMILIES` (each class once) a child
+For each model type of :data:`benchmarks.zoo.models.FAMILIES` (each type once) a child
 process builds the tiny model (``models.build``) and records, step by step:
 
 - ``eager``: the model runs forward on its inputs (batch 4);
@@ -162,8 +162,12 @@ def _check(pipe: Any, built: Built, full: Any, by_hand: Any, batchnorm: bool,
     return out
 
 
-def run_one(entry: Entry) -> dict[str, Any]:
-    """Every step of the sweep for one model; see the module docstring."""
+def run_one(entry: Entry, stage_counts: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
+    """Every step of the sweep for one model; see the module docstring.
+
+    ``stage_counts``: the stage counts to compile into (4 only with
+    :data:`FOUR_STAGE_MIN_NODES` op nodes or more). Returns the model's record.
+    """
     import autopart
     from autopart.core.capture import op_nodes
 
@@ -197,7 +201,7 @@ def run_one(entry: Entry) -> dict[str, Any]:
         rec["batchnorm"] = batchnorm
         full = _reference(built, microbatched=False)
         by_hand = _reference(built, microbatched=True)
-        for stages in (2, 4):
+        for stages in stage_counts:
             if stages == 4 and n_ops < FOUR_STAGE_MIN_NODES:
                 break
             model = copy.deepcopy(built.model)
@@ -418,10 +422,10 @@ def main() -> None:
     if a.resume and stream.is_file():
         for line in stream.read_text().splitlines():
             r = json.loads(line)
-            done[r["class"]] = r
+            done[r["model_type"]] = r
     elif stream.exists():
         stream.unlink()
-    todo = _round_robin([e for e in todo if e.class_name not in done])
+    todo = _round_robin([e for e in todo if e.model_type not in done])
     t0 = time.perf_counter()
     print(f"{len(todo)} models to run, {len(done)} kept", flush=True)
     with ThreadPoolExecutor(max_workers=a.jobs) as pool, stream.open("a") as fh:
@@ -433,7 +437,7 @@ def main() -> None:
         for i, rec in enumerate(pool.map(run, todo)):
             if rec is None:
                 continue
-            done[rec["class"]] = rec
+            done[rec["model_type"]] = rec
             fh.write(json.dumps(rec, default=str) + "\n")
             fh.flush()
             status = "ok" if rec.get("match_2") and not rec.get("failed_at") else \
@@ -449,7 +453,7 @@ def main() -> None:
         "transformers": transformers.__version__, "batch": BATCH,
         "microbatches": MICROBATCHES, "tolerance": TOLERANCE,
         "wall_s": round(time.perf_counter() - t0, 1), "summary": summarize(records),
-        "not_run": [e.class_name for e in entries() if e.class_name not in done],
+        "not_run": [e.model_type for e in entries() if e.model_type not in done],
         "models": records,
     }
     write_text_atomic(a.out / "results.json", json.dumps(result, indent=1, default=str) + "\n")
