@@ -169,8 +169,10 @@ def _trace_error(exc: BaseException) -> TraceError:
     data_dependent = any(k in str(exc) for k in ("data-dependent", "GuardOnDataDependent",
                                                    "Could not guard", "item()"))
     if data_dependent:
-        fix = ("the model branches on a tensor's value; replace the Python `if` on tensor data "
-               "with torch.where / torch.cond, or compute that branch outside forward()")
+        fix = ("data-dependent control flow: the model reads a tensor's value there (a Python "
+               "`if` on tensor data, .item(), int(tensor), a size taken from data); replace the "
+               "`if` with torch.where / torch.cond, pass the value as a static Python number, or "
+               "where it is a size, state its range with torch._check(...) before using it")
     else:
         fix = ("make forward() traceable by torch.export(strict=False): no Python control flow "
                "on tensor values, no .item()/.tolist(), inputs and outputs made of tensors, "

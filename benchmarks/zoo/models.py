@@ -227,7 +227,9 @@ def _inputs(model: nn.Module, cfg: Any, family: str) -> dict[str, torch.Tensor]:
         size = size[0] if isinstance(size, (list, tuple)) else size
         channels = getattr(cfg, "num_channels", 3)
         kw["pixel_values"] = torch.randn(BATCH, channels, size, size, generator=gen)
-    elif name == "input_values":
+    elif name == "input_values" and hasattr(cfg, "max_length") and hasattr(cfg, "num_mel_bins"):
+        kw["input_values"] = torch.randn(BATCH, cfg.max_length, cfg.num_mel_bins, generator=gen)
+    elif name == "input_values":  # raw audio
         kw["input_values"] = torch.randn(BATCH, 4000, generator=gen)
     elif name == "input_features":
         if cfg.model_type == "whisper":

@@ -235,12 +235,13 @@ def _autopart_errors() -> tuple[type[BaseException], ...]:
 
 
 # ---- the sweep ---------------------------------------------------------------------
-def _child_main(entry: Entry, conn: Any) -> None:
+def _child_main(entry: Entry, conn: Any, stage_counts: tuple[int, ...]) -> None:
     import warnings
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     try:
-        rec = run_one(entry)
+        rec = run_one(entry, stage_counts)
+        rec["stage_counts"] = list(stage_counts)
     except BaseException as exc:  # the record must come back whatever happened
         rec = {"family": entry.family, "model_type": entry.model_type,
                "class": entry.class_name, "failed_at": "crash", "error": _first_line(exc)}
@@ -248,7 +249,7 @@ def _child_main(entry: Entry, conn: Any) -> None:
     conn.close()
 
 
-def _child(entry: Entry, timeout_s: float) -> dict[str, Any]:
+def _child(entry: Entry, timeout_s: float, stage_counts: tuple[int, ...]) -> dict[str, Any]:
     """Run one model in a forked child process (one thread); a crash or timeout is a record.
 
     The parent has imported torch, transformers and autopart (and run no op), so each fork
@@ -258,7 +259,7 @@ def _child(entry: Entry, timeout_s: float) -> dict[str, Any]:
 
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_main, args=(entry, send), daemon=True)
+    proc = ctx.Process(target=_child_main, args=(entry, send, stage_counts), daemon=True)
     t0 = time.perf_counter()
     base = {"family": entry.family, "model_type": entry.model_type, "class": entry.class_name}
     proc.start()
@@ -398,6 +399,9 @@ def main() -> None:
     ap.add_argument("--profile-repeats", type=int, default=1,
                     help="timed calls per node when profiling (autopart's default is 3 after "
                          "1 warm-up; the sweep checks correctness, not timings: 1, no warm-up)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4],
+                    help="stage counts to compile into (default 2 4; 4 only with "
+                         f"{FOUR_STAGE_MIN_NODES}+ op nodes)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which no new model starts (the rest is listed as "
                          "not run); default: no limit")
@@ -432,7 +436,7 @@ def main() -> None:
         def run(e: Entry) -> dict[str, Any] | None:
             if a.budget is not None and time.perf_counter() - t0 > a.budget:
                 return None
-            return _child(e, a.timeout)
+            return _child(e, a.timeout, tuple(a.stages))
 
         for i, rec in enumerate(pool.map(run, todo)):
             if rec is None:
