@@ -164,7 +164,7 @@ def _shrunk(cfg: Any, depth: int = 0) -> dict[str, Any]:
             "num_attention_heads"):
         out["num_key_value_heads"] = out.get("num_attention_heads", HEADS)
     if "mlp_ratio" in d and isinstance(d["mlp_ratio"], (int, float)):
-        out["mlp_ratio"] = 2.0
+        out["mlp_ratio"] = type(d["mlp_ratio"])(2)
     return out
 
 
