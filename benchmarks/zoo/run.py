@@ -162,11 +162,13 @@ def _check(pipe: Any, built: Built, full: Any, by_hand: Any, batchnorm: bool,
     return out
 
 
-def run_one(entry: Entry, stage_counts: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
+def run_one(entry: Entry, stage_counts: tuple[int, ...] = (2, 4),
+            on_step: Any = None) -> dict[str, Any]:
     """Every step of the sweep for one model; see the module docstring.
 
     ``stage_counts``: the stage counts to compile into (4 only with
-    :data:`FOUR_STAGE_MIN_NODES` op nodes or more). Returns the model's record.
+    :data:`FOUR_STAGE_MIN_NODES` op nodes or more); ``on_step(name)`` is called as each
+    step starts. Returns the model's record.
     """
     import autopart
     from autopart.core.capture import op_nodes
@@ -175,6 +177,8 @@ def run_one(entry: Entry, stage_counts: tuple[int, ...] = (2, 4)) -> dict[str, A
                            "class": entry.class_name, "seconds": {}}
 
     def step(name: str, fn: Any) -> Any:
+        if on_step is not None:
+            on_step(name)
         t0 = time.perf_counter()
         try:
             return fn()
@@ -240,7 +244,7 @@ def _child_main(entry: Entry, conn: Any, stage_counts: tuple[int, ...]) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     try:
-        rec = run_one(entry, stage_counts)
+        rec = run_one(entry, stage_counts, on_step=lambda name: conn.send(name))
         rec["stage_counts"] = list(stage_counts)
     except BaseException as exc:  # the record must come back whatever happened
         rec = {"family": entry.family, "model_type": entry.model_type,
@@ -265,11 +269,16 @@ def _child(entry: Entry, timeout_s: float, stage_counts: tuple[int, ...]) -> dic
     proc.start()
     send.close()
     rec: dict[str, Any] | None = None
-    if recv.poll(timeout_s):
+    current = "start"
+    while rec is None and recv.poll(max(0.0, timeout_s - (time.perf_counter() - t0))):
         try:
-            rec = json.loads(recv.recv())
+            msg = recv.recv()
         except EOFError:
-            rec = None
+            break
+        if msg.startswith("{"):
+            rec = json.loads(msg)
+        else:
+            current = msg  # the step now running
     proc.join(5.0)
     if proc.is_alive():
         proc.kill()
@@ -277,7 +286,8 @@ def _child(entry: Entry, timeout_s: float, stage_counts: tuple[int, ...]) -> dic
     wall = round(time.perf_counter() - t0, 1)
     if rec is None:
         if time.perf_counter() - t0 >= timeout_s:
-            return {**base, "failed_at": "timeout", "error": f"timed out after {timeout_s:.0f} s",
+            return {**base, "failed_at": "timeout", "timeout_step": current,
+                    "error": f"timed out after {timeout_s:.0f} s in step {current}",
                     "wall_s": wall}
         return {**base, "failed_at": "crash", "error": f"child exited {proc.exitcode}",
                 "wall_s": wall}
@@ -407,6 +417,8 @@ def main() -> None:
                          "not run); default: no limit")
     ap.add_argument("--resume", action="store_true",
                     help="keep the models already in results.jsonl and run the rest")
+    ap.add_argument("--retry", action="store_true",
+                    help="with --resume: run again the models that timed out or crashed")
     a = ap.parse_args()
     os.environ.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                        "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"})
@@ -426,7 +438,8 @@ def main() -> None:
     if a.resume and stream.is_file():
         for line in stream.read_text().splitlines():
             r = json.loads(line)
-            done[r["model_type"]] = r
+            if not (a.retry and r.get("failed_at") in ("timeout", "crash")):
+                done[r["model_type"]] = r
     elif stream.exists():
         stream.unlink()
     todo = _round_robin([e for e in todo if e.model_type not in done])
