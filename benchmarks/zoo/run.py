@@ -435,14 +435,18 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     stream = a.out / "results.jsonl"
     done: dict[str, dict[str, Any]] = {}
+    retry: set[str] = set()
     if a.resume and stream.is_file():
-        for line in stream.read_text().splitlines():
+        for line in stream.read_text().splitlines():  # a later record of a type wins
             r = json.loads(line)
-            if not (a.retry and r.get("failed_at") in ("timeout", "crash")):
-                done[r["model_type"]] = r
+            done[r["model_type"]] = r
+            if a.retry and r.get("failed_at") in ("timeout", "crash"):
+                retry.add(r["model_type"])
+            else:
+                retry.discard(r["model_type"])
     elif stream.exists():
         stream.unlink()
-    todo = _round_robin([e for e in todo if e.model_type not in done])
+    todo = _round_robin([e for e in todo if e.model_type not in done or e.model_type in retry])
     t0 = time.perf_counter()
     print(f"{len(todo)} models to run, {len(done)} kept", flush=True)
     with ThreadPoolExecutor(max_workers=a.jobs) as pool, stream.open("a") as fh:
