@@ -20,8 +20,8 @@ process builds the tiny model (``models.build``) and records, step by step:
 - seconds per step, and the first line of the first error with its type.
 
 The first step that fails ends the model's run. Each model runs in a forked child process
-with one thread and a wall-clock limit (``--timeout``, default 300 s); results stream to ``results.jsonl`` and are summed into
-``results.json`` and ``results.md`` (counts per family).
+with one thread and a wall-clock limit (``--timeout``, default 300 s); results stream to
+``results.jsonl`` and are summed into ``results.json`` and ``results.md`` (counts per family).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/zoo/run.py [--quick] [--only TYPE ...]
         [--jobs 2] [--timeout 300] [--out benchmarks/zoo]
@@ -423,7 +423,7 @@ def main() -> None:
     os.environ.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                        "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"})
     torch.set_num_threads(1)
-    import transformers  # noqa: F401  (imported once here, before the forks)
+    import transformers  # imported once here, before the forks
 
     from autopart.core.jsonio import write_text_atomic
     _prepare(a.profile_repeats)
@@ -465,7 +465,6 @@ def main() -> None:
                 rec.get("failed_at", "?")
             print(f"[{i + 1}/{len(todo)}] {rec['family']}/{rec['model_type']}: {status} "
                   f"{rec.get('wall_s', '')} s {rec.get('error', '')[:120]}", flush=True)
-    import transformers
     records = sorted(done.values(), key=lambda r: (r["family"], r["model_type"]))
     result = {
         "command": " ".join(["benchmarks/zoo/run.py", *sys.argv[1:]]),
