@@ -9,7 +9,8 @@ nothing itself) and writes ``REPORT.md`` plus PNG figures beside it:
 - ``executor_overhead``: the one-device pipeline against the plain model;
 - ``plan_quality``: predicted step time of the four baseline partitioners over autopart's,
   per model and rank count (analytical H100 costs);
-- ``solver_scale``: the GPT-3-175B-shaped solve onto 64 ranks.
+- ``solver_scale``: the GPT-3-175B-shaped solve onto 64 ranks;
+- ``zoo``: transformers' architectures through autopart, counts per family.
 
 A benchmark without recorded results is listed as missing, not guessed.
 
@@ -255,6 +256,21 @@ def fidelity(results: Path, figures: Path) -> list[str]:
     if png.exists():
         shutil.copyfile(png, figures / "fidelity_timeline.png")
         lines += ["", "![predicted and measured timelines](figures/fidelity_timeline.png)"]
+def zoo(results: Path) -> list[str]:
+    """Markdown lines for ``zoo``: transformers architectures through autopart, per family."""
+    d = _load(results / "zoo" / "results.json")
+    if d is None:
+        return ["## zoo", "", "No recorded results.", ""]
+    cols = ("tried", "eager_ok", "export_ok", "compile_ok", "match_ok", "four_stages")
+    lines = ["## zoo: transformers architectures, tiny and random, split and checked", "",
+             f"{d['machine']}; Python {d['python']}, torch {d['torch']}, transformers "
+             f"{d['transformers']}; batch {d['batch']}, m = {d['microbatches']}; loss, gradients "
+             f"and buffers within {d['tolerance']:g} (relative) of the model run by hand on the "
+             f"same microbatches. {len(d.get('not_run', []))} model types not run (time budget).",
+             "", "| family | " + " | ".join(cols) + " |", "|---" + "|---:" * len(cols) + "|"]
+    per = dict(d["summary"]["per_family"], total=d["summary"]["total"])
+    for family, c in per.items():
+        lines.append(f"| {family} | " + " | ".join(str(c.get(k, 0)) for k in cols) + " |")
     return lines + [""]
 
 
@@ -278,6 +294,7 @@ def write_report(results: Path, out: Path) -> Path:
     lines += plan_quality(results, figures)
     lines += solver_scale(results)
     lines += fidelity(results, figures)
+    lines += zoo(results)
     from autopart.core.jsonio import write_text_atomic
 
     write_text_atomic(out, "\n".join(lines))

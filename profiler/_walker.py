@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopart.core.capture import CapturedGraph, node_module_path, op_nodes
+from autopart.core.capture import CapturedGraph, node_module_path, node_source, op_nodes
 from autopart.core.costgraph import NodeCost
 from autopart.core.errors import ProfileError
 from autopart.profiler._oputil import (
@@ -32,6 +32,15 @@ __all__: list[str] = []
 
 _Key = tuple[str, int]
 Progress = Callable[[int, int], None]
+
+
+def _node_error(node: fx.Node, device: torch.device, exc: BaseException) -> ProfileError:
+    """One error for an op that failed while profiling: node, module, source line, fix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return ProfileError(
+        f"node {node.name!r} ({node.target}, module {node_module_path(node)!r}, from "
+        f"{node_source(node)}) failed on {device}: {type(exc).__name__}: {text}; check that "
+        "the inputs match the captured example inputs and that every op runs on this device")
 
 
 class _Walker:
@@ -125,8 +134,7 @@ class _Walker:
                 a, k = _clone_written(args, kwargs, [])
                 result = fn(*a, **k)
         except Exception as exc:  # the same error as a measured node
-            raise ProfileError(f"node {node.name!r} ({node.target}) failed on {self.device}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise _node_error(node, self.device, exc) from exc
         self._set(node, result)
         self.needs_grad[node] = self.needs_grad.get(rep, False)
         self.report.reused[node.name] = rep.name
@@ -227,11 +235,7 @@ class _Walker:
             result = self._commit(node, fn, written, value_of) if written else run.value
             bwd_in, bwd_w = self._time_backward(node, run, fwd_us)
         except Exception as exc:  # any op failure becomes one error that names the node
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise ProfileError(
-                f"node {node.name!r} ({node.target}, module {node_module_path(node)!r}) failed "
-                f"on {self.device}: {type(exc).__name__}: {text}; check that the inputs match "
-                "the captured example inputs and that every op runs on this device") from exc
+            raise _node_error(node, self.device, exc) from exc
         self._set(node, result)
         live = {k for t in tensor_leaves(result) if (k := storage_key(t))}
         live |= {k for n in node.all_input_nodes for t in tensor_leaves(self.env.get(n))

@@ -70,7 +70,7 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
     first, middle = stages[0], stages[1]
     assert first is not None and middle is not None
     # a training forward may update buffers (BatchNorm statistics); backward writes .grad
-    buffers = list(middle.buffers())
+    buffers = list(first.buffers()) + list(middle.buffers())
     saved_buffers = [b.detach().clone() for b in buffers]
     all_params = list(middle.parameters())
     saved_grads = [p.grad for p in all_params]

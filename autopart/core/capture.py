@@ -6,6 +6,7 @@ import hashlib
 import linecache
 import operator
 import os
+import re
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from torch import nn
 
 from autopart.core.errors import TraceError
 
-__all__ = ["CapturedGraph", "capture", "graph_fingerprint", "op_nodes", "node_module_path"]
+__all__ = ["CapturedGraph", "capture", "graph_fingerprint", "op_nodes", "node_module_path",
+           "node_source"]
 
 _OP_KINDS = ("call_function", "call_method", "call_module")
 
@@ -88,6 +90,18 @@ def node_module_path(node: fx.Node) -> str:
     return str(fqn)
 
 
+def node_source(node: fx.Node) -> str:
+    """Where the model made ``node``: ``"file.py:123 (code)"`` of the innermost frame that
+    torch.export recorded, or ``"unknown source line"`` when it recorded none (nodes that
+    autopart or export inserted)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    if not frames:
+        return "unknown source line"
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} ({code.strip()})"
+
+
 def _get_attr(root: nn.Module, target: str) -> Any:
     obj: Any = root
     for part in target.split("."):
@@ -155,8 +169,10 @@ def _trace_error(exc: BaseException) -> TraceError:
     data_dependent = any(k in str(exc) for k in ("data-dependent", "GuardOnDataDependent",
                                                    "Could not guard", "item()"))
     if data_dependent:
-        fix = ("the model branches on a tensor's value; replace the Python `if` on tensor data "
-               "with torch.where / torch.cond, or compute that branch outside forward()")
+        fix = ("data-dependent control flow: the model reads a tensor's value there (a Python "
+               "`if` on tensor data, .item(), int(tensor), a size taken from data); replace the "
+               "`if` with torch.where / torch.cond, pass the value as a static Python number, or "
+               "where it is a size, state its range with torch._check(...) before using it")
     else:
         fix = ("make forward() traceable by torch.export(strict=False): no Python control flow "
                "on tensor values, no .item()/.tolist(), inputs and outputs made of tensors, "
@@ -166,61 +182,168 @@ def _trace_error(exc: BaseException) -> TraceError:
                       f"{where}\n  fix: {fix}")
 
 
+# Ops that fail unless their input's strides are what the fake tensors of the capture had.
+_STRIDE_BOUND_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _tolerate_real_strides(graph: fx.Graph) -> None:
+    """Turn the graph's ``view`` nodes into ``reshape``: same values, any input layout.
+
+    torch.export records a ``view`` where the *fake* input was contiguous, and drops a
+    model's ``.contiguous()`` when the fake tensor already was. Real kernels do not always
+    lay out their outputs as the fake ones say: CPU ``scaled_dot_product_attention`` takes
+    the fused path (output ``(B, T, H, D)``-major) when no input needs a gradient and the
+    math path (contiguous ``(B, H, T, D)``) when the mask does, so T5's relative-position
+    attention, transposed back and viewed, fails in training with "view size is not
+    compatible with input tensor's size and stride". ``reshape`` is a view where one exists
+    (no copy) and a copy otherwise, which is what the model's own ``.contiguous().view()``
+    did. The graph is functional (no in-place op writes through a view), so a copy where
+    the capture had a view changes no value.
+    """
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _STRIDE_BOUND_VIEWS:
+            node.target = torch.ops.aten.reshape.default
+
+
+def _differentiable_copies(graph: fx.Graph) -> None:
+    """Replace functional ``aten.copy(dst, src)`` by ops autograd can differentiate.
+
+    Functionalisation turns an in-place ``copy_`` into a slice of an activation
+    (``y[:, :2].copy_(h)``) into ``aten.copy`` + ``slice_scatter``; ``aten.copy`` has no
+    derivative ("derivative for aten::copy is not implemented"), so training the captured
+    graph failed in backward. Its value is ``src`` cast to ``dst``'s dtype and broadcast to
+    ``dst``'s shape (``dst``'s values are all overwritten), which is ``_to_copy`` (when
+    the dtype or device differ), ``expand_copy`` (when the shape does) or ``clone``.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.copy.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        if not isinstance(dst, fx.Node) or not isinstance(src, fx.Node):
+            continue
+        dv, sv = dst.meta.get("val"), src.meta.get("val")
+        if not isinstance(dv, torch.Tensor) or not isinstance(sv, torch.Tensor):
+            continue
+        steps: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+        if sv.dtype != dv.dtype or sv.device != dv.device:
+            steps.append((torch.ops.aten._to_copy.default, (),
+                          {"dtype": dv.dtype, **({"device": dv.device}
+                                                 if sv.device != dv.device else {})}))
+        if tuple(sv.shape) != tuple(dv.shape):
+            steps.append((torch.ops.aten.expand_copy.default, (list(dv.shape),), {}))
+        if not steps:
+            steps.append((torch.ops.aten.clone.default, (), {}))
+        value: fx.Node = src
+        val: Any = sv
+        with graph.inserting_before(node):
+            for op, extra, kwargs in steps:
+                value = graph.call_function(op, (value, *extra), kwargs)
+                mode = getattr(val, "fake_mode", None)
+                if mode is not None:
+                    with mode:
+                        val = op(val, *extra, **kwargs)
+                    value.meta["val"] = val
+                for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+                    if key in node.meta:
+                        value.meta[key] = node.meta[key]
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+
+
+_BN_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
+_BN_IN_PLACE = torch.ops.aten._native_batch_norm_legit.default
+_COPY = torch.ops.aten.copy_.default
+
+
+def _buffer_copies(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """``copy_`` nodes that write a new value into a ``get_attr`` buffer: value -> copy node."""
+    return {n.args[1]: n for n in graph.nodes
+            if n.op == "call_function" and n.target == _COPY and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "get_attr" and isinstance(n.args[1], fx.Node)}
+
+
+def _in_place_variant(node: fx.Node) -> Any:
+    """``aten.add_.Tensor`` for an ``aten.add.Tensor`` node, None when there is none."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1] + "_", None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _update_buffers_where_read(graph: fx.Graph) -> None:
+    """Put each buffer update back where the buffer is read, so no cut can fall in between.
+
+    Functionalisation turns BatchNorm's in-place update of its running statistics into
+    ``_native_batch_norm_legit_functional`` returning new statistics, and a ``copy_`` into
+    the buffer at the graph's very end. Split into stages, that ``copy_`` lands in the last
+    stage, which runs microbatch 0's update after the first stage has already read the
+    buffer for microbatch 1 (and on another device writes a replica, not the buffer the
+    reading stage owns); and the ``copy_`` bumps the version of a tensor autograd saved for
+    BatchNorm's backward, which then refuses to run. So:
+
+    - BatchNorm whose new statistics only feed those ``copy_`` nodes becomes the in-place
+      ``_native_batch_norm_legit`` (what eager runs: it updates the buffers itself);
+    - an out-of-place op whose result only goes to that ``copy_``, and which is the last to
+      read the buffer, becomes its in-place variant (``num_batches_tracked``'s ``add`` +
+      ``copy_`` becomes ``add_``);
+    - any other ``copy_`` into a buffer moves right after the last node that reads the
+      buffer or makes its new value, and when the buffer is floating the nodes that read it
+      take a ``clone`` made just before the first of them, so autograd keeps the old value.
+      (A cut may still fall between such a reader and its ``copy_``.)
+
+    Each microbatch then updates the buffers in order, as running the model on the
+    microbatches one after another does.
+    """
+    copies = _buffer_copies(graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != _BN_FUNCTIONAL:
+            continue
+        running = node.args[3:5]
+        outs = {u.args[1]: u for u in node.users
+                if u.target is operator.getitem and isinstance(u.args[1], int)}
+        stats = [outs.get(3), outs.get(4)]
+        if not all(isinstance(r, fx.Node) and r.op == "get_attr" for r in running) or \
+                not all(st is not None and list(st.users) == [copies.get(st)]
+                        and copies[st].args[0] is r for st, r in zip(stats, running, strict=True)):
+            continue
+        for st in stats:
+            assert st is not None
+            graph.erase_node(copies.pop(st))
+            graph.erase_node(st)
+        node.target = _BN_IN_PLACE
+    for new, copy in copies.items():
+        buffer = copy.args[0]
+        assert isinstance(buffer, fx.Node)
+        readers = [u for u in buffer.users if u is not copy]
+        in_place = _in_place_variant(new)
+        if in_place is not None and new.args[0] is buffer and list(new.users) == [copy] and \
+                max(readers, key=order.__getitem__) is new:
+            new.target = in_place  # ``add`` + ``copy_`` -> ``add_``: one node, no cut between
+            graph.erase_node(copy)
+            continue
+        last = max([new, *readers], key=order.__getitem__)
+        floating = isinstance(buffer.meta.get("val"), torch.Tensor) and \
+            buffer.meta["val"].is_floating_point()
+        if readers and floating:
+            first = min(readers, key=order.__getitem__)
+            with graph.inserting_before(first):
+                old = graph.call_function(torch.ops.aten.clone.default, (buffer,))
+            old.meta = dict(buffer.meta)
+            for r in readers:
+                r.replace_input_with(buffer, old)
+        if last.next is not copy:
+            last.append(copy)
+    graph.lint()
+
+
 def _leading_dim(leaves: list[Any]) -> int:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
     raise TraceError("no tensor input with a batch dimension; pass at least one tensor whose "
                      "dim 0 is the batch")
-
-
-def _snapshot_mutated_buffers(gm: fx.GraphModule) -> None:
-    """Buffer write-backs (``copy_`` into a buffer, as unlifting writes BatchNorm's running
-    statistics back at the end of the graph) move to right after the value they write is
-    computed, and ops that read the buffer before it is overwritten read a clone of it.
-
-    Moving keeps a write-back in the stage that computed it: at the end of the graph it
-    would land in the last stage, which would write into its own copy of the buffer while
-    the owner's stage kept reading the stale value. The clone keeps autograd working:
-    the functional BatchNorm op saves the statistics it read for its backward, and the
-    ``copy_`` bumps the buffer's version, after which the backward refuses to run
-    ("modified by an inplace operation"; eager BatchNorm updates them inside the op).
-    It costs one copy of the buffer (a per-channel vector for BatchNorm).
-    """
-    graph = gm.graph
-    writes = [n for n in graph.nodes
-              if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
-              and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
-    for node in writes:
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        buffer = node.args[0]
-        readers = sorted((u for u in buffer.users if u is not node and order[u] < order[node]),
-                         key=order.__getitem__)
-        if readers:
-            with graph.inserting_before(readers[0]):  # in the stage of its first reader
-                snapshot = graph.call_function(torch.ops.aten.clone.default, (buffer,))
-            snapshot.meta = dict(buffer.meta)
-            for user in readers:
-                user.replace_input_with(buffer, snapshot)
-        value = node.args[1]
-        if isinstance(value, fx.Node):
-            value.append(node)  # right after the value it writes
-    # A write of one output of a multi-output op (BatchNorm's new running mean and
-    # variance) goes right after its getitem, and the op's other getitems after all such
-    # writes: while any getitem is still to come the op's tuple crosses every position, and
-    # a tuple cannot be cut, so no cut separates the op from its write-backs.
-    for producer in {w.args[1].args[0] for w in writes if isinstance(w.args[1], fx.Node)
-                     and w.args[1].target is operator.getitem}:
-        items = sorted((u for u in producer.users if u.target is operator.getitem),
-                       key=lambda u: u.args[1])
-        cursor = producer
-        for item in [g for g in items if any(u in writes for u in g.users)] + \
-                [g for g in items if not any(u in writes for u in g.users)]:
-            cursor.append(item)
-            cursor = item
-            for w in [u for u in item.users if u in writes]:
-                cursor.append(w)
-                cursor = w
 
 
 def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
@@ -263,7 +386,9 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
             gm.graph.erase_node(node)
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
-    _snapshot_mutated_buffers(gm)
+    _tolerate_real_strides(gm.graph)
+    _differentiable_copies(gm.graph)
+    _update_buffers_where_read(gm.graph)
     # Flat calling convention: forward(*leaves) -> tuple(leaves).
     gm.graph._codegen = fx.graph.CodeGen()
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.utils.checkpoint import checkpoint
 
+from autopart.codegen.recompute import recompute_context
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.jsonio import write_text_atomic
@@ -69,7 +70,8 @@ class _P2PStage(nn.Module):
             restored.append(arg)
         runner = self._run[0]
         if self.recompute and torch.is_grad_enabled():
-            out = checkpoint(runner, *restored, use_reentrant=False)
+            out = checkpoint(runner, *restored, use_reentrant=False,
+                             context_fn=recompute_context(self.stage))
         else:
             out = runner(*restored)
         return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)

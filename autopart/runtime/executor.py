@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from autopart.codegen.recompute import recompute_context
 from autopart.codegen.split_backward import SplitBackward
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule, execution_order
@@ -265,7 +266,8 @@ class LocalExecutor:
         args = [_as_leaf(v, streams.move(v, event, s, device), grad) for v in sent]
         with streams.on(s), torch.set_grad_enabled(training):
             if training and s in self.recompute:
-                out = checkpoint(self.stages[s], *args, use_reentrant=False)
+                out = checkpoint(self.stages[s], *args, use_reentrant=False,
+                                 context_fn=recompute_context(self.stages[s]))
             else:
                 out = self.stages[s](*args)
         self._done[("F", s, i)] = streams.mark(s)
