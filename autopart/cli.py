@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import typer
 from typer.core import TyperGroup
 
+from autopart.cli_devices import devices as _devices
 from autopart.cli_plan import plan as _plan
 from autopart.cli_profile import profile as _profile
 
-__all__ = ["app", "main"]
-
+__all__ = ["app", "main", "version_line"]
 
 
 class _OneLineErrors(TyperGroup):
@@ -21,15 +22,16 @@ class _OneLineErrors(TyperGroup):
     argument or option (click's usage errors), an :class:`~autopart.core.errors.AutopartError`
     a command did not catch, or a file that cannot be read or written (``OSError``)."""
 
-    def main(self, args: Any = None, prog_name: str | None = None,
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
+             windows_expand_args: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+            return super().main(args, prog_name, complete_var, standalone_mode,
+                                windows_expand_args, **extra)
         from autopart.core.errors import AutopartError
 
         try:
-            rv = super().main(args, prog_name, complete_var, False, **extra)
+            rv = super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         except typer.TyperException as exc:  # click's errors, as typer vendors them
             ctx = getattr(exc, "ctx", None)
             if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
@@ -53,6 +55,40 @@ def _one_line(text: str) -> str:
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrors,
                   help="autopart: automatic pipeline partitioning for PyTorch models.")
+
+
+def version_line() -> str:
+    """``autopart X.Y.Z (python A.B.C, torch ..., ortools ...)``: what a bug report needs.
+
+    Versions come from the installed distributions' metadata, so nothing heavy is imported;
+    a distribution that is not installed shows as ``not installed``.
+    """
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from autopart.core.version import __version__
+
+    parts = [f"python {platform.python_version()}"]
+    for dist in ("torch", "ortools", "transformers"):
+        try:
+            parts.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return f"autopart {__version__} ({', '.join(parts)})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True,
+                                       callback=_print_version,
+                                       help="print the versions of autopart, python, torch, "
+                                            "ortools and transformers, and exit")) -> None:
+    """autopart: automatic pipeline partitioning for PyTorch models."""
 
 
 @app.command()
@@ -88,6 +124,7 @@ def show(plan: Path = typer.Argument(..., help="a plan JSON file")) -> None:
 
 app.command(name="profile")(_profile)
 app.command(name="plan")(_plan)
+app.command(name="devices")(_devices)
 
 
 def main() -> None:
