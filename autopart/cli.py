@@ -17,10 +17,15 @@ from autopart.cli_profile import profile as _profile
 __all__ = ["app", "main", "version_line"]
 
 
+#: optional packages -> the extra of pyproject.toml that installs them
+_EXTRAS = {"transformers": "hf", "matplotlib": "dev", "hypothesis": "dev", "pytest": "dev"}
+
+
 class _OneLineErrors(TyperGroup):
     """Every user error is one line on stderr and exit code 2, never a traceback: a bad
     argument or option (click's usage errors), an :class:`~autopart.core.errors.AutopartError`
-    a command did not catch, or a file that cannot be read or written (``OSError``)."""
+    a command did not catch, a file that cannot be read or written (``OSError``), or an
+    optional package that is not installed (``ModuleNotFoundError`` naming the extra)."""
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
@@ -43,6 +48,16 @@ class _OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("error: aborted", err=True)
             sys.exit(1)
+        except ModuleNotFoundError as exc:
+            top = (exc.name or "").partition(".")[0]
+            if not top or top == "autopart":
+                raise  # autopart's own module missing: a broken install, keep the traceback
+            needed = _EXTRAS.get(top)
+            fix = (f"install the {needed!r} extra: pip install 'autopart[{needed}]'" if needed
+                   else f"install it: pip install {top}")
+            typer.echo(f"error: this command needs the {top!r} package, which is not "
+                       f"installed; {fix}", err=True)
+            sys.exit(2)
         except (AutopartError, OSError) as exc:
             typer.echo(f"error: {_one_line(str(exc))}", err=True)
             sys.exit(2)

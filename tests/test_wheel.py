@@ -143,11 +143,18 @@ def test_installs_without_dev_extras(installed: Installed) -> None:
     assert str(installed.venv) in path  # the installed copy, not this checkout
 
 
-def test_cli_version(installed: Installed) -> None:
-    res = _run([str(installed.venv / "bin" / "autopart"), "--version"], cwd=installed.workdir)
+def test_cli_works_without_the_extras(installed: Installed) -> None:
+    cli = str(installed.venv / "bin" / "autopart")
+    res = _run([cli, "--version"], cwd=installed.workdir)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"autopart {__version__} (python ")
     assert "transformers not installed" in res.stdout
+    res = _run([cli, "devices", "NVIDIA H100 80GB HBM3", "--json"], cwd=installed.workdir)
+    assert res.returncode == 0, res.stderr
+    assert '"name": "h100-sxm"' in res.stdout
+    res = _run([cli, "profile", "hf:GPT2LMHeadModel", "--device", "h100"], cwd=installed.workdir)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "pip install 'autopart[hf]'" in res.stderr, res.stderr
 
 
 _NUMERICS = textwrap.dedent("""

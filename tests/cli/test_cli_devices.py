@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,17 @@ def test_plan_cluster_accepts_preset_names(tmp_path: Path, cluster: str, fingerp
                         "--out", str(out))
     assert code == 0, text
     assert Plan.load(out).cluster_fingerprint == fingerprint
+
+
+@pytest.mark.parametrize("args", [
+    ["profile", "hf:GPT2LMHeadModel", "--device", "h100"],
+    ["demo", "--steps", "1"],
+])
+def test_a_missing_optional_package_names_its_extra(monkeypatch: pytest.MonkeyPatch,
+                                                    args: list[str]) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    code, text = invoke(*args)
+    assert code == 2, text
+    assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    assert text.strip() == ("error: this command needs the 'transformers' package, which is not "
+                            "installed; install the 'hf' extra: pip install 'autopart[hf]'")
