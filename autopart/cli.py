@@ -18,7 +18,7 @@ __all__ = ["app", "main", "version_line"]
 
 
 #: optional packages -> the extra of pyproject.toml that installs them
-_EXTRAS = {"transformers": "hf", "matplotlib": "dev", "hypothesis": "dev", "pytest": "dev"}
+_EXTRAS = {"transformers": "hf", "matplotlib": "plot"}
 
 
 class _OneLineErrors(TyperGroup):
