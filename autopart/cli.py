@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,27 +11,33 @@ import typer
 from typer.core import TyperGroup
 
 from autopart.cli_bench import bench as _bench
+from autopart.cli_devices import devices as _devices
 from autopart.cli_plan import plan as _plan
 from autopart.cli_profile import profile as _profile
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "version_line"]
 
+
+#: optional packages -> the extra of pyproject.toml that installs them
+_EXTRAS = {"transformers": "hf", "matplotlib": "plot"}
 
 
 class _OneLineErrors(TyperGroup):
     """Every user error is one line on stderr and exit code 2, never a traceback: a bad
     argument or option (click's usage errors), an :class:`~autopart.core.errors.AutopartError`
-    a command did not catch, or a file that cannot be read or written (``OSError``)."""
+    a command did not catch, a file that cannot be read or written (``OSError``), or an
+    optional package that is not installed (``ModuleNotFoundError`` naming the extra)."""
 
-    def main(self, args: Any = None, prog_name: str | None = None,
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
+             windows_expand_args: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+            return super().main(args, prog_name, complete_var, standalone_mode,
+                                windows_expand_args, **extra)
         from autopart.core.errors import AutopartError
 
         try:
-            rv = super().main(args, prog_name, complete_var, False, **extra)
+            rv = super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         except typer.TyperException as exc:  # click's errors, as typer vendors them
             ctx = getattr(exc, "ctx", None)
             if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
@@ -42,6 +49,16 @@ class _OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("error: aborted", err=True)
             sys.exit(1)
+        except ModuleNotFoundError as exc:
+            top = (exc.name or "").partition(".")[0]
+            if not top or top == "autopart":
+                raise  # autopart's own module missing: a broken install, keep the traceback
+            needed = _EXTRAS.get(top)
+            fix = (f"install the {needed!r} extra: pip install 'autopart[{needed}]'" if needed
+                   else f"install it: pip install {top}")
+            typer.echo(f"error: this command needs the {top!r} package, which is not "
+                       f"installed; {fix}", err=True)
+            sys.exit(2)
         except (AutopartError, OSError) as exc:
             typer.echo(f"error: {_one_line(str(exc))}", err=True)
             sys.exit(2)
@@ -54,6 +71,40 @@ def _one_line(text: str) -> str:
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=_OneLineErrors,
                   help="autopart: automatic pipeline partitioning for PyTorch models.")
+
+
+def version_line() -> str:
+    """``autopart X.Y.Z (python A.B.C, torch ..., ortools ...)``: what a bug report needs.
+
+    Versions come from the installed distributions' metadata, so nothing heavy is imported;
+    a distribution that is not installed shows as ``not installed``.
+    """
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from autopart.core.version import __version__
+
+    parts = [f"python {platform.python_version()}"]
+    for dist in ("torch", "ortools", "transformers"):
+        try:
+            parts.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return f"autopart {__version__} ({', '.join(parts)})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True,
+                                       callback=_print_version,
+                                       help="print the versions of autopart, python, torch, "
+                                            "ortools and transformers, and exit")) -> None:
+    """autopart: automatic pipeline partitioning for PyTorch models."""
 
 
 @app.command()
@@ -100,6 +151,7 @@ def show(plan: Path = typer.Argument(..., help="a plan JSON file")) -> None:
 app.command(name="profile")(_profile)
 app.command(name="plan")(_plan)
 app.command(name="bench")(_bench)
+app.command(name="devices")(_devices)
 
 
 def main() -> None:

@@ -57,20 +57,23 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
 
     ``--devices N`` takes N devices of the preset the profile was made for
     (``analytical:<preset>``, or ``measured:cpu`` -> the ``cpu`` preset); GPU ranks are named
-    ``cuda:0 .. cuda:N-1``, CPU ranks ``cpu``.
+    ``cuda:0 .. cuda:N-1``, CPU ranks ``cpu``. ``PRESET`` is any name the preset accepts
+    (``h100:8``, ``"NVIDIA A100-SXM4-80GB:4"``; see ``autopart devices``).
 
     Raises:
-        UsageError: both or neither option, N < 1, an unknown preset, or ``--devices`` with a
-            measured GPU profile (whose GPU model the profile does not name).
+        UsageError: both or neither option, N < 1, an unknown preset (with the closest names),
+            or ``--devices`` with a measured GPU profile (whose GPU model the profile does not
+            name).
     """
-    from autopart.core.cluster import PRESETS, Cluster
+    from autopart.core.cluster import PRESETS, Cluster, device_preset
+    from autopart.core.errors import PlanError
 
     if (devices is None) == (cluster is None):
         raise UsageError("pass exactly one of --devices N or --cluster PRESET:N "
                            f"(presets: {', '.join(PRESETS)})")
     if cluster is not None:
         name, sep, count = cluster.rpartition(":")
-        if not sep or not count.isdigit():
+        if not sep or not count.strip().isdigit():
             raise UsageError(f"--cluster {cluster!r}: expected PRESET:N, e.g. h100-sxm:8 "
                                f"(presets: {', '.join(PRESETS)})")
         num = int(count)
@@ -82,12 +85,14 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
                                "preset; pass --cluster PRESET:N "
                                f"(presets: {', '.join(PRESETS)})")
         num = devices
-    if name not in PRESETS:
-        raise UsageError(f"unknown device preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    try:
+        spec = device_preset(name)
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
     if num < 1:
         raise UsageError(f"the cluster needs at least one device, got {num}")
-    names = ["cpu"] * num if name == "cpu" else [f"cuda:{r}" for r in range(num)]
-    return Cluster.uniform(PRESETS[name], names)
+    names = ["cpu"] * num if spec.name == "cpu" else [f"cuda:{r}" for r in range(num)]
+    return Cluster.uniform(spec, names)
 
 
 def _versions() -> dict[str, str]:

@@ -27,21 +27,31 @@ def _parse_value(text: str) -> Any:
 def parse_device(device: str) -> tuple[str, Any]:
     """``("measured", "cpu" | "cuda:N")`` or ``("analytical", DeviceSpec)``.
 
+    ``cpu`` and ``cuda[:N]`` (any case) are measured on this machine; any other text is a
+    device preset under any name it accepts (``h100``, ``A100-80GB``,
+    ``"NVIDIA H100 80GB HBM3"``; see ``autopart devices``).
+
     Raises:
-        UsageError: unknown preset or malformed device, or CUDA without a GPU.
+        UsageError: unknown preset (with the closest names), malformed device, or CUDA
+            without a GPU.
     """
-    from autopart.core.cluster import PRESETS
-    from autopart.core.errors import ProfileError
+    from autopart.core.cluster import device_preset
+    from autopart.core.errors import PlanError, ProfileError
     from autopart.profiler.timer import check_device
 
-    if device in PRESETS and device != "cpu":
-        return "analytical", PRESETS[device]
+    text = device.strip()
+    if text.lower() == "cpu" or text.lower().startswith("cuda"):
+        try:
+            check_device(text.lower())
+        except ProfileError as exc:
+            raise UsageError(f"--device {device!r}: {exc}; or a device preset for an "
+                             "analytical profile (`autopart devices` lists them)") from None
+        return "measured", text.lower()
     try:
-        check_device(device)
-    except ProfileError as exc:
-        raise UsageError(f"{exc}; or a device preset: {', '.join(p for p in PRESETS if p != 'cpu')}"
-                              ) from None
-    return "measured", device
+        return "analytical", device_preset(text)
+    except PlanError as exc:
+        raise UsageError(f"--device: {exc}; or cpu / cuda:N to measure on this machine"
+                         ) from None
 
 
 def build_model(spec: str, config: list[str], batch_size: int, seq_len: int, *, meta: bool,
@@ -156,7 +166,8 @@ def profile(model: str = typer.Argument(..., help="hf:<transformers class> or fi
             batch_size: int = typer.Option(1, min=1, help="batch size B (hf: models)"),
             seq_len: int = typer.Option(128, min=1, help="sequence length T (hf: models)"),
             dtype: str = typer.Option("float32", help="float32 or bfloat16"),
-            device: str = typer.Option("cpu", help="cpu, cuda:N or a device preset (analytical)"),
+            device: str = typer.Option("cpu", help="cpu or cuda:N (measured), or a device preset "
+                                        "such as h100 (analytical; `autopart devices`)"),
             out: Path = typer.Option(Path("profile.json"), help="CostGraph JSON to write"),
             depth: int = typer.Option(3, min=1, help="module-path components per table row"),
             top: int = typer.Option(25, min=1, help="table rows shown"),
