@@ -20,10 +20,9 @@ from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import SCHEDULE_KINDS, BaselineReport, Plan, SolverReport
 from autopart.solver._costmodel import TIME_UNITS_PER_US
 from autopart.solver._evaluate import Candidate, build_plan, evaluate, lower_bounds, pareto
-from autopart.solver._search import is_big
 from autopart.solver._subproblems import Setup, Subproblem, chain_problem, setup
 from autopart.solver.chain_cpsat import ChainResult
-from autopart.solver.partition_dp import chain_dp_hint
+from autopart.solver.chain_dp import chain_dp_hint
 
 __all__ = ["choose"]
 
@@ -120,12 +119,10 @@ def _report(res: ChainResult | None, st: Setup, wall: float, best: Candidate) ->
     scale = 1.0 if st.options.optimize == "memory" else 1.0 / TIME_UNITS_PER_US
     objective, bound = res.objective * scale, res.bound * scale
     gap = (objective - bound) / objective if objective > 0 else 0.0
-    # A banded (big) solve's bound is relaxation_bound of the chosen (kind, v, m) chain
-    # problem, not CP-SAT's: the name says so.
-    big = isinstance(best.sub, Subproblem) and is_big(best.sub) or res.status == "HINT"
+    # The bound is a lower bound on the chosen (kind, v, m) chain problem's optimum; the
+    # method says where it came from (CP-SAT's own, or autopart.solver.chain_bound's).
     return SolverReport(status=res.status, objective=round(objective, 3), bound=round(bound, 3),
-                        gap=round(gap, 6), wall_s=wall,
-                        name="cp-sat-band+relaxation-bound" if big else "cp-sat")
+                        gap=round(gap, 6), wall_s=wall, name=res.method)
 
 
 def _least_peak(st: Setup) -> Candidate | None:

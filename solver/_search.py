@@ -1,15 +1,18 @@
-"""Step 2 of solve(): CP-SAT refines the most promising seeded subproblems, with their bounds.
+"""Step 2 of solve(): refine the most promising seeded subproblems and bound their optimum.
 
-Subproblems are ranked by the exact cost of their DP seed; CP-SAT refines the
-``max_cpsat_solves`` best on the full objective (per-stage recompute included). Big ones
-(more than ``_BAND_ABOVE`` segment x stage pairs) are searched only in a band of +-2 stages
-around their seed, at most ``_BIG_SOLVES`` of them and for a shorter deterministic time; their
-bound is then :func:`relaxation_bound`, a relaxation of that one subproblem.
+Subproblems are ranked by the exact cost of their DP seed; the ``max_cpsat_solves`` best are
+refined on the full objective (per-stage recompute included): one stage per rank (speed) by
+the threshold search of :mod:`autopart.solver.chain_bound`, whose bound is exact up to its
+stopping gap and which leaves CP-SAT out where it cannot pay; then CP-SAT. Big subproblems
+(more than ``_BAND_ABOVE`` segment x stage pairs) are refined for at most ``_BIG_SOLVES`` of
+them, and CP-SAT searches those only in a band of +-2 stages around their seed for a shorter
+deterministic time, so its own bound is not used for them.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -17,31 +20,37 @@ from autopart.core.errors import InfeasiblePlanError
 from autopart.solver._evaluate import evaluate
 from autopart.solver._subproblems import Setup, Subproblem
 from autopart.solver.chain import ChainProblem
+from autopart.solver.chain_bound import relaxation_bound, stage_time_bound, threshold_search
 from autopart.solver.chain_cpsat import ChainResult, solve_chain_cpsat
 from autopart.solver.options import SolveOptions
 
-__all__ = ["search", "is_big", "relaxation_bound"]
+__all__ = ["search", "is_big"]
 
 #: Above this many x[i, s] pairs CP-SAT searches a band of +-2 stages around the seed.
 _BAND_ABOVE = 20_000
-#: How many such big subproblems CP-SAT refines, and its deterministic time on each. On the
-#: 175B-shaped graph (K = 388 segments, 64 ranks) CP-SAT's presolve and loading of the DP
-#: hint alone take about 1 deterministic second (several wall seconds on 2 cores) and 2.0
-#: improves the DP seed by < 0.1%, so the big ones get one short, reproducible search.
-_BIG_SOLVES = 1
+#: How many such big subproblems are refined, and CP-SAT's deterministic time on each. On the
+#: 175B-shaped graph (K = 383 segments, 64 ranks) CP-SAT's presolve and loading of the hint
+#: alone take about 1 deterministic second (several wall seconds on 2 cores), and the
+#: threshold search (about 1.5 s each) already proves its answer optimal there.
+_BIG_SOLVES = 2
 _BIG_DETERMINISTIC_TIME = 1.0
+#: A big subproblem whose threshold-search gap is at most this skips CP-SAT's banded search.
+_BIG_ENOUGH_GAP = 0.01
+#: The threshold search's budget (DPs) and the gap at which it stops.
+_THRESHOLD_EVALUATIONS = 16
+_THRESHOLD_GAP = 1e-3
 
 
 def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
-    """CP-SAT on the most promising subproblems.
+    """Refine the most promising subproblems (threshold search, CP-SAT).
 
     Args:
         st: the solve's setup.
         subs: every seeded subproblem (:func:`autopart.solver._subproblems.subproblems`).
 
     Returns:
-        The subproblems with an answer (CP-SAT's, else their seed), best seed first, and the
-        CP-SAT wall time spent, seconds. Equal chain problems are solved once; a subproblem
+        The subproblems with an answer (refined, else their seed), best seed first, and the
+        wall time spent refining, seconds. Equal chain problems are solved once; a subproblem
         CP-SAT proves infeasible is dropped.
     """
     options = st.options
@@ -79,30 +88,6 @@ def is_big(sub: Subproblem) -> bool:
             and sub.seed is not None)
 
 
-def relaxation_bound(prob: ChainProblem) -> int:
-    """A lower bound on ``prob``'s objective valid for every answer: each stage and rank
-    carries at least its share of the fastest segment times, communication counted as 0,
-    and (ZB-H1) every segment's weight-gradient time taken off.
-
-    It is the bound (and so the gap) a plan reports when its subproblem was solved banded
-    (``solver.name == "cp-sat-band+relaxation-bound"``), and whenever it is tighter than
-    CP-SAT's own bound: a relaxation of that one (kind, v, m) closed-form objective (perfect
-    balance, no sends, no recompute), not a bound over other microbatch counts or kinds and
-    not the simulator's step time."""
-    if prob.optimize == "memory":
-        return -(-sum(prob.seg_state or (0,)) // prob.num_ranks)
-    fast = [min(prob.seg_time_on(r)[i] for r in range(prob.num_ranks))
-            for i in range(prob.num_segments)]
-    total = sum(fast)
-    per_stage = max(-(-total // prob.num_stages), max(fast))
-    # at most every segment's W is hidden (stage 0's is not, nor those of stages whose
-    # backward does not split: ChainProblem.hides_weight)
-    hidden = sum(max(prob.seg_bwd_weight_on(r)[i] for r in range(prob.num_ranks))
-                 for i in range(prob.num_segments))
-    return (prob.w_stage * per_stage + prob.w_rank * -(-total // prob.num_ranks)
-            + prob.w_sum * total - hidden)
-
-
 def _seed_score(st: Setup, sub: Subproblem) -> tuple[float, int, int]:
     """Rank of a subproblem for CP-SAT: its seed's exact cost (time or peak), then m, v."""
     if sub.seed is None:
@@ -114,31 +99,63 @@ def _seed_score(st: Setup, sub: Subproblem) -> tuple[float, int, int]:
 
 
 def _refine(sub: Subproblem, options: SolveOptions) -> ChainResult:
-    """One CP-SAT solve of ``sub`` (banded when big) with the tighter of the two bounds;
-    under ``"memory"`` a second solve for time with the largest rank held at its minimum."""
+    """The best answer to ``sub`` and the tightest lower bound on its optimum.
+
+    Speed, one stage per rank: :func:`~autopart.solver.chain_bound.threshold_search` first
+    (its answer seeds CP-SAT); CP-SAT is skipped where it cannot pay: the bound already
+    proves the answer optimal, or the subproblem is big (CP-SAT would search a band only) and
+    the gap is within ``_BIG_ENOUGH_GAP``. More stages per rank:
+    :func:`~autopart.solver.chain_bound.stage_time_bound`. The reported bound is the largest
+    of these, :func:`~autopart.solver.chain_bound.relaxation_bound` and CP-SAT's own (when it
+    searched the whole problem), and ``method`` names where it came from. Under ``"memory"`` a
+    second solve for time with the largest rank held at its minimum."""
+    prob = sub.problem
     big = is_big(sub)
+    t0 = time.perf_counter()
+    hint = sub.seed
+    bounds = [(relaxation_bound(prob), "relaxation")]
+    thr = None
+    if prob.optimize == "speed" and prob.stages_per_rank == 1:
+        thr = threshold_search(prob, sub.seed, max_evaluations=_THRESHOLD_EVALUATIONS,
+                               rel_gap=_THRESHOLD_GAP)
+        if thr is not None:
+            hint = thr.answer
+            bounds.append((thr.bound, "threshold"))
+    elif prob.optimize == "speed":
+        stb = stage_time_bound(prob)
+        if stb is not None:
+            bounds.append((stb, "stage-time"))
+    dp_wall = time.perf_counter() - t0
+    if thr is not None and (thr.bound >= thr.answer.objective
+                            or big and thr.gap <= _BIG_ENOUGH_GAP):
+        proven = thr.bound >= thr.answer.objective
+        return ChainResult(thr.answer, "OPTIMAL" if proven else "FEASIBLE", thr.bound, dp_wall,
+                           method="dp+threshold-bound")
     kw: dict[str, Any] = {"time_limit_s": options.time_limit_s,
                           "deterministic_time": (min(options.deterministic_time,
                                                      _BIG_DETERMINISTIC_TIME) if big
                                                  else options.deterministic_time),
                           "band": 2 if big else None}
-    res = solve_chain_cpsat(sub.problem, sub.seed, **kw)
-    if big or res.status == "HINT":
-        # CP-SAT's bound covers the band only, or CP-SAT stopped before searching: use the
-        # subproblem's relaxation bound instead.
-        res = replace(res, bound=min(res.objective, relaxation_bound(sub.problem)))
-    else:
-        # Both are lower bounds on this subproblem; report the tighter.
-        res = replace(res, bound=min(res.objective, max(res.bound, relaxation_bound(sub.problem))))
-    if sub.problem.optimize == "memory":
+    res = solve_chain_cpsat(prob, hint, **kw)
+    if hint is not None and hint.objective < res.objective and prob.optimize == "speed":
+        res = replace(res, answer=hint)  # CP-SAT stopped before reaching its hint
+    # CP-SAT's own bound covers the band only when banded, and nothing when it stopped
+    # before searching (status HINT); ties keep CP-SAT's.
+    own = [] if big or res.status == "HINT" else [(res.bound, "cp-sat")]
+    bound, source = max(own + bounds, key=lambda b: b[0])
+    bound = min(bound, res.objective)
+    search = "cp-sat-band" if big else "cp-sat"
+    res = replace(res, bound=bound, wall_s=res.wall_s + dp_wall,
+                  status="OPTIMAL" if bound >= res.objective else res.status,
+                  method=search if source == "cp-sat" else f"{search}+{source}-bound")
+    if prob.optimize == "memory":
         # Then the step time with the largest rank's memory held at its minimum.
-        caps = tuple(min(c, res.objective) for c in sub.problem.rank_caps or (res.objective,)
-                     * sub.problem.num_ranks)
-        timed = replace(sub.problem, optimize="speed", rank_caps=caps)
-        hint = replace(res.answer, objective=timed.time_objective(res.answer.cuts,
-                                                                   res.answer.recompute))
-        second = solve_chain_cpsat(timed, hint, **kw)
-        res = replace(second, status=res.status, bound=res.bound,
-                      answer=replace(second.answer, objective=res.objective),
+        caps = tuple(min(c, res.objective) for c in prob.rank_caps or (res.objective,)
+                     * prob.num_ranks)
+        timed = replace(prob, optimize="speed", rank_caps=caps)
+        first = replace(res.answer, objective=timed.time_objective(res.answer.cuts,
+                                                                    res.answer.recompute))
+        second = solve_chain_cpsat(timed, first, **kw)
+        res = replace(res, answer=replace(second.answer, objective=res.objective),
                       wall_s=res.wall_s + second.wall_s)
     return res

@@ -22,8 +22,8 @@ from autopart.solver.baselines import baseline_partitions
 from autopart.solver.candidates import CutCandidates, add_positions, crossing_profile, find_candidates
 from autopart.solver.chain import ChainAnswer, ChainProblem
 from autopart.solver.chain_cpsat import ChainResult
+from autopart.solver.chain_dp import chain_dp_hint
 from autopart.solver.options import SolveOptions
-from autopart.solver.partition_dp import chain_dp_hint
 
 __all__ = ["Setup", "Subproblem", "setup", "subproblems", "chain_problem"]
 

@@ -23,20 +23,27 @@ __all__ = ["ChainResult", "solve_chain_cpsat"]
 
 @dataclass(frozen=True, slots=True)
 class ChainResult:
-    """What one CP-SAT solve of a :class:`ChainProblem` returned.
+    """What one solve of a :class:`ChainProblem` returned (CP-SAT's, or the solver's search
+    around it: :func:`autopart.solver._search.search` tightens ``bound`` and sets ``method``).
 
     Attributes:
         answer: the best cuts and recompute flags found (their objective included).
         status: CP-SAT status name (``"OPTIMAL"`` or ``"FEASIBLE"``), or ``"HINT"`` when CP-SAT
-            returned nothing in its limits and the hint is kept.
-        bound: CP-SAT's best lower bound on the objective (integer units).
+            returned nothing in its limits and the hint is kept; ``"OPTIMAL"`` also when a
+            bound proves the answer optimal.
+        bound: a lower bound on the optimum (integer units): CP-SAT's best bound (0 when it
+            covers a band only) unless ``method`` names another.
         wall_s: solver wall time, seconds.
+        method: how the answer and bound were found: ``"cp-sat"``, or ``SEARCH+SOURCE-bound``
+            (search ``cp-sat``, ``cp-sat-band`` or ``dp``; bound source ``threshold``,
+            ``stage-time`` or ``relaxation``, see :mod:`autopart.solver.chain_bound`).
     """
 
     answer: ChainAnswer
     status: str
     bound: int
     wall_s: float
+    method: str = "cp-sat"
 
     @property
     def objective(self) -> int:
@@ -99,7 +106,7 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
 
     Args:
         problem: the chain problem.
-        hint: a starting answer (e.g. :func:`autopart.solver.partition_dp.chain_dp_hint`).
+        hint: a starting answer (e.g. :func:`autopart.solver.chain_dp.chain_dp_hint`).
         time_limit_s: wall-clock limit, seconds (default 10); a safety net only.
         deterministic_time: CP-SAT's deterministic time limit (reproducible; ``None``: none).
         num_workers: CP-SAT workers (default 1: deterministic).

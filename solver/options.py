@@ -38,8 +38,9 @@ class SolveOptions:
         time_limit_s: CP-SAT wall-clock limit per solve, seconds (a safety net; the search
             is bounded by ``deterministic_time`` so that it is reproducible).
         deterministic_time: CP-SAT deterministic time limit per solve (default 2.0).
-        max_cpsat_solves: how many (kind, v, m) subproblems CP-SAT refines, best DP seeds
-            first (default 8); the rest keep their DP answer.
+        max_cpsat_solves: how many (kind, v, m) subproblems are refined (threshold search
+            and CP-SAT, see :func:`autopart.solver.solve`), best DP seeds first (default 8);
+            the rest keep their DP answer.
         max_simulated: how many best candidates the schedule simulator replays (default 4;
             only the best when a replay has more than 8192 microbatch-stage pairs, and
             baselines then keep their closed-form time).

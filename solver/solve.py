@@ -28,14 +28,18 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
        the microbatch size, P2P sends, memory that follows the schedule (parameter state,
        activations x in-flight microbatches of that kind, recompute keeping only stage
        inputs), per-rank caps, and the kind's closed-form step time as a linear objective.
-    2. An exact min-max DP seeds it (:func:`~autopart.solver.partition_dp.chain_dp_hint`);
-       CP-SAT refines the ``max_cpsat_solves`` most promising seeds on the full objective,
-       with per-stage recompute decisions, and returns a bound.
-    On big subproblems (more than ``_BAND_ABOVE`` segment x stage pairs) CP-SAT only searches
-    a band of +-2 stages around the seed, for ``_BIG_SOLVES`` subproblem(s) at most and a
-    shorter deterministic time; the plan's bound is then a relaxation bound of that
-    subproblem (see :func:`autopart.solver._search.relaxation_bound`), named in
-    ``solver.name``.
+    2. An exact min-max DP seeds it (:func:`~autopart.solver.chain_dp.chain_dp_hint`). The
+       ``max_cpsat_solves`` most promising seeds are refined on the full objective, with
+       per-stage recompute decisions: with one stage per rank by the threshold search of
+       :mod:`autopart.solver.chain_bound` (exact DPs over the largest stage time, until its
+       bound is within 0.1 % of its answer or 16 DPs ran), then by CP-SAT where that can still pay. On big
+       subproblems (more than ``_BAND_ABOVE`` segment x stage pairs) at most ``_BIG_SOLVES``
+       are refined, and CP-SAT, when it runs, only searches a band of +-2 stages around the
+       seed for a shorter deterministic time. The plan's ``solver.bound`` is the tightest
+       valid lower bound on the chosen (kind, v, m) chain problem's optimum, and
+       ``solver.name`` says which (``"cp-sat"``, ``"dp+threshold-bound"``,
+       ``"cp-sat-band+relaxation-bound"`` ...: see
+       :class:`~autopart.solver.chain_cpsat.ChainResult`).
     3. Every answer is costed exactly (tied parameters on every stage reading them, per-stage
        transient) in closed form; the ``max_simulated`` best are replayed by the schedule
        simulator, whose step time and per-rank peaks are what the plan reports.

@@ -4,8 +4,10 @@ The model (96 layers, d_model 12288, 96 heads, seq 2048, vocab 50257; ``GPT2LMHe
 config) is built on the meta device, captured at batch 1 and profiled analytically for an H100
 SXM in bf16. ``solve()`` then searches everything it can: 8 microbatch counts, stages_per_rank,
 all four schedule kinds and recompute (``schedule_kind``, ``stages_per_rank`` and ``recompute``
-left at None). It is solved twice; the script records solve wall time, status, gap, node and
-candidate counts, and whether the two plan JSONs are identical apart from ``solver.wall_s``.
+left at None). It is solved twice; the script records solve wall time (and the 1-minute load
+average after each solve: the machine is shared), status, objective, bound, gap and the method
+that certified it, node and candidate counts, and whether the two plan JSONs are identical
+apart from ``solver.wall_s``.
 Writes ``results.json`` and ``results.md``.
 
     .venv/bin/python benchmarks/solver_scale/run.py [--time-limit 10]
@@ -30,6 +32,7 @@ import transformers
 from autopart.core.capture import capture
 from autopart.core.cluster import PRESETS, Cluster
 from autopart.core.errors import InfeasiblePlanError
+from autopart.core.jsonio import write_text_atomic
 from autopart.profiler import profile_analytical
 from autopart.solver import SolveOptions, find_candidates, solve
 
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         runs.append({
             "status": plan.solver.status, "wall_s": wall, "solver_wall_s": plan.solver.wall_s,
             "objective": plan.solver.objective, "bound": plan.solver.bound, "gap": plan.solver.gap,
+            "method": plan.solver.name, "load_avg_1min": os.getloadavg()[0],
             "predicted_step_time_us": plan.predicted_step_time_us,
             "bubble_fraction": plan.bubble_fraction, "num_microbatches": plan.num_microbatches,
             "schedule_kind": plan.schedule_kind, "stages_per_rank": plan.stages_per_rank,
@@ -114,20 +118,24 @@ def main(argv: list[str] | None = None) -> None:
                         "ortools": version("ortools"), "transformers": transformers.__version__},
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(args.out_dir / "results.json",
+                      json.dumps(results, indent=2, sort_keys=True) + "\n")
     env = results["environment"]
     lines = [f"{env['machine']}, {env['cpus']} CPUs; Python {env['python']}, torch {env['torch']}, "
              f"ortools {env['ortools']}, transformers {env['transformers']}.", "",
              f"{results['nodes']} nodes, {results['candidates']} cut candidates, "
              f"{results['params'] / 1e9:.1f} B parameters; capture {results['capture_s']:.1f} s, "
              f"profile {results['profile_s']:.1f} s.", "",
-             "| run | status | solve s | gap | step ms | m | schedule | v | recompute stages |",
-             "|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+             "| run | status | method | solve s | load avg | objective ms | bound ms | gap | "
+             "step ms | m | schedule | v | recompute stages |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for i, r in enumerate(runs):
         if r["status"] == "INFEASIBLE":
-            lines.append(f"| {i} | INFEASIBLE | {r['wall_s']:.1f} | | | | | | |")
+            lines.append(f"| {i} | INFEASIBLE | | {r['wall_s']:.1f} | | | | | | | | | |")
             continue
-        lines.append(f"| {i} | {r['status']} | {r['wall_s']:.1f} | {r['gap']:.2%} | "
+        lines.append(f"| {i} | {r['status']} | {r['method']} | {r['wall_s']:.1f} | "
+                     f"{r['load_avg_1min']:.1f} | {r['objective'] / 1e3:.1f} | "
+                     f"{r['bound'] / 1e3:.1f} | {r['gap']:.2%} | "
                      f"{r['predicted_step_time_us'] / 1e3:.1f} | {r['num_microbatches']} | "
                      f"{r['schedule_kind']} | {r['stages_per_rank']} | {r['recompute_stages']} |")
     if runs[0]["status"] != "INFEASIBLE":
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{'yes' if b['fits'] else 'no'} |")
     lines += ["", f"Identical plan JSON over both runs (ignoring solver.wall_s): "
                   f"{results['identical_plan_json']}; under 60 s: {results['under_60_s']}."]
-    (args.out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(args.out_dir / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     if runs[0]["status"] == "INFEASIBLE":
         print(f"infeasible: {runs[0]['error']}", file=sys.stderr)
