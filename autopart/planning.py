@@ -16,6 +16,13 @@ from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.version import __version__
 from autopart.profiler import profile_graph
+from autopart.profiler.cache import (
+    cache_enabled,
+    cached_profile,
+    load_measure,
+    profile_key,
+    store_measure,
+)
 from autopart.profiler.split_cost import measure_split_backward_factor
 from autopart.runtime.signature import batch_size, microbatch_inputs
 from autopart.solver import SolveOptions, find_candidates, solve
@@ -104,7 +111,10 @@ class Profile:
         training: profiled forward + backward (True) or forward only.
         split_backward_factor: measured ``(I + W) / B`` of the zero-bubble split on this
             device (1.0 when not measured: inference, one rank, or zero_bubble excluded).
-        timings_s: seconds spent in ``capture_s``, ``profile_s`` and ``split_cost_s``.
+        timings_s: seconds spent in ``capture_s``, ``profile_s`` and ``split_cost_s`` (a
+            phase read from the cache counts the reading).
+        from_cache: the phases read from the profile cache: ``"profile"``,
+            ``"split_cost"`` (empty when the cache was off or missed).
     """
 
     captured: CapturedGraph
@@ -116,6 +126,7 @@ class Profile:
     training: bool
     split_backward_factor: float
     timings_s: dict[str, float]
+    from_cache: frozenset[str] = frozenset()
 
     def options(self, **choices: Any) -> SolveOptions:
         """``SolveOptions`` for this profile; ``choices`` fixes or sets the rest
@@ -138,7 +149,8 @@ class Profile:
 def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                   example_kwargs: dict[str, Any] | None = None,
                   devices: list[str] | tuple[str, ...], num_microbatches: int | None = None,
-                  training: bool = True, split_cost: bool = True) -> Profile:
+                  training: bool = True, split_cost: bool = True,
+                  cache: bool | None = None) -> Profile:
     """Capture ``model`` and measure every node's cost on ``devices[0]``.
 
     With ``num_microbatches`` the model is captured and profiled at the microbatch size, so
@@ -147,6 +159,14 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     (export specialises size-1 dimensions, which can change the graph). With ``split_cost``
     (and training on more than one rank) zero-bubble's I/W split factor is measured too
     (:func:`autopart.profiler.split_cost.measure_split_backward_factor`).
+
+    With ``cache`` (default: on unless ``$AUTOPART_CACHE`` is ``0``/``off``) the costs and the
+    split factor are read from the profile cache (:mod:`autopart.profiler.cache`,
+    ``$AUTOPART_CACHE_DIR``, else ``~/.cache/autopart``) when they were measured before for
+    the same graph fingerprint, device (a CPU's model and thread count, a GPU's name),
+    input shapes, dtype and library versions, and stored there otherwise. So a second
+    launch of the same job solves on the same costs and gets the same plan; measured op
+    times move by several per cent between launches, enough to change cuts and schedule.
 
     Raises:
         PlanError: ``num_microbatches`` does not divide the batch, or no batched input.
@@ -172,16 +192,48 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     timings["capture_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     flat = captured.flatten_inputs(args, kwargs)
-    costs = profile_graph(captured, flat, device=devices[0], training=training)
+    use_cache = cache_enabled() if cache is None else cache
+    key = profile_key(captured.fingerprint, devices[0], flat, dtype=_dtype_name(model),
+                      training=training, method=_PROFILE_METHOD)
+    hits: set[str] = set()
+
+    def measure() -> CostGraph:
+        return profile_graph(captured, flat, device=devices[0], training=training)
+
+    if use_cache:
+        costs, hit = cached_profile(key, measure)
+        if hit:
+            hits.add("profile")
+    else:
+        costs = measure()
     timings["profile_s"] = time.perf_counter() - t0
     factor = 1.0
     if split_cost and training and len(devices) > 1:
         t0 = time.perf_counter()
-        factor = measure_split_backward_factor(captured, flat, costs, devices[0],
-                                               find_candidates(costs, 3).positions)
+        cached = load_measure(key, _SPLIT_FACTOR) if use_cache else None
+        if cached is not None:
+            factor = cached
+            hits.add("split_cost")
+        else:
+            factor = measure_split_backward_factor(captured, flat, costs, devices[0],
+                                                   find_candidates(costs, 3).positions)
+            if use_cache:
+                store_measure(key, _SPLIT_FACTOR, factor)
         timings["split_cost_s"] = time.perf_counter() - t0
     return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
-                   factor, timings)
+                   factor, timings, frozenset(hits))
+
+
+#: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
+_PROFILE_METHOD = "measured:profile_graph(warmup=1,repeats=3,long_call_us=50000)"
+#: The split factor's name in the cache, with the revision of its measurement.
+_SPLIT_FACTOR = "split_backward_factor:pairs-median-v2"
+
+
+def _dtype_name(model: nn.Module) -> str:
+    """The dtype of the model's first floating-point parameter (``"float32"`` if none)."""
+    return next((str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                 if p.is_floating_point()), "float32")
 
 
 def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
@@ -190,7 +242,7 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                num_stages: int | None = None, num_microbatches: int | None = None,
                optimize: str = "speed", schedule: str | None = None,
                stages_per_rank: int | None = None, recompute: bool | None = None,
-               training: bool = True, time_limit_s: float = 10.0,
+               training: bool = True, time_limit_s: float = 10.0, cache: bool | None = None,
                **solve_options: Any) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``devices`` and solve for a plan ("profile once, solve several
     ways": ``profile.solve(schedule_kind="1f1b", ...)`` re-solves on the same costs).
@@ -209,6 +261,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         recompute: every stage, none, or None (the solver decides per stage).
         training: plan forward + backward (default) or inference.
         time_limit_s: CP-SAT limit per solve, seconds (default 10).
+        cache: read and store the costs in the profile cache (:func:`profile_model`);
+            None (default): on unless ``$AUTOPART_CACHE`` is ``0``/``off``.
         **solve_options: further :class:`autopart.solver.SolveOptions` fields
             (``memory_cap_bytes``, ``optimizer_state_bytes_per_param_byte``, ...).
 
@@ -228,7 +282,7 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                  and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble")
     profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
                             devices=device_names, num_microbatches=num_microbatches,
-                            training=training, split_cost=may_split)
+                            training=training, split_cost=may_split, cache=cache)
     t0 = time.perf_counter()
     plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed, **solve_options)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
