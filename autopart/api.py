@@ -33,7 +33,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             example_kwargs: dict[str, Any] | None = None, loss_fn: LossFn | None = None,
-            plan: Plan | str | os.PathLike[str] | None = None,
+            example_target: Any = None, plan: Plan | str | os.PathLike[str] | None = None,
             options: CompileOptions | None = None, **choices: Any) -> Pipeline:
     """Partition ``model`` into pipeline stages and return a pipeline that runs them.
 
@@ -52,6 +52,9 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         example_inputs: positional inputs, tensors ``(batch, ...)``.
         example_kwargs: keyword inputs.
         loss_fn: ``(output, target) -> scalar``; ``None`` = inference only.
+        example_target: a target for ``example_inputs`` (the full batch): the loss's own
+            time and memory on the last stage are then measured, not estimated
+            (:mod:`autopart.loss_cost`). Default None.
         plan: a :class:`Plan` or a path to a plan file to replay without solving.
         options: the choices as one :class:`autopart.CompileOptions`; or pass them as
             keywords (not both):
@@ -105,15 +108,19 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         options.check_plan(the_plan, ranks=None if options.devices is None
                            else len(options.devices))
+    loss = (loss_fn, example_target)
     if backend == "distributed":
-        return _compile_distributed(model, args, kwargs, loss_fn, the_plan, options)
-    return _compile_local(model, args, kwargs, loss_fn, the_plan, options)
+        return _compile_distributed(model, args, kwargs, loss, the_plan, options)
+    return _compile_local(model, args, kwargs, loss, the_plan, options)
 
 
-def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool,
-           options: CompileOptions, devices: tuple[str, ...] | None,
-           ) -> tuple[Plan, CapturedGraph, dict[str, float]]:
+def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+           loss: tuple[LossFn | None, Any], options: CompileOptions,
+           devices: tuple[str, ...] | None) -> tuple[Plan, CapturedGraph, dict[str, float]]:
+    loss_fn, example_target = loss
+    training = loss_fn is not None
     plan, profile = plan_model(model, args, example_kwargs=kwargs, devices=devices,
+                               loss_fn=loss_fn, example_target=example_target,
                                num_stages=options.num_stages,
                                num_microbatches=options.num_microbatches,
                                optimize=options.optimize or "speed", schedule=options.schedule,
@@ -143,12 +150,13 @@ def _capture_for(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _compile_local(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   loss_fn: LossFn | None, plan: Plan | None,
+                   loss: tuple[LossFn | None, Any], plan: Plan | None,
                    options: CompileOptions) -> PipelinedModule:
+    loss_fn = loss[0]
     profiled: CapturedGraph | None = None
     timings: dict[str, float] = {}
     if plan is None:
-        plan, profiled, timings = _solve(model, args, kwargs, loss_fn is not None, options,
+        plan, profiled, timings = _solve(model, args, kwargs, loss, options,
                                          options.devices)
     devices = resolve_devices(options.devices, len(plan.ranks))
     captured = _capture_for(model, args, kwargs, plan, profiled, timings)
@@ -162,11 +170,12 @@ def _compile_local(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                         loss_fn: LossFn | None, plan: Plan | None,
+                         loss: tuple[LossFn | None, Any], plan: Plan | None,
                          options: CompileOptions) -> DistributedPipeline:
     """One rank's share. Without a plan, global rank 0 profiles and solves (on a
     materialised model) and sends the plan to every rank as JSON, so all ranks follow one
     decision."""
+    loss_fn = loss[0]
     launch.require_process_group()
     mesh = options.mesh
     pp_group = mesh.get_group("pp") if mesh is not None else None
@@ -186,7 +195,7 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                                 "plan`) and pass plan=")
             names = (["cpu"] * pp_size if device.type == "cpu"
                      else [f"cuda:{i}" for i in range(pp_size)])
-            mine, _, timings = _solve(model, args, kwargs, loss_fn is not None, options,
+            mine, _, timings = _solve(model, args, kwargs, loss, options,
                                       tuple(names))
         plan = launch.broadcast_plan(mine)  # from global rank 0 to every rank
     elif len(plan.ranks) != pp_size:

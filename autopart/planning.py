@@ -15,6 +15,7 @@ from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.version import __version__
+from autopart.loss_cost import estimate_loss_cost, measure_loss_cost, with_loss_cost
 from autopart.profiler import profile_graph
 from autopart.profiler.cache import (
     cache_enabled,
@@ -24,7 +25,8 @@ from autopart.profiler.cache import (
     store_measure,
 )
 from autopart.profiler.split_cost import measure_split_backward_factor
-from autopart.runtime.signature import batch_size, microbatch_inputs
+from autopart.runtime.launch import on_meta as launch_on_meta
+from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.solver import SolveOptions, find_candidates, solve
 
 __all__ = ["Profile", "plan_model", "profile_model", "cluster_for_devices", "resolve_devices",
@@ -130,11 +132,15 @@ class Profile:
 
     def options(self, **choices: Any) -> SolveOptions:
         """``SolveOptions`` for this profile; ``choices`` fixes or sets the rest
-        (``optimize``, ``time_limit_s``, ``schedule_kind``, ``stages_per_rank``, ...)."""
-        return SolveOptions(batch_size=self.batch_size, num_microbatches=self.num_microbatches,
-                            microbatch_candidates=self.microbatch_candidates,
-                            training=self.training, library_versions=library_versions(),
-                            split_backward_factor=self.split_backward_factor, **choices)
+        (``optimize``, ``time_limit_s``, ``schedule_kind``, ``stages_per_rank``,
+        ``num_microbatches`` where the profile left m open, ...)."""
+        base: dict[str, Any] = dict(
+            batch_size=self.batch_size, num_microbatches=self.num_microbatches,
+            microbatch_candidates=self.microbatch_candidates, training=self.training,
+            library_versions=library_versions(), split_backward_factor=self.split_backward_factor)
+        if choices.get("num_microbatches") is not None:  # one m of the profiled candidates
+            base["microbatch_candidates"] = None
+        return SolveOptions(**{**base, **choices})
 
     def solve(self, **choices: Any) -> Plan:
         """Solve on this profile's costs for its devices; ``choices`` as in :meth:`options`.
@@ -149,8 +155,8 @@ class Profile:
 def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                   example_kwargs: dict[str, Any] | None = None,
                   devices: list[str] | tuple[str, ...], num_microbatches: int | None = None,
-                  training: bool = True, split_cost: bool = True,
-                  cache: bool | None = None) -> Profile:
+                  training: bool = True, split_cost: bool = True, loss_fn: Any = None,
+                  example_target: Any = None, cache: bool | None = None) -> Profile:
     """Capture ``model`` and measure every node's cost on ``devices[0]``.
 
     With ``num_microbatches`` the model is captured and profiled at the microbatch size, so
@@ -158,7 +164,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     the solver picks m among the divisors that leave microbatches of at least 2 rows
     (export specialises size-1 dimensions, which can change the graph). With ``split_cost``
     (and training on more than one rank) zero-bubble's I/W split factor is measured too
-    (:func:`autopart.profiler.split_cost.measure_split_backward_factor`).
+    (:func:`autopart.profiler.split_cost.measure_split_backward_factor`). With ``loss_fn``
+    (training) the loss's own cost is added to the graph's last node: measured on
+    ``example_target`` (the full batch's target) when given, else estimated
+    (:mod:`autopart.loss_cost`).
 
     With ``cache`` (default: on unless ``$AUTOPART_CACHE`` is ``0``/``off``) the costs and the
     split factor are read from the profile cache (:mod:`autopart.profiler.cache`,
@@ -207,6 +216,16 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     else:
         costs = measure()
     timings["profile_s"] = time.perf_counter() - t0
+    if training and loss_fn is not None:
+        t0 = time.perf_counter()
+        if example_target is None or launch_on_meta(model):
+            loss = estimate_loss_cost(captured)
+        else:
+            target = (example_target if num_microbatches is None
+                      else InputSignature.split_target(example_target, num_microbatches)[0])
+            loss = measure_loss_cost(captured, loss_fn, target, devices[0])
+        costs = with_loss_cost(costs, loss)
+        timings["loss_cost_s"] = time.perf_counter() - t0
     factor = 1.0
     if split_cost and training and len(devices) > 1:
         t0 = time.perf_counter()
@@ -242,7 +261,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                num_stages: int | None = None, num_microbatches: int | None = None,
                optimize: str = "speed", schedule: str | None = None,
                stages_per_rank: int | None = None, recompute: bool | None = None,
-               training: bool = True, time_limit_s: float = 10.0, cache: bool | None = None,
+               training: bool = True, time_limit_s: float = 10.0, loss_fn: Any = None,
+               example_target: Any = None, cache: bool | None = None,
                **solve_options: Any) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``devices`` and solve for a plan ("profile once, solve several
     ways": ``profile.solve(schedule_kind="1f1b", ...)`` re-solves on the same costs).
@@ -261,6 +281,9 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         recompute: every stage, none, or None (the solver decides per stage).
         training: plan forward + backward (default) or inference.
         time_limit_s: CP-SAT limit per solve, seconds (default 10).
+        loss_fn, example_target: the loss and a target for the full batch; the loss's cost
+            on the last stage is measured with them (estimated without a target), see
+            :func:`profile_model`.
         cache: read and store the costs in the profile cache (:func:`profile_model`);
             None (default): on unless ``$AUTOPART_CACHE`` is ``0``/``off``.
         **solve_options: further :class:`autopart.solver.SolveOptions` fields
@@ -282,7 +305,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                  and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble")
     profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
                             devices=device_names, num_microbatches=num_microbatches,
-                            training=training, split_cost=may_split, cache=cache)
+                            training=training, split_cost=may_split, loss_fn=loss_fn,
+                            example_target=example_target, cache=cache)
     t0 = time.perf_counter()
     plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed, **solve_options)
     profile.timings_s["solve_s"] = time.perf_counter() - t0

@@ -96,7 +96,8 @@ class Candidate:
 
 def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v: int, m: int,
              answer: ChainAnswer | Sequence[int], caps: Sequence[int] | None, *,
-             sub: Any = None, name: str = "", recompute: bool = False) -> Candidate:
+             sub: Any = None, name: str = "",
+             recompute: bool | Sequence[bool] = False) -> Candidate:
     """Cost an answer exactly (closed-form step time; per-rank peaks following the schedule).
 
     Args:
@@ -106,14 +107,17 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         kind, p, v, m: schedule kind, ranks, stages per rank, microbatches.
         answer: a chain answer (cut indices + recompute) or node positions.
         caps: per-rank memory caps, bytes (None: no cap).
-        recompute: for node positions only: every stage recomputes (default: none does).
+        recompute: for node positions only: every stage recomputes (True), none does (the
+            default), or one flag per stage.
     """
     if isinstance(answer, ChainAnswer):
         assert cands is not None
         positions = tuple(cands.positions[i] for i in answer.cuts)
         rc = tuple(answer.recompute)
     else:
-        positions, rc = tuple(answer), (recompute,) * (p * v)
+        positions = tuple(answer)
+        rc = ((recompute,) * (len(positions) + 1) if isinstance(recompute, bool)
+              else tuple(recompute))
     training, ratio, cluster = model.training, model.ratio(m), model.cluster
     n = len(model.costs.nodes)
     bounds = [0, *positions, n]

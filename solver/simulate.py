@@ -57,15 +57,19 @@ class SimResult:
         bubble_fraction: ``1 - mean(busy) / step_time``, the idle share of a rank's step.
         busy_us: per rank, time spent computing and sending, µs.
         peak_memory_bytes: per rank, the largest memory held at any point of its action order.
+        timeline: with ``simulate(..., record=True)``, every action as ``(rank, stage_index,
+            kind, mb_index, start_us, end_us)`` in the order the replay placed them (its end
+            includes the action's send); empty otherwise.
     """
 
     step_time_us: float
     bubble_fraction: float
     busy_us: tuple[float, ...]
     peak_memory_bytes: tuple[int, ...]
+    timeline: tuple[tuple[int, int, str, int, float, float], ...] = ()
 
 
-def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
+def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> SimResult:
     """Replay ``schedule`` (one action list per rank, e.g. from
     :func:`autopart.core.schedule.build_schedule`) and time it.
 
@@ -81,6 +85,8 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     Args:
         schedule: per-rank action lists; the stage count is ``len(costs.fwd_us)``.
         costs: per-stage costs, see :class:`StageCosts`.
+        record: also return every action's start and end (``SimResult.timeline``; default
+            False: replays of 10^5 actions need not keep them).
 
     Returns:
         Step time, bubble fraction, per-rank busy time and peak memory.
@@ -127,6 +133,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     free = [0.0] * len(lists)
     busy = [0.0] * len(lists)
     cursor = [0] * len(lists)
+    timeline: list[tuple[int, int, str, int, float, float]] = []
     remaining = len(present)
     while remaining:
         progressed = False
@@ -143,8 +150,11 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
                     if e > t:
                         t = e
                 else:
-                    f = (t if t > f else f) + d
+                    start = t if t > f else f
+                    f = start + d
                     end[acts[c]] = f
+                    if record:
+                        timeline.append((r, *acts[c], start, f))
                     busy[r] += d
                     c += 1
                     continue
@@ -160,7 +170,8 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     step = max(free, default=0.0)
     bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
     return SimResult(step_time_us=step, bubble_fraction=min(max(bubble, 0.0), 1.0),
-                     busy_us=tuple(busy), peak_memory_bytes=_peaks(schedule, costs))
+                     busy_us=tuple(busy), peak_memory_bytes=_peaks(schedule, costs),
+                     timeline=tuple(timeline))
 
 
 def _peaks(schedule: Schedule, costs: StageCosts) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import linecache
+import operator
 import os
 import traceback
 import warnings
@@ -173,6 +174,55 @@ def _leading_dim(leaves: list[Any]) -> int:
                      "dim 0 is the batch")
 
 
+def _snapshot_mutated_buffers(gm: fx.GraphModule) -> None:
+    """Buffer write-backs (``copy_`` into a buffer, as unlifting writes BatchNorm's running
+    statistics back at the end of the graph) move to right after the value they write is
+    computed, and ops that read the buffer before it is overwritten read a clone of it.
+
+    Moving keeps a write-back in the stage that computed it: at the end of the graph it
+    would land in the last stage, which would write into its own copy of the buffer while
+    the owner's stage kept reading the stale value. The clone keeps autograd working:
+    the functional BatchNorm op saves the statistics it read for its backward, and the
+    ``copy_`` bumps the buffer's version, after which the backward refuses to run
+    ("modified by an inplace operation"; eager BatchNorm updates them inside the op).
+    It costs one copy of the buffer (a per-channel vector for BatchNorm).
+    """
+    graph = gm.graph
+    writes = [n for n in graph.nodes
+              if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+              and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
+    for node in writes:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        buffer = node.args[0]
+        readers = sorted((u for u in buffer.users if u is not node and order[u] < order[node]),
+                         key=order.__getitem__)
+        if readers:
+            with graph.inserting_before(readers[0]):  # in the stage of its first reader
+                snapshot = graph.call_function(torch.ops.aten.clone.default, (buffer,))
+            snapshot.meta = dict(buffer.meta)
+            for user in readers:
+                user.replace_input_with(buffer, snapshot)
+        value = node.args[1]
+        if isinstance(value, fx.Node):
+            value.append(node)  # right after the value it writes
+    # A write of one output of a multi-output op (BatchNorm's new running mean and
+    # variance) goes right after its getitem, and the op's other getitems after all such
+    # writes: while any getitem is still to come the op's tuple crosses every position, and
+    # a tuple cannot be cut, so no cut separates the op from its write-backs.
+    for producer in {w.args[1].args[0] for w in writes if isinstance(w.args[1], fx.Node)
+                     and w.args[1].target is operator.getitem}:
+        items = sorted((u for u in producer.users if u.target is operator.getitem),
+                       key=lambda u: u.args[1])
+        cursor = producer
+        for item in [g for g in items if any(u in writes for u in g.users)] + \
+                [g for g in items if not any(u in writes for u in g.users)]:
+            cursor.append(item)
+            cursor = item
+            for w in [u for u in item.users if u in writes]:
+                cursor.append(w)
+                cursor = w
+
+
 def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
             ) -> CapturedGraph:
     """Capture ``model(*args, **kwargs)`` as a flat FX graph with ``torch.export`` (non-strict).
@@ -213,6 +263,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
             gm.graph.erase_node(node)
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
+    _snapshot_mutated_buffers(gm)
     # Flat calling convention: forward(*leaves) -> tuple(leaves).
     gm.graph._codegen = fx.graph.CodeGen()
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

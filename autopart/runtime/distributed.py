@@ -3,7 +3,9 @@ torch.distributed.pipelining's runtime (gloo on CPU, NCCL on GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -22,8 +24,10 @@ from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.jsonio import write_text_atomic
 from autopart.core.schedule import build_schedule, to_csv
+from autopart.core.trace import Trace, TraceEvent
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.signature import InputSignature, call_loss, require_loss
+from autopart.runtime.tracing import ActionRecorder, measure_peak_bytes, optimizer_tensors
 
 __all__ = ["DistributedPipeline"]
 
@@ -89,23 +93,36 @@ def _restride(dense: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ..
 
 class _TracedStage(PipelineStage):
     """``PipelineStage`` that marks each action it computes on the heartbeat (``"1F3"``,
-    ``"1B3"``, ``"1W3"``), so that a rank stuck inside one is named with it."""
+    ``"1B3"``, ``"1W3"``), so that a rank stuck inside one is named with it, and times it
+    into ``recorder`` during a traced step."""
 
     def __init__(self, heartbeat: Heartbeat, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._heartbeat = heartbeat
+        self.recorder: ActionRecorder | None = None  # set for one traced step
+        self.track = 0  # this rank's pipeline rank: the trace's track
+
+    @contextlib.contextmanager
+    def _action(self, name: str) -> Iterator[None]:
+        with self._heartbeat.action(name):
+            if self.recorder is None:
+                yield
+                return
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            with self.recorder.span(self.track, name, stream):
+                yield
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with self._heartbeat.action(f"{self.stage_index}F{fwd_chunk_id}"):
+        with self._action(f"{self.stage_index}F{fwd_chunk_id}"):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         kind = "B" if kwargs.get("full_backward", True) else "I"
-        with self._heartbeat.action(f"{self.stage_index}{kind}{bwd_chunk_id}"):
+        with self._action(f"{self.stage_index}{kind}{bwd_chunk_id}"):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with self._heartbeat.action(f"{self.stage_index}W{bwd_chunk_id}"):
+        with self._action(f"{self.stage_index}W{bwd_chunk_id}"):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
@@ -203,6 +220,9 @@ class DistributedPipeline(nn.Module):
         # the stages' shape inference and buffer set-up (a P2P exchange). Only one is kept
         # because the stages hold the buffers of whichever runtime set them up last.
         self._runtime: tuple[tuple[int, bool], _PipelineScheduleRuntime] | None = None
+        self._recorder: ActionRecorder | None = None
+        self.last_trace: Trace | None = None  # set by train_step(trace=True)
+        self.last_peak_memory_bytes: list[int] = []  # set by train_step(measure_memory=True)
 
     def _pipelines(self) -> tuple[list[tuple[int, ...]], list[int]]:
         """Every pipeline replica's global ranks (sorted), and this rank's pipeline."""
@@ -307,7 +327,12 @@ class DistributedPipeline(nn.Module):
                 fails without a target (:func:`autopart.runtime.signature.call_loss`).
         """
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
-        return call_loss(require_loss(self._loss_fn), self.signature.output(flat), target)
+        recorder = self._recorder
+        if recorder is None:
+            return call_loss(require_loss(self._loss_fn), self.signature.output(flat), target)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        with recorder.span(self.pp_rank, "loss", stream, waits=False):
+            return call_loss(require_loss(self._loss_fn), self.signature.output(flat), target)
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -347,11 +372,25 @@ class DistributedPipeline(nn.Module):
     def _p2p_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self._p2p_group)
 
-    def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def train_step(self, *args: Any, target: Any = None, trace: bool = False,
+                   measure_memory: bool = False, optimizer: torch.optim.Optimizer | None = None,
+                   **kwargs: Any) -> torch.Tensor:
         """Every microbatch forward and backward; returns the mean loss on every rank.
 
         Inputs are needed on the first stage's rank, ``target`` on the last stage's rank
         (passing them everywhere is fine). Gradients accumulate in ``.grad``.
+
+        Args:
+            trace: record every action of every rank of this pipeline into ``last_trace``
+                on every rank (:class:`autopart.core.trace.Trace`, one track per pipeline
+                rank, µs from a barrier all ranks leave together; default False). Must be
+                the same on every rank.
+            measure_memory: measure this rank's peak memory into
+                ``last_peak_memory_bytes`` (one entry per pipeline rank, gathered on every
+                rank; see :func:`autopart.runtime.tracing.measure_peak_bytes`; on CPU the
+                profiler it uses slows the step, so do not time such a step). Same on every
+                rank; default False.
+            optimizer: with ``measure_memory``, its state counts as held memory.
 
         Raises:
             PlanError: compiled without ``loss_fn``, or a batch that does not fit.
@@ -362,19 +401,77 @@ class DistributedPipeline(nn.Module):
         m = self.signature.num_microbatches(leaves)
         runtime = self._schedule(m, training=True)
         losses: list[torch.Tensor] = []
+        recorder = ActionRecorder(lambda s: self.pp_rank) if trace else None
 
         def step() -> None:
             first, last = self.pp_rank == self._first_rank, self.pp_rank == self._last_rank
             runtime.step(*(leaves if first else []), target=target if last else None,
                          losses=losses if last else None, return_outputs=False)
 
-        self._guarded(step)
+        if recorder is not None:
+            self._guarded(lambda: dist.barrier(group=self._p2p_group))
+            recorder.start([self.device])
+        self._set_recorder(recorder)
+        try:
+            if measure_memory:
+                held = [t for _, p in self.named_parameters() for t in (p, p.grad)
+                        if t is not None] + list(self._local.values())
+                _, peaks = measure_peak_bytes(lambda: self._guarded(step), [self.device],
+                                              held + optimizer_tensors(optimizer))
+                mine = peaks[str(self.device) if self.device.type == "cuda" else "cpu"]
+            else:
+                self._guarded(step)
+        finally:
+            self._set_recorder(None)
         loss = (torch.stack([x.detach() for x in losses]).mean() if losses
                 else torch.zeros((), device=self.device))
         self._guarded(lambda: dist.broadcast(loss, src=self._global(self._last_rank),
                                              group=self._p2p_group))
-        self.reduce_grads()
+        if recorder is not None:
+            with recorder.span(self.pp_rank, "reduce", waits=False):
+                self.reduce_grads()
+            self.last_trace = Trace(tuple(self._gather_events(recorder.events())),
+                                    f"measured:{self.device.type}",
+                                    {"schedule_kind": self.plan.schedule_kind,
+                                     "num_microbatches": m,
+                                     "stages_per_rank": self.plan.stages_per_rank,
+                                     "graph_fingerprint": self.plan.graph_fingerprint})
+        else:
+            self.reduce_grads()
+        if measure_memory:
+            self.last_peak_memory_bytes = self._gather_ints(mine)
         return loss
+
+    def _set_recorder(self, recorder: ActionRecorder | None) -> None:
+        self._recorder = recorder
+        for st in self.pipeline_stages:
+            st.recorder, st.track = recorder, self.pp_rank
+
+    def _gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every pipeline rank's ``payload``, in pipeline-rank order (JSON, never pickle)."""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.pp_size)]
+        self._guarded(lambda: dist.all_gather(sizes, size, group=self._p2p_group))
+        longest = max(int(x.item()) for x in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        bufs = [torch.zeros_like(buf) for _ in range(self.pp_size)]
+        self._guarded(lambda: dist.all_gather(bufs, buf, group=self._p2p_group))
+        return [bytes(b[:int(n.item())].cpu().tolist()) for b, n in zip(bufs, sizes, strict=True)]
+
+    def _gather_events(self, events: list[TraceEvent]) -> list[TraceEvent]:
+        rows = [[e.rank, e.name, e.start_us, e.end_us] for e in events]
+        out = []
+        for blob in self._gather_bytes(json.dumps(rows).encode()):
+            out.extend(TraceEvent(int(r), str(n), float(a), float(b))
+                       for r, n, a, b in json.loads(blob))
+        return out
+
+    def _gather_ints(self, value: int) -> list[int]:
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.pp_size)]
+        self._guarded(lambda: dist.all_gather(every, mine, group=self._p2p_group))
+        return [int(x.item()) for x in every]
 
     def _global(self, pp_rank: int) -> int:
         if self.pp_group is None:

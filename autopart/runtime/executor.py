@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from autopart.codegen.split_backward import SplitBackward
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule, execution_order
+from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["LocalExecutor", "StepResult"]
 
@@ -30,9 +31,11 @@ class StepResult:
         losses: per microbatch, the scaled loss (training only), detached.
         max_live_activations: per stage, the most microbatches whose forward state was held
             at once (the schedule's in-flight count: m for GPipe, p - s for 1F1B).
+        training: the run computes losses and backward actions.
     """
 
-    def __init__(self, num_microbatches: int, num_stages: int) -> None:
+    def __init__(self, num_microbatches: int, num_stages: int, training: bool = False) -> None:
+        self.training = training
         self.outputs: list[tuple[Any, ...]] = [() for _ in range(num_microbatches)]
         self.losses: list[torch.Tensor | None] = [None] * num_microbatches
         self.max_live_activations = [0] * num_stages
@@ -162,7 +165,7 @@ class LocalExecutor:
 
     def run(self, schedule: Schedule, mb_inputs: list[list[Any]], *,
             loss_closure: LossClosure | None = None, on_action: ActionHook | None = None,
-            ) -> StepResult:
+            recorder: ActionRecorder | None = None) -> StepResult:
         """Run every action of ``schedule``.
 
         Args:
@@ -171,13 +174,15 @@ class LocalExecutor:
             loss_closure: training when given: called on the last stage's outputs of each
                 microbatch; the backward starts from the loss it returns.
             on_action: called after every action with the live-microbatch count per stage.
+            recorder: when given, every action (and the loss) is timed into it, on the track
+                of the rank its stage belongs to (tracing off costs one ``is None`` test).
 
         Returns:
             The outputs, losses and live-activation counts (see :class:`StepResult`).
         """
         num_stages = len(self.stages)
         training = loss_closure is not None
-        result = StepResult(len(mb_inputs), num_stages)
+        result = StepResult(len(mb_inputs), num_stages, training)
         # state[(s, i)]: stage s's inputs/outputs for microbatch i until its backward is done
         state: dict[tuple[int, int], _MicrobatchState] = {}
         # grads[(s, i)]: gradients w.r.t. stage s's outputs, sent back by stage s + 1
@@ -188,46 +193,66 @@ class LocalExecutor:
         done: dict[tuple[str, int, int], torch.cuda.Event | None] = {}
         self._streams, self._done = streams, done
         for action in execution_order(schedule, num_stages):
-            s, i = action.stage_index, action.mb_index
-            if action.kind == "F":
-                self._forward(s, i, mb_inputs, state, training)
-                if s == num_stages - 1:
-                    outs = state[(s, i)].outputs
-                    result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
-                                              for o in outs)
-                    if loss_closure is not None:
-                        with streams.on(s):
-                            result.losses[i] = loss_closure(i, outs)
-                if training:
-                    live[s] += 1
-                    result.max_live_activations[s] = max(result.max_live_activations[s], live[s])
-                else:  # inference: what the next stage has received can go
-                    state.pop((s - 1, i), None)
-                    if s == num_stages - 1:
-                        del state[(s, i)]
+            if recorder is None:
+                self._action(action, mb_inputs, state, grads, live, result, loss_closure)
             else:
-                st = state[(s, i)]
-                if not st.roots:
-                    self._set_roots(st, s, i, result, grads)
-                with streams.on(s):
-                    if action.kind == "B":
-                        if st.roots:
-                            torch.autograd.backward(st.roots, st.root_grads)
-                        self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)
-                                                          else None for a in st.inputs], grads)
-                    elif action.kind == "I":
-                        self._send_input_grads(s, i, st, self._input_grads(s, st), grads)
-                    elif st.split is not None:  # W
-                        st.split.weight_grads()
-                        st.split = None
-                if action.kind in "BW":
-                    del state[(s, i)]
-                    live[s] -= 1
+                s = action.stage_index
+                rank = recorder.rank_of_stage(s)
+                with recorder.span(rank, str(action), streams.compute[s]):
+                    self._action(action, mb_inputs, state, grads, live, result, None)
+                if loss_closure is not None and action.kind == "F" and s == num_stages - 1:
+                    with recorder.span(rank, "loss", streams.compute[s], waits=False), \
+                            streams.on(s):
+                        i = action.mb_index
+                        result.losses[i] = loss_closure(i, state[(s, i)].outputs)
             if on_action is not None:
                 on_action(action, list(live))
         streams.finish()
         result.losses = [None if loss is None else loss.detach() for loss in result.losses]
         return result
+
+    def _action(self, action: Action, mb_inputs: list[list[Any]],
+                state: dict[tuple[int, int], _MicrobatchState],
+                grads: dict[tuple[int, int], list[torch.Tensor | None]], live: list[int],
+                result: StepResult, loss_closure: LossClosure | None) -> None:
+        """Run one action (a last-stage ``F`` also computes the loss when ``loss_closure``)."""
+        num_stages, streams = len(self.stages), self._streams
+        training = result.training
+        s, i = action.stage_index, action.mb_index
+        if action.kind == "F":
+            self._forward(s, i, mb_inputs, state, training)
+            if s == num_stages - 1:
+                outs = state[(s, i)].outputs
+                result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                                          for o in outs)
+                if loss_closure is not None:
+                    with streams.on(s):
+                        result.losses[i] = loss_closure(i, outs)
+            if training:
+                live[s] += 1
+                result.max_live_activations[s] = max(result.max_live_activations[s], live[s])
+            else:  # inference: what the next stage has received can go
+                state.pop((s - 1, i), None)
+                if s == num_stages - 1:
+                    del state[(s, i)]
+        else:
+            st = state[(s, i)]
+            if not st.roots:
+                self._set_roots(st, s, i, result, grads)
+            with streams.on(s):
+                if action.kind == "B":
+                    if st.roots:
+                        torch.autograd.backward(st.roots, st.root_grads)
+                    self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)
+                                                      else None for a in st.inputs], grads)
+                elif action.kind == "I":
+                    self._send_input_grads(s, i, st, self._input_grads(s, st), grads)
+                elif st.split is not None:  # W
+                    st.split.weight_grads()
+                    st.split = None
+            if action.kind in "BW":
+                del state[(s, i)]
+                live[s] -= 1
 
     def _forward(self, s: int, i: int, mb_inputs: list[list[Any]],
                  state: dict[tuple[int, int], _MicrobatchState], training: bool) -> None:

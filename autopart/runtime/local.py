@@ -15,8 +15,10 @@ from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import write_text_atomic
 from autopart.core.schedule import build_schedule, forward_schedule
+from autopart.core.trace import Trace
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.signature import InputSignature, call_loss, require_loss
+from autopart.runtime.tracing import ActionRecorder, measure_peak_bytes, optimizer_tensors
 
 __all__ = ["PipelinedModule", "state_layout"]
 
@@ -90,6 +92,8 @@ class PipelinedModule(nn.Module):
         self._executor = LocalExecutor(list(stages.runners), self.devices,  # type: ignore[arg-type]
                                        recompute=self._recompute)
         self._replica_versions: dict[str, int] = {}
+        self.last_trace: Trace | None = None  # set by train_step(trace=True)
+        self.last_peak_memory_bytes: dict[str, int] = {}  # set by train_step(measure_memory=)
 
     # ---- tensors under original names ----------------------------------------------
     def _tensor(self, fqn: str) -> torch.Tensor:
@@ -213,7 +217,9 @@ class PipelinedModule(nn.Module):
             result = self._executor.run(schedule, mbs)
         return self.signature.merge([list(o) for o in result.outputs])
 
-    def train_step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def train_step(self, *args: Any, target: Any = None, trace: bool = False,
+                   measure_memory: bool = False, optimizer: torch.optim.Optimizer | None = None,
+                   **kwargs: Any) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate in ``.grad``.
 
         With ``loss_fn`` a mean over the batch, the accumulated gradients equal those of
@@ -223,6 +229,14 @@ class PipelinedModule(nn.Module):
         Args:
             *args, **kwargs: model inputs; tensors ``(batch, ...)``, split along dim 0.
             target: passed to ``loss_fn``, split along dim 0 like the inputs.
+            trace: record every action's start and end into ``last_trace`` (an
+                :class:`autopart.core.trace.Trace`, one track per rank of the plan; default
+                False).
+            measure_memory: measure the step's peak memory per device into
+                ``last_peak_memory_bytes`` (``{device: bytes}``, see
+                :func:`autopart.runtime.tracing.measure_peak_bytes`; on CPU the profiler it
+                uses slows the step, so do not time such a step). Default False.
+            optimizer: with ``measure_memory``, its state counts as held memory.
 
         Returns:
             The full-batch loss (mean of the microbatch losses), a detached 0-dim tensor.
@@ -242,7 +256,28 @@ class PipelinedModule(nn.Module):
 
         schedule = build_schedule(self.plan.schedule_kind, self._num_ranks, m,
                                   self.plan.stages_per_rank, recompute=self._recompute)
-        result = self._executor.run(schedule, mbs, loss_closure=loss_closure)
+        rank_of = [st.rank for st in self.plan.stages]
+        recorder = ActionRecorder(rank_of.__getitem__) if trace else None
+
+        def run() -> Any:
+            if recorder is not None:
+                recorder.start(self.devices)
+            return self._executor.run(schedule, mbs, loss_closure=loss_closure,
+                                      recorder=recorder)
+
+        if measure_memory:
+            held = [t for _, p in self.named_parameters() for t in (p, p.grad)
+                    if t is not None] + [b for _, b in self.named_buffers()]
+            result, self.last_peak_memory_bytes = measure_peak_bytes(
+                run, self.devices, held + optimizer_tensors(optimizer))
+        else:
+            result = run()
+        if recorder is not None:
+            self.last_trace = Trace(tuple(recorder.events()), f"measured:{self.devices[0]}",
+                                    {"schedule_kind": self.plan.schedule_kind,
+                                     "num_microbatches": m,
+                                     "stages_per_rank": self.plan.stages_per_rank,
+                                     "graph_fingerprint": self.plan.graph_fingerprint})
         self._reduce_replica_grads()
         return torch.stack([loss for loss in result.losses if loss is not None]).sum()
 

@@ -72,3 +72,37 @@ def test_a_meta_capture_finds_the_plans_cuts_by_node_name() -> None:
     names = [n.name for n in op_nodes(on_meta.graph_module.graph)]
     assert [names[k - 1] for k in positions] == [c.after_node for c in plan.cuts]
     assert positions == sorted(positions) and positions != [c.position for c in plan.cuts]
+
+
+def test_batchnorm_trains_across_stages_like_the_same_microbatching_by_hand() -> None:
+    """BatchNorm's functional op saves the running statistics it read; the write-back after
+    it must not invalidate them (it did: "modified by an inplace operation")."""
+    import copy
+
+    import autopart
+    from autopart.core.capture import capture
+    from autopart.runtime.microbatch import split_leaves
+    from tests.plans import even_positions, manual_plan
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 5))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))
+    loss_fn = torch.nn.functional.cross_entropy
+    captured = capture(model, tuple(split_leaves([x], 2)[0]))
+    plan = manual_plan(captured, even_positions(captured, 2), 2, 8, schedule_kind="1f1b")
+    pipe = autopart.compile(model, (x,), loss_fn=loss_fn, plan=plan)
+    loss = pipe.train_step(x, target=y)
+    ref_loss = sum(loss_fn(reference(xm), ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2),
+                                                                      strict=True))
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=4e-5)
+    grads = dict(pipe.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=4e-5)
+    buffers = dict(pipe.named_buffers())
+    for name, b in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], b, rtol=1e-6, atol=1e-6)

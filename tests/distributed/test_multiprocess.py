@@ -157,3 +157,27 @@ def test_a_hung_rank_is_named_by_the_others_and_told_to_exit(kind: str, v: int) 
     assert elapsed < step_timeout_s + 10, line  # named within the timeout + 10 s
     assert procs[victim].returncode == 75, victim_err[-3000:]  # HUNG_EXIT_CODE
     assert "exits: it hangs in action" in victim_err, victim_err[-3000:]
+
+
+@pytest.mark.parametrize(("kind", "v", "world"), [("1f1b", 1, 2), ("zero_bubble", 1, 2),
+                                                  ("interleaved_1f1b", 2, 2)])
+def test_a_real_step_traces_every_action_of_every_rank_in_order(kind: str, v: int,
+                                                                world: int) -> None:
+    import json
+
+    from autopart.core.schedule import build_schedule
+    from autopart.core.trace import Trace
+
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("traced", world, kind, v, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data = json.loads((Path(out) / "trace.json").read_text())
+        peaks = (Path(out) / "peaks.txt").read_text().split()
+    trace = Trace.from_chrome(data)  # valid trace-event JSON
+    assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X"} == set(range(world))
+    expected = build_schedule(kind, world, 4, v)
+    for r in range(world):
+        # every action of the schedule once per microbatch, per rank, in the schedule's order
+        assert trace.actions(r) == [str(a) for a in expected[r]]
+    assert sum(e.name == "loss" for e in trace.events) == 4
+    assert all(int(x) > 0 for x in peaks[:world])

@@ -244,11 +244,35 @@ def hangs(rank: int, world: int, port: int, victim: int, kind: str, v: int,
     os._exit(5)  # the step should not have succeeded
 
 
+def traced(rank: int, world: int, port: int, kind: str, v: int, result_dir: str) -> None:
+    """One traced and one memory-measured step of the MLP; rank 0 writes the trace and the
+    gathered peaks, every rank checks that it got the same trace."""
+    _setup(rank, world, port, 120.0)
+    import torch
+
+    pipe, args, target, loss_fn = _mlp_pipeline(world, kind, v)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    pipe.train_step(*args, target=target)
+    opt.step()
+    opt.zero_grad()
+    loss = pipe.train_step(*args, target=target, trace=True)
+    assert pipe.last_trace is not None
+    pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
+    peaks = pipe.last_peak_memory_bytes
+    assert len(peaks) == world and all(p > 0 for p in peaks), peaks
+    if rank == 0:
+        pipe.last_trace.save(os.path.join(result_dir, "trace.json"))
+        with open(os.path.join(result_dir, "peaks.txt"), "w") as f:
+            f.write(" ".join(map(str, peaks)) + f"\n{float(loss)}\n")
+    pipe.close()
+    dist.destroy_process_group()
+
+
 def run_everyone(fn: Any, world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
 
 
-__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs"]
+__all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs", "traced"]
 _ = Any

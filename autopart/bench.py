@@ -1,0 +1,307 @@
+"""Measure plans on real local ranks: step times (arms alternated), traces and peak memory.
+
+The demo, ``autopart bench`` and ``benchmarks/fidelity`` share this: every rank is a process
+spawned here (gloo, ``threads_per_rank`` threads each), builds the workload itself, compiles
+every plan with the distributed backend and runs the arms one after another within each
+step, in an order rotated every step, so drift in the machine's load hits every arm alike.
+Step time is the slowest rank's, after a barrier. The unpartitioned arm (``"single"``)
+runs on rank 0 alone with the same microbatching (gradients accumulated over m
+microbatches) while the other ranks wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopart.core.errors import UsageError
+from autopart.core.plan import Plan
+from autopart.core.trace import Trace
+
+__all__ = ["Workload", "ArmResult", "load_workload", "run_arms", "SINGLE"]
+
+#: (model, example inputs, target, loss_fn) for the full batch
+Workload = tuple[nn.Module, tuple[Any, ...], Any, Callable[[Any, Any], torch.Tensor]]
+#: the name of the unpartitioned, one-process arm
+SINGLE = "single"
+
+
+@dataclass
+class ArmResult:
+    """One arm's measurements.
+
+    Attributes:
+        steps_s: per timed step, the slowest rank's ``train_step``, seconds.
+        peak_bytes: per rank, the peak of one memory-measured step (one entry for the
+            single-process arm).
+        losses: the loss of every step (timed ones included), to compare arms.
+        trace: one traced step (None for the single-process arm or when not traced).
+    """
+
+    steps_s: list[float]
+    peak_bytes: list[int]
+    losses: list[float]
+    trace: Trace | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_s(self) -> float:
+        """Median step, seconds."""
+        return statistics.median(self.steps_s)
+
+    @property
+    def spread(self) -> float:
+        """``(max - min) / median`` of the timed steps."""
+        return (max(self.steps_s) - min(self.steps_s)) / self.step_s if self.step_s else 0.0
+
+
+def load_workload(spec: str, config: dict[str, Any] | None = None) -> Workload:
+    """Build a workload from a spec.
+
+    Args:
+        spec: ``"module:function"`` or ``"path/to/file.py:function"`` (the function returns
+            ``(model, example_inputs[, target[, loss_fn]])``); or ``"hf:<ClassName>"`` for a
+            transformers model built from its config class with ``config`` overrides, random
+            weights, dropout off, inputs of random token ids (batch ``config["batch"]``,
+            default 8, sequence ``config["seq"]``, default 128) and the next-token loss.
+        config: for ``hf:`` specs, config fields (``n_layer=4``) plus ``batch`` and ``seq``.
+
+    Raises:
+        UsageError: a malformed spec, a module, file or function that does not exist, or a
+            function that returns something else.
+    """
+    config = dict(config or {})
+    if spec.startswith("hf:"):
+        return _hf_workload(spec[3:], config)
+    if ":" not in spec:
+        raise UsageError(f"workload {spec!r}: expected 'module:function', 'file.py:function' or "
+                         "'hf:<transformers class>'")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise UsageError(f"workload file {where} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"_autopart_workload_{path.stem}",
+                                                             path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise UsageError(f"workload module {where!r} cannot be imported ({exc})") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UsageError(f"workload {spec!r}: {where} has no function {name!r}")
+    got = fn(**config) if config else fn()
+    if not isinstance(got, tuple) or not 2 <= len(got) <= 4 or not isinstance(got[0], nn.Module):
+        raise UsageError(f"workload {spec!r} must return (model, example_inputs[, target[, "
+                         f"loss_fn]]); it returned {type(got).__name__}")
+    model, args = got[0], got[1] if isinstance(got[1], tuple) else (got[1],)
+    target = got[2] if len(got) > 2 else None
+    loss_fn = got[3] if len(got) > 3 else None
+    if loss_fn is None:
+        raise UsageError(f"workload {spec!r} returns no loss_fn; return (model, inputs, target, "
+                         "loss_fn) to train it")
+    return model, args, target, loss_fn
+
+
+def _hf_workload(cls_name: str, config: dict[str, Any]) -> Workload:
+    import transformers
+
+    from autopart.demo import gpt2_loss
+
+    batch, seq = int(config.pop("batch", 8)), int(config.pop("seq", 128))
+    cls = getattr(transformers, cls_name, None)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise UsageError(f"hf:{cls_name} is not a transformers model class (e.g. "
+                         "hf:GPT2LMHeadModel)")
+    cfg = cls.config_class(**config)
+    vocab = int(getattr(cfg, "vocab_size", 1000))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) >= vocab:
+            setattr(cfg, key, 0)
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob",
+                "attention_probs_dropout_prob", "dropout", "attention_dropout"):
+        if hasattr(cfg, key):
+            setattr(cfg, key, 0.0)
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    model = cls(cfg)
+    tokens = torch.randint(0, vocab, (batch, seq))
+    return model, (tokens,), tokens, gpt2_loss
+
+
+def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 7,
+             warmup: int = 2, config: dict[str, Any] | None = None, single: bool = True,
+             threads_per_rank: int = 1, trace: bool = True, measure_memory: bool = True,
+             save_plan_to: str | os.PathLike[str] | None = None,
+             on_step: Callable[[int, int], None] | None = None) -> dict[str, ArmResult]:
+    """Run every plan (and the unpartitioned model) on ``ranks`` local processes.
+
+    Args:
+        workload: a :func:`load_workload` spec every rank builds (the same seed everywhere).
+        plans: arm name -> plan for ``ranks`` ranks.
+        ranks: processes to spawn (gloo on CPU).
+        steps: timed steps per arm (default 7); ``warmup``: untimed steps first (default 2;
+            AdamW's state exists after the first).
+        config: :func:`load_workload` config.
+        single: also run the unpartitioned model on rank 0 (arm :data:`SINGLE`), with the
+            microbatch count of the first plan.
+        threads_per_rank: ``torch.set_num_threads`` in every rank (default 1).
+        trace: one traced step per plan arm; ``measure_memory``: one memory-measured step
+            per arm (AdamW state held).
+        save_plan_to: write the first plan there and every rank's stage sources beside it
+            (``DistributedPipeline.save_plan``).
+        on_step: called in this process as ``on_step(done, total)`` while steps run.
+
+    Returns:
+        Arm name -> :class:`ArmResult`.
+
+    Raises:
+        UsageError: no plans, or a plan for another rank count.
+    """
+    import torch.multiprocessing as mp
+
+    if not plans:
+        raise UsageError("run_arms needs at least one plan")
+    for name, plan in plans.items():
+        if len(plan.ranks) != ranks:
+            raise UsageError(f"plan {name!r} is for {len(plan.ranks)} ranks, not {ranks}")
+    with tempfile.TemporaryDirectory(prefix="autopart-bench-") as work:
+        for i, plan in enumerate(plans.values()):
+            plan.save(Path(work, f"plan_{i}.json"))
+        spec = {"workload": workload, "config": config or {}, "names": list(plans),
+                "steps": steps, "warmup": warmup, "single": single,
+                "threads": threads_per_rank, "trace": trace, "memory": measure_memory,
+                "save": None if save_plan_to is None else str(Path(save_plan_to).resolve())}
+        Path(work, "spec.json").write_text(json.dumps(spec))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.start_processes(_rank_main, args=(ranks, port, work), nprocs=ranks, join=False,
+                                 start_method="spawn")
+        total = (len(plans) + int(single)) * (steps + warmup)
+        while not ctx.join(timeout=0.5):
+            if on_step is not None:
+                done = len(list(Path(work).glob("step_*")))
+                on_step(min(done, total), total)
+        return _read(work, list(plans) + ([SINGLE] if single else []))
+
+
+def _read(work: str, names: list[str]) -> dict[str, ArmResult]:
+    data = json.loads(Path(work, "result.json").read_text())
+    out = {}
+    for name in names:
+        row = data[name]
+        tr = Path(work, f"trace_{names.index(name)}.json")
+        out[name] = ArmResult(row["steps_s"], row["peaks"], row["losses"],
+                              Trace.load(tr) if tr.exists() else None)
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, work: str) -> None:
+    import autopart
+    from autopart.runtime.microbatch import split_leaves
+
+    spec = json.loads(Path(work, "spec.json").read_text())
+    torch.set_num_threads(spec["threads"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=900))
+    model, args, target, loss_fn = load_workload(spec["workload"], spec["config"])
+    arms: list[tuple[str, Any, Any]] = []
+    first_m = 1
+    for i, name in enumerate(spec["names"]):
+        plan = Plan.load(Path(work, f"plan_{i}.json"))
+        first_m = first_m if i else plan.num_microbatches
+        pipe = autopart.compile(_copy(model), args, loss_fn=loss_fn, plan=plan,
+                                backend="distributed")
+        arms.append((name, pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-5)))
+        if i == 0 and spec["save"]:
+            pipe.save_plan(spec["save"])
+    if spec["single"]:
+        plain = _copy(model)
+        m = first_m
+        mb_args = [list(x) for x in zip(*[split_leaves([a], m) for a in args], strict=True)]
+        mb_targets = split_leaves([target], m)
+
+        class _Single:
+            def train_step(self, *_: Any, target: Any = None, **__: Any) -> torch.Tensor:
+                total = torch.zeros(())
+                if rank == 0:
+                    for xs, ys in zip(mb_args, mb_targets, strict=True):
+                        loss = loss_fn(plain(*[x[0] for x in xs]), ys[0]) / m
+                        loss.backward()
+                        total += loss.detach()
+                return total
+
+        arms.append((SINGLE, _Single(), torch.optim.AdamW(plain.parameters(), lr=1e-5)))
+    results: dict[str, dict[str, Any]] = {n: {"steps_s": [], "losses": [], "peaks": []}
+                                          for n, _, _ in arms}
+    counter = 0
+    for i in range(spec["warmup"] + spec["steps"]):
+        for k in range(len(arms)):
+            name, pipe, opt = arms[(i + k) % len(arms)]
+            opt.zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = pipe.train_step(*args, target=target)
+            elapsed = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            opt.step()
+            results[name]["losses"].append(float(loss))
+            if i >= spec["warmup"]:
+                results[name]["steps_s"].append(float(elapsed))
+            counter += 1
+            if rank == 0:
+                Path(work, f"step_{counter}").touch()
+    for idx, (name, pipe, opt) in enumerate(arms):
+        opt.zero_grad()
+        if name == SINGLE:
+            if spec["memory"] and rank == 0:
+                from autopart.runtime.tracing import measure_peak_bytes, optimizer_tensors
+
+                held = [t for p in plain.parameters() for t in (p, p.grad) if t is not None]
+                held += list(plain.buffers()) + optimizer_tensors(opt)
+                _, peaks = measure_peak_bytes(pipe.train_step, [torch.device("cpu")], held)
+                results[name]["peaks"] = [peaks["cpu"]]
+            dist.barrier()
+            continue
+        if spec["trace"]:
+            pipe.train_step(*args, target=target, trace=True)
+            opt.zero_grad()
+            if rank == 0:
+                pipe.last_trace.save(Path(work, f"trace_{idx}.json"))
+        if spec["memory"]:
+            pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
+            results[name]["peaks"] = pipe.last_peak_memory_bytes
+        pipe.close()
+    if rank == 0:
+        Path(work, "result.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)

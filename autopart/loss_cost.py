@@ -1,0 +1,140 @@
+"""The loss's own cost on the last stage: measured with an example target, else estimated.
+
+``loss_fn`` runs outside the captured graph (the runtimes call it on the last stage's
+outputs), so the profile of the graph alone misses its time and memory: for a language
+model's cross-entropy over a large vocabulary that is a copy of the logits, the saved
+log-softmax and the logits' gradient, per microbatch in flight (measured on this project's
+GPT-2-like benchmark model, vocab 8192: the last rank's peak was 28 % above a prediction
+without it). The cost is folded into the graph's last node, so it lands on the last stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autopart.core.capture import CapturedGraph
+from autopart.core.costgraph import CostGraph
+from autopart.profiler.meters import SavedTensorMeter
+from autopart.profiler.timer import RngState, time_calls
+from autopart.runtime.signature import InputSignature, call_loss
+from autopart.runtime.tracing import measure_peak_bytes
+
+__all__ = ["LossCost", "measure_loss_cost", "estimate_loss_cost", "with_loss_cost"]
+
+
+@dataclass(frozen=True)
+class LossCost:
+    """What one call of the loss costs at the profiled batch.
+
+    Attributes:
+        fwd_us: ``loss_fn(output, target)``, µs.
+        bwd_us: its backward down to the model's outputs, µs.
+        saved_bytes: what autograd keeps from it until its backward (the model's outputs
+            included when the loss saves them), bytes.
+        transient_bytes: the most memory its forward and backward allocate beyond
+            ``saved_bytes`` (the outputs' gradients, temporary copies), bytes.
+        source: ``"measured:<device>"`` or ``"estimated"``.
+    """
+
+    fwd_us: float
+    bwd_us: float
+    saved_bytes: int
+    transient_bytes: int
+    source: str
+
+
+def _outputs(signature: InputSignature, device: torch.device) -> list[Any]:
+    """Random leaves shaped as the captured graph's outputs (floating ones need grad)."""
+    leaves: list[Any] = []
+    for meta in signature.output_meta:
+        if meta is None:
+            leaves.append(None)
+            continue
+        shape, dtype = meta
+        if dtype.is_floating_point:
+            leaves.append(torch.randn(shape, dtype=dtype, device=device).requires_grad_(True))
+        else:
+            leaves.append(torch.zeros(shape, dtype=dtype, device=device))
+    return leaves
+
+
+def measure_loss_cost(captured: CapturedGraph, loss_fn: Any, target: Any, device: str, *,
+                      repeats: int = 3, long_us: float = 100_000.0) -> LossCost:
+    """Time and size ``loss_fn`` on outputs shaped as ``captured``'s (random values; the
+    cost of a loss does not depend on them) and ``target`` (one captured batch of it).
+
+    Time: medians of ``repeats`` calls after one warm-up, forward and backward apart (a
+    first call of ``long_us`` or more is the one sample, as in the profiler).
+    Saved bytes: :class:`autopart.profiler.meters.SavedTensorMeter` over one forward.
+    Transient: the largest allocation during forward + backward
+    (:func:`autopart.runtime.tracing.measure_peak_bytes`) less the saved bytes.
+
+    Raises:
+        ProfileError: ``device`` is not valid (see :func:`autopart.profiler.timer.check_device`).
+        PlanError: the loss does not return a scalar floating-point tensor.
+    """
+    from autopart.profiler.timer import check_device
+
+    dev = check_device(device)
+    signature = InputSignature.of(captured)
+    target = _to(target, dev)
+
+    def forward() -> tuple[list[Any], torch.Tensor]:
+        leaves = _outputs(signature, dev)
+        return leaves, call_loss(loss_fn, signature.output(leaves), target)
+
+    with RngState(dev):
+        fwd_us, _ = time_calls(dev, lambda: forward, 1, repeats, long_us)
+
+        def backward_factory() -> Any:
+            _, loss = forward()
+            return loss.backward
+
+        bwd_us, _ = time_calls(dev, backward_factory, 1, repeats, long_us)
+        meter = SavedTensorMeter(set())
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            leaves, loss = forward()
+        saved = meter.saved_bytes
+        del leaves, loss
+
+        def whole() -> None:
+            _, loss = forward()
+            loss.backward()
+
+        _, peaks = measure_peak_bytes(whole, [dev])
+    peak = peaks["cpu" if dev.type == "cpu" else str(dev)]
+    return LossCost(fwd_us=fwd_us, bwd_us=bwd_us, saved_bytes=saved,
+                    transient_bytes=max(peak - saved, 0), source=f"measured:{dev}")
+
+
+def estimate_loss_cost(captured: CapturedGraph) -> LossCost:
+    """The guess when no example target is given: a loss that keeps a copy of each floating
+    output (cross-entropy's log-softmax) and allocates two more while it runs (a shifted
+    copy and the outputs' gradient); no time. A guess, labelled ``"estimated"``: pass
+    ``example_target`` to :func:`autopart.compile` to measure it."""
+    signature = InputSignature.of(captured)
+    nbytes = sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+                 for meta in signature.output_meta if meta is not None
+                 for shape, dtype in [meta] if dtype.is_floating_point)
+    return LossCost(0.0, 0.0, nbytes, 2 * nbytes, "estimated")
+
+
+def with_loss_cost(costs: CostGraph, loss: LossCost) -> CostGraph:
+    """``costs`` with ``loss`` added to its last node (the last stage always holds it)."""
+    last = costs.nodes[-1]
+    bwd = loss.bwd_us
+    node = dataclasses.replace(
+        last, fwd_us=last.fwd_us + loss.fwd_us, bwd_input_us=last.bwd_input_us + bwd,
+        saved_bytes=last.saved_bytes + loss.saved_bytes,
+        transient_bytes=max(last.transient_bytes, loss.transient_bytes))
+    return dataclasses.replace(costs, nodes=(*costs.nodes[:-1], node))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)

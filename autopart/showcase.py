@@ -1,0 +1,145 @@
+"""``make demo``: the win measured on this machine: 2-process speed-up, memory that fits, numerics.
+
+The default model is a GPT-2-like language model whose head (a 16k vocabulary) costs about
+as much as five of its eight blocks, so where the cuts go matters. It is planned for two
+CPU ranks, then measured on two real processes (:func:`autopart.bench.run_arms`: gloo, one
+thread each, arms alternated step by step) against the same model in one process with the
+same microbatching and against the usual hand split (equal layers per stage). A second plan
+is solved with ``optimize="memory"`` under a per-rank cap that the equal-layers split and
+the plain model exceed. Everything measured is printed beside the plan's prediction; the
+plan, stage sources, a Perfetto trace of one step and a PNG of predicted and measured
+timelines with per-rank memory go to ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+__all__ = ["demo_workload", "run_measured_demo"]
+
+N_LAYER, N_EMBD, N_HEAD, VOCAB, BATCH, SEQ, RANKS = 8, 256, 8, 16384, 16, 128, 2
+
+
+def demo_workload() -> tuple[Any, tuple[Any, ...], Any, Any]:
+    """The demo's model, inputs ``(BATCH, SEQ)`` token ids, target and loss (seed 0)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autopart.demo import gpt2_loss
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, vocab_size=VOCAB,
+                     n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))  # (batch, seq)
+    return GPT2LMHeadModel(cfg), (tokens,), tokens, gpt2_loss
+
+
+def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 5,
+                      console: Console | None = None) -> dict[str, Any]:
+    """Plan the demo model for 2 ranks, measure it, print and write the results.
+
+    Returns:
+        ``{"speedup", "fraction_of_ideal", "over_equal_layers", "losses_match",
+        "memory_fits", ...}`` as measured (see the module docstring).
+    """
+    import autopart
+    from autopart.bench import SINGLE, run_arms
+    from autopart.planning import cluster_for_devices
+    from autopart.report import print_plan
+    from autopart.solver.predict import baseline_plan
+    from autopart.trace import gantt, predict
+
+    console = console or Console(width=None if Console().is_terminal else 120)
+    out = Path(out_dir)
+    torch.set_num_threads(1)  # plan as each rank runs: one thread
+    model, args, target, loss_fn = demo_workload()
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(f"GPT-2-like: {N_LAYER} layers, n_embd {N_EMBD}, vocab {VOCAB} "
+                  f"({n_params / 1e6:.1f} M parameters); batch {BATCH} x {SEQ}; planned for "
+                  f"{RANKS} CPU ranks x 1 thread; torch {torch.__version__}")
+    t0 = time.perf_counter()
+    plan, profile = autopart.plan_model(model, args, devices=["cpu"] * RANKS, loss_fn=loss_fn,
+                                        example_target=target)
+    compile_s = time.perf_counter() - t0
+    print_plan(plan, console)
+    phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in profile.timings_s.items())
+    console.print(f"planning took {compile_s:.1f} s ({phases})")
+    cluster = cluster_for_devices(list(profile.devices))
+    m = plan.num_microbatches
+    equal = baseline_plan(profile.costs, cluster, profile.options(), "uniform_layers",
+                          kind="1f1b", num_microbatches=m)
+    # a per-rank cap the equal-layers split (and the whole model on one process) exceeds:
+    # halfway between the least memory any plan needs and what the equal split needs
+    least = max(r.peak_memory_bytes for r in profile.solve(optimize="memory").ranks)
+    cap = (least + max(r.peak_memory_bytes for r in equal.ranks)) // 2
+    memory = profile.solve(optimize="memory", memory_cap_bytes=cap)
+    plans = {"autopart": plan, "equal layers": equal, "autopart memory": memory}
+    console.print(f"measuring on {RANKS} spawned processes (gloo, 1 thread each), "
+                  f"{steps} steps per arm, arms alternated ...")
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("steps", total=None)
+        results = run_arms("autopart.showcase:demo_workload", plans, ranks=RANKS, steps=steps,
+                           save_plan_to=out / "gpt2.plan.json",
+                           on_step=lambda done, total: bar.update(task, completed=done,
+                                                                  total=total))
+    single = results[SINGLE]
+    ideal = m * RANKS / (m + RANKS - 1)
+    table = Table(title=f"step time, {RANKS} ranks x 1 thread, m = {m}, median of {steps}")
+    for col in ("arm", "cuts", "schedule", "predicted s", "measured s", "spread",
+                "speed-up", "of ideal"):
+        table.add_column(col, justify="right")
+    table.add_row("one process", "-", f"{m} microbatches", "-", f"{single.step_s:.3f}",
+                  f"{single.spread:.0%}", "1.00x", "-")
+    for name, p in plans.items():
+        r = results[name]
+        speed = single.step_s / r.step_s
+        table.add_row(name, str([c.position for c in p.cuts]),
+                      f"{p.schedule_kind} v{p.stages_per_rank} m{p.num_microbatches}"
+                      + (" recompute" if any(s.recompute for s in p.stages) else ""),
+                      f"{p.predicted_step_time_us / 1e6:.3f}", f"{r.step_s:.3f}",
+                      f"{r.spread:.0%}", f"{speed:.2f}x", f"{speed / ideal:.0%}")
+    console.print(table)
+    mem = Table(title=f"peak memory per rank (MiB), cap {cap / 2**20:.0f} MiB per rank")
+    for col in ("arm", "predicted", "measured", "fits the cap"):
+        mem.add_column(col, justify="right")
+    mib = lambda xs: " / ".join(f"{x / 2**20:.0f}" for x in xs)  # noqa: E731
+    mem.add_row("one process", "-", mib(single.peak_bytes),
+                "yes" if max(single.peak_bytes) <= cap else "no")
+    for name, p in plans.items():
+        r = results[name]
+        mem.add_row(name, mib([x.peak_memory_bytes for x in p.ranks]), mib(r.peak_bytes),
+                    "yes" if max(r.peak_bytes) <= cap else "no")
+    console.print(mem)
+    worst = max(abs(a - b) for a, b in zip(results["autopart"].losses, single.losses,
+                                          strict=True))
+    console.print(f"numerics: {len(single.losses)} AdamW steps, pipeline vs unpartitioned "
+                  f"losses differ by at most {worst:.2e} (first {single.losses[0]:.6f})")
+    out.mkdir(parents=True, exist_ok=True)
+    measured = results["autopart"].trace
+    predicted = predict(profile, plan)
+    written = [out / "gpt2.plan.json", out / "stage_*.py"]
+    if measured is not None:
+        measured.save(out / "trace.json")
+        predicted.trace.save(out / "trace_predicted.json")
+        written += [out / "trace.json", out / "trace_predicted.json"]
+        written.append(gantt(
+            out / "timeline.png", [("predicted", predicted.trace), ("measured", measured)],
+            peaks=[("predicted", [x.peak_memory_bytes for x in plan.ranks]),
+                   ("measured", results["autopart"].peak_bytes)],
+            title=f"demo GPT-2-like, {plan.schedule_kind} m={m} on {RANKS} ranks"))
+    console.print("wrote " + ", ".join(str(p) for p in written)
+                  + " (open trace.json in ui.perfetto.dev)")
+    speedup = single.step_s / results["autopart"].step_s
+    return {"speedup": speedup, "fraction_of_ideal": speedup / ideal,
+            "over_equal_layers": results["equal layers"].step_s / results["autopart"].step_s,
+            "losses_match": worst <= 1e-4, "max_loss_diff": worst,
+            "memory_fits": max(results["autopart memory"].peak_bytes) <= cap,
+            "equal_layers_fits": max(results["equal layers"].peak_bytes) <= cap,
+            "compile_s": compile_s}

@@ -1,0 +1,297 @@
+"""Fidelity: each plan's predicted step time and per-rank peak memory against a real run.
+
+For two workloads (a GPT-2-like language model and a ResNet-like CNN) one profile is taken
+the way ``autopart.compile`` takes it (one thread, the ranks' own thread count), and plans
+are solved on it over a grid of microbatch counts, schedule kinds and recompute, plus the
+solver's own choice. Two gloo ranks with one thread each then build every plan's pipeline
+and run them alternately, step by step, in an order rotated each step (so drift in the
+machine's load hits every plan alike). Per plan: the median of ``--steps`` timed
+``train_step`` calls (slowest rank, after a barrier; the optimizer step is not part of the
+plan's prediction and is not timed), one traced step, and one step whose per-rank peak
+memory is measured with AdamW's state held (:func:`autopart.runtime.tracing.measure_peak_bytes`).
+
+    .venv/bin/python benchmarks/fidelity/run.py [--quick] [--steps 7] [--out DIR]
+
+Writes ``results.json`` (one row per plan), ``results.md`` and ``timeline.png`` (predicted
+and measured Gantt charts of the solver's GPT-2 plan) into ``--out`` (default: this folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+P = 2  # ranks
+WARMUP = 2
+
+
+# ---- workloads ----------------------------------------------------------------------------
+def gpt2() -> tuple[nn.Module, tuple[Any, ...], Any, Any]:
+    """GPT-2-like: 8 layers, n_embd 256, 8 heads, vocab 8192, batch 32 x 64 tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autopart.demo import gpt2_loss
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=8, n_embd=256, n_head=8, vocab_size=8192, n_positions=64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                     bos_token_id=0, eos_token_id=0)
+    tokens = torch.randint(0, 8192, (32, 64))
+    return GPT2LMHeadModel(cfg), (tokens,), tokens, gpt2_loss
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))  # (b, cout, h/stride, w/stride)
+        return torch.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+class ResNetLike(nn.Module):
+    """ResNet-18-shaped CNN at 64 x 64: compute at the start, parameters at the end."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32),
+                                  nn.ReLU())
+        widths, blocks, cin = (32, 64, 128, 256), [], 32
+        for i, w in enumerate(widths):
+            blocks += [_Block(cin, w, 1 if i == 0 else 2), _Block(w, w, 1)]
+            cin = w
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.stem(x))  # (b, 256, 8, 8)
+        return self.head(x.mean(dim=(2, 3)))  # (b, classes)
+
+
+def cnn() -> tuple[nn.Module, tuple[Any, ...], Any, Any]:
+    """ResNetLike, batch 32 of 3 x 64 x 64, cross-entropy over 1000 classes."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3, 64, 64), torch.randint(0, 1000, (32,))
+    return ResNetLike(), (x,), y, nn.functional.cross_entropy
+
+
+WORKLOADS = {"gpt2": gpt2, "cnn": cnn}
+
+# (workload, schedule kind, stages per rank, m, recompute); "solver" rows are added per workload
+GRID = [("gpt2", "gpipe", 1, 4, False), ("gpt2", "gpipe", 1, 8, False),
+        ("gpt2", "1f1b", 1, 2, False), ("gpt2", "1f1b", 1, 4, False),
+        ("gpt2", "1f1b", 1, 8, False), ("gpt2", "1f1b", 1, 16, False),
+        ("gpt2", "1f1b", 1, 8, True), ("gpt2", "interleaved_1f1b", 2, 8, False),
+        ("gpt2", "interleaved_1f1b", 2, 16, False), ("gpt2", "zero_bubble", 1, 8, False),
+        ("gpt2", "zero_bubble", 1, 16, False),
+        ("cnn", "gpipe", 1, 4, False), ("cnn", "1f1b", 1, 8, False),
+        ("cnn", "1f1b", 1, 8, True), ("cnn", "zero_bubble", 1, 8, False),
+        ("cnn", "interleaved_1f1b", 2, 16, False)]
+QUICK = [("gpt2", "1f1b", 1, 8, False), ("gpt2", "gpipe", 1, 4, False)]
+
+
+# ---- the ranks ----------------------------------------------------------------------------
+def ranked(rank: int, world: int, port: int, steps: int, work: str) -> None:
+    import autopart
+    from autopart.core.plan import Plan
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    rows = json.loads(Path(work, "rows.json").read_text())
+    built = {name: fn() for name, fn in WORKLOADS.items() if any(r["workload"] == name
+                                                                   for r in rows)}
+    arms = []
+    for row in rows:
+        model, args, target, loss_fn = built[row["workload"]]
+        plan = Plan.load(Path(work, f"plan_{row['id']}.json"))
+        pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan,
+                                backend="distributed")
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-5)
+        arms.append((row["id"], pipe, opt, args, target))
+    for _, pipe, opt, args, target in arms:  # warm-up; AdamW's state exists from here on
+        for _ in range(WARMUP):
+            opt.zero_grad()
+            pipe.train_step(*args, target=target)
+            opt.step()
+    times: dict[str, list[float]] = {a[0]: [] for a in arms}
+    for i in range(steps):
+        for k in range(len(arms)):
+            key, pipe, opt, args, target = arms[(i + k) % len(arms)]
+            opt.zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.train_step(*args, target=target)
+            elapsed = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[key].append(float(elapsed))
+    out: dict[str, Any] = {}
+    for key, pipe, opt, args, target in arms:
+        opt.zero_grad()
+        pipe.train_step(*args, target=target, trace=True)
+        opt.zero_grad()
+        pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
+        out[key] = {"times_s": times[key], "peaks": pipe.last_peak_memory_bytes}
+        if rank == 0:
+            pipe.last_trace.save(Path(work, f"trace_{key}.json"))
+        pipe.close()
+    if rank == 0:
+        Path(work, "measured.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# ---- the parent ---------------------------------------------------------------------------
+def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
+          with_solver: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Profile each workload once, solve the grid's plans (and the solver's choice)."""
+    import autopart
+    from autopart.trace import predict
+
+    torch.set_num_threads(1)  # profile as each rank runs: one thread
+    rows: list[dict[str, Any]] = []
+    profiles: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for name in dict.fromkeys(w for w, *_ in grid):
+        model, args, _, _ = WORKLOADS[name]()
+        t0 = time.perf_counter()
+        solver_plan, profile = autopart.plan_model(model, args, devices=["cpu"] * P)
+        profiles[name] = {"profile": profile, "compile_s": time.perf_counter() - t0}
+        wanted = [(k, v, m, rc) for w, k, v, m, rc in grid if w == name]
+        todo: list[tuple[str, Any]] = [("solver", solver_plan)] if with_solver else []
+        for kind, v, m, rc in wanted:
+            todo.append((f"{kind} v{v} m{m}" + (" recompute" if rc else ""),
+                         profile.solve(schedule_kind=kind, stages_per_rank=v,
+                                       num_microbatches=m, recompute=rc)))
+        for label, plan in todo:
+            key = (f"{name}:{plan.schedule_kind}:{plan.stages_per_rank}:{plan.num_microbatches}:"
+                   f"{[c.position for c in plan.cuts]}:{[st.recompute for st in plan.stages]}")
+            if key in seen:  # the solver's choice is also a grid point: measure it once
+                next(r for r in rows if r["id"] == seen[key])["labels"].append(label)
+                continue
+            rid = f"{name}_{len(rows)}"
+            seen[key] = rid
+            plan.save(Path(work, f"plan_{rid}.json"))
+            pred = predict(profile, plan)
+            pred.trace.save(Path(work, f"predicted_{rid}.json"))
+            rows.append({"id": rid, "workload": name, "labels": [label],
+                         "schedule": plan.schedule_kind, "stages_per_rank": plan.stages_per_rank,
+                         "num_microbatches": plan.num_microbatches,
+                         "recompute": [st.recompute for st in plan.stages],
+                         "cuts": [c.position for c in plan.cuts],
+                         "predicted_step_s": plan.predicted_step_time_us / 1e6,
+                         "simulated_step_s": pred.step_time_us / 1e6,
+                         "predicted_peak_bytes": [r.peak_memory_bytes for r in plan.ranks]})
+    return rows, profiles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 plans (under 5 minutes)")
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per plan (default 7)")
+    parser.add_argument("--out", default=str(Path(__file__).parent))
+    opts = parser.parse_args()
+    from autopart.trace import Trace, gantt
+
+    work = tempfile.mkdtemp(prefix="autopart-fidelity-")
+    t_start = time.perf_counter()
+    rows, profiles = plans(QUICK if opts.quick else GRID, work, with_solver=True)
+    Path(work, "rows.json").write_text(json.dumps(rows))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(ranked, args=(P, port, opts.steps, work), nprocs=P, join=True)
+    measured = json.loads(Path(work, "measured.json").read_text())
+    for row in rows:
+        got = measured[row["id"]]
+        row["measured_steps_s"] = [round(t, 4) for t in got["times_s"]]
+        row["measured_step_s"] = statistics.median(got["times_s"])
+        row["measured_peak_bytes"] = got["peaks"]
+        row["step_error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
+        row["peak_error"] = [p / m - 1 for p, m in zip(row["predicted_peak_bytes"],
+                                                        row["measured_peak_bytes"], strict=True)]
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    solver_gpt = next(r for r in rows if r["workload"] == "gpt2" and "solver" in r["labels"])
+    gantt(out / "timeline.png",
+          [("predicted", Trace.load(Path(work, f"predicted_{solver_gpt['id']}.json"))),
+           ("measured", Trace.load(Path(work, f"trace_{solver_gpt['id']}.json")))],
+          peaks=[("predicted", solver_gpt["predicted_peak_bytes"]),
+                 ("measured", solver_gpt["measured_peak_bytes"])],
+          title=f"GPT-2-like, solver's plan ({solver_gpt['schedule']}, "
+                f"m={solver_gpt['num_microbatches']}), 2 gloo ranks x 1 thread")
+    errors = [abs(r["step_error"]) for r in rows]
+    summary: dict[str, Any] = {
+        "plans": len(rows), "median_abs_step_error": statistics.median(errors),
+        "max_abs_step_error": max(errors),
+        "under_predicted_peaks": sum(e < 0 for r in rows for e in r["peak_error"]),
+        "max_peak_over": max(e for r in rows for e in r["peak_error"]),
+    }
+    for name in profiles:
+        mine = [r for r in rows if r["workload"] == name]
+        best = min(mine, key=lambda r: r["measured_step_s"])
+        chosen = next(r for r in mine if "solver" in r["labels"])
+        summary[f"{name}_solver_over_fastest"] = chosen["measured_step_s"] / best["measured_step_s"] - 1
+        summary[f"{name}_compile_s"] = profiles[name]["compile_s"]
+        summary[f"{name}_split_backward_factor"] = profiles[name]["profile"].split_backward_factor
+    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "python": platform.python_version(), "torch": torch.__version__,
+              "date": datetime.date.today().isoformat(), "ranks": P, "threads_per_rank": 1,
+              "steps": opts.steps, "wall_s": round(time.perf_counter() - t_start, 1),
+              "summary": summary, "rows": rows}
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["summary"]
+    lines = [f"Fidelity, {report['date']}: {report['machine']}; Python {report['python']}, "
+             f"torch {report['torch']}; {report['ranks']} gloo ranks x "
+             f"{report['threads_per_rank']} thread, median of {report['steps']} steps.", "",
+             f"{s['plans']} plans: median |step error| {s['median_abs_step_error']:.1%}, worst "
+             f"{s['max_abs_step_error']:.1%}; peaks under-predicted: "
+             f"{s['under_predicted_peaks']}; most over-predicted peak: {s['max_peak_over']:+.1%}.",
+             ""]
+    for key in s:
+        if key.endswith("_solver_over_fastest"):
+            lines.append(f"- {key.split('_')[0]}: the solver's plan measured "
+                         f"{s[key]:+.1%} against the fastest plan of the sweep.")
+    lines += ["", "| workload | plan | cuts | predicted s | measured s | error | "
+              "predicted peak MiB | measured peak MiB |", "|---|---|---|---:|---:|---:|---|---|"]
+    for r in report["rows"]:
+        mib = lambda xs: " / ".join(f"{x / 2**20:.0f}" for x in xs)  # noqa: E731
+        lines.append(f"| {r['workload']} | {', '.join(r['labels'])} | {r['cuts']} | "
+                     f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
+                     f"{r['step_error']:+.1%} | {mib(r['predicted_peak_bytes'])} | "
+                     f"{mib(r['measured_peak_bytes'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

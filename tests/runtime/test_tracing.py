@@ -1,0 +1,101 @@
+"""Traces and measured memory of a real step in one process."""
+
+import copy
+import json
+from itertools import pairwise
+from typing import Any
+
+import pytest
+import torch
+
+import autopart
+from autopart.core.capture import capture
+from autopart.core.errors import PlanError
+from autopart.core.schedule import build_schedule
+from autopart.core.trace import Trace, TraceEvent
+from autopart.runtime.microbatch import split_leaves
+from autopart.runtime.tracing import measure_peak_bytes, resident_bytes
+from tests.plans import even_positions, manual_plan
+from tests.zoo import gpt2
+
+
+def _pipe(num_stages: int, m: int, kind: str, v: int = 1) -> tuple[Any, ...]:
+    model, args, target, loss_fn = gpt2()
+    reference = copy.deepcopy(model)
+    captured = capture(model, tuple(split_leaves(list(args), m)[0]))
+    plan = manual_plan(captured, even_positions(captured, num_stages), m, args[0].shape[0],
+                       schedule_kind=kind, stages_per_rank=v)
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan)
+    return pipe, reference, args, target, loss_fn
+
+
+@pytest.mark.parametrize("kind,v", [("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2)])
+def test_trace_has_every_action_once_per_rank_in_schedule_order(kind: str, v: int,
+                                                                 tmp_path: Any) -> None:
+    pipe, reference, args, target, loss_fn = _pipe(4, 4, kind, v)
+    loss = pipe.train_step(*args, target=target, trace=True)
+    torch.testing.assert_close(loss, loss_fn(reference(*args), target), rtol=1e-5, atol=4e-5)
+    trace = pipe.last_trace
+    assert trace is not None and trace.source == "measured:cpu"
+    p = len(pipe.plan.ranks)
+    expected = build_schedule(kind, p, 4, v)
+    for r in range(p):
+        assert trace.actions(r) == [str(a) for a in expected[r]]
+        ev = [e for e in trace.of_rank(r) if e.action is not None]
+        assert all(a.end_us <= b.start_us + 1e-3 for a, b in pairwise(ev))  # no overlap
+    last = pipe.plan.stages[-1].rank
+    assert sum(e.name == "loss" for e in trace.of_rank(last)) == 4
+    path = tmp_path / "step.json"
+    trace.save(path)
+    data = json.loads(path.read_text())
+    slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in slices} == set(range(p))
+    assert Trace.load(path).actions(0) == trace.actions(0)
+
+
+def test_tracing_off_keeps_no_trace_and_the_same_gradients() -> None:
+    pipe, reference, args, target, loss_fn = _pipe(2, 2, "1f1b")
+    pipe.train_step(*args, target=target)
+    assert pipe.last_trace is None
+    loss_fn(reference(*args), target).backward()
+    grads = dict(pipe.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=4e-5)
+
+
+def test_measured_peak_counts_resident_state_and_the_step() -> None:
+    pipe, _, args, target, _ = _pipe(2, 4, "gpipe")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    pipe.train_step(*args, target=target)
+    opt.step()
+    opt.zero_grad()
+    pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
+    peak = pipe.last_peak_memory_bytes["cpu"]
+    params = resident_bytes(p for _, p in pipe.named_parameters())
+    # weights + their gradients + AdamW's two moments at least; activations on top
+    assert peak > 4 * params * 0.99
+    pipe.train_step(*args, target=target, measure_memory=True)
+    assert pipe.last_peak_memory_bytes["cpu"] < peak  # optimizer state no longer counted
+
+
+def test_measure_peak_bytes_sees_a_transient_tensor() -> None:
+    def step() -> float:
+        x = torch.ones(1 << 20)  # 4 MiB, freed on return
+        return float(x.sum())
+
+    out, peaks = measure_peak_bytes(step, [torch.device("cpu")])
+    assert out == float(1 << 20)
+    assert 4 << 20 <= peaks["cpu"] < 5 << 20
+
+
+def test_trace_json_errors_are_specific(tmp_path: Any) -> None:
+    with pytest.raises(PlanError, match="'traceEvents' list"):
+        Trace.from_chrome({"events": []})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlanError, match="is not JSON"):
+        Trace.load(bad)
+    with pytest.raises(PlanError, match="lacks a valid pid"):
+        Trace.from_chrome({"traceEvents": [{"ph": "X", "name": "0F0", "ts": 0}]})
+    with pytest.raises(PlanError, match="before it starts"):
+        TraceEvent(0, "0F0", 5.0, 1.0)
