@@ -1,4 +1,4 @@
-"""plan_model's profile cache: on by default, reused across compiles, and the same plan twice."""
+"""plan_model's profile cache: on by default and reused across compiles (same costs, same plan)."""
 
 from __future__ import annotations
 
@@ -72,25 +72,3 @@ def test_profile_reports_what_came_from_the_cache(monkeypatch: pytest.MonkeyPatc
     assert planning.profile_model(other, (x,), devices=["cpu", "cpu"],
                                   cache=False).from_cache == frozenset()
     assert len(profiles) == 3
-
-
-def _blocks() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Four identical blocks big enough (about a GFLOP per matmul) that a profile is made of
-    milliseconds, not of timer and scheduler noise."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(4)])
-    return model, (torch.randn(256, 512),)
-
-
-def test_two_cold_profiles_give_the_same_plan() -> None:
-    model, args = _blocks()
-    plans = [planning.plan_model(model, args, devices=["cpu", "cpu"], time_limit_s=2.0,
-                                 cache=False) for _ in range(2)]
-    (a, pa), (b, pb) = plans
-    assert pa.from_cache == pb.from_cache == frozenset()  # both measured
-    assert pa.costs != pb.costs  # measured twice: the numbers differ ...
-    # ... and the plan does not
-    assert (a.schedule_kind, a.num_microbatches, a.stages_per_rank,
-            [c.position for c in a.cuts], [s.recompute for s in a.stages]) == (
-        b.schedule_kind, b.num_microbatches, b.stages_per_rank,
-        [c.position for c in b.cuts], [s.recompute for s in b.stages])
