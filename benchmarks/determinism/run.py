@@ -107,6 +107,23 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def markdown(results: list[dict[str, Any]]) -> str:
+    """One table row per (file, arm, mode): distinct plans and compile times."""
+    lines = ["| model | code | cache | runs | distinct plans | compile wall s (median) | "
+             "compile CPU s (median) | profile s | split_cost s | solve s | split factors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for arm, modes in res["arms"].items():
+            for mode, data in modes.items():
+                s, ph = data["summary"], data["summary"]["phases_s_median"]
+                lines.append(
+                    f"| {res['model']} | {arm} | {mode} | {s['runs']} | {s['distinct_plans']} | "
+                    f"{s['compile_wall_s_median']:.1f} | {s['compile_cpu_s_median']:.1f} | "
+                    f"{ph.get('profile', 0):.2f} | {ph.get('split_cost', 0):.2f} | "
+                    f"{ph.get('solve', 0):.1f} | {s['split_factors']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=sorted(MODELS), help=argparse.SUPPRESS)
@@ -116,7 +133,14 @@ def main() -> None:
     parser.add_argument("--before", default=None,
                         help="a second interpreter to alternate with (the code before)")
     parser.add_argument("--out", default=str(HERE / "results.json"))
+    parser.add_argument("--render", nargs="+", metavar="JSON",
+                        help="only write results.md from these results files")
     args = parser.parse_args()
+    if args.render:
+        text = markdown([json.loads(Path(f).read_text()) for f in args.render])
+        (HERE / "results.md").write_text(text)
+        print(text)
+        return
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return
