@@ -58,10 +58,11 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
 
     The graph is cut around a piece of about ``share`` of its profiled time (see
     :func:`piece_cuts`: by default one GPT-2 block a quarter in, whose inputs are activations
-    as every stage's but the first are). What comes before it runs once, without gradients,
-    to make the piece's inputs. Then, per *pair*: one untimed forward of the piece, its
-    backward timed once as ``torch.autograd.backward(..., retain_graph=True)`` (``B``) and
-    then, on the same graph, as
+    as every stage's but the first are). What comes before it runs once to make the piece's
+    inputs; those that need a gradient there become the piece's leaves, as in the runtime.
+    Then, per *pair*: one untimed forward of the piece, its backward timed once as
+    ``torch.autograd.backward(..., retain_graph=True)`` (``B``) and then, on the same graph,
+    as
     :class:`autopart.codegen.split_backward.SplitBackward`'s ``input_grads`` then
     ``weight_grads`` (``I + W``). The pair's ratio is taken back to back on the same
     activations, so load that drifts over seconds (other processes on a shared machine)
@@ -146,19 +147,23 @@ def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGr
     first, middle = stages[0], stages[1]
     assert first is not None and middle is not None
     # a training forward may update buffers (BatchNorm statistics); backward writes .grad
-    buffers = list(middle.buffers())
+    buffers = list({id(b): b for st in (first, middle) for b in st.buffers()}.values())
     saved_buffers = [b.detach().clone() for b in buffers]
     all_params = list(middle.parameters())
     saved_grads = [p.grad for p in all_params]
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
-        with torch.no_grad():
+        # with grad, so that what needs a gradient is known (a BatchNorm's running statistics
+        # crossing the cut do not); the runtime makes exactly those leaves that need one
+        with torch.enable_grad():
             sent = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
             received = list(first(*sent))
         params = [p for p in middle.parameters() if p.requires_grad]
-        args = [x.detach().requires_grad_(True)
-                if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in received]
+        args = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor)
+                and x.requires_grad and x.is_floating_point()
+                else x.detach() if isinstance(x, torch.Tensor) else x for x in received]
+        del received
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return []
 
