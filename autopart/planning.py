@@ -17,6 +17,13 @@ from autopart.core.plan import Plan
 from autopart.core.version import __version__
 from autopart.loss_cost import estimate_loss_cost, measure_loss_cost, with_loss_cost
 from autopart.profiler import profile_graph
+from autopart.profiler.cache import (
+    cache_enabled,
+    cached_profile,
+    load_measure,
+    profile_key,
+    store_measure,
+)
 from autopart.profiler.split_cost import measure_split_backward_factor
 from autopart.runtime.launch import on_meta as launch_on_meta
 from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
@@ -106,7 +113,10 @@ class Profile:
         training: profiled forward + backward (True) or forward only.
         split_backward_factor: measured ``(I + W) / B`` of the zero-bubble split on this
             device (1.0 when not measured: inference, one rank, or zero_bubble excluded).
-        timings_s: seconds spent in ``capture_s``, ``profile_s`` and ``split_cost_s``.
+        timings_s: seconds spent in ``capture_s``, ``profile_s`` and ``split_cost_s`` (a
+            phase read from the cache counts the reading).
+        from_cache: the phases read from the profile cache: ``"profile"``,
+            ``"split_cost"`` (empty when the cache was off or missed).
     """
 
     captured: CapturedGraph
@@ -118,6 +128,7 @@ class Profile:
     training: bool
     split_backward_factor: float
     timings_s: dict[str, float]
+    from_cache: frozenset[str] = frozenset()
 
     def options(self, **choices: Any) -> SolveOptions:
         """``SolveOptions`` for this profile; ``choices`` fixes or sets the rest
@@ -145,7 +156,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                   example_kwargs: dict[str, Any] | None = None,
                   devices: list[str] | tuple[str, ...], num_microbatches: int | None = None,
                   training: bool = True, split_cost: bool = True, loss_fn: Any = None,
-                  example_target: Any = None) -> Profile:
+                  example_target: Any = None, cache: bool | None = None) -> Profile:
     """Capture ``model`` and measure every node's cost on ``devices[0]``.
 
     With ``num_microbatches`` the model is captured and profiled at the microbatch size, so
@@ -157,6 +168,14 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     (training) the loss's own cost is added to the graph's last node: measured on
     ``example_target`` (the full batch's target) when given, else estimated
     (:mod:`autopart.loss_cost`).
+
+    With ``cache`` (default: on unless ``$AUTOPART_CACHE`` is ``0``/``off``) the costs and the
+    split factor are read from the profile cache (:mod:`autopart.profiler.cache`,
+    ``$AUTOPART_CACHE_DIR``, else ``~/.cache/autopart``) when they were measured before for
+    the same graph fingerprint, device (a CPU's model and thread count, a GPU's name),
+    input shapes, dtype and library versions, and stored there otherwise. So a second
+    launch of the same job solves on the same costs and gets the same plan; measured op
+    times move by several per cent between launches, enough to change cuts and schedule.
 
     Raises:
         PlanError: ``num_microbatches`` does not divide the batch, or no batched input.
@@ -182,7 +201,20 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     timings["capture_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     flat = captured.flatten_inputs(args, kwargs)
-    costs = profile_graph(captured, flat, device=devices[0], training=training)
+    use_cache = cache_enabled() if cache is None else cache
+    key = profile_key(captured.fingerprint, devices[0], flat, dtype=_dtype_name(model),
+                      training=training, method=_PROFILE_METHOD)
+    hits: set[str] = set()
+
+    def measure() -> CostGraph:
+        return profile_graph(captured, flat, device=devices[0], training=training)
+
+    if use_cache:
+        costs, hit = cached_profile(key, measure)
+        if hit:
+            hits.add("profile")
+    else:
+        costs = measure()
     timings["profile_s"] = time.perf_counter() - t0
     if training and loss_fn is not None:
         t0 = time.perf_counter()
@@ -197,11 +229,30 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     factor = 1.0
     if split_cost and training and len(devices) > 1:
         t0 = time.perf_counter()
-        factor = measure_split_backward_factor(captured, flat, costs, devices[0],
-                                               find_candidates(costs, 3).positions)
+        cached = load_measure(key, _SPLIT_FACTOR) if use_cache else None
+        if cached is not None:
+            factor = cached
+            hits.add("split_cost")
+        else:
+            factor = measure_split_backward_factor(captured, flat, costs, devices[0],
+                                                   find_candidates(costs, 3).positions)
+            if use_cache:
+                store_measure(key, _SPLIT_FACTOR, factor)
         timings["split_cost_s"] = time.perf_counter() - t0
     return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
-                   factor, timings)
+                   factor, timings, frozenset(hits))
+
+
+#: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
+_PROFILE_METHOD = "measured:profile_graph(warmup=1,repeats=3,long_call_us=50000)"
+#: The split factor's name in the cache, with the revision of its measurement.
+_SPLIT_FACTOR = "split_backward_factor:pairs-median-v2"
+
+
+def _dtype_name(model: nn.Module) -> str:
+    """The dtype of the model's first floating-point parameter (``"float32"`` if none)."""
+    return next((str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                 if p.is_floating_point()), "float32")
 
 
 def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
@@ -211,7 +262,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                optimize: str = "speed", schedule: str | None = None,
                stages_per_rank: int | None = None, recompute: bool | None = None,
                training: bool = True, time_limit_s: float = 10.0, loss_fn: Any = None,
-               example_target: Any = None, **solve_options: Any) -> tuple[Plan, Profile]:
+               example_target: Any = None, cache: bool | None = None,
+               **solve_options: Any) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``devices`` and solve for a plan ("profile once, solve several
     ways": ``profile.solve(schedule_kind="1f1b", ...)`` re-solves on the same costs).
 
@@ -232,6 +284,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         loss_fn, example_target: the loss and a target for the full batch; the loss's cost
             on the last stage is measured with them (estimated without a target), see
             :func:`profile_model`.
+        cache: read and store the costs in the profile cache (:func:`profile_model`);
+            None (default): on unless ``$AUTOPART_CACHE`` is ``0``/``off``.
         **solve_options: further :class:`autopart.solver.SolveOptions` fields
             (``memory_cap_bytes``, ``optimizer_state_bytes_per_param_byte``, ...).
 
@@ -252,7 +306,7 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
                             devices=device_names, num_microbatches=num_microbatches,
                             training=training, split_cost=may_split, loss_fn=loss_fn,
-                            example_target=example_target)
+                            example_target=example_target, cache=cache)
     t0 = time.perf_counter()
     plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed, **solve_options)
     profile.timings_s["solve_s"] = time.perf_counter() - t0

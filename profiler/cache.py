@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.version import __version__
 
 __all__ = ["cache_dir", "profile_key", "load_cached", "store", "cached_profile",
-           "PROFILER_REVISION"]
+           "load_measure", "store_measure", "cache_enabled", "PROFILER_REVISION"]
 
 #: Bumped whenever the profiler's numbers change for the same inputs, so that profiles
 #: cached by an earlier revision are never reused (2: empty autograd-call cost subtracted).
@@ -31,6 +32,26 @@ def cache_dir() -> Path:
         return Path(os.environ["AUTOPART_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "autopart"
+
+
+def cache_enabled() -> bool:
+    """Whether :func:`autopart.planning.profile_model` uses the cache by default: yes, unless
+    ``$AUTOPART_CACHE`` is ``0``, ``off``, ``no`` or ``false``."""
+    return os.environ.get("AUTOPART_CACHE", "1").strip().lower() not in ("0", "off", "no",
+                                                                          "false")
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``, else
+    ``platform.processor()``, else the machine type)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _versions() -> dict[str, str]:
@@ -51,7 +72,9 @@ def profile_key(fingerprint: str, device: str, flat_inputs: list[Any], *, dtype:
 
     Args:
         fingerprint: the captured graph's fingerprint.
-        device: ``"cpu"``, ``"cuda:N"`` (with the GPU's name added) or a preset name.
+        device: ``"cpu"``, ``"cuda:N"`` (with the GPU's name added) or a preset name. A
+            measured ``"cpu"`` profile also records the CPU's model name and
+            ``torch.get_num_threads()``: op times depend on both.
         flat_inputs: the graph's flat inputs; their shapes and dtypes enter the key.
         dtype: the profiled dtype's name.
         training: whether the backward was profiled.
@@ -61,6 +84,8 @@ def profile_key(fingerprint: str, device: str, flat_inputs: list[Any], *, dtype:
               for x in flat_inputs]
     if device.startswith("cuda") and torch.cuda.is_available():
         device = f"{device}:{torch.cuda.get_device_name(torch.device(device))}"
+    elif device == "cpu" and method.startswith("measured"):
+        device = f"cpu:{_cpu_name()}:threads={torch.get_num_threads()}"
     return {"fingerprint": fingerprint, "device": device, "inputs": shapes, "dtype": dtype,
             "training": training, "method": method, "versions": _versions()}
 
@@ -87,9 +112,54 @@ def load_cached(key: dict[str, Any], root: Path | None = None) -> CostGraph | No
 
 
 def store(key: dict[str, Any], costs: CostGraph, root: Path | None = None) -> Path:
-    """Write ``costs`` under ``key``, atomically, as JSON; returns the file's path."""
+    """Write ``costs`` under ``key``, atomically, as JSON; returns the file's path.
+
+    Measures stored beside an earlier profile under the same key (:func:`store_measure`)
+    are dropped: they were measured on that profile.
+    """
     path = _path(key, root)
     write_text_atomic(path, dumps({"key": key, "costs": costs.to_dict()}))
+    return path
+
+
+def _read(key: dict[str, Any], root: Path | None) -> dict[str, Any] | None:
+    """The cache file's content for ``key`` when it parses and its stored key is ``key``."""
+    try:
+        data = json.loads(_path(key, root).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
+        return None
+    return data
+
+
+def load_measure(key: dict[str, Any], name: str, root: Path | None = None) -> float | None:
+    """A number measured on the profile cached under ``key`` (e.g. the zero-bubble split
+    factor, ``"split_backward_factor"``), or None when the profile or that number is not
+    cached."""
+    data = _read(key, root)
+    measures = data.get("measures") if data is not None else None
+    value = measures.get(name) if isinstance(measures, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def store_measure(key: dict[str, Any], name: str, value: float,
+                  root: Path | None = None) -> Path | None:
+    """Add ``name = value`` to the profile cached under ``key``, atomically.
+
+    Returns:
+        The file's path, or None when no profile is cached under ``key`` (a number measured
+        on a profile is kept only with it).
+    """
+    data = _read(key, root)
+    if data is None:
+        return None
+    measures = data.get("measures")
+    data["measures"] = {**(measures if isinstance(measures, dict) else {}), name: value}
+    path = _path(key, root)
+    write_text_atomic(path, dumps(data))
     return path
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,111 +14,189 @@ from autopart.codegen.split import split_graph
 from autopart.codegen.split_backward import SplitBackward
 from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
-from autopart.profiler.timer import time_samples
+from autopart.profiler.timer import spread, time_samples
 
-__all__ = ["measure_split_backward_factor"]
+__all__ = ["measure_split_backward_factor", "piece_cuts", "factor_of"]
+
+
+def piece_cuts(costs: CostGraph, positions: Sequence[int], *, start: float = 0.25,
+               share: float = 0.06) -> tuple[int, int] | None:
+    """The two cut positions around the piece whose split is timed.
+
+    The piece starts at the position of ``positions`` nearest ``start`` of the profiled
+    time (forward + backward, summed in topological order) and ends at the first position
+    after it where the piece holds at least ``share`` of that time (the last position if none
+    does).
+
+    Args:
+        costs: the profile; ``positions``: where the graph may be cut (op-node positions).
+        start, share: fractions of the profiled time (defaults 0.25 and 0.06: on GPT-2
+            small one transformer block out of twelve plus the LM head, a quarter in).
+
+    Returns:
+        ``(first, second)`` positions, or None when fewer than two positions are given.
+    """
+    if len(positions) < 2:
+        return None
+    prefix = [0.0]
+    for nd in costs.nodes:
+        prefix.append(prefix[-1] + nd.fwd_us + nd.bwd_us)
+    total = prefix[-1]
+    ordered = sorted(positions)
+    first = min(ordered[:-1], key=lambda q: abs(prefix[q] - start * total))
+    later = [q for q in ordered if q > first]
+    second = next((q for q in later if prefix[q] - prefix[first] >= share * total), later[-1])
+    return first, second
 
 
 def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any],
                                   costs: CostGraph, device: str, positions: Sequence[int], *,
-                                  repeats: int = 7, budget_s: float = 2.0) -> float:
-    """``(I + W) / B`` of the executor's zero-bubble split on a middle fifth of the model.
+                                  min_pairs: int = 3, max_pairs: int = 8,
+                                  max_spread: float = 0.05, budget_s: float = 2.0,
+                                  start: float = 0.25, share: float = 0.06) -> float:
+    """``(I + W) / B`` of the executor's zero-bubble split, timed on a small piece of the model.
 
-    The graph is cut at the two of ``positions`` nearest 40% and 60% of its profiled time (a
-    fifth keeps this to seconds: a middle third of GPT-2 small at batch 8 x 128 took 21 s
-    on this project's CPU). The middle piece, whose inputs are activations as every stage's
-    but the first are, is run forward; then its backward is timed both ways, alternating,
-    after a warm-up of each (at least two and at most ``repeats`` of each): one
-    ``torch.autograd.backward`` (``B``) against
-    :class:`autopart.codegen.split_backward.SplitBackward`'s ``input_grads`` then ``weight_grads``
-    (``I + W``). The ratio of the medians, at least 1.0, is what the solver charges
-    zero-bubble stages (``SolveOptions.split_backward_factor``). On one thread of this
-    project's 2-core CPU it measured 1.07-1.2 on the 8-layer, width-256 GPT-2 of
-    ``benchmarks/pipeline_cpu``: the split is not free, whatever the ZB-H1 paper's model
-    assumes.
+    The graph is cut around a piece of about ``share`` of its profiled time (see
+    :func:`piece_cuts`: by default one GPT-2 block a quarter in, whose inputs are activations
+    as every stage's but the first are). What comes before it runs once to make the piece's
+    inputs; those that need a gradient there become the piece's leaves, as in the runtime.
+    Then, per *pair*: one untimed forward of the piece, its backward timed once as
+    ``torch.autograd.backward(..., retain_graph=True)`` (``B``) and then, on the same graph,
+    as
+    :class:`autopart.codegen.split_backward.SplitBackward`'s ``input_grads`` then
+    ``weight_grads`` (``I + W``). The pair's ratio is taken back to back on the same
+    activations, so load that drifts over seconds (other processes on a shared machine)
+    cancels out of it. The first pair is a warm-up. Pairs are timed until at least
+    ``min_pairs`` ratios spread by at most ``max_spread`` (``(max - min) / median``), or
+    ``max_pairs`` were timed, or ``budget_s`` seconds went by after ``min_pairs``. The factor
+    is :func:`factor_of` the ratios: their median, rounded to 0.05, where it exceeds 1 by
+    more than the ratios' noise, else 1.0.
+
+    The ZB-H1 paper's cost model takes the split as free (factor 1); this measures what
+    the runtime pays. The result is cached with the profile by
+    :func:`autopart.planning.profile_model`, so one device, model and input shape pays it
+    once.
 
     The model's parameters, buffers, gradients and random state are left as they were.
 
     Args:
         captured: the captured model; ``flat_inputs`` its flat inputs.
-        costs: its profile (chooses the cuts).
+        costs: its profile (chooses the piece).
         device: where to run (the profiled device).
         positions: where the graph may be cut (op-node positions, e.g. the solver's cut
             candidates ``find_candidates(costs, 3).positions``).
-        repeats: at most this many timed backward passes of each kind (default 7).
-        budget_s: stop after two of each once both kinds have taken this many seconds
-            (default 2.0), so that big models are not timed seven times.
+        min_pairs: timed pairs at least (default 3, >= 1).
+        max_pairs: timed pairs at most (default 8, >= ``min_pairs``).
+        max_spread: relative spread of the ratios at which timing stops (default 0.05).
+        budget_s: seconds of timing after which no pair beyond ``min_pairs`` starts
+            (default 2.0).
+        start, share: where the piece starts and how much of the profiled time it holds
+            (:func:`piece_cuts`).
 
     Returns:
         The factor, or 1.0 where it cannot be measured (fewer than two cut candidates, or
-        no floating-point activation enters the middle piece, or nothing leaves it that
-        needs a gradient).
+        no floating-point activation enters the piece, or nothing leaves it that needs a
+        gradient).
+
+    Raises:
+        ValueError: ``min_pairs < 1`` or ``max_pairs < min_pairs``.
     """
-    if len(positions) < 2:
-        return 1.0
-    prefix = [0.0]
-    for nd in costs.nodes:
-        prefix.append(prefix[-1] + nd.fwd_us + nd.bwd_us)
+    ratios = _timed_ratios(captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
+                           max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s,
+                           start=start, share=share)
+    return factor_of(ratios)
 
-    def nearest(share: float) -> int:
-        return min(positions, key=lambda q: abs(prefix[q] - share * prefix[-1]))
 
-    cuts = sorted({nearest(0.4), nearest(0.6)})
-    if len(cuts) < 2:
+def factor_of(ratios: Sequence[float], *, step: float = 0.05) -> float:
+    """The factor the solver is charged for timed ``(I + W) / B`` ratios.
+
+    The median ratio, rounded to a multiple of ``step`` (default 0.05), where the split is
+    measurably slower: its excess over 1 is larger than half the ratios' range (the noise
+    of this measurement). Otherwise, and for no ratios at all, 1.0: an overhead within the
+    noise is not charged, so that the same model measured twice gets the same factor.
+
+    Args:
+        ratios: the pairs' ratios (dimensionless).
+        step: the rounding grid (> 0).
+
+    Returns:
+        A factor >= 1.0.
+    """
+    if not ratios:
         return 1.0
+    median = statistics.median(ratios)
+    noise = (max(ratios) - min(ratios)) / 2
+    if median - 1.0 <= noise:
+        return 1.0
+    return max(1.0, round(round(median / step) * step, 6))
+
+
+def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGraph,
+                  device: str, positions: Sequence[int], *, min_pairs: int, max_pairs: int,
+                  max_spread: float, budget_s: float, start: float, share: float,
+                  ) -> list[float]:
+    """The pairs' ``(I + W) / B`` ratios, in the order timed (empty: not measurable)."""
+    if min_pairs < 1 or max_pairs < min_pairs:
+        raise ValueError(f"need 1 <= min_pairs <= max_pairs, got min_pairs={min_pairs}, "
+                         f"max_pairs={max_pairs}")
+    cuts = piece_cuts(costs, positions, start=start, share=share)
+    if cuts is None:
+        return []
     dev = torch.device(device)
-    stages, _ = build_stage_modules(captured, split_graph(captured, cuts), [dev] * 3)
+    stages, _ = build_stage_modules(captured, split_graph(captured, list(cuts)), [dev] * 3)
     first, middle = stages[0], stages[1]
     assert first is not None and middle is not None
     # a training forward may update buffers (BatchNorm statistics); backward writes .grad
-    buffers = list(first.buffers()) + list(middle.buffers())
+    buffers = list({id(b): b for st in (first, middle) for b in st.buffers()}.values())
     saved_buffers = [b.detach().clone() for b in buffers]
     all_params = list(middle.parameters())
     saved_grads = [p.grad for p in all_params]
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
-        with torch.no_grad():
+        # with grad, so that what needs a gradient is known (a BatchNorm's running statistics
+        # crossing the cut do not); the runtime makes exactly those leaves that need one
+        with torch.enable_grad():
             sent = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
             received = list(first(*sent))
         params = [p for p in middle.parameters() if p.requires_grad]
-
-        args = [x.detach().requires_grad_(True)
-                if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in received]
+        args = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor)
+                and x.requires_grad and x.is_floating_point()
+                else x.detach() if isinstance(x, torch.Tensor) else x for x in received]
+        del received
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return 1.0
+            return []
 
-        no_backward: list[bool] = []
-
-        def backward(split: bool) -> Callable[[], Any]:
-            """Untimed: a fresh forward; returns the backward to time (B, or I then W)."""
+        def pair() -> float | None:
+            """One forward, then B and I + W on its graph: ``(I + W) / B`` (None: no backward)."""
             leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
                       and a.requires_grad else a for a in args]
             out = middle(*leaves)
             roots = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not roots:
+                return None
             grads = [torch.ones_like(o) for o in roots]
-            if not roots:  # nothing to time: the outputs need no gradient
-                no_backward.append(True)
-                return lambda: None
-            if not split:
-                return lambda: torch.autograd.backward(roots, grads)
-            sb = SplitBackward(roots, grads, [a for a in leaves if isinstance(a, torch.Tensor)
-                                               and a.requires_grad], params)
-            return lambda: (sb.input_grads(), sb.weight_grads())
+            split = SplitBackward(roots, grads, [a for a in leaves if isinstance(a, torch.Tensor)
+                                                 and a.requires_grad], params)
+            (b_us,), _ = time_samples(dev, lambda: lambda: torch.autograd.backward(
+                roots, grads, retain_graph=True), 0, 1)
+            (s_us,), _ = time_samples(dev, lambda: lambda: (split.input_grads(),
+                                                            split.weight_grads()), 0, 1)
+            return s_us / b_us if b_us > 0 else None
 
-        # alternate B and I + W one call at a time, so that drift hits both alike
-        samples_us: dict[bool, list[float]] = {False: [], True: []}
-        for i in range(repeats + 1):
-            for split in (False, True):
-                (us,), _ = time_samples(dev, lambda split=split: backward(split), 0, 1)
-                if i > 0:  # the first of each is a warm-up
-                    samples_us[split].append(us)
-            if i >= 2 and min(sum(samples_us[False]), sum(samples_us[True])) >= budget_s * 1e6:
+        if pair() is None:  # the warm-up; None: the outputs need no gradient
+            return []
+        ratios: list[float] = []
+        t0 = time.perf_counter()
+        while len(ratios) < max_pairs:
+            ratio = pair()
+            if ratio is None:  # pragma: no cover - the warm-up had a backward
+                return []
+            ratios.append(ratio)
+            if len(ratios) >= min_pairs and (spread(ratios) <= max_spread
+                                             or time.perf_counter() - t0 >= budget_s):
                 break
-        if no_backward:
-            return 1.0
-        factor = statistics.median(samples_us[True]) / statistics.median(samples_us[False])
-        return max(1.0, round(factor, 3))
+        return ratios
     finally:
         with torch.no_grad():
             for b, data in zip(buffers, saved_buffers, strict=True):
@@ -127,4 +206,3 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-

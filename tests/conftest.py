@@ -13,3 +13,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "requires_cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _own_profile_cache(tmp_path_factory: pytest.TempPathFactory,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test profiles into an empty cache of its own, never into ~/.cache/autopart:
+    compile() caches profiles by default, and a test must not see another's costs."""
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path_factory.mktemp("autopart-cache")))

@@ -12,7 +12,16 @@ from torch import nn
 from autopart.core.capture import capture
 from autopart.core.cluster import PRESETS
 from autopart.profiler import profile_analytical
-from autopart.profiler.cache import cache_dir, cached_profile, load_cached, profile_key, store
+from autopart.profiler.cache import (
+    cache_dir,
+    cache_enabled,
+    cached_profile,
+    load_cached,
+    load_measure,
+    profile_key,
+    store,
+    store_measure,
+)
 
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -47,3 +56,55 @@ def test_store_load_and_stale_keys(tmp_path: Path) -> None:
     got, hit = cached_profile(key, lambda: calls.append(1) or costs, tmp_path)
     assert hit and calls == [1]
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_measured_cpu_key_names_the_cpu_and_its_threads() -> None:
+    x = torch.randn(2, 4)
+    captured = capture(nn.Sequential(nn.Linear(4, 4)), (x,))
+    measured = profile_key(captured.fingerprint, "cpu", [x], dtype="float32", training=True,
+                           method="measured")
+    assert measured["device"].startswith("cpu:")
+    assert measured["device"].endswith(f":threads={torch.get_num_threads()}")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(old + 1)
+        assert profile_key(captured.fingerprint, "cpu", [x], dtype="float32", training=True,
+                           method="measured") != measured  # op times depend on threads
+    finally:
+        torch.set_num_threads(old)
+    # an analytical profile of the cpu preset does not depend on this machine
+    assert profile_key(captured.fingerprint, "cpu", [x], dtype="float32", training=True,
+                       method="analytical")["device"] == "cpu"
+
+
+def test_measures_live_with_their_profile(tmp_path: Path) -> None:
+    x = torch.randn(2, 4)
+    captured = capture(nn.Sequential(nn.Linear(4, 4)), (x,))
+    costs = profile_analytical(captured, [x], PRESETS["l4"])
+    key = profile_key(captured.fingerprint, "l4", [x], dtype="float32", training=True,
+                      method="analytical")
+    assert store_measure(key, "split_backward_factor", 1.25, tmp_path) is None  # no profile
+    assert load_measure(key, "split_backward_factor", tmp_path) is None
+    path = store(key, costs, tmp_path)
+    assert load_measure(key, "split_backward_factor", tmp_path) is None
+    assert store_measure(key, "split_backward_factor", 1.25, tmp_path) == path
+    assert load_measure(key, "split_backward_factor", tmp_path) == 1.25
+    assert load_cached(key, tmp_path) == costs  # the profile is still there
+    assert load_measure({**key, "dtype": "bfloat16"}, "split_backward_factor", tmp_path) is None
+    data = json.loads(path.read_text())
+    data["measures"]["split_backward_factor"] = "1.25"  # not a number: never used
+    path.write_text(json.dumps(data))
+    assert load_measure(key, "split_backward_factor", tmp_path) is None
+    store(key, costs, tmp_path)  # a new profile drops what was measured on the old one
+    assert load_measure(key, "split_backward_factor", tmp_path) is None
+
+
+@pytest.mark.parametrize(("value", "enabled"), [(None, True), ("1", True), ("0", False),
+                                                 ("off", False), ("False", False)])
+def test_cache_enabled_by_default(monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                  enabled: bool) -> None:
+    if value is None:
+        monkeypatch.delenv("AUTOPART_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("AUTOPART_CACHE", value)
+    assert cache_enabled() is enabled

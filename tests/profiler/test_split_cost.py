@@ -1,11 +1,12 @@
 """The zero-bubble split-cost measurement: a factor >= 1 that leaves the model untouched."""
 
+import pytest
 import torch
 from torch import nn
 
 from autopart.core.capture import capture
 from autopart.profiler import profile_graph
-from autopart.profiler.split_cost import measure_split_backward_factor
+from autopart.profiler.split_cost import factor_of, measure_split_backward_factor, piece_cuts
 from autopart.solver import find_candidates
 
 
@@ -20,9 +21,60 @@ def test_measured_split_factor_leaves_the_model_as_it_was() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.random.get_rng_state()
     factor = measure_split_backward_factor(captured, flat, costs, "cpu",
-                                           find_candidates(costs, 3).positions, repeats=2)
+                                           find_candidates(costs, 3).positions, min_pairs=1,
+                                           max_pairs=2)
     assert factor >= 1.0
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize(("ratios", "factor"), [
+    ([], 1.0),  # nothing timed
+    ([0.9, 1.1, 1.0], 1.0),  # no slower than B
+    ([1.05, 1.6, 1.25], 1.0),  # median 1.25 but the ratios range over 0.55: within the noise
+    ([1.30, 1.32, 1.31], 1.3),  # median 1.31, noise 0.01: measurably slower, on the 0.05 grid
+    ([1.07, 1.08, 1.08], 1.1),  # 1.08 rounds to 1.10
+    ([1.02, 1.021], 1.0),  # slower by 2 %: rounds to 1.00
+    ([0.5, 0.6], 1.0),  # never below 1
+])
+def test_factor_of_charges_only_an_overhead_above_the_noise(ratios: list[float],
+                                                           factor: float) -> None:
+    assert factor_of(ratios) == factor
+
+
+def _profiled(depth: int) -> tuple[object, list[torch.Tensor], object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(depth)])
+    x = torch.randn(8, 16)
+    captured = capture(model, (x,))
+    flat = captured.flatten_inputs((x,), {})
+    return captured, flat, profile_graph(captured, flat, device="cpu")
+
+
+def test_piece_is_a_share_of_the_profiled_time_a_quarter_in() -> None:
+    _, _, costs = _profiled(8)
+    prefix = [0.0]
+    for nd in costs.nodes:  # type: ignore[attr-defined]
+        prefix.append(prefix[-1] + nd.fwd_us + nd.bwd_us)
+    positions = list(range(1, len(prefix) - 1))
+    cuts = piece_cuts(costs, positions, start=0.25, share=0.2)  # type: ignore[arg-type]
+    assert cuts is not None
+    first, second = cuts
+    assert first == min(positions, key=lambda q: abs(prefix[q] - 0.25 * prefix[-1]))
+    assert prefix[second] - prefix[first] >= 0.2 * prefix[-1]  # holds the share ...
+    assert prefix[second - 1] - prefix[first] < 0.2 * prefix[-1]  # ... and no more
+    # a share larger than what follows ends the piece at the last position
+    assert piece_cuts(costs, positions, start=0.9, share=0.5)[1] == positions[-1]  # type: ignore
+    assert piece_cuts(costs, positions[:1]) is None  # type: ignore[arg-type]
+
+
+def test_pair_counts_are_checked() -> None:
+    captured, flat, costs = _profiled(2)
+    with pytest.raises(ValueError, match="min_pairs <= max_pairs"):
+        measure_split_backward_factor(captured, flat, costs, "cpu", [1, 3],  # type: ignore
+                                      min_pairs=3, max_pairs=2)
+    with pytest.raises(ValueError, match="1 <= min_pairs"):
+        measure_split_backward_factor(captured, flat, costs, "cpu", [1, 3],  # type: ignore
+                                      min_pairs=0)

@@ -1,0 +1,74 @@
+"""plan_model's profile cache: on by default and reused across compiles (same costs, same plan)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autopart
+import autopart.planning as planning
+from tests.zoo import mlp
+
+
+def _unclocked(plan: autopart.Plan) -> autopart.Plan:
+    """The plan without the solver's wall time (the one field a replay may change)."""
+    return replace(plan, solver=replace(plan.solver, wall_s=0.0))
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``autopart.planning.<name>`` (still calling it)."""
+    calls: list[int] = []
+    real = getattr(planning, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning, name, counted)
+    return calls
+
+
+def test_a_second_compile_reuses_the_cached_profile_and_split_factor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    profiles = _counting(monkeypatch, "profile_graph")
+    splits = _counting(monkeypatch, "measure_split_backward_factor")
+    model, args, _, loss_fn = mlp()
+    first = autopart.compile(model, args, loss_fn=loss_fn, devices=["cpu", "cpu"],
+                             num_microbatches=2, time_limit_s=2.0)
+    second = autopart.compile(model, args, loss_fn=loss_fn, devices=["cpu", "cpu"],
+                              num_microbatches=2, time_limit_s=2.0)
+    assert (len(profiles), len(splits)) == (1, 1)  # measured once, read the second time
+    assert _unclocked(second.plan) == _unclocked(first.plan)
+    assert "split_cost_s" in second.timings_s  # priced, from the cache
+    # a profile of another shape is another entry
+    autopart.compile(model, (torch.cat([args[0], args[0]]),), loss_fn=loss_fn,
+                     devices=["cpu", "cpu"], num_microbatches=2, time_limit_s=2.0)
+    assert (len(profiles), len(splits)) == (2, 2)
+    # the cache can be turned off: then every compile measures
+    monkeypatch.setenv("AUTOPART_CACHE", "0")
+    autopart.compile(model, args, loss_fn=loss_fn, devices=["cpu", "cpu"], num_microbatches=2,
+                     time_limit_s=2.0)
+    assert (len(profiles), len(splits)) == (3, 3)
+
+
+def test_profile_reports_what_came_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    profiles = _counting(monkeypatch, "profile_graph")
+    model, args, _, loss_fn = mlp()
+    cold = planning.profile_model(model, args, devices=["cpu", "cpu"])
+    assert cold.from_cache == frozenset()
+    warm = planning.profile_model(model, args, devices=["cpu", "cpu"])
+    assert warm.from_cache == {"profile", "split_cost"}
+    assert warm.costs == cold.costs and warm.split_backward_factor == cold.split_backward_factor
+    # a profile without the split factor is completed by the first call that needs it
+    other, x = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), torch.randn(4, 8)
+    assert planning.profile_model(other, (x,), devices=["cpu"]).from_cache == frozenset()
+    assert planning.profile_model(other, (x,), devices=["cpu", "cpu"]).from_cache == {"profile"}
+    assert planning.profile_model(other, (x,), devices=["cpu", "cpu"]).from_cache == {
+        "profile", "split_cost"}
+    assert planning.profile_model(other, (x,), devices=["cpu", "cpu"],
+                                  cache=False).from_cache == frozenset()
+    assert len(profiles) == 3
