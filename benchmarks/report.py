@@ -256,6 +256,9 @@ def fidelity(results: Path, figures: Path) -> list[str]:
     if png.exists():
         shutil.copyfile(png, figures / "fidelity_timeline.png")
         lines += ["", "![predicted and measured timelines](figures/fidelity_timeline.png)"]
+    return lines + [""]
+
+
 def zoo(results: Path) -> list[str]:
     """Markdown lines for ``zoo``: transformers architectures through autopart, per family."""
     d = _load(results / "zoo" / "results.json")
