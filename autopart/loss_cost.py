@@ -71,7 +71,8 @@ def measure_loss_cost(captured: CapturedGraph, loss_fn: Any, target: Any, device
     first call of ``long_us`` or more is the one sample, as in the profiler).
     Saved bytes: :class:`autopart.profiler.meters.SavedTensorMeter` over one forward.
     Transient: the largest allocation during forward + backward
-    (:func:`autopart.runtime.tracing.measure_peak_bytes`) less the saved bytes.
+    (:func:`autopart.runtime.tracing.measure_peak_bytes`) less the saved bytes; the outputs
+    the loss reads are allocated before (the stage holds them, and the plan counts them).
 
     Raises:
         ProfileError: ``device`` is not valid (see :func:`autopart.profiler.timer.check_device`).
@@ -101,8 +102,10 @@ def measure_loss_cost(captured: CapturedGraph, loss_fn: Any, target: Any, device
         saved = meter.saved_bytes
         del leaves, loss
 
+        outputs = _outputs(signature, dev)  # held by the stage anyway: not the loss's
+
         def whole() -> None:
-            _, loss = forward()
+            loss = call_loss(loss_fn, signature.output(outputs), target)
             loss.backward()
 
         _, peaks = measure_peak_bytes(whole, [dev])
