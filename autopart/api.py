@@ -121,7 +121,8 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
 
 def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
            loss: tuple[LossFn | None, Any], options: CompileOptions,
-           devices: tuple[str, ...] | None) -> tuple[Plan, CapturedGraph, dict[str, float]]:
+           devices: tuple[str, ...] | None, *, distributed: bool = False,
+           ) -> tuple[Plan, CapturedGraph, dict[str, float]]:
     loss_fn, example_target = loss
     training = loss_fn is not None
     plan, profile = plan_model(model, args, example_kwargs=kwargs, devices=devices,
@@ -132,7 +133,9 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                stages_per_rank=options.stages_per_rank,
                                recompute=options.recompute, training=training,
                                time_limit_s=options.time_limit_s,
-                               optimizer_state_bytes_per_param_byte=_state_factor(model, options))
+                               optimizer_state_bytes_per_param_byte=_state_factor(model, options),
+                               # torch's stages hold a receive buffer per microbatch
+                               receive_buffers_per_microbatch=distributed)
     return plan, profile.captured, profile.timings_s
 
 
@@ -211,7 +214,7 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
             names = (["cpu"] * pp_size if device.type == "cpu"
                      else [f"cuda:{i}" for i in range(pp_size)])
             mine, _, timings = _solve(model, args, kwargs, loss, options,
-                                      tuple(names))
+                                      tuple(names), distributed=True)
         plan = launch.broadcast_plan(mine)  # from global rank 0 to every rank
     elif len(plan.ranks) != pp_size:
         raise PlanError(f"the plan has {len(plan.ranks)} ranks but the pipeline group has "

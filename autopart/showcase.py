@@ -66,20 +66,22 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 5,
                   f"{RANKS} CPU ranks x 1 thread; torch {torch.__version__}")
     t0 = time.perf_counter()
     plan, profile = autopart.plan_model(model, args, devices=["cpu"] * RANKS, loss_fn=loss_fn,
-                                        example_target=target)
+                                        example_target=target,
+                                        receive_buffers_per_microbatch=True)
     compile_s = time.perf_counter() - t0
     print_plan(plan, console)
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in profile.timings_s.items())
     console.print(f"planning took {compile_s:.1f} s ({phases})")
     cluster = cluster_for_devices(list(profile.devices))
     m = plan.num_microbatches
-    equal = baseline_plan(profile.costs, cluster, profile.options(), "uniform_layers",
+    held = {"receive_buffers_per_microbatch": True}  # torch's stages: one per microbatch
+    equal = baseline_plan(profile.costs, cluster, profile.options(**held), "uniform_layers",
                           kind="1f1b", num_microbatches=m)
     # a per-rank cap the equal-layers split (and the whole model on one process) exceeds:
     # halfway between the least memory any plan needs and what the equal split needs
-    least = max(r.peak_memory_bytes for r in profile.solve(optimize="memory").ranks)
+    least = max(r.peak_memory_bytes for r in profile.solve(optimize="memory", **held).ranks)
     cap = (least + max(r.peak_memory_bytes for r in equal.ranks)) // 2
-    memory = profile.solve(optimize="memory", memory_cap_bytes=cap)
+    memory = profile.solve(optimize="memory", memory_cap_bytes=cap, **held)
     plans = {"autopart": plan, "equal layers": equal, "autopart memory": memory}
     console.print(f"measuring on {RANKS} spawned processes (gloo, 1 thread each), "
                   f"{steps} steps per arm, arms alternated ...")
@@ -123,7 +125,7 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 5,
                   f"losses differ by at most {worst:.2e} (first {single.losses[0]:.6f})")
     out.mkdir(parents=True, exist_ok=True)
     measured = results["autopart"].trace
-    predicted = predict(profile, plan)
+    predicted = predict(profile, plan, **held)
     written = [out / "gpt2.plan.json", out / "stage_*.py"]
     if measured is not None:
         measured.save(out / "trace.json")

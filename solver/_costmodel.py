@@ -217,7 +217,6 @@ class CostModel:
             state = self._first_state[s.stop] - self._first_state[s.start]
             seg.append(state + (saved if self.training else 0))
         per_cut = m if self.training and self.receive_buffers_per_microbatch else 1
-        per_cut += m if self.training else 0  # the sender holds its output until backward
         cut = [per_cut * self.scale_bytes(c, r) for c in cands.crossing_bytes]
         return seg, cut
 

@@ -155,9 +155,10 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         cols["static"].append(state + (many if s > 0 else 1) * cross_in
                               + (many if s < s_total - 1 else 1) * cross_out
                               + (0 if training else transient))
-        # a stage's outputs (the last stage's: the logits the loss reads) stay held, in both
-        # runtimes, from its forward until that microbatch's backward
-        cols["saved"].append((cross_in if rc[s] else act) + (cross_out if training else 0))
+        # the last stage's outputs (the logits the loss reads) stay held, in both runtimes,
+        # from its forward until that microbatch's backward
+        held_out = cross_out if training and s == s_total - 1 else 0
+        cols["saved"].append((cross_in if rc[s] else act) + held_out)
         cols["extra"].append((transient + (act if rc[s] else 0)) if training else 0)
         info.append((pbytes, numel))
     c = StageCosts(cols["fwd"], cols["bi"], cols["bw"], cols["sf"], cols["sb"], cols["static"],

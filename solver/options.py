@@ -56,9 +56,9 @@ class SolveOptions:
             :func:`autopart.solver.candidates.find_candidates`.
         receive_buffers_per_microbatch: when training, every stage holds one receive
             buffer per microbatch for its input and one for its outputs' gradient for the
-            whole step, as torch.distributed.pipelining's stages allocate them (default
-            True, the distributed runtime; the one-process executor allocates them as
-            values arrive, so the figure is then high by ``m - 1`` of each).
+            whole step, as torch.distributed.pipelining's stages allocate them
+            (``autopart.compile`` sets it for the distributed backend; default False: the
+            one-process executor allocates them as values arrive).
     """
 
     batch_size: int
@@ -79,7 +79,7 @@ class SolveOptions:
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
     split_backward_factor: float = 1.0
-    receive_buffers_per_microbatch: bool = True
+    receive_buffers_per_microbatch: bool = False
     crossing_factor: float = 2.0
     window: int = 32
     max_candidates: int = 128

@@ -129,14 +129,16 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
         model, args, target, loss_fn = WORKLOADS[name]()
         t0 = time.perf_counter()
         solver_plan, profile = autopart.plan_model(model, args, devices=["cpu"] * P,
-                                                   loss_fn=loss_fn, example_target=target)
+                                                   loss_fn=loss_fn, example_target=target,
+                                                   receive_buffers_per_microbatch=True)
         profiles[name] = {"profile": profile, "compile_s": time.perf_counter() - t0}
         wanted = [(k, v, m, rc) for w, k, v, m, rc in grid if w == name]
         todo: list[tuple[str, Any]] = [("solver", solver_plan)] if with_solver else []
         for kind, v, m, rc in wanted:
             todo.append((f"{kind} v{v} m{m}" + (" recompute" if rc else ""),
                          profile.solve(schedule_kind=kind, stages_per_rank=v,
-                                       num_microbatches=m, recompute=rc)))
+                                       num_microbatches=m, recompute=rc,
+                                       receive_buffers_per_microbatch=True)))
         for label, plan in todo:
             key = (f"{name}:{plan.schedule_kind}:{plan.stages_per_rank}:{plan.num_microbatches}:"
                    f"{[c.position for c in plan.cuts]}:{[st.recompute for st in plan.stages]}")
@@ -147,7 +149,7 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
             seen[key] = rid
             plan.save(Path(work, f"plan_{rid}.json"))
             plan_of[rid] = plan
-            pred = predict(profile, plan)
+            pred = predict(profile, plan, receive_buffers_per_microbatch=True)
             pred.trace.save(Path(work, f"predicted_{rid}.json"))
             rows.append({"id": rid, "workload": name, "labels": [label],
                          "schedule": plan.schedule_kind, "stages_per_rank": plan.stages_per_rank,
