@@ -175,8 +175,9 @@ def test_a_plan_for_sgd_needs_less_memory_than_for_adamw() -> None:
     for optimizer in ("adamw", "sgd", 0.0):
         pipe = autopart.compile(model, args, loss_fn=loss_fn, num_stages=2, num_microbatches=2,
                                 schedule="1f1b", optimizer=optimizer, time_limit_s=5.0)
-        peaks[optimizer] = max(r.peak_memory_bytes for r in pipe.plan.ranks)
+        peaks[optimizer] = sum(r.peak_memory_bytes for r in pipe.plan.ranks)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    # the whole model's state: 2x, 1x, 0x its parameter bytes, split over the two ranks
+    # the whole model's state: 2x, 1x, 0x its parameter bytes, split over the two ranks (the
+    # sum over ranks: which rank peaks highest may change with the cuts)
     assert peaks["adamw"] > peaks["sgd"] > peaks[0.0]
-    assert peaks["adamw"] - peaks[0.0] >= params  # >= half of 2x on the larger rank
+    assert peaks["adamw"] - peaks[0.0] >= params
