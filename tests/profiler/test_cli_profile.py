@@ -43,7 +43,8 @@ def test_profile_file_function(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args,match", [
-    (["hf:GPT2LMHeadModel", "--device", "h999"], r"unknown device preset 'h999'; presets: h100-sxm, .*h200.*or cpu / cuda:N to measure"),
+    (["hf:GPT2LMHeadModel", "--device", "h999"],
+     r"unknown device preset 'h999'; presets: h100-sxm, .*h200.*or cpu / cuda:N to measure"),
     (["hf:NoSuchModelXYZ", "--device", "h100-sxm"], r"unknown transformers model class"),
     (["hf:GPT2LMHeadModel", "--config", "nlayer=2"], r"GPT2Config has no key 'nlayer'; valid keys:.*n_layer"),
     (["hf:GPT2LMHeadModel", "--device", "cuda:0"], r"needs CUDA|not a visible GPU"),
