@@ -11,6 +11,7 @@ microbatches) while the other ranks wait.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import importlib
 import importlib.util
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,6 @@ class ArmResult:
     peak_bytes: list[int]
     losses: list[float]
     trace: Trace | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def step_s(self) -> float:
@@ -229,13 +229,13 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
     for i, name in enumerate(spec["names"]):
         plan = Plan.load(Path(work, f"plan_{i}.json"))
         first_m = first_m if i else plan.num_microbatches
-        pipe = autopart.compile(_copy(model), args, loss_fn=loss_fn, plan=plan,
+        pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan,
                                 backend="distributed")
         arms.append((name, pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-5)))
         if i == 0 and spec["save"]:
             pipe.save_plan(spec["save"])
     if spec["single"]:
-        plain = _copy(model)
+        plain = copy.deepcopy(model)
         m = first_m
         mb_args = [list(x) for x in zip(*[split_leaves([a], m) for a in args], strict=True)]
         mb_targets = split_leaves([target], m)
@@ -295,9 +295,3 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
         Path(work, "result.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _copy(model: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(model)

@@ -53,10 +53,6 @@ class ActionRecorder:
         """µs since :meth:`start` on this process's clock."""
         return (time.perf_counter() - self._t0) * 1e6
 
-    def add(self, rank: int, name: str, start_us: float, end_us: float) -> None:
-        """Record a slice timed by the caller (µs since :meth:`start`)."""
-        self._cpu.append(TraceEvent(rank, name, start_us, max(end_us, start_us)))
-
     @contextlib.contextmanager
     def span(self, rank: int, name: str, stream: Any = None,
              waits: bool = True) -> Iterator[None]:
