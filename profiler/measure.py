@@ -54,11 +54,13 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
 
     - ``fwd_us``: median of ``repeats`` timed calls after ``warmup`` untimed ones, µs
       (``time.perf_counter`` on CPU; a ``torch.cuda.Event`` pair per call on CUDA). When
-      the instrumented forward took ``long_call_us`` or more, it is the one sample.
+      the instrumented forward took ``long_call_us`` or more, one plain call is the one
+      sample (the instrumented call, slowed by its hooks and by touching fresh memory,
+      never is).
     - ``bwd_input_us`` / ``bwd_weight_us`` (when ``training``):
       ``torch.autograd.grad(outputs, leaves, ones, retain_graph=True)`` on that forward's
-      graph, timed like the forward (a first call of ``long_call_us`` or more is the one
-      sample), once w.r.t. the input aliases and once w.r.t. the parameter aliases: Zero
+      graph, timed like the forward (after a first call of ``long_call_us`` or more, one
+      more call is the one sample), once w.r.t. the input aliases and once w.r.t. the parameter aliases: Zero
       Bubble's split of B into I and W. Nodes whose outputs need no gradient get 0.
       Parameters' ``.grad`` are never touched.
     - ``saved_bytes`` (when ``training``, else 0): storages autograd packs during the

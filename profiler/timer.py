@@ -76,9 +76,12 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
     Only the thunk is timed, never the factory's set-up. On CPU each call is timed with
     ``time.perf_counter``; on CUDA with a ``torch.cuda.Event`` pair per call, recorded on
     the current stream, and one synchronize after the last call (none inside a timed
-    region). A first call that takes ``long_us`` or more is the only sample (the
-    adaptive rule of ``timeit.Timer.autorange``: a long call needs no warm-up and its
-    noise is small); on CUDA that check synchronizes once, after the first call's end
+    region). When the first call takes ``long_us`` or more, it is the warm-up and the
+    faster of two more calls is the only sample (after ``timeit.Timer.autorange``, a long
+    call needs few samples; a first call also pays for touching fresh memory, and on this
+    project's shared CPU machine a call that allocates hundreds of MB, e.g. a loss over
+    134 MB of logits, was 3x slower once in four from page-fault stalls, which only ever
+    slow a call down); on CUDA that check synchronizes once, after the first call's end
     event.
 
     Args:
@@ -86,16 +89,18 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
         factory: untimed set-up; returns the thunk to time.
         warmup: untimed calls first (>= 0).
         repeats: timed calls (>= 1).
-        long_us: first-call duration, µs, from which one call is enough.
+        long_us: first-call duration, µs, from which the faster of two more calls is the
+            only sample.
 
     Returns:
         ``(µs of each timed call, result of the last call)``.
     """
     result: Any = None
     samples: list[float] = []
+    calls, i, long_first = warmup + repeats, 0, False
     if device.type == "cuda":
         pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        for i in range(warmup + repeats):
+        while i < calls:
             thunk = factory()
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -106,21 +111,25 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
                 end.synchronize()
                 first_us = float(start.elapsed_time(end)) * 1e3  # ms -> µs
                 if first_us >= long_us:
-                    return [first_us], result
+                    warmup, calls, long_first = 1, 3, True
             if i >= warmup:
                 pairs.append((start, end))
+            i += 1
         torch.cuda.synchronize(device)
         samples = [float(s.elapsed_time(e)) * 1e3 for s, e in pairs]
     else:
-        for i in range(warmup + repeats):
+        while i < calls:
             thunk = factory()
             t0 = time.perf_counter()
             result = thunk()
             us = (time.perf_counter() - t0) * 1e6
             if i == 0 and us >= long_us:
-                return [us], result
+                warmup, calls, long_first = 1, 3, True
             if i >= warmup:
                 samples.append(us)
+            i += 1
+    if long_first:
+        samples = [min(samples)]
     return samples, result
 
 

@@ -1,0 +1,43 @@
+"""The profiler's per-call timer: warm-up, repeats and the long-call rule."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from autopart.profiler.timer import time_calls, time_samples
+
+CPU = torch.device("cpu")
+
+
+def _sleeper(durations_s: list[float], calls: list[int]):
+    """A factory whose n-th thunk sleeps ``durations_s[n]`` and returns n."""
+    def factory():
+        n = len(calls)
+        calls.append(n)
+        return lambda: (time.sleep(durations_s[n]), n)[1]
+    return factory
+
+
+def test_short_calls_take_warmup_then_repeats():
+    calls: list[int] = []
+    samples, last = time_samples(CPU, _sleeper([0.0] * 5, calls), warmup=1, repeats=3,
+                                 long_us=1e6)
+    assert len(calls) == 4 and len(samples) == 3 and last == 3
+
+
+def test_a_long_first_call_is_warmup_and_the_faster_of_two_more_is_the_sample():
+    calls: list[int] = []
+    # first call long (a cold call), then a stalled call and a normal one
+    samples, last = time_samples(CPU, _sleeper([0.08, 0.06, 0.02], calls), warmup=1,
+                                 repeats=5, long_us=50_000)
+    assert len(calls) == 3, "a long first call stops after two more calls"
+    assert last == 2
+    assert len(samples) == 1
+    assert 20_000 <= samples[0] < 50_000, "the stalled 60 ms call and the first are not it"
+
+
+def test_time_calls_is_the_median_of_the_samples():
+    us, _ = time_calls(CPU, _sleeper([0.0, 0.01, 0.03, 0.02], []), warmup=1, repeats=3)
+    assert 18_000 <= us < 28_000
