@@ -244,7 +244,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
 
 
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
-_PROFILE_METHOD = "measured:profile_graph(warmup=1,repeats=3,long_call_us=50000)"
+_PROFILE_METHOD = "measured:profile_graph(warmup=1,repeats=3,long_call_us=50000,long=min-of-2-after-warm)"
 #: The split factor's name in the cache, with the revision of its measurement.
 _SPLIT_FACTOR = "split_backward_factor:pairs-median-v2"
 
