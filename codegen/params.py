@@ -79,7 +79,9 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
         keep: build only these stages (a rank of a multi-process pipeline); the others are
             ``None`` in the result, but ownership is still decided over all stages. A kept
             stage whose tensor's owner is not kept takes the tensor itself (it is that
-            rank's copy).
+            rank's copy), and kept stages on one device that read the same tensor share it
+            (interleaved GPT-2 with the embedding and the tied head on one rank: one
+            parameter, one gradient).
         tensor_of: where a tensor comes from, by canonical FQN; default: the captured
             graph's own attribute (the model's tensor).
 
@@ -106,7 +108,13 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
                 continue
             original = tensor_of(fqn) if tensor_of is not None else captured.attr_value(target)
             owner_key = (placement.owner[fqn], fqn)
-            if first or owner_key not in placement.tensors:
+            shared = next((t for (s, f), t in placement.tensors.items()
+                           if keep is not None and f == fqn and t.device == device), None)
+            if shared is not None:
+                # one process's stages share one tensor: both readers' gradients accumulate
+                # into its .grad and its optimizer updates every reader
+                value = shared
+            elif first or owner_key not in placement.tensors:
                 value = _to_device(original, device, copy=False)
             else:
                 # Parameters get their own replica (own .grad); buffers and constants are

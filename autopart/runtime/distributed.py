@@ -114,6 +114,18 @@ class _TracedStage(PipelineStage):
             with self.recorder.span(self.track, name, stream):
                 yield
 
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        """torch (2.13) runs each stage's forward once on ``torch.empty`` inputs made from the
+        received metadata, to infer shapes. Uninitialised integer inputs are out-of-range
+        indices (a stage whose input is the token ids fails in ``embedding`` with an
+        IndexError), so integer and bool inputs are zeros here: a valid index for any
+        non-empty dimension. Floating inputs stay as torch makes them."""
+        tensor = super()._to_tensor(arg)  # type: ignore[misc]
+        if (not isinstance(arg, torch.Tensor) and type(tensor) is torch.Tensor
+                and not (tensor.is_floating_point() or tensor.is_complex())):
+            tensor.zero_()
+        return tensor
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with self._action(f"{self.stage_index}F{fwd_chunk_id}"):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -307,9 +319,12 @@ class DistributedPipeline(nn.Module):
         return self._runtime[1]
 
     def _new_runtime(self, m: int, training: bool) -> _PipelineScheduleRuntime:
+        # gradients are divided by m once per step in train_step, not by each stage: torch
+        # divides every stage's parameters, so a tensor two local stages share (a tied one)
+        # would be divided twice
         runtime = _PipelineScheduleRuntime(self.pipeline_stages, m,
                                            loss_fn=self.loss_of_flat if training else None,
-                                           scale_grads=True)
+                                           scale_grads=False)
         actions = build_schedule(self.plan.schedule_kind, self.pp_size, m,
                                  self.plan.stages_per_rank, recompute=self._recompute)
         with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
@@ -425,6 +440,10 @@ class DistributedPipeline(nn.Module):
                 self._guarded(step)
         finally:
             self._set_recorder(None)
+        # the mean over microbatches (the loss_fn averages within one), as torch's scale_grads
+        for p in {id(p): p for mod in self.stages for p in mod.parameters()}.values():
+            if p.grad is not None:
+                p.grad.div_(m)
         # float32 on every rank: the broadcast needs one dtype (a bf16 model's loss is bf16)
         loss = (torch.stack([x.detach() for x in losses]).mean().float() if losses
                 else torch.zeros((), device=self.device))

@@ -244,3 +244,16 @@ def test_bf16_on_two_ranks_matches_the_plain_model_run_the_same_way(mode: str) -
         reports = _reports(out, 2)
     for name, lines in reports.items():
         assert lines[0].startswith("ok "), f"{name}: {lines}"
+
+
+@pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_a_stage_whose_only_input_is_the_token_ids_trains(kind: str, v: int) -> None:
+    """torch's shape inference runs a stage on ``torch.empty`` inputs; uninitialised token
+    ids were out-of-range indices for the next rank's embedding (an IndexError)."""
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("integer_cut", 2, kind, v, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
+    for name, lines in sorted(reports.items()):
+        assert lines[0].startswith("cut "), lines
+        assert lines[1:] == [], f"{name}: {lines[1:]}"  # loss and every gradient matched

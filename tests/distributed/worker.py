@@ -422,3 +422,37 @@ def run_everyone(fn: Any, world: int, *args: Any) -> None:
 __all__: list[str] = ["numerics", "from_meta", "pp_dp", "dies", "fused", "hangs", "traced",
                       "clip_norm", "ckpt_train", "ckpt_resume", "mixed_precision"]
 _ = Any
+
+
+def integer_cut(rank: int, world: int, port: int, kind: str, v: int, result_dir: str) -> None:
+    """GPT-2 cut where only the token ids cross (right after ``view(input_ids)``): the next
+    rank's stage starts at ``embedding``, so torch's shape inference must not feed it
+    uninitialised indices."""
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.codegen.split import crossing_names
+    from autopart.core.capture import capture
+    from tests.plans import even_positions, manual_plan
+    from tests.zoo import ZOO
+
+    _setup(rank, world, port, 60)
+    model, args, target, loss_fn = ZOO["gpt2"]()
+    reference = copy.deepcopy(model)
+    m = 4
+    captured = capture(model, tuple(a[: 8 // m] for a in args))
+    by_name = {n.name: n for n in captured.graph_module.graph.nodes}
+    first = next(p for p in range(1, 20)
+                 if all(by_name[c].meta["val"].dtype == torch.int64
+                        for c in crossing_names(captured, [p])[0]))
+    rest = [p for p in even_positions(captured, world * v) if p > first][: world * v - 2]
+    plan = manual_plan(captured, [first, *rest], m, 8, schedule_kind=kind, stages_per_rank=v)
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
+    loss = pipe.train_step(*args, target=target)
+    ref_loss = loss_fn(reference(*args), target)
+    ref_loss.backward()
+    problems = _compare(pipe, loss, ref_loss, reference)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join([f"cut {first}: {crossing_names(captured, [first])[0]}",
+                           *problems]) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
