@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.core.cluster import Cluster
@@ -94,7 +95,8 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
 
 def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,
             positions: tuple[int, ...] | list[int], *, kind: str, num_microbatches: int,
-            stages_per_rank: int = 1, recompute: bool = False, name: str = "manual") -> Plan:
+            stages_per_rank: int = 1, recompute: bool | Sequence[bool] = False,
+            name: str = "manual") -> Plan:
     """The plan of given cuts, costed like the solver's own (no search): to run a baseline
     partition or a hand split under the same runtime and compare predictions.
 
@@ -103,7 +105,8 @@ def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,
             batch size, training, optimizer state and split factor).
         positions: cut positions (node indices), ``ranks x stages_per_rank - 1`` of them.
         kind, num_microbatches, stages_per_rank: the schedule.
-        recompute: every stage recomputes its forward (default False).
+        recompute: every stage recomputes its forward (True), none does (False, the
+            default), or one flag per stage.
         name: the solver name recorded in ``plan.solver`` (status ``"FIXED"``).
 
     Raises:
@@ -119,7 +122,8 @@ def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,
                       split_factor=options.split_backward_factor,
                       receive_buffers_per_microbatch=options.receive_buffers_per_microbatch)
     cand = evaluate(model, None, kind, p, v, num_microbatches, positions, None,
-                    recompute=recompute).simulated()
+                    recompute=recompute if isinstance(recompute, bool) else tuple(recompute)
+                    ).simulated()
     report = SolverReport("FIXED", cand.step_us, cand.step_us, 0.0, 0.0, name=name)
     return build_plan(costs, cluster, model, None, cand, options.optimize, options.batch_size,  # type: ignore[arg-type]
                       dict(options.library_versions), report, (), ())
