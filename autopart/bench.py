@@ -16,13 +16,14 @@ import datetime
 import importlib
 import importlib.util
 import json
+import math
 import os
 import socket
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,12 +63,14 @@ class ArmResult:
 
     @property
     def step_s(self) -> float:
-        """Median step, seconds."""
-        return statistics.median(self.steps_s)
+        """Median step, seconds (nan for an untimed arm)."""
+        return statistics.median(self.steps_s) if self.steps_s else math.nan
 
     @property
     def spread(self) -> float:
-        """``(max - min) / median`` of the timed steps."""
+        """``(max - min) / median`` of the timed steps (nan for an untimed arm)."""
+        if not self.steps_s:
+            return math.nan
         return (max(self.steps_s) - min(self.steps_s)) / self.step_s if self.step_s else 0.0
 
 
@@ -148,7 +151,8 @@ def _hf_workload(cls_name: str, config: dict[str, Any]) -> Workload:
 
 def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 7,
              warmup: int = 2, config: dict[str, Any] | None = None, single: bool = True,
-             threads_per_rank: int = 1, trace: bool = True, measure_memory: bool = True,
+             threads_per_rank: int = 1, trace: bool | Collection[str] = True,
+             measure_memory: bool = True, untimed: Collection[str] = (),
              save_plan_to: str | os.PathLike[str] | None = None,
              on_step: Callable[[int, int], None] | None = None) -> dict[str, ArmResult]:
     """Run every plan (and the unpartitioned model) on ``ranks`` local processes.
@@ -163,8 +167,10 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
         single: also run the unpartitioned model on rank 0 (arm :data:`SINGLE`), with the
             microbatch count of the first plan.
         threads_per_rank: ``torch.set_num_threads`` in every rank (default 1).
-        trace: one traced step per plan arm; ``measure_memory``: one memory-measured step
-            per arm (AdamW state held).
+        trace: one traced step per plan arm (True), none (False) or the named arms';
+            ``measure_memory``: one memory-measured step per arm (AdamW state held).
+        untimed: arms measured for memory only: they run one step with the warm-up (AdamW's
+            state then exists), no timed step and no trace; their ``steps_s`` is empty.
         save_plan_to: write the first plan there and every rank's stage sources beside it
             (``DistributedPipeline.save_plan``).
         on_step: called in this process as ``on_step(done, total)`` while steps run.
@@ -179,6 +185,10 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
 
     if not plans:
         raise UsageError("run_arms needs at least one plan")
+    unknown = sorted(set(untimed) - set(plans))
+    if unknown:
+        raise UsageError(f"untimed arms {unknown} are not among the plans {list(plans)}")
+    traced = list(plans) if trace is True else [] if trace is False else list(trace)
     for name, plan in plans.items():
         if len(plan.ranks) != ranks:
             raise UsageError(f"plan {name!r} is for {len(plan.ranks)} ranks, not {ranks}")
@@ -187,7 +197,8 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
             plan.save(Path(work, f"plan_{i}.json"))
         spec = {"workload": workload, "config": config or {}, "names": list(plans),
                 "steps": steps, "warmup": warmup, "single": single,
-                "threads": threads_per_rank, "trace": trace, "memory": measure_memory,
+                "threads": threads_per_rank, "trace": traced, "memory": measure_memory,
+                "untimed": sorted(untimed),
                 "save": None if save_plan_to is None else str(Path(save_plan_to).resolve())}
         Path(work, "spec.json").write_text(json.dumps(spec))
         with socket.socket() as s:
@@ -195,7 +206,8 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
             port = s.getsockname()[1]
         ctx = mp.start_processes(_rank_main, args=(ranks, port, work), nprocs=ranks, join=False,
                                  start_method="spawn")
-        total = (len(plans) + int(single)) * (steps + warmup)
+        timed = len(plans) - len(set(untimed)) + int(single)
+        total = timed * (steps + warmup) + len(set(untimed))
         while not ctx.join(timeout=0.5):
             if on_step is not None:
                 done = len(list(Path(work).glob("step_*")))
@@ -254,9 +266,12 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
     results: dict[str, dict[str, Any]] = {n: {"steps_s": [], "losses": [], "peaks": []}
                                           for n, _, _ in arms}
     counter = 0
+    untimed = set(spec["untimed"])
     for i in range(spec["warmup"] + spec["steps"]):
         for k in range(len(arms)):
             name, pipe, opt = arms[(i + k) % len(arms)]
+            if name in untimed and i:
+                continue  # one step, for the optimizer's state before the memory step
             opt.zero_grad()
             dist.barrier()
             t0 = time.perf_counter()
@@ -265,7 +280,7 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             opt.step()
             results[name]["losses"].append(float(loss))
-            if i >= spec["warmup"]:
+            if i >= spec["warmup"] and name not in untimed:
                 results[name]["steps_s"].append(float(elapsed))
             counter += 1
             if rank == 0:
@@ -282,7 +297,7 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
                 results[name]["peaks"] = [peaks["cpu"]]
             dist.barrier()
             continue
-        if spec["trace"]:
+        if name in spec["trace"] and name not in untimed:
             pipe.train_step(*args, target=target, trace=True)
             opt.zero_grad()
             if rank == 0:
