@@ -84,15 +84,24 @@ def measure_loss_cost(captured: CapturedGraph, loss_fn: Any, target: Any, device
     signature = InputSignature.of(captured)
     target = _to(target, dev)
 
-    def forward() -> tuple[list[Any], torch.Tensor]:
-        leaves = _outputs(signature, dev)
-        return leaves, call_loss(loss_fn, signature.output(leaves), target)
-
-    def forward_factory() -> Any:
-        leaves = _outputs(signature, dev)  # untimed: the random outputs are set-up
-        return lambda: call_loss(loss_fn, signature.output(leaves), target)
-
     with RngState(dev):
+        # random outputs made once (a 134 MB logits tensor takes longer to fill than the
+        # loss takes to run); each call reads fresh leaves aliasing them, so every call's
+        # gradients are its own
+        base = _outputs(signature, dev)
+
+        def leaves_now() -> list[Any]:
+            return [x.detach().requires_grad_(x.requires_grad)
+                    if isinstance(x, torch.Tensor) else x for x in base]
+
+        def forward() -> tuple[list[Any], torch.Tensor]:
+            leaves = leaves_now()
+            return leaves, call_loss(loss_fn, signature.output(leaves), target)
+
+        def forward_factory() -> Any:
+            leaves = leaves_now()
+            return lambda: call_loss(loss_fn, signature.output(leaves), target)
+
         fwd_us, _ = time_calls(dev, forward_factory, 1, repeats, long_us)
 
         def backward_factory() -> Any:
@@ -106,7 +115,7 @@ def measure_loss_cost(captured: CapturedGraph, loss_fn: Any, target: Any, device
         saved = meter.saved_bytes
         del leaves, loss
 
-        outputs = _outputs(signature, dev)  # held by the stage anyway: not the loss's
+        outputs = leaves_now()  # held by the stage anyway: not the loss's
 
         def whole() -> None:
             loss = call_loss(loss_fn, signature.output(outputs), target)
