@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import linecache
 import operator
@@ -9,6 +10,7 @@ import os
 import re
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -370,8 +372,10 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
     if not isinstance(args, tuple):
         raise TraceError(f"example_inputs must be a tuple, got {type(args).__name__}; "
                          "wrap a single tensor as (x,)")
+    custom: list[type] = []
     try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
+        with _custom_functions_applied(custom):
+            ep = torch.export.export(model, args, kwargs, strict=False)
         # Functionalise (no decompositions): in-place ops such as ``add_`` or ``relu_``
         # become out-of-place, so no stage ever writes into a tensor another stage sent it.
         with warnings.catch_warnings():
@@ -424,7 +428,81 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
                          f"{ep.call_spec.out_spec}); return the model's output (e.g. the logits "
                          "or the loss) from forward")
     leaves = pytree.tree_leaves((args, kwargs))
+    if custom:
+        _check_custom_backward(model, gm, args, kwargs, custom)
     return CapturedGraph(
         graph_module=gm, in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
         attr_fqns=attr_fqns, trainable=frozenset(trainable), buffers=frozenset(buffers),
         batch_size=_leading_dim(leaves), fingerprint=graph_fingerprint(gm, attr_fqns))
+
+
+@contextlib.contextmanager
+def _custom_functions_applied(seen: list[type]) -> Iterator[None]:
+    """Record the ``torch.autograd.Function`` subclasses (outside torch itself) applied while
+    the block runs: ``torch.export`` traces their forward and drops their backward."""
+    base = torch.autograd.function.Function
+    original = base.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch.") and cls not in seen:
+            seen.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    base.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        base.apply = original  # type: ignore[method-assign]
+
+
+def _check_custom_backward(model: nn.Module, gm: fx.GraphModule, args: tuple[Any, ...],
+                           kwargs: dict[str, Any], custom: list[type]) -> None:
+    """The captured graph differentiates the forward of each custom ``autograd.Function``, not
+    its own backward. Compare the parameters' gradients of the model and of the graph on the
+    example inputs (same random state for both, output weights from a seeded generator) and
+    refuse a graph whose gradients differ: a model with an approximate backward (YOSO's
+    LSH attention) would otherwise train on other gradients than the user's.
+
+    Raises:
+        TraceError: the gradients differ; names the Functions and the largest difference.
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return
+
+    def grads(run: Any) -> list[torch.Tensor | None] | None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            outs = [t for t in pytree.tree_leaves(run()) if isinstance(t, torch.Tensor)
+                    and t.requires_grad and t.is_floating_point()]
+        if not outs:
+            return None
+        gen = torch.Generator().manual_seed(0)
+        total = sum((t * torch.randn(t.shape, generator=gen).to(t)).sum() for t in outs)
+        return list(torch.autograd.grad(total, [p for _, p in params], allow_unused=True))
+
+    flat = pytree.tree_leaves((args, kwargs))
+    with torch.enable_grad():
+        eager = grads(lambda: model(*args, **kwargs))
+        captured = grads(lambda: gm(*flat))
+    if eager is None or captured is None:
+        return
+    worst, where = 0.0, ""
+    for (name, _), a, b in zip(params, eager, captured, strict=True):
+        if a is None and b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        scale = float(a.abs().max()) + 1e-12
+        diff = float((a - b).abs().max()) / scale
+        if diff > worst:
+            worst, where = diff, name
+    if worst > 1e-3:
+        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in custom)
+        raise TraceError(
+            f"{names} {'defines its' if len(custom) == 1 else 'define their'} own backward "
+            "(torch.autograd.Function); torch.export keeps only the forward, and the captured "
+            "graph's gradients differ from the model's "
+            f"(largest relative difference {worst:.3g}, in {where}). autopart cannot keep a "
+            "custom backward: write that part with plain torch ops (its forward is then "
+            "differentiated as written), or train it outside autopart")

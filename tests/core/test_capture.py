@@ -1,3 +1,5 @@
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -79,3 +81,43 @@ def test_the_fingerprint_does_not_depend_on_the_capture_device() -> None:
     assert any(isinstance(n.kwargs.get("device"), torch.device)
                for n in on_cpu.graph_module.graph.nodes)
     assert on_cpu.fingerprint == on_meta.fingerprint
+
+
+class _Square(torch.autograd.Function):
+    """x * x with a backward that is exact (2x) or, with ``approx``, not (3x)."""
+
+    approx = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * (3 if _Square.approx else 2) * x
+
+
+class _UsesSquare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Square.apply(self.lin(x)).sum(-1)
+
+
+def test_a_custom_backward_that_the_graph_would_change_is_refused(monkeypatch: Any) -> None:
+    monkeypatch.setattr(_Square, "approx", True)
+    with pytest.raises(TraceError, match=r"_Square defines its own backward .* gradients differ "
+                                         r"from the model's \(largest relative difference "):
+        capture(_UsesSquare(), (torch.randn(2, 4),))
+    assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"
+
+
+def test_a_custom_function_whose_backward_is_its_forwards_derivative_is_captured() -> None:
+    model = _UsesSquare()
+    x = torch.randn(2, 4)
+    captured = capture(model, (x,))
+    torch.testing.assert_close(captured.graph_module(x)[0], model(x))
