@@ -110,9 +110,10 @@ class _UsesSquare(nn.Module):
 
 def test_a_custom_backward_that_the_graph_would_change_is_refused(monkeypatch: Any) -> None:
     monkeypatch.setattr(_Square, "approx", True)
-    with pytest.raises(TraceError, match=r"_Square defines its own backward .* gradients differ "
-                                         r"from the model's \(largest relative difference "):
-        capture(_UsesSquare(), (torch.randn(2, 4),))
+    for args, kwargs in [((torch.randn(2, 4),), {}), ((), {"x": torch.randn(2, 4)})]:
+        with pytest.raises(TraceError, match=r"_Square defines its own backward .* gradients "
+                                             r"differ from the model's \(largest relative "):
+            capture(_UsesSquare(), args, kwargs)
     assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"
 
 
