@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.version import __version__
 
 __all__ = ["cache_dir", "profile_key", "load_cached", "store", "cached_profile",
-           "load_measure", "store_measure", "cache_enabled", "PROFILER_REVISION"]
+           "load_measure", "store_measure", "cache_enabled", "machine_busy", "PROFILER_REVISION"]
 
 #: Bumped whenever the profiler's numbers change for the same inputs, so that profiles
 #: cached by an earlier revision are never reused (2: empty autograd-call cost subtracted).
@@ -163,12 +164,37 @@ def store_measure(key: dict[str, Any], name: str, value: float,
     return path
 
 
+def machine_busy() -> str | None:
+    """Why CPU timings taken now would be high, or None: the 1-minute load average
+    (``os.getloadavg``) above the number of CPUs means more runnable threads than cores."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not on this platform
+        return None
+    cpus = os.cpu_count() or 1
+    return f"load average {load:.1f} on {cpus} CPUs" if load > cpus else None
+
+
 def cached_profile(key: dict[str, Any], compute: Callable[[], CostGraph],
                    root: Path | None = None) -> tuple[CostGraph, bool]:
-    """``(costs, hit)``: the cached profile for ``key``, else ``compute()`` stored under it."""
+    """``(costs, hit)``: the cached profile for ``key``, else ``compute()`` stored under it.
+
+    A CPU profile measured while the machine was oversubscribed (:func:`machine_busy`,
+    checked before and after) is used but not stored, with a warning: its times are those
+    of a contended machine, and a cached profile would carry them into every later plan.
+    """
     hit = load_cached(key, root)
     if hit is not None:
         return hit, True
+    cpu = str(key.get("device", "")).startswith("cpu") and str(
+        key.get("method", "")).startswith("measured")
+    busy = machine_busy() if cpu else None
     costs = compute()
-    store(key, costs, root)
+    busy = busy or (machine_busy() if cpu else None)
+    if busy is None:
+        store(key, costs, root)
+    else:
+        warnings.warn(f"profiled while the machine was busy ({busy}): op times may be high, "
+                      "so this profile is not cached; plan again on a quieter machine for "
+                      "timings to keep", RuntimeWarning, stacklevel=2)
     return costs, False

@@ -22,6 +22,7 @@ from autopart.profiler.cache import (
     store,
     store_measure,
 )
+from autopart.profiler.cache import machine_busy as real_machine_busy
 
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -108,3 +109,32 @@ def test_cache_enabled_by_default(monkeypatch: pytest.MonkeyPatch, value: str | 
     else:
         monkeypatch.setenv("AUTOPART_CACHE", value)
     assert cache_enabled() is enabled
+
+
+def test_a_cpu_profile_measured_on_a_busy_machine_is_used_but_not_cached(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import autopart.profiler.cache as cache
+
+    x = torch.randn(2, 4)
+    captured = capture(nn.Sequential(nn.Linear(4, 4)), (x,))
+    costs = profile_analytical(captured, [x], PRESETS["l4"])
+    key = profile_key(captured.fingerprint, "cpu", [x], dtype="float32", training=True,
+                      method="measured:test")
+    monkeypatch.setattr(cache, "machine_busy", lambda: "load average 9.0 on 2 CPUs")
+    with pytest.warns(RuntimeWarning, match=r"busy \(load average 9.0 on 2 CPUs\).* not cached"):
+        got, hit = cached_profile(key, lambda: costs, tmp_path)
+    assert got == costs and not hit and load_cached(key, tmp_path) is None
+    monkeypatch.setattr(cache, "machine_busy", lambda: None)
+    cached_profile(key, lambda: costs, tmp_path)
+    assert load_cached(key, tmp_path) == costs
+
+
+def test_machine_busy_compares_the_load_average_with_the_cpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import autopart.profiler.cache as cache
+
+    monkeypatch.setattr(cache.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cache.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
+    assert real_machine_busy() is None  # the fixtures replace cache.machine_busy
+    monkeypatch.setattr(cache.os, "getloadavg", lambda: (4.2, 0.0, 0.0))
+    assert real_machine_busy() == "load average 4.2 on 2 CPUs"
