@@ -2,9 +2,8 @@
 
 ``lm_workloads.py`` (the language models) and ``workloads.py`` (the CNN, encoder-decoder and
 heterogeneous models) each define ``WORKLOADS: dict[str, PeerWorkload]``; ``peers.py`` runs
-every arm of each on two gloo ranks. Every callable is called in every rank process after
-``torch.manual_seed``-free import, so ``build`` must seed itself (seed 0) to give every rank
-and every arm the same weights and data.
+every arm of each on two gloo ranks. Every rank process calls ``build`` itself, so ``build``
+seeds itself (seed 0): every rank and every arm start from the same weights and data.
 """
 
 from __future__ import annotations
