@@ -158,7 +158,8 @@ def peers_measured(results: Path, figures: Path) -> list[str]:
             for arm, why in launch.get("failed", {}).items():
                 lines.append(f"- launch {i}: `{arm}` **could not run**: {why}")
         lines += ["", "| arm | step s | spread | fraction of ideal | time / autopart [95% CI] | "
-                  "first-step loss | partition |", "|---|---:|---:|---:|---|---|---|"]
+                  "loss vs single: first step / every step | partition |",
+                  "|---|---:|---:|---:|---|---|---|"]
         summary = wl["summary"]
         for arm in PEER_ARMS:
             if arm not in summary:
@@ -172,7 +173,8 @@ def peers_measured(results: Path, figures: Path) -> list[str]:
                     if arm == "autopart" else f"at {', '.join(s['split'])}" if "split" in s
                     else "")
             lines.append(f"| {arm} | {s['step_s']:.3f} | {s['spread_over_launches']:.1%} | "
-                         f"{frac} | {ratio_txt} | {s['loss_check']} | {part} |")
+                         f"{frac} | {ratio_txt} | {s['loss_check']} / "
+                         f"{s.get('loss_trajectory_check', '—')} | {part} |")
         lines.append("")
     fig = figures / "peers.png"
     names = list(workloads)

@@ -197,6 +197,7 @@ def test_peers_runs_every_arm_on_two_ranks(tmp_path: Path) -> None:
     assert set(arms) == expected
     for arm, row in arms.items():
         assert row["loss_check"] == "pass", (arm, row)
+        assert row["loss_trajectory_check"] == "pass", (arm, row)  # 2 steps: the same update
         assert len(row["steps_s"]) == 1 and row["step_s"] > 0
     # DeepSpeed's partitions of [embed, block, block, ln_f, head]: two stages, every layer
     for arm in ("deepspeed_parameters", "deepspeed_uniform", "deepspeed_type"):
