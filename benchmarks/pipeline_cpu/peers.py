@@ -353,7 +353,12 @@ def ranked(rank: int, world: int, port: int, work: str, name: str, steps: int, w
         for arm in order[k:] + order[:k]:
             dist.barrier()
             t0 = time.perf_counter()
-            loss = steps_of[arm]()
+            try:
+                loss = steps_of[arm]()
+            except Exception as exc:  # name the arm for run_launch, which reruns without it
+                Path(work, f"crash{rank}.json").write_text(json.dumps(
+                    {"arm": arm, "step": i, "error": f"{type(exc).__name__}: {exc}"}))
+                raise
             elapsed = time.perf_counter() - t0
             losses[arm].append(loss)
             if i >= warmup:
@@ -419,7 +424,7 @@ def _describe(p: Any) -> dict[str, Any]:
 
 def run_launch(w: Any, work: Path, steps: int, warmup: int, arms: list[str]) -> dict[str, Any]:
     """One launch of workload ``w``: two fresh rank processes; their merged measurements."""
-    for f in work.glob("rank*.json"):
+    for f in [*work.glob("rank*.json"), *work.glob("crash*.json")]:
         f.unlink()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -429,8 +434,17 @@ def run_launch(w: Any, work: Path, steps: int, warmup: int, arms: list[str]) -> 
         mp.start_processes(ranked, args=(RANKS, port, str(work), w.name, steps, warmup, arms),
                            nprocs=RANKS, join=True, start_method="spawn")
     except Exception as exc:  # a rank crashed: keep the reason, go on with the next run
-        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1]}",
-                "wall_s": round(time.perf_counter() - t0, 1)}
+        text = str(exc).strip()  # the rank's traceback
+        print(text, file=sys.stderr)
+        got = {"error": f"{type(exc).__name__}: {text.splitlines()[-1]}",
+               "traceback": text.splitlines()[-30:], "wall_s": round(time.perf_counter() - t0, 1)}
+        crashes = [json.loads(f.read_text()) for f in sorted(work.glob("crash*.json"))]
+        if crashes:  # the first rank to fail names the arm; the others fail waiting on it
+            got["crashed_arm"] = crashes[0]["arm"]
+            got["crash"] = [f"rank {f.stem[5:]}: {c['arm']} at step {c['step']}: {c['error']}"
+                            for f, c in zip(sorted(work.glob("crash*.json")), crashes,
+                                            strict=True)]
+        return got
     per_rank = [json.loads(Path(work, f"rank{r}.json").read_text()) for r in range(RANKS)]
     failed = {a: r for d in per_rank for a, r in d["failed"].items()}
     info = {k: v for d in reversed(per_rank) for k, v in d["info"].items()}
@@ -615,6 +629,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name, (w, work) in works.items():
                 print(f"[{name}] launch {launch + 1}/{args.launches} ...", flush=True)
                 got = run_launch(w, work, args.steps, args.warmup, arms)
+                # an arm that crashes mid-run takes the launch down: record why, then run the
+                # launch again without it, so that the other arms are still measured
+                crashed: dict[str, Any] = {}
+                while got.get("crashed_arm") in arms and len(arms) > 1:
+                    arm = got["crashed_arm"]
+                    crashed[arm] = {"error": got["error"], "crash": got["crash"],
+                                    "traceback": got["traceback"]}
+                    print(f"[{name}] ARM CRASHED {arm}; launching again without it",
+                          file=sys.stderr, flush=True)
+                    got = run_launch(w, work, args.steps, args.warmup,
+                                     [a for a in arms if a not in crashed])
+                if crashed:
+                    got["crashed"] = crashed
+                    got.setdefault("failed", {}).update(
+                        {a: "crashed, the launch was rerun without it: " + " | ".join(c["crash"])
+                         for a, c in crashed.items()})
                 report["workloads"][name]["launches"].append(got)
                 for arm, why in got.get("failed", {}).items():
                     print(f"[{name}] ARM FAILED {arm}: {why}", file=sys.stderr)
