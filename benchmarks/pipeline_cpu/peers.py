@@ -26,6 +26,8 @@ these itself). Arms:
 Every arm's first-step loss (the initial weights) is checked against ``single``'s (rtol
 1e-4), and every later step's loss too (``loss_trajectory_check``, rtol 1e-4: the arms train
 alike); a failed check or an arm that cannot be built is recorded in the JSON and printed.
+An arm that crashes mid-run takes its launch down (its peer rank is left waiting): the crash
+is recorded with every rank's error and the launch runs again without that arm.
 
     .venv/bin/python benchmarks/pipeline_cpu/peers.py [--workloads a,b] [--launches 1]
         [--steps 7] [--warmup 2] [--head-vocab 32000] [--arms a,b] [--out results_peers.json]
@@ -58,8 +60,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils import _pytree as pytree
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
