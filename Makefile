@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.autopart-installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean bench-peers-setup bench-peers
 
 setup: $(STAMP)
 
@@ -22,6 +22,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Optional, for benchmarks/pipeline_cpu/peers.py only (never a package or CI dependency):
+# DeepSpeed's pipeline engine on CPU, without prebuilt ops, keeping this venv's torch.
+bench-peers-setup: $(STAMP)
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cpu $(BIN)/python -m pip install -q 'deepspeed==0.19.8'
+	$(BIN)/python -m pip show torch | grep '^Version: $(subst torch==,,$(TORCH_SPEC))' \
+		|| (echo "installing deepspeed changed torch; run make setup again" && exit 1)
+
+bench-peers: $(STAMP)
+	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/pipeline_cpu/peers.py --launches 3 --steps 7
 
 lint: $(STAMP)
 	$(BIN)/ruff check autopart profiler solver codegen tests

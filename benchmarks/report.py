@@ -10,7 +10,9 @@ nothing itself) and writes ``REPORT.md`` plus PNG figures beside it:
 - ``plan_quality``: predicted step time of the four baseline partitioners over autopart's,
   per model and rank count (analytical H100 costs);
 - ``solver_scale``: the GPT-3-175B-shaped solve onto 64 ranks;
-- ``zoo``: transformers' architectures through autopart, counts per family.
+- ``zoo``: transformers' architectures through autopart, counts per family;
+- ``pipeline_cpu/results_peers.json`` (``peers.py``): peers, measured: autopart against
+  DeepSpeed's pipeline engine, torch's schedules and the hand split, per workload.
 
 A benchmark without recorded results is listed as missing, not guessed.
 
@@ -34,6 +36,9 @@ PIPELINE_ARMS = (("autopart", "(c) autopart"), ("torch_1f1b", "(b) torch Schedul
                  ("torch_hand_split", "(d) hand split, Schedule1F1B"))
 PIPELINE_FILES = (("results.json", "solver's choice"), ("results_1f1b.json", "v = 1 fixed"),
                   ("results_zero_bubble.json", "zero_bubble fixed"))
+# peers.py arms, in the order shown
+PEER_ARMS = ("autopart", "deepspeed_parameters", "deepspeed_uniform", "deepspeed_type",
+             "torch_1f1b", "torch_interleaved_1f1b", "hand_split", "single")
 BASELINES = ("uniform_layers", "deepspeed_parameters", "pippy_equal_size",
              "torchgpipe_balance_by_time")
 
@@ -122,6 +127,81 @@ def pipeline_cpu(results: Path, figures: Path) -> list[str]:
 
     _figure(fig, draw, (8.0, 4.5))
     return lines + ["", f"![pipeline_cpu]({fig.relative_to(figures.parent).as_posix()})", ""]
+
+
+def peers_measured(results: Path, figures: Path) -> list[str]:
+    """Markdown lines and a bar chart for ``pipeline_cpu/results_peers.json``: per workload,
+    every arm's median step over launches, its spread, fraction of ideal and time over
+    autopart's (paired step by step, pooled over launches)."""
+    d = _load(results / "pipeline_cpu" / "results_peers.json")
+    if d is None:
+        return ["## Peers, measured", "",
+                "No recorded results (`benchmarks/pipeline_cpu/peers.py`).", ""]
+    lines = ["## Peers, measured: DeepSpeed, torch's schedules and the hand split", "",
+             f"{d['machine']}; Python {d['python']}, torch {d['torch']}, transformers "
+             f"{d['transformers']}, deepspeed {d['deepspeed']}, ortools {d['ortools']}; "
+             f"{d['ranks']} gloo ranks x {d['threads_per_rank']} thread; {d['launches']} "
+             f"launch(es) of fresh processes x {d['steps']} timed steps, arms alternated step by "
+             f"step; recorded {d['date']} by `{d['command']}`. Step: median over the launches of "
+             "each launch's median; spread: (max − min) / median of the launch medians; time / "
+             "autopart: paired step by step, pooled over launches, bootstrap 95% interval.", ""]
+    workloads = d["workloads"]
+    for name, wl in workloads.items():
+        plan = wl["plan"]
+        lines += [f"### {name}", "", f"{wl['description']}; m = {wl['num_microbatches']}, ideal "
+                  f"speed-up {wl['ideal_speedup']}. autopart's plan: {plan['schedule']}, v = "
+                  f"{plan['stages_per_rank']}, cuts {plan['cuts']}, predicted "
+                  f"{plan['predicted_step_s']:.3f} s.", ""]
+        for i, launch in enumerate(wl["launches"]):
+            if "error" in launch:
+                lines.append(f"- launch {i}: **failed**: {launch['error']}")
+            for arm, why in launch.get("failed", {}).items():
+                lines.append(f"- launch {i}: `{arm}` **could not run**: {why}")
+        lines += ["", "| arm | step s | spread | fraction of ideal | time / autopart [95% CI] | "
+                  "loss vs single: first step / every step | partition |",
+                  "|---|---:|---:|---:|---|---|---|"]
+        summary = wl["summary"]
+        for arm in PEER_ARMS:
+            if arm not in summary:
+                continue
+            s = summary[arm]
+            ratio = s.get("time_over_autopart")
+            ratio_txt = (f"{ratio['median']:.3f}x [{ratio['median_95ci'][0]:.3f}, "
+                         f"{ratio['median_95ci'][1]:.3f}]" if ratio else "—")
+            frac = f"{s['fraction_of_ideal']:.3f}" if "fraction_of_ideal" in s else "—"
+            part = (f"parts {s['parts']}" if "parts" in s else f"cuts {plan['cuts']}"
+                    if arm == "autopart" else f"at {', '.join(s['split'])}" if "split" in s
+                    else "")
+            lines.append(f"| {arm} | {s['step_s']:.3f} | {s['spread_over_launches']:.1%} | "
+                         f"{frac} | {ratio_txt} | {s['loss_check']} / "
+                         f"{s.get('loss_trajectory_check', '—')} | {part} |")
+        lines.append("")
+    fig = figures / "peers.png"
+    names = list(workloads)
+
+    def draw(ax: Any) -> None:
+        arms = [a for a in PEER_ARMS if any(a in wl["summary"] for wl in workloads.values())]
+        width = 0.8 / max(len(arms), 1)
+        for k, arm in enumerate(arms):
+            xs, ys, lo, hi = [], [], [], []
+            for i, wl in enumerate(workloads.values()):
+                if arm in wl["summary"]:
+                    per = wl["summary"][arm]["step_s_per_launch"]
+                    xs.append(i + k * width)
+                    ys.append(wl["summary"][arm]["step_s"])
+                    lo.append(ys[-1] - min(per))
+                    hi.append(max(per) - ys[-1])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=arm)
+        for i, wl in enumerate(workloads.values()):
+            ax.plot(i, wl["plan"]["predicted_step_s"], "kv",
+                    label="autopart predicted" if i == 0 else None)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, fontsize=8)
+        ax.set_ylabel("step time, s (median over launches; bars: min-max)")
+        ax.set_title("Peers, measured: 2 gloo ranks x 1 thread")
+        ax.legend(fontsize=7, loc="upper left", ncol=3)
+
+    _figure(fig, draw, (9.0, 4.5))
+    return lines + [f"![peers, measured]({fig.relative_to(figures.parent).as_posix()})", ""]
 
 
 def executor_overhead(results: Path) -> list[str]:
@@ -293,6 +373,7 @@ def write_report(results: Path, out: Path) -> Path:
              "benchmark; every number below was measured or solved by that benchmark's "
              "`run.py` (see its README for the command, machine and versions).", ""]
     lines += pipeline_cpu(results, figures)
+    lines += peers_measured(results, figures)
     lines += executor_overhead(results)
     lines += plan_quality(results, figures)
     lines += solver_scale(results)

@@ -34,6 +34,15 @@ def test_report_quotes_the_recorded_results(tmp_path: Path) -> None:
     assert f"| gpt2-small | {gpt2['ranks']} | {gpt2['predicted_step_time_us'] / 1e3:.2f} |" in text
     for png in ("pipeline_cpu.png", "plan_quality.png"):
         assert (tmp_path / "figures" / png).read_bytes()[:4] == b"\x89PNG"
+    peers = BENCHMARKS / "pipeline_cpu" / "results_peers.json"
+    if peers.exists():  # recorded by peers.py on a machine with DeepSpeed
+        for name, wl in json.loads(peers.read_text())["workloads"].items():
+            assert f"### {name}" in text
+            assert f"| autopart | {wl['summary']['autopart']['step_s']:.3f} |" in text
+        assert (tmp_path / "figures" / "peers.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "No recorded results (`benchmarks/pipeline_cpu/peers.py`)" in text
+        text = text.replace("No recorded results (`benchmarks/pipeline_cpu/peers.py`)", "")
     assert "No recorded results" not in text
 
 
@@ -43,8 +52,8 @@ def test_report_lists_missing_results_and_names_a_broken_file(tmp_path: Path) ->
     (results / "solver_scale").mkdir(parents=True)
     shutil.copy(BENCHMARKS / "solver_scale" / "results.json", results / "solver_scale")
     text = report.write_report(results, tmp_path / "REPORT.md").read_text()
-    # pipeline_cpu, executor_overhead, plan_quality, fidelity, zoo
-    assert text.count("No recorded results") == 5
+    # pipeline_cpu, peers, executor_overhead, plan_quality, fidelity, zoo
+    assert text.count("No recorded results") == 6
     assert "solver_scale: a 175B-parameter plan" in text
 
     (results / "plan_quality").mkdir()
