@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopart.core.errors import UsageError
 from benchmarks.pipeline_cpu.peer_workload import PeerWorkload
 
 __all__ = ["WORKLOADS", "TiedLayer", "plain_layers", "run_layers", "to_deepspeed",
@@ -96,7 +97,12 @@ def to_deepspeed(layers: list[nn.Module | TiedLayer]) -> list[Any]:
     DeepSpeed (an optional benchmark extra) only when there is a tied entry."""
     if not any(isinstance(layer, TiedLayer) for layer in layers):
         return list(layers)
-    from deepspeed.pipe import TiedLayerSpec
+    try:
+        from deepspeed.pipe import TiedLayerSpec
+    except ImportError as exc:
+        raise ImportError("this layer list ties a weight across layers, which needs DeepSpeed's "
+                          "TiedLayerSpec; install the benchmark extra: DS_BUILD_OPS=0 "
+                          "DS_ACCELERATOR=cpu pip install deepspeed==0.19.8") from exc
 
     return [TiedLayerSpec(layer.key, _Hold, layer.module,
                           forward_fn=functools.partial(_held, layer.forward_fn),
@@ -108,8 +114,10 @@ def plain_layers(name: str, model: nn.Module) -> list[nn.Module | TiedLayer]:
     """The plain layer list of workload ``name`` for ``model`` (built by its ``build``).
 
     Raises:
-        KeyError: an unknown workload name.
+        UsageError: an unknown workload name.
     """
+    if name not in _PLAIN:
+        raise UsageError(f"no workload {name!r}; choose one of {sorted(_PLAIN)}")
     return _PLAIN[name](model)
 
 
@@ -315,7 +323,7 @@ def _t5_layers(model: nn.Module) -> list[nn.Module | TiedLayer]:
     assert isinstance(model, T5Seq2Seq)
     t5 = model.t5
     if t5.config.dropout_rate:
-        raise ValueError(f"the T5 layer list needs dropout_rate 0 (got {t5.config.dropout_rate}):"
+        raise UsageError(f"the T5 layer list needs dropout_rate 0 (got {t5.config.dropout_rate}):"
                          " its embedding layers leave out the stacks' embedding dropout")
     layers: list[nn.Module | TiedLayer] = [TiedLayer("shared", t5.shared, _t5_embed_encoder)]
     for stack in (t5.encoder, t5.decoder):
