@@ -198,7 +198,8 @@ class ResNet50(nn.Module):
         x = self.stem(images)
         for stage in self.stages():
             x = stage(x)
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out
 
 
 def _resnet_layers(model: nn.Module) -> list[nn.Module | TiedLayer]:
@@ -256,13 +257,16 @@ class T5Seq2Seq(nn.Module):
     input_ids: (batch, src) int64, decoder_input_ids: (batch, tgt) int64 -> (batch, tgt, vocab).
     """
 
+    t5: Any  # transformers' model: its attributes are untyped
+
     def __init__(self, t5: nn.Module) -> None:
         super().__init__()
         self.t5 = t5
 
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
-        out = self.t5(input_ids=input_ids, decoder_input_ids=decoder_input_ids, use_cache=False)
-        return out.logits  # type: ignore[no-any-return]
+        logits: torch.Tensor = self.t5(input_ids=input_ids, decoder_input_ids=decoder_input_ids,
+                                       use_cache=False).logits
+        return logits
 
 
 class T5BlockPipe(nn.Module):
@@ -302,9 +306,10 @@ class T5BlockPipe(nn.Module):
 class T5NormPipe(nn.Module):
     """A stack's final norm and dropout on ``x[0]``, the rest of the tuple passed on."""
 
-    def __init__(self, stack: nn.Module) -> None:
+    def __init__(self, stack: Any) -> None:
         super().__init__()
-        self.norm, self.dropout = stack.final_layer_norm, stack.dropout
+        self.norm: nn.Module = stack.final_layer_norm
+        self.dropout: nn.Module = stack.dropout
 
     def forward(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -322,7 +327,7 @@ def _t5_embed_decoder(shared: nn.Module, x: tuple[torch.Tensor, torch.Tensor]) -
     return shared(dec_ids), enc
 
 
-def _t5_head(scale: float, shared: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _t5_head(scale: float, shared: Any, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h * scale, shared.weight)  # (batch, tgt, vocab)
 
 
@@ -340,7 +345,7 @@ def _t5_layers(model: nn.Module) -> list[nn.Module | TiedLayer]:
         layers += [T5BlockPipe(b, stack.config, first=i == 0, last=i == n - 1)
                    for i, b in enumerate(stack.block)]
         layers.append(T5NormPipe(stack))
-    scale = t5.model_dim ** -0.5 if t5.config.scale_decoder_outputs else 1.0
+    scale = float(t5.model_dim) ** -0.5 if t5.config.scale_decoder_outputs else 1.0
     if t5.lm_head.weight is t5.shared.weight:
         layers.append(TiedLayer("shared", t5.shared, functools.partial(_t5_head, scale)))
     else:  # untied head (tie_word_embeddings=False): a plain layer
@@ -378,11 +383,11 @@ def t5_workload(*, batch: int = 16, src: int = 256, tgt: int = 128, d_model: int
         from transformers import T5Config, T5ForConditionalGeneration
 
         torch.manual_seed(0)
-        cfg = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_model // heads, d_ff=d_ff,
-                       num_layers=layers, num_decoder_layers=layers, num_heads=heads,
-                       dropout_rate=0.0, use_cache=False, tie_word_embeddings=tie,
-                       pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-        t5 = T5ForConditionalGeneration(cfg)
+        fields: dict[str, Any] = dict(
+            vocab_size=vocab, d_model=d_model, d_kv=d_model // heads, d_ff=d_ff, num_layers=layers,
+            num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0, use_cache=False,
+            tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+        t5: Any = T5ForConditionalGeneration(T5Config(**fields))
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(2, vocab, (batch, src), generator=gen)
         labels = torch.randint(2, vocab, (batch, tgt), generator=gen)
@@ -412,7 +417,8 @@ class FunnelEmbed(nn.Module):
         self.positions = nn.Parameter(torch.randn(seq, dim) * 0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tokens(ids) + self.positions
+        out: torch.Tensor = self.tokens(ids) + self.positions
+        return out
 
 
 class FunnelBlock(nn.Module):
@@ -433,7 +439,8 @@ class FunnelBlock(nn.Module):
         # q, k, v: (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return out
 
 
 class FunnelPool(nn.Module):
@@ -449,7 +456,8 @@ class FunnelPool(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         pooled = x.view(b, s // self.stride, self.stride, d).mean(2)  # (batch, seq / stride, dim)
-        return self.widen(self.norm(pooled))
+        out: torch.Tensor = self.widen(self.norm(pooled))
+        return out
 
 
 class FunnelHead(nn.Module):
@@ -460,7 +468,8 @@ class FunnelHead(nn.Module):
         self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x).mean(1))
+        out: torch.Tensor = self.out(self.norm(x).mean(1))
+        return out
 
 
 class Funnel(nn.Module):
@@ -493,7 +502,8 @@ class Funnel(nn.Module):
             if i == self.depth_a:
                 x = self.pool(x)
             x = block(x)
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out
 
 
 def _funnel_layers(model: nn.Module) -> list[nn.Module | TiedLayer]:
