@@ -377,7 +377,8 @@ def t5_workload(*, batch: int = 16, src: int = 256, tgt: int = 128, d_model: int
     """T5 (transformers' T5ForConditionalGeneration from a T5Config, random weights, dropout
     off): ``layers`` encoder and ``layers`` decoder blocks, the LM head tied to the shared
     embedding when ``tie``; random source ids (batch, src), random labels (batch, tgt), the
-    decoder reading the labels shifted right (T5's ``_shift_right``); cross-entropy."""
+    decoder reading the labels shifted right (``prepare_decoder_input_ids_from_labels``);
+    cross-entropy."""
 
     def build() -> tuple[nn.Module, tuple[Any, ...], Any, Callable[[Any, Any], torch.Tensor]]:
         from transformers import T5Config, T5ForConditionalGeneration
@@ -391,7 +392,7 @@ def t5_workload(*, batch: int = 16, src: int = 256, tgt: int = 128, d_model: int
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(2, vocab, (batch, src), generator=gen)
         labels = torch.randint(2, vocab, (batch, tgt), generator=gen)
-        return T5Seq2Seq(t5), (ids, t5._shift_right(labels)), labels, _cross_entropy
+        return T5Seq2Seq(t5), (ids, t5.prepare_decoder_input_ids_from_labels(labels)), labels, _cross_entropy
 
     return PeerWorkload(
         name="t5_encdec",
