@@ -96,8 +96,8 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 5,
                   f"{steps} steps per arm, arms alternated; the memory plan's peak only ...")
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("steps", total=None)
-        results = run_arms("autopart.showcase:demo_workload", plans, ranks=RANKS, steps=steps, warmup=1,
-                           save_plan_to=out / "gpt2.plan.json", trace=["autopart"],
+        results = run_arms("autopart.showcase:demo_workload", plans, ranks=RANKS, steps=steps,
+                           warmup=1, save_plan_to=out / "gpt2.plan.json", trace=["autopart"],
                            untimed=["autopart memory"],
                            on_step=lambda done, total: bar.update(task, completed=done,
                                                                   total=total))

@@ -93,6 +93,8 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
                         "device per stage")
     placement = Placement()
     modules: list[fx.GraphModule | None] = []
+    # with ``keep`` (one process's stages): the tensor already built for an FQN on a device
+    built_on: dict[tuple[str, torch.device], torch.Tensor] = {}
     for sg, device in zip(stage_graphs, devices, strict=True):
         built = keep is None or sg.stage_index in keep
         tensors: dict[str, torch.Tensor] = {}
@@ -108,8 +110,7 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
                 continue
             original = tensor_of(fqn) if tensor_of is not None else captured.attr_value(target)
             owner_key = (placement.owner[fqn], fqn)
-            shared = next((t for (s, f), t in placement.tensors.items()
-                           if keep is not None and f == fqn and t.device == device), None)
+            shared = built_on.get((fqn, device)) if keep is not None else None
             if shared is not None:
                 # one process's stages share one tensor: both readers' gradients accumulate
                 # into its .grad and its optimizer updates every reader
@@ -122,6 +123,7 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
                 value = _to_device(placement.tensors[owner_key], device,
                                    copy=isinstance(original, nn.Parameter))
             placement.tensors[(sg.stage_index, fqn)] = value
+            built_on.setdefault((fqn, device), value)
             tensors[fqn] = value
             if fqn in captured.buffers:
                 persistent.add(fqn)

@@ -228,8 +228,8 @@ class _Walker:
         try:
             run = self._instrumented_run(node, fn, written, value_of)
             # the instrumented run (hooks, FLOP counter, fresh memory) is the first warm-up
-            # call, never a sample; after a long one, one plain call is the sample
-            # (a long one is already warm: the faster of two plain calls is the sample)
+            # call, never a sample; after a long one, the faster of two plain calls is the
+            # sample (time_samples' long-call rule, its warm-up already done)
             long = run.us >= self.long_us
             samples, _ = time_samples(self.device, factory, 0 if long else self.warmup,
                                       2 if long else self.repeats)
