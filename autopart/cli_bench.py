@@ -49,7 +49,6 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
 
     import autopart
     from autopart.bench import SINGLE, load_workload, run_arms
-    from autopart.planning import cluster_for_devices
     from autopart.solver.predict import baseline_plan
     from autopart.trace import predict
 
@@ -68,7 +67,7 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
                                         example_target=target, num_microbatches=num_microbatches,
                                         schedule=schedule, receive_buffers_per_microbatch=True)
     plan_s = time.perf_counter() - t0
-    cluster = cluster_for_devices(list(profile.devices))
+    cluster = profile.cluster()
     plans = {"autopart": plan}
     for name in ("uniform_layers", "deepspeed_parameters"):
         try:

@@ -24,7 +24,9 @@ from autopart.profiler.cache import (
     profile_key,
     store_measure,
 )
+from autopart.profiler.links import LinkFigures, host_link
 from autopart.profiler.split_cost import measure_split_backward_factor
+from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime.launch import on_meta as launch_on_meta
 from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.solver import SolveOptions, find_candidates, solve
@@ -41,18 +43,32 @@ def library_versions() -> dict[str, str]:
     return {"torch": torch.__version__, "autopart": __version__}
 
 
-def cluster_for_devices(devices: list[str]) -> Cluster:
+def cluster_for_devices(devices: list[str], host_link: LinkFigures | None = None) -> Cluster:
     """A Cluster for runtime device strings: ``"cpu"`` takes the ``cpu`` preset; a CUDA device
     takes the preset its name matches (H100, H200, A100, L4) with the memory it reports.
+
+    Args:
+        devices: one device string per rank.
+        host_link: measured link between CPU ranks (:func:`autopart.profiler.links.host_link`);
+            when given, ``cpu`` devices take its latency and bandwidth instead of the preset's
+            nominal 2 µs and 10 GB/s.
 
     Raises:
         PlanError: a device that is neither ``cpu`` nor ``cuda:N``.
     """
     specs: list[DeviceSpec] = []
+    cpu = PRESETS["cpu"]
+    if host_link is not None:
+        cpu = dataclasses.replace(
+            cpu, link_bandwidth_bytes_per_s=host_link.bandwidth_bytes_per_s,
+            link_latency_us=host_link.latency_us,
+            source=(f"{cpu.source}; link measured between two {host_link.backend} processes "
+                    f"on this host: {host_link.latency_us:.0f} µs + "
+                    f"{host_link.bandwidth_bytes_per_s / 1e9:.2f} GB/s"))
     for name in devices:
         dev = torch.device(name)
         if dev.type == "cpu":
-            specs.append(PRESETS["cpu"])
+            specs.append(cpu)
             continue
         if dev.type != "cuda":
             raise PlanError(f"device {name!r}: only 'cpu' and 'cuda:N' devices are supported")
@@ -117,6 +133,8 @@ class Profile:
             phase read from the cache counts the reading).
         from_cache: the phases read from the profile cache: ``"profile"``,
             ``"split_cost"`` (empty when the cache was off or missed).
+        host_link: the link between CPU ranks, measured when two or more ranks are ``cpu``
+            (they run as gloo processes on this host), else None (device presets).
     """
 
     captured: CapturedGraph
@@ -129,6 +147,11 @@ class Profile:
     split_backward_factor: float
     timings_s: dict[str, float]
     from_cache: frozenset[str] = frozenset()
+    host_link: LinkFigures | None = None
+
+    def cluster(self) -> Cluster:
+        """The devices as the solver sees them, with the measured host link if any."""
+        return cluster_for_devices(list(self.devices), self.host_link)
 
     def options(self, **choices: Any) -> SolveOptions:
         """``SolveOptions`` for this profile; ``choices`` fixes or sets the rest
@@ -149,7 +172,7 @@ class Profile:
             InfeasiblePlanError: nothing fits the devices' memory or the stage count.
             PlanError: contradictory choices.
         """
-        return solve(self.costs, cluster_for_devices(list(self.devices)), self.options(**choices))
+        return solve(self.costs, self.cluster(), self.options(**choices))
 
 
 def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
@@ -167,7 +190,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     (:func:`autopart.profiler.split_cost.measure_split_backward_factor`). With ``loss_fn``
     (training) the loss's own cost is added to the graph's last node: measured on
     ``example_target`` (the full batch's target) when given, else estimated
-    (:mod:`autopart.loss_cost`).
+    (:mod:`autopart.loss_cost`). With two or more ``cpu`` ranks (gloo processes on this host)
+    the link between them is timed once per process and cached per machine
+    (:func:`autopart.profiler.links.host_link`, about 3 s), so sends cost what they cost here
+    (the preset's nominal figures, with a warning, when it cannot be timed).
 
     With ``cache`` (default: on unless ``$AUTOPART_CACHE`` is ``0``/``off``) the costs and the
     split factor are read from the profile cache (:mod:`autopart.profiler.cache`,
@@ -180,7 +206,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     Raises:
         PlanError: ``num_microbatches`` does not divide the batch, or no batched input.
         TraceError: the model cannot be captured.
-        ProfileError: a node fails to run on the device.
+        ProfileError: a node fails to run on the device, or the host link cannot be timed.
     """
     kwargs = dict(example_kwargs or {})
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -197,13 +223,16 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     else:
         candidates = tuple(m for m in range(1, batch + 1)
                            if batch % m == 0 and (batch // m >= 2 or batch == 1))
+    # measure with the allocator the CPU runtimes use; the cache key says which it was
+    malloc = tune_cpu_allocator() if torch.device(devices[0]).type == "cpu" else None
     captured = capture(model, args, kwargs)
     timings["capture_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     flat = captured.flatten_inputs(args, kwargs)
     use_cache = cache_enabled() if cache is None else cache
     key = profile_key(captured.fingerprint, devices[0], flat, dtype=_dtype_name(model),
-                      training=training, method=_PROFILE_METHOD)
+                      training=training,
+                      method=_PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""))
     hits: set[str] = set()
 
     def measure() -> CostGraph:
@@ -239,12 +268,18 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             if use_cache:
                 store_measure(key, _SPLIT_FACTOR, factor)
         timings["split_cost_s"] = time.perf_counter() - t0
+    link = None
+    if len(devices) > 1 and all(torch.device(d).type == "cpu" for d in devices):
+        t0 = time.perf_counter()
+        link = host_link(use_cache)
+        timings["link_s"] = time.perf_counter() - t0
     return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
-                   factor, timings, frozenset(hits))
+                   factor, timings, frozenset(hits), link)
 
 
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
-_PROFILE_METHOD = "measured:profile_graph(warmup=1,repeats=3,long_call_us=50000,long=min-of-2-after-warm)"
+_PROFILE_METHOD = ("measured:profile_graph(warmup=1,repeats=3,long_call_us=50000,"
+                   "long=min-of-2-after-warm)")
 #: The split factor's name in the cache, with the revision of its measurement.
 _SPLIT_FACTOR = "split_backward_factor:pairs-median-v2"
 

@@ -55,7 +55,6 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 5,
     import autopart
     from autopart.bench import SINGLE, run_arms
     from autopart.core.errors import InfeasiblePlanError
-    from autopart.planning import cluster_for_devices
     from autopart.report import print_plan
     from autopart.solver.predict import baseline_plan
     from autopart.trace import gantt, predict
@@ -76,7 +75,7 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 5,
     print_plan(plan, console)
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in profile.timings_s.items())
     console.print(f"planning took {compile_s:.1f} s ({phases})")
-    cluster = cluster_for_devices(list(profile.devices))
+    cluster = profile.cluster()
     m = plan.num_microbatches
     held = {"receive_buffers_per_microbatch": True}  # torch's stages: one per microbatch
     equal = baseline_plan(profile.costs, cluster, profile.options(**held), "uniform_layers",

@@ -60,10 +60,9 @@ def predict(profile: Any, plan: Plan, **choices: Any) -> Prediction:
     Raises:
         PlanError: the plan is for another graph or rank count.
     """
-    from autopart.planning import cluster_for_devices
     from autopart.solver.predict import predict as _predict
 
-    return _predict(plan, profile.costs, cluster_for_devices(list(profile.devices)),
+    return _predict(plan, profile.costs, profile.cluster(),
                     profile.options(**choices))
 
 
