@@ -35,6 +35,7 @@ from torch import nn
 from autopart.core.errors import UsageError
 from autopart.core.plan import Plan
 from autopart.core.trace import Trace
+from autopart.runtime.host import tune_cpu_allocator
 
 __all__ = ["Workload", "ArmResult", "load_workload", "run_arms", "SINGLE"]
 
@@ -232,6 +233,7 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
 
     spec = json.loads(Path(work, "spec.json").read_text())
     torch.set_num_threads(spec["threads"])
+    tune_cpu_allocator()  # every arm (the unpartitioned one too) runs with the same allocator
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=900))

@@ -27,6 +27,7 @@ from autopart.core.jsonio import write_text_atomic
 from autopart.core.schedule import build_schedule, to_csv
 from autopart.core.trace import Trace, TraceEvent
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
+from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime.signature import InputSignature, call_loss, require_loss
 from autopart.runtime.tracing import ActionRecorder, measure_peak_bytes, optimizer_tensors
 
@@ -204,6 +205,8 @@ class DistributedPipeline(nn.Module):
                             f"{self.pp_size}; launch with --nproc-per-node={len(plan.ranks)} "
                             "(times the data-parallel size)")
         self.device = device
+        if device.type == "cpu":
+            tune_cpu_allocator()  # freed activations stay in the process (runtime/host.py)
         self._built: BuiltStages = stages
         self.local_stages = list(stages.local)
         self.stages = nn.ModuleList(stages.modules[s] for s in self.local_stages)

@@ -17,6 +17,7 @@ from autopart.core.jsonio import write_text_atomic
 from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.trace import Trace
 from autopart.runtime.executor import LocalExecutor
+from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime.signature import InputSignature, call_loss, require_loss
 from autopart.runtime.tracing import ActionRecorder, measure_peak_bytes, optimizer_tensors
 
@@ -78,6 +79,8 @@ class PipelinedModule(nn.Module):
         self.plan = plan
         self.stages = nn.ModuleList(stages.modules)
         self.devices = list(stages.devices)
+        if any(torch.device(d).type == "cpu" for d in self.devices):
+            tune_cpu_allocator()  # freed activations stay in the process (runtime/host.py)
         self.timings_s = {} if timings_s is None else timings_s
         self.signature = signature
         self._built: BuiltStages = stages

@@ -138,10 +138,12 @@ def ranked(rank: int, world: int, port: int, work: str, name: str, steps: int, w
 
     import autopart
     from autopart.core.plan import Plan
+    from autopart.runtime.host import tune_cpu_allocator
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    tune_cpu_allocator()  # every arm (DeepSpeed's, torch's, one process) runs with it
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=900))
     w = catalog()[1][name]
