@@ -7,15 +7,12 @@ import ctypes.util
 import os
 import platform
 
-__all__ = ["tune_cpu_allocator", "MALLOC_ENV", "MMAP_THRESHOLD_BYTES"]
+__all__ = ["tune_cpu_allocator", "MALLOC_ENV"]
 
 #: Set to ``0``/``off``/``no``/``false`` to leave the C allocator as it is.
 MALLOC_ENV = "AUTOPART_MALLOC_TUNING"
-#: Allocations at least this large are still mapped fresh from the OS (glibc's ceiling for
-#: ``M_MMAP_THRESHOLD`` on 64-bit hosts: 32 MiB, ``DEFAULT_MMAP_THRESHOLD_MAX``).
-MMAP_THRESHOLD_BYTES = 32 << 20
 _M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
-_M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 _TRIM_THRESHOLD_BYTES = 2**31 - 1  # the largest value mallopt takes (an int): never trim
 
 _done: str | None = None
@@ -29,14 +26,16 @@ def tune_cpu_allocator() -> str | None:
     ``mmap``, and gives the top of its heap back to the OS whenever more than twice that is
     free. A training step frees its activations microbatch after microbatch, so the next one
     takes its memory from the OS again, one zero-filled page at a time. Here (2-core x86_64,
-    torch 2.13.0+cpu) one ResNet-50-like step took 1.60 s with about 120,000 minor page faults
-    and 1.34 s with 6,600 once the thresholds below were set; see
-    ``benchmarks/pipeline_cpu/README.md``.
+    torch 2.13.0+cpu, ``benchmarks/pipeline_cpu/allocator.py``) one ResNet-50-like step took
+    1.719 s with 137,898 minor page faults by default and 1.516 s with none once set; a
+    GPT-2-like step with a 50k head 5.029 s (910,763 faults) and 3.352 s.
 
-    Sets ``M_MMAP_THRESHOLD`` to :data:`MMAP_THRESHOLD_BYTES` (fixed: the dynamic rule is off)
-    and ``M_TRIM_THRESHOLD`` to its largest value, as ``mallopt(3)`` describes
-    (https://man7.org/linux/man-pages/man3/mallopt.3.html). The process then keeps its peak
-    heap: resident memory stays at the most it has held, as with CUDA's caching allocator.
+    Sets ``M_MMAP_MAX`` to 0 (the main heap serves every block; a thread's own arena still
+    maps a block its 64 MiB heap cannot hold) and ``M_TRIM_THRESHOLD`` to its largest value,
+    as ``mallopt(3)`` describes (https://man7.org/linux/man-pages/man3/mallopt.3.html).
+    ``M_MMAP_THRESHOLD`` alone would not do: glibc caps it at 32 MiB, and a 50k-vocabulary
+    head's logits for 2 x 128 tokens are 51 MB. The process then keeps its peak heap:
+    resident memory stays at the most it has held, as with CUDA's caching allocator.
     Tensor memory figures (``measure_peak_bytes``) count tensors and are unchanged.
 
     Called by the runtimes and the profiler when they run on CPU, so profiles are measured
@@ -44,7 +43,7 @@ def tune_cpu_allocator() -> str | None:
     when ``$AUTOPART_MALLOC_TUNING`` is ``0``/``off``/``no``/``false``.
 
     Returns:
-        What was set (``"M_MMAP_THRESHOLD=33554432 M_TRIM_THRESHOLD=2147483647"``), or None
+        What was set (``"M_MMAP_MAX=0 M_TRIM_THRESHOLD=2147483647"``), or None
         when nothing was (not glibc, turned off, or ``mallopt`` refused).
     """
     global _done
@@ -61,8 +60,7 @@ def tune_cpu_allocator() -> str | None:
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success and 0 on error
-    if not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-            and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)):
+    if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)):
         return None
-    _done = f"M_MMAP_THRESHOLD={MMAP_THRESHOLD_BYTES} M_TRIM_THRESHOLD={_TRIM_THRESHOLD_BYTES}"
+    _done = f"M_MMAP_MAX=0 M_TRIM_THRESHOLD={_TRIM_THRESHOLD_BYTES}"
     return _done

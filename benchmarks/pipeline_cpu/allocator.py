@@ -4,8 +4,8 @@
 Each arm runs in a fresh process (``malloc`` options hold for a process's life); arms
 alternate, ``--launches`` times each. Writes ``results_allocator.json`` and ``.md``.
 
-    .venv/bin/python benchmarks/pipeline_cpu/allocator.py [--workloads resnet50 gpt2_head_heavy]
-        [--launches 3] [--steps 7]
+    [AUTOPART_PEERS_HEAD_VOCAB=50000] .venv/bin/python benchmarks/pipeline_cpu/allocator.py
+        [--workloads resnet50 gpt2_head_heavy] [--launches 3] [--steps 7]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ARMS = ("default", "tuned")
+HEAD_VOCAB_ENV = "AUTOPART_PEERS_HEAD_VOCAB"  # gpt2_head_heavy's vocabulary (lm_workloads.py)
 
 
 def child(name: str, arm: str, steps: int) -> dict[str, Any]:
@@ -90,7 +91,9 @@ def main() -> None:
     doc = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "python": platform.python_version(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": " ".join(["benchmarks/pipeline_cpu/allocator.py", *sys.argv[1:]]),
+           "command": " ".join([*(f"{k}={os.environ[k]}" for k in (HEAD_VOCAB_ENV,)
+                                  if k in os.environ),
+                                "benchmarks/pipeline_cpu/allocator.py", *sys.argv[1:]]),
            "wall_s": round(time.perf_counter() - t_start, 1), "workloads": results}
     from autopart.core.jsonio import write_text_atomic
 
