@@ -207,6 +207,58 @@ def _tolerate_real_strides(graph: fx.Graph) -> None:
             node.target = torch.ops.aten.reshape.default
 
 
+_SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+
+
+def _detach_grad_disabled_regions(root: fx.GraphModule) -> int:
+    """Make what a ``torch.no_grad()`` region computes non-differentiable, as it is eagerly.
+
+    torch.export keeps a region run with gradients off as a ``wrap_with_set_grad_enabled
+    (False, submodule, ...)`` call; functionalising (``run_decompositions``) inlines the
+    submodule and drops the grad mode, so the captured graph would differentiate through
+    the region: HRM's "only the last inner cycles propagate gradients" trick then trained
+    every cycle, with gradients up to 66 % off. Each tensor the region returns is wrapped
+    in ``aten.detach`` inside the submodule, which inlining keeps; a tensor the region
+    only passes through (one of its own inputs) keeps its gradient, as eagerly.
+
+    Returns:
+        The number of outputs detached (0 where the model has no such region).
+    """
+    if _SET_GRAD is None:
+        return 0
+    count = 0
+    for gm in list(root.modules()):
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target is not _SET_GRAD or node.args[0]:
+                continue
+            sub = node.args[1]
+            body = _get_attr(gm, str(sub.target)) if isinstance(sub, fx.Node) else sub
+            if not isinstance(body, fx.GraphModule):
+                continue
+            out = next(n for n in body.graph.nodes if n.op == "output")
+
+            def detached(value: Any, body: fx.GraphModule = body, out: fx.Node = out) -> Any:
+                nonlocal count
+                if not isinstance(value, fx.Node) or value.op == "placeholder" or \
+                        not isinstance(value.meta.get("val"), torch.Tensor):
+                    return value
+                with body.graph.inserting_before(out):
+                    new = body.graph.call_function(torch.ops.aten.detach.default, (value,))
+                new.meta.update({k: v for k, v in value.meta.items() if k != "val"})
+                mode = getattr(value.meta["val"], "fake_mode", None)
+                if mode is not None:
+                    with mode:
+                        new.meta["val"] = torch.ops.aten.detach.default(value.meta["val"])
+                count += 1
+                return new
+
+            out.args = fx.node.map_aggregate(out.args, detached)
+            body.recompile()
+    return count
+
+
 def _differentiable_copies(graph: fx.Graph) -> None:
     """Replace functional ``aten.copy(dst, src)`` by ops autograd can differentiate.
 
@@ -376,6 +428,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
     try:
         with _custom_functions_applied(custom):
             ep = torch.export.export(model, args, kwargs, strict=False)
+        _detach_grad_disabled_regions(ep.graph_module)
         # Functionalise (no decompositions): in-place ops such as ``add_`` or ``relu_``
         # become out-of-place, so no stage ever writes into a tensor another stage sent it.
         with warnings.catch_warnings():
