@@ -384,7 +384,10 @@ def _markdown(result: dict[str, Any]) -> str:
     cols = ("tried", "eager_ok", "export_ok", "compile_ok", "match_ok", "four_stages")
     lines = ["# zoo results", "", f"Machine: {result['machine']}; python {result['python']}, "
              f"torch {result['torch']}, transformers {result['transformers']}. "
-             f"Command: `{result['command']}`; {result['wall_s']:.0f} s wall.", "",
+             f"Command: `{result['command']}`; {result['wall_s']:.0f} s wall."
+             + ("" if len(result.get("commands", [])) < 2 else " Records from the invocations "
+                + ", ".join(f"`{c}`" for c in result["commands"]) + " (later ones replace "
+                "earlier records of the same model type)."), "",
              "| family | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for fam in list(FAMILIES) + ["total"]:
         c = s["total"] if fam == "total" else s["per_family"].get(fam)
@@ -489,7 +492,8 @@ def main() -> None:
                     help="seconds after which no new model starts (the rest is listed as "
                          "not run); default: no limit")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the models already in results.jsonl and run the rest")
+                    help="keep the models already in results.jsonl and run the rest (with "
+                         "--only: run those again, replacing their records)")
     ap.add_argument("--retry", action="store_true",
                     help="with --resume: run again the models that timed out or crashed")
     a = ap.parse_args()
@@ -517,6 +521,7 @@ def main() -> None:
                 retry.add(r["model_type"])
             else:
                 retry.discard(r["model_type"])
+        retry.update(e.model_type for e in todo if only)  # named with --only: run again
     elif stream.exists():
         stream.unlink()
     todo = _round_robin([e for e in todo if e.model_type not in done or e.model_type in retry])
@@ -539,8 +544,13 @@ def main() -> None:
             print(f"[{i + 1}/{len(todo)}] {rec['family']}/{rec['model_type']}: {status} "
                   f"{rec.get('wall_s', '')} s {rec.get('error', '')[:120]}", flush=True)
     records = sorted(done.values(), key=lambda r: (r["family"], r["model_type"]))
+    command = " ".join(["benchmarks/zoo/run.py", *sys.argv[1:]])
+    commands = [command]
+    if a.resume and (a.out / "results.json").is_file():  # the invocations whose records stay
+        before = json.loads((a.out / "results.json").read_text())
+        commands = before.get("commands", [before.get("command")]) + commands
     result = {
-        "command": " ".join(["benchmarks/zoo/run.py", *sys.argv[1:]]),
+        "command": command, "commands": [c for c in commands if c],
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), one thread per model",
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "batch": BATCH,
