@@ -208,6 +208,29 @@ def _tolerate_real_strides(graph: fx.Graph) -> None:
 
 
 _SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+# Ops that return their input itself (not a new tensor) when nothing is to change.
+_MAYBE_SELF = (torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
+               torch.ops.aten.to.other, torch.ops.aten.type_as.default,
+               torch.ops.aten.contiguous.default)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+        a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and \
+        a.stride() == b.stride()
+
+
+def _region_input(value: fx.Node) -> bool:
+    """Whether ``value`` is one of its region's inputs: the input itself, or a no-op
+    ``.to()`` / ``.type_as()`` / ``.contiguous()`` of it, which eagerly returns the same
+    tensor (with its gradient). torch.export rebinds such a tensor to the region's output,
+    so later uses outside the region read it from there (DeepSeek-style indexers cast
+    ``hidden_states.to(weight.dtype)`` under ``torch.no_grad()``)."""
+    while value.op == "call_function" and value.target in _MAYBE_SELF and \
+            isinstance(value.args[0], fx.Node) and not value.kwargs.get("copy", False) and \
+            _same_layout(value.meta.get("val"), value.args[0].meta.get("val")):
+        value = value.args[0]
+    return value.op == "placeholder"
 
 
 def _detach_grad_disabled_regions(root: fx.GraphModule) -> int:
@@ -219,7 +242,8 @@ def _detach_grad_disabled_regions(root: fx.GraphModule) -> int:
     the region: HRM's "only the last inner cycles propagate gradients" trick then trained
     every cycle, with gradients up to 66 % off. Each tensor the region returns is wrapped
     in ``aten.detach`` inside the submodule, which inlining keeps; a tensor the region
-    only passes through (one of its own inputs) keeps its gradient, as eagerly.
+    only passes through (one of its own inputs, or a no-op cast of one: see
+    :func:`_region_input`) keeps its gradient, as eagerly.
 
     Returns:
         The number of outputs detached (0 where the model has no such region).
@@ -241,7 +265,7 @@ def _detach_grad_disabled_regions(root: fx.GraphModule) -> int:
 
             def detached(value: Any, body: fx.GraphModule = body, out: fx.Node = out) -> Any:
                 nonlocal count
-                if not isinstance(value, fx.Node) or value.op == "placeholder" or \
+                if not isinstance(value, fx.Node) or _region_input(value) or \
                         not isinstance(value.meta.get("val"), torch.Tensor):
                     return value
                 with body.graph.inserting_before(out):

@@ -253,6 +253,10 @@ def _config_for(cls: type, cfg: Any) -> Any:
     return cfg
 
 
+_CODEBOOK_ROWS = ("musicgen_decoder", "musicgen_melody_decoder")
+"""Config types whose ``input_ids`` hold one row per (sample, codebook)."""
+
+
 def _no_dropout(model: nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, nn.modules.dropout._DropoutNd):
@@ -291,7 +295,9 @@ def _inputs(model: nn.Module, cfg: Any, family: str) -> dict[str, torch.Tensor]:
     lo = 3 if vocab > 8 else 0  # keep clear of pad / bos / eos ids
     kw: dict[str, torch.Tensor] = {}
     if name == "input_ids":
-        kw["input_ids"] = torch.randint(lo, vocab, (BATCH, SEQ), generator=gen)
+        # a decoder over audio codebooks (Musicgen) takes one row per (sample, codebook)
+        rows = BATCH * (cfg.num_codebooks if cfg.model_type in _CODEBOOK_ROWS else 1)
+        kw["input_ids"] = torch.randint(lo, vocab, (rows, SEQ), generator=gen)
     elif name == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size[0] if isinstance(size, (list, tuple)) else size

@@ -4,7 +4,9 @@ The model below has HRM's pattern (``hrm_text`` in transformers): a recurrent st
 refined by the same stack several times, the early cycles under ``torch.no_grad()`` and
 only the last one with gradients. torch.export keeps the early cycles as
 ``wrap_with_set_grad_enabled(False, ...)`` calls; functionalising the program inlined them
-without their grad mode, and the pipeline's gradients were up to 66 % off.
+without their grad mode, and the pipeline's gradients were up to 66 % off. A no-op cast
+of an input inside the region (``hidden_states.to(weight.dtype)`` in Dots3's indexer) is
+that input itself and keeps its gradient.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class Cycles(nn.Module):
         for i in range(self.cycles):
             if i < self.cycles - 1:
                 with torch.no_grad():
-                    z = self.step(z, x)
+                    # a no-op cast returns x itself, whose later uses keep their gradient
+                    # (torch.export reads them from the region's output)
+                    z = self.step(z, x) * x.to(torch.float32).sigmoid()
                     peek = x.view(-1)  # a view made without gradients has none either
             else:
                 z = self.step(z, x)
