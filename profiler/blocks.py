@@ -60,11 +60,20 @@ def find_blocks(graph: fx.Graph) -> list[BlockInstance]:
     return blocks
 
 
+def _dims(sizes: Any) -> tuple[Any, ...]:
+    """Sizes or strides, hashable: a symbolic one (``torch.SymInt``, e.g. the unbacked
+    ``u0`` of a data-dependent size) as its expression's text, which torch.SymInt cannot
+    be hashed as."""
+    return tuple(d if isinstance(d, int) else f"sym:{d}" for d in sizes)
+
+
 def _meta_sig(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), tuple(value.stride()), str(value.dtype))
+        return (_dims(value.shape), _dims(value.stride()), str(value.dtype))
     if isinstance(value, (list, tuple)):
         return tuple(_meta_sig(v) for v in value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"{type(value).__name__}:{value}"
     return type(value).__name__
 
 

@@ -207,6 +207,82 @@ def _tolerate_real_strides(graph: fx.Graph) -> None:
             node.target = torch.ops.aten.reshape.default
 
 
+_SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+# Ops that return their input itself (not a new tensor) when nothing is to change.
+_MAYBE_SELF = (torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
+               torch.ops.aten.to.other, torch.ops.aten.type_as.default,
+               torch.ops.aten.contiguous.default)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+        a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and \
+        a.stride() == b.stride()
+
+
+def _region_input(value: fx.Node) -> bool:
+    """Whether ``value`` is one of its region's inputs: the input itself, or a no-op
+    ``.to()`` / ``.type_as()`` / ``.contiguous()`` of it, which eagerly returns the same
+    tensor (with its gradient). torch.export rebinds such a tensor to the region's output,
+    so later uses outside the region read it from there (DeepSeek-style indexers cast
+    ``hidden_states.to(weight.dtype)`` under ``torch.no_grad()``)."""
+    while value.op == "call_function" and value.target in _MAYBE_SELF and \
+            isinstance(value.args[0], fx.Node) and not value.kwargs.get("copy", False) and \
+            _same_layout(value.meta.get("val"), value.args[0].meta.get("val")):
+        value = value.args[0]
+    return value.op == "placeholder"
+
+
+def _detach_grad_disabled_regions(root: fx.GraphModule) -> int:
+    """Make what a ``torch.no_grad()`` region computes non-differentiable, as it is eagerly.
+
+    torch.export keeps a region run with gradients off as a ``wrap_with_set_grad_enabled
+    (False, submodule, ...)`` call; functionalising (``run_decompositions``) inlines the
+    submodule and drops the grad mode, so the captured graph would differentiate through
+    the region: HRM's "only the last inner cycles propagate gradients" trick then trained
+    every cycle, with gradients up to 66 % off. Each tensor the region returns is wrapped
+    in ``aten.detach`` inside the submodule, which inlining keeps; a tensor the region
+    only passes through (one of its own inputs, or a no-op cast of one: see
+    :func:`_region_input`) keeps its gradient, as eagerly.
+
+    Returns:
+        The number of outputs detached (0 where the model has no such region).
+    """
+    if _SET_GRAD is None:
+        return 0
+    count = 0
+    for gm in list(root.modules()):
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target is not _SET_GRAD or node.args[0]:
+                continue
+            sub = node.args[1]
+            body = _get_attr(gm, str(sub.target)) if isinstance(sub, fx.Node) else sub
+            if not isinstance(body, fx.GraphModule):
+                continue
+            out = next(n for n in body.graph.nodes if n.op == "output")
+
+            def detached(value: Any, body: fx.GraphModule = body, out: fx.Node = out) -> Any:
+                nonlocal count
+                if not isinstance(value, fx.Node) or _region_input(value) or \
+                        not isinstance(value.meta.get("val"), torch.Tensor):
+                    return value
+                with body.graph.inserting_before(out):
+                    new = body.graph.call_function(torch.ops.aten.detach.default, (value,))
+                new.meta.update({k: v for k, v in value.meta.items() if k != "val"})
+                mode = getattr(value.meta["val"], "fake_mode", None)
+                if mode is not None:
+                    with mode:
+                        new.meta["val"] = torch.ops.aten.detach.default(value.meta["val"])
+                count += 1
+                return new
+
+            out.args = fx.node.map_aggregate(out.args, detached)
+            body.recompile()
+    return count
+
+
 def _differentiable_copies(graph: fx.Graph) -> None:
     """Replace functional ``aten.copy(dst, src)`` by ops autograd can differentiate.
 
@@ -376,6 +452,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
     try:
         with _custom_functions_applied(custom):
             ep = torch.export.export(model, args, kwargs, strict=False)
+        _detach_grad_disabled_regions(ep.graph_module)
         # Functionalise (no decompositions): in-place ops such as ``add_`` or ``relu_``
         # become out-of-place, so no stage ever writes into a tensor another stage sent it.
         with warnings.catch_warnings():

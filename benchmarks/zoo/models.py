@@ -54,10 +54,15 @@ _SHRINK: dict[str, Any] = {
                      "encoder_num_hidden_layers", "decoder_num_hidden_layers"), LAYERS),
     **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"),
                     4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts",
+                     "moe_k", "num_experts_per_token"), 2),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
     **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
     "vocab_size": VOCAB,
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": HEAD_DIM,
+    "num_kv_shared_layers": 0,
+    "backbone_hidden_size": HIDDEN,
     "max_position_embeddings": 128,
     "n_positions": 128,
     "image_size": 32,
@@ -72,6 +77,13 @@ _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_tok
               "sep_token_id", "cls_token_id", "mask_token_id", "unk_token_id")
 _LIST_SHRINK = {"hidden_sizes": 16, "embed_dims": 16, "conv_dim": 32, "neck_hidden_sizes": 16,
                 "hidden_dims": 16}
+_PER_STAGE: dict[str, Callable[[int], Any]] = {  # a per-stage list for a scalar field
+    **dict.fromkeys(("hidden_size", "embed_dim", "hidden_dim", "dim"), lambda i: 16 * (1 + i // 2)),
+    **dict.fromkeys(("num_attention_heads", "num_heads", "n_heads"), lambda i: 2),
+    "image_size": lambda i: 32,
+}
+"""Stage ``i``'s value where a field of :data:`_SHRINK` is a list (widths 16, 16, 32, 32 as
+in :data:`_LIST_SHRINK`, 2 heads each)."""
 _LIST_ONES = ("depths", "num_layers_per_stage", "layer_depths", "block_repeats")
 
 # Per-model overrides where the generic shrink cannot work (applied last, to the top config).
@@ -79,10 +91,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "whisper": {"max_source_positions": 16, "max_target_positions": 32, "num_mel_bins": 16},
     "moonshine": {},
     "speech_to_text": {"max_source_positions": 64, "input_feat_per_channel": 16},
-    "swin": {"image_size": 32, "patch_size": 2, "window_size": 4, "embed_dim": 16},
-    "swinv2": {"image_size": 32, "patch_size": 2, "window_size": 4, "embed_dim": 16},
-    "donut-swin": {"image_size": 32, "patch_size": 2, "window_size": 4, "embed_dim": 16},
-    "maskformer-swin": {"image_size": 32, "patch_size": 2, "window_size": 4, "embed_dim": 16},
+    "swin": {"image_size": 32, "patch_size": 2, "window_size": 2, "embed_dim": 16},
+    "swinv2": {"image_size": 32, "patch_size": 2, "window_size": 2, "embed_dim": 16},
+    "donut-swin": {"image_size": 32, "patch_size": 2, "window_size": 2, "embed_dim": 16},
+    "maskformer-swin": {"image_size": 32, "patch_size": 2, "window_size": 2, "embed_dim": 16},
     "audio-spectrogram-transformer": {"max_length": 64, "num_mel_bins": 16, "patch_size": 8,
                                       "frequency_stride": 8, "time_stride": 8},
     "reformer": {"axial_pos_shape": [4, 4], "axial_pos_embds_dim": [32, 32],
@@ -94,6 +106,24 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "longformer": {"attention_window": 8},
     "led": {"attention_window": 8},
     "xlnet": {"mem_len": None},
+    "levit": {"patch_size": 16, "hidden_sizes": [32, 48, 64], "num_attention_heads": [2, 3, 4],
+              "down_ops": [["Subsample", 16, 2, 4, 2, 2], ["Subsample", 16, 3, 4, 2, 2]]},
+    "gptj": {"rotary_dim": HEAD_DIM},
+    "codegen": {"rotary_dim": HEAD_DIM},
+    "mamba2": {"num_heads": 8, "n_groups": 1},  # heads x head dim = expand x hidden
+    "zamba2": {"mamba_headdim": HEAD_DIM},
+    "zamba": {"attention_hidden_size": 2 * HIDDEN, "attention_head_dim": 2 * HIDDEN // HEADS,
+              "mamba_dt_rank": 4},
+    "bit": {"num_groups": 4},
+    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.34, "hidden_dim": 320},
+    "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},  # None by default
+    "mobilebert": {"embedding_size": 32, "intra_bottleneck_size": 32, "true_hidden_size": 32},
+    "squeezebert": {"embedding_size": HIDDEN},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {
+        "rope_type": "default", "rope_theta": 10000.0}}},  # {} by default
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
 }
 
 
@@ -134,9 +164,15 @@ def _shrunk(cfg: Any, depth: int = 0) -> dict[str, Any]:
     from transformers import PretrainedConfig
 
     d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    # lists with one entry per layer are cut to LAYERS (not a vision model's per-stage lists)
+    layers = None if "depths" in d else d.get("num_hidden_layers") or d.get("num_layers")
     out: dict[str, Any] = {}
     for key, value in d.items():
-        if key in _SHRINK and (value is not None or key in ("use_cache",)):
+        if key in _SHRINK and isinstance(value, list) and value and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            if key in _PER_STAGE:  # one per stage of a hierarchical vision model
+                out[key] = [_PER_STAGE[key](i) for i in range(len(value))]
+        elif key in _SHRINK and (value is not None or key in ("use_cache",)):
             if isinstance(value, int) and not isinstance(value, bool) and \
                     isinstance(_SHRINK[key], int) and not isinstance(_SHRINK[key], bool):
                 out[key] = min(value, _SHRINK[key]) if key not in ("num_labels",) else 5
@@ -157,14 +193,24 @@ def _shrunk(cfg: Any, depth: int = 0) -> dict[str, Any]:
             out[key] = min(_TOKEN_IDS.index(key) + 1, VOCAB - 1)
         elif key == "layer_types" and isinstance(value, list):
             out[key] = value[:LAYERS]
+        elif isinstance(value, list) and len(value) == layers > LAYERS:  # one per layer
+            out[key] = value[:LAYERS]
+        elif key == "per_layer_config" and isinstance(value, dict):  # {layer index: ...}
+            out[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
         elif isinstance(getattr(cfg, key, None), PretrainedConfig) and depth < 3:
             sub = getattr(cfg, key)
             out[key] = {**sub.to_dict(), **_shrunk(sub, depth + 1)}
     if "num_key_value_heads" in out and d.get("num_key_value_heads") == d.get(
             "num_attention_heads"):
         out["num_key_value_heads"] = out.get("num_attention_heads", HEADS)
+    if "num_attention_heads" in out:  # None: derived in the model, from the full-size fields
+        for key, value in (("head_dim", HEAD_DIM), ("num_key_value_heads", KV_HEADS)):
+            if key in d and d[key] is None:
+                out[key] = value
     if "mlp_ratio" in d and isinstance(d["mlp_ratio"], (int, float)):
         out["mlp_ratio"] = type(d["mlp_ratio"])(2)
+    elif "mlp_ratio" in d and isinstance(d["mlp_ratio"], list):
+        out["mlp_ratio"] = [type(r)(2) for r in d["mlp_ratio"]]
     return out
 
 
@@ -178,9 +224,37 @@ def tiny_config(model_type: str) -> Any:
         cfg = cls(**overrides)
     except Exception:  # a constructor that re-derives fields: set them afterwards instead
         cfg = cls()
-        for key, value in overrides.items():
-            setattr(cfg, key, value)
+        _set_fields(cfg, overrides)
     return cfg
+
+
+def _set_fields(cfg: Any, fields: dict[str, Any]) -> None:
+    """Set ``fields`` on ``cfg``; a dict for a sub-config is set field by field into it."""
+    from transformers import PretrainedConfig
+
+    for key, value in fields.items():
+        sub = getattr(cfg, key, None)
+        if isinstance(value, dict) and isinstance(sub, PretrainedConfig):
+            _set_fields(sub, value)
+        else:
+            setattr(cfg, key, value)
+
+
+def _config_for(cls: type, cfg: Any) -> Any:
+    """The config ``cls`` takes: ``cfg``, or its sub-config of ``cls.config_class`` where the
+    class takes one (``Qwen3_5ForCausalLM`` takes ``Qwen3_5Config.text_config``, Musicgen's
+    causal LM its ``decoder``), already shrunk with ``cfg``."""
+    want = getattr(cls, "config_class", None)
+    if want is None or isinstance(cfg, want):
+        return cfg
+    for value in vars(cfg).values():
+        if isinstance(value, want):
+            return value
+    return cfg
+
+
+_CODEBOOK_ROWS = ("musicgen_decoder", "musicgen_melody_decoder")
+"""Config types whose ``input_ids`` hold one row per (sample, codebook)."""
 
 
 def _no_dropout(model: nn.Module) -> None:
@@ -221,7 +295,9 @@ def _inputs(model: nn.Module, cfg: Any, family: str) -> dict[str, torch.Tensor]:
     lo = 3 if vocab > 8 else 0  # keep clear of pad / bos / eos ids
     kw: dict[str, torch.Tensor] = {}
     if name == "input_ids":
-        kw["input_ids"] = torch.randint(lo, vocab, (BATCH, SEQ), generator=gen)
+        # a decoder over audio codebooks (Musicgen) takes one row per (sample, codebook)
+        rows = BATCH * (cfg.num_codebooks if cfg.model_type in _CODEBOOK_ROWS else 1)
+        kw["input_ids"] = torch.randint(lo, vocab, (rows, SEQ), generator=gen)
     elif name == "pixel_values":
         size = getattr(cfg, "image_size", 32)
         size = size[0] if isinstance(size, (list, tuple)) else size
@@ -272,9 +348,10 @@ def build(entry: Entry) -> Built:
     """
     import transformers
 
-    cfg = tiny_config(entry.model_type)
+    cls = getattr(transformers, entry.class_name)
+    cfg = _config_for(cls, tiny_config(entry.model_type))
     torch.manual_seed(0)
-    model = getattr(transformers, entry.class_name)(cfg).float()
+    model = cls(cfg).float()
     _no_dropout(model)
     model.train()
     kwargs = _inputs(model, model.config, entry.family)

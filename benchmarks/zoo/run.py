@@ -34,6 +34,7 @@ import copy
 import json
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -196,8 +197,11 @@ def run_one(entry: Entry, stage_counts: tuple[int, ...] = (2, 4),
         built = step("eager", lambda: build(entry))
         rec["eager"] = True
         rec["num_params"] = built.num_params
-        ep = step("export", lambda: torch.export.export(built.model, (), built.kwargs,
-                                                        strict=False))
+        try:
+            ep = step("export", lambda: _export(built, rec))
+        except _Stop:
+            rec["autopart_error"] = _autopart_capture_error(built)
+            raise
         rec["export"] = True
         n_ops = len(op_nodes(ep.module().graph))
         rec["op_nodes"] = n_ops
@@ -231,6 +235,65 @@ def run_one(entry: Entry, stage_counts: tuple[int, ...] = (2, 4),
 
 class _Stop(Exception):
     """A step failed; the record says which."""
+
+
+EXPORT_TOLERANCE = 1e-3
+"""Largest relative gradient error of the exported program against the model for the
+capture to count as faithful (loose: it catches a dropped backward, not rounding)."""
+
+
+class ExportMismatch(Exception):
+    """The exported program computes other gradients than the model (a dropped backward)."""
+
+
+def _export(built: Built, rec: dict[str, Any]) -> Any:
+    """``torch.export.export(model, (), kwargs, strict=False)``, checked for gradients.
+
+    The exported program (``ep.module()``) and the model each take one forward and
+    backward on the full batch; ``export_grad_rel_err`` (recorded) is the largest relative
+    error of the loss and of every parameter's gradient (with the :data:`FLOOR` of
+    :func:`_errors`). Above :data:`EXPORT_TOLERANCE` the capture is not the model (a custom
+    ``torch.autograd.Function``'s backward is dropped by export, for one) and the export
+    step fails with :class:`ExportMismatch`: autopart starts from that capture and refuses
+    it, so such a model counts as not captured. Gradients come from ``torch.autograd.grad``
+    on copies, so the model's ``.grad`` stays unset.
+    """
+    ep = torch.export.export(built.model, (), built.kwargs, strict=False)
+
+    def loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            loss = built.loss_fn(model(**built.kwargs), built.target)
+        got = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+        return loss.detach(), {n: g for (n, _), g in zip(params, got, strict=True)}
+
+    want = loss_and_grads(copy.deepcopy(built.model))
+    loss, grads = loss_and_grads(copy.deepcopy(ep).module())
+    errors, missing = _errors(loss, {n: grads.get(n) for n in want[1]}, {}, (*want, {}))
+    worst = max(errors, key=errors.__getitem__)
+    rec["export_grad_rel_err"] = errors[worst]
+    if errors[worst] > EXPORT_TOLERANCE or missing:
+        raise ExportMismatch(
+            f"the exported program's gradients differ from the model's: {worst} relative "
+            f"error {errors[worst]:.3g} > {EXPORT_TOLERANCE}; missing gradients {missing[:3]}")
+    return ep
+
+
+def _autopart_capture_error(built: Built) -> str | None:
+    """What autopart's capture says of a model whose export failed (its first 3 lines), or
+    None where autopart captures it anyway."""
+    from autopart.core.capture import capture
+
+    try:
+        capture(copy.deepcopy(built.model), (), built.kwargs)
+    except Exception as exc:
+        text = re.sub(r"\S*site-packages/", "", str(exc))  # paths from the package root
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        fix = [ln.strip() for ln in lines if ln.strip().startswith("fix:")]
+        return f"{type(exc).__name__}: " + " / ".join(
+            [ln.strip() for ln in lines[:3]] + fix[:1])[:1000]
+    return None
 
 
 def _autopart_errors() -> tuple[type[BaseException], ...]:
@@ -321,7 +384,10 @@ def _markdown(result: dict[str, Any]) -> str:
     cols = ("tried", "eager_ok", "export_ok", "compile_ok", "match_ok", "four_stages")
     lines = ["# zoo results", "", f"Machine: {result['machine']}; python {result['python']}, "
              f"torch {result['torch']}, transformers {result['transformers']}. "
-             f"Command: `{result['command']}`; {result['wall_s']:.0f} s wall.", "",
+             f"Command: `{result['command']}`; {result['wall_s']:.0f} s wall."
+             + ("" if len(result.get("commands", [])) < 2 else " Records from the invocations "
+                + ", ".join(f"`{c}`" for c in result["commands"]) + " (later ones replace "
+                "earlier records of the same model type)."), "",
              "| family | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for fam in list(FAMILIES) + ["total"]:
         c = s["total"] if fam == "total" else s["per_family"].get(fam)
@@ -336,6 +402,16 @@ def _markdown(result: dict[str, Any]) -> str:
               "## Failures by step", ""]
     by_step = Counter(r.get("failed_at", "none") for r in result["models"])
     lines += [f"- {k}: {v}" for k, v in sorted(by_step.items())]
+    refused = [r for r in result["models"] if r.get("failed_at") == "export"]
+    if refused:
+        lines += ["", "## Export failures, as autopart reports them", "",
+                  "What `autopart.compile` says of each model that torch.export does not "
+                  "capture faithfully (its capture's first lines and the fix).", "",
+                  "| model type | export error | autopart |", "|---|---|---|"]
+        for r in sorted(refused, key=lambda r: r["model_type"]):
+            cells = [(r.get(k) or "-").replace("|", "\\|").replace("\n", " ")
+                     for k in ("error", "autopart_error")]
+            lines.append(f"| {r['model_type']} | {cells[0][:160]} | {cells[1]} |")
     lines += ["", "## Every model", "",
               "| family | model type | eager | export | 2 stages | 4 stages | max rel err | "
               "s | error |", "|---|---|---|---|---|---|---|---|---|"]
@@ -416,7 +492,8 @@ def main() -> None:
                     help="seconds after which no new model starts (the rest is listed as "
                          "not run); default: no limit")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the models already in results.jsonl and run the rest")
+                    help="keep the models already in results.jsonl and run the rest (with "
+                         "--only: run those again, replacing their records)")
     ap.add_argument("--retry", action="store_true",
                     help="with --resume: run again the models that timed out or crashed")
     a = ap.parse_args()
@@ -444,6 +521,7 @@ def main() -> None:
                 retry.add(r["model_type"])
             else:
                 retry.discard(r["model_type"])
+        retry.update(e.model_type for e in todo if only)  # named with --only: run again
     elif stream.exists():
         stream.unlink()
     todo = _round_robin([e for e in todo if e.model_type not in done or e.model_type in retry])
@@ -466,8 +544,13 @@ def main() -> None:
             print(f"[{i + 1}/{len(todo)}] {rec['family']}/{rec['model_type']}: {status} "
                   f"{rec.get('wall_s', '')} s {rec.get('error', '')[:120]}", flush=True)
     records = sorted(done.values(), key=lambda r: (r["family"], r["model_type"]))
+    command = " ".join(["benchmarks/zoo/run.py", *sys.argv[1:]])
+    commands = [command]
+    if a.resume and (a.out / "results.json").is_file():  # the invocations whose records stay
+        before = json.loads((a.out / "results.json").read_text())
+        commands = before.get("commands", [before.get("command")]) + commands
     result = {
-        "command": " ".join(["benchmarks/zoo/run.py", *sys.argv[1:]]),
+        "command": command, "commands": [c for c in commands if c],
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), one thread per model",
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "batch": BATCH,
