@@ -129,28 +129,32 @@ def pipeline_cpu(results: Path, figures: Path) -> list[str]:
     return lines + ["", f"![pipeline_cpu]({fig.relative_to(figures.parent).as_posix()})", ""]
 
 
-def peers_measured(results: Path, figures: Path) -> list[str]:
-    """Markdown lines and a bar chart for ``pipeline_cpu/results_peers.json``: per workload,
-    every arm's median step over launches, its spread, fraction of ideal and time over
-    autopart's (paired step by step, pooled over launches)."""
-    d = _load(results / "pipeline_cpu" / "results_peers.json")
-    if d is None:
-        return ["## Peers, measured", "",
-                "No recorded results (`benchmarks/pipeline_cpu/peers.py`).", ""]
-    lines = ["## Peers, measured: DeepSpeed, torch's schedules and the hand split", "",
-             f"{d['machine']}; Python {d['python']}, torch {d['torch']}, transformers "
-             f"{d['transformers']}, deepspeed {d['deepspeed']}, ortools {d['ortools']}; "
-             f"{d['ranks']} gloo ranks x {d['threads_per_rank']} thread; {d['launches']} "
-             f"launch(es) of fresh processes x {d['steps']} timed steps, arms alternated step by "
-             f"step; recorded {d['date']} by `{d['command']}`. Step: median over the launches of "
-             "each launch's median; spread: (max − min) / median of the launch medians; time / "
-             "autopart: paired step by step, pooled over launches, bootstrap 95% interval.", ""]
-    workloads = d["workloads"]
-    for name, wl in workloads.items():
+#: Further peers.py runs shown after the main one, each with its own command and date:
+#: file name -> what sets it apart.
+PEERS_EXTRA_RUNS = {
+    "results_peers_vocab50k.json": "gpt2_head_heavy with a 50k vocabulary (`--head-vocab 50000`)",
+    "results_peers_untuned.json": ("the earlier run of every workload, before the CPU runtimes "
+                                   "kept freed memory (`autopart/runtime/host.py`) and "
+                                   "measured the link between ranks"),
+}
+
+
+def _peers_header(d: dict[str, Any]) -> str:
+    return (f"{d['machine']}; Python {d['python']}, torch {d['torch']}, transformers "
+            f"{d['transformers']}, deepspeed {d['deepspeed']}, ortools {d['ortools']}; "
+            f"{d['ranks']} gloo ranks x {d['threads_per_rank']} thread; {d['launches']} "
+            f"launch(es) of fresh processes x {d['steps']} timed steps, arms alternated step by "
+            f"step; recorded {d['date']} by `{d['command']}`.")
+
+
+def _peers_tables(d: dict[str, Any], level: str = "###") -> list[str]:
+    """One table per workload of a peers.py result."""
+    lines: list[str] = []
+    for name, wl in d["workloads"].items():
         plan = wl["plan"]
-        lines += [f"### {name}", "", f"{wl['description']}; m = {wl['num_microbatches']}, ideal "
-                  f"speed-up {wl['ideal_speedup']}. autopart's plan: {plan['schedule']}, v = "
-                  f"{plan['stages_per_rank']}, cuts {plan['cuts']}, predicted "
+        lines += [f"{level} {name}", "", f"{wl['description']}; m = {wl['num_microbatches']}, "
+                  f"ideal speed-up {wl['ideal_speedup']}. autopart's plan: {plan['schedule']}, "
+                  f"v = {plan['stages_per_rank']}, cuts {plan['cuts']}, predicted "
                   f"{plan['predicted_step_s']:.3f} s.", ""]
         for i, launch in enumerate(wl["launches"]):
             if "error" in launch:
@@ -176,6 +180,29 @@ def peers_measured(results: Path, figures: Path) -> list[str]:
                          f"{frac} | {ratio_txt} | {s['loss_check']} / "
                          f"{s.get('loss_trajectory_check', '—')} | {part} |")
         lines.append("")
+    return lines
+
+
+def peers_measured(results: Path, figures: Path) -> list[str]:
+    """Markdown lines and a bar chart for ``pipeline_cpu/results_peers.json``: per workload,
+    every arm's median step over launches, its spread, fraction of ideal and time over
+    autopart's (paired step by step, pooled over launches); then the runs of
+    :data:`PEERS_EXTRA_RUNS` that are recorded, as tables."""
+    d = _load(results / "pipeline_cpu" / "results_peers.json")
+    if d is None:
+        return ["## Peers, measured", "",
+                "No recorded results (`benchmarks/pipeline_cpu/peers.py`).", ""]
+    lines = ["## Peers, measured: DeepSpeed, torch's schedules and the hand split", "",
+             _peers_header(d) + " Step: median over the launches of each launch's median; "
+             "spread: (max − min) / median of the launch medians; time / autopart: paired "
+             "step by step, pooled over launches, bootstrap 95% interval.", ""]
+    workloads = d["workloads"]
+    lines += _peers_tables(d)
+    for file, what in PEERS_EXTRA_RUNS.items():
+        extra = _load(results / "pipeline_cpu" / file)
+        if extra is not None:
+            lines += [f"### Also recorded: {what}", "", _peers_header(extra), ""]
+            lines += _peers_tables(extra, "####")
     fig = figures / "peers.png"
     names = list(workloads)
 

@@ -137,6 +137,7 @@ def ranked(rank: int, world: int, port: int, work: str, name: str, steps: int, w
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
     import autopart
+    from autopart.core.jsonio import write_text_atomic
     from autopart.core.plan import Plan
     from autopart.runtime.host import tune_cpu_allocator
 
@@ -360,7 +361,8 @@ def ranked(rank: int, world: int, port: int, work: str, name: str, steps: int, w
             try:
                 loss = steps_of[arm]()
             except Exception as exc:  # name the arm for run_launch, which reruns without it
-                Path(work, f"crash{rank}.json").write_text(json.dumps(
+                # atomically: the launcher may kill this rank while a peer's crash is read
+                write_text_atomic(Path(work, f"crash{rank}.json"), json.dumps(
                     {"arm": arm, "step": i, "error": f"{type(exc).__name__}: {exc}"}))
                 raise
             elapsed = time.perf_counter() - t0
@@ -442,12 +444,12 @@ def run_launch(w: Any, work: Path, steps: int, warmup: int, arms: list[str]) -> 
         print(text, file=sys.stderr)
         got = {"error": f"{type(exc).__name__}: {text.splitlines()[-1]}",
                "traceback": text.splitlines()[-30:], "wall_s": round(time.perf_counter() - t0, 1)}
-        crashes = [json.loads(f.read_text()) for f in sorted(work.glob("crash*.json"))]
+        files = sorted(work.glob("crash*.json"))
+        crashes = [json.loads(f.read_text()) for f in files]
         if crashes:  # the first rank to fail names the arm; the others fail waiting on it
             got["crashed_arm"] = crashes[0]["arm"]
             got["crash"] = [f"rank {f.stem[5:]}: {c['arm']} at step {c['step']}: {c['error']}"
-                            for f, c in zip(sorted(work.glob("crash*.json")), crashes,
-                                            strict=True)]
+                            for f, c in zip(files, crashes, strict=True)]
         return got
     per_rank = [json.loads(Path(work, f"rank{r}.json").read_text()) for r in range(RANKS)]
     failed = {a: r for d in per_rank for a, r in d["failed"].items()}
