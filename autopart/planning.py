@@ -206,7 +206,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     Raises:
         PlanError: ``num_microbatches`` does not divide the batch, or no batched input.
         TraceError: the model cannot be captured.
-        ProfileError: a node fails to run on the device, or the host link cannot be timed.
+        ProfileError: a node fails to run on the device.
     """
     kwargs = dict(example_kwargs or {})
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
