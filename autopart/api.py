@@ -17,7 +17,7 @@ from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.options import CompileOptions, optimizer_state_factor
-from autopart.planning import plan_model, resolve_devices
+from autopart.planning import plan_devices, plan_model
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
 from autopart.runtime.distributed import DistributedPipeline
@@ -176,7 +176,7 @@ def _compile_local(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     if plan is None:
         plan, profiled, timings = _solve(model, args, kwargs, loss, options,
                                          options.devices)
-    devices = resolve_devices(options.devices, len(plan.ranks))
+    devices = plan_devices(plan, options.devices)
     captured = _capture_for(model, args, kwargs, plan, profiled, timings)
     t0 = time.perf_counter()
     stages = build_stages(captured, plan, devices, fuse=options.fuse)
@@ -221,9 +221,7 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                         f"{pp_size}; launch with --nproc-per-node={len(plan.ranks)} "
                         "(times the data-parallel size)")
     captured = _capture_for(model, args, kwargs, plan, None, timings)
-    meta = launch.on_meta(model)
-    if meta:
-        launch.retarget_meta(captured, device)
+    meta = launch.on_meta(model)  # codegen points the capture's meta literals at device
     tensor_of = None
     if options.checkpoint is not None:
         tensor_of = checkpoint_tensors(options.checkpoint)

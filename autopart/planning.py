@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from autopart.runtime.signature import InputSignature, batch_size, microbatch_in
 from autopart.solver import SolveOptions, find_candidates, solve
 
 __all__ = ["Profile", "plan_model", "profile_model", "cluster_for_devices", "resolve_devices",
+           "plan_devices",
            "library_versions"]
 
 _CUDA_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"),
@@ -77,6 +79,32 @@ def cluster_for_devices(devices: list[str], host_link: LinkFigures | None = None
         specs.append(dataclasses.replace(preset, name=props.name.replace(" ", "-").lower(),
                                          memory_bytes=int(props.total_memory)))
     return Cluster(tuple(specs), tuple(devices))
+
+
+def plan_devices(plan: Plan, devices: list[str] | tuple[str, ...] | None) -> list[str]:
+    """The devices a plan's ranks run on in this process: ``devices`` when given, else the
+    devices the plan names when every one is here (``cpu``, or a visible ``cuda:N``; four
+    stages on one GPU stay on that GPU), else what :func:`resolve_devices` picks for its
+    rank count (a plan made for GPUs this machine lacks runs on ``cpu``), with a warning.
+
+    Raises:
+        PlanError: as :func:`resolve_devices`.
+    """
+    if devices is not None:
+        return resolve_devices(devices, len(plan.ranks))
+    named = [r.device for r in plan.ranks]
+
+    def here(name: str) -> bool:
+        dev = torch.device(name)
+        return dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()
+                                     and (dev.index or 0) < torch.cuda.device_count())
+
+    if all(here(d) for d in named):
+        return named
+    chosen = resolve_devices(None, len(plan.ranks))
+    warnings.warn(f"the plan's devices {named} are not all on this machine; its ranks run on "
+                  f"{chosen} (pass devices=[...] to choose)", RuntimeWarning, stacklevel=3)
+    return chosen
 
 
 def resolve_devices(devices: list[str] | tuple[str, ...] | None, num_ranks: int | None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -13,7 +14,7 @@ from autopart.codegen.split import StageGraph
 from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
 
-__all__ = ["Placement", "build_stage_modules"]
+__all__ = ["Placement", "build_stage_modules", "retarget_device_literals"]
 
 
 @dataclass
@@ -131,6 +132,33 @@ def build_stage_modules(captured: CapturedGraph, stage_graphs: list[StageGraph],
             modules.append(None)
             continue
         root = _attr_root(tensors, persistent)
+        retarget_device_literals(sg.graph, device)
         gm = fx.GraphModule(root, sg.graph, class_name=f"Stage{sg.stage_index}")
         modules.append(gm)
     return modules, placement
+
+
+def retarget_device_literals(graph: fx.Graph, device: torch.device) -> int:
+    """Point every device literal of the graph's ops at ``device``; return how many changed.
+
+    ``torch.export`` records the device a tensor was made on as a literal
+    (``arange(..., device=cpu)`` for GPT-2's position ids, ``_to_copy(x, device=...)``,
+    ``_assert_tensor_metadata(..., device=meta)``), so a graph captured on the CPU or on
+    ``meta`` would make those tensors there while its stage runs on a GPU (``index_select``:
+    "index is on cpu, different from other tensors on cuda:0"). A stage runs on one device,
+    so every literal becomes that device, as the profiler does when it replays nodes.
+    """
+    changed = 0
+
+    def swap(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, torch.device) and value != device:
+            changed += 1
+            return device
+        return value
+
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    return changed

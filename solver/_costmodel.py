@@ -224,8 +224,9 @@ class CostModel:
         """Per-stage caps for :meth:`chain_memory` weights, bytes.
 
         From each device cap it subtracts what the additive weights leave out: the graph's
-        largest single-node output (a conservative transient), the graph inputs on the first
-        stage and the graph outputs on the last.
+        largest single-node output (a conservative transient), the device's workspaces
+        (``DeviceSpec.workspace_bytes``), the graph inputs on the first stage and the graph
+        outputs on the last.
         """
         r = self.ratio(m)
         n = len(self.costs.nodes)
@@ -233,7 +234,8 @@ class CostModel:
                         default=0)
         caps = []
         for s, cap in enumerate(caps_bytes):
-            room = cap - transient
+            # cuBLAS workspaces of the stage's stream (one stage per rank here)
+            room = cap - transient - self.cluster.devices[s % self.cluster.num_ranks].workspace_bytes
             if s == 0:
                 room -= self.scale_bytes(self.crossing[0], r)
             if s == len(caps_bytes) - 1:
@@ -268,7 +270,9 @@ class CostModel:
             transient = max(self.scale_bytes(nd.output_bytes, r) for nd in costs.nodes[a:z])
             out.append(StageEstimate(
                 stage=s, start=a, stop=z, fwd_us=fwd, bwd_us=bwd, comm_us=comm,
-                peak_memory_bytes=state + saved + transient + cross_in + cross_out,
+                peak_memory_bytes=(state + saved + transient + cross_in + cross_out
+                                   + self.cluster.devices[s % self.cluster.num_ranks]
+                                   .workspace_bytes),
                 param_bytes=sum(costs.param_sizes[p] for p in params),
                 num_parameters=sum(costs.param_numel[p] for p in params if p in costs.trainable),
             ))

@@ -152,7 +152,9 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # stage, which reads the user's microbatches) and the output gradient (not on the
         # last, which starts from the loss)
         many = m if training and model.receive_buffers_per_microbatch else 1
-        cols["static"].append(state + (many if s > 0 else 1) * cross_in
+        # the stage's compute stream holds cuBLAS workspaces on a GPU (0 on the CPU)
+        cols["static"].append(state + cluster.devices[r].workspace_bytes
+                              + (many if s > 0 else 1) * cross_in
                               + (many if s < s_total - 1 else 1) * cross_out
                               + (0 if training else transient))
         # the last stage's outputs (the logits the loss reads) stay held, in both runtimes,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from autopart.core.errors import PlanError
 
-__all__ = ["DeviceSpec", "Cluster", "PRESETS", "ALIASES", "ESTIMATE_SOURCE", "device_preset",
-           "normalise_device_name", "preset_aliases", "closest_presets"]
+__all__ = ["DeviceSpec", "Cluster", "PRESETS", "ALIASES", "ESTIMATE_SOURCE", "WORKSPACE_SOURCE",
+           "device_preset", "normalise_device_name", "preset_aliases", "closest_presets"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,9 @@ class DeviceSpec:
         flops_source: datasheet the per-dtype peaks come from (dense figures: the
             datasheets' "with sparsity" numbers are halved).
         url: where the datasheet is published; "" for figures that are not a datasheet's.
+        workspace_bytes: memory a stage holds on this device besides its tensors, bytes: the
+            cuBLAS and cuBLASLt workspaces PyTorch keeps per (handle, stream) pair, one pair
+            per stage's compute stream (:data:`WORKSPACE_SOURCE`); 0 on the CPU.
     """
 
     name: str
@@ -50,6 +53,7 @@ class DeviceSpec:
     peak_flops_bf16: float = 0.0
     flops_source: str = ""
     url: str = ""
+    workspace_bytes: int = 0
 
     def peak_flops_for(self, dtype: str, *, tf32: bool = False) -> float:
         """Dense peak FLOP/s for matmuls in ``dtype``.
@@ -112,6 +116,16 @@ ESTIMATE_SOURCE = ("autopart's estimate, not a datasheet figure: one point-to-po
                    "costs a few µs over NVLink and about 10 µs over PCIe; one eager op costs "
                    "about 5 µs of dispatch and kernel launch; measured profiles replace both")
 
+_MiB = 2**20
+#: Where ``workspace_bytes`` comes from.
+WORKSPACE_SOURCE = (
+    "cuBLAS documentation, cublasSetWorkspace: 32 MiB recommended on Hopper (sm_90), 4 MiB "
+    "before; PyTorch allocates one cuBLAS and one cuBLASLt workspace of that size per "
+    "(handle, stream) pair (ATen's CublasHandlePool) and keeps them, so each stage's compute "
+    "stream holds two. Measured on an H100 by benchmarks/gpu/memory_breakdown.py")
+_HOPPER_WS = 2 * 32 * _MiB
+_PRE_HOPPER_WS = 2 * 4 * _MiB
+
 #: Canonical preset name -> the device as the analytical cost model sees it. Every figure's
 #: source is in ``source`` (memory, bandwidths), ``flops_source`` (per-dtype peaks), ``url``
 #: (the datasheet) and :data:`ESTIMATE_SOURCE` (latency, op overhead). Peaks are dense: the
@@ -125,7 +139,7 @@ PRESETS: dict[str, DeviceSpec] = {
         peak_flops_bf16=989.4e12,
         flops_source=("NVIDIA H100 Tensor Core GPU datasheet, SXM5: FP32 67 TFLOPS, "
                       "TF32 989 TFLOPS and BF16/FP16 1,979 TFLOPS with sparsity (dense: half)"),
-        url=_H100_URL),
+        url=_H100_URL, workspace_bytes=_HOPPER_WS),
     "h100-pcie": DeviceSpec(
         "h100-pcie", 80 * _GB, 756e12, 2.0e12, 64e9, 10.0,
         "NVIDIA H100 Tensor Core GPU datasheet and H100 PCIe product brief PB-11133-001 (PCIe: "
@@ -135,7 +149,7 @@ PRESETS: dict[str, DeviceSpec] = {
         peak_flops_bf16=756e12,
         flops_source=("NVIDIA H100 Tensor Core GPU datasheet, PCIe: FP32 51 TFLOPS, "
                       "TF32 756 TFLOPS and BF16/FP16 1,513 TFLOPS with sparsity (dense: half)"),
-        url=_H100_URL),
+        url=_H100_URL, workspace_bytes=_HOPPER_WS),
     "h200": DeviceSpec(
         "h200", 141 * _GB, 989e12, 4.8e12, 450e9, 5.0,
         "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS dense BF16, 4.8 TB/s HBM3e, "
@@ -144,31 +158,35 @@ PRESETS: dict[str, DeviceSpec] = {
         peak_flops_bf16=989.4e12,
         flops_source=("NVIDIA H200 Tensor Core GPU datasheet, SXM: FP32 67 TFLOPS, "
                       "TF32 989 TFLOPS and BF16/FP16 1,979 TFLOPS with sparsity (dense: half)"),
-        url=_H200_URL),
+        url=_H200_URL, workspace_bytes=_HOPPER_WS),
     "a100-80gb": DeviceSpec(
         "a100-80gb", 80 * _GB, 312e12, 2.039e12, 300e9, 5.0,
         "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS dense BF16, 2,039 GB/s, "
         "NVLink 600 GB/s bidirectional)",
         peak_flops_fp32=19.5e12, peak_flops_tf32=156e12,
-        peak_flops_bf16=312e12, flops_source=_A100_FLOPS, url=_A100_URL),
+        peak_flops_bf16=312e12, flops_source=_A100_FLOPS, url=_A100_URL,
+        workspace_bytes=_PRE_HOPPER_WS),
     "a100-40gb": DeviceSpec(
         "a100-40gb", 40 * _GB, 312e12, 1.555e12, 300e9, 5.0,
         "NVIDIA A100 Tensor Core GPU datasheet (SXM 40GB: 312 TFLOPS dense BF16, 1,555 GB/s, "
         "NVLink 600 GB/s bidirectional)",
         peak_flops_fp32=19.5e12, peak_flops_tf32=156e12,
-        peak_flops_bf16=312e12, flops_source=_A100_FLOPS, url=_A100_URL),
+        peak_flops_bf16=312e12, flops_source=_A100_FLOPS, url=_A100_URL,
+        workspace_bytes=_PRE_HOPPER_WS),
     "a100-80gb-pcie": DeviceSpec(
         "a100-80gb-pcie", 80 * _GB, 312e12, 1.935e12, 32e9, 10.0,
         "NVIDIA A100 Tensor Core GPU datasheet (80GB PCIe: 312 TFLOPS dense BF16, 1,935 GB/s, "
         "PCIe Gen4 64 GB/s bidirectional; NVLink only through a bridge between pairs)",
         peak_flops_fp32=19.5e12, peak_flops_tf32=156e12,
-        peak_flops_bf16=312e12, flops_source=_A100_FLOPS, url=_A100_URL),
+        peak_flops_bf16=312e12, flops_source=_A100_FLOPS, url=_A100_URL,
+        workspace_bytes=_PRE_HOPPER_WS),
     "a100-40gb-pcie": DeviceSpec(
         "a100-40gb-pcie", 40 * _GB, 312e12, 1.555e12, 32e9, 10.0,
         "NVIDIA A100 Tensor Core GPU datasheet (40GB PCIe: 312 TFLOPS dense BF16, 1,555 GB/s, "
         "PCIe Gen4 64 GB/s bidirectional; NVLink only through a bridge between pairs)",
         peak_flops_fp32=19.5e12, peak_flops_tf32=156e12,
-        peak_flops_bf16=312e12, flops_source=_A100_FLOPS, url=_A100_URL),
+        peak_flops_bf16=312e12, flops_source=_A100_FLOPS, url=_A100_URL,
+        workspace_bytes=_PRE_HOPPER_WS),
     "l4": DeviceSpec(
         "l4", 24 * _GB, 121e12, 300e9, 32e9, 10.0,
         "NVIDIA L4 Tensor Core GPU datasheet (121 TFLOPS dense BF16, 300 GB/s GDDR6, 24 GB, "
@@ -177,7 +195,7 @@ PRESETS: dict[str, DeviceSpec] = {
         peak_flops_bf16=121e12,
         flops_source=("NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS, "
                       "TF32 120 TFLOPS and BF16/FP16 242 TFLOPS with sparsity (dense: half)"),
-        url=_L4_URL),
+        url=_L4_URL, workspace_bytes=_PRE_HOPPER_WS),
     "cpu": DeviceSpec(
         "cpu", _host_memory_bytes(), 1e11, 2e10, 1e10, 2.0,
         "nominal host figures (memory read from the OS; copies between stages on one host "

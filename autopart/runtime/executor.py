@@ -80,6 +80,13 @@ class _Streams:
         self.copy = [torch.cuda.Stream(d) if d.type == "cuda" else None for d in devices]
         self.active = any(st is not None for st in self.compute)
 
+    def start(self) -> None:
+        """Order the step after the caller's queued work on each device (the optimizer's
+        update of the weights, the inputs' copies), which ran on its current stream."""
+        for stream in self.compute + self.copy:
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+
     @contextlib.contextmanager
     def on(self, s: int) -> Iterator[None]:
         """Make stage ``s``'s compute stream current (no-op on CPU)."""
@@ -163,6 +170,11 @@ class LocalExecutor:
         self.stages = list(stages)
         self.devices = list(devices)
         self.recompute = frozenset(recompute)
+        # made once and kept: cuBLAS keeps a workspace per stream it runs on (32 MiB each
+        # on an H100), so streams made afresh every step held 128 MiB more after each step
+        # of a 2-stage pipeline, and autograd warned that gradients accumulated on a stream
+        # other than the one that made them
+        self._stream_set: _Streams | None = None
 
     def run(self, schedule: Schedule, mb_inputs: list[list[Any]], *,
             loss_closure: LossClosure | None = None, on_action: ActionHook | None = None,
@@ -189,7 +201,10 @@ class LocalExecutor:
         # grads[(s, i)]: gradients w.r.t. stage s's outputs, sent back by stage s + 1
         grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         live = [0] * num_stages
-        streams = _Streams(self.devices)
+        if self._stream_set is None:
+            self._stream_set = _Streams(self.devices)
+        streams = self._stream_set
+        streams.start()
         # done[(kind, s, i)]: event after stage s produced its outputs ("F") or input grads ("G")
         done: dict[tuple[str, int, int], torch.cuda.Event | None] = {}
         self._streams, self._done = streams, done

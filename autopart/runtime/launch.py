@@ -13,13 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps
 from autopart.core.plan import Plan
 
 __all__ = ["init_from_env", "require_process_group", "broadcast_plan", "rank_device", "on_meta",
-           "retarget_meta", "materialise"]
+           "materialise"]
 
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -88,18 +87,6 @@ def rank_device() -> torch.device:
 def on_meta(model: nn.Module) -> bool:
     """Whether any parameter or buffer of ``model`` is on the ``meta`` device."""
     return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
-
-
-def retarget_meta(captured: CapturedGraph, device: torch.device) -> None:
-    """Point ops that a meta-device capture pinned to ``meta`` (``arange(..., device=meta)``,
-    ``_assert_tensor_metadata(..., device=meta)``) at the device the stages run on."""
-    changed = False
-    for node in captured.graph_module.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "meta":
-            node.kwargs = {**node.kwargs, "device": device}
-            changed = True
-    if changed:
-        captured.graph_module.recompile()
 
 
 def materialise(model: nn.Module, device: torch.device) -> Callable[[str], torch.Tensor]:

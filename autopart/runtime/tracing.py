@@ -125,8 +125,12 @@ def measure_peak_bytes(fn: Callable[[], Any], devices: Sequence[torch.device],
                        resident: Iterable[torch.Tensor] = ()) -> tuple[Any, dict[str, int]]:
     """Run ``fn()`` once and measure the most tensor memory held on each device meanwhile.
 
-    CUDA: ``torch.cuda.reset_peak_memory_stats`` then ``torch.cuda.max_memory_allocated``
-    (every tensor on the device, the caching allocator's block sizes).
+    CUDA: the bytes of the ``resident`` tensors on the device plus the most the step
+    allocated above what the device held before it (``torch.cuda.max_memory_allocated``
+    after ``torch.cuda.reset_peak_memory_stats``, minus ``torch.cuda.memory_allocated``
+    before; the caching allocator's block sizes, cuBLAS workspaces made during the step
+    included). Other tensors on the device (another pipeline, the user's reference model)
+    are not this pipeline's and are not counted.
 
     CPU: torch's CPU allocator reports each allocation and free to the profiler
     (``torch.profiler.profile(profile_memory=True)``); the running sum of those records,
@@ -140,19 +144,23 @@ def measure_peak_bytes(fn: Callable[[], Any], devices: Sequence[torch.device],
     Args:
         fn: one step.
         devices: the devices to measure (repeats are ignored).
-        resident: tensors alive before ``fn`` (only CPU ones are read: CUDA counts all).
+        resident: the pipeline's tensors alive before ``fn`` (parameters, gradients,
+            buffers, optimizer state).
 
     Returns:
         ``(fn's result, {str(device): peak bytes})``.
     """
     devs = list(dict.fromkeys(torch.device(d) for d in devices))
     cuda = [d for d in devs if d.type == "cuda"]
+    held = [t for t in resident if t is not None]
+    before: dict[torch.device, int] = {}
     for d in cuda:
         torch.cuda.synchronize(d)
         torch.cuda.reset_peak_memory_stats(d)
+        before[d] = int(torch.cuda.memory_allocated(d))
     peaks: dict[str, int] = {}
     if any(d.type == "cpu" for d in devs):
-        base = resident_bytes(t for t in resident if t is not None and t.device.type == "cpu")
+        base = resident_bytes(t for t in held if t.device.type == "cpu")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = fn()
         records = sorted((e.start_ns(), e.nbytes())
@@ -168,5 +176,6 @@ def measure_peak_bytes(fn: Callable[[], Any], devices: Sequence[torch.device],
         out = fn()
     for d in cuda:
         torch.cuda.synchronize(d)
-        peaks[str(d)] = int(torch.cuda.max_memory_allocated(d))
+        own = resident_bytes(t for t in held if t.device == d)
+        peaks[str(d)] = own + int(torch.cuda.max_memory_allocated(d)) - before[d]
     return out, peaks

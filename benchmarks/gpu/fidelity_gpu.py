@@ -29,35 +29,54 @@ sys.path.insert(0, str(ROOT))
 GRID = [("gpipe", 4), ("1f1b", 4), ("1f1b", 8), ("1f1b", 16), ("zero_bubble", 8)]
 
 
-def workload() -> tuple[Any, ...]:
+def workload(device: str = "cuda:0", small: bool = False) -> tuple[Any, ...]:
+    """The GPT-2-like model (12 x 768, vocab 32768, batch 32 x 256, fp32) on ``device``;
+    ``small`` (2 x 64, vocab 512, batch 32 x 16) is for checking the script without a GPU."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from autopart.demo import gpt2_loss
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=32768, n_positions=256,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                     bos_token_id=0, eos_token_id=0)
-    tokens = torch.randint(0, 32768, (32, 256), device="cuda")
-    return GPT2LMHeadModel(cfg).cuda(), (tokens,), tokens, gpt2_loss
+    layers, width, heads, vocab, batch, seq = ((2, 64, 4, 512, 32, 16) if small
+                                               else (12, 768, 12, 32768, 32, 256))
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                     n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    tokens = torch.randint(0, vocab, (batch, seq), device=device)
+    return GPT2LMHeadModel(cfg).to(device), (tokens,), tokens, gpt2_loss
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (nothing to wait for on ``cpu``)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or ``cpu``."""
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=str(Path(__file__).with_name("out")))
+    parser.add_argument("--device", default="cuda:0",
+                        help="cpu (with --small) checks the script on a machine without a GPU")
+    parser.add_argument("--small", action="store_true", help="a 2-layer model, for checking")
     opts = parser.parse_args()
     import copy
 
     import autopart
     from autopart.trace import gantt, predict
 
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this benchmark needs one GPU")
+    dev = opts.device
+    if torch.device(dev).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this benchmark needs one GPU (or --device cpu --small)")
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    devices = ["cuda:0"] * 4
-    model, args, target, loss_fn = workload()
+    devices = [dev] * 4
+    model, args, target, loss_fn = workload(dev, opts.small)
     solver_plan, profile = autopart.plan_model(model, args, devices=devices, loss_fn=loss_fn,
                                                example_target=target)
     plans = {"solver": solver_plan}
@@ -74,10 +93,10 @@ def main() -> None:
         for name in names[i % len(names):] + names[:i % len(names)]:
             pipe, opt = arms[name]
             opt.zero_grad()
-            torch.cuda.synchronize()
+            synchronize(dev)
             t0 = time.perf_counter()
             pipe.train_step(*args, target=target)
-            torch.cuda.synchronize()
+            synchronize(dev)
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
             opt.step()
@@ -96,13 +115,13 @@ def main() -> None:
                      "measured_step_s": measured,
                      "step_error": plan.predicted_step_time_us / 1e6 / measured - 1,
                      "predicted_peak_bytes_device": sum(r.peak_memory_bytes for r in plan.ranks),
-                     "measured_peak_bytes_device": pipe.last_peak_memory_bytes["cuda:0"]})
+                     "measured_peak_bytes_device": pipe.last_peak_memory_bytes[dev]})
         if name == "solver":
             pipe.last_trace.save(out / "trace_solver.json")
             gantt(out / "timeline_gpu.png", [("predicted", pred.trace),
                                              ("measured", pipe.last_trace)],
-                  title=f"one {torch.cuda.get_device_name()}, 4 stages, solver's plan")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  title=f"one {device_name(dev)}, 4 stages, solver's plan")
+    report = {"device": device_name(dev), "torch": torch.__version__,
               "cuda": torch.version.cuda, "python": platform.python_version(), "rows": rows}
     (out / "fidelity_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
     for r in rows:

@@ -1,14 +1,37 @@
 #!/usr/bin/env bash
 # Every GPU measurement in one command (budget: under 9 minutes on one H100):
-# the CUDA tests, then the one-GPU fidelity benchmark (4 stages on one device, CUDA streams).
+#   1. the one-GPU fidelity benchmark (4 stages on one device, CUDA streams): fidelity_gpu.py
+#   2. the CUDA tests (pytest -m requires_cuda: tests/gpu, tests/e2e's CUDA-stream matrix)
+#   3. where the peak memory goes, with and without CUDA_LAUNCH_BLOCKING: memory_breakdown.py
+#   4. the named-GPU model against the GPU itself: preset_vs_measured.py
 # Needs a Python with a CUDA build of torch and this package installed (`make setup
-# TORCH_SPEC='torch>=2.6'`); writes into $OUT (default benchmarks/gpu/out).
-set -euo pipefail
+# TORCH_SPEC='torch>=2.6'`, or PYTHON=python3 where the package is installed into it).
+# Writes 8 files into $OUT (default benchmarks/gpu/out): environment.txt, log.txt (everything
+# printed), cuda_tests.txt and each script's JSON / trace / PNG. Each step has its own time
+# limit, so one that hangs leaves the others their time.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-.venv/bin/python}"
 OUT="${OUT:-benchmarks/gpu/out}"
 mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+LOG="$OUT/log.txt"
+quiet() { grep -v -e '^USDT' -e '^DEBUG' -e "^{'checkpoint_id'"; }
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
-  "$PY" -c "import torch, platform; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$OUT/environment.txt"
-timeout 240 "$PY" -m pytest -q -m requires_cuda tests 2>&1 | tail -20 | tee "$OUT/cuda_tests.txt"
-timeout 270 "$PY" benchmarks/gpu/fidelity_gpu.py --out "$OUT" 2>&1 | tail -20 | tee "$OUT/fidelity_gpu.txt"
+  "$PY" -c "import torch, platform, transformers, ortools; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'ortools', ortools.__version__)"; } 2>&1 | tee "$OUT/environment.txt"
+echo "== fidelity_gpu.py" | tee -a "$LOG"
+timeout 240 "$PY" benchmarks/gpu/fidelity_gpu.py --out "$OUT" 2>&1 | quiet | tee -a "$LOG" | tail -25
+echo "== CUDA tests" | tee -a "$LOG"
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -p no:logging -m requires_cuda --tb=short tests 2>&1 | quiet > "$OUT/cuda_tests.txt"
+tail -30 "$OUT/cuda_tests.txt" | tee -a "$LOG"
+echo "== memory_breakdown.py" | tee -a "$LOG"
+for model in zoo-gpt2 fidelity-gpt2; do
+  for blocking in 0 1; do
+    CUDA_LAUNCH_BLOCKING=$blocking timeout 60 "$PY" benchmarks/gpu/memory_breakdown.py --model $model \
+      --out "$OUT/mem.json" 2>&1 | quiet | tail -3 >> "$LOG"
+    cat "$OUT/mem.json" >> "$OUT/memory_breakdown.jsonl" 2>/dev/null; rm -f "$OUT/mem.json"
+  done
+done
+echo "== preset_vs_measured.py" | tee -a "$LOG"
+timeout 120 "$PY" benchmarks/gpu/preset_vs_measured.py --out "$OUT" 2>&1 | quiet | tee -a "$LOG" | tail -12
+date -u | tee -a "$OUT/environment.txt"

@@ -14,7 +14,6 @@ def test_a_rank_materialises_only_what_its_stages_read() -> None:
         model, args, _, _ = ZOO["gpt2"]()
     assert launch.on_meta(model)
     captured = capture(model, tuple(a[:2].to("meta") for a in args))
-    launch.retarget_meta(captured, torch.device("cpu"))
     plan = manual_plan(captured, even_positions(captured, 2), 4, 8)
     built = build_stages(captured, plan, ["cpu", "cpu"], ranks={1}, cuts_by_name=True,
                          tensor_of=launch.materialise(model, torch.device("cpu")))
@@ -24,3 +23,11 @@ def test_a_rank_materialises_only_what_its_stages_read() -> None:
     on_meta = {n for n, p in model.named_parameters() if p.is_meta}
     assert on_meta and on_meta != {n for n, _ in model.named_parameters()}
     assert "transformer.h.0.attn.c_attn.weight" in on_meta  # stage 0's, never materialised
+    # the capture's device literals (stage 0's arange(..., device=meta) for the position ids)
+    # point at the stage's device
+    first = build_stages(captured, plan, ["cpu", "cpu"], ranks={0}, cuts_by_name=True,
+                         tensor_of=launch.materialise(model, torch.device("cpu"))).modules[0]
+    assert first is not None
+    literals = [v for n in first.graph.nodes for v in [*n.args, *n.kwargs.values()]
+                if isinstance(v, torch.device)]
+    assert literals and all(v == torch.device("cpu") for v in literals)

@@ -366,3 +366,21 @@ def test_memory_target_finds_the_exhaustive_least_peak_on_two_ranks(build: Any, 
         g, cluster, options, [q], kind="1f1b", num_microbatches=4, recompute=rc).ranks)
         for q in range(1, n) for rc in itertools.product((False, True), repeat=2))
     assert max(r.peak_memory_bytes for r in plan.ranks) == least
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_each_stage_holds_its_devices_workspace(build: Any, v: int) -> None:
+    """A GPU's cuBLAS workspaces (DeviceSpec.workspace_bytes, one set per stage's compute
+    stream) are in every stage's and rank's predicted peak, and nothing else moves."""
+    plain = build.cluster(2)
+    ws = 64 * 2**20
+    gpu = dataclasses.replace(plain, devices=tuple(dataclasses.replace(d, workspace_bytes=ws)
+                                                   for d in plain.devices))
+    opts = SolveOptions(batch_size=8, num_microbatches=4, stages_per_rank=v,
+                        schedule_kind="interleaved_1f1b" if v > 1 else "1f1b")
+    a, b = solve(build.chain(16), plain, opts), solve(build.chain(16), gpu, opts)
+    assert [s.first_node for s in a.stages] == [s.first_node for s in b.stages]
+    assert [y.predicted_peak_memory_bytes - x.predicted_peak_memory_bytes
+            for x, y in zip(a.stages, b.stages, strict=True)] == [ws] * 2 * v
+    assert [y.peak_memory_bytes - x.peak_memory_bytes
+            for x, y in zip(a.ranks, b.ranks, strict=True)] == [ws * v] * 2
