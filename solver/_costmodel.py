@@ -170,6 +170,26 @@ class CostModel:
         """Saved activations of nodes ``start .. stop - 1`` at the profiled batch, bytes."""
         return self._saved[stop] - self._saved[start]
 
+    def split_held_bytes(self, start: int, stop: int, ratio: float) -> int:
+        """What a split backward of nodes ``start .. stop - 1`` keeps from ``I`` to ``W``,
+        scaled, bytes: the gradient of each node where a trainable parameter's path joins
+        the activations' (a matmul reading its weight, a norm reading its scale), as big as
+        that node's output (:class:`autopart.codegen.split_backward.SplitBackward`'s
+        intermediates)."""
+        nodes = self.costs.nodes[start:stop]
+        trainable = self.costs.trainable
+        weight_only: set[str] = set()  # nodes computed from parameters alone
+        held = 0
+        for nd in nodes:
+            reads_weight = any(p in trainable for p in nd.params) or any(
+                i in weight_only for i in nd.inputs)
+            reads_activation = any(i not in weight_only for i in nd.inputs)
+            if reads_weight and not reads_activation:
+                weight_only.add(nd.name)
+            elif reads_weight:
+                held += nd.output_bytes
+        return self.scale_bytes(held, ratio)
+
     def state_of(self, start: int, stop: int) -> tuple[int, int, int]:
         """(state bytes, parameter bytes, trainable elements) of every parameter read by
         nodes ``start .. stop - 1`` (a tied parameter counts on every stage reading it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,7 +19,12 @@ from autopart.core.plan import (
     SolverReport,
     StagePlan,
 )
-from autopart.core.schedule import build_schedule, forward_schedule, splits_backward
+from autopart.core.schedule import (
+    build_schedule,
+    forward_schedule,
+    in_flight_counts,
+    splits_backward,
+)
 from autopart.solver._costmodel import CostModel
 from autopart.solver._schedule_cost import (
     busy_us,
@@ -31,6 +37,12 @@ from autopart.solver.chain import ChainAnswer
 from autopart.solver.simulate import StageCosts, simulate
 
 __all__ = ["Candidate", "evaluate", "build_plan", "lower_bounds", "pareto"]
+
+
+@functools.lru_cache(maxsize=256)
+def _training_schedule(kind: str, p: int, m: int, v: int, recompute: tuple[int, ...]) -> Any:
+    """``build_schedule``'s action lists, cached (the solver costs many cuts per schedule)."""
+    return build_schedule(kind, p, m, v, recompute=recompute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +135,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
     bounds = [0, *positions, n]
     s_total = len(bounds) - 1
     cols: dict[str, list[Any]] = {key: [] for key in (
-        "fwd", "bi", "bw", "sf", "sb", "static", "saved", "extra")}
+        "fwd", "bi", "bw", "sf", "sb", "static", "saved", "extra", "held", "wgrad")}
     info = []
     for s in range(s_total):
         a, z, r = bounds[s], bounds[s + 1], s % p
@@ -162,16 +174,27 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         held_out = cross_out if training and s == s_total - 1 else 0
         cols["saved"].append((cross_in if rc[s] else act) + held_out)
         cols["extra"].append((transient + (act if rc[s] else 0)) if training else 0)
+        split_here = training and splits_backward(kind, rc[s])
+        cols["held"].append(model.split_held_bytes(a, z, ratio) if split_here else 0)
+        cols["wgrad"].append(pbytes if split_here else 0)
         info.append((pbytes, numel))
     c = StageCosts(cols["fwd"], cols["bi"], cols["bw"], cols["sf"], cols["sb"], cols["static"],
-                   cols["saved"], cols["extra"])
+                   cols["saved"], cols["extra"], cols["held"], cols["wgrad"])
     k = in_flight(kind, p, m, v, training)
     step = closed_form_step_us(kind, p, m, v, c, training=training)
     busy = busy_us(c, p, m, training)
     bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
-    peaks = closed_form_peaks(c, k, p)
-    stage_peaks = tuple(c.static_bytes[s] + k[s] * c.saved_bytes[s] + c.backward_extra_bytes[s]
-                        for s in range(s_total))
+    if any(c.split_held_bytes) or any(c.weight_grad_bytes):
+        # what ZB-H1 holds between I and W follows its action order: count it there
+        sched = _training_schedule(kind, p, m, v, tuple(s for s in range(s_total) if rc[s]))
+        peaks = list(simulate(sched, c).peak_memory_bytes)
+        pending = in_flight_counts(sched, s_total)
+    else:
+        peaks = closed_form_peaks(c, k, p)
+        pending = [0] * s_total
+    stage_peaks = tuple(c.static_bytes[s] + k[s] * c.saved_bytes[s]
+                        + max(c.backward_extra_bytes[s], c.weight_grad_bytes[s])
+                        + pending[s] * c.split_held_bytes[s] for s in range(s_total))
     return Candidate(kind=kind, v=v, m=m, positions=positions, recompute=rc, costs=c,
                      param_info=tuple(info), step_us=step, bubble=min(max(bubble, 0.0), 1.0),
                      peaks=tuple(peaks), stage_peaks=stage_peaks,

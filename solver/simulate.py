@@ -28,6 +28,13 @@ class StageCosts:
             (the stage input only, when the stage recomputes).
         backward_extra_bytes: memory live only while one backward of the stage runs (the
             recomputed activations plus the transient working set).
+        split_held_bytes: memory one microbatch holds from its ``I`` until its ``W`` on
+            top of ``saved_bytes``: the gradients ``W`` restarts autograd from (those of
+            the outputs of the ops that read a trainable parameter; ZB-H1 only, Qi et al.
+            2024). Default: none.
+        weight_grad_bytes: memory live while one ``W`` of the stage runs: the parameter
+            gradients its autograd call returns before they are added to ``.grad`` (the
+            stage's trainable parameter bytes; ZB-H1 only). Default: none.
     """
 
     fwd_us: Sequence[float]
@@ -38,11 +45,17 @@ class StageCosts:
     static_bytes: Sequence[int]
     saved_bytes: Sequence[int]
     backward_extra_bytes: Sequence[int]
+    split_held_bytes: Sequence[int] = ()
+    weight_grad_bytes: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         n = len(self.fwd_us)
+        for name in ("split_held_bytes", "weight_grad_bytes"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0,) * n)
         for name in ("bwd_input_us", "bwd_weight_us", "send_fwd_us", "send_bwd_us",
-                     "static_bytes", "saved_bytes", "backward_extra_bytes"):
+                     "static_bytes", "saved_bytes", "backward_extra_bytes", "split_held_bytes",
+                     "weight_grad_bytes"):
             if len(getattr(self, name)) != n:
                 raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
                                 f"fwd_us has {n}; give one per stage")
@@ -191,7 +204,11 @@ def _peaks(schedule: Schedule, costs: StageCosts) -> tuple[int, ...]:
                 peak = max(peak, live + costs.backward_extra_bytes[s])
                 if a.kind == "B" or s not in split:
                     live -= costs.saved_bytes[s]
-            else:  # W releases what the split backward kept
-                live -= costs.saved_bytes[s]
+                else:  # I keeps the gradients its W restarts from
+                    live += costs.split_held_bytes[s]
+                    peak = max(peak, live)
+            else:  # W returns the weight gradients, then releases what the split kept
+                peak = max(peak, live + costs.weight_grad_bytes[s])
+                live -= costs.saved_bytes[s] + costs.split_held_bytes[s]
         peaks.append(peak)
     return tuple(peaks)

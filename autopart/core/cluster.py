@@ -119,12 +119,14 @@ ESTIMATE_SOURCE = ("autopart's estimate, not a datasheet figure: one point-to-po
 _MiB = 2**20
 #: Where ``workspace_bytes`` comes from.
 WORKSPACE_SOURCE = (
-    "cuBLAS documentation, cublasSetWorkspace: 32 MiB recommended on Hopper (sm_90), 4 MiB "
-    "before; PyTorch allocates one cuBLAS and one cuBLASLt workspace of that size per "
-    "(handle, stream) pair (ATen's CublasHandlePool) and keeps them, so each stage's compute "
-    "stream holds two. Measured on an H100 by benchmarks/gpu/memory_breakdown.py")
-_HOPPER_WS = 2 * 32 * _MiB
-_PRE_HOPPER_WS = 2 * 4 * _MiB
+    "measured on an H100 80GB HBM3 (torch 2.11.0+cu130, benchmarks/gpu/memory_breakdown.py): "
+    "65 MiB per stream that ran matmuls (195 MiB freed by torch._C._cuda_clearCublasWorkspaces "
+    "after three); PyTorch keeps a cuBLAS and a cuBLASLt workspace per (handle, stream) pair "
+    "(ATen's CublasHandlePool), each of the size the cuBLAS documentation recommends "
+    "(cublasSetWorkspace: 32 MiB on Hopper, 4 MiB before). Pre-Hopper: two 4 MiB workspaces "
+    "and the same 1 MiB, not measured here")
+_HOPPER_WS = 65 * _MiB
+_PRE_HOPPER_WS = 9 * _MiB
 
 #: Canonical preset name -> the device as the analytical cost model sees it. Every figure's
 #: source is in ``source`` (memory, bandwidths), ``flops_source`` (per-dtype peaks), ``url``

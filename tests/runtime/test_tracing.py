@@ -16,7 +16,7 @@ from autopart.core.trace import Trace, TraceEvent
 from autopart.runtime.microbatch import split_leaves
 from autopart.runtime.tracing import measure_peak_bytes, resident_bytes
 from tests.plans import even_positions, manual_plan
-from tests.zoo import gpt2
+from tests.zoo import ZOO, gpt2
 
 
 def _pipe(num_stages: int, m: int, kind: str, v: int = 1) -> tuple[Any, ...]:
@@ -99,3 +99,23 @@ def test_trace_json_errors_are_specific(tmp_path: Any) -> None:
         Trace.from_chrome({"traceEvents": [{"ph": "X", "name": "0F0", "ts": 0}]})
     with pytest.raises(PlanError, match="before it starts"):
         TraceEvent(0, "0F0", 5.0, 1.0)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zero_bubble"])
+def test_predicted_peak_memory_bounds_the_measured(kind: str) -> None:
+    """One process, two CPU stages of GPT-2: the plan's peaks (summed over its ranks) against
+    the measured peak of a step with AdamW state: at most 15 % above (issue 11), and not
+    below but for 2 %. ZB-H1 holds the gradients W restarts from and returns each W's weight
+    gradients before adding them: it was 15 % under before the cost model charged them, and
+    is 1.1 % under now (1F1B 7 % over)."""
+    model, args, target, loss_fn = ZOO["gpt2"]()
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, example_target=target,
+                            devices=["cpu", "cpu"], num_microbatches=4, schedule=kind)
+    opt = torch.optim.AdamW(pipe.parameters())
+    pipe.train_step(*args, target=target)
+    opt.step()
+    opt.zero_grad()
+    pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
+    predicted = sum(r.peak_memory_bytes for r in pipe.plan.ranks)
+    measured = pipe.last_peak_memory_bytes["cpu"]
+    assert 0.98 * measured <= predicted <= 1.15 * measured, (predicted, measured)
