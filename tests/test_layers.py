@@ -141,7 +141,8 @@ def test_no_private_name_is_used_outside_its_package(folder: str) -> None:
             for lineno, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 code = text.split("#")[0]
                 for m in re.finditer(r"\b(\w+)\._[a-z]\w*", code):
-                    if m.group(1) not in ("self", "cls", "torch", "os", "sys", "pytree"):
+                    # torch._C.<name>: torch's own (benchmarks/gpu clears cuBLAS workspaces)
+                    if m.group(1) not in ("self", "cls", "torch", "_C", "os", "sys", "pytree"):
                         bad.append(f"{rel}:{lineno}: uses private {m.group(0)}")
     assert bad == [], "\n".join(bad)
 
