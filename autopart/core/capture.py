@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -208,6 +209,8 @@ def _tolerate_real_strides(graph: fx.Graph) -> None:
 
 
 _SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+#: The ``node.meta["custom"]`` key naming the custom ``autograd.Function`` a node was traced in.
+_IN_CUSTOM_FUNCTION = "autopart.custom_autograd_function"
 # Ops that return their input itself (not a new tensor) when nothing is to change.
 _MAYBE_SELF = (torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
                torch.ops.aten.to.other, torch.ops.aten.type_as.default,
@@ -260,6 +263,12 @@ def _detach_grad_disabled_regions(root: fx.GraphModule) -> int:
             sub = node.args[1]
             body = _get_attr(gm, str(sub.target)) if isinstance(sub, fx.Node) else sub
             if not isinstance(body, fx.GraphModule):
+                continue
+            if any(_IN_CUSTOM_FUNCTION in (n.meta.get("custom") or {}) for n in body.graph.nodes):
+                # a custom autograd.Function's forward (Reformer's reversible layers): its
+                # output carries a gradient eagerly, through the Function's own backward;
+                # the graph differentiates the forward instead, and _check_custom_backward
+                # refuses it where that gives other gradients
                 continue
             out = next(n for n in body.graph.nodes if n.op == "output")
 
@@ -450,7 +459,8 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
                          "wrap a single tensor as (x,)")
     custom: list[type] = []
     try:
-        with _custom_functions_applied(custom):
+        # preserve_node_meta: the annotations _custom_functions_applied makes reach the nodes
+        with _custom_functions_applied(custom), fx_traceback.preserve_node_meta():
             ep = torch.export.export(model, args, kwargs, strict=False)
         _detach_grad_disabled_regions(ep.graph_module)
         # Functionalise (no decompositions): in-place ops such as ``add_`` or ``relu_``
@@ -521,9 +531,14 @@ def _custom_functions_applied(seen: list[type]) -> Iterator[None]:
     original = base.__dict__["apply"]
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith("torch.") and cls not in seen:
+        if cls.__module__.startswith("torch."):
+            return original.__func__(cls, *args, **kwargs)
+        if cls not in seen:
             seen.append(cls)
-        return original.__func__(cls, *args, **kwargs)
+        # nodes traced here carry the Function's name (node.meta["custom"]), so that
+        # _detach_grad_disabled_regions leaves its forward's no-grad regions differentiable
+        with fx_traceback.annotate({_IN_CUSTOM_FUNCTION: cls.__qualname__}):
+            return original.__func__(cls, *args, **kwargs)
 
     base.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
     try:
@@ -556,7 +571,17 @@ def _check_custom_backward(model: nn.Module, gm: fx.GraphModule, args: tuple[Any
             return None
         gen = torch.Generator().manual_seed(0)
         total = sum((t * torch.randn(t.shape, generator=gen).to(t)).sum() for t in outs)
-        return list(torch.autograd.grad(total, [p for _, p in params], allow_unused=True))
+        # .backward() and .grad, not autograd.grad: a custom backward may accumulate into
+        # .grad itself (Reformer's reversible layers run their own backward inside theirs)
+        kept = [p.grad for _, p in params]
+        for _, p in params:
+            p.grad = None
+        try:
+            total.backward()
+            return [p.grad for _, p in params]
+        finally:
+            for (_, p), g in zip(params, kept, strict=True):
+                p.grad = g
 
     flat = pytree.tree_leaves((args, kwargs))
     with torch.enable_grad():

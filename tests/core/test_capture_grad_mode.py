@@ -6,12 +6,15 @@ only the last one with gradients. torch.export keeps the early cycles as
 ``wrap_with_set_grad_enabled(False, ...)`` calls; functionalising the program inlined them
 without their grad mode, and the pipeline's gradients were up to 66 % off. A no-op cast
 of an input inside the region (``hidden_states.to(weight.dtype)`` in Dots3's indexer) is
-that input itself and keeps its gradient.
+that input itself and keeps its gradient. A no-grad region inside a custom autograd
+Function's forward (Reformer's reversible layers) is not detached: eagerly its output has a
+gradient, through the Function's own backward.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -100,3 +103,52 @@ def test_stages_match_the_model_loss_and_every_gradient(num_stages: int) -> None
     pipe = autopart.compile(model, (x,), loss_fn=loss_fn, num_stages=num_stages,
                             num_microbatches=2, time_limit_s=5.0)
     assert_train_step_matches(pipe, reference, (x,), target, loss_fn)
+
+
+class _Reversible(torch.autograd.Function):
+    """Reformer's pattern (``_ReversibleFunction``): the forward runs its layers under
+    ``torch.no_grad()`` and keeps only the output; the backward recomputes them with gradients
+    on, accumulates the parameters' gradients into ``.grad`` itself and returns the input's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layers: nn.ModuleList) -> torch.Tensor:
+        ctx.layers = layers
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            for layer in layers:
+                x = x + layer(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            y = x
+            for layer in ctx.layers:
+                y = y + layer(y)
+            torch.autograd.backward(y, grad)  # the parameters' .grad, and x.grad
+        return x.grad, None
+
+
+class ReversibleStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_Reversible.apply(self.embed(x), self.layers))
+
+
+def test_a_no_grad_region_inside_a_custom_function_stays_differentiable() -> None:
+    """The no-grad regions of a custom Function's forward are not detached (its output has a
+    gradient eagerly, through its own backward): the graph differentiates the forward as
+    written, which here is the same gradient, and the pipeline matches the model."""
+    torch.manual_seed(0)
+    model, x, y = ReversibleStack(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    reference = copy.deepcopy(model)
+    pipe = autopart.compile(model, (x,), loss_fn=nn.functional.cross_entropy, example_target=y,
+                            num_stages=2, num_microbatches=2, schedule="1f1b")
+    assert_train_step_matches(pipe, reference, (x,), y, nn.functional.cross_entropy)
