@@ -366,6 +366,40 @@ def fidelity(results: Path, figures: Path) -> list[str]:
     return lines + [""]
 
 
+def gpu(results: Path, figures: Path) -> list[str]:
+    """Markdown lines for ``gpu`` (``run_all.sh``'s recorded run) and the executor overhead on
+    that GPU: predicted against measured for stages sharing one GPU."""
+    d = _load(results / "gpu" / "results" / "fidelity_gpu.json")
+    if d is None:
+        return ["## gpu", "", "No recorded results.", ""]
+    lines = ["## gpu: one GPU, 4 stages on its streams (`benchmarks/gpu/run_all.sh`)", "",
+             f"{d['device']}; Python {d['python']}, torch {d['torch']} (CUDA {d['cuda']}). "
+             "Peaks: the plan's ranks summed against the pipeline's tensors plus the step's "
+             "growth. The plan treats the 4 ranks as 4 GPUs; the run is one host thread "
+             "issuing all 4 stages (see benchmarks/gpu/README.md).", "",
+             "| plan | predicted s | measured s | error | peak GiB pred / meas |",
+             "|---|---:|---:|---:|---|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['plan']} | {r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f}"
+                     f" | {r['step_error']:+.1%} | "
+                     f"{r['predicted_peak_bytes_device'] / 2**30:.2f} / "
+                     f"{r['measured_peak_bytes_device'] / 2**30:.2f} |")
+    over = _load(results / "executor_overhead" / "results_h100.json")
+    if over is not None:
+        lines += ["", f"Executor overhead on the {over['device_name']} (batch {over['batch']} x "
+                  f"{over['seq']}, m = {over['microbatches']}, {over['stages']} stages on one "
+                  "device, against the plain model with the same microbatching):", "",
+                  "| schedule | pipeline s | plain s | overhead (paired) |", "|---|---:|---:|---:|"]
+        for kind, r in over["schedules"].items():
+            lines.append(f"| {kind} | {r['pipeline_step_s']:.3f} | {r['plain_step_s']:.3f} | "
+                         f"{r['overhead_paired']:+.1%} |")
+    png = results / "gpu" / "results" / "timeline_gpu.png"
+    if png.exists():
+        shutil.copyfile(png, figures / "gpu_timeline.png")
+        lines += ["", "![predicted and measured timelines on one GPU](figures/gpu_timeline.png)"]
+    return lines + [""]
+
+
 def zoo(results: Path) -> list[str]:
     """Markdown lines for ``zoo``: transformers architectures through autopart, per family."""
     d = _load(results / "zoo" / "results.json")
@@ -405,6 +439,7 @@ def write_report(results: Path, out: Path) -> Path:
     lines += plan_quality(results, figures)
     lines += solver_scale(results)
     lines += fidelity(results, figures)
+    lines += gpu(results, figures)
     lines += zoo(results)
     from autopart.core.jsonio import write_text_atomic
 

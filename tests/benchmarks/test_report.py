@@ -52,8 +52,8 @@ def test_report_lists_missing_results_and_names_a_broken_file(tmp_path: Path) ->
     (results / "solver_scale").mkdir(parents=True)
     shutil.copy(BENCHMARKS / "solver_scale" / "results.json", results / "solver_scale")
     text = report.write_report(results, tmp_path / "REPORT.md").read_text()
-    # pipeline_cpu, peers, executor_overhead, plan_quality, fidelity, zoo
-    assert text.count("No recorded results") == 6
+    # pipeline_cpu, peers, executor_overhead, plan_quality, fidelity, gpu, zoo
+    assert text.count("No recorded results") == 7
     assert "solver_scale: a 175B-parameter plan" in text
 
     (results / "plan_quality").mkdir()
