@@ -176,7 +176,9 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         cols["extra"].append((transient + (act if rc[s] else 0)) if training else 0)
         split_here = training and splits_backward(kind, rc[s])
         cols["held"].append(model.split_held_bytes(a, z, ratio) if split_here else 0)
-        cols["wgrad"].append(pbytes if split_here else 0)
+        # W returns weight gradients (up to all of the stage's, when their paths meet in one
+        # group); on the first stage it is the whole backward
+        cols["wgrad"].append((max(pbytes, transient) if s == 0 else pbytes) if split_here else 0)
         info.append((pbytes, numel))
     c = StageCosts(cols["fwd"], cols["bi"], cols["bw"], cols["sf"], cols["sb"], cols["static"],
                    cols["saved"], cols["extra"], cols["held"], cols["wgrad"])
