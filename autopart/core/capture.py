@@ -292,6 +292,16 @@ def _detach_grad_disabled_regions(root: fx.GraphModule) -> int:
     return count
 
 
+def _drop_custom_meta(root: fx.GraphModule) -> None:
+    """Remove ``node.meta["custom"]`` everywhere once it has been read: with
+    ``preserve_node_meta`` on, export also records its own tracing annotations there, which
+    differ from one capture to the next and would print into every stage's source."""
+    for gm in root.modules():
+        if isinstance(gm, fx.GraphModule):
+            for node in gm.graph.nodes:
+                node.meta.pop("custom", None)
+
+
 def _differentiable_copies(graph: fx.Graph) -> None:
     """Replace functional ``aten.copy(dst, src)`` by ops autograd can differentiate.
 
@@ -463,6 +473,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
         with _custom_functions_applied(custom), fx_traceback.preserve_node_meta():
             ep = torch.export.export(model, args, kwargs, strict=False)
         _detach_grad_disabled_regions(ep.graph_module)
+        _drop_custom_meta(ep.graph_module)
         # Functionalise (no decompositions): in-place ops such as ``add_`` or ``relu_``
         # become out-of-place, so no stage ever writes into a tensor another stage sent it.
         with warnings.catch_warnings():
