@@ -106,7 +106,7 @@ def test_predicted_peak_memory_bounds_the_measured(kind: str) -> None:
     """One process, two CPU stages of GPT-2: the plan's peaks (summed over its ranks) against
     the measured peak of a step with AdamW state: at most 15 % above (issue 11), and not
     below but for 2 %. ZB-H1 holds the gradients W restarts from and returns each W's weight
-    gradients before adding them: it was 15 % under before the cost model charged them, and
+    gradients before adding them: it was 18 % under before the cost model charged them, and
     is 0.7 % under now (1F1B 7 % over)."""
     model, args, target, loss_fn = ZOO["gpt2"]()
     pipe = autopart.compile(model, args, loss_fn=loss_fn, example_target=target,
