@@ -81,6 +81,12 @@ def cluster_for_devices(devices: list[str], host_link: LinkFigures | None = None
     return Cluster(tuple(specs), tuple(devices))
 
 
+def _on_this_machine(dev: torch.device) -> bool:
+    """``cpu``, or a CUDA device this process can see."""
+    return dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()
+                                 and (dev.index or 0) < torch.cuda.device_count())
+
+
 def plan_devices(plan: Plan, devices: list[str] | tuple[str, ...] | None) -> list[str]:
     """The devices a plan's ranks run on in this process: ``devices`` when given, else the
     devices the plan names when every one is here (``cpu``, or a visible ``cuda:N``; four
@@ -93,13 +99,7 @@ def plan_devices(plan: Plan, devices: list[str] | tuple[str, ...] | None) -> lis
     if devices is not None:
         return resolve_devices(devices, len(plan.ranks))
     named = [r.device for r in plan.ranks]
-
-    def here(name: str) -> bool:
-        dev = torch.device(name)
-        return dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()
-                                     and (dev.index or 0) < torch.cuda.device_count())
-
-    if all(here(d) for d in named):
+    if all(_on_this_machine(torch.device(d)) for d in named):
         return named
     chosen = resolve_devices(None, len(plan.ranks))
     warnings.warn(f"the plan's devices {named} are not all on this machine; its ranks run on "
@@ -135,8 +135,7 @@ def resolve_devices(devices: list[str] | tuple[str, ...] | None, num_ranks: int 
                         "given; pass one device per rank")
     for d in names:
         dev = torch.device(d)
-        if dev.type == "cuda" and (not torch.cuda.is_available()
-                                   or (dev.index or 0) >= torch.cuda.device_count()):
+        if dev.type == "cuda" and not _on_this_machine(dev):
             raise PlanError(f"device {d!r} is not available (visible CUDA devices: "
                             f"{torch.cuda.device_count()}); use 'cpu' or a visible GPU")
     return names

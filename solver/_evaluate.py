@@ -34,7 +34,7 @@ from autopart.solver._schedule_cost import (
 )
 from autopart.solver.candidates import CutCandidates
 from autopart.solver.chain import ChainAnswer
-from autopart.solver.simulate import StageCosts, simulate
+from autopart.solver.simulate import StageCosts, rank_peaks, simulate
 
 __all__ = ["Candidate", "evaluate", "build_plan", "lower_bounds", "pareto"]
 
@@ -189,7 +189,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
     if any(c.split_held_bytes) or any(c.weight_grad_bytes):
         # what ZB-H1 holds between I and W follows its action order: count it there
         sched = _training_schedule(kind, p, m, v, tuple(s for s in range(s_total) if rc[s]))
-        peaks = list(simulate(sched, c).peak_memory_bytes)
+        peaks = list(rank_peaks(sched, c))
         pending = in_flight_counts(sched, s_total)
     else:
         peaks = closed_form_peaks(c, k, p)

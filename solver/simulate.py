@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Schedule
 
-__all__ = ["StageCosts", "SimResult", "simulate"]
+__all__ = ["StageCosts", "SimResult", "simulate", "rank_peaks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,12 +183,13 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
     step = max(free, default=0.0)
     bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
     return SimResult(step_time_us=step, bubble_fraction=min(max(bubble, 0.0), 1.0),
-                     busy_us=tuple(busy), peak_memory_bytes=_peaks(schedule, costs),
+                     busy_us=tuple(busy), peak_memory_bytes=rank_peaks(schedule, costs),
                      timeline=tuple(timeline))
 
 
-def _peaks(schedule: Schedule, costs: StageCosts) -> tuple[int, ...]:
-    """Per rank, the largest memory along its own action order (see :func:`simulate`)."""
+def rank_peaks(schedule: Schedule, costs: StageCosts) -> tuple[int, ...]:
+    """Per rank, the largest memory along its own action order, bytes (see :func:`simulate`;
+    no times are replayed)."""
     peaks = []
     for acts in schedule:
         stages = sorted({a.stage_index for a in acts})

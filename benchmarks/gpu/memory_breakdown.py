@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def allocated(device: str) -> int:
+    """Bytes the caching allocator has handed out on ``device`` after its queued work (0 on
+    ``cpu``)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         return int(torch.cuda.memory_allocated(device))

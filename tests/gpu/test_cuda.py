@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,18 @@ def _on_cuda(args: tuple, target: torch.Tensor) -> tuple[tuple, torch.Tensor]:
     return tuple(a.cuda() for a in args), target.cuda()
 
 
+def _microbatched_step(reference: torch.nn.Module, args: tuple, target: torch.Tensor,
+                       loss_fn: Any, m: int = 4) -> torch.Tensor:
+    """Forward and backward of ``reference`` on the same ``m`` microbatches the pipeline runs
+    (BatchNorm sees microbatches), gradients accumulated; returns the full-batch loss."""
+    losses = []
+    for a, t in zip(args[0].chunk(m), target.chunk(m), strict=True):
+        loss = loss_fn(reference(a), t) / m
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
+
+
 @pytest.mark.parametrize("name", ["gpt2", "resnet"])
 def test_compile_on_cuda_trains_like_the_unpartitioned_model(name: str) -> None:
     model, args, target, loss_fn = ZOO[name]()
@@ -39,13 +52,7 @@ def test_compile_on_cuda_trains_like_the_unpartitioned_model(name: str) -> None:
     assert costs.source.startswith("measured:cuda")
     assert sum(n.fwd_us for n in costs.nodes) > 0
     loss = pipe.train_step(*args, target=target)
-    # the reference does the same microbatching by hand (BatchNorm sees microbatches)
-    ref_losses = []
-    for a, t in zip(args[0].chunk(4), target.chunk(4), strict=True):
-        ref_loss = loss_fn(reference(a), t) / 4
-        ref_loss.backward()
-        ref_losses.append(ref_loss.detach())
-    torch.testing.assert_close(loss, torch.stack(ref_losses).sum(), **TOL)
+    torch.testing.assert_close(loss, _microbatched_step(reference, args, target, loss_fn), **TOL)
     ref = dict(reference.named_parameters())
     for pname, p in pipe.named_parameters():
         assert p.device.type == torch.device(DEVICES[0]).type, pname
@@ -112,12 +119,8 @@ def test_steps_reuse_their_streams_and_follow_the_optimizer() -> None:
         opt.zero_grad()
         ref_opt.zero_grad()
         loss = pipe.train_step(*args, target=target)
-        ref_losses = []
-        for a, t in zip(args[0].chunk(4), target.chunk(4), strict=True):
-            ref_loss = loss_fn(reference(a), t) / 4
-            ref_loss.backward()
-            ref_losses.append(ref_loss.detach())
-        torch.testing.assert_close(loss, torch.stack(ref_losses).sum(), **TOL)
+        torch.testing.assert_close(loss, _microbatched_step(reference, args, target, loss_fn),
+                                   **TOL)
         opt.step()
         ref_opt.step()
         torch.cuda.synchronize()

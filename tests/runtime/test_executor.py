@@ -10,6 +10,7 @@ from autopart.core.capture import capture
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, build_schedule, in_flight_counts
 from autopart.runtime.executor import LocalExecutor
+from tests.numerics import assert_train_step_matches
 from tests.plans import even_positions, local_pipeline, manual_plan
 from tests.zoo import mlp
 
@@ -80,10 +81,4 @@ def test_fused_stages_match_within_tolerance() -> None:
     pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, devices=["cpu", "cpu"],
                             fuse=True)
     assert "fuse_s" in pipe.timings_s
-    loss = pipe.train_step(*args, target=target)
-    ref_loss = loss_fn(reference(*args), target)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=4e-5)
-    ref_params = dict(reference.named_parameters())
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=4e-5)
+    assert_train_step_matches(pipe, reference, args, target, loss_fn, atol=4e-5)
