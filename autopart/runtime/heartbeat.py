@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -49,6 +50,11 @@ class Heartbeat:
     (stuck in an action), and :meth:`tell_to_exit` asks a hung rank's own heartbeat thread
     to end its process (exit code ``HUNG_EXIT_CODE``), since its main thread cannot.
 
+    The thread is stopped and joined at interpreter exit if :meth:`stop` was not called: a
+    daemon thread still inside a store call when Python finalizes aborts the process
+    (``terminate called without an active exception``, SIGABRT), which failed jobs that
+    had finished.
+
     Args:
         store: the process group's rendezvous store.
         rank: this process's global rank; ``world``: the global world size.
@@ -66,6 +72,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="autopart-heartbeat", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)
 
     @contextlib.contextmanager
     def action(self, text: str) -> Iterator[None]:
@@ -143,9 +150,13 @@ class Heartbeat:
             return True
         return False
 
-    def stop(self) -> None:
-        """Stop beating (call before the process group is destroyed)."""
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop beating and wait up to ``timeout_s`` seconds for the thread to end (call
+        before the process group is destroyed; also run at interpreter exit)."""
         self._stop.set()
+        atexit.unregister(self.stop)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
