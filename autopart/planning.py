@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import time
 import warnings
 from typing import Any
@@ -12,11 +14,11 @@ from torch import nn
 
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
-from autopart.core.costgraph import CostGraph
+from autopart.core.costgraph import CostGraph, through_two_batches
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.version import __version__
-from autopart.loss_cost import estimate_loss_cost, measure_loss_cost, with_loss_cost
+from autopart.loss_cost import LossCost, estimate_loss_cost, measure_loss_cost, with_loss_cost
 from autopart.profiler import profile_graph
 from autopart.profiler.cache import (
     cache_enabled,
@@ -25,6 +27,7 @@ from autopart.profiler.cache import (
     profile_key,
     store_measure,
 )
+from autopart.profiler.calibrate import calibrate_to_whole_graph, whole_graph_times
 from autopart.profiler.links import LinkFigures, host_link
 from autopart.profiler.split_cost import measure_split_backward_factor
 from autopart.runtime.host import tune_cpu_allocator
@@ -156,10 +159,12 @@ class Profile:
         training: profiled forward + backward (True) or forward only.
         split_backward_factor: measured ``(I + W) / B`` of the zero-bubble split on this
             device (1.0 when not measured: inference, one rank, or zero_bubble excluded).
-        timings_s: seconds spent in ``capture_s``, ``profile_s`` and ``split_cost_s`` (a
-            phase read from the cache counts the reading).
+        timings_s: seconds spent in ``capture_s``, ``profile_s``, ``loss_cost_s``,
+            ``batch_points_s``, ``split_cost_s`` and ``link_s`` (a phase read from the cache
+            counts the reading).
         from_cache: the phases read from the profile cache: ``"profile"``,
-            ``"split_cost"`` (empty when the cache was off or missed).
+            ``"split_cost"``, and where m is left open ``"low_batch_profile"`` and
+            ``"high_batch_times"`` (empty when the cache was off or missed).
         host_link: the link between CPU ranks, measured when two or more ranks are ``cpu``
             (they run as gloo processes on this host), else None (device presets).
     """
@@ -206,7 +211,8 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                   example_kwargs: dict[str, Any] | None = None,
                   devices: list[str] | tuple[str, ...], num_microbatches: int | None = None,
                   training: bool = True, split_cost: bool = True, loss_fn: Any = None,
-                  example_target: Any = None, cache: bool | None = None) -> Profile:
+                  example_target: Any = None, cache: bool | None = None,
+                  low_batch: bool = True) -> Profile:
     """Capture ``model`` and measure every node's cost on ``devices[0]``.
 
     With ``num_microbatches`` the model is captured and profiled at the microbatch size, so
@@ -221,6 +227,17 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     the link between them is timed once per process and cached per machine
     (:func:`autopart.profiler.links.host_link`, about 3 s), so sends cost what they cost here
     (the preset's nominal figures, with a warning, when it cannot be timed).
+
+    When m is left to the solver and ``low_batch`` (default True), node times come from two
+    more profiles: the model captured and profiled at the smallest microbatch the solver may
+    choose and at the largest a pipeline on these ranks fills itself with (m = the rank
+    count), each rescaled so that its node times add up to that graph's whole forward and
+    backward, run as the runtime runs a stage
+    (:func:`autopart.profiler.calibrate.calibrate_to_whole_graph`), loss included. Each
+    node's time at a microbatch is then read off the line through its two points
+    (:func:`autopart.core.costgraph.through_two_batches`; ``timings_s["batch_points_s"]``).
+    The full batch's profile keeps the bytes. A graph that differs at those batches keeps the
+    one profile, scaled.
 
     With ``cache`` (default: on unless ``$AUTOPART_CACHE`` is ``0``/``off``) the costs and the
     split factor are read from the profile cache (:mod:`autopart.profiler.cache`,
@@ -272,8 +289,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     else:
         costs = measure()
     timings["profile_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    unlossed, loss = costs, None
     if training and loss_fn is not None:
-        t0 = time.perf_counter()
         if example_target is None or launch_on_meta(model):
             loss = estimate_loss_cost(captured)
         else:
@@ -282,6 +301,14 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             loss = measure_loss_cost(captured, loss_fn, target, devices[0])
         costs = with_loss_cost(costs, loss)
         timings["loss_cost_s"] = time.perf_counter() - t0
+    points = _batch_points(batch, candidates, len(devices)) if low_batch else None
+    if points is not None:
+        t0 = time.perf_counter()
+        with contextlib.suppress(PlanError):  # a batch-dependent graph: one point, scaled
+            costs = _two_point_costs(model, args, kwargs, points, batch, unlossed, loss,
+                                     devices[0], training, key, use_cache, hits,
+                                     _PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""))
+        timings["batch_points_s"] = time.perf_counter() - t0
     factor = 1.0
     if split_cost and training and len(devices) > 1:
         t0 = time.perf_counter()
@@ -307,6 +334,86 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
 _PROFILE_METHOD = ("measured:profile_graph(warmup=1,repeats=3,long_call_us=50000,"
                    "long=min-of-2-after-warm)")
+def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     points: tuple[int, int], batch: int, unlossed: CostGraph,
+                     loss: LossCost | None, device: str, training: bool, key: dict[str, Any],
+                     use_cache: bool, hits: set[str], method: str) -> CostGraph:
+    """The full batch's costs with node times from two smaller batches (see
+    :func:`profile_model`): at the smallest microbatch (``points[0]`` microbatches) a
+    profile calibrated to its whole graph, cached like a profile; at the larger one
+    (``points[1]``) the full batch's node shares calibrated to that graph's whole forward
+    and backward, cached as two numbers on the full batch's profile. The loss's cost is the
+    full batch's, scaled to each microbatch.
+
+    Raises:
+        PlanError: a graph captured at another batch differs (node count, names, ops).
+    """
+    def scaled(costs: CostGraph, m: int) -> CostGraph:
+        if loss is None:
+            return costs
+        r = 1.0 / m
+        return with_loss_cost(costs, dataclasses.replace(
+            loss, fwd_us=loss.fwd_us * r, bwd_us=loss.bwd_us * r,
+            saved_bytes=math.ceil(loss.saved_bytes * r),
+            transient_bytes=math.ceil(loss.transient_bytes * r)))
+
+    m_low, m_high = points
+    low_args, low_kwargs = microbatch_inputs(args, kwargs, m_low)
+    low_captured = capture(model, low_args, low_kwargs)
+    low_flat = low_captured.flatten_inputs(low_args, low_kwargs)
+
+    def measure_low() -> CostGraph:
+        low = profile_graph(low_captured, low_flat, device=device, training=training)
+        return calibrate_to_whole_graph(low, *whole_graph_times(low_captured, low_flat, device))
+
+    low_key = profile_key(low_captured.fingerprint, device, low_flat, dtype=_dtype_name(model),
+                          training=training, method=method + _CALIBRATION)
+    if use_cache:
+        low, hit = cached_profile(low_key, measure_low)
+        if hit:
+            hits.add("low_batch_profile")
+    else:
+        low = measure_low()
+    b_high = batch // m_high
+    names = (f"whole_graph_fwd_us@{b_high}{_CALIBRATION}",
+             f"whole_graph_bwd_us@{b_high}{_CALIBRATION}")
+    cached = [load_measure(key, n) for n in names] if use_cache else [None, None]
+    if cached[0] is not None and cached[1] is not None:
+        fwd_us, bwd_us = float(cached[0]), float(cached[1])
+        hits.add("high_batch_times")
+    else:
+        high_args, high_kwargs = microbatch_inputs(args, kwargs, m_high)
+        high_captured = capture(model, high_args, high_kwargs)
+        fwd_us, bwd_us = whole_graph_times(high_captured,
+                                           high_captured.flatten_inputs(high_args, high_kwargs),
+                                           device)
+        if use_cache:
+            for n, v in zip(names, (fwd_us, bwd_us), strict=True):
+                store_measure(key, n, v)
+    high = dataclasses.replace(calibrate_to_whole_graph(unlossed, fwd_us, bwd_us),
+                               batch_size=b_high)
+    return through_two_batches(scaled(unlossed, 1), scaled(low, m_low), scaled(high, m_high))
+
+
+#: How the two batch points are measured on top of ``_PROFILE_METHOD`` (cache key).
+_CALIBRATION = ",whole-graph-calibrated-v1"
+
+
+def _batch_points(batch: int, candidates: tuple[int, ...] | None,
+                  num_ranks: int) -> tuple[int, int] | None:
+    """The two microbatch counts profiled beside the full batch: the largest candidate
+    (smallest microbatch) and the smallest candidate >= ``num_ranks`` (the largest
+    microbatch a pipeline fills itself with); None when m is fixed or the two microbatches
+    are not both smaller than the batch and different."""
+    if not candidates:
+        return None
+    m_low = max(candidates)
+    m_high = min((m for m in candidates if m >= max(num_ranks, 2)), default=m_low)
+    if not batch // m_low < batch // m_high < batch:
+        return None
+    return m_low, m_high
+
+
 #: The split factor's name in the cache, with the revision of its measurement.
 _SPLIT_FACTOR = "split_backward_factor:pairs-median-v2"
 

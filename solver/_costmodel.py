@@ -54,6 +54,13 @@ class StageEstimate:
         return self.fwd_us + self.bwd_us + self.comm_us
 
 
+def _two_point(t0: float, t1: float, b0: int, b1: int) -> tuple[float, float]:
+    """``(fixed, linear at b0)`` of the line through ``(b1, t1)`` and ``(b0, t0)``, its slope
+    kept >= 0 (a time measured lower at the larger batch is noise: held at ``t1``)."""
+    slope = max((t0 - t1) / (b0 - b1), 0.0)
+    return t1 - slope * b1, slope * b0
+
+
 class CostModel:
     """The cost model of DESIGN.md evaluated at microbatch size ``b = batch_size / m``.
 
@@ -63,6 +70,16 @@ class CostModel:
     overhead (views, getitem) stay at ``t0`` instead of being raised to ``ov``. The backward of a
     node (input + weight gradient) is scaled as one op. Activation bytes (outputs, saved,
     crossing, graph inputs) scale as ``ceil(bytes * b / b0)``; parameter bytes do not scale.
+
+    When the graph was also profiled at a smaller batch ``b1`` (``CostGraph.low_batch_size``),
+    each part of each node (forward, input gradient, weight gradient) is the line through
+    its two measured times instead: ``t(b) = t1 + s * (b - b1)`` with
+    ``s = max((t0 - t1) / (b0 - b1), 0)``. This holds the costs that do not shrink with the
+    batch (reading a layer's weights, dispatch), which a single profile at the full batch
+    scales away: on this project's 2-core CPU, single-point scaling put a GPT-2-like
+    model's 1F1B step 11 % under at 16 microbatches and 14 % over at 2
+    (``benchmarks/fidelity``). The solver's microbatches are never smaller than ``b1``
+    (the smallest candidate), so the line is only used between its two points.
 
     Args:
         costs: the cost graph, profiled at ``costs.batch_size``.
@@ -98,18 +115,31 @@ class CostModel:
         # forward, input-gradient and weight-gradient parts, (fixed, linear) prefix sums, µs
         self._parts: dict[str, tuple[list[float], list[float]]] = {
             key: ([0.0], [0.0]) for key in ("fwd", "bwd_input", "bwd_weight")}
+        # per node (fixed, linear) of the forward and of the whole backward, µs
+        self._node_fwd: list[tuple[float, float]] = []
+        self._node_bwd: list[tuple[float, float]] = []
+        b0, b1 = costs.batch_size, costs.low_batch_size
         first_use: dict[str, int] = {}
         for i, nd in enumerate(costs.nodes):
-            fixed = min(nd.fwd_us, ov) + (min(nd.bwd_us, ov) if training else 0.0)
-            linear = max(nd.fwd_us - ov, 0.0) + (max(nd.bwd_us - ov, 0.0) if training else 0.0)
+            times = (nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us)
+            if b1:  # two profiled batches: the line through both, per part
+                parts = [_two_point(t0, t1, b0, b1)
+                         for t0, t1 in zip(times, costs.low_times[i], strict=True)]
+                bwd = (parts[1][0] + parts[2][0], parts[1][1] + parts[2][1])
+            else:
+                parts = [(min(t, ov), max(t - ov, 0.0)) for t in times]
+                bwd = (min(nd.bwd_us, ov), max(nd.bwd_us - ov, 0.0))  # scaled as one op
+            self._node_fwd.append(parts[0])
+            self._node_bwd.append(bwd)
+            fixed = parts[0][0] + (bwd[0] if training else 0.0)
+            linear = parts[0][1] + (bwd[1] if training else 0.0)
             self._fixed.append(self._fixed[-1] + fixed)
             self._linear.append(self._linear[-1] + linear)
             self._saved.append(self._saved[-1] + nd.saved_bytes)
-            for key, t in (("fwd", nd.fwd_us), ("bwd_input", nd.bwd_input_us),
-                           ("bwd_weight", nd.bwd_weight_us)):
+            for key, (f, ln_) in zip(("fwd", "bwd_input", "bwd_weight"), parts, strict=True):
                 fx, ln = self._parts[key]
-                fx.append(fx[-1] + min(t, ov))
-                ln.append(ln[-1] + max(t - ov, 0.0))
+                fx.append(fx[-1] + f)
+                ln.append(ln[-1] + ln_)
             for p in nd.params:
                 first_use.setdefault(p, i)
         mult = (2.0 + state_factor) if training else 1.0
@@ -277,11 +307,8 @@ class CostModel:
         bounds = [0, *positions, n]
         out: list[StageEstimate] = []
         for s, (a, z) in enumerate(itertools.pairwise(bounds)):
-            fwd = sum(min(nd.fwd_us, self.overhead_us)
-                      + max(nd.fwd_us - self.overhead_us, 0.0) * r for nd in costs.nodes[a:z])
-            bwd = sum(min(nd.bwd_us, self.overhead_us)
-                      + max(nd.bwd_us - self.overhead_us, 0.0) * r
-                      for nd in costs.nodes[a:z]) if self.training else 0.0
+            fwd = sum(f + ln * r for f, ln in self._node_fwd[a:z])
+            bwd = sum(f + ln * r for f, ln in self._node_bwd[a:z]) if self.training else 0.0
             cross_in = self.scale_bytes(self.crossing[a], r)
             cross_out = self.scale_bytes(self.crossing[z], r)
             comm = self.cluster.transfer_us(cross_out, s, s + 1) if z < n else 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -10,7 +11,7 @@ from typing import Any
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
 
-__all__ = ["NodeCost", "CostGraph", "COSTGRAPH_SCHEMA_VERSION"]
+__all__ = ["NodeCost", "CostGraph", "COSTGRAPH_SCHEMA_VERSION", "through_two_batches"]
 
 COSTGRAPH_SCHEMA_VERSION = 1
 
@@ -85,6 +86,11 @@ class CostGraph:
         batch_size: leading dimension of the inputs that were profiled.
         fingerprint: hash of the graph's structure (see ``autopart.core.capture.graph_fingerprint``).
         profile_wall_s: seconds the profiling took.
+        low_batch_size: a second, smaller profiled batch (0: none). With it, each node's
+            time at a batch ``b`` between the two is interpolated between its two measured
+            times instead of scaled from one (see ``autopart.solver._costmodel.CostModel``).
+        low_times: per node, in ``nodes`` order, ``(fwd_us, bwd_input_us, bwd_weight_us)``
+            measured at ``low_batch_size`` (empty when ``low_batch_size`` is 0).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -99,6 +105,8 @@ class CostGraph:
     fingerprint: str
     profile_wall_s: float = 0.0
     schema_version: int = field(default=COSTGRAPH_SCHEMA_VERSION)
+    low_batch_size: int = 0
+    low_times: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -127,6 +135,37 @@ class CostGraph:
                             "re-profile the model")
         if self.batch_size < 1:
             raise PlanError(f"CostGraph: batch_size must be >= 1, got {self.batch_size}")
+        if self.low_batch_size or self.low_times:
+            if not 1 <= self.low_batch_size < self.batch_size:
+                raise PlanError(f"CostGraph: low_batch_size must be in [1, batch_size = "
+                                f"{self.batch_size}), got {self.low_batch_size}")
+            if len(self.low_times) != len(self.nodes) or any(
+                    len(t) != 3 or min(t) < 0 for t in self.low_times):
+                raise PlanError(f"CostGraph: low_times needs one (fwd, bwd_input, bwd_weight) "
+                                f"triple of times >= 0 per node ({len(self.nodes)}), got "
+                                f"{len(self.low_times)}; re-profile the model")
+
+    def with_low_batch(self, low: CostGraph) -> CostGraph:
+        """This graph with ``low``'s node times as its second profiled batch.
+
+        Args:
+            low: the same model profiled at a smaller batch.
+
+        Raises:
+            PlanError: ``low``'s batch is not smaller, or its graph differs (node count,
+                names or ops): the model's graph depends on the batch size.
+        """
+        if not low.batch_size < self.batch_size:
+            raise PlanError(f"the second profile's batch ({low.batch_size}) must be smaller "
+                            f"than the first's ({self.batch_size})")
+        same = len(low.nodes) == len(self.nodes) and all(
+            a.name == b.name and a.op == b.op for a, b in zip(self.nodes, low.nodes, strict=True))
+        if not same:
+            raise PlanError(f"the graph captured at batch {low.batch_size} differs from the one "
+                            f"at batch {self.batch_size}; its times cannot be paired node by "
+                            "node")
+        times = tuple((n.fwd_us, n.bwd_input_us, n.bwd_weight_us) for n in low.nodes)
+        return dataclasses.replace(self, low_batch_size=low.batch_size, low_times=times)
 
     # ---- derived views -------------------------------------------------------------
     def total_fwd_us(self) -> float:
@@ -164,7 +203,10 @@ class CostGraph:
                        param_numel=dict(d["param_numel"]),
                        trainable=frozenset(d["trainable"]), source=d["source"],
                        bwd_source=d["bwd_source"], batch_size=int(d["batch_size"]),
-                       fingerprint=d["fingerprint"], profile_wall_s=float(d["profile_wall_s"]))
+                       fingerprint=d["fingerprint"], profile_wall_s=float(d["profile_wall_s"]),
+                       low_batch_size=int(d.get("low_batch_size", 0)),
+                       low_times=tuple((float(a), float(b), float(c))
+                                       for a, b, c in d.get("low_times", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"not a valid CostGraph: {exc}") from exc
 
@@ -184,3 +226,34 @@ class CostGraph:
         except json.JSONDecodeError as exc:
             raise PlanError(f"{path}: not JSON ({exc}); pass a file written by autopart") from exc
         return cls.from_dict(data)
+
+
+def through_two_batches(costs: CostGraph, low: CostGraph, high: CostGraph) -> CostGraph:
+    """``costs`` (the full batch's profile, which keeps its bytes) with node times from two
+    profiles of the same graph at smaller batches ``b1 < b2``: per node and part (forward,
+    input gradient, weight gradient) the line through ``(b1, t1)`` and ``(b2, t2)``, its
+    slope kept >= 0, gives the time at ``costs.batch_size``, and ``low``'s times become the
+    second point (:meth:`CostGraph.with_low_batch`). The cost model's line through those two
+    points is the same line.
+
+    Raises:
+        PlanError: the batches are not ``b1 < b2 < costs.batch_size``, or a graph differs.
+    """
+    b0, b1, b2 = costs.batch_size, low.batch_size, high.batch_size
+    if not b1 < b2 < b0:
+        raise PlanError(f"the two profiles' batches must be increasing and below the full "
+                        f"batch {b0}, got {b1} and {b2}")
+    if len(high.nodes) != len(costs.nodes) or any(
+            a.name != b.name or a.op != b.op for a, b in zip(costs.nodes, high.nodes, strict=True)):
+        raise PlanError(f"the graph captured at batch {b2} differs from the one at batch {b0}; "
+                        "its times cannot be paired node by node")
+
+    def at_b0(t1: float, t2: float) -> float:
+        return t1 + max((t2 - t1) / (b2 - b1), 0.0) * (b0 - b1)
+
+    nodes = tuple(dataclasses.replace(
+        n, fwd_us=at_b0(lo.fwd_us, hi.fwd_us),
+        bwd_input_us=at_b0(lo.bwd_input_us, hi.bwd_input_us),
+        bwd_weight_us=at_b0(lo.bwd_weight_us, hi.bwd_weight_us))
+        for n, lo, hi in zip(costs.nodes, low.nodes, high.nodes, strict=True))
+    return dataclasses.replace(costs, nodes=nodes).with_low_batch(low)

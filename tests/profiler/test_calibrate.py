@@ -1,0 +1,74 @@
+"""Whole-graph calibration of a profile, and the two-batch profile of profile_model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopart.core.capture import capture
+from autopart.planning import _batch_points, profile_model
+from autopart.profiler import profile_graph
+from autopart.profiler.calibrate import calibrate_to_whole_graph, whole_graph_times
+
+
+def _bn_model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    return model, torch.randn(8, 16)
+
+
+def test_whole_graph_times_leave_the_model_as_it_was() -> None:
+    model, x = _bn_model()
+    model.train()
+    captured = capture(model, (x,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    fwd_us, bwd_us = whole_graph_times(captured, captured.flatten_inputs((x,), {}), "cpu",
+                                       budget_s=0.05)
+    assert fwd_us > 0 and bwd_us > 0
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():  # running statistics included
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_calibration_keeps_the_node_shares_and_matches_the_whole_graph() -> None:
+    model, x = _bn_model()
+    captured = capture(model, (x,))
+    costs = profile_graph(captured, captured.flatten_inputs((x,), {}))
+    scaled = calibrate_to_whole_graph(costs, 1000.0, 3000.0)
+    assert scaled.total_fwd_us() == pytest.approx(1000.0)
+    assert scaled.total_bwd_us() == pytest.approx(3000.0)
+    big = max(range(len(costs.nodes)), key=lambda i: costs.nodes[i].fwd_us)
+    assert scaled.nodes[big].fwd_us / 1000.0 == pytest.approx(
+        costs.nodes[big].fwd_us / costs.total_fwd_us())
+    assert calibrate_to_whole_graph(costs, 0.0, 0.0) == costs  # nothing measured: unchanged
+
+
+def test_the_two_profiled_microbatches() -> None:
+    # the smallest microbatch and the largest that fills a pipeline (m = ranks)
+    assert _batch_points(32, (1, 2, 4, 8, 16), 2) == (16, 2)
+    assert _batch_points(32, (1, 2, 4, 8, 16), 4) == (16, 4)
+    assert _batch_points(8, (1, 2, 4), 1) == (4, 2)
+    assert _batch_points(4, (1, 2), 2) is None  # one microbatch size below the batch
+    assert _batch_points(32, None, 2) is None  # m fixed: profiled at the microbatch
+
+
+def test_profile_model_reads_node_times_off_two_microbatches() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 4))
+    x, y = torch.randn(16, 32), torch.randn(16, 4)
+    prof = profile_model(model, (x,), devices=["cpu", "cpu"], loss_fn=nn.functional.mse_loss,
+                         example_target=y, cache=False, split_cost=False)
+    assert prof.costs.low_batch_size == 2  # 16 rows, at most 8 microbatches of 2
+    assert len(prof.costs.low_times) == len(prof.costs.nodes)
+    assert "batch_points_s" in prof.timings_s
+    single = profile_model(model, (x,), devices=["cpu", "cpu"], cache=False, split_cost=False,
+                           low_batch=False)
+    assert single.costs.low_batch_size == 0 and "batch_points_s" not in single.timings_s
+    fixed = profile_model(model, (x,), devices=["cpu", "cpu"], cache=False, split_cost=False,
+                          num_microbatches=4)
+    assert fixed.costs.low_batch_size == 0
+    assert all(p.grad is None for p in model.parameters())

@@ -1,0 +1,84 @@
+"""Node times from two profiled batches: the CostGraph fields, the line through two points,
+and the cost model that reads it (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from autopart.core.costgraph import CostGraph, through_two_batches
+from autopart.core.errors import PlanError
+from autopart.solver._costmodel import CostModel
+
+
+def _times(g: CostGraph, scale: float) -> CostGraph:
+    return replace(g, nodes=tuple(replace(n, fwd_us=n.fwd_us * scale,
+                                          bwd_input_us=n.bwd_input_us * scale,
+                                          bwd_weight_us=n.bwd_weight_us * scale)
+                                  for n in g.nodes))
+
+
+def test_the_line_through_two_smaller_batches_gives_the_full_batchs_times(build) -> None:
+    full = build.chain(4, fwd=100.0, bwd=200.0, batch_size=16)
+    # at 2 rows: 20 µs forward (a fixed 10 + 5 per row), at 4 rows: 30 µs
+    low = replace(_times(full, 0.2), batch_size=2)
+    high = replace(_times(full, 0.3), batch_size=4)
+    g = through_two_batches(full, low, high)
+    assert g.low_batch_size == 2 and g.low_times[0] == pytest.approx((20.0, 20.0, 20.0))
+    # 10 + 5 x 16 = 90 µs forward at the full batch; bytes stay the full batch's
+    assert g.nodes[0].fwd_us == pytest.approx(90.0)
+    assert g.nodes[0].bwd_input_us == pytest.approx(90.0)
+    assert g.nodes[0].output_bytes == full.nodes[0].output_bytes
+    model = CostModel(g, build.cluster(2), batch_size=16, training=True, state_factor=2.0)
+    for m, rows in ((8, 2), (4, 4), (2, 8)):  # t(b) = 10 + 5 b per part, 4 nodes x 3 parts
+        assert model.time_us(0, 4, model.ratio(m)) == pytest.approx(4 * 3 * (10 + 5 * rows))
+        assert model.part_us("fwd", 0, 4, model.ratio(m)) == pytest.approx(4 * (10 + 5 * rows))
+    est = model.evaluate([2], 4)
+    assert est[0].fwd_us == pytest.approx(2 * 30.0) and est[0].bwd_us == pytest.approx(2 * 60.0)
+
+
+def test_a_time_lower_at_the_larger_batch_is_held_flat(build) -> None:
+    full = build.chain(2, fwd=100.0, bwd=200.0, batch_size=16)
+    low = replace(_times(full, 0.3), batch_size=2)
+    high = replace(_times(full, 0.2), batch_size=4)  # noise: lower at the larger batch
+    g = through_two_batches(full, low, high)
+    assert g.nodes[0].fwd_us == pytest.approx(30.0)
+    model = CostModel(g, build.cluster(2), batch_size=16, training=False, state_factor=0.0)
+    assert model.time_us(0, 2, model.ratio(2)) == pytest.approx(60.0)
+
+
+def test_without_a_second_batch_the_single_profile_is_scaled_as_before(build) -> None:
+    g = build.chain(3, fwd=100.0, bwd=200.0, batch_size=16)
+    model = CostModel(g, build.cluster(2, overhead_us=10.0), batch_size=16, training=True,
+                      state_factor=2.0)
+    # per node: forward 10 + 90 b/b0, backward (one op) 10 + 190 b/b0
+    assert model.time_us(0, 3, model.ratio(4)) == pytest.approx(3 * (10 + 90 / 4 + 10 + 190 / 4))
+    est = model.evaluate([1], 4)
+    assert est[0].fwd_us == pytest.approx(10 + 90 / 4)
+
+
+def test_paired_profiles_must_be_the_same_graph_at_smaller_batches(build) -> None:
+    full = build.chain(3, batch_size=16)
+    low = replace(build.chain(3, batch_size=2))
+    with pytest.raises(PlanError, match="increasing and below the full batch"):
+        through_two_batches(full, replace(low, batch_size=8), replace(low, batch_size=4))
+    with pytest.raises(PlanError, match="differs from the one at batch 16"):
+        through_two_batches(full, low, replace(build.chain(4), batch_size=4))
+    with pytest.raises(PlanError, match="differs from the one at batch 16"):
+        full.with_low_batch(build.chain(2, batch_size=2))
+    with pytest.raises(PlanError, match="must be smaller"):
+        full.with_low_batch(replace(low, batch_size=16))
+
+
+def test_the_second_batch_survives_json_and_is_validated(build) -> None:
+    full = build.chain(2, batch_size=16)
+    g = full.with_low_batch(replace(_times(full, 0.25), batch_size=4))
+    assert CostGraph.from_dict(g.to_dict()) == g
+    old = full.to_dict()
+    del old["low_batch_size"], old["low_times"]  # a profile cached before the fields existed
+    assert CostGraph.from_dict(old) == full
+    with pytest.raises(PlanError, match="low_times needs one"):
+        replace(g, low_times=g.low_times[:1])
+    with pytest.raises(PlanError, match="low_batch_size must be in"):
+        replace(g, low_batch_size=32)
