@@ -230,7 +230,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
 
     When m is left to the solver and ``low_batch`` (default True), node times come from two
     more profiles: the model captured and profiled at the smallest microbatch the solver may
-    choose and at the largest a pipeline on these ranks fills itself with (m = the rank
+    choose and at the one of m = twice the rank count (or, for few candidates, m = the rank
     count), each rescaled so that its node times add up to that graph's whole forward and
     backward, run as the runtime runs a stage
     (:func:`autopart.profiler.calibrate.calibrate_to_whole_graph`), loss included. Each
@@ -402,16 +402,18 @@ _CALIBRATION = ",whole-graph-calibrated-v1"
 def _batch_points(batch: int, candidates: tuple[int, ...] | None,
                   num_ranks: int) -> tuple[int, int] | None:
     """The two microbatch counts profiled beside the full batch: the largest candidate
-    (smallest microbatch) and the smallest candidate >= ``num_ranks`` (the largest
-    microbatch a pipeline fills itself with); None when m is fixed or the two microbatches
-    are not both smaller than the batch and different."""
+    (smallest microbatch) and the smallest candidate >= ``2 x num_ranks`` (where pipelines
+    usually run: the microbatch at m = ranks is the line's extrapolation), or failing that
+    >= ``num_ranks``; None when m is fixed or the two microbatches are not both smaller
+    than the batch and different."""
     if not candidates:
         return None
     m_low = max(candidates)
-    m_high = min((m for m in candidates if m >= max(num_ranks, 2)), default=m_low)
-    if not batch // m_low < batch // m_high < batch:
-        return None
-    return m_low, m_high
+    for least in (2 * max(num_ranks, 1), max(num_ranks, 2)):
+        m_high = min((m for m in candidates if m >= least), default=m_low)
+        if batch // m_low < batch // m_high < batch:
+            return m_low, m_high
+    return None
 
 
 #: The split factor's name in the cache, with the revision of its measurement.

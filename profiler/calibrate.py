@@ -18,16 +18,15 @@ __all__ = ["whole_graph_times", "calibrate_to_whole_graph"]
 
 
 def whole_graph_times(captured: CapturedGraph, flat_inputs: list[Any], device: str, *,
-                      min_repeats: int = 2, budget_s: float = 1.0) -> tuple[float, float]:
+                      min_repeats: int = 3, budget_s: float = 1.0) -> tuple[float, float]:
     """Forward and backward time of the whole graph run as one stage, µs.
 
     The graph is built as the runtimes build a stage (:func:`build_stage_modules`, no cut),
     its forward is timed, then its backward: ``torch.autograd.grad`` of the outputs that need a
     gradient (seeded with ones) with respect to the trainable parameters, which is the work
     of ``backward()`` without writing ``.grad``. One untimed warm-up, then at least
-    ``min_repeats`` timed runs and more while ``budget_s`` seconds have not gone by (one
-    timed run when the warm-up took a quarter of ``budget_s`` or more); the medians are
-    returned. ``time.perf_counter`` on CPU; on CUDA a synchronize closes each
+    ``min_repeats`` timed runs and more while ``budget_s`` seconds have not gone by; the
+    medians are returned. ``time.perf_counter`` on CPU; on CUDA a synchronize closes each
     timed part.
 
     The model's parameters, ``.grad``, buffers (BatchNorm statistics are restored) and
@@ -36,7 +35,7 @@ def whole_graph_times(captured: CapturedGraph, flat_inputs: list[Any], device: s
     Args:
         captured: the captured model; ``flat_inputs`` its flat inputs.
         device: where to run (the profiled device).
-        min_repeats: timed runs at least (default 2, >= 1).
+        min_repeats: timed runs at least (default 3, >= 1).
         budget_s: seconds after which no run beyond ``min_repeats`` starts (default 1.0).
 
     Returns:
@@ -72,9 +71,7 @@ def whole_graph_times(captured: CapturedGraph, flat_inputs: list[Any], device: s
         return (t1 - t0) * 1e6, ((t2 - t1) * 1e6 if roots and params else 0.0)
 
     try:
-        warm_f, warm_b = run()  # warm-up: allocator, first-call dispatch
-        if (warm_f + warm_b) / 1e6 >= budget_s / 4:  # long runs: one timed run is enough
-            min_repeats, budget_s = 1, 0.0
+        run()  # warm-up: allocator, first-call dispatch
         fwd: list[float] = []
         bwd: list[float] = []
         start = time.perf_counter()

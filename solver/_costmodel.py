@@ -205,10 +205,11 @@ class CostModel:
         scaled, bytes: the gradient of each node where a trainable parameter's path joins
         the activations' (a matmul reading its weight, a norm reading its scale), as big as
         that node's output (:class:`autopart.codegen.split_backward.SplitBackward`'s
-        intermediates). The same figure is charged on the first stage, where the model's
-        inputs need no gradient, ``I`` computes nothing and ``W`` runs the whole backward from
-        the stage's outputs (measured on GPT-2: this stays 1 % under the step's peak; the
-        output gradients alone left it 3 % under)."""
+        intermediates). Not for the first stage, where the model's inputs need no gradient:
+        there ``I`` computes nothing and ``W`` runs the whole backward from the stage's
+        outputs and their gradients, which is what the solver charges it
+        (``solver._evaluate``). Charging this figure there put the first rank's peak 49 %
+        over a CNN's measured ZB-H1 peak (2 gloo ranks, ``benchmarks/fidelity``)."""
         nodes = self.costs.nodes[start:stop]
         trainable = self.costs.trainable
         weight_only: set[str] = set()  # nodes computed from parameters alone

@@ -175,10 +175,15 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         cols["saved"].append((cross_in if rc[s] else act) + held_out)
         cols["extra"].append((transient + (act if rc[s] else 0)) if training else 0)
         split_here = training and splits_backward(kind, rc[s])
-        cols["held"].append(model.split_held_bytes(a, z, ratio) if split_here else 0)
+        # from I to W a split backward keeps the gradients W restarts from: where parameter
+        # paths join the activations' (SplitBackward's intermediates); on the first stage,
+        # whose inputs need no gradient, I computes nothing and W restarts from the stage's
+        # outputs and their gradients
+        cols["held"].append(0 if not split_here else 2 * cross_out if s == 0
+                            else model.split_held_bytes(a, z, ratio))
         # W returns weight gradients (up to all of the stage's, when their paths meet in one
-        # group); on the first stage it is the whole backward
-        cols["wgrad"].append((max(pbytes, transient) if s == 0 else pbytes) if split_here else 0)
+        # group); on the first stage it is the whole backward, whose working set they join
+        cols["wgrad"].append((pbytes + transient if s == 0 else pbytes) if split_here else 0)
         info.append((pbytes, numel))
     c = StageCosts(cols["fwd"], cols["bi"], cols["bw"], cols["sf"], cols["sb"], cols["static"],
                    cols["saved"], cols["extra"], cols["held"], cols["wgrad"])

@@ -47,9 +47,11 @@ def test_calibration_keeps_the_node_shares_and_matches_the_whole_graph() -> None
 
 
 def test_the_two_profiled_microbatches() -> None:
-    # the smallest microbatch and the largest that fills a pipeline (m = ranks)
-    assert _batch_points(32, (1, 2, 4, 8, 16), 2) == (16, 2)
-    assert _batch_points(32, (1, 2, 4, 8, 16), 4) == (16, 4)
+    # the smallest microbatch, and m = 2 x ranks (else m = ranks)
+    assert _batch_points(32, (1, 2, 4, 8, 16), 2) == (16, 4)
+    assert _batch_points(32, (1, 2, 4, 8, 16), 4) == (16, 8)
+    assert _batch_points(32, (1, 2, 4, 8, 16), 8) == (16, 8)
+    assert _batch_points(8, (1, 2, 4), 2) == (4, 2)
     assert _batch_points(8, (1, 2, 4), 1) == (4, 2)
     assert _batch_points(4, (1, 2), 2) is None  # one microbatch size below the batch
     assert _batch_points(32, None, 2) is None  # m fixed: profiled at the microbatch
