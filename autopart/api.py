@@ -134,8 +134,9 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                recompute=options.recompute, training=training,
                                time_limit_s=options.time_limit_s,
                                optimizer_state_bytes_per_param_byte=_state_factor(model, options),
-                               # torch's stages hold a receive buffer per microbatch
-                               receive_buffers_per_microbatch=distributed)
+                               # torch's stages: a receive buffer per microbatch, and
+                               # their own backward split
+                               runtime="distributed" if distributed else "local")
     return plan, profile.captured, profile.timings_s
 
 

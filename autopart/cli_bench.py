@@ -65,7 +65,7 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
     t0 = time.perf_counter()
     plan, profile = autopart.plan_model(net, args, devices=["cpu"] * ranks, loss_fn=loss_fn,
                                         example_target=target, num_microbatches=num_microbatches,
-                                        schedule=schedule, receive_buffers_per_microbatch=True)
+                                        schedule=schedule, runtime="distributed")
     plan_s = time.perf_counter() - t0
     cluster = profile.cluster()
     plans = {"autopart": plan}

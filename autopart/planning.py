@@ -212,14 +212,15 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                   devices: list[str] | tuple[str, ...], num_microbatches: int | None = None,
                   training: bool = True, split_cost: bool = True, loss_fn: Any = None,
                   example_target: Any = None, cache: bool | None = None,
-                  low_batch: bool = True) -> Profile:
+                  low_batch: bool = True, runtime: str = "local") -> Profile:
     """Capture ``model`` and measure every node's cost on ``devices[0]``.
 
     With ``num_microbatches`` the model is captured and profiled at the microbatch size, so
     the same capture serves code generation. Otherwise it is captured at the full batch and
     the solver picks m among the divisors that leave microbatches of at least 2 rows
     (export specialises size-1 dimensions, which can change the graph). With ``split_cost``
-    (and training on more than one rank) zero-bubble's I/W split factor is measured too
+    (and training on more than one rank) zero-bubble's I/W split factor is measured too, as
+    ``runtime`` (``"local"``, default, or ``"distributed"``) splits a backward
     (:func:`autopart.profiler.split_cost.measure_split_backward_factor`). With ``loss_fn``
     (training) the loss's own cost is added to the graph's last node: measured on
     ``example_target`` (the full batch's target) when given, else estimated
@@ -312,15 +313,17 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     factor = 1.0
     if split_cost and training and len(devices) > 1:
         t0 = time.perf_counter()
-        cached = load_measure(key, _SPLIT_FACTOR) if use_cache else None
+        split_name = _SPLIT_FACTOR + ("" if runtime == "local" else f":{runtime}")
+        cached = load_measure(key, split_name) if use_cache else None
         if cached is not None:
             factor = cached
             hits.add("split_cost")
         else:
             factor = measure_split_backward_factor(captured, flat, costs, devices[0],
-                                                   find_candidates(costs, 3).positions)
+                                                   find_candidates(costs, 3).positions,
+                                                   runtime=runtime)
             if use_cache:
-                store_measure(key, _SPLIT_FACTOR, factor)
+                store_measure(key, split_name, factor)
         timings["split_cost_s"] = time.perf_counter() - t0
     link = None
     if len(devices) > 1 and all(torch.device(d).type == "cpu" for d in devices):
@@ -434,7 +437,7 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                stages_per_rank: int | None = None, recompute: bool | None = None,
                training: bool = True, time_limit_s: float = 10.0, loss_fn: Any = None,
                example_target: Any = None, cache: bool | None = None,
-               **solve_options: Any) -> tuple[Plan, Profile]:
+               runtime: str = "local", **solve_options: Any) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``devices`` and solve for a plan ("profile once, solve several
     ways": ``profile.solve(schedule_kind="1f1b", ...)`` re-solves on the same costs).
 
@@ -457,6 +460,10 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             :func:`profile_model`.
         cache: read and store the costs in the profile cache (:func:`profile_model`);
             None (default): on unless ``$AUTOPART_CACHE`` is ``0``/``off``.
+        runtime: the runtime the plan is for, ``"local"`` (default) or ``"distributed"``:
+            whose backward split is timed (:func:`profile_model`), and with
+            ``"distributed"`` ``receive_buffers_per_microbatch`` defaults to True (torch's
+            stages receive into one buffer per microbatch).
         **solve_options: further :class:`autopart.solver.SolveOptions` fields
             (``memory_cap_bytes``, ``optimizer_state_bytes_per_param_byte``, ...).
 
@@ -474,10 +481,12 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     # the split cost matters only where the solver may still pick zero_bubble (v = 1)
     may_split = (fixed.get("stages_per_rank", 1) == 1
                  and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble")
+    if runtime == "distributed":
+        solve_options.setdefault("receive_buffers_per_microbatch", True)
     profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
                             devices=device_names, num_microbatches=num_microbatches,
                             training=training, split_cost=may_split, loss_fn=loss_fn,
-                            example_target=example_target, cache=cache)
+                            example_target=example_target, cache=cache, runtime=runtime)
     t0 = time.perf_counter()
     plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed, **solve_options)
     profile.timings_s["solve_s"] = time.perf_counter() - t0

@@ -69,8 +69,7 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 5,
                   f"{RANKS} CPU ranks x 1 thread; torch {torch.__version__}")
     t0 = time.perf_counter()
     plan, profile = autopart.plan_model(model, args, devices=["cpu"] * RANKS, loss_fn=loss_fn,
-                                        example_target=target,
-                                        receive_buffers_per_microbatch=True)
+                                        example_target=target, runtime="distributed")
     compile_s = time.perf_counter() - t0
     print_plan(plan, console)
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in profile.timings_s.items())

@@ -53,7 +53,8 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
                                   costs: CostGraph, device: str, positions: Sequence[int], *,
                                   min_pairs: int = 3, max_pairs: int = 8,
                                   max_spread: float = 0.05, budget_s: float = 2.0,
-                                  start: float = 0.25, share: float = 0.06) -> float:
+                                  start: float = 0.25, share: float = 0.06,
+                                  runtime: str = "local") -> float:
     """``(I + W) / B`` of the executor's zero-bubble split, timed on a small piece of the model.
 
     The graph is cut around a piece of about ``share`` of its profiled time (see
@@ -92,6 +93,11 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
             (default 2.0).
         start, share: where the piece starts and how much of the profiled time it holds
             (:func:`piece_cuts`).
+        runtime: whose split is timed: ``"local"`` (default; the local executor's
+            :class:`~autopart.codegen.split_backward.SplitBackward`) or ``"distributed"``
+            (torch.distributed.pipelining's ``stage_backward_input`` and
+            ``stage_backward_weight``, which the distributed runtime's stages run; measured
+            here 1.08-1.13 against SplitBackward's 1.05-1.11 on the same pieces).
 
     Returns:
         The factor, or 1.0 where it cannot be measured (fewer than two cut candidates, or
@@ -99,11 +105,14 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
         gradient).
 
     Raises:
-        ValueError: ``min_pairs < 1`` or ``max_pairs < min_pairs``.
+        ValueError: ``min_pairs < 1`` or ``max_pairs < min_pairs``, or an unknown
+            ``runtime``.
     """
+    if runtime not in ("local", "distributed"):
+        raise ValueError(f"runtime must be 'local' or 'distributed', got {runtime!r}")
     ratios = _timed_ratios(captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
                            max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s,
-                           start=start, share=share)
+                           start=start, share=share, runtime=runtime)
     return factor_of(ratios)
 
 
@@ -131,10 +140,23 @@ def factor_of(ratios: Sequence[float], *, step: float = 0.05) -> float:
     return max(1.0, round(round(median / step) * step, 6))
 
 
+def _pipelining_split(roots: list[torch.Tensor], grads: list[torch.Tensor],
+                      inputs: list[torch.Tensor], params: list[torch.nn.Parameter]) -> None:
+    """``I`` then ``W`` as the distributed runtime runs them: torch.distributed.pipelining's
+    ``stage_backward_input`` and ``stage_backward_weight`` (its zero-bubble stages)."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    _, groups = stage_backward_input(roots, grads, inputs, iter(params))
+    stage_backward_weight(iter(params), groups)
+
+
 def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGraph,
                   device: str, positions: Sequence[int], *, min_pairs: int, max_pairs: int,
                   max_spread: float, budget_s: float, start: float, share: float,
-                  ) -> list[float]:
+                  runtime: str = "local") -> list[float]:
     """The pairs' ``(I + W) / B`` ratios, in the order timed (empty: not measurable)."""
     if min_pairs < 1 or max_pairs < min_pairs:
         raise ValueError(f"need 1 <= min_pairs <= max_pairs, got min_pairs={min_pairs}, "
@@ -176,12 +198,16 @@ def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGr
             if not roots:
                 return None
             grads = [torch.ones_like(o) for o in roots]
-            split = SplitBackward(roots, grads, [a for a in leaves if isinstance(a, torch.Tensor)
-                                                 and a.requires_grad], params)
+            needing = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
             (b_us,), _ = time_samples(dev, lambda: lambda: torch.autograd.backward(
                 roots, grads, retain_graph=True), 0, 1)
-            (s_us,), _ = time_samples(dev, lambda: lambda: (split.input_grads(),
-                                                            split.weight_grads()), 0, 1)
+            if runtime == "distributed":
+                (s_us,), _ = time_samples(dev, lambda: lambda: _pipelining_split(
+                    roots, grads, needing, params), 0, 1)
+            else:
+                split = SplitBackward(roots, grads, needing, params)
+                (s_us,), _ = time_samples(dev, lambda: lambda: (split.input_grads(),
+                                                                split.weight_grads()), 0, 1)
             return s_us / b_us if b_us > 0 else None
 
         if pair() is None:  # the warm-up; None: the outputs need no gradient

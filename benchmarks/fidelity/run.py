@@ -134,7 +134,7 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
         t0 = time.perf_counter()
         solver_plan, profile = autopart.plan_model(model, args, devices=["cpu"] * P,
                                                    loss_fn=loss_fn, example_target=target,
-                                                   receive_buffers_per_microbatch=True)
+                                                   runtime="distributed")
         profiles[name] = {"profile": profile, "compile_s": time.perf_counter() - t0}
         wanted = [(k, v, m, rc) for w, k, v, m, rc in grid if w == name]
         todo: list[tuple[str, Any]] = [("solver", solver_plan)] if with_solver else []

@@ -10,7 +10,9 @@ from autopart.profiler.split_cost import factor_of, measure_split_backward_facto
 from autopart.solver import find_candidates
 
 
-def test_measured_split_factor_leaves_the_model_as_it_was() -> None:
+@pytest.mark.parametrize("runtime", ["local", "distributed"])
+def test_measured_split_factor_leaves_the_model_as_it_was(runtime: str) -> None:
+    # "distributed" times torch.distributed.pipelining's stage_backward_input / _weight
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU())
                             for _ in range(6)]).train()
@@ -22,7 +24,7 @@ def test_measured_split_factor_leaves_the_model_as_it_was() -> None:
     rng = torch.random.get_rng_state()
     factor = measure_split_backward_factor(captured, flat, costs, "cpu",
                                            find_candidates(costs, 3).positions, min_pairs=1,
-                                           max_pairs=2)
+                                           max_pairs=2, runtime=runtime)
     assert factor >= 1.0
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
@@ -78,3 +80,6 @@ def test_pair_counts_are_checked() -> None:
     with pytest.raises(ValueError, match="1 <= min_pairs"):
         measure_split_backward_factor(captured, flat, costs, "cpu", [1, 3],  # type: ignore
                                       min_pairs=0)
+    with pytest.raises(ValueError, match="runtime must be 'local' or 'distributed'"):
+        measure_split_backward_factor(captured, flat, costs, "cpu", [1, 3],  # type: ignore
+                                      runtime="mpi")
