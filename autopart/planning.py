@@ -234,7 +234,9 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     choose and at the one of m = twice the rank count (or, for few candidates, m = the rank
     count), each rescaled so that its node times add up to that graph's whole forward and
     backward, run as the runtime runs a stage
-    (:func:`autopart.profiler.calibrate.calibrate_to_whole_graph`), loss included. Each
+    (:func:`autopart.profiler.calibrate.calibrate_to_whole_graph`); the loss is measured at
+    those two microbatches instead of the full batch (whose logits may not fit any cache:
+    the demo's 16k-vocabulary loss cost 14x more per row at the full batch). Each
     node's time at a microbatch is then read off the line through its two points
     (:func:`autopart.core.costgraph.through_two_batches`; ``timings_s["batch_points_s"]``).
     The full batch's profile keeps the bytes. A graph that differs at those batches keeps the
@@ -291,25 +293,38 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         costs = measure()
     timings["profile_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    unlossed, loss = costs, None
-    if training and loss_fn is not None:
-        if example_target is None or launch_on_meta(model):
-            loss = estimate_loss_cost(captured)
-        else:
-            target = (example_target if num_microbatches is None
-                      else InputSignature.split_target(example_target, num_microbatches)[0])
-            loss = measure_loss_cost(captured, loss_fn, target, devices[0])
-        costs = with_loss_cost(costs, loss)
-        timings["loss_cost_s"] = time.perf_counter() - t0
+    measured_loss = (training and loss_fn is not None and example_target is not None
+                     and not launch_on_meta(model))
+
+    def loss_at(cap: CapturedGraph, m: int | None) -> LossCost | None:
+        """The loss's cost at the batch ``cap`` was captured at (``m`` microbatches)."""
+        if not (training and loss_fn is not None):
+            return None
+        if not measured_loss:
+            return estimate_loss_cost(cap)
+        target = example_target if m is None else InputSignature.split_target(
+            example_target, m)[0]
+        return measure_loss_cost(cap, loss_fn, target, devices[0])
+
     points = _batch_points(batch, candidates, len(devices)) if low_batch else None
+    two_point: CostGraph | None = None
     if points is not None:
+        # node and loss times from two smaller microbatches; the full batch keeps the bytes
         t0 = time.perf_counter()
         with contextlib.suppress(PlanError):  # a batch-dependent graph: one point, scaled
-            costs = _two_point_costs(model, args, kwargs, points, batch, unlossed, loss,
-                                     devices[0], training, key, use_cache, hits,
-                                     _PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""))
+            two_point = _two_point_costs(model, args, kwargs, points, batch, costs, loss_at,
+                                         devices[0], training, key, use_cache, hits,
+                                         _PROFILE_METHOD + (",cpu-malloc=kept" if malloc
+                                                            else ""))
         timings["batch_points_s"] = time.perf_counter() - t0
+    if two_point is not None:
+        costs = two_point
+    elif training and loss_fn is not None:
+        t0 = time.perf_counter()
+        loss = loss_at(captured, num_microbatches)
+        assert loss is not None
+        costs = with_loss_cost(costs, loss)
+        timings["loss_cost_s"] = time.perf_counter() - t0
     factor = 1.0
     if split_cost and training and len(devices) > 1:
         t0 = time.perf_counter()
@@ -339,27 +354,19 @@ _PROFILE_METHOD = ("measured:profile_graph(warmup=1,repeats=3,long_call_us=50000
                    "long=min-of-2-after-warm)")
 def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      points: tuple[int, int], batch: int, unlossed: CostGraph,
-                     loss: LossCost | None, device: str, training: bool, key: dict[str, Any],
+                     loss_at: Any, device: str, training: bool, key: dict[str, Any],
                      use_cache: bool, hits: set[str], method: str) -> CostGraph:
-    """The full batch's costs with node times from two smaller batches (see
+    """The full batch's costs with node and loss times from two smaller batches (see
     :func:`profile_model`): at the smallest microbatch (``points[0]`` microbatches) a
     profile calibrated to its whole graph, cached like a profile; at the larger one
     (``points[1]``) the full batch's node shares calibrated to that graph's whole forward
-    and backward, cached as two numbers on the full batch's profile. The loss's cost is the
-    full batch's, scaled to each microbatch.
+    and backward, cached as numbers on the full batch's profile. The loss (``loss_at(captured,
+    m)``, None without one) is measured at both microbatches: the line through them gives
+    its time at the full batch, and its bytes there are the larger microbatch's, scaled.
 
     Raises:
         PlanError: a graph captured at another batch differs (node count, names, ops).
     """
-    def scaled(costs: CostGraph, m: int) -> CostGraph:
-        if loss is None:
-            return costs
-        r = 1.0 / m
-        return with_loss_cost(costs, dataclasses.replace(
-            loss, fwd_us=loss.fwd_us * r, bwd_us=loss.bwd_us * r,
-            saved_bytes=math.ceil(loss.saved_bytes * r),
-            transient_bytes=math.ceil(loss.transient_bytes * r)))
-
     m_low, m_high = points
     low_args, low_kwargs = microbatch_inputs(args, kwargs, m_low)
     low_captured = capture(model, low_args, low_kwargs)
@@ -377,12 +384,14 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
             hits.add("low_batch_profile")
     else:
         low = measure_low()
-    b_high = batch // m_high
-    names = (f"whole_graph_fwd_us@{b_high}{_CALIBRATION}",
-             f"whole_graph_bwd_us@{b_high}{_CALIBRATION}")
-    cached = [load_measure(key, n) for n in names] if use_cache else [None, None]
-    if cached[0] is not None and cached[1] is not None:
-        fwd_us, bwd_us = float(cached[0]), float(cached[1])
+    loss_low = loss_at(low_captured, m_low)
+    b_low, b_high = batch // m_low, batch // m_high
+    fields = ("fwd_us", "bwd_us", "loss_fwd_us", "loss_bwd_us", "loss_saved_bytes",
+              "loss_transient_bytes")
+    names = [f"whole_graph_{f}@{b_high}{_CALIBRATION}" for f in fields]
+    cached = [load_measure(key, n) for n in names] if use_cache else [None] * len(names)
+    if all(v is not None for v in cached):
+        values = [float(v) for v in cached if v is not None]
         hits.add("high_batch_times")
     else:
         high_args, high_kwargs = microbatch_inputs(args, kwargs, m_high)
@@ -390,12 +399,31 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         fwd_us, bwd_us = whole_graph_times(high_captured,
                                            high_captured.flatten_inputs(high_args, high_kwargs),
                                            device)
+        loss_high = loss_at(high_captured, m_high)
+        values = [fwd_us, bwd_us] + ([0.0] * 4 if loss_high is None else [
+            loss_high.fwd_us, loss_high.bwd_us, float(loss_high.saved_bytes),
+            float(loss_high.transient_bytes)])
         if use_cache:
-            for n, v in zip(names, (fwd_us, bwd_us), strict=True):
+            for n, v in zip(names, values, strict=True):
                 store_measure(key, n, v)
-    high = dataclasses.replace(calibrate_to_whole_graph(unlossed, fwd_us, bwd_us),
+    high = dataclasses.replace(calibrate_to_whole_graph(unlossed, values[0], values[1]),
                                batch_size=b_high)
-    return through_two_batches(scaled(unlossed, 1), scaled(low, m_low), scaled(high, m_high))
+    if loss_low is not None:
+        loss_high = LossCost(values[2], values[3], int(values[4]), int(values[5]),
+                             loss_low.source)
+
+        def at_full(t_low: float, t_high: float) -> float:
+            return t_low + max((t_high - t_low) / (b_high - b_low), 0.0) * (batch - b_low)
+
+        scale = batch / b_high
+        loss_full = LossCost(at_full(loss_low.fwd_us, loss_high.fwd_us),
+                             at_full(loss_low.bwd_us, loss_high.bwd_us),
+                             math.ceil(loss_high.saved_bytes * scale),
+                             math.ceil(loss_high.transient_bytes * scale), loss_low.source)
+        unlossed = with_loss_cost(unlossed, loss_full)
+        low = with_loss_cost(low, loss_low)
+        high = with_loss_cost(high, loss_high)
+    return through_two_batches(unlossed, low, high)
 
 
 #: How the two batch points are measured on top of ``_PROFILE_METHOD`` (cache key).

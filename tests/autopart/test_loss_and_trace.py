@@ -39,11 +39,16 @@ def test_cross_entropy_saves_about_its_logits_and_lands_on_the_last_node() -> No
     guess = estimate_loss_cost(captured)
     assert (guess.saved_bytes, guess.transient_bytes, guess.source) == (logits, 2 * logits,
                                                                         "estimated")
-    profile = profile_model(Head(), (x,), devices=["cpu"], loss_fn=_ce, example_target=y)
-    plain = profile_model(Head(), (x,), devices=["cpu"])
+    profile = profile_model(Head(), (x,), devices=["cpu"], loss_fn=_ce, example_target=y,
+                            low_batch=False)
+    plain = profile_model(Head(), (x,), devices=["cpu"], low_batch=False)
     last, before = profile.costs.nodes[-1], plain.costs.nodes[-1]
     assert last.saved_bytes >= before.saved_bytes + logits
     assert "loss_cost_s" in profile.timings_s and "loss_cost_s" not in plain.timings_s
+    # with m open, the loss is measured at two microbatches and its bytes scaled up
+    two = profile_model(Head(), (x,), devices=["cpu"], loss_fn=_ce, example_target=y)
+    assert two.costs.low_batch_size == 2 and "batch_points_s" in two.timings_s
+    assert two.costs.nodes[-1].saved_bytes >= before.saved_bytes + logits
     folded = with_loss_cost(plain.costs, cost)
     assert folded.nodes[-1].fwd_us == pytest.approx(before.fwd_us + cost.fwd_us)
     assert folded.nodes[:-1] == plain.costs.nodes[:-1]
