@@ -306,7 +306,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             example_target, m)[0]
         return measure_loss_cost(cap, loss_fn, target, devices[0])
 
-    points = _batch_points(batch, candidates, len(devices)) if low_batch else None
+    points = batch_points(batch, candidates, len(devices)) if low_batch else None
     two_point: CostGraph | None = None
     if points is not None:
         # node and loss times from two smaller microbatches; the full batch keeps the bytes
@@ -430,7 +430,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 _CALIBRATION = ",whole-graph-calibrated-v1"
 
 
-def _batch_points(batch: int, candidates: tuple[int, ...] | None,
+def batch_points(batch: int, candidates: tuple[int, ...] | None,
                   num_ranks: int) -> tuple[int, int] | None:
     """The two microbatch counts profiled beside the full batch: the largest candidate
     (smallest microbatch) and the smallest candidate >= ``2 x num_ranks`` (where pipelines

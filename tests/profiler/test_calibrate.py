@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autopart.core.capture import capture
-from autopart.planning import _batch_points, profile_model
+from autopart.planning import batch_points, profile_model
 from autopart.profiler import profile_graph
 from autopart.profiler.calibrate import calibrate_to_whole_graph, whole_graph_times
 
@@ -48,13 +48,13 @@ def test_calibration_keeps_the_node_shares_and_matches_the_whole_graph() -> None
 
 def test_the_two_profiled_microbatches() -> None:
     # the smallest microbatch, and m = 2 x ranks (else m = ranks)
-    assert _batch_points(32, (1, 2, 4, 8, 16), 2) == (16, 4)
-    assert _batch_points(32, (1, 2, 4, 8, 16), 4) == (16, 8)
-    assert _batch_points(32, (1, 2, 4, 8, 16), 8) == (16, 8)
-    assert _batch_points(8, (1, 2, 4), 2) == (4, 2)
-    assert _batch_points(8, (1, 2, 4), 1) == (4, 2)
-    assert _batch_points(4, (1, 2), 2) is None  # one microbatch size below the batch
-    assert _batch_points(32, None, 2) is None  # m fixed: profiled at the microbatch
+    assert batch_points(32, (1, 2, 4, 8, 16), 2) == (16, 4)
+    assert batch_points(32, (1, 2, 4, 8, 16), 4) == (16, 8)
+    assert batch_points(32, (1, 2, 4, 8, 16), 8) == (16, 8)
+    assert batch_points(8, (1, 2, 4), 2) == (4, 2)
+    assert batch_points(8, (1, 2, 4), 1) == (4, 2)
+    assert batch_points(4, (1, 2), 2) is None  # one microbatch size below the batch
+    assert batch_points(32, None, 2) is None  # m fixed: profiled at the microbatch
 
 
 def test_profile_model_reads_node_times_off_two_microbatches() -> None:
