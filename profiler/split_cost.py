@@ -65,10 +65,10 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
     ``torch.autograd.backward(..., retain_graph=True)`` (``B``) and then, on the same graph,
     as
     :class:`autopart.codegen.split_backward.SplitBackward`'s ``input_grads`` then
-    ``weight_grads`` (``I + W``); with ``runtime="distributed"`` torch's split gets a second
-    forward of its own (it detaches the outputs in place). The pair's ratio is taken back to
-    back, on the same activations where it can, so load that drifts over seconds (other
-    processes on a shared machine) cancels out of it. The first pair is a warm-up. Pairs are
+    ``weight_grads`` (``I + W``), or with ``runtime="distributed"`` torch's split on copies of
+    the outputs, as the distributed stages send them. The pair's ratio is taken back to back
+    on the same activations, so load that drifts over seconds (other processes on a shared
+    machine) cancels out of it. The first pair is a warm-up. Pairs are
     timed until at least ``min_pairs`` ratios spread by at most ``max_spread`` (``(max - min) / median``), or
     ``max_pairs`` were timed, or ``budget_s`` seconds went by after ``min_pairs``. The factor
     is :func:`factor_of` the ratios: their median, rounded to 0.05, where it exceeds 1 by
@@ -190,8 +190,6 @@ def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGr
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return []
 
-        fell_back: list[bool] = []
-
         def pair() -> float | None:
             """One forward, then B and I + W on its graph: ``(I + W) / B`` (None: no backward)."""
             leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
@@ -200,26 +198,15 @@ def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGr
             roots = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
             if not roots:
                 return None
+            if runtime == "distributed":  # the distributed stages send copies (see _P2PStage)
+                roots = [o.clone() for o in roots]
             grads = [torch.ones_like(o) for o in roots]
             needing = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
             (b_us,), _ = time_samples(dev, lambda: lambda: torch.autograd.backward(
-                roots, grads, retain_graph=runtime == "local" or bool(fell_back)), 0, 1)
-            if runtime == "distributed" and not fell_back:
-                # torch's split detaches the stage outputs in place: a forward of its own
-                del roots, out
-                leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
-                          and a.requires_grad else a for a in args]
-                out = middle(*leaves)
-                roots = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
-                needing = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
-                try:
-                    (s_us,), _ = time_samples(dev, lambda: lambda: _pipelining_split(
-                        roots, grads, needing, params), 0, 1)
-                except RuntimeError:
-                    # W reads a stage output that torch's I detached in place (an output the
-                    # piece also saves): torch cannot split this piece; time SplitBackward
-                    fell_back.append(True)
-                    return pair()
+                roots, grads, retain_graph=True), 0, 1)
+            if runtime == "distributed":
+                (s_us,), _ = time_samples(dev, lambda: lambda: _pipelining_split(
+                    roots, grads, needing, params), 0, 1)
             else:
                 split = SplitBackward(roots, grads, needing, params)
                 (s_us,), _ = time_samples(dev, lambda: lambda: (split.input_grads(),

@@ -24,7 +24,7 @@ from autopart.codegen.recompute import recompute_context
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.jsonio import write_text_atomic
-from autopart.core.schedule import build_schedule, to_csv
+from autopart.core.schedule import build_schedule, splits_backward, to_csv
 from autopart.core.trace import Trace, TraceEvent
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.host import tune_cpu_allocator
@@ -43,13 +43,21 @@ class _P2PStage(nn.Module):
     the plan marks ``recompute`` runs its forward under non-reentrant
     ``torch.utils.checkpoint`` when gradients are on: only its inputs are kept, and the
     backward rebuilds the rest.
+
+    A stage whose backward splits (``split_backward``) sends copies of its outputs: torch's
+    ``stage_backward_input`` detaches every stage output in place once ``I`` is done, and
+    where the stage itself saved one for its ``W`` (a linear's input that also crosses the
+    cut) that ``W`` failed with "Trying to use a saved tensor that has been detached
+    in-place". A copy is one boundary tensor per microbatch.
     """
 
-    def __init__(self, stage: fx.GraphModule, runner: nn.Module, recompute: bool = False) -> None:
+    def __init__(self, stage: fx.GraphModule, runner: nn.Module, recompute: bool = False,
+                 split_backward: bool = False) -> None:
         super().__init__()
         self.stage = stage
         self._run = [runner]  # the module itself, or torch.compile of it (not a submodule)
         self.recompute = recompute
+        self.split_backward = split_backward
         self._layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
         for node in stage.graph.nodes:
             if node.op != "placeholder":
@@ -75,7 +83,15 @@ class _P2PStage(nn.Module):
                              context_fn=recompute_context(self.stage))
         else:
             out = runner(*restored)
-        return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
+        sent = []
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                dense = o.contiguous()
+                if self.split_backward and dense is o and o.requires_grad:
+                    dense = o.clone()  # torch's I detaches what it sent; the stage keeps o
+                o = dense
+            sent.append(o)
+        return tuple(sent)
 
 
 def _restride(dense: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -230,7 +246,8 @@ class DistributedPipeline(nn.Module):
                                     hung_after_s=step_timeout_s)
         self.pipeline_stages = [
             _TracedStage(self._heartbeat,
-                         _P2PStage(stages.modules[s], stages.runners[s], plan.stages[s].recompute),
+                         _P2PStage(stages.modules[s], stages.runners[s], plan.stages[s].recompute,
+                                   splits_backward(plan.schedule_kind, plan.stages[s].recompute)),
                          s, plan.num_stages, device, group=self._p2p_group)
             for s in self.local_stages]
         # The last runtime built, kept while steps keep its (m, training): a new runtime re-runs

@@ -257,3 +257,17 @@ def test_a_stage_whose_only_input_is_the_token_ids_trains(kind: str, v: int) -> 
     for name, lines in sorted(reports.items()):
         assert lines[0].startswith("cut "), lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"  # loss and every gradient matched
+
+
+@pytest.mark.parametrize("kind", ["zero_bubble", "1f1b"])
+def test_a_stage_output_the_stage_saves_survives_a_split_backward(kind: str) -> None:
+    """torch's ``stage_backward_input`` detaches every stage output in place; a stage that
+    saved one of them (a linear's input it also sends on) crashed in its ``W`` with 'Trying
+    to use a saved tensor that has been detached in-place'."""
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("reused_output", 3, kind, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
+    for name, lines in sorted(reports.items()):
+        assert lines[0] == "cuts [1, 4]: [['linear'], ['linear_1', 'linear_2']]", lines
+        assert lines[1:] == [], f"{name}: {lines[1:]}"  # loss and every gradient matched

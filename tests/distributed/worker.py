@@ -456,3 +456,56 @@ def integer_cut(rank: int, world: int, port: int, kind: str, v: int, result_dir:
                            *problems]) + "\n")
     pipe.close()
     dist.destroy_process_group()
+
+
+class _Reused(torch.nn.Module):
+    """``h = l1(a)`` is read by ``l2`` (which saves it for its weight gradient) and again
+    after ``l2``: with cuts after ``l0`` and after ``l2`` the middle stage sends ``h`` while
+    its own backward still needs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.l3 = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(torch.relu(self.l0(x)))
+        y = self.l2(h)
+        return self.l3(torch.relu(h + y))
+
+
+def reused_output(rank: int, world: int, port: int, kind: str, result_dir: str) -> None:
+    """A stage output the stage itself saved (``h`` above) under ``kind``: torch's split
+    backward detaches every stage output in place after ``I``, so its ``W`` would find a
+    saved tensor detached; loss and every gradient must equal the plain model's."""
+    sys.path.insert(0, os.getcwd())
+    import autopart
+    from autopart.codegen.split import crossing_names
+    from autopart.core.capture import capture
+    from tests.plans import manual_plan
+
+    _setup(rank, world, port, 60)
+    torch.manual_seed(0)
+    model = _Reused()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    m = 4
+    captured = capture(model, (x[: 8 // m],))
+    ops = [n for n in captured.graph_module.graph.nodes if n.op == "call_function"]
+
+    def after(module: str) -> int:
+        return 1 + max(i for i, n in enumerate(ops) if any(
+            path == module for path, _ in (n.meta.get("nn_module_stack") or {}).values()))
+
+    cuts = [after("l0"), after("l2")]
+    plan = manual_plan(captured, cuts, m, 8, schedule_kind=kind)
+    pipe = autopart.compile(model, (x,), loss_fn=torch.nn.functional.mse_loss, plan=plan,
+                            backend="distributed")
+    loss = pipe.train_step(x, target=y)
+    ref_loss = torch.nn.functional.mse_loss(reference(x), y)
+    ref_loss.backward()
+    problems = _compare(pipe, loss, ref_loss, reference)
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join([f"cuts {cuts}: {crossing_names(captured, cuts)}",
+                           *problems]) + "\n")
+    pipe.close()
+    dist.destroy_process_group()
