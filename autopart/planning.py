@@ -14,7 +14,7 @@ from torch import nn
 
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
-from autopart.core.costgraph import CostGraph, through_two_batches
+from autopart.core.costgraph import CostGraph, through_two_batches, time_on_line
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.version import __version__
@@ -282,15 +282,9 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                       method=_PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""))
     hits: set[str] = set()
 
-    def measure() -> CostGraph:
-        return profile_graph(captured, flat, device=devices[0], training=training)
-
-    if use_cache:
-        costs, hit = cached_profile(key, measure)
-        if hit:
-            hits.add("profile")
-    else:
-        costs = measure()
+    costs = _cached_or_measured(key, lambda: profile_graph(captured, flat, device=devices[0],
+                                                           training=training),
+                                use_cache, hits, "profile")
     timings["profile_s"] = time.perf_counter() - t0
 
     measured_loss = (training and loss_fn is not None and example_target is not None
@@ -352,6 +346,18 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
 _PROFILE_METHOD = ("measured:profile_graph(warmup=1,repeats=3,long_call_us=50000,"
                    "long=min-of-2-after-warm)")
+def _cached_or_measured(key: dict[str, Any], measure: Any, use_cache: bool, hits: set[str],
+                        phase: str) -> CostGraph:
+    """``measure()``'s CostGraph, read from (and stored in) the profile cache under ``key``
+    when ``use_cache``; ``phase`` goes into ``hits`` when it was read."""
+    if not use_cache:
+        return measure()
+    costs, hit = cached_profile(key, measure)
+    if hit:
+        hits.add(phase)
+    return costs
+
+
 def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      points: tuple[int, int], batch: int, unlossed: CostGraph,
                      loss_at: Any, device: str, training: bool, key: dict[str, Any],
@@ -378,12 +384,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
     low_key = profile_key(low_captured.fingerprint, device, low_flat, dtype=_dtype_name(model),
                           training=training, method=method + _CALIBRATION)
-    if use_cache:
-        low, hit = cached_profile(low_key, measure_low)
-        if hit:
-            hits.add("low_batch_profile")
-    else:
-        low = measure_low()
+    low = _cached_or_measured(low_key, measure_low, use_cache, hits, "low_batch_profile")
     loss_low = loss_at(low_captured, m_low)
     b_low, b_high = batch // m_low, batch // m_high
     fields = ("fwd_us", "bwd_us", "loss_fwd_us", "loss_bwd_us", "loss_saved_bytes",
@@ -413,7 +414,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                              loss_low.source)
 
         def at_full(t_low: float, t_high: float) -> float:
-            return t_low + max((t_high - t_low) / (b_high - b_low), 0.0) * (batch - b_low)
+            return time_on_line(t_low, t_high, b_low, b_high, batch)
 
         scale = batch / b_high
         loss_full = LossCost(at_full(loss_low.fwd_us, loss_high.fwd_us),

@@ -11,7 +11,8 @@ from typing import Any
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
 
-__all__ = ["NodeCost", "CostGraph", "COSTGRAPH_SCHEMA_VERSION", "through_two_batches"]
+__all__ = ["NodeCost", "CostGraph", "COSTGRAPH_SCHEMA_VERSION", "through_two_batches",
+           "time_on_line"]
 
 COSTGRAPH_SCHEMA_VERSION = 1
 
@@ -228,6 +229,13 @@ class CostGraph:
         return cls.from_dict(data)
 
 
+def time_on_line(t1: float, t2: float, b1: int, b2: int, b: int) -> float:
+    """Time at batch ``b`` on the line through ``(b1, t1)`` and ``(b2, t2)``, its slope kept
+    >= 0 (a time measured lower at the larger batch is noise: held at ``t1``). Times in any
+    one unit (µs here), batches in rows, ``b1 < b2``."""
+    return t1 + max((t2 - t1) / (b2 - b1), 0.0) * (b - b1)
+
+
 def through_two_batches(costs: CostGraph, low: CostGraph, high: CostGraph) -> CostGraph:
     """``costs`` (the full batch's profile, which keeps its bytes) with node times from two
     profiles of the same graph at smaller batches ``b1 < b2``: per node and part (forward,
@@ -249,7 +257,7 @@ def through_two_batches(costs: CostGraph, low: CostGraph, high: CostGraph) -> Co
                         "its times cannot be paired node by node")
 
     def at_b0(t1: float, t2: float) -> float:
-        return t1 + max((t2 - t1) / (b2 - b1), 0.0) * (b0 - b1)
+        return time_on_line(t1, t2, b1, b2, b0)
 
     nodes = tuple(dataclasses.replace(
         n, fwd_us=at_b0(lo.fwd_us, hi.fwd_us),
