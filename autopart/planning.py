@@ -315,7 +315,9 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         costs = two_point
     elif training and loss_fn is not None:
         t0 = time.perf_counter()
-        loss = loss_at(captured, num_microbatches)
+        loss = _cached_loss(key, f"@m{num_microbatches}", lambda: loss_at(captured,
+                                                                        num_microbatches),
+                            devices[0], use_cache)
         assert loss is not None
         costs = with_loss_cost(costs, loss)
         timings["loss_cost_s"] = time.perf_counter() - t0
@@ -385,10 +387,11 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     low_key = profile_key(low_captured.fingerprint, device, low_flat, dtype=_dtype_name(model),
                           training=training, method=method + _CALIBRATION)
     low = _cached_or_measured(low_key, measure_low, use_cache, hits, "low_batch_profile")
-    loss_low = loss_at(low_captured, m_low)
     b_low, b_high = batch // m_low, batch // m_high
     fields = ("fwd_us", "bwd_us", "loss_fwd_us", "loss_bwd_us", "loss_saved_bytes",
               "loss_transient_bytes")
+    loss_low = _cached_loss(key, f"@{b_low}{_CALIBRATION}", lambda: loss_at(low_captured, m_low),
+                            device, use_cache)
     names = [f"whole_graph_{f}@{b_high}{_CALIBRATION}" for f in fields]
     cached = [load_measure(key, n) for n in names] if use_cache else [None] * len(names)
     if all(v is not None for v in cached):
@@ -425,6 +428,26 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         low = with_loss_cost(low, loss_low)
         high = with_loss_cost(high, loss_high)
     return through_two_batches(unlossed, low, high)
+
+
+def _cached_loss(key: dict[str, Any], suffix: str, measure: Any, device: str,
+                 use_cache: bool) -> LossCost | None:
+    """``measure()``'s :class:`LossCost` (None: no loss), a measured one read from (and
+    stored in) the profile cache as numbers ``loss_<field><suffix>`` on ``key``'s profile,
+    so a second launch plans on the loss cost of the first (re-measured, it moved the
+    plan's predicted step by 1 % and its cuts between two launches)."""
+    fields = ("fwd_us", "bwd_us", "saved_bytes", "transient_bytes")
+    names = [f"loss_{f}{suffix}" for f in fields]
+    cached = [load_measure(key, n) for n in names] if use_cache else [None]
+    if all(v is not None for v in cached):
+        fwd, bwd, saved, transient = (float(v) for v in cached if v is not None)
+        return LossCost(fwd, bwd, int(saved), int(transient), f"measured:{torch.device(device)}")
+    loss = measure()
+    if loss is not None and use_cache and loss.source.startswith("measured:"):
+        for n, v in zip(names, (loss.fwd_us, loss.bwd_us, loss.saved_bytes,
+                                loss.transient_bytes), strict=True):
+            store_measure(key, n, v)
+    return loss
 
 
 #: How the two batch points are measured on top of ``_PROFILE_METHOD`` (cache key).

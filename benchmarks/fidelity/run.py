@@ -117,6 +117,12 @@ GRID = [("gpt2", "gpipe", 1, 4, False), ("gpt2", "gpipe", 1, 8, False),
 QUICK = [("gpt2", "1f1b", 1, 8, False), ("gpt2", "gpipe", 1, 4, False)]
 
 
+def _label(point: tuple[str, str, int, int, bool]) -> str:
+    """'gpt2:1f1b v1 m8 recompute' for a grid point."""
+    w, kind, v, m, rc = point
+    return f"{w}:{kind} v{v} m{m}" + (" recompute" if rc else "")
+
+
 # ---- the parent ---------------------------------------------------------------------------
 def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
           with_solver: bool) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -139,7 +145,7 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
         wanted = [(k, v, m, rc) for w, k, v, m, rc in grid if w == name]
         todo: list[tuple[str, Any]] = [("solver", solver_plan)] if with_solver else []
         for kind, v, m, rc in wanted:
-            todo.append((f"{kind} v{v} m{m}" + (" recompute" if rc else ""),
+            todo.append((_label((name, kind, v, m, rc)).split(":", 1)[1],
                          profile.solve(schedule_kind=kind, stages_per_rank=v,
                                        num_microbatches=m, recompute=rc,
                                        receive_buffers_per_microbatch=True)))
@@ -173,13 +179,25 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent))
     parser.add_argument("--arms-per-process", type=int, default=3,
                         help="plans alive at once in a set of ranks (default 3; see README)")
+    parser.add_argument("--only", action="append", default=[], metavar="LABEL",
+                        help="measure only grid plans whose label starts with this, e.g. "
+                             "'gpt2:zero_bubble v1 m8' (repeatable; the solver's plans stay)")
+    parser.add_argument("--traces", default=None, metavar="DIR",
+                        help="also keep every plan, predicted trace and measured trace here")
     opts = parser.parse_args()
     from autopart.bench import run_arms
     from autopart.trace import Trace, gantt
 
-    work = tempfile.mkdtemp(prefix="autopart-fidelity-")
+    work = opts.traces or tempfile.mkdtemp(prefix="autopart-fidelity-")
+    Path(work).mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    rows, profiles, plan_of = plans(QUICK if opts.quick else GRID, work, with_solver=True)
+    grid = QUICK if opts.quick else GRID
+    if opts.only:
+        grid = [g for g in grid if any(_label(g).startswith(o) for o in opts.only)]
+        if not grid:
+            parser.error(f"--only {opts.only} matches no grid plan; labels look like "
+                         f"{_label(GRID[0])!r}")
+    rows, profiles, plan_of = plans(grid, work, with_solver=True)
     here = Path(__file__).resolve()
     measured: dict[str, Any] = {}
     for name in profiles:  # per workload, groups of plans alternated on one set of ranks

@@ -73,3 +73,22 @@ def test_profile_reports_what_came_from_the_cache(monkeypatch: pytest.MonkeyPatc
     assert planning.profile_model(other, (x,), devices=["cpu", "cpu"],
                                   cache=False).from_cache == frozenset()
     assert len(profiles) == 4  # the MLP's full batch and smallest microbatch, other's twice
+
+
+@pytest.mark.parametrize("num_microbatches", [None, 2], ids=["m-open", "m-fixed"])
+def test_a_second_launch_reads_the_measured_loss_and_plans_the_same(
+        monkeypatch: pytest.MonkeyPatch, num_microbatches: int | None) -> None:
+    """The loss measured with an example target is cached with the profile: a re-measured
+    loss moved the demo's plan (cuts and predicted step) from one launch to the next."""
+    losses = _counting(monkeypatch, "measure_loss_cost")
+    model, args, target, loss_fn = mlp()
+    kwargs: dict[str, Any] = dict(devices=["cpu", "cpu"], loss_fn=loss_fn,
+                                  example_target=target, num_microbatches=num_microbatches)
+    cold = planning.profile_model(model, args, **kwargs)
+    measured = len(losses)
+    assert measured >= 1
+    warm = planning.profile_model(model, args, **kwargs)
+    assert len(losses) == measured  # read, not measured again
+    assert warm.costs == cold.costs
+    planning.profile_model(model, args, cache=False, **kwargs)
+    assert len(losses) > measured  # without the cache it is measured again
