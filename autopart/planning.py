@@ -27,9 +27,9 @@ from autopart.profiler.cache import (
     profile_key,
     store_measure,
 )
-from autopart.profiler.calibrate import calibrate_to_whole_graph, whole_graph_times
+from autopart.profiler.calibrate import calibrate_to_segments, segment_cuts, segment_times
 from autopart.profiler.links import LinkFigures, host_link
-from autopart.profiler.split_cost import measure_split_backward_factor
+from autopart.profiler.split_cost import measure_split_backward_overhead
 from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime.launch import on_meta as launch_on_meta
 from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
@@ -157,8 +157,9 @@ class Profile:
         num_microbatches: m when fixed, else None.
         microbatch_candidates: the m values the solver may choose from (None when fixed).
         training: profiled forward + backward (True) or forward only.
-        split_backward_factor: measured ``(I + W) / B`` of the zero-bubble split on this
-            device (1.0 when not measured: inference, one rank, or zero_bubble excluded).
+        split_backward_factor: a multiplicative charge on zero-bubble's I and W
+            (``SolveOptions.split_backward_factor``): 1.0, as the split's cost is measured
+            per node (``split_backward_us_per_node``).
         timings_s: seconds spent in ``capture_s``, ``profile_s``, ``loss_cost_s``,
             ``batch_points_s``, ``split_cost_s`` and ``link_s`` (a phase read from the cache
             counts the reading).
@@ -167,6 +168,9 @@ class Profile:
             ``"high_batch_times"`` (empty when the cache was off or missed).
         host_link: the link between CPU ranks, measured when two or more ranks are ``cpu``
             (they run as gloo processes on this host), else None (device presets).
+        split_backward_us_per_node: what zero-bubble's I/W split adds per node with a
+            backward, per microbatch, µs, measured at the smallest microbatch the plan may
+            use (0.0 when not measured: inference, one rank, or zero_bubble excluded).
     """
 
     captured: CapturedGraph
@@ -180,6 +184,7 @@ class Profile:
     timings_s: dict[str, float]
     from_cache: frozenset[str] = frozenset()
     host_link: LinkFigures | None = None
+    split_backward_us_per_node: float = 0.0
 
     def cluster(self) -> Cluster:
         """The devices as the solver sees them, with the measured host link if any."""
@@ -192,7 +197,8 @@ class Profile:
         base: dict[str, Any] = dict(
             batch_size=self.batch_size, num_microbatches=self.num_microbatches,
             microbatch_candidates=self.microbatch_candidates, training=self.training,
-            library_versions=library_versions(), split_backward_factor=self.split_backward_factor)
+            library_versions=library_versions(), split_backward_factor=self.split_backward_factor,
+            split_backward_us_per_node=self.split_backward_us_per_node)
         if choices.get("num_microbatches") is not None:  # one m of the profiled candidates
             base["microbatch_candidates"] = None
         return SolveOptions(**{**base, **choices})
@@ -219,9 +225,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     the same capture serves code generation. Otherwise it is captured at the full batch and
     the solver picks m among the divisors that leave microbatches of at least 2 rows
     (export specialises size-1 dimensions, which can change the graph). With ``split_cost``
-    (and training on more than one rank) zero-bubble's I/W split factor is measured too, as
-    ``runtime`` (``"local"``, default, or ``"distributed"``) splits a backward
-    (:func:`autopart.profiler.split_cost.measure_split_backward_factor`). With ``loss_fn``
+    (and training on more than one rank) what zero-bubble's I/W split adds per node is
+    measured too, as ``runtime`` (``"local"``, default, or ``"distributed"``) splits a
+    backward, at the smallest microbatch the plan may use
+    (:func:`autopart.profiler.split_cost.measure_split_backward_overhead`). With ``loss_fn``
     (training) the loss's own cost is added to the graph's last node: measured on
     ``example_target`` (the full batch's target) when given, else estimated
     (:mod:`autopart.loss_cost`). With two or more ``cpu`` ranks (gloo processes on this host)
@@ -232,10 +239,12 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     When m is left to the solver and ``low_batch`` (default True), node times come from two
     more profiles: the model captured and profiled at the smallest microbatch the solver may
     choose and at the one of m = twice the rank count (or, for few candidates, m = the rank
-    count), each rescaled so that its node times add up to that graph's whole forward and
-    backward, run as the runtime runs a stage
-    (:func:`autopart.profiler.calibrate.calibrate_to_whole_graph`); the loss is measured at
-    those two microbatches instead of the full batch (whose logits may not fit any cache:
+    count), each rescaled segment by segment: the graph is cut at candidates into 8
+    segments of nearly equal profiled time, run in sequence as the runtimes run stages, and
+    each segment's nodes are scaled to add up to its forward and backward
+    (:func:`autopart.profiler.calibrate.segment_times`); one factor for the whole graph
+    left the fidelity benchmark's GPT-2 head 15 % over and its blocks 3-8 % under at 2
+    rows. The loss is measured at those two microbatches instead of the full batch (whose logits may not fit any cache:
     the demo's 16k-vocabulary loss cost 14x more per row at the full batch). Each
     node's time at a microbatch is then read off the line through its two points
     (:func:`autopart.core.costgraph.through_two_batches`; ``timings_s["batch_points_s"]``).
@@ -243,7 +252,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     one profile, scaled.
 
     With ``cache`` (default: on unless ``$AUTOPART_CACHE`` is ``0``/``off``) the costs and the
-    split factor are read from the profile cache (:mod:`autopart.profiler.cache`,
+    split's per-node cost are read from the profile cache (:mod:`autopart.profiler.cache`,
     ``$AUTOPART_CACHE_DIR``, else ``~/.cache/autopart``) when they were measured before for
     the same graph fingerprint, device (a CPU's model and thread count, a GPU's name),
     input shapes, dtype and library versions, and stored there otherwise. So a second
@@ -302,14 +311,14 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
 
     points = batch_points(batch, candidates, len(devices)) if low_batch else None
     two_point: CostGraph | None = None
+    smallest: tuple[CapturedGraph, list[Any], CostGraph] | None = None
     if points is not None:
         # node and loss times from two smaller microbatches; the full batch keeps the bytes
         t0 = time.perf_counter()
         with contextlib.suppress(PlanError):  # a batch-dependent graph: one point, scaled
-            two_point = _two_point_costs(model, args, kwargs, points, batch, costs, loss_at,
-                                         devices[0], training, key, use_cache, hits,
-                                         _PROFILE_METHOD + (",cpu-malloc=kept" if malloc
-                                                            else ""))
+            two_point, smallest = _two_point_costs(
+                model, args, kwargs, points, batch, costs, loss_at, devices[0], training, key,
+                use_cache, hits, _PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""))
         timings["batch_points_s"] = time.perf_counter() - t0
     if two_point is not None:
         costs = two_point
@@ -321,20 +330,22 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         assert loss is not None
         costs = with_loss_cost(costs, loss)
         timings["loss_cost_s"] = time.perf_counter() - t0
-    factor = 1.0
+    split_us = 0.0
     if split_cost and training and len(devices) > 1:
         t0 = time.perf_counter()
-        split_name = _SPLIT_FACTOR + ("" if runtime == "local" else f":{runtime}")
+        split_name = _SPLIT_OVERHEAD + ("" if runtime == "local" else f":{runtime}")
         cached = load_measure(key, split_name) if use_cache else None
         if cached is not None:
-            factor = cached
+            split_us = cached
             hits.add("split_cost")
         else:
-            factor = measure_split_backward_factor(captured, flat, costs, devices[0],
-                                                   find_candidates(costs, 3).positions,
-                                                   runtime=runtime)
+            # the smallest microbatch's graph where the solver chooses m (the split's cost per
+            # node weighs most there), else the one profiled
+            piece = smallest if smallest is not None else (captured, flat, costs)
+            split_us = measure_split_backward_overhead(
+                *piece, devices[0], find_candidates(piece[2], 3).positions, runtime=runtime)
             if use_cache:
-                store_measure(key, split_name, factor)
+                store_measure(key, split_name, split_us)
         timings["split_cost_s"] = time.perf_counter() - t0
     link = None
     if len(devices) > 1 and all(torch.device(d).type == "cpu" for d in devices):
@@ -342,7 +353,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         link = host_link(use_cache)
         timings["link_s"] = time.perf_counter() - t0
     return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
-                   factor, timings, frozenset(hits), link)
+                   1.0, timings, frozenset(hits), link, split_us)
 
 
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
@@ -363,7 +374,8 @@ def _cached_or_measured(key: dict[str, Any], measure: Any, use_cache: bool, hits
 def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      points: tuple[int, int], batch: int, unlossed: CostGraph,
                      loss_at: Any, device: str, training: bool, key: dict[str, Any],
-                     use_cache: bool, hits: set[str], method: str) -> CostGraph:
+                     use_cache: bool, hits: set[str], method: str,
+                     ) -> tuple[CostGraph, tuple[CapturedGraph, list[Any], CostGraph]]:
     """The full batch's costs with node and loss times from two smaller batches (see
     :func:`profile_model`): at the smallest microbatch (``points[0]`` microbatches) a
     profile calibrated to its whole graph, cached like a profile; at the larger one
@@ -371,6 +383,9 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     and backward, cached as numbers on the full batch's profile. The loss (``loss_at(captured,
     m)``, None without one) is measured at both microbatches: the line through them gives
     its time at the full batch, and its bytes there are the larger microbatch's, scaled.
+
+    Returns:
+        The costs, and the smallest microbatch's capture, flat inputs and profile.
 
     Raises:
         PlanError: a graph captured at another batch differs (node count, names, ops).
@@ -382,17 +397,19 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
     def measure_low() -> CostGraph:
         low = profile_graph(low_captured, low_flat, device=device, training=training)
-        return calibrate_to_whole_graph(low, *whole_graph_times(low_captured, low_flat, device))
+        cuts = _calibration_cuts(low)
+        return calibrate_to_segments(low, cuts, segment_times(low_captured, low_flat, device, cuts))
 
     low_key = profile_key(low_captured.fingerprint, device, low_flat, dtype=_dtype_name(model),
                           training=training, method=method + _CALIBRATION)
     low = _cached_or_measured(low_key, measure_low, use_cache, hits, "low_batch_profile")
     b_low, b_high = batch // m_low, batch // m_high
-    fields = ("fwd_us", "bwd_us", "loss_fwd_us", "loss_bwd_us", "loss_saved_bytes",
-              "loss_transient_bytes")
     loss_low = _cached_loss(key, f"@{b_low}{_CALIBRATION}", lambda: loss_at(low_captured, m_low),
                             device, use_cache)
-    names = [f"whole_graph_{f}@{b_high}{_CALIBRATION}" for f in fields]
+    cuts = _calibration_cuts(unlossed)
+    fields = ("loss_fwd_us", "loss_bwd_us", "loss_saved_bytes", "loss_transient_bytes",
+              *(f"segment{k}_{f}" for k in range(len(cuts) + 1) for f in ("fwd_us", "bwd_us")))
+    names = [f"{f}@{b_high}{_CALIBRATION}" for f in fields]
     cached = [load_measure(key, n) for n in names] if use_cache else [None] * len(names)
     if all(v is not None for v in cached):
         values = [float(v) for v in cached if v is not None]
@@ -400,20 +417,20 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     else:
         high_args, high_kwargs = microbatch_inputs(args, kwargs, m_high)
         high_captured = capture(model, high_args, high_kwargs)
-        fwd_us, bwd_us = whole_graph_times(high_captured,
-                                           high_captured.flatten_inputs(high_args, high_kwargs),
-                                           device)
+        times = segment_times(high_captured, high_captured.flatten_inputs(high_args, high_kwargs),
+                              device, cuts)
         loss_high = loss_at(high_captured, m_high)
-        values = [fwd_us, bwd_us] + ([0.0] * 4 if loss_high is None else [
+        values = ([0.0] * 4 if loss_high is None else [
             loss_high.fwd_us, loss_high.bwd_us, float(loss_high.saved_bytes),
-            float(loss_high.transient_bytes)])
+            float(loss_high.transient_bytes)]) + [t for pair in times for t in pair]
         if use_cache:
             for n, v in zip(names, values, strict=True):
                 store_measure(key, n, v)
-    high = dataclasses.replace(calibrate_to_whole_graph(unlossed, values[0], values[1]),
-                               batch_size=b_high)
+    seg = values[4:]
+    high = dataclasses.replace(calibrate_to_segments(unlossed, cuts, list(zip(
+        seg[0::2], seg[1::2], strict=True))), batch_size=b_high)
     if loss_low is not None:
-        loss_high = LossCost(values[2], values[3], int(values[4]), int(values[5]),
+        loss_high = LossCost(values[0], values[1], int(values[2]), int(values[3]),
                              loss_low.source)
 
         def at_full(t_low: float, t_high: float) -> float:
@@ -427,7 +444,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         unlossed = with_loss_cost(unlossed, loss_full)
         low = with_loss_cost(low, loss_low)
         high = with_loss_cost(high, loss_high)
-    return through_two_batches(unlossed, low, high)
+    return through_two_batches(unlossed, low, high), (low_captured, low_flat, low)
 
 
 def _cached_loss(key: dict[str, Any], suffix: str, measure: Any, device: str,
@@ -450,8 +467,19 @@ def _cached_loss(key: dict[str, Any], suffix: str, measure: Any, device: str,
     return loss
 
 
+def _calibration_cuts(costs: CostGraph) -> tuple[int, ...]:
+    """Where a profile is cut for its calibration: up to :data:`_CALIBRATION_SEGMENTS`
+    segments of nearly equal profiled time, at cut candidates
+    (:func:`autopart.profiler.calibrate.segment_cuts`)."""
+    return segment_cuts(costs, find_candidates(costs, 3).positions, _CALIBRATION_SEGMENTS)
+
+
+#: Segments a profile is calibrated in: their times in sequence, as stages run, set the
+#: shares of the profile's nodes in each (see profile_model).
+_CALIBRATION_SEGMENTS = 8
+
 #: How the two batch points are measured on top of ``_PROFILE_METHOD`` (cache key).
-_CALIBRATION = ",whole-graph-calibrated-v1"
+_CALIBRATION = ",segment-calibrated-v2"
 
 
 def batch_points(batch: int, candidates: tuple[int, ...] | None,
@@ -471,8 +499,8 @@ def batch_points(batch: int, candidates: tuple[int, ...] | None,
     return None
 
 
-#: The split factor's name in the cache, with the revision of its measurement.
-_SPLIT_FACTOR = "split_backward_factor:pairs-median-v2"
+#: The split's per-node cost's name in the cache, with the revision of its measurement.
+_SPLIT_OVERHEAD = "split_backward_us_per_node:smallest-microbatch-v2"
 
 
 def _dtype_name(model: nn.Module) -> str:

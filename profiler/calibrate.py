@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,9 +14,10 @@ import torch
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
 from autopart.core.capture import CapturedGraph
-from autopart.core.costgraph import CostGraph
+from autopart.core.costgraph import CostGraph, NodeCost
 
-__all__ = ["whole_graph_times", "calibrate_to_whole_graph"]
+__all__ = ["whole_graph_times", "calibrate_to_whole_graph", "segment_times",
+           "calibrate_to_segments", "segment_cuts"]
 
 
 def whole_graph_times(captured: CapturedGraph, flat_inputs: list[Any], device: str, *,
@@ -100,10 +103,156 @@ def calibrate_to_whole_graph(costs: CostGraph, fwd_us: float, bwd_us: float) -> 
     node sums were 12-17 % under its whole forward at a microbatch of 2 rows, a small CNN's
     14 %. The shares of the nodes stay the profile's.
     """
-    total_f = sum(n.fwd_us for n in costs.nodes)
-    total_b = sum(n.bwd_us for n in costs.nodes)
+    return dataclasses.replace(costs, nodes=_rescaled(costs.nodes, fwd_us, bwd_us))
+
+
+def _rescaled(nodes: Sequence[NodeCost], fwd_us: float, bwd_us: float) -> tuple[NodeCost, ...]:
+    """``nodes`` with forward times scaled to sum to ``fwd_us`` and both backward parts to
+    ``bwd_us`` (a zero sum or target leaves that side as it was)."""
+    total_f = sum(n.fwd_us for n in nodes)
+    total_b = sum(n.bwd_us for n in nodes)
     rf = fwd_us / total_f if total_f > 0 and fwd_us > 0 else 1.0
     rb = bwd_us / total_b if total_b > 0 and bwd_us > 0 else 1.0
-    nodes = tuple(dataclasses.replace(n, fwd_us=n.fwd_us * rf, bwd_input_us=n.bwd_input_us * rb,
-                                      bwd_weight_us=n.bwd_weight_us * rb) for n in costs.nodes)
-    return dataclasses.replace(costs, nodes=nodes)
+    return tuple(dataclasses.replace(n, fwd_us=n.fwd_us * rf, bwd_input_us=n.bwd_input_us * rb,
+                                     bwd_weight_us=n.bwd_weight_us * rb) for n in nodes)
+
+
+def segment_cuts(costs: CostGraph, positions: list[int] | tuple[int, ...],
+                 segments: int) -> tuple[int, ...]:
+    """Up to ``segments - 1`` of ``positions`` (op-node positions where the graph may be
+    cut) splitting the profiled time (forward + backward) into ``segments`` nearly equal
+    parts: for each ``k / segments`` of the time, the position nearest it (duplicates
+    dropped). Empty for ``segments < 2`` or no positions."""
+    if segments < 2 or not positions:
+        return ()
+    prefix = [0.0]
+    for nd in costs.nodes:
+        prefix.append(prefix[-1] + nd.fwd_us + nd.bwd_us)
+    total = prefix[-1]
+    chosen = {min(positions, key=lambda q: abs(prefix[q] - k * total / segments))
+              for k in range(1, segments)}
+    return tuple(sorted(q for q in chosen if 0 < q < len(costs.nodes)))
+
+
+def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
+                  positions: list[int] | tuple[int, ...], *, min_repeats: int = 3,
+                  budget_s: float = 1.0) -> list[tuple[float, float]]:
+    """Forward and backward time of each segment of the graph cut at ``positions``, run in
+    sequence as the runtimes run stages, µs.
+
+    The graph is split and built as the runtimes build stages (:func:`split_graph`,
+    :func:`build_stage_modules`); a forward runs the segments one after another, each on
+    detached copies of what the previous one returned (leaves where they need a gradient,
+    as a stage receives them); the backward then runs from the last segment to the first,
+    each ``torch.autograd.grad`` of its outputs (seeded with ones on the last, with the
+    next segment's input gradients on the others) with respect to its inputs and trainable
+    parameters: the work of a stage's ``backward()`` without writing ``.grad``. One untimed
+    warm-up, then at least ``min_repeats`` timed runs and more while ``budget_s`` seconds
+    have not gone by; per segment the medians are returned. ``time.perf_counter`` on CPU;
+    on CUDA a synchronize closes each timed part. With no positions this is
+    :func:`whole_graph_times` as one segment.
+
+    The model's parameters, ``.grad``, buffers and random state are left as they were.
+
+    Args:
+        captured: the captured model; ``flat_inputs`` its flat inputs.
+        device: where to run (the profiled device).
+        positions: ascending op-node positions to cut at (``len(positions) + 1`` segments).
+        min_repeats: timed runs at least (default 3, >= 1).
+        budget_s: seconds after which no run beyond ``min_repeats`` starts (default 1.0).
+
+    Returns:
+        ``[(forward µs, backward µs)]`` per segment; a backward is 0 where nothing needs a
+        gradient.
+
+    Raises:
+        PlanError: a position cannot be cut (:func:`split_graph`).
+    """
+    dev = torch.device(device)
+    graphs = split_graph(captured, list(positions))
+    stages, _ = build_stage_modules(captured, graphs, [dev] * len(graphs))
+    buffers = list({id(b): b for st in stages if st is not None for b in st.buffers()}.values())
+    saved_buffers = [b.detach().clone() for b in buffers]
+    params = [[p for p in st.parameters() if p.requires_grad] if st is not None else []
+              for st in stages]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def run() -> list[tuple[float, float]]:
+        fwd: list[float] = []
+        kept: list[tuple[list[Any], tuple[Any, ...]]] = []  # (leaves, outputs) per segment
+        args: list[Any] = inputs
+        for st in stages:
+            assert st is not None
+            sync()
+            t0 = time.perf_counter()
+            with torch.enable_grad():
+                out = st(*args)
+            sync()
+            fwd.append((time.perf_counter() - t0) * 1e6)
+            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            kept.append((args, out))
+            args = [o.detach().requires_grad_(o.requires_grad) if isinstance(o, torch.Tensor)
+                    and o.is_floating_point() else o for o in out]
+        bwd = [0.0] * len(stages)
+        grads_in: dict[int, torch.Tensor] = {}  # position in the next segment's inputs
+        for k in range(len(stages) - 1, -1, -1):
+            leaves, out = kept[k]
+            last = k == len(stages) - 1
+            roots, seeds = [], []
+            for i, o in enumerate(out):
+                if not (isinstance(o, torch.Tensor) and o.requires_grad):
+                    continue
+                g = torch.ones_like(o) if last else grads_in.get(i)
+                if g is not None:
+                    roots.append(o)
+                    seeds.append(g)
+            wanted = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad
+                      and x.grad_fn is None] if k > 0 else []
+            targets = wanted + params[k]
+            grads_in = {}
+            if roots and targets:
+                sync()
+                t0 = time.perf_counter()
+                got = torch.autograd.grad(roots, targets, seeds, allow_unused=True)
+                sync()
+                bwd[k] = (time.perf_counter() - t0) * 1e6
+                index = {id(x): i for i, x in enumerate(leaves)}
+                grads_in = {index[id(x)]: g for x, g in zip(wanted, got, strict=False)
+                            if g is not None}
+        return list(zip(fwd, bwd, strict=True))
+
+    try:
+        run()  # warm-up: allocator, first-call dispatch
+        runs: list[list[tuple[float, float]]] = []
+        start = time.perf_counter()
+        while len(runs) < min_repeats or time.perf_counter() - start < budget_s:
+            runs.append(run())
+        return [(statistics.median(r[k][0] for r in runs), statistics.median(r[k][1] for r in runs))
+                for k in range(len(stages))]
+    finally:
+        with torch.no_grad():
+            for b, data in zip(buffers, saved_buffers, strict=True):
+                b.copy_(data)
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def calibrate_to_segments(costs: CostGraph, positions: list[int] | tuple[int, ...],
+                          times: list[tuple[float, float]]) -> CostGraph:
+    """``costs`` with each segment's nodes (cut at ``positions``) rescaled as
+    :func:`calibrate_to_whole_graph` rescales the whole graph, to that segment's measured
+    ``(forward µs, backward µs)`` in ``times`` (:func:`segment_times`)."""
+    bounds = [0, *positions, len(costs.nodes)]
+    if len(times) != len(bounds) - 1:
+        raise ValueError(f"{len(times)} segment times for {len(bounds) - 1} segments")
+    nodes: list[Any] = []
+    for (a, z), (fwd_us, bwd_us) in zip(itertools.pairwise(bounds), times, strict=True):
+        nodes.extend(_rescaled(costs.nodes[a:z], fwd_us, bwd_us))
+    return dataclasses.replace(costs, nodes=tuple(nodes))

@@ -16,7 +16,8 @@ from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
 from autopart.profiler.timer import spread, time_samples
 
-__all__ = ["measure_split_backward_factor", "piece_cuts", "factor_of"]
+__all__ = ["measure_split_backward_factor", "measure_split_backward_overhead", "piece_cuts",
+           "factor_of", "overhead_of"]
 
 
 def piece_cuts(costs: CostGraph, positions: Sequence[int], *, start: float = 0.25,
@@ -141,6 +142,63 @@ def factor_of(ratios: Sequence[float], *, step: float = 0.05) -> float:
     return max(1.0, round(round(median / step) * step, 6))
 
 
+def overhead_of(pairs: Sequence[tuple[float, float]], nodes: int, *,
+                step: float = 0.5) -> float:
+    """The per-node cost the solver is charged for timed ``(B, I + W)`` pairs of a piece
+    with ``nodes`` nodes that have a backward, µs.
+
+    The median of the pairs' ``(I + W - B) / nodes``, rounded to a multiple of ``step``
+    (default 0.5 µs), where the split is measurably slower: the median ratio
+    ``(I + W) / B`` exceeds 1 by more than half the ratios' range over the square root of
+    their count (the median's noise, roughly). Otherwise, and for no pairs or nodes, 0.0.
+    """
+    if not pairs or nodes < 1:
+        return 0.0
+    ratios = [s / b for b, s in pairs]
+    if statistics.median(ratios) - 1.0 <= (max(ratios) - min(ratios)) / 2 / len(ratios) ** 0.5:
+        return 0.0
+    per_node = statistics.median((s - b) / nodes for b, s in pairs)
+    return max(0.0, round(round(per_node / step) * step, 6))
+
+
+def measure_split_backward_overhead(captured: CapturedGraph, flat_inputs: list[Any],
+                                    costs: CostGraph, device: str, positions: Sequence[int],
+                                    *, min_pairs: int = 5, max_pairs: int = 12,
+                                    max_spread: float = 0.05, budget_s: float = 2.0,
+                                    start: float = 0.25, share: float = 0.06,
+                                    runtime: str = "local") -> float:
+    """What splitting a backward into I and W adds per node that has a backward, µs per
+    microbatch: the solver's ``split_backward_us_per_node``.
+
+    Timed as :func:`measure_split_backward_factor` times its piece (same arguments, but
+    at least 5 and at most 12 pairs by default: one pair's ratio moves by 20 % here), and
+    reduced by :func:`overhead_of` over the piece's nodes with a backward (``bwd_us > 0`` in
+    ``costs``). The split's extra work is a walk of the autograd graph per node (I's hooks
+    on the intermediates W restarts from, W's second traversal), whatever the rows: on the
+    fidelity GPT-2 (2-core CPU, torch 2.13.0+cpu, torch's split) ``(I + W) / B`` measured
+    1.03-1.06 at 32 rows, 1.11-1.12 at 4 and 1.16 at 2. Time it on the smallest
+    microbatch the plan may use, where it weighs most and is measured best;
+    :func:`autopart.planning.profile_model` does.
+
+    Returns:
+        µs per node (>= 0), 0.0 where it cannot be measured (see
+        :func:`measure_split_backward_factor`) or is within the noise.
+
+    Raises:
+        ValueError: as :func:`measure_split_backward_factor`.
+    """
+    if runtime not in ("local", "distributed"):
+        raise ValueError(f"runtime must be 'local' or 'distributed', got {runtime!r}")
+    pairs = _timed_pairs(captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
+                         max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s,
+                         start=start, share=share, runtime=runtime)
+    cuts = piece_cuts(costs, positions, start=start, share=share)
+    if not pairs or cuts is None:
+        return 0.0
+    nodes = sum(nd.bwd_us > 0 for nd in costs.nodes[cuts[0]:cuts[1]])
+    return overhead_of(pairs, nodes)
+
+
 def _pipelining_split(roots: list[torch.Tensor], grads: list[torch.Tensor],
                       inputs: list[torch.Tensor], params: list[torch.nn.Parameter]) -> None:
     """``I`` then ``W`` as the distributed runtime runs them: torch.distributed.pipelining's
@@ -159,6 +217,17 @@ def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGr
                   max_spread: float, budget_s: float, start: float, share: float,
                   runtime: str = "local") -> list[float]:
     """The pairs' ``(I + W) / B`` ratios, in the order timed (empty: not measurable)."""
+    return [s_us / b_us for b_us, s_us in _timed_pairs(
+        captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
+        max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s, start=start,
+        share=share, runtime=runtime)]
+
+
+def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGraph,
+                 device: str, positions: Sequence[int], *, min_pairs: int, max_pairs: int,
+                 max_spread: float, budget_s: float, start: float, share: float,
+                 runtime: str = "local") -> list[tuple[float, float]]:
+    """The pairs' ``(B, I + W)`` times in µs, in the order timed (empty: not measurable)."""
     if min_pairs < 1 or max_pairs < min_pairs:
         raise ValueError(f"need 1 <= min_pairs <= max_pairs, got min_pairs={min_pairs}, "
                          f"max_pairs={max_pairs}")
@@ -190,8 +259,8 @@ def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGr
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return []
 
-        def pair() -> float | None:
-            """One forward, then B and I + W on its graph: ``(I + W) / B`` (None: no backward)."""
+        def pair() -> tuple[float, float] | None:
+            """One forward, then B and I + W on its graph, µs (None: no backward)."""
             leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
                       and a.requires_grad else a for a in args]
             out = middle(*leaves)
@@ -211,21 +280,21 @@ def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGr
                 split = SplitBackward(roots, grads, needing, params)
                 (s_us,), _ = time_samples(dev, lambda: lambda: (split.input_grads(),
                                                                 split.weight_grads()), 0, 1)
-            return s_us / b_us if b_us > 0 else None
+            return (b_us, s_us) if b_us > 0 else None
 
         if pair() is None:  # the warm-up; None: the outputs need no gradient
             return []
-        ratios: list[float] = []
+        pairs: list[tuple[float, float]] = []
         t0 = time.perf_counter()
-        while len(ratios) < max_pairs:
-            ratio = pair()
-            if ratio is None:  # pragma: no cover - the warm-up had a backward
+        while len(pairs) < max_pairs:
+            got = pair()
+            if got is None:  # pragma: no cover - the warm-up had a backward
                 return []
-            ratios.append(ratio)
-            if len(ratios) >= min_pairs and (spread(ratios) <= max_spread
-                                             or time.perf_counter() - t0 >= budget_s):
+            pairs.append(got)
+            if len(pairs) >= min_pairs and (spread([s / b for b, s in pairs]) <= max_spread
+                                            or time.perf_counter() - t0 >= budget_s):
                 break
-        return ratios
+        return pairs
     finally:
         with torch.no_grad():
             for b, data in zip(buffers, saved_buffers, strict=True):

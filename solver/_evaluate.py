@@ -146,6 +146,13 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         split = model.split_factor if splits_backward(kind, rc[s]) else 1.0
         bi = model.part_us("bwd_input", a, z, ratio) * f * split + (fwd if rc[s] else 0.0)
         bw = model.part_us("bwd_weight", a, z, ratio) * f * split
+        if splits_backward(kind, rc[s]):
+            # the split's own cost goes to W (measured: I as fast as its share of B, W
+            # slower); the first stage's inputs need no gradient, so its I computes nothing
+            # and its W is the whole backward (both runtimes)
+            bw += model.split_overhead_us(a, z) * f
+            if s == 0:
+                bi, bw = 0.0, bi + bw
         if splits_backward(kind, False) and not splits_backward(kind, rc[s]):
             bi, bw = bi + bw, 0.0  # one B where its I would be; no W
         cross_in = model.scale_bytes(model.crossing[a], ratio)

@@ -94,10 +94,7 @@ def setup(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Setup:
     counts = options.microbatch_counts()
     caps = [dev.memory_bytes if options.memory_cap_bytes is None else options.memory_cap_bytes
             for dev in cluster.devices]
-    model = CostModel(costs, cluster, batch_size=options.batch_size, training=options.training,
-                      state_factor=options.optimizer_state_bytes_per_param_byte,
-                      split_factor=options.split_backward_factor,
-                      receive_buffers_per_microbatch=options.receive_buffers_per_microbatch)
+    model = CostModel.for_options(costs, cluster, options)
     baselines = _baseline_cuts(costs, p)
     s_max = p * max(v for _, v in configs) if configs else p
     cands = find_candidates(costs, min(s_max, _valid_count(costs, p)) if s_max > p else p,
@@ -155,14 +152,15 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         # one does not, which evaluate() knows) and all but stage 0 run their W off the
         # critical path (ChainProblem.hides_weight)
         extra = model.split_factor - 1.0
-        if extra > 0.0:
-            seg_t = [t + int(round(extra * TIME_UNITS_PER_US * (
+        if extra > 0.0 or model.split_us_per_node > 0.0:
+            seg_t = [t + int(round(TIME_UNITS_PER_US * (extra * (
                 model.part_us("bwd_input", s.start, s.stop, ratio)
-                + model.part_us("bwd_weight", s.start, s.stop, ratio))))
+                + model.part_us("bwd_weight", s.start, s.stop, ratio))
+                + model.split_overhead_us(s.start, s.stop))))
                 for t, s in zip(seg_t, cands.segments, strict=True)]
-        seg_w = [int(round(model.split_factor * TIME_UNITS_PER_US
-                           * model.part_us("bwd_weight", s.start, s.stop, ratio)))
-                 for s in cands.segments]
+        seg_w = [int(round(TIME_UNITS_PER_US * (
+            model.split_factor * model.part_us("bwd_weight", s.start, s.stop, ratio)
+            + model.split_overhead_us(s.start, s.stop)))) for s in cands.segments]
     seg_f = [int(round(model.part_us("fwd", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
              for s in cands.segments]
     # state of the parameters first read in each segment; saved bytes at the microbatch size

@@ -51,7 +51,13 @@ class SolveOptions:
             plan: what splitting one backward into its input- and weight-gradient parts
             costs (default 1.0: free, as the ZB-H1 paper assumes). ``zero_bubble``
             candidates have their non-recomputed stages' I and W multiplied by it; must be
-            >= 1. :func:`autopart.compile` measures it on the profiled device.
+            >= 1. Profiles leave it at 1.0 and measure ``split_backward_us_per_node``.
+        split_backward_us_per_node: what splitting one backward adds per node with a
+            backward, per microbatch, µs (default 0.0; must be >= 0): the split's cost does
+            not grow with the microbatch (see
+            :meth:`autopart.solver._costmodel.CostModel.split_overhead_us`); charged to W.
+            :func:`autopart.compile` measures it on the profiled device, at the smallest
+            microbatch.
         crossing_factor, window, max_candidates: see
             :func:`autopart.solver.candidates.find_candidates`.
         receive_buffers_per_microbatch: when training, every stage holds one receive
@@ -79,6 +85,7 @@ class SolveOptions:
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
     split_backward_factor: float = 1.0
+    split_backward_us_per_node: float = 0.0
     receive_buffers_per_microbatch: bool = False
     crossing_factor: float = 2.0
     window: int = 32
@@ -101,6 +108,9 @@ class SolveOptions:
         if not self.split_backward_factor >= 1.0:
             raise PlanError(f"split_backward_factor={self.split_backward_factor} must be >= 1 "
                             "(splitting a backward cannot make it cheaper)")
+        if not self.split_backward_us_per_node >= 0.0:
+            raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
+                            "must be >= 0 (splitting a backward cannot make it cheaper)")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise PlanError(f"memory_cap_bytes={self.memory_cap_bytes} must be > 0 or None")
         if (self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0

@@ -63,10 +63,7 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
         raise PlanError("the plan was made for another graph (fingerprint "
                         f"{plan.graph_fingerprint[:12]} vs {costs.fingerprint[:12]}); predict it "
                         "on the cost graph it was solved on")
-    model = CostModel(costs, cluster, batch_size=plan.batch_size, training=options.training,
-                      state_factor=options.optimizer_state_bytes_per_param_byte,
-                      split_factor=options.split_backward_factor,
-                      receive_buffers_per_microbatch=options.receive_buffers_per_microbatch)
+    model = CostModel.for_options(costs, cluster, options, batch_size=plan.batch_size)
     positions = tuple(c.position for c in plan.cuts)
     recompute = tuple(st.recompute for st in plan.stages)
     m, v, kind = plan.num_microbatches, plan.stages_per_rank, plan.schedule_kind
@@ -117,10 +114,7 @@ def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,
     if len(positions) != p * v - 1 or list(positions) != sorted(set(positions)):
         raise PlanError(f"{len(positions)} cut positions {list(positions)} for {p} ranks x "
                         f"{v} stages per rank: give {p * v - 1} ascending, distinct positions")
-    model = CostModel(costs, cluster, batch_size=options.batch_size, training=options.training,
-                      state_factor=options.optimizer_state_bytes_per_param_byte,
-                      split_factor=options.split_backward_factor,
-                      receive_buffers_per_microbatch=options.receive_buffers_per_microbatch)
+    model = CostModel.for_options(costs, cluster, options)
     cand = evaluate(model, None, kind, p, v, num_microbatches, positions, None,
                     recompute=recompute if isinstance(recompute, bool) else tuple(recompute)
                     ).simulated()

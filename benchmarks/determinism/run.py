@@ -67,11 +67,12 @@ def worker(model_name: str) -> dict[str, Any]:
 
 
 def split_factor(cache: Path) -> float | None:
-    """The split factor stored in a cache folder's profile file (None: none stored)."""
+    """The split's cost stored in a cache folder's profile file (None: none stored): a
+    factor (before 2026-11-24) or µs per node."""
     for path in cache.glob("profile-*.json"):
         measures = json.loads(path.read_text()).get("measures", {})
         for name, value in measures.items():
-            if name.startswith("split_backward_factor"):
+            if name.startswith(("split_backward_factor", "split_backward_us_per_node")):
                 return float(value)
     return None
 

@@ -241,7 +241,8 @@ def main() -> None:
         chosen = next(r for r in mine if "solver" in r["labels"])
         summary[f"{name}_solver_over_fastest"] = chosen["measured_step_s"] / best["measured_step_s"] - 1
         summary[f"{name}_compile_s"] = profiles[name]["compile_s"]
-        summary[f"{name}_split_backward_factor"] = profiles[name]["profile"].split_backward_factor
+        summary[f"{name}_split_backward_us_per_node"] = (
+            profiles[name]["profile"].split_backward_us_per_node)
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "python": platform.python_version(), "torch": torch.__version__,
               "date": datetime.date.today().isoformat(), "ranks": P, "threads_per_rank": 1,

@@ -35,7 +35,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
 def test_a_second_compile_reuses_the_cached_profile_and_split_factor(
         monkeypatch: pytest.MonkeyPatch) -> None:
     profiles = _counting(monkeypatch, "profile_graph")
-    splits = _counting(monkeypatch, "measure_split_backward_factor")
+    splits = _counting(monkeypatch, "measure_split_backward_overhead")
     model, args, _, loss_fn = mlp()
     first = autopart.compile(model, args, loss_fn=loss_fn, devices=["cpu", "cpu"],
                              num_microbatches=2, time_limit_s=2.0)
@@ -63,7 +63,8 @@ def test_profile_reports_what_came_from_the_cache(monkeypatch: pytest.MonkeyPatc
     warm = planning.profile_model(model, args, devices=["cpu", "cpu"])
     # m is open: the smallest microbatch's profile and the larger one's whole-graph times too
     assert warm.from_cache == {"profile", "split_cost", "low_batch_profile", "high_batch_times"}
-    assert warm.costs == cold.costs and warm.split_backward_factor == cold.split_backward_factor
+    assert warm.costs == cold.costs
+    assert warm.split_backward_us_per_node == cold.split_backward_us_per_node
     # a profile without the split factor is completed by the first call that needs it
     other, x = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), torch.randn(4, 8)
     assert planning.profile_model(other, (x,), devices=["cpu"]).from_cache == frozenset()

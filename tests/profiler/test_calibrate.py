@@ -9,7 +9,14 @@ from torch import nn
 from autopart.core.capture import capture
 from autopart.planning import batch_points, profile_model
 from autopart.profiler import profile_graph
-from autopart.profiler.calibrate import calibrate_to_whole_graph, whole_graph_times
+from autopart.profiler.calibrate import (
+    calibrate_to_segments,
+    calibrate_to_whole_graph,
+    segment_cuts,
+    segment_times,
+    whole_graph_times,
+)
+from autopart.solver import find_candidates
 
 
 def _bn_model() -> tuple[nn.Module, torch.Tensor]:
@@ -74,3 +81,67 @@ def test_profile_model_reads_node_times_off_two_microbatches() -> None:
                           num_microbatches=4)
     assert fixed.costs.low_batch_size == 0
     assert all(p.grad is None for p in model.parameters())
+
+
+def _deep(depth: int = 6) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU()]
+    return nn.Sequential(*layers).train(), torch.randn(8, 16)
+
+
+def test_segment_times_run_every_segment_and_leave_the_model_as_it_was() -> None:
+    model, x = _deep()
+    captured = capture(model, (x,))
+    flat = captured.flatten_inputs((x,), {})
+    costs = profile_graph(captured, flat)
+    cuts = segment_cuts(costs, find_candidates(costs, 3).positions, 3)
+    assert len(cuts) == 2
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    times = segment_times(captured, flat, "cpu", cuts, budget_s=0.05)
+    assert len(times) == 3
+    # every segment has a linear layer: a forward and a backward each
+    assert all(f > 0 and b > 0 for f, b in times)
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():  # running statistics included
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_segment_cuts_split_the_profiled_time_evenly() -> None:
+    model, x = _deep(8)
+    captured = capture(model, (x,))
+    costs = profile_graph(captured, captured.flatten_inputs((x,), {}))
+    positions = find_candidates(costs, 3).positions
+    prefix = [0.0]
+    for nd in costs.nodes:
+        prefix.append(prefix[-1] + nd.fwd_us + nd.bwd_us)
+    cuts = segment_cuts(costs, positions, 4)
+    assert 1 <= len(cuts) <= 3 and list(cuts) == sorted(set(cuts))
+    # the candidates nearest 1/4, 2/4 and 3/4 of the time
+    assert set(cuts) == {min(positions, key=lambda q: abs(prefix[q] - k * prefix[-1] / 4))
+                         for k in (1, 2, 3)}
+    assert segment_cuts(costs, positions, 1) == ()
+    assert segment_cuts(costs, (), 4) == ()
+
+
+def test_segment_calibration_scales_each_segment_to_its_own_times() -> None:
+    model, x = _deep(4)
+    captured = capture(model, (x,))
+    costs = profile_graph(captured, captured.flatten_inputs((x,), {}))
+    n = len(costs.nodes)
+    cuts = (n // 2,)
+    scaled = calibrate_to_segments(costs, cuts, [(100.0, 300.0), (50.0, 70.0)])
+    first, second = scaled.nodes[:n // 2], scaled.nodes[n // 2:]
+    assert sum(nd.fwd_us for nd in first) == pytest.approx(100.0)
+    assert sum(nd.bwd_us for nd in first) == pytest.approx(300.0)
+    assert sum(nd.fwd_us for nd in second) == pytest.approx(50.0)
+    assert sum(nd.bwd_us for nd in second) == pytest.approx(70.0)
+    big = max(range(n // 2), key=lambda i: costs.nodes[i].fwd_us)  # shares kept in a segment
+    assert scaled.nodes[big].fwd_us / 100.0 == pytest.approx(
+        costs.nodes[big].fwd_us / sum(nd.fwd_us for nd in costs.nodes[:n // 2]))
+    assert [nd.saved_bytes for nd in scaled.nodes] == [nd.saved_bytes for nd in costs.nodes]
+    with pytest.raises(ValueError, match="1 segment times for 2 segments"):
+        calibrate_to_segments(costs, cuts, [(1.0, 1.0)])

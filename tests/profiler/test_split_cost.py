@@ -6,7 +6,13 @@ from torch import nn
 
 from autopart.core.capture import capture
 from autopart.profiler import profile_graph
-from autopart.profiler.split_cost import factor_of, measure_split_backward_factor, piece_cuts
+from autopart.profiler.split_cost import (
+    factor_of,
+    measure_split_backward_factor,
+    measure_split_backward_overhead,
+    overhead_of,
+    piece_cuts,
+)
 from autopart.solver import find_candidates
 
 
@@ -83,3 +89,34 @@ def test_pair_counts_are_checked() -> None:
     with pytest.raises(ValueError, match="runtime must be 'local' or 'distributed'"):
         measure_split_backward_factor(captured, flat, costs, "cpu", [1, 3],  # type: ignore
                                       runtime="mpi")
+
+
+@pytest.mark.parametrize(("pairs", "nodes", "per_node"), [
+    ([], 10, 0.0),  # nothing timed
+    ([(1000.0, 1200.0)], 0, 0.0),  # no node with a backward
+    ([(1000.0, 990.0), (1000.0, 1010.0)], 10, 0.0),  # no slower than B
+    # median ratio 1.2, noise 0.3 / 2 / sqrt(3) = 0.087: slower; median excess 200 µs / 10
+    ([(1000.0, 1050.0), (1000.0, 1200.0), (1000.0, 1350.0)], 10, 20.0),
+    # median 1.1, noise 0.9 / 2 / sqrt(3) = 0.26: within it
+    ([(1000.0, 1000.0), (1000.0, 1100.0), (1000.0, 1900.0)], 10, 0.0),
+    ([(2000.0, 2130.0), (2000.0, 2130.0), (2000.0, 2130.0)], 100, 1.5),  # 1.3 µs -> 1.5 grid
+])
+def test_overhead_of_charges_a_per_node_cost_above_the_noise(
+        pairs: list[tuple[float, float]], nodes: int, per_node: float) -> None:
+    assert overhead_of(pairs, nodes) == per_node
+
+
+@pytest.mark.parametrize("runtime", ["local", "distributed"])
+def test_measured_split_overhead_is_per_node_and_leaves_the_model_as_it_was(
+        runtime: str) -> None:
+    captured, flat, costs = _profiled(8)
+    before = [p.detach().clone() for p in captured.graph_module.parameters()]  # type: ignore
+    us = measure_split_backward_overhead(captured, flat, costs, "cpu",  # type: ignore[arg-type]
+                                         find_candidates(costs, 3).positions,  # type: ignore
+                                         min_pairs=2, max_pairs=3, runtime=runtime)
+    assert us >= 0.0 and us == round(us * 2) / 2  # on the 0.5 µs grid
+    after = list(captured.graph_module.parameters())  # type: ignore[attr-defined]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    with pytest.raises(ValueError, match="runtime must be 'local' or 'distributed'"):
+        measure_split_backward_overhead(captured, flat, costs, "cpu", [1, 3],  # type: ignore
+                                        runtime="mpi")
