@@ -244,9 +244,9 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     each segment's nodes are scaled to add up to its forward and backward
     (:func:`autopart.profiler.calibrate.segment_times`); one factor for the whole graph
     left the fidelity benchmark's GPT-2 head 15 % over and its blocks 3-8 % under at 2
-    rows. The loss is measured at those two microbatches instead of the full batch (whose logits may not fit any cache:
-    the demo's 16k-vocabulary loss cost 14x more per row at the full batch). Each
-    node's time at a microbatch is then read off the line through its two points
+    rows. The loss is measured at those two microbatches instead of the full batch (whose
+    logits may not fit any cache: the demo's 16k-vocabulary loss cost 14x more per row at
+    the full batch). Each node's time at a microbatch is then read off the line through its two points
     (:func:`autopart.core.costgraph.through_two_batches`; ``timings_s["batch_points_s"]``).
     The full batch's profile keeps the bytes. A graph that differs at those batches keeps the
     one profile, scaled.

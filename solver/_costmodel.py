@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -160,6 +161,14 @@ class CostModel:
         per_node = [0] * len(costs.nodes)
         for p, i in first_use.items():
             per_node[i] += self.state_bytes[p]
+        # trainable parameters read by more than one node (GPT-2's tied wte / lm_head): the
+        # nodes reading each, for tied_sync_us
+        readers: dict[str, list[int]] = {}
+        for i, nd in enumerate(costs.nodes):
+            for p in nd.params:
+                if p in costs.trainable:
+                    readers.setdefault(p, []).append(i)
+        self._shared = {p: idx for p, idx in readers.items() if len(idx) > 1}
         for i, v in enumerate(per_node):
             self._first_state[i + 1] = self._first_state[i] + v
 
@@ -210,6 +219,36 @@ class CostModel:
         ``(I + W) / B`` = 1.03-1.06 at 32 rows, 1.11-1.12 at 4 and 1.16 at 2, which one
         constant per node explains, and a constant factor does not."""
         return self.split_us_per_node * (self._bwd_nodes[stop] - self._bwd_nodes[start])
+
+    def tied_sync_us(self, positions: Sequence[int], p: int) -> float:
+        """End-of-step all-reduce of the gradients of trainable parameters that stages on
+        more than one rank read (a tied embedding and LM head), µs; 0 when not training.
+
+        Each such parameter of ``b`` bytes, held by ``k`` ranks, is summed with one
+        all-reduce (the runtimes' ``reduce_grads``): a ring's ``2 (k - 1) / k * b`` bytes
+        each way per rank, charged as a send and a receive one after the other over the
+        slowest link between those ranks (:meth:`autopart.core.cluster.Cluster.transfer_us`).
+        On the gloo host link here (2-core CPU, torch 2.13.0+cpu) an 8 MiB tied embedding's
+        all-reduce measured 7-12 ms per step and a 16 MiB one 13.5 ms; this charges 7.6 and
+        15.2 ms at the link's measured 2.2 GB/s.
+
+        Args:
+            positions: the cut positions (``p * v - 1``, ascending); stage ``s`` runs on
+                rank ``s % p``.
+            p: ranks.
+        """
+        if not self.training or p < 2 or not self._shared:
+            return 0.0
+        total = 0.0
+        for param, nodes in self._shared.items():
+            ranks = sorted({bisect.bisect_right(positions, i) % p for i in nodes})
+            k = len(ranks)
+            if k < 2:
+                continue
+            nbytes = int(math.ceil(2 * (k - 1) / k * self.costs.param_sizes[param]))
+            total += 2 * max(self.cluster.transfer_us(nbytes, a, b)
+                             for a, b in itertools.pairwise(ranks))
+        return total
 
     @classmethod
     def for_options(cls, costs: CostGraph, cluster: Cluster, options: SolveOptions,

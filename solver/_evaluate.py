@@ -64,6 +64,8 @@ class Candidate:
         name: a baseline's name, ``""`` for the solver's own candidates.
         training: fwd + bwd, or forward only.
         is_simulated: ``step_us``, ``bubble``, ``peaks`` come from the simulator.
+        sync_us: the end-of-step all-reduce of tied parameters' gradients, µs (part of
+            ``step_us``; :meth:`CostModel.tied_sync_us`).
     """
 
     kind: str
@@ -82,6 +84,7 @@ class Candidate:
     name: str = ""
     training: bool = True
     is_simulated: bool = False
+    sync_us: float = 0.0
 
     @property
     def max_peak(self) -> int:
@@ -102,7 +105,7 @@ class Candidate:
         sched = (build_schedule(self.kind, p, self.m, self.v, recompute=recompute)
                  if self.training else forward_schedule(p, self.m, self.v))
         res = simulate(sched, self.costs)
-        return replace(self, step_us=res.step_time_us, bubble=res.bubble_fraction,
+        return replace(self, step_us=res.step_time_us + self.sync_us, bubble=res.bubble_fraction,
                        peaks=res.peak_memory_bytes, is_simulated=True)
 
 
@@ -195,7 +198,8 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
     c = StageCosts(cols["fwd"], cols["bi"], cols["bw"], cols["sf"], cols["sb"], cols["static"],
                    cols["saved"], cols["extra"], cols["held"], cols["wgrad"])
     k = in_flight(kind, p, m, v, training)
-    step = closed_form_step_us(kind, p, m, v, c, training=training)
+    sync = model.tied_sync_us(positions, p)
+    step = closed_form_step_us(kind, p, m, v, c, training=training) + sync
     busy = busy_us(c, p, m, training)
     bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
     if any(c.split_held_bytes) or any(c.weight_grad_bytes):
@@ -213,7 +217,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
                      param_info=tuple(info), step_us=step, bubble=min(max(bubble, 0.0), 1.0),
                      peaks=tuple(peaks), stage_peaks=stage_peaks,
                      caps=None if caps is None else tuple(caps), sub=sub, name=name,
-                     training=training)
+                     training=training, sync_us=sync)
 
 
 def pareto(cands: Sequence[Candidate]) -> tuple[ParetoPoint, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from autopart.core.errors import PlanError
@@ -92,3 +94,35 @@ def test_zero_bubble_charges_the_split_per_node_to_w_and_the_first_stage_has_no_
     assert stage_costs(2.5, "1f1b") == stage_costs(0.0, "1f1b")
     with pytest.raises(PlanError, match="split_backward_us_per_node=-1.0 must be >= 0"):
         SolveOptions(batch_size=8, split_backward_us_per_node=-1.0)
+
+
+def test_a_parameter_tied_across_ranks_adds_its_gradient_all_reduce_to_the_step(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # 8 nodes; node 0 and node 7 read "tied.w" (4 MB), as GPT-2's wte and lm_head
+    nodes = [build.node(f"n{i}", (f"n{i - 1}" if i else "x",),
+                        params=("tied.w",) if i in (0, 7) else (),
+                        param_bytes=4_000_000 if i == 0 else 0) for i in range(8)]
+    costs = build.graph(nodes, inputs={"x": 100}, params={"tied.w": (4_000_000, 1_000_000)})
+    cluster = build.cluster(2, link_bw=1e9, latency_us=10.0)  # 1 GB/s: 4 MB in 4000 µs
+
+    def predicted(positions: tuple[int, ...], training: bool = True) -> tuple[float, Any]:
+        opts = SolveOptions(batch_size=8, num_microbatches=4, training=training)
+        plan = plan_at(costs, cluster, opts, positions, kind="1f1b" if training else "gpipe",
+                       num_microbatches=4)
+        pred = predict(plan, costs, cluster, opts)
+        assert pred.step_time_us == pytest.approx(plan.predicted_step_time_us, rel=0.02)
+        return pred.step_time_us, pred.trace
+
+    apart, trace = predicted((4,))
+    # ring all-reduce of 2 ranks: 2 (k - 1) / k x 4 MB = 4 MB, sent then received: 2 x 4010 µs
+    plain = [e for e in trace.events if e.name == "reduce"]
+    assert [e.rank for e in plain] == [0, 1]
+    assert all(e.end_us - e.start_us == pytest.approx(8020.0) for e in plain)
+    assert apart > 8020.0
+    # the same graph whose last node reads nothing: no all-reduce, everything else equal
+    one_rank = build.graph(nodes[:7] + [build.node("n7", ("n6",))], inputs={"x": 100},
+                           params={"tied.w": (4_000_000, 1_000_000)})
+    opts = SolveOptions(batch_size=8, num_microbatches=4)
+    alone = plan_at(one_rank, cluster, opts, (4,), kind="1f1b", num_microbatches=4)
+    assert apart - alone.predicted_step_time_us == pytest.approx(8020.0, rel=0.01)
+    assert predicted((4,), training=False)[1].events[-1].name != "reduce"  # inference: none
