@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopart.core.capture import CapturedGraph, node_module_path, node_source, op_nodes
 from autopart.core.costgraph import NodeCost
+from autopart.core.memory import allocated_peak_bytes
 from autopart.core.errors import ProfileError
 from autopart.profiler._oputil import (
     EXTRA_FLOP_FORMULAS,
@@ -250,6 +251,7 @@ class _Walker:
                                      if n in self.fqn))
         transient = (tree_nbytes(run.outs) + tree_nbytes(run.input_leaves)
                      if self.training and run.outs else 0)
+        backward_peak = self._backward_peak(run)
         return NodeCost(
             name=node.name, op=str(node.target), module_path=node_module_path(node),
             fwd_us=fwd_us, bwd_input_us=bwd_in, bwd_weight_us=bwd_w, flops=run.flops,
@@ -258,7 +260,24 @@ class _Walker:
             param_bytes=sum(self.param_sizes[p] for p in params if p not in seen_params),
             inputs=tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"),
             params=params, output_is_tensor=isinstance(result, torch.Tensor),
-            transient_bytes=transient)
+            transient_bytes=transient, backward_peak_bytes=backward_peak)
+
+    def _backward_peak(self, run: _Run) -> int:
+        """The most a node's whole backward (input and weight gradients, from ones as its
+        outputs' gradients) holds allocated at once, bytes; measured once
+        (``autopart.core.memory.allocated_peak_bytes``; 0 on ``meta``, and for an op without
+        a derivative formula)."""
+        if not (self.training and run.outs):
+            return 0
+        grads = [torch.ones_like(t) for t in run.outs]
+        try:
+            _, peak = allocated_peak_bytes(
+                lambda: torch.autograd.grad(run.outs, run.input_leaves + run.weight_leaves,
+                                            grads, retain_graph=True, allow_unused=True),
+                self.device)
+        except RuntimeError:  # no derivative formula (its times are estimated), or a profiler
+            return 0          # already running in this process
+        return peak
 
     def _commit(self, node: fx.Node, fn: Callable[..., Any], written: list[int | str],
                 value_of: Callable[[fx.Node], Any]) -> Any:

@@ -102,7 +102,8 @@ class CostModel:
             :meth:`split_overhead_us`.
         receive_buffers_per_microbatch: training stages hold m receive buffers for their
             input and m for their outputs' gradient (torch.distributed.pipelining's stages
-            allocate one per microbatch up front; default False: one of each).
+            allocate one per microbatch up front; default False: one of each), and keep
+            each microbatch's sent output and input gradient until the step ends.
     """
 
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
@@ -169,6 +170,17 @@ class CostModel:
                 if p in costs.trainable:
                     readers.setdefault(p, []).append(i)
         self._shared = {p: idx for p, idx in readers.items() if len(idx) > 1}
+        # per node, the gradient its backward returns for each trainable parameter it reads,
+        # alive beside .grad until AccumulateGrad adds it in (every microbatch but a step's
+        # first, whose gradient .grad takes over): not scaled with the batch
+        self._new_grad = [sum(costs.param_sizes[p] for p in nd.params if p in costs.trainable)
+                          if training else 0 for nd in costs.nodes]
+        # per node, its backward's measured allocation peak at both profiled batches as
+        # (fixed, linear at b0): the weight gradients and the kernel's copies of them do not
+        # grow with the batch, the activations' gradients do
+        self._bwd_peak = ([_two_point(float(nd.backward_peak_bytes), float(lo), b0, b1)
+                           for nd, lo in zip(costs.nodes, costs.low_backward_peaks, strict=True)]
+                          if training and b1 and costs.low_backward_peaks else [])
         for i, v in enumerate(per_node):
             self._first_state[i + 1] = self._first_state[i] + v
 
@@ -304,11 +316,32 @@ class CostModel:
                 sum(self.costs.param_numel[p] for p in params if p in self.costs.trainable))
 
     def transient_bytes(self, start: int, stop: int, ratio: float) -> int:
-        """Largest single-node working set of nodes ``start .. stop - 1``: its output or, when
-        training, its backward transient (``NodeCost.transient_bytes``), scaled, bytes."""
-        return max(self.scale_bytes(max(nd.output_bytes, nd.transient_bytes if self.training
-                                        else 0), ratio)
-                   for nd in self.costs.nodes[start:stop])
+        """Largest single-node working set of nodes ``start .. stop - 1``, bytes: its output
+        or, when training, its backward's, the larger of
+
+        - its gradients (``NodeCost.transient_bytes``, scaled) plus the new gradients of the
+          trainable parameters it reads (not scaled: they live beside ``.grad`` until added
+          to it);
+        - where the profile measured it at two batches (``NodeCost.backward_peak_bytes``,
+          ``CostGraph.low_backward_peaks``), the line through both at ``b``, plus its
+          outputs' gradients: what the kernel allocates beside the gradients counts too.
+          Measured on the fidelity CNN's last stage (1F1B, m = 8): its last convolution's
+          backward held 2 x its 2.25 MiB weight (oneDNN writes the weight's gradient twice)
+          and 0.5 MiB of activation gradients; the first bullet alone says 2.75 MiB.
+        """
+        nodes = self.costs.nodes
+        out = 0
+        for i in range(start, stop):
+            nd = nodes[i]
+            need = self.scale_bytes(nd.output_bytes, ratio)
+            if self.training:
+                need = max(need, self.scale_bytes(nd.transient_bytes, ratio) + self._new_grad[i])
+                if self._bwd_peak:
+                    fixed, linear = self._bwd_peak[i]
+                    need = max(need, int(math.ceil(fixed + linear * ratio))
+                               + self.scale_bytes(nd.output_bytes, ratio))
+            out = max(out, need)
+        return out
 
     def max_transient_bytes(self, ratio: float) -> int:
         """:meth:`transient_bytes` over the whole graph."""
@@ -331,8 +364,9 @@ class CostModel:
         """Additive memory weights at ``m`` microbatches, bytes: (segment, cut).
 
         Segment weight = state of the parameters first read in it + ``m x`` its saved activations
-        (training); cut weight = its crossing bytes (``m x`` with per-microbatch receive
-        buffers), held by both neighbouring stages. Tied
+        (training); cut weight = its crossing bytes (``2 m x`` with torch's stages: one
+        receive buffer per microbatch, and each microbatch's sent tensor kept until the step
+        ends), held by both neighbouring stages. Tied
         parameters count once here (the exact check in :meth:`evaluate` counts every replica).
         """
         r = self.ratio(m)
@@ -341,7 +375,7 @@ class CostModel:
             saved = m * self.scale_bytes(self._saved[s.stop] - self._saved[s.start], r)
             state = self._first_state[s.stop] - self._first_state[s.start]
             seg.append(state + (saved if self.training else 0))
-        per_cut = m if self.training and self.receive_buffers_per_microbatch else 1
+        per_cut = 2 * m if self.training and self.receive_buffers_per_microbatch else 1
         cut = [per_cut * self.scale_bytes(c, r) for c in cands.crossing_bytes]
         return seg, cut
 

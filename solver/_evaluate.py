@@ -58,7 +58,8 @@ class Candidate:
         step_us: predicted step time, µs (closed form, or simulator once ``is_simulated``).
         bubble: idle share of a rank's step.
         peaks: per rank peak memory, bytes.
-        stage_peaks: per stage peak memory (static + in-flight saved + backward extra), bytes.
+        stage_peaks: per stage peak memory (static + in-flight saved + backward extra + what
+            it keeps until the step ends), bytes.
         caps: per rank cap (None: no cap).
         sub: the subproblem it came from (opaque to this module).
         name: a baseline's name, ``""`` for the solver's own candidates.
@@ -138,7 +139,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
     bounds = [0, *positions, n]
     s_total = len(bounds) - 1
     cols: dict[str, list[Any]] = {key: [] for key in (
-        "fwd", "bi", "bw", "sf", "sb", "static", "saved", "extra", "held", "wgrad")}
+        "fwd", "bi", "bw", "sf", "sb", "static", "saved", "extra", "held", "wgrad", "kept")}
     info = []
     for s in range(s_total):
         a, z, r = bounds[s], bounds[s + 1], s % p
@@ -194,16 +195,25 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # W returns weight gradients (up to all of the stage's, when their paths meet in one
         # group); on the first stage it is the whole backward, whose working set they join
         cols["wgrad"].append((pbytes + transient if s == 0 else pbytes) if split_here else 0)
+        # torch's stages keep what they send until the step ends: each sent output (the
+        # schedule waits on every send at the step's end; until B its forward's saved set or
+        # the stage's cache held it) and each input gradient (in the receive buffer's .grad
+        # until the next step clears it). Measured on the fidelity CNN (1F1B, m = 8): each B
+        # left 1 MiB more held on both ranks, 8 MiB by the last rank's last backward.
+        keeps = training and model.receive_buffers_per_microbatch
+        cols["kept"].append((cross_out if s < s_total - 1 else 0) + (cross_in if s > 0 else 0)
+                            if keeps else 0)
         info.append((pbytes, numel))
     c = StageCosts(cols["fwd"], cols["bi"], cols["bw"], cols["sf"], cols["sb"], cols["static"],
-                   cols["saved"], cols["extra"], cols["held"], cols["wgrad"])
+                   cols["saved"], cols["extra"], cols["held"], cols["wgrad"], cols["kept"])
     k = in_flight(kind, p, m, v, training)
     sync = model.tied_sync_us(positions, p)
     step = closed_form_step_us(kind, p, m, v, c, training=training) + sync
     busy = busy_us(c, p, m, training)
     bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
-    if any(c.split_held_bytes) or any(c.weight_grad_bytes):
-        # what ZB-H1 holds between I and W follows its action order: count it there
+    if any(c.split_held_bytes) or any(c.weight_grad_bytes) or any(c.kept_bytes):
+        # what ZB-H1 holds between I and W, and what torch's stages keep until the step ends,
+        # follow the action order: count them there
         sched = _training_schedule(kind, p, m, v, tuple(s for s in range(s_total) if rc[s]))
         peaks = list(rank_peaks(sched, c))
         pending = in_flight_counts(sched, s_total)
@@ -212,7 +222,9 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         pending = [0] * s_total
     stage_peaks = tuple(c.static_bytes[s] + k[s] * c.saved_bytes[s]
                         + max(c.backward_extra_bytes[s], c.weight_grad_bytes[s])
-                        + pending[s] * c.split_held_bytes[s] for s in range(s_total))
+                        + pending[s] * c.split_held_bytes[s]
+                        + m * c.kept_bytes[s]
+                        for s in range(s_total))
     return Candidate(kind=kind, v=v, m=m, positions=positions, recompute=rc, costs=c,
                      param_info=tuple(info), step_us=step, bubble=min(max(bubble, 0.0), 1.0),
                      peaks=tuple(peaks), stage_peaks=stage_peaks,

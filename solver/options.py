@@ -62,7 +62,8 @@ class SolveOptions:
             :func:`autopart.solver.candidates.find_candidates`.
         receive_buffers_per_microbatch: when training, every stage holds one receive
             buffer per microbatch for its input and one for its outputs' gradient for the
-            whole step, as torch.distributed.pipelining's stages allocate them
+            whole step, as torch.distributed.pipelining's stages allocate them, and keeps
+            each microbatch's sent output and input gradient until the step ends
             (``autopart.compile`` sets it for the distributed backend; default False: the
             one-process executor allocates them as values arrive).
     """

@@ -35,6 +35,11 @@ class StageCosts:
         weight_grad_bytes: memory live while one ``W`` of the stage runs: the parameter
             gradients its autograd call returns before they are added to ``.grad`` (the
             stage's trainable parameter bytes; ZB-H1 only). Default: none.
+        kept_bytes: memory each ``B`` (or ``I``) of the stage leaves held until the step
+            ends: with torch.distributed.pipelining, the output the microbatch sent (held
+            by its forward's saved set or the stage's cache until then, then by the send,
+            which the schedule waits on at the step's end) and the input gradient it sent
+            (in the receive buffer's ``.grad`` until the next step). Default: none.
     """
 
     fwd_us: Sequence[float]
@@ -47,15 +52,16 @@ class StageCosts:
     backward_extra_bytes: Sequence[int]
     split_held_bytes: Sequence[int] = ()
     weight_grad_bytes: Sequence[int] = ()
+    kept_bytes: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         n = len(self.fwd_us)
-        for name in ("split_held_bytes", "weight_grad_bytes"):
+        optional = ("split_held_bytes", "weight_grad_bytes", "kept_bytes")
+        for name in optional:
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * n)
         for name in ("bwd_input_us", "bwd_weight_us", "send_fwd_us", "send_bwd_us",
-                     "static_bytes", "saved_bytes", "backward_extra_bytes", "split_held_bytes",
-                     "weight_grad_bytes"):
+                     "static_bytes", "saved_bytes", "backward_extra_bytes", *optional):
             if len(getattr(self, name)) != n:
                 raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
                                 f"fwd_us has {n}; give one per stage")
@@ -93,7 +99,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
     ``I + send_bwd``, both ready once the stage's own ``F`` and the ``B``/``I`` of s + 1 ended;
     ``W`` lasts ``W`` and follows its own ``I``. Memory of a rank follows its own order: its
     stages' ``static_bytes``, plus ``saved_bytes`` from each ``F`` until the matching ``B``
-    (or ``W``) ends, plus ``backward_extra_bytes`` while a ``B``/``I`` runs.
+    (or ``W``) ends, plus ``backward_extra_bytes`` while a ``B``/``I`` runs, plus the
+    ``kept_bytes`` of every ``B``/``I`` done.
 
     Args:
         schedule: per-rank action lists; the stage count is ``len(costs.fwd_us)``.
@@ -202,6 +209,7 @@ def rank_peaks(schedule: Schedule, costs: StageCosts) -> tuple[int, ...]:
                 live += costs.saved_bytes[s]
                 peak = max(peak, live)
             elif a.kind in "BI":
+                live += costs.kept_bytes[s]  # what it sends stays until the step ends
                 peak = max(peak, live + costs.backward_extra_bytes[s])
                 if a.kind == "B" or s not in split:
                     live -= costs.saved_bytes[s]

@@ -40,6 +40,12 @@ class NodeCost:
         transient_bytes: bytes live only while this node's backward runs: the gradients
             of its outputs and of its differentiable tensor inputs (0 when not training);
             a stage's largest is its transient working set. Optional (default 0).
+        backward_peak_bytes: the most its whole backward (input and weight gradients, from
+            given gradients of its outputs) held allocated at once: the new gradients, and
+            what the kernel makes beside them (oneDNN's convolution backward on the CPU
+            writes the weight's gradient twice). Measured once by the profiler
+            (``autopart.core.memory.allocated_peak_bytes``). Optional (default 0: not
+            measured).
     """
 
     name: str
@@ -57,10 +63,12 @@ class NodeCost:
     params: tuple[str, ...] = ()
     output_is_tensor: bool = True
     transient_bytes: int = 0
+    backward_peak_bytes: int = 0
 
     def __post_init__(self) -> None:
         for attr in ("fwd_us", "bwd_input_us", "bwd_weight_us", "flops", "bytes_accessed",
-                     "output_bytes", "saved_bytes", "param_bytes", "transient_bytes"):
+                     "output_bytes", "saved_bytes", "param_bytes", "transient_bytes",
+                     "backward_peak_bytes"):
             if getattr(self, attr) < 0:
                 raise PlanError(f"node {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)}")
 
@@ -92,6 +100,8 @@ class CostGraph:
             times instead of scaled from one (see ``autopart.solver._costmodel.CostModel``).
         low_times: per node, in ``nodes`` order, ``(fwd_us, bwd_input_us, bwd_weight_us)``
             measured at ``low_batch_size`` (empty when ``low_batch_size`` is 0).
+        low_backward_peaks: per node, ``backward_peak_bytes`` measured at
+            ``low_batch_size`` (empty when not measured).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -108,6 +118,7 @@ class CostGraph:
     schema_version: int = field(default=COSTGRAPH_SCHEMA_VERSION)
     low_batch_size: int = 0
     low_times: tuple[tuple[float, float, float], ...] = ()
+    low_backward_peaks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -145,6 +156,12 @@ class CostGraph:
                 raise PlanError(f"CostGraph: low_times needs one (fwd, bwd_input, bwd_weight) "
                                 f"triple of times >= 0 per node ({len(self.nodes)}), got "
                                 f"{len(self.low_times)}; re-profile the model")
+        if self.low_backward_peaks and (
+                len(self.low_backward_peaks) != len(self.low_times)
+                or min(self.low_backward_peaks) < 0):
+            raise PlanError(f"CostGraph: low_backward_peaks needs one byte count >= 0 per node "
+                            f"({len(self.nodes)}) at low_batch_size, got "
+                            f"{len(self.low_backward_peaks)}; re-profile the model")
 
     def with_low_batch(self, low: CostGraph) -> CostGraph:
         """This graph with ``low``'s node times as its second profiled batch.
@@ -166,7 +183,9 @@ class CostGraph:
                             f"at batch {self.batch_size}; its times cannot be paired node by "
                             "node")
         times = tuple((n.fwd_us, n.bwd_input_us, n.bwd_weight_us) for n in low.nodes)
-        return dataclasses.replace(self, low_batch_size=low.batch_size, low_times=times)
+        peaks = tuple(n.backward_peak_bytes for n in low.nodes)
+        return dataclasses.replace(self, low_batch_size=low.batch_size, low_times=times,
+                                   low_backward_peaks=peaks if any(peaks) else ())
 
     # ---- derived views -------------------------------------------------------------
     def total_fwd_us(self) -> float:
@@ -207,7 +226,8 @@ class CostGraph:
                        fingerprint=d["fingerprint"], profile_wall_s=float(d["profile_wall_s"]),
                        low_batch_size=int(d.get("low_batch_size", 0)),
                        low_times=tuple((float(a), float(b), float(c))
-                                       for a, b, c in d.get("low_times", ())))
+                                       for a, b, c in d.get("low_times", ())),
+                       low_backward_peaks=tuple(int(x) for x in d.get("low_backward_peaks", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"not a valid CostGraph: {exc}") from exc
 

@@ -452,7 +452,7 @@ class DistributedPipeline(nn.Module):
         try:
             if measure_memory:
                 held = [t for _, p in self.named_parameters() for t in (p, p.grad)
-                        if t is not None] + list(self._local.values())
+                        if t is not None] + list(self._local.values()) + self._receive_buffers()
                 _, peaks = measure_peak_bytes(lambda: self._guarded(step), [self.device],
                                               held + optimizer_tensors(optimizer))
                 mine = peaks[str(self.device) if self.device.type == "cuda" else "cpu"]
@@ -483,6 +483,14 @@ class DistributedPipeline(nn.Module):
         if measure_memory:
             self.last_peak_memory_bytes = self._gather_ints(mine)
         return loss
+
+    def _receive_buffers(self) -> list[torch.Tensor]:
+        """The buffers torch's stages receive into, one per microbatch for each input and
+        each output gradient, allocated once and held across steps."""
+        infos = [info for st in self.pipeline_stages
+                 for table in (st.args_recv_info, getattr(st, "grad_recv_info", {}))
+                 for group in table.values() for info in group]
+        return [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
 
     def _set_recorder(self, recorder: ActionRecorder | None) -> None:
         self._recorder = recorder

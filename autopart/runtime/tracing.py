@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from autopart.core.memory import allocated_peak_bytes
 from autopart.core.trace import TraceEvent
 
 __all__ = ["ActionRecorder", "measure_peak_bytes", "resident_bytes", "optimizer_tensors"]
@@ -132,14 +132,12 @@ def measure_peak_bytes(fn: Callable[[], Any], devices: Sequence[torch.device],
     included). Other tensors on the device (another pipeline, the user's reference model)
     are not this pipeline's and are not counted.
 
-    CPU: torch's CPU allocator reports each allocation and free to the profiler
-    (``torch.profiler.profile(profile_memory=True)``); the running sum of those records,
-    in time order, is the memory allocated during ``fn`` and not yet freed, and its largest
-    value is added to the bytes of the ``resident`` tensors on the CPU (what was held
-    before: parameters, gradients, optimizer state; distinct storages, see
-    :func:`resident_bytes`). A storage allocated before ``fn`` and freed during it stays
-    counted, so the figure can only be high, never low. The whole process is one CPU
-    device. The profiler slows ``fn``: time it in other steps.
+    CPU: the most ``fn`` held allocated (:func:`autopart.core.memory.allocated_peak_bytes`:
+    the profiler's allocation records, summed in time order) added to the bytes of the
+    ``resident`` tensors on the CPU (what was held before: parameters, gradients, optimizer
+    state; distinct storages, see :func:`resident_bytes`). A storage allocated before ``fn``
+    and freed during it stays counted, so the figure can only be high, never low. The whole
+    process is one CPU device. The profiler slows ``fn``: time it in other steps.
 
     Args:
         fn: one step.
@@ -161,16 +159,7 @@ def measure_peak_bytes(fn: Callable[[], Any], devices: Sequence[torch.device],
     peaks: dict[str, int] = {}
     if any(d.type == "cpu" for d in devs):
         base = resident_bytes(t for t in held if t.device.type == "cpu")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = fn()
-        records = sorted((e.start_ns(), e.nbytes())
-                         for e in prof.profiler.kineto_results.events()
-                         if e.name() == "[memory]"
-                         and e.device_type() == torch.autograd.DeviceType.CPU)
-        live = peak = 0
-        for _, nbytes in records:
-            live += nbytes
-            peak = max(peak, live)
+        out, peak = allocated_peak_bytes(fn, torch.device("cpu"))
         peaks["cpu"] = base + peak
     else:
         out = fn()

@@ -103,6 +103,7 @@ def cnn() -> tuple[nn.Module, tuple[Any, ...], Any, Any]:
 
 
 WORKLOADS = {"gpt2": gpt2, "cnn": cnn}
+TITLES = {"gpt2": "GPT-2-like", "cnn": "ResNet-like CNN"}
 
 # (workload, schedule kind, stages per rank, m, recompute); "solver" rows are added per workload
 GRID = [("gpt2", "gpipe", 1, 4, False), ("gpt2", "gpipe", 1, 8, False),
@@ -220,13 +221,15 @@ def main() -> None:
                                                         row["measured_peak_bytes"], strict=True)]
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    solver_gpt = next(r for r in rows if r["workload"] == "gpt2" and "solver" in r["labels"])
+    # the GPT-2 solver's plan, or the first workload's where --only left GPT-2 out
+    solver_gpt = min((r for r in rows if "solver" in r["labels"]),
+                     key=lambda r: r["workload"] != "gpt2")
     gantt(out / "timeline.png",
           [("predicted", Trace.load(Path(work, f"predicted_{solver_gpt['id']}.json"))),
            ("measured", Trace.load(Path(work, f"trace_{solver_gpt['id']}.json")))],
           peaks=[("predicted", solver_gpt["predicted_peak_bytes"]),
                  ("measured", solver_gpt["measured_peak_bytes"])],
-          title=f"GPT-2-like, solver's plan ({solver_gpt['schedule']}, "
+          title=f"{TITLES[solver_gpt['workload']]}, solver's plan ({solver_gpt['schedule']}, "
                 f"m={solver_gpt['num_microbatches']}), 2 gloo ranks x 1 thread")
     errors = [abs(r["step_error"]) for r in rows]
     summary: dict[str, Any] = {

@@ -66,3 +66,36 @@ def test_reuse_keeps_outputs_exact() -> None:
     b, _ = profile_graph_report(captured, [x], warmup=0, repeats=1, reuse_repeated_blocks=False)
     assert [n.flops for n in a.nodes] == [n.flops for n in b.nodes]
     assert [n.output_bytes for n in a.nodes] == [n.output_bytes for n in b.nodes]
+
+
+def test_allocated_peak_counts_what_a_call_holds_at_once_and_ignores_older_blocks() -> None:
+    from autopart.core.memory import allocated_peak_bytes
+
+    old = [torch.empty(2**20, dtype=torch.uint8)]  # allocated before: its free is not seen
+
+    def work() -> torch.Tensor:
+        old.clear()
+        a = torch.empty(2**20, dtype=torch.uint8)
+        b = torch.empty(2**19, dtype=torch.uint8)  # 1.5 MiB held here
+        del a, b
+        return torch.empty(2**18, dtype=torch.uint8)
+
+    out, peak = allocated_peak_bytes(work, torch.device("cpu"))
+    assert out.numel() == 2**18
+    assert 3 * 2**19 <= peak < 3 * 2**19 + 4096, peak
+    assert allocated_peak_bytes(lambda: 7, torch.device("meta")) == (7, 0)
+
+
+def test_each_nodes_backward_peak_covers_the_gradients_it_returns() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    captured = capture(model, (x,))
+    costs, _ = profile_graph_report(captured, [x], warmup=0, repeats=1)
+    linears = [n for n in costs.nodes if n.params]
+    assert len(linears) == 2
+    for n in linears:
+        weights = sum(costs.param_sizes[p] for p in n.params)
+        # the weight and bias gradients, and the input's for the second linear
+        grads_in = 0 if n is linears[0] else 32 * 256 * 4
+        assert n.backward_peak_bytes >= weights + grads_in, (n.name, n.backward_peak_bytes)
+        assert n.backward_peak_bytes < 4 * (weights + grads_in) + 65536

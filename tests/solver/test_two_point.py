@@ -82,3 +82,23 @@ def test_the_second_batch_survives_json_and_is_validated(build) -> None:
         replace(g, low_times=g.low_times[:1])
     with pytest.raises(PlanError, match="low_batch_size must be in"):
         replace(g, low_batch_size=32)
+
+
+def test_a_backwards_measured_peak_at_two_batches_splits_into_fixed_and_per_row(build) -> None:
+    # a node whose backward held 1200 bytes at 16 rows and 500 at 2 (its kernel's weight
+    # copies: a fixed 400, plus 50 per row): at 4 rows it needs 400 + 200 + its 4-row
+    # output's gradient (100 x 4 / 16 = 25), more than the gradients' formula says
+    full = build.chain(1, fwd=100.0, bwd=200.0, out=100, param_bytes=300, batch_size=16)
+    full = replace(full, nodes=(replace(full.nodes[0], transient_bytes=160,
+                                        backward_peak_bytes=1200),))
+    low = replace(full, batch_size=2, nodes=(replace(full.nodes[0], backward_peak_bytes=500),))
+    g = full.with_low_batch(low)
+    assert g.low_backward_peaks == (500,)
+    assert CostGraph.from_dict(g.to_dict()) == g
+    with pytest.raises(PlanError, match="low_backward_peaks needs one"):
+        replace(g, low_backward_peaks=(500, 1))
+    model = CostModel(g, build.cluster(1), batch_size=16, training=True, state_factor=2.0)
+    assert model.transient_bytes(0, 1, model.ratio(4)) == 400 + 50 * 4 + 25
+    # one profile only: the gradients (160 x 4 / 16) and the weight's 300-byte new gradient
+    one = CostModel(full, build.cluster(1), batch_size=16, training=True, state_factor=2.0)
+    assert one.transient_bytes(0, 1, one.ratio(4)) == 40 + 300
