@@ -192,9 +192,15 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # outputs and their gradients
         cols["held"].append(0 if not split_here else 2 * cross_out if s == 0
                             else model.split_held_bytes(a, z, ratio))
-        # W returns weight gradients (up to all of the stage's, when their paths meet in one
-        # group); on the first stage it is the whole backward, whose working set they join
-        cols["wgrad"].append((pbytes + transient if s == 0 else pbytes) if split_here else 0)
+        # autopart's W returns the weight gradients (up to all of the stage's, when their
+        # paths meet in one group) before adding them; on the first stage it is the whole
+        # backward, whose working set they join. torch's stage_backward_weight adds each
+        # parameter group's gradients before the next group's: one node's working set
+        # (measured on the fidelity GPT-2, ZB-H1 m = 16: a W held 0.6 MiB above what it
+        # started from where all the stage's weights are 17 MiB).
+        wgrad = (transient if model.receive_buffers_per_microbatch
+                 else pbytes + transient if s == 0 else pbytes)
+        cols["wgrad"].append(wgrad if split_here else 0)
         # torch's stages keep what they send until the step ends: each sent output (the
         # schedule waits on every send at the step's end; until B its forward's saved set or
         # the stage's cache held it) and each input gradient (in the receive buffer's .grad

@@ -126,3 +126,25 @@ def test_a_parameter_tied_across_ranks_adds_its_gradient_all_reduce_to_the_step(
     alone = plan_at(one_rank, cluster, opts, (4,), kind="1f1b", num_microbatches=4)
     assert apart - alone.predicted_step_time_us == pytest.approx(8020.0, rel=0.01)
     assert predicted((4,), training=False)[1].events[-1].name != "reduce"  # inference: none
+
+
+def test_zero_bubbles_w_holds_all_the_stages_weight_gradients_only_in_autoparts_split(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # 8 nodes, each reading its own 400-byte weight; two stages of 4, m = 4 of batch 32
+    costs = build.chain(8, param_bytes=400)
+    cluster = build.cluster(2, link_bw=1e12)
+
+    def stage_costs(torch_stages: bool) -> Any:
+        opts = SolveOptions(batch_size=32, num_microbatches=4,
+                            receive_buffers_per_microbatch=torch_stages)
+        plan = plan_at(costs, cluster, opts, (4,), kind="zero_bubble", num_microbatches=4)
+        return predict(plan, costs, cluster, opts).stage_costs
+
+    # a node's backward working set at 4 x 8 rows: its 100-byte output scaled x 4, or its
+    # weight's new 400-byte gradient (these nodes' gradients are 0 bytes)
+    local, dist = stage_costs(False), stage_costs(True)
+    assert list(local.backward_extra_bytes) == list(dist.backward_extra_bytes) == [400, 400]
+    # autopart's W returns the 4 weights' gradients before adding them (the first stage's
+    # W is its whole backward: its working set too); torch's adds each group's in turn
+    assert list(local.weight_grad_bytes) == [4 * 400 + 400, 4 * 400]
+    assert list(dist.weight_grad_bytes) == [400, 400]
