@@ -317,29 +317,34 @@ class CostModel:
 
     def transient_bytes(self, start: int, stop: int, ratio: float) -> int:
         """Largest single-node working set of nodes ``start .. stop - 1``, bytes: its output
-        or, when training, its backward's, the larger of
+        or, when training, its backward's:
 
-        - its gradients (``NodeCost.transient_bytes``, scaled) plus the new gradients of the
-          trainable parameters it reads (not scaled: they live beside ``.grad`` until added
-          to it);
         - where the profile measured it at two batches (``NodeCost.backward_peak_bytes``,
-          ``CostGraph.low_backward_peaks``), the line through both at ``b``, plus its
-          outputs' gradients: what the kernel allocates beside the gradients counts too.
+          ``CostGraph.low_backward_peaks``), the line through both at ``b`` plus its
+          outputs' gradients, or its gradients (``NodeCost.transient_bytes``, scaled; the
+          loss's working set, folded into the last node, is there) if more. The new weight
+          gradients and what the kernel allocates beside them are in the measured figure.
           Measured on the fidelity CNN's last stage (1F1B, m = 8): its last convolution's
           backward held 2 x its 2.25 MiB weight (oneDNN writes the weight's gradient twice)
-          and 0.5 MiB of activation gradients; the first bullet alone says 2.75 MiB.
+          and 0.5 MiB of activation gradients, 2 MiB more than the gradients and the new
+          weight gradient;
+        - otherwise its gradients (scaled) plus the new gradients of the trainable
+          parameters it reads (not scaled: they live beside ``.grad`` until added to it).
         """
         nodes = self.costs.nodes
         out = 0
         for i in range(start, stop):
             nd = nodes[i]
             need = self.scale_bytes(nd.output_bytes, ratio)
-            if self.training:
+            if not self.training:
+                pass
+            elif self._bwd_peak and nd.backward_peak_bytes:
+                fixed, linear = self._bwd_peak[i]
+                need = max(need, self.scale_bytes(nd.transient_bytes, ratio),
+                           int(math.ceil(fixed + linear * ratio))
+                           + self.scale_bytes(nd.output_bytes, ratio))
+            else:
                 need = max(need, self.scale_bytes(nd.transient_bytes, ratio) + self._new_grad[i])
-                if self._bwd_peak:
-                    fixed, linear = self._bwd_peak[i]
-                    need = max(need, int(math.ceil(fixed + linear * ratio))
-                               + self.scale_bytes(nd.output_bytes, ratio))
             out = max(out, need)
         return out
 

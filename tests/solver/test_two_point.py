@@ -99,6 +99,11 @@ def test_a_backwards_measured_peak_at_two_batches_splits_into_fixed_and_per_row(
         replace(g, low_backward_peaks=(500, 1))
     model = CostModel(g, build.cluster(1), batch_size=16, training=True, state_factor=2.0)
     assert model.transient_bytes(0, 1, model.ratio(4)) == 400 + 50 * 4 + 25
+    # a node whose gradients need more (the loss's working set, folded into the last node):
+    # those at 4 rows, not those plus the weight's gradient, which the measured peaks hold
+    lossy = CostModel(replace(g, nodes=(replace(g.nodes[0], transient_bytes=4000),)),
+                      build.cluster(1), batch_size=16, training=True, state_factor=2.0)
+    assert lossy.transient_bytes(0, 1, lossy.ratio(4)) == 1000
     # one profile only: the gradients (160 x 4 / 16) and the weight's 300-byte new gradient
     one = CostModel(full, build.cluster(1), batch_size=16, training=True, state_factor=2.0)
     assert one.transient_bytes(0, 1, one.ratio(4)) == 40 + 300
