@@ -185,7 +185,14 @@ def main() -> None:
                              "'gpt2:zero_bubble v1 m8' (repeatable; the solver's plans stay)")
     parser.add_argument("--traces", default=None, metavar="DIR",
                         help="also keep every plan, predicted trace and measured trace here")
+    parser.add_argument("--profile-cache", default=None, metavar="DIR",
+                        help="read and keep profiles in this cache (default: a fresh one, so "
+                             "the profile is taken minutes before the steps it predicts)")
     opts = parser.parse_args()
+    # A cached profile may come from another hour of this shared machine, whose speed drifts
+    # by 5-10 % over tens of minutes; a fresh one is what a first launch measures.
+    os.environ["AUTOPART_CACHE_DIR"] = opts.profile_cache or tempfile.mkdtemp(
+        prefix="autopart-fidelity-cache-")
     from autopart.bench import run_arms
     from autopart.trace import Trace, gantt
 
