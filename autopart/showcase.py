@@ -7,8 +7,9 @@ thread each, arms alternated step by step) against the same model in one process
 same microbatching and against the usual hand split (equal layers per stage). A second plan
 is solved with ``optimize="memory"`` under a per-rank cap halfway between the least peak
 the solver can reach and the equal-layers split's predicted peak, with the same schedule
-(1F1B) and microbatch count, and its peak is measured beside the others'. Everything measured is printed beside the plan's prediction; the
-plan, stage sources, a Perfetto trace of one step and a PNG of predicted and measured
+(1F1B) and microbatch count, and its peak is measured beside the others'. Everything
+measured is printed beside the plan's prediction; the plan, stage sources, a Perfetto
+trace of one step and a PNG of predicted and measured
 timelines with per-rank memory go to ``out_dir``.
 """
 

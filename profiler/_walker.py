@@ -17,8 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopart.core.capture import CapturedGraph, node_module_path, node_source, op_nodes
 from autopart.core.costgraph import NodeCost
-from autopart.core.memory import allocated_peak_bytes
 from autopart.core.errors import ProfileError
+from autopart.core.memory import allocated_peak_bytes
 from autopart.profiler._oputil import (
     EXTRA_FLOP_FORMULAS,
     MeasureReport,
