@@ -176,12 +176,11 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # last, which starts from the loss)
         many = m if training and model.receive_buffers_per_microbatch else 1
         # the stage's compute stream holds cuBLAS workspaces on a GPU (0 on the CPU)
-        # torch's last stage keeps no output past its microbatch's backward (no outputs are
-        # returned), so it has no output buffer beside the held outputs counted below
-        # (measured on the fidelity GPT-2's last rank, 1F1B m = 8: its 8 MiB of logits
-        # were counted twice)
-        out_buffers = (many if s < s_total - 1
-                       else 0 if training and model.receive_buffers_per_microbatch else 1)
+        # training, the last stage holds each microbatch's outputs from its F to its B
+        # (counted below) and in no output buffer: neither runtime returns them (measured
+        # on the fidelity GPT-2's last rank, 1F1B m = 8: its 8 MiB of logits were counted
+        # twice)
+        out_buffers = many if s < s_total - 1 else 0 if training else 1
         cols["static"].append(state + cluster.devices[r].workspace_bytes
                               + (many if s > 0 else 1) * cross_in + out_buffers * cross_out
                               + (0 if training else transient))

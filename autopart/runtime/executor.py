@@ -28,7 +28,9 @@ class StepResult:
     """What one run of a schedule produced.
 
     Attributes:
-        outputs: per microbatch, the last stage's flat outputs (detached), in mb order.
+        outputs: per microbatch, the last stage's flat outputs (detached), in mb order;
+            inference only: a training step keeps none, each is freed after its backward
+            (all m of them held to the step's end had cost m x the logits).
         losses: per microbatch, the scaled loss (training only), detached.
         max_live_activations: per stage, the most microbatches whose forward state was held
             at once (the schedule's in-flight count: m for GPipe, p - s for 1F1B).
@@ -238,8 +240,9 @@ class LocalExecutor:
             self._forward(s, i, mb_inputs, state, training)
             if s == num_stages - 1:
                 outs = state[(s, i)].outputs
-                result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
-                                          for o in outs)
+                if not training:
+                    result.outputs[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                                              for o in outs)
                 if loss_closure is not None:
                     with streams.on(s):
                         result.losses[i] = loss_closure(i, outs)

@@ -105,13 +105,12 @@ def test_trace_json_errors_are_specific(tmp_path: Any) -> None:
 def test_predicted_peak_memory_bounds_the_measured(kind: str) -> None:
     """One process, two CPU stages of GPT-2: the plan's peaks (summed over its ranks) against
     the measured peak of a step with AdamW state: at most 15 % above (issue 11), and not
-    below but for 3 %. ZB-H1 holds the gradients W restarts from and returns each W's weight
-    gradients before adding them: it was 18 % under before the cost model charged them, and
-    is 1.7-2.1 % under now, depending on the cut the profile's noise picks (1F1B 7 % over;
-    an open item of issue 11: the local executor's zero-bubble holds about 0.5 MB more than
-    charged here, torch's distributed stages 15-20 % less). One process runs both stages,
-    so the measured peak is the two stages' live memory at one moment, against the sum of
-    their own peaks."""
+    below but for 2 %. ZB-H1 holds the gradients W restarts from and returns each W's weight
+    gradients before adding them: it was 18 % under before the cost model charged them, 2 %
+    under while the executor kept every microbatch's outputs for a step result no one read,
+    and is 0.2 % over now (1F1B 14 % over). One process runs both stages, so the measured
+    peak is the two stages' live memory at one moment, against the sum of their own
+    peaks."""
     model, args, target, loss_fn = ZOO["gpt2"]()
     pipe = autopart.compile(model, args, loss_fn=loss_fn, example_target=target,
                             devices=["cpu", "cpu"], num_microbatches=4, schedule=kind)
@@ -122,4 +121,4 @@ def test_predicted_peak_memory_bounds_the_measured(kind: str) -> None:
     pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
     predicted = sum(r.peak_memory_bytes for r in pipe.plan.ranks)
     measured = pipe.last_peak_memory_bytes["cpu"]
-    assert 0.97 * measured <= predicted <= 1.15 * measured, (predicted, measured)
+    assert 0.98 * measured <= predicted <= 1.15 * measured, (predicted, measured)
