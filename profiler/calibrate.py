@@ -22,18 +22,16 @@ __all__ = ["whole_graph_times", "calibrate_to_whole_graph", "segment_times",
 
 def whole_graph_times(captured: CapturedGraph, flat_inputs: list[Any], device: str, *,
                       min_repeats: int = 3, budget_s: float = 1.0) -> tuple[float, float]:
-    """Forward and backward time of the whole graph run as one stage, µs.
+    """Forward and backward time of the whole graph run as one stage, µs:
+    :func:`segment_times` with no cut.
 
     The graph is built as the runtimes build a stage (:func:`build_stage_modules`, no cut),
     its forward is timed, then its backward: ``torch.autograd.grad`` of the outputs that need a
     gradient (seeded with ones) with respect to the trainable parameters, which is the work
     of ``backward()`` without writing ``.grad``. One untimed warm-up, then at least
     ``min_repeats`` timed runs and more while ``budget_s`` seconds have not gone by; the
-    medians are returned. ``time.perf_counter`` on CPU; on CUDA a synchronize closes each
-    timed part.
-
-    The model's parameters, ``.grad``, buffers (BatchNorm statistics are restored) and
-    random state are left as they were.
+    medians are returned. The model's parameters, ``.grad``, buffers (BatchNorm statistics
+    are restored) and random state are left as they were.
 
     Args:
         captured: the captured model; ``flat_inputs`` its flat inputs.
@@ -44,52 +42,9 @@ def whole_graph_times(captured: CapturedGraph, flat_inputs: list[Any], device: s
     Returns:
         ``(forward µs, backward µs)``; the backward is 0 when nothing needs a gradient.
     """
-    dev = torch.device(device)
-    (stage,), _ = build_stage_modules(captured, split_graph(captured, []), [dev])
-    assert stage is not None
-    buffers = list(stage.buffers())
-    saved_buffers = [b.detach().clone() for b in buffers]
-    params = [p for p in stage.parameters() if p.requires_grad]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    def run() -> tuple[float, float]:
-        sync()
-        t0 = time.perf_counter()
-        with torch.enable_grad():
-            out = stage(*inputs)
-        sync()
-        t1 = time.perf_counter()
-        roots = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
-        if roots and params:
-            torch.autograd.grad(roots, params, [torch.ones_like(o) for o in roots],
-                                allow_unused=True)
-            sync()
-        t2 = time.perf_counter()
-        return (t1 - t0) * 1e6, ((t2 - t1) * 1e6 if roots and params else 0.0)
-
-    try:
-        run()  # warm-up: allocator, first-call dispatch
-        fwd: list[float] = []
-        bwd: list[float] = []
-        start = time.perf_counter()
-        while len(fwd) < min_repeats or time.perf_counter() - start < budget_s:
-            f, b = run()
-            fwd.append(f)
-            bwd.append(b)
-        return statistics.median(fwd), statistics.median(bwd)
-    finally:
-        with torch.no_grad():
-            for b, data in zip(buffers, saved_buffers, strict=True):
-                b.copy_(data)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+    (times,) = segment_times(captured, flat_inputs, device, (), min_repeats=min_repeats,
+                             budget_s=budget_s)
+    return times
 
 
 def calibrate_to_whole_graph(costs: CostGraph, fwd_us: float, bwd_us: float) -> CostGraph:
@@ -149,8 +104,8 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
     parameters: the work of a stage's ``backward()`` without writing ``.grad``. One untimed
     warm-up, then at least ``min_repeats`` timed runs and more while ``budget_s`` seconds
     have not gone by; per segment the medians are returned. ``time.perf_counter`` on CPU;
-    on CUDA a synchronize closes each timed part. With no positions this is
-    :func:`whole_graph_times` as one segment.
+    on CUDA a synchronize closes each timed part. With no positions the whole graph is one
+    segment (:func:`whole_graph_times`).
 
     The model's parameters, ``.grad``, buffers and random state are left as they were.
 
