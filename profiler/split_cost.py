@@ -110,8 +110,6 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
         ValueError: ``min_pairs < 1`` or ``max_pairs < min_pairs``, or an unknown
             ``runtime``.
     """
-    if runtime not in ("local", "distributed"):
-        raise ValueError(f"runtime must be 'local' or 'distributed', got {runtime!r}")
     ratios = _timed_ratios(captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
                            max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s,
                            start=start, share=share, runtime=runtime)
@@ -187,8 +185,6 @@ def measure_split_backward_overhead(captured: CapturedGraph, flat_inputs: list[A
     Raises:
         ValueError: as :func:`measure_split_backward_factor`.
     """
-    if runtime not in ("local", "distributed"):
-        raise ValueError(f"runtime must be 'local' or 'distributed', got {runtime!r}")
     pairs = _timed_pairs(captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
                          max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s,
                          start=start, share=share, runtime=runtime)
@@ -228,6 +224,8 @@ def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGra
                  max_spread: float, budget_s: float, start: float, share: float,
                  runtime: str = "local") -> list[tuple[float, float]]:
     """The pairs' ``(B, I + W)`` times in µs, in the order timed (empty: not measurable)."""
+    if runtime not in ("local", "distributed"):
+        raise ValueError(f"runtime must be 'local' or 'distributed', got {runtime!r}")
     if min_pairs < 1 or max_pairs < min_pairs:
         raise ValueError(f"need 1 <= min_pairs <= max_pairs, got min_pairs={min_pairs}, "
                          f"max_pairs={max_pairs}")

@@ -335,16 +335,15 @@ class CostModel:
         out = 0
         for i in range(start, stop):
             nd = nodes[i]
-            need = self.scale_bytes(nd.output_bytes, ratio)
-            if not self.training:
-                pass
-            elif self._bwd_peak and nd.backward_peak_bytes:
-                fixed, linear = self._bwd_peak[i]
-                need = max(need, self.scale_bytes(nd.transient_bytes, ratio),
-                           int(math.ceil(fixed + linear * ratio))
-                           + self.scale_bytes(nd.output_bytes, ratio))
-            else:
-                need = max(need, self.scale_bytes(nd.transient_bytes, ratio) + self._new_grad[i])
+            output = self.scale_bytes(nd.output_bytes, ratio)
+            need = output
+            if self.training:
+                grads = self.scale_bytes(nd.transient_bytes, ratio)
+                if self._bwd_peak and nd.backward_peak_bytes:
+                    fixed, linear = self._bwd_peak[i]
+                    need = max(need, grads, int(math.ceil(fixed + linear * ratio)) + output)
+                else:
+                    need = max(need, grads + self._new_grad[i])
             out = max(out, need)
         return out
 
