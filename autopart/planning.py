@@ -358,7 +358,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
 
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
 _PROFILE_METHOD = ("measured:profile_graph(warmup=1,repeats=3,long_call_us=50000,"
-                   "long=min-of-2-after-warm,weight-transient)")
+                   "long=min-of-2-after-warm,backward-peak)")
 
 
 def _cached_or_measured(key: dict[str, Any], measure: Any, use_cache: bool, hits: set[str],
