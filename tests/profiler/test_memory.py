@@ -86,6 +86,27 @@ def test_allocated_peak_counts_what_a_call_holds_at_once_and_ignores_older_block
     assert allocated_peak_bytes(lambda: 7, torch.device("meta")) == (7, 0)
 
 
+kept: list[torch.Tensor] = []
+
+
+def test_a_block_from_an_earlier_measurement_freed_during_this_one_does_not_lower_it() -> None:
+    from autopart.core.memory import allocated_peak_bytes
+
+    # allocated while the profiler watched (an earlier measurement): the profiler knows its
+    # size and reports its free in the next one
+    _, earlier = allocated_peak_bytes(lambda: kept.append(torch.empty(2**16, dtype=torch.uint8)),
+                                      torch.device("cpu"))
+
+    def work() -> None:
+        kept.clear()
+        a = torch.empty(2**20, dtype=torch.uint8)
+        del a
+
+    _, peak = allocated_peak_bytes(work, torch.device("cpu"))
+    assert earlier >= 2**16
+    assert 2**20 <= peak < 2**20 + 4096, peak
+
+
 def test_each_nodes_backward_peak_covers_the_gradients_it_returns() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     x = torch.randn(32, 64)
