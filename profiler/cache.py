@@ -18,7 +18,7 @@ from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.version import __version__
 
-__all__ = ["cache_dir", "profile_key", "load_cached", "store", "cached_profile",
+__all__ = ["cache_dir", "host_file", "profile_key", "load_cached", "store", "cached_profile",
            "load_measure", "store_measure", "cache_enabled", "machine_busy", "PROFILER_REVISION"]
 
 #: Bumped whenever the profiler's numbers change for the same inputs, so that profiles
@@ -53,6 +53,13 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def host_file(kind: str, method: str) -> Path:
+    """Where a measurement of this host (not of a graph) is cached: ``<cache>/links/
+    <kind>-<method>-<CPU model>-torch<version>.json`` (spaces and slashes made ``_``)."""
+    name = f"{kind}-{method}-{_cpu_name()}-torch{torch.__version__}"
+    return cache_dir() / "links" / (name.replace(" ", "_").replace("/", "_") + ".json")
 
 
 def _versions() -> dict[str, str]:

@@ -182,8 +182,7 @@ def host_link(use_cache: bool = True) -> LinkFigures | None:
         The figures, or None (with a ``RuntimeWarning`` saying why) when the link could not
         be timed: planning then uses the ``cpu`` preset's nominal figures.
     """
-    name = f"link-{METHOD}-{_cache._cpu_name()}-torch{torch.__version__}".replace(" ", "_").replace("/", "_")
-    path = _cache.cache_dir() / "links" / f"{name}.json"
+    path = _cache.host_file("link", METHOD)
     if use_cache and path.is_file():
         try:
             data = json.loads(path.read_text())

@@ -159,6 +159,13 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
                 bi, bw = 0.0, bi + bw
         if splits_backward(kind, False) and not splits_backward(kind, rc[s]):
             bi, bw = bi + bw, 0.0  # one B where its I would be; no W
+        # the runtime's own cost of each action (SolveOptions.action_overhead_us): F, the B
+        # (where bi holds it whole) or both of I and W
+        ov = model.action_overhead_us
+        if ov and training:
+            bi += ov
+            bw += ov if splits_backward(kind, rc[s]) else 0.0
+        fwd += ov
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)
         state, pbytes, numel = model.state_of(a, z)

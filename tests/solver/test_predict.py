@@ -148,3 +148,30 @@ def test_zero_bubbles_w_holds_all_the_stages_weight_gradients_only_in_autoparts_
     # W is its whole backward: its working set too); torch's adds each group's in turn
     assert list(local.weight_grad_bytes) == [4 * 400 + 400, 4 * 400]
     assert list(dist.weight_grad_bytes) == [400, 400]
+
+
+def test_the_runtimes_cost_per_action_is_added_to_every_f_b_i_and_w(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # as test_zero_bubble_charges_the_split_per_node...: two stages of 4 nodes, fwd 10, I 10,
+    # W 10 µs per node at microbatch 8
+    costs = build.chain(8, param_bytes=400)
+    cluster = build.cluster(2, link_bw=1e12)
+
+    def predicted(kind: str, overhead: float) -> Any:
+        opts = SolveOptions(batch_size=32, num_microbatches=4, action_overhead_us=overhead)
+        return predict(plan_at(costs, cluster, opts, (4,), kind=kind, num_microbatches=4),
+                       costs, cluster, opts)
+
+    c = predicted("1f1b", 3.0).stage_costs
+    # F pays it once, and so does the whole B (its I + W columns), in the I column
+    assert (list(c.fwd_us), list(c.bwd_input_us), list(c.bwd_weight_us)) == (
+        [43.0, 43.0], [43.0, 43.0], [40.0, 40.0])
+    c = predicted("zero_bubble", 3.0).stage_costs
+    # split: I and W each pay it (the first stage's empty I too: torch runs it as an action)
+    assert (list(c.bwd_input_us), list(c.bwd_weight_us)) == ([3.0, 43.0], [83.0, 43.0])
+    # 1F1B, 2 ranks, m = 4: every rank's timeline has 8 actions and the critical path runs
+    # through 10 of them (the warm-up F and the cool-down B of the other stage)
+    slower = predicted("1f1b", 3.0).step_time_us - predicted("1f1b", 0.0).step_time_us
+    assert 8 * 3.0 <= slower <= 10 * 3.0 + 1e-6
+    with pytest.raises(PlanError, match="action_overhead_us=-1.0 must be >= 0"):
+        SolveOptions(batch_size=8, action_overhead_us=-1.0)
