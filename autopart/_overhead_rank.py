@@ -18,11 +18,17 @@ from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime_overhead import STEPS, WARMUP, workload
 
 
-def main(rank: int, store: str, plan_path: str, out: str) -> None:
-    """Compile the plan on the distributed backend and time ``WARMUP + STEPS`` steps (each
-    the slower rank's, after a barrier); rank 0 writes the timed ones to ``out``, s."""
+def main(rank: int, store: str, plan_path: str, out: str, timeout_s: float) -> None:
+    """Wait for the plan at ``plan_path`` (the parent writes it while this process starts),
+    compile it on the distributed backend and time ``WARMUP + STEPS`` steps (each the slower
+    rank's, after a barrier); rank 0 writes the timed ones to ``out``, s."""
     torch.set_num_threads(1)  # as each pipeline rank runs on CPU
     tune_cpu_allocator()
+    deadline = time.monotonic() + timeout_s
+    while not Path(plan_path).is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no plan at {plan_path} after {timeout_s:g} s")
+        time.sleep(0.01)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         model, x, y, loss_fn = workload()
@@ -45,4 +51,4 @@ def main(rank: int, store: str, plan_path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]))

@@ -6,9 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 import statistics
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -250,7 +248,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     (the preset's nominal figures, with a warning, when it cannot be timed). For the
     ``"distributed"`` runtime on two or more ``cpu`` ranks, the runtime's own cost per compute
     action is measured once per machine and cached too
-    (:func:`action_overhead`, about 5-10 s).
+    (:func:`action_overhead`, about 4-5 s).
 
     When m is left to the solver and ``low_batch`` (default True), node times come from two
     more profiles: the model captured and profiled at the smallest microbatch the solver may
@@ -384,20 +382,26 @@ def measure_action_overhead() -> float:
     16 microbatches on two ``cpu`` ranks is run
     (:func:`autopart.runtime_overhead.time_steps`, median step), and the cost is the one at
     which the cost model's replay of that plan takes that step
-    (:func:`autopart.runtime_overhead.fit_action_overhead`). About 5-10 s.
+    (:func:`autopart.runtime_overhead.fit_action_overhead`). About 4-5 s.
 
     Raises:
         ProfileError: the two processes failed.
     """
     model, x, y, loss_fn = _overhead_workload()
     # the local runtime's profile (the distributed one's would measure this again)
-    plan, profile = plan_model(model, (x,), devices=["cpu", "cpu"], num_microbatches=_OVERHEAD_M,
-                               schedule="1f1b", loss_fn=loss_fn, example_target=y, cache=False,
-                               receive_buffers_per_microbatch=True)
-    with tempfile.TemporaryDirectory(prefix="autopart-plan-") as tmp:
-        path = os.path.join(tmp, "plan.json")
-        plan.save(path)
-        measured_us = statistics.median(time_steps(path)) * 1e6
+    where = dict(devices=["cpu", "cpu"], num_microbatches=_OVERHEAD_M, loss_fn=loss_fn,
+                 example_target=y, cache=False)
+    planned: list[Plan] = []
+
+    def write_plan(path: str) -> None:  # while the two processes start
+        planned.append(plan_model(model, (x,), schedule="1f1b", **where,
+                                  receive_buffers_per_microbatch=True)[0])
+        planned[0].save(path)
+
+    measured_us = statistics.median(time_steps(write_plan)) * 1e6
+    plan = planned[0]
+    # profiled again once the processes are gone: the first profile shared the CPU with them
+    profile = profile_model(model, (x,), **where)
     cluster = profile.cluster()
     return fit_action_overhead(lambda a: predict_plan(
         plan, profile.costs, cluster, profile.options(receive_buffers_per_microbatch=True,

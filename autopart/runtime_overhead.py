@@ -43,7 +43,7 @@ METHOD = "tiny-mlp-1f1b-m16-median-v1"
 #: Microbatches of the measured 1F1B pipeline (two ranks, one stage each).
 MICROBATCHES = 16
 #: Untimed and timed steps of the measured pipeline.
-WARMUP, STEPS = 3, 25
+WARMUP, STEPS = 3, 15
 
 
 def workload() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]]:
@@ -84,24 +84,27 @@ def fit_action_overhead(predict_us: Callable[[float], float], measured_us: float
     return (lo + hi) / 2
 
 
-def time_steps(plan_path: str, *, timeout_s: float = 300.0) -> list[float]:
-    """Run the plan at ``plan_path`` (a plan of :func:`workload` on two ``cpu`` ranks) in two
-    gloo processes on this host (``python -m autopart._overhead_rank``) and return its timed
-    steps, s: :data:`STEPS` steps after :data:`WARMUP`, each the slower rank's, after a
-    barrier. Takes about 5 s (two processes start and import torch).
+def time_steps(write_plan: Callable[[str], None], *, timeout_s: float = 300.0) -> list[float]:
+    """Run a plan of :func:`workload` on two ``cpu`` ranks in two gloo processes on this host
+    (``python -m autopart._overhead_rank``) and return its timed steps, s: :data:`STEPS` steps
+    after :data:`WARMUP`, each the slower rank's, after a barrier. The processes start first;
+    ``write_plan(path)`` then writes the plan (atomically) while they import torch, and they
+    run it once it is there. Takes about 4-5 s here.
 
     Raises:
         ProfileError: the processes failed or did not finish within ``timeout_s``.
     """
     with tempfile.TemporaryDirectory(prefix="autopart-overhead-") as tmp:
-        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
+        store, out, plan_path = (os.path.join(tmp, n) for n in ("store", "out.json", "plan.json"))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        deadline = time.monotonic() + timeout_s
         procs = [subprocess.Popen(
-            [sys.executable, "-m", "autopart._overhead_rank", str(rank), store, plan_path, out],
+            [sys.executable, "-m", "autopart._overhead_rank", str(rank), store, plan_path, out,
+             str(timeout_s)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env) for rank in (0, 1)]
         errors = []
-        deadline = time.monotonic() + timeout_s
         try:
+            write_plan(plan_path)
             for proc in procs:
                 try:
                     _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
