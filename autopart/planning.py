@@ -36,13 +36,13 @@ from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime.launch import on_meta as launch_on_meta
 from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.runtime_overhead import MICROBATCHES as _OVERHEAD_M
-from autopart.runtime_overhead import cached_action_overhead, fit_action_overhead, time_steps
+from autopart.runtime_overhead import cached_transfer_overhead, fit_transfer_overhead, time_steps
 from autopart.runtime_overhead import workload as _overhead_workload
 from autopart.solver import SolveOptions, find_candidates, solve
 from autopart.solver.predict import predict as predict_plan
 
 __all__ = ["Profile", "plan_model", "profile_model", "cluster_for_devices", "resolve_devices",
-           "plan_devices", "library_versions", "action_overhead", "measure_action_overhead"]
+           "plan_devices", "library_versions", "transfer_overhead", "measure_transfer_overhead"]
 
 _CUDA_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"),
                  ("A100 80GB", "a100-80gb"), ("A100", "a100-40gb"), ("L4", "l4"))
@@ -166,7 +166,7 @@ class Profile:
             (``SolveOptions.split_backward_factor``): 1.0, as the split's cost is measured
             per node (``split_backward_us_per_node``).
         timings_s: seconds spent in ``capture_s``, ``profile_s``, ``loss_cost_s``,
-            ``batch_points_s``, ``split_cost_s``, ``link_s`` and ``action_overhead_s`` (a
+            ``batch_points_s``, ``split_cost_s``, ``link_s`` and ``transfer_overhead_s`` (a
             phase read from the cache counts the reading).
         from_cache: the phases read from the profile cache: ``"profile"``,
             ``"split_cost"``, and where m is left open ``"low_batch_profile"`` and
@@ -176,10 +176,10 @@ class Profile:
         split_backward_us_per_node: what zero-bubble's I/W split adds per node with a
             backward, per microbatch, µs, measured at the smallest microbatch the plan may
             use (0.0 when not measured: inference, one rank, or zero_bubble excluded).
-        action_overhead_us: what the distributed runtime spends on each compute action
-            beside its compute and link time, µs, measured on this host when the profile is
-            for that runtime on two or more ``cpu`` ranks
-            (:func:`action_overhead`); else 0.0.
+        transfer_overhead_us: what the distributed runtime spends on each transfer between
+            ranks beside the link time, µs, measured on this host when the profile is for
+            that runtime on two or more ``cpu`` ranks
+            (:func:`transfer_overhead`); else 0.0.
     """
 
     captured: CapturedGraph
@@ -194,7 +194,7 @@ class Profile:
     from_cache: frozenset[str] = frozenset()
     host_link: LinkFigures | None = None
     split_backward_us_per_node: float = 0.0
-    action_overhead_us: float = 0.0
+    transfer_overhead_us: float = 0.0
 
     def cluster(self) -> Cluster:
         """The devices as the solver sees them, with the measured host link if any."""
@@ -209,7 +209,7 @@ class Profile:
             microbatch_candidates=self.microbatch_candidates, training=self.training,
             library_versions=library_versions(), split_backward_factor=self.split_backward_factor,
             split_backward_us_per_node=self.split_backward_us_per_node,
-            action_overhead_us=self.action_overhead_us)
+            transfer_overhead_us=self.transfer_overhead_us)
         if choices.get("num_microbatches") is not None:  # one m of the profiled candidates
             base["microbatch_candidates"] = None
         return SolveOptions(**{**base, **choices})
@@ -246,9 +246,9 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     the link between them is timed once per process and cached per machine
     (:func:`autopart.profiler.links.host_link`, about 3 s), so sends cost what they cost here
     (the preset's nominal figures, with a warning, when it cannot be timed). For the
-    ``"distributed"`` runtime on two or more ``cpu`` ranks, the runtime's own cost per compute
-    action is measured once per machine and cached too
-    (:func:`action_overhead`, about 4-5 s).
+    ``"distributed"`` runtime on two or more ``cpu`` ranks, the runtime's own cost per transfer
+    between ranks is measured once per machine and cached too
+    (:func:`transfer_overhead`, about 4-5 s).
 
     When m is left to the solver and ``low_batch`` (default True), node times come from two
     more profiles: the model captured and profiled at the smallest microbatch the solver may
@@ -370,19 +370,19 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     if (runtime == "distributed" and training and len(devices) > 1
             and all(torch.device(d).type == "cpu" for d in devices)):
         t0 = time.perf_counter()
-        overhead = action_overhead(use_cache) or 0.0
-        timings["action_overhead_s"] = time.perf_counter() - t0
+        overhead = transfer_overhead(use_cache) or 0.0
+        timings["transfer_overhead_s"] = time.perf_counter() - t0
     return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
                    1.0, timings, frozenset(hits), link, split_us, overhead)
 
 
-def measure_action_overhead() -> float:
-    """The distributed runtime's cost per compute action on two gloo processes on this host,
+def measure_transfer_overhead() -> float:
+    """The distributed runtime's cost per transfer between two gloo processes on this host,
     µs: the 1F1B plan of :func:`autopart.runtime_overhead.workload` (negligible compute) with
     16 microbatches on two ``cpu`` ranks is run
     (:func:`autopart.runtime_overhead.time_steps`, median step), and the cost is the one at
     which the cost model's replay of that plan takes that step
-    (:func:`autopart.runtime_overhead.fit_action_overhead`). About 4-5 s.
+    (:func:`autopart.runtime_overhead.fit_transfer_overhead`). About 4-5 s.
 
     Raises:
         ProfileError: the two processes failed.
@@ -403,18 +403,18 @@ def measure_action_overhead() -> float:
     # profiled again once the processes are gone: the first profile shared the CPU with them
     profile = profile_model(model, (x,), **where)
     cluster = profile.cluster()
-    return fit_action_overhead(lambda a: predict_plan(
+    return fit_transfer_overhead(lambda a: predict_plan(
         plan, profile.costs, cluster, profile.options(receive_buffers_per_microbatch=True,
-                                                      action_overhead_us=a)).step_time_us,
+                                                      transfer_overhead_us=a)).step_time_us,
         measured_us)
 
 
 @functools.lru_cache(maxsize=1)
-def action_overhead(use_cache: bool = True) -> float | None:
-    """:func:`measure_action_overhead`, once per process and cached per machine
-    (:func:`autopart.runtime_overhead.cached_action_overhead`); None, with a warning, when it
+def transfer_overhead(use_cache: bool = True) -> float | None:
+    """:func:`measure_transfer_overhead`, once per process and cached per machine
+    (:func:`autopart.runtime_overhead.cached_transfer_overhead`); None, with a warning, when it
     could not be measured."""
-    return cached_action_overhead(measure_action_overhead, use_cache)
+    return cached_transfer_overhead(measure_transfer_overhead, use_cache)
 
 
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.

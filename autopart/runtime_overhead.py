@@ -1,4 +1,4 @@
-"""What the distributed runtime spends on each compute action beside its compute and link time.
+"""What the distributed runtime spends on each transfer between ranks beside its link time.
 
 torch.distributed.pipelining's schedule runs every action through Python: it looks the action
 up, posts the action's sends and receives as gloo work, waits on them, and hands the stage its
@@ -6,14 +6,16 @@ received buffers. None of that is in a profile (which times the graph's ops) or 
 ping-pong (which times one bare ``send``/``recv`` pair). On this project's 2-core CPU (torch
 2.13.0+cpu, 2 gloo ranks x 1 thread) a pipeline whose compute is negligible (an 8-layer,
 32-wide MLP) measured 23.7 ms a step at 1F1B m = 16 against 6.1 ms predicted without it, and
-55.7 against 7.8 ms interleaved (v = 2): about half a millisecond per action, a few per cent
-of a GPT-2-like step at 2 rows per microbatch, and more where the schedule has more actions.
+55.7 against 7.8 ms interleaved (v = 2, where a middle stage's action both receives and
+sends): about half a millisecond per transfer, a few per cent of a GPT-2-like step at 2 rows
+per microbatch, and more where the schedule has more transfers.
 
 :func:`time_steps` runs such a pipeline through :func:`autopart.compile`'s distributed
 backend in two gloo processes on this host (``python -m autopart._overhead_rank``);
-:func:`autopart.planning.measure_action_overhead` fits the per-action cost at which the cost
-model's replay of it takes the measured step (:func:`fit_action_overhead`), and
-:func:`cached_action_overhead` keeps it in the profile cache per machine, as
+:func:`autopart.planning.measure_transfer_overhead` fits the per-transfer cost at which the
+cost model's replay of it takes the measured step (:func:`fit_transfer_overhead`; each action
+of that two-stage pipeline has one transfer), and
+:func:`cached_transfer_overhead` keeps it in the profile cache per machine, as
 :func:`autopart.profiler.links.host_link` keeps the link.
 """
 
@@ -35,8 +37,8 @@ from autopart.core.errors import ProfileError
 from autopart.core.jsonio import write_text_atomic
 from autopart.profiler import cache as _cache
 
-__all__ = ["METHOD", "MICROBATCHES", "STEPS", "WARMUP", "cached_action_overhead",
-           "fit_action_overhead", "time_steps", "workload"]
+__all__ = ["METHOD", "MICROBATCHES", "STEPS", "WARMUP", "cached_transfer_overhead",
+           "fit_transfer_overhead", "time_steps", "workload"]
 
 #: What is measured, and how; part of the cache file's name, so a change measures again.
 METHOD = "tiny-mlp-1f1b-m16-median-v1"
@@ -59,9 +61,9 @@ def workload() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, Callable[..
     return model, x, y, torch.nn.functional.mse_loss
 
 
-def fit_action_overhead(predict_us: Callable[[float], float], measured_us: float, *,
+def fit_transfer_overhead(predict_us: Callable[[float], float], measured_us: float, *,
                         tolerance_us: float = 1.0, high_us: float = 100_000.0) -> float:
-    """The per-action cost ``a`` >= 0 at which ``predict_us(a)`` (a step's predicted time,
+    """The per-transfer cost ``a`` >= 0 at which ``predict_us(a)`` (a step's predicted time,
     µs, non-decreasing in ``a``) equals ``measured_us``, found by bisection to
     ``tolerance_us``; 0.0 when the prediction without it is already at or above the
     measurement.
@@ -73,7 +75,7 @@ def fit_action_overhead(predict_us: Callable[[float], float], measured_us: float
         return 0.0
     if predict_us(high_us) < measured_us:
         raise ProfileError(f"a step of {measured_us:.0f} µs is not reached with {high_us:.0f} µs "
-                           "per action; the runtime measurement is broken")
+                           "per transfer; the runtime measurement is broken")
     lo, hi = 0.0, high_us
     while hi - lo > tolerance_us:
         mid = (lo + hi) / 2
@@ -126,20 +128,20 @@ def time_steps(write_plan: Callable[[str], None], *, timeout_s: float = 300.0) -
         return [float(t) for t in json.loads(Path(out).read_text())]
 
 
-def cached_action_overhead(measure: Callable[[], float], use_cache: bool = True) -> float | None:
-    """This host's per-action cost of the distributed runtime, µs: ``measure()``'s, kept in the
+def cached_transfer_overhead(measure: Callable[[], float], use_cache: bool = True) -> float | None:
+    """This host's per-transfer cost of the distributed runtime, µs: ``measure()``'s, kept in the
     profile cache per machine (:func:`autopart.profiler.cache.host_file`, with
     :data:`METHOD`) and read from it when there. A measurement taken while the machine is
     oversubscribed (:func:`autopart.profiler.cache.machine_busy`) is used but not stored.
 
     Returns:
         The figure, or None (with a ``RuntimeWarning`` saying why) when ``measure`` raised
-        :class:`ProfileError`: planning then charges nothing per action.
+        :class:`ProfileError`: planning then charges nothing per transfer.
     """
-    path = _cache.host_file("action-overhead", METHOD)
+    path = _cache.host_file("transfer-overhead", METHOD)
     if use_cache and path.is_file():
         try:
-            value = float(json.loads(path.read_text())["action_overhead_us"])
+            value = float(json.loads(path.read_text())["transfer_overhead_us"])
             if value >= 0:
                 return value
         except (ValueError, TypeError, KeyError):
@@ -148,10 +150,10 @@ def cached_action_overhead(measure: Callable[[], float], use_cache: bool = True)
     try:
         value = measure()
     except ProfileError as exc:
-        warnings.warn(f"{exc}; planning with no per-action cost of the runtime",
+        warnings.warn(f"{exc}; planning with no per-transfer cost of the runtime",
                       RuntimeWarning, stacklevel=2)
         return None
     if use_cache and busy is None and _cache.machine_busy() is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({"action_overhead_us": value, "method": METHOD}))
+        write_text_atomic(path, json.dumps({"transfer_overhead_us": value, "method": METHOD}))
     return value

@@ -104,20 +104,20 @@ class CostModel:
             input and m for their outputs' gradient (torch.distributed.pipelining's stages
             allocate one per microbatch up front; default False: one of each), and keep
             each microbatch's sent output and input gradient until the step ends.
-        action_overhead_us: added to every compute action's duration (F, B, I, W), µs
-            (default 0.0; ``SolveOptions.action_overhead_us``).
+        transfer_overhead_us: added to an F's, B's or I's duration once per transfer between
+            ranks it posts or waits on, µs (default 0.0; ``SolveOptions.transfer_overhead_us``).
     """
 
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
                  state_factor: float, split_factor: float = 1.0, split_us_per_node: float = 0.0,
                  receive_buffers_per_microbatch: bool = False,
-                 action_overhead_us: float = 0.0) -> None:
+                 transfer_overhead_us: float = 0.0) -> None:
         self.costs = costs
         self.split_factor = split_factor  # (I + W) / B where splits_backward(kind, recompute)
         self.split_us_per_node = split_us_per_node
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
         self.receive_buffers_per_microbatch = receive_buffers_per_microbatch
-        self.action_overhead_us = action_overhead_us
+        self.transfer_overhead_us = transfer_overhead_us
         self.cluster = cluster
         self.batch_size = batch_size
         self.training = training
@@ -277,7 +277,7 @@ class CostModel:
                    split_factor=options.split_backward_factor,
                    split_us_per_node=options.split_backward_us_per_node,
                    receive_buffers_per_microbatch=options.receive_buffers_per_microbatch,
-                   action_overhead_us=options.action_overhead_us)
+                   transfer_overhead_us=options.transfer_overhead_us)
 
     def speed(self, rank: int) -> float:
         """Time multiplier of ``rank`` against the profiled device: peak FLOP/s of rank 0 over

@@ -159,13 +159,15 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
                 bi, bw = 0.0, bi + bw
         if splits_backward(kind, False) and not splits_backward(kind, rc[s]):
             bi, bw = bi + bw, 0.0  # one B where its I would be; no W
-        # the runtime's own cost of each action (SolveOptions.action_overhead_us): F, the B
-        # (where bi holds it whole) or both of I and W
-        ov = model.action_overhead_us
-        if ov and training:
-            bi += ov
-            bw += ov if splits_backward(kind, rc[s]) else 0.0
-        fwd += ov
+        # the runtime's own cost of each transfer between ranks an action posts or waits on
+        # (SolveOptions.transfer_overhead_us): F receives the stage's input and sends its
+        # output, B (or I) receives the output's gradient and sends the input's; a split's W
+        # neither (charged one too, a negligible-compute ZB-H1 pipeline at m = 16 was
+        # predicted at 29.7 ms a step against 20.3 ms measured)
+        if p > 1:
+            transfers = (s > 0) + (s < s_total - 1)
+            fwd += model.transfer_overhead_us * transfers
+            bi += model.transfer_overhead_us * transfers if training else 0.0
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)
         state, pbytes, numel = model.state_of(a, z)

@@ -58,12 +58,14 @@ class SolveOptions:
             :meth:`autopart.solver._costmodel.CostModel.split_overhead_us`); charged to W.
             :func:`autopart.compile` measures it on the profiled device, at the smallest
             microbatch.
-        action_overhead_us: what the runtime spends on each compute action (F, B, I, W) of
-            each stage beside the action's compute and its transfers' link time, µs
-            (default 0.0; must be >= 0): the schedule's own Python, posting and completing
-            the action's sends and receives. Charged to every action's duration.
+        transfer_overhead_us: what the runtime spends on each transfer between ranks that
+            an action posts or waits on, beside the link time, µs (default 0.0; must be
+            >= 0): the schedule's own Python for the action, posting the send or receive
+            and completing it. An F, B or I pays it once per neighbour stage on another rank
+            (its input's and its output's transfers); a split's W, which transfers nothing,
+            does not.
             :func:`autopart.plan_model` measures it for the distributed runtime on CPU
-            ranks (:func:`autopart.runtime_overhead.action_overhead`).
+            ranks (:func:`autopart.runtime_overhead.transfer_overhead`).
         crossing_factor, window, max_candidates: see
             :func:`autopart.solver.candidates.find_candidates`.
         receive_buffers_per_microbatch: when training, every stage holds one receive
@@ -94,7 +96,7 @@ class SolveOptions:
     split_backward_factor: float = 1.0
     split_backward_us_per_node: float = 0.0
     receive_buffers_per_microbatch: bool = False
-    action_overhead_us: float = 0.0
+    transfer_overhead_us: float = 0.0
     crossing_factor: float = 2.0
     window: int = 32
     max_candidates: int = 128
@@ -119,9 +121,9 @@ class SolveOptions:
         if not self.split_backward_us_per_node >= 0.0:
             raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
                             "must be >= 0 (splitting a backward cannot make it cheaper)")
-        if not self.action_overhead_us >= 0.0:
-            raise PlanError(f"action_overhead_us={self.action_overhead_us} must be >= 0 (a "
-                            "runtime cannot run an action in less than its compute)")
+        if not self.transfer_overhead_us >= 0.0:
+            raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
+                            "transfer cannot cost less than its link time)")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise PlanError(f"memory_cap_bytes={self.memory_cap_bytes} must be > 0 or None")
         if (self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0

@@ -150,7 +150,7 @@ def test_zero_bubbles_w_holds_all_the_stages_weight_gradients_only_in_autoparts_
     assert list(dist.weight_grad_bytes) == [400, 400]
 
 
-def test_the_runtimes_cost_per_action_is_added_to_every_f_b_i_and_w(
+def test_the_runtimes_cost_per_transfer_is_added_to_the_f_b_and_i_that_post_it(
         build) -> None:  # type: ignore[no-untyped-def]
     # as test_zero_bubble_charges_the_split_per_node...: two stages of 4 nodes, fwd 10, I 10,
     # W 10 µs per node at microbatch 8
@@ -158,20 +158,29 @@ def test_the_runtimes_cost_per_action_is_added_to_every_f_b_i_and_w(
     cluster = build.cluster(2, link_bw=1e12)
 
     def predicted(kind: str, overhead: float) -> Any:
-        opts = SolveOptions(batch_size=32, num_microbatches=4, action_overhead_us=overhead)
+        opts = SolveOptions(batch_size=32, num_microbatches=4, transfer_overhead_us=overhead)
         return predict(plan_at(costs, cluster, opts, (4,), kind=kind, num_microbatches=4),
                        costs, cluster, opts)
 
     c = predicted("1f1b", 3.0).stage_costs
-    # F pays it once, and so does the whole B (its I + W columns), in the I column
+    # two stages: each F and B has one transfer (F0 sends, F1 receives; B1 sends, B0
+    # receives), the whole B (its I + W columns) pays in the I column
     assert (list(c.fwd_us), list(c.bwd_input_us), list(c.bwd_weight_us)) == (
         [43.0, 43.0], [43.0, 43.0], [40.0, 40.0])
     c = predicted("zero_bubble", 3.0).stage_costs
-    # split: I and W each pay it (the first stage's empty I too: torch runs it as an action)
-    assert (list(c.bwd_input_us), list(c.bwd_weight_us)) == ([3.0, 43.0], [83.0, 43.0])
+    # split: I pays it (the first stage's empty I too: torch runs it as an action), W does
+    # not (it neither sends nor receives)
+    assert (list(c.bwd_input_us), list(c.bwd_weight_us)) == ([3.0, 43.0], [80.0, 40.0])
     # 1F1B, 2 ranks, m = 4: every rank's timeline has 8 actions and the critical path runs
     # through 10 of them (the warm-up F and the cool-down B of the other stage)
     slower = predicted("1f1b", 3.0).step_time_us - predicted("1f1b", 0.0).step_time_us
     assert 8 * 3.0 <= slower <= 10 * 3.0 + 1e-6
-    with pytest.raises(PlanError, match="action_overhead_us=-1.0 must be >= 0"):
-        SolveOptions(batch_size=8, action_overhead_us=-1.0)
+    # three stages on three ranks: the middle one's F receives and sends, and so does its B
+    opts = SolveOptions(batch_size=32, num_microbatches=4, transfer_overhead_us=3.0)
+    three = predict(plan_at(costs, build.cluster(3, link_bw=1e12), opts, (3, 6), kind="1f1b",
+                            num_microbatches=4), costs, build.cluster(3, link_bw=1e12),
+                    opts).stage_costs
+    assert list(three.fwd_us) == [33.0, 36.0, 23.0]
+    assert list(three.bwd_input_us) == [33.0, 36.0, 23.0]
+    with pytest.raises(PlanError, match="transfer_overhead_us=-1.0 must be >= 0"):
+        SolveOptions(batch_size=8, transfer_overhead_us=-1.0)
