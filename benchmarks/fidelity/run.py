@@ -253,6 +253,7 @@ def main() -> None:
         summary[f"{name}_compile_s"] = profiles[name]["compile_s"]
         summary[f"{name}_split_backward_us_per_node"] = (
             profiles[name]["profile"].split_backward_us_per_node)
+        summary[f"{name}_transfer_overhead_us"] = profiles[name]["profile"].transfer_overhead_us
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "python": platform.python_version(), "torch": torch.__version__,
               "date": datetime.date.today().isoformat(), "ranks": P, "threads_per_rank": 1,
