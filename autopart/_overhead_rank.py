@@ -14,23 +14,26 @@ import torch.distributed as dist
 import autopart
 from autopart.core.jsonio import write_text_atomic
 from autopart.core.plan import Plan
+from autopart.profiler.links import one_way_times
 from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime_overhead import STEPS, WARMUP, workload
 
 
 def main(rank: int, store: str, plan_path: str, out: str, timeout_s: float) -> None:
-    """Wait for the plan at ``plan_path`` (the parent writes it while this process starts),
-    compile it on the distributed backend and time ``WARMUP + STEPS`` steps (each the slower
-    rank's, after a barrier); rank 0 writes the timed ones to ``out``, s."""
+    """Time the link to the other rank (:func:`autopart.profiler.links.one_way_times`), wait
+    for the plan at ``plan_path`` (the parent writes it while this process starts), compile
+    it on the distributed backend and time ``WARMUP + STEPS`` steps (each the slower rank's,
+    after a barrier); rank 0 writes ``{"steps_s": [...], "one_way_us": [...]}`` to ``out``."""
     torch.set_num_threads(1)  # as each pipeline rank runs on CPU
     tune_cpu_allocator()
-    deadline = time.monotonic() + timeout_s
-    while not Path(plan_path).is_file():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no plan at {plan_path} after {timeout_s:g} s")
-        time.sleep(0.01)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
+        one_way = one_way_times(rank)
+        deadline = time.monotonic() + timeout_s
+        while not Path(plan_path).is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no plan at {plan_path} after {timeout_s:g} s")
+            time.sleep(0.01)
         model, x, y, loss_fn = workload()
         pipe = autopart.compile(model, (x,), loss_fn=loss_fn, plan=Plan.load(plan_path),
                                 backend="distributed")
@@ -45,7 +48,7 @@ def main(rank: int, store: str, plan_path: str, out: str, timeout_s: float) -> N
                 times.append(float(elapsed))
         pipe.close()
         if rank == 0:
-            write_text_atomic(Path(out), json.dumps(times))
+            write_text_atomic(Path(out), json.dumps({"steps_s": times, "one_way_us": one_way}))
     finally:
         dist.destroy_process_group()
 

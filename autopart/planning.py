@@ -17,7 +17,7 @@ from torch import nn
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
 from autopart.core.costgraph import CostGraph, through_two_batches, time_on_line
-from autopart.core.errors import PlanError
+from autopart.core.errors import PlanError, ProfileError
 from autopart.core.plan import Plan
 from autopart.core.version import __version__
 from autopart.loss_cost import LossCost, estimate_loss_cost, measure_loss_cost, with_loss_cost
@@ -26,23 +26,36 @@ from autopart.profiler.cache import (
     cache_enabled,
     cached_profile,
     load_measure,
+    machine_busy,
     profile_key,
     store_measure,
 )
 from autopart.profiler.calibrate import calibrate_to_segments, segment_cuts, segment_times
-from autopart.profiler.links import LinkFigures, host_link
+from autopart.profiler.links import SIZES as LINK_SIZES
+from autopart.profiler.links import (
+    LinkFigures,
+    cached_host_link,
+    fit_link,
+    host_link,
+    store_host_link,
+)
 from autopart.profiler.split_cost import measure_split_backward_overhead
 from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime.launch import on_meta as launch_on_meta
 from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.runtime_overhead import MICROBATCHES as _OVERHEAD_M
-from autopart.runtime_overhead import cached_transfer_overhead, fit_transfer_overhead, time_steps
+from autopart.runtime_overhead import (
+    cached_transfer_overhead,
+    fit_transfer_overhead,
+    run_tiny_pipeline,
+    store_transfer_overhead,
+)
 from autopart.runtime_overhead import workload as _overhead_workload
 from autopart.solver import SolveOptions, find_candidates, solve
 from autopart.solver.predict import predict as predict_plan
 
 __all__ = ["Profile", "plan_model", "profile_model", "cluster_for_devices", "resolve_devices",
-           "plan_devices", "library_versions", "transfer_overhead", "measure_transfer_overhead"]
+           "plan_devices", "library_versions", "host_figures", "measure_host_figures"]
 
 _CUDA_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"),
                  ("A100 80GB", "a100-80gb"), ("A100", "a100-40gb"), ("L4", "l4"))
@@ -166,8 +179,9 @@ class Profile:
             (``SolveOptions.split_backward_factor``): 1.0, as the split's cost is measured
             per node (``split_backward_us_per_node``).
         timings_s: seconds spent in ``capture_s``, ``profile_s``, ``loss_cost_s``,
-            ``batch_points_s``, ``split_cost_s``, ``link_s`` and ``transfer_overhead_s`` (a
-            phase read from the cache counts the reading).
+            ``batch_points_s``, ``split_cost_s`` and ``link_s`` (with the runtime's cost per
+            transfer, for the distributed runtime; a phase read from the cache counts the
+            reading).
         from_cache: the phases read from the profile cache: ``"profile"``,
             ``"split_cost"``, and where m is left open ``"low_batch_profile"`` and
             ``"high_batch_times"`` (empty when the cache was off or missed).
@@ -178,8 +192,7 @@ class Profile:
             use (0.0 when not measured: inference, one rank, or zero_bubble excluded).
         transfer_overhead_us: what the distributed runtime spends on each transfer between
             ranks beside the link time, µs, measured on this host when the profile is for
-            that runtime on two or more ``cpu`` ranks
-            (:func:`transfer_overhead`); else 0.0.
+            that runtime on two or more ``cpu`` ranks (:func:`host_figures`); else 0.0.
     """
 
     captured: CapturedGraph
@@ -247,8 +260,8 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     (:func:`autopart.profiler.links.host_link`, about 3 s), so sends cost what they cost here
     (the preset's nominal figures, with a warning, when it cannot be timed). For the
     ``"distributed"`` runtime on two or more ``cpu`` ranks, the runtime's own cost per transfer
-    between ranks is measured once per machine and cached too
-    (:func:`transfer_overhead`, about 4-5 s).
+    between ranks is measured with the link, in the same two processes, once per machine and
+    cached too (:func:`host_figures`, about 5 s with the link).
 
     When m is left to the solver and ``low_batch`` (default True), node times come from two
     more profiles: the model captured and profiled at the smallest microbatch the solver may
@@ -361,60 +374,83 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             if use_cache:
                 store_measure(key, split_name, split_us)
         timings["split_cost_s"] = time.perf_counter() - t0
-    link = None
+    link, overhead = None, 0.0
     if len(devices) > 1 and all(torch.device(d).type == "cpu" for d in devices):
         t0 = time.perf_counter()
-        link = host_link(use_cache)
+        if runtime == "distributed" and training:
+            link, overhead = host_figures(use_cache)
+        else:
+            link = host_link(use_cache)
         timings["link_s"] = time.perf_counter() - t0
-    overhead = 0.0
-    if (runtime == "distributed" and training and len(devices) > 1
-            and all(torch.device(d).type == "cpu" for d in devices)):
-        t0 = time.perf_counter()
-        overhead = transfer_overhead(use_cache) or 0.0
-        timings["transfer_overhead_s"] = time.perf_counter() - t0
     return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
                    1.0, timings, frozenset(hits), link, split_us, overhead)
 
 
-def measure_transfer_overhead() -> float:
-    """The distributed runtime's cost per transfer between two gloo processes on this host,
-    µs: the 1F1B plan of :func:`autopart.runtime_overhead.workload` (negligible compute) with
-    16 microbatches on two ``cpu`` ranks is run
-    (:func:`autopart.runtime_overhead.time_steps`, median step), and the cost is the one at
-    which the cost model's replay of that plan takes that step
-    (:func:`autopart.runtime_overhead.fit_transfer_overhead`). About 4-5 s.
+def measure_host_figures(use_cache: bool = True) -> tuple[LinkFigures, float]:
+    """The link between two gloo processes on this host and the distributed runtime's cost per
+    transfer between them, measured in one pair of processes
+    (:func:`autopart.runtime_overhead.run_tiny_pipeline`, about 5 s): the link as
+    :func:`autopart.profiler.links.measure_host_link` times it, then the 1F1B plan of
+    :func:`autopart.runtime_overhead.workload` (negligible compute) with 16 microbatches on
+    two ``cpu`` ranks, run for its median step; the cost per transfer is the one at which the
+    cost model's replay of that plan, with that link, takes that step
+    (:func:`autopart.runtime_overhead.fit_transfer_overhead`). The plan is made before the
+    processes start (profiled beside them, the tiny model's nodes measured up to twice as
+    slow and the fit came out 0.2-0.3 ms low); ``use_cache``: with the profile cache or
+    without.
+
+    Returns:
+        ``(link, µs per transfer)``.
 
     Raises:
-        ProfileError: the two processes failed.
+        ProfileError: the two processes failed, or their times do not fit a link.
     """
     model, x, y, loss_fn = _overhead_workload()
-    # the local runtime's profile (the distributed one's would measure this again)
-    where = dict(devices=["cpu", "cpu"], num_microbatches=_OVERHEAD_M, loss_fn=loss_fn,
-                 example_target=y, cache=False)
-    planned: list[Plan] = []
-
-    def write_plan(path: str) -> None:  # while the two processes start
-        planned.append(plan_model(model, (x,), schedule="1f1b", **where,
-                                  receive_buffers_per_microbatch=True)[0])
-        planned[0].save(path)
-
-    measured_us = statistics.median(time_steps(write_plan)) * 1e6
-    plan = planned[0]
-    # profiled again once the processes are gone: the first profile shared the CPU with them
-    profile = profile_model(model, (x,), **where)
-    cluster = profile.cluster()
-    return fit_transfer_overhead(lambda a: predict_plan(
-        plan, profile.costs, cluster, profile.options(receive_buffers_per_microbatch=True,
-                                                      transfer_overhead_us=a)).step_time_us,
-        measured_us)
+    profile = profile_model(model, (x,), devices=["cpu"], num_microbatches=_OVERHEAD_M,
+                            loss_fn=loss_fn, example_target=y, cache=use_cache)
+    options = profile.options(schedule_kind="1f1b", stages_per_rank=1,
+                              receive_buffers_per_microbatch=True)
+    # the cut of a chain of equal layers does not depend on the link: the preset's will do
+    plan = solve(profile.costs, cluster_for_devices(["cpu", "cpu"]), options)
+    steps, one_way = run_tiny_pipeline(plan.save)
+    link = fit_link(LINK_SIZES, tuple(one_way))
+    cluster = cluster_for_devices(["cpu", "cpu"], link)
+    overhead = fit_transfer_overhead(lambda a: predict_plan(
+        plan, profile.costs, cluster,
+        dataclasses.replace(options, transfer_overhead_us=a)).step_time_us,
+        statistics.median(steps) * 1e6)
+    return link, overhead
 
 
 @functools.lru_cache(maxsize=1)
-def transfer_overhead(use_cache: bool = True) -> float | None:
-    """:func:`measure_transfer_overhead`, once per process and cached per machine
-    (:func:`autopart.runtime_overhead.cached_transfer_overhead`); None, with a warning, when it
-    could not be measured."""
-    return cached_transfer_overhead(measure_transfer_overhead, use_cache)
+def host_figures(use_cache: bool = True) -> tuple[LinkFigures | None, float]:
+    """This host's link between CPU ranks and the distributed runtime's cost per transfer
+    (µs), for profiles of that runtime: read from the profile cache per machine
+    (:func:`autopart.profiler.links.cached_host_link`,
+    :func:`autopart.runtime_overhead.cached_transfer_overhead`) where both are there, else
+    measured together once per process (:func:`measure_host_figures`) and stored; a
+    figure already cached is kept. Measured while the machine is oversubscribed
+    (:func:`autopart.profiler.cache.machine_busy`), they are used but not stored. When they
+    cannot be measured: a ``RuntimeWarning``, the link timed alone
+    (:func:`autopart.profiler.links.host_link`) and no cost per transfer."""
+    link = cached_host_link() if use_cache else None
+    overhead = cached_transfer_overhead() if use_cache else None
+    if link is not None and overhead is not None:
+        return link, overhead
+    busy = machine_busy()
+    try:
+        link_now, overhead_now = measure_host_figures(use_cache)
+    except ProfileError as exc:
+        warnings.warn(f"{exc}; planning with no per-transfer cost of the runtime",
+                      RuntimeWarning, stacklevel=2)
+        return (link if link is not None else host_link(use_cache)), overhead or 0.0
+    if use_cache and busy is None and machine_busy() is None:
+        if link is None:
+            store_host_link(link_now)
+        if overhead is None:
+            store_transfer_overhead(overhead_now)
+    return (link if link is not None else link_now,
+            overhead if overhead is not None else overhead_now)
 
 
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.

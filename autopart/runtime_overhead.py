@@ -10,9 +10,9 @@ ping-pong (which times one bare ``send``/``recv`` pair). On this project's 2-cor
 sends): about half a millisecond per transfer, a few per cent of a GPT-2-like step at 2 rows
 per microbatch, and more where the schedule has more transfers.
 
-:func:`time_steps` runs such a pipeline through :func:`autopart.compile`'s distributed
+:func:`run_tiny_pipeline` runs such a pipeline through :func:`autopart.compile`'s distributed
 backend in two gloo processes on this host (``python -m autopart._overhead_rank``);
-:func:`autopart.planning.measure_transfer_overhead` fits the per-transfer cost at which the
+:func:`autopart.planning.measure_host_figures` fits the per-transfer cost at which the
 cost model's replay of it takes the measured step (:func:`fit_transfer_overhead`; each action
 of that two-stage pipeline has one transfer), and
 :func:`cached_transfer_overhead` keeps it in the profile cache per machine, as
@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from autopart.core.jsonio import write_text_atomic
 from autopart.profiler import cache as _cache
 
 __all__ = ["METHOD", "MICROBATCHES", "STEPS", "WARMUP", "cached_transfer_overhead",
-           "fit_transfer_overhead", "time_steps", "workload"]
+           "fit_transfer_overhead", "run_tiny_pipeline", "store_transfer_overhead", "workload"]
 
 #: What is measured, and how; part of the cache file's name, so a change measures again.
 METHOD = "tiny-mlp-1f1b-m16-median-v1"
@@ -86,12 +85,17 @@ def fit_transfer_overhead(predict_us: Callable[[float], float], measured_us: flo
     return (lo + hi) / 2
 
 
-def time_steps(write_plan: Callable[[str], None], *, timeout_s: float = 300.0) -> list[float]:
-    """Run a plan of :func:`workload` on two ``cpu`` ranks in two gloo processes on this host
-    (``python -m autopart._overhead_rank``) and return its timed steps, s: :data:`STEPS` steps
-    after :data:`WARMUP`, each the slower rank's, after a barrier. The processes start first;
-    ``write_plan(path)`` then writes the plan (atomically) while they import torch, and they
-    run it once it is there. Takes about 4-5 s here.
+def run_tiny_pipeline(write_plan: Callable[[str], None], *,
+                      timeout_s: float = 300.0) -> tuple[list[float], list[float]]:
+    """Two gloo processes on this host (``python -m autopart._overhead_rank``) time the link
+    between them (:func:`autopart.profiler.links.one_way_times` at
+    :data:`autopart.profiler.links.SIZES`), then run a plan of :func:`workload` on two
+    ``cpu`` ranks: :data:`STEPS` steps after :data:`WARMUP`, each the slower rank's, after a
+    barrier. ``write_plan(path)`` writes the plan (atomically) as the processes start, and
+    they run it once it is there. About 5 s here.
+
+    Returns:
+        ``(steps in s, one-way times per size in µs)``.
 
     Raises:
         ProfileError: the processes failed or did not finish within ``timeout_s``.
@@ -125,35 +129,26 @@ def time_steps(write_plan: Callable[[str], None], *, timeout_s: float = 300.0) -
                     proc.wait()
         if errors:
             raise ProfileError(f"timing the distributed runtime failed: {errors[0]}")
-        return [float(t) for t in json.loads(Path(out).read_text())]
+        data = json.loads(Path(out).read_text())
+        return [float(t) for t in data["steps_s"]], [float(t) for t in data["one_way_us"]]
 
 
-def cached_transfer_overhead(measure: Callable[[], float], use_cache: bool = True) -> float | None:
-    """This host's per-transfer cost of the distributed runtime, µs: ``measure()``'s, kept in the
-    profile cache per machine (:func:`autopart.profiler.cache.host_file`, with
-    :data:`METHOD`) and read from it when there. A measurement taken while the machine is
-    oversubscribed (:func:`autopart.profiler.cache.machine_busy`) is used but not stored.
-
-    Returns:
-        The figure, or None (with a ``RuntimeWarning`` saying why) when ``measure`` raised
-        :class:`ProfileError`: planning then charges nothing per transfer.
-    """
+def cached_transfer_overhead() -> float | None:
+    """The per-transfer cost kept in the profile cache for this machine
+    (:func:`autopart.profiler.cache.host_file`, with :data:`METHOD`), µs, or None (none, or a
+    damaged file)."""
     path = _cache.host_file("transfer-overhead", METHOD)
-    if use_cache and path.is_file():
-        try:
-            value = float(json.loads(path.read_text())["transfer_overhead_us"])
-            if value >= 0:
-                return value
-        except (ValueError, TypeError, KeyError):
-            pass  # a damaged file is measured again and overwritten
-    busy = _cache.machine_busy()
-    try:
-        value = measure()
-    except ProfileError as exc:
-        warnings.warn(f"{exc}; planning with no per-transfer cost of the runtime",
-                      RuntimeWarning, stacklevel=2)
+    if not path.is_file():
         return None
-    if use_cache and busy is None and _cache.machine_busy() is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({"transfer_overhead_us": value, "method": METHOD}))
-    return value
+    try:
+        value = float(json.loads(path.read_text())["transfer_overhead_us"])
+    except (ValueError, TypeError, KeyError):
+        return None  # measured again and overwritten
+    return value if value >= 0 else None
+
+
+def store_transfer_overhead(value: float) -> None:
+    """Keep ``value`` (µs) in the profile cache as this machine's per-transfer cost."""
+    path = _cache.host_file("transfer-overhead", METHOD)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"transfer_overhead_us": value, "method": METHOD}))

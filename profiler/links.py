@@ -21,7 +21,8 @@ from autopart.core.errors import ProfileError
 from autopart.core.jsonio import write_text_atomic
 from autopart.profiler import cache as _cache
 
-__all__ = ["LinkFigures", "fit_link", "measure_host_link", "host_link"]
+__all__ = ["LinkFigures", "SIZES", "fit_link", "measure_host_link", "host_link", "one_way_times",
+           "cached_host_link", "store_host_link"]
 
 #: Message sizes timed, bytes: from an activation row to a large CNN activation.
 SIZES = (16 << 10, 256 << 10, 2 << 20, 16 << 20)
@@ -100,24 +101,33 @@ def _round_trip(rank: int, buf: torch.Tensor) -> None:
         dist.send(buf, 0)
 
 
+def one_way_times(rank: int, sizes: tuple[int, ...] = SIZES, repeats: int = 11) -> list[float]:
+    """On rank ``rank`` (0 or 1) of an initialised two-rank process group: ``repeats`` round
+    trips per size, after two untimed ones (a new pair's first messages are slow); per size
+    half the fastest trip, µs (a descheduled process only ever slows a trip). Both ranks
+    call it; both get the same sizes' times as rank 0 measured them locally."""
+    bufs = [torch.ones(size // 4) for size in sizes]  # (size / 4,) float32 each
+    for buf in bufs:
+        _round_trip(rank, buf)
+        _round_trip(rank, buf)
+    fastest = []
+    for buf in bufs:
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            _round_trip(rank, buf)
+            samples.append((time.perf_counter() - t0) / 2 * 1e6)
+        fastest.append(min(samples))
+    return fastest
+
+
 def _pingpong(rank: int, store: str, out: str, sizes: tuple[int, ...], repeats: int) -> None:
-    """One of the two processes: ``repeats`` round trips per size; rank 0 writes the fastest."""
+    """One of the two processes: :func:`one_way_times`; rank 0 writes them."""
     torch.set_num_threads(1)  # as each pipeline rank runs on CPU
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        bufs = [torch.ones(size // 4) for size in sizes]  # (size / 4,) float32 each
-        for buf in bufs:  # a new pair's first messages are slow: two trips of each size first
-            _round_trip(rank, buf)
-            _round_trip(rank, buf)
-        fastest = []
-        for buf in bufs:
-            samples = []
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                _round_trip(rank, buf)
-                samples.append((time.perf_counter() - t0) / 2 * 1e6)
-            fastest.append(min(samples))  # a descheduled process only ever slows a trip
+        fastest = one_way_times(rank, sizes, repeats)
         if rank == 0:
             write_text_atomic(Path(out), json.dumps(fastest))
     finally:
@@ -182,14 +192,9 @@ def host_link(use_cache: bool = True) -> LinkFigures | None:
         The figures, or None (with a ``RuntimeWarning`` saying why) when the link could not
         be timed: planning then uses the ``cpu`` preset's nominal figures.
     """
-    path = _cache.host_file("link", METHOD)
-    if use_cache and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            return LinkFigures(**{**data, "sizes": tuple(data["sizes"]),
-                                  "one_way_us": tuple(data["one_way_us"])})
-        except (ValueError, TypeError, KeyError, ProfileError):
-            pass  # a damaged file is measured again and overwritten
+    cached = cached_host_link() if use_cache else None
+    if cached is not None:
+        return cached
     busy = _cache.machine_busy()
     try:
         figures = measure_host_link()
@@ -198,8 +203,29 @@ def host_link(use_cache: bool = True) -> LinkFigures | None:
                       RuntimeWarning, stacklevel=2)
         return None
     if use_cache and busy is None and _cache.machine_busy() is None:
-        write_text_atomic(path, json.dumps(asdict(figures)))
+        store_host_link(figures)
     return figures
+
+
+def cached_host_link() -> LinkFigures | None:
+    """The link figures kept in the profile cache for this machine, or None (none, or a
+    damaged file)."""
+    path = _cache.host_file("link", METHOD)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return LinkFigures(**{**data, "sizes": tuple(data["sizes"]),
+                              "one_way_us": tuple(data["one_way_us"])})
+    except (ValueError, TypeError, KeyError, ProfileError):
+        return None  # measured again and overwritten
+
+
+def store_host_link(figures: LinkFigures) -> None:
+    """Keep ``figures`` in the profile cache as this machine's link (atomically)."""
+    path = _cache.host_file("link", METHOD)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(asdict(figures)))
 
 
 if __name__ == "__main__":  # one of measure_host_link's two processes

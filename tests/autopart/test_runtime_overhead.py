@@ -10,6 +10,7 @@ from torch import nn
 import autopart
 from autopart import planning
 from autopart.core.errors import ProfileError
+from autopart.profiler.links import LinkFigures
 from autopart.runtime_overhead import fit_transfer_overhead
 
 
@@ -23,40 +24,44 @@ def test_the_fit_is_the_overhead_at_which_the_prediction_meets_the_measurement()
         fit_transfer_overhead(predict, 1e9)
 
 
-def test_two_gloo_processes_measure_a_positive_cost_per_action() -> None:
-    overhead = planning.measure_transfer_overhead()
-    # measured here at 370-700 µs; on any host it is Python and a few posted messages per
-    # action, far from a whole step of the tiny pipeline's (tens of ms)
+def test_two_gloo_processes_measure_the_link_and_a_positive_cost_per_transfer() -> None:
+    link, overhead = planning.measure_host_figures(use_cache=False)
+    # loopback TCP between two processes: well above 10 MB/s, and far below 1 TB/s
+    assert 1e7 < link.bandwidth_bytes_per_s < 1e12 and link.latency_us >= 0
+    # measured here at 0.3-0.8 ms; on any host it is Python and a posted message per
+    # transfer, far from a whole step of the tiny pipeline's (tens of ms)
     assert 0.0 <= overhead < 20_000.0
 
 
 def test_a_distributed_cpu_profile_carries_the_cached_cost_into_its_plans(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    planning.transfer_overhead.cache_clear()
+    planning.host_figures.cache_clear()
     calls = []
+    fake_link = LinkFigures(80.0, 2.5e9, (16384, 262144), (86.0, 185.0))
 
-    def measure() -> float:
-        calls.append(1)
-        return 250.0
+    def measure(use_cache: bool = True) -> tuple[LinkFigures, float]:
+        calls.append(use_cache)
+        return fake_link, 250.0
 
-    monkeypatch.setattr(planning, "measure_transfer_overhead", measure)
+    monkeypatch.setattr(planning, "measure_host_figures", measure)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
     x = torch.randn(8, 16)
     try:
         dist, prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"],
                                          num_microbatches=4, schedule="1f1b",
                                          runtime="distributed")
-        planning.transfer_overhead.cache_clear()  # a new process reads the file
+        planning.host_figures.cache_clear()  # a new process reads the files
         _, again = autopart.plan_model(model, (x,), devices=["cpu", "cpu"],
                                        num_microbatches=4, schedule="1f1b",
                                        runtime="distributed")
-        local, local_prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"],
-                                                num_microbatches=4, schedule="1f1b")
     finally:
-        planning.transfer_overhead.cache_clear()
+        planning.host_figures.cache_clear()
+    # the one-process executor is not charged; its link is the same cached one
+    local, local_prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"],
+                                            num_microbatches=4, schedule="1f1b")
     assert prof.transfer_overhead_us == again.transfer_overhead_us == 250.0 and len(calls) == 1
-    assert local_prof.transfer_overhead_us == 0.0  # the one-process executor is not charged
-    assert "transfer_overhead_s" in prof.timings_s
+    assert prof.host_link == again.host_link == local_prof.host_link == fake_link
+    assert local_prof.transfer_overhead_us == 0.0
     # 1F1B, m = 4, 2 ranks: at least the 8 actions of a rank's timeline pay it
     assert dist.predicted_step_time_us >= local.predicted_step_time_us + 8 * 250.0 - 1.0
-    assert planning.Profile.options(prof).transfer_overhead_us == 250.0
+    assert prof.options().transfer_overhead_us == 250.0
