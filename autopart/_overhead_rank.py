@@ -1,4 +1,4 @@
-"""One of the two processes of :func:`autopart.runtime_overhead.time_steps`:
+"""One of the two processes of :func:`autopart.runtime_overhead.run_tiny_pipeline`:
 ``python -m autopart._overhead_rank RANK STORE PLAN OUT``."""
 
 from __future__ import annotations
