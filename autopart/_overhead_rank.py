@@ -1,5 +1,5 @@
 """One of the two processes of :func:`autopart.runtime_overhead.run_tiny_pipeline`:
-``python -m autopart._overhead_rank RANK STORE PLAN OUT``."""
+``python -m autopart._overhead_rank RANK STORE OUT PLAN``."""
 
 from __future__ import annotations
 
@@ -19,21 +19,16 @@ from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime_overhead import STEPS, WARMUP, workload
 
 
-def main(rank: int, store: str, plan_path: str, out: str, timeout_s: float) -> None:
-    """Time the link to the other rank (:func:`autopart.profiler.links.one_way_times`), wait
-    for the plan at ``plan_path`` (the parent writes it while this process starts), compile
-    it on the distributed backend and time ``WARMUP + STEPS`` steps (each the slower rank's,
-    after a barrier); rank 0 writes ``{"steps_s": [...], "one_way_us": [...]}`` to ``out``."""
+def main(rank: int, store: str, out: str, plan_path: str) -> None:
+    """Time the link to the other rank (:func:`autopart.profiler.links.one_way_times`),
+    compile the plan at ``plan_path`` on the distributed backend and time ``WARMUP + STEPS``
+    steps (each the slower rank's, after a barrier); rank 0 writes
+    ``{"steps_s": [...], "one_way_us": [...]}`` to ``out``."""
     torch.set_num_threads(1)  # as each pipeline rank runs on CPU
     tune_cpu_allocator()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         one_way = one_way_times(rank)
-        deadline = time.monotonic() + timeout_s
-        while not Path(plan_path).is_file():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no plan at {plan_path} after {timeout_s:g} s")
-            time.sleep(0.01)
         model, x, y, loss_fn = workload()
         pipe = autopart.compile(model, (x,), loss_fn=loss_fn, plan=Plan.load(plan_path),
                                 backend="distributed")
@@ -54,4 +49,4 @@ def main(rank: int, store: str, plan_path: str, out: str, timeout_s: float) -> N
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]))
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])

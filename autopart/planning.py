@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import statistics
+import tempfile
 import time
 import warnings
 from typing import Any
@@ -412,7 +414,10 @@ def measure_host_figures(use_cache: bool = True) -> tuple[LinkFigures, float]:
                               receive_buffers_per_microbatch=True)
     # the cut of a chain of equal layers does not depend on the link: the preset's will do
     plan = solve(profile.costs, cluster_for_devices(["cpu", "cpu"]), options)
-    steps, one_way = run_tiny_pipeline(plan.save)
+    with tempfile.TemporaryDirectory(prefix="autopart-plan-") as tmp:
+        plan_path = os.path.join(tmp, "plan.json")
+        plan.save(plan_path)
+        steps, one_way = run_tiny_pipeline(plan_path)
     link = fit_link(LINK_SIZES, tuple(one_way))
     cluster = cluster_for_devices(["cpu", "cpu"], link)
     overhead = fit_transfer_overhead(lambda a: predict_plan(

@@ -22,19 +22,14 @@ of that two-stage pipeline has one transfer), and
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from autopart.core.errors import ProfileError
 from autopart.core.jsonio import write_text_atomic
 from autopart.profiler import cache as _cache
+from autopart.profiler.links import run_rank_pair
 
 __all__ = ["METHOD", "MICROBATCHES", "STEPS", "WARMUP", "cached_transfer_overhead",
            "fit_transfer_overhead", "run_tiny_pipeline", "store_transfer_overhead", "workload"]
@@ -74,7 +69,9 @@ def fit_transfer_overhead(predict_us: Callable[[float], float], measured_us: flo
         return 0.0
     if predict_us(high_us) < measured_us:
         raise ProfileError(f"a step of {measured_us:.0f} µs is not reached with {high_us:.0f} µs "
-                           "per transfer; the runtime measurement is broken")
+                           "per transfer: the pipeline ran far slower than any per-transfer cost "
+                           "explains (another job loading this machine?); measure again on a "
+                           "quiet machine")
     lo, hi = 0.0, high_us
     while hi - lo > tolerance_us:
         mid = (lo + hi) / 2
@@ -85,14 +82,13 @@ def fit_transfer_overhead(predict_us: Callable[[float], float], measured_us: flo
     return (lo + hi) / 2
 
 
-def run_tiny_pipeline(write_plan: Callable[[str], None], *,
-                      timeout_s: float = 300.0) -> tuple[list[float], list[float]]:
-    """Two gloo processes on this host (``python -m autopart._overhead_rank``) time the link
-    between them (:func:`autopart.profiler.links.one_way_times` at
-    :data:`autopart.profiler.links.SIZES`), then run a plan of :func:`workload` on two
-    ``cpu`` ranks: :data:`STEPS` steps after :data:`WARMUP`, each the slower rank's, after a
-    barrier. ``write_plan(path)`` writes the plan (atomically) as the processes start, and
-    they run it once it is there. About 5 s here.
+def run_tiny_pipeline(plan_path: str, *, timeout_s: float = 300.0) -> tuple[list[float], list[float]]:
+    """Two gloo processes on this host (``python -m autopart._overhead_rank``, through
+    :func:`autopart.profiler.links.run_rank_pair`) time the link between them
+    (:func:`autopart.profiler.links.one_way_times` at :data:`autopart.profiler.links.SIZES`),
+    then run the plan at ``plan_path`` (a plan of :func:`workload` on two ``cpu`` ranks):
+    :data:`STEPS` steps after :data:`WARMUP`, each the slower rank's, after a barrier. About
+    5 s here.
 
     Returns:
         ``(steps in s, one-way times per size in µs)``.
@@ -100,37 +96,10 @@ def run_tiny_pipeline(write_plan: Callable[[str], None], *,
     Raises:
         ProfileError: the processes failed or did not finish within ``timeout_s``.
     """
-    with tempfile.TemporaryDirectory(prefix="autopart-overhead-") as tmp:
-        store, out, plan_path = (os.path.join(tmp, n) for n in ("store", "out.json", "plan.json"))
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        deadline = time.monotonic() + timeout_s
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "autopart._overhead_rank", str(rank), store, plan_path, out,
-             str(timeout_s)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env) for rank in (0, 1)]
-        errors = []
-        try:
-            write_plan(plan_path)
-            for proc in procs:
-                try:
-                    _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    raise ProfileError(
-                        f"timing the distributed runtime on two gloo processes took over "
-                        f"{timeout_s:g} s; check that the host allows local TCP connections"
-                    ) from None
-                if proc.returncode:
-                    lines = err.decode(errors="replace").strip().splitlines()
-                    errors.append(lines[-1] if lines else f"exit code {proc.returncode}")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if errors:
-            raise ProfileError(f"timing the distributed runtime failed: {errors[0]}")
-        data = json.loads(Path(out).read_text())
-        return [float(t) for t in data["steps_s"]], [float(t) for t in data["one_way_us"]]
+    data = run_rank_pair("autopart._overhead_rank", [plan_path],
+                         what="timing the distributed runtime on two gloo processes",
+                         timeout_s=timeout_s, fix="check that the host allows local TCP connections")
+    return [float(t) for t in data["steps_s"]], [float(t) for t in data["one_way_us"]]
 
 
 def cached_transfer_overhead() -> float | None:

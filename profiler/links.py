@@ -10,8 +10,10 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +24,7 @@ from autopart.core.jsonio import write_text_atomic
 from autopart.profiler import cache as _cache
 
 __all__ = ["LinkFigures", "SIZES", "fit_link", "measure_host_link", "host_link", "one_way_times",
-           "cached_host_link", "store_host_link"]
+           "cached_host_link", "store_host_link", "run_rank_pair"]
 
 #: Message sizes timed, bytes: from an activation row to a large CNN activation.
 SIZES = (16 << 10, 256 << 10, 2 << 20, 16 << 20)
@@ -134,27 +136,26 @@ def _pingpong(rank: int, store: str, out: str, sizes: tuple[int, ...], repeats: 
         dist.destroy_process_group()
 
 
-def measure_host_link(*, sizes: tuple[int, ...] = SIZES, repeats: int = 11,
-                      timeout_s: float = 120.0) -> LinkFigures:
-    """Time messages between two gloo processes on this host and fit :func:`fit_link`.
+def run_rank_pair(module: str, args: Sequence[str], *, what: str, timeout_s: float,
+                  fix: str) -> Any:
+    """Run ``python -m MODULE RANK STORE OUT ARGS...`` for ranks 0 and 1 and return the JSON
+    that rank 0 wrote to ``OUT``.
 
-    Two fresh interpreters run this module (``python -m autopart.profiler.links``: they never
-    import the caller's script, which spawned processes would), one thread each, with a file
-    store in a temporary directory. Each size makes ``repeats`` round trips after two
-    warm-up trips; half the fastest round trip is its one-way time (a process that loses its
-    core only ever slows a trip down, as in the profiler's timing). Takes about 3 s, most of
-    it starting the processes.
+    Two fresh interpreters (they never import the caller's script, which spawned processes
+    would), one OpenMP thread each; ``STORE`` and ``OUT`` are files in a temporary directory,
+    ``STORE`` for ``init_process_group("gloo", init_method="file://STORE")``.
 
     Raises:
-        ProfileError: the processes failed or did not finish within ``timeout_s``.
+        ProfileError: ``"{what} took over {timeout_s} s; {fix}"`` when both have not exited
+            within ``timeout_s`` (they are killed), ``"{what} failed: ..."`` with a
+            process's last line of stderr when one exits non-zero.
     """
-    with tempfile.TemporaryDirectory(prefix="autopart-link-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="autopart-ranks-") as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "autopart.profiler.links", str(rank), store, out,
-             ",".join(map(str, sizes)), str(repeats)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env) for rank in (0, 1)]
+        procs = [subprocess.Popen([sys.executable, "-m", module, str(rank), store, out, *args],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+                 for rank in (0, 1)]
         errors = []
         deadline = time.monotonic() + timeout_s
         try:
@@ -162,10 +163,7 @@ def measure_host_link(*, sizes: tuple[int, ...] = SIZES, repeats: int = 11,
                 try:
                     _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
-                    raise ProfileError(
-                        f"timing the link between two gloo processes took over {timeout_s:g} "
-                        "s; check that the host allows local TCP connections, or plan from "
-                        "device presets") from None
+                    raise ProfileError(f"{what} took over {timeout_s:g} s; {fix}") from None
                 if proc.returncode:
                     lines = err.decode(errors="replace").strip().splitlines()
                     errors.append(lines[-1] if lines else f"exit code {proc.returncode}")
@@ -175,9 +173,28 @@ def measure_host_link(*, sizes: tuple[int, ...] = SIZES, repeats: int = 11,
                     proc.kill()
                     proc.wait()
         if errors:
-            raise ProfileError(f"timing the link between two gloo processes failed: {errors[0]}")
-        times = tuple(json.loads(Path(out).read_text()))
-    return fit_link(tuple(sizes), times)
+            raise ProfileError(f"{what} failed: {errors[0]}")
+        return json.loads(Path(out).read_text())
+
+
+def measure_host_link(*, sizes: tuple[int, ...] = SIZES, repeats: int = 11,
+                      timeout_s: float = 120.0) -> LinkFigures:
+    """Time messages between two gloo processes on this host and fit :func:`fit_link`.
+
+    Two fresh interpreters run this module (``python -m autopart.profiler.links``,
+    :func:`run_rank_pair`), one thread each. Each size makes ``repeats`` round trips after two
+    warm-up trips; half the fastest round trip is its one-way time (a process that loses its
+    core only ever slows a trip down, as in the profiler's timing). Takes about 3 s, most of
+    it starting the processes.
+
+    Raises:
+        ProfileError: the processes failed or did not finish within ``timeout_s``.
+    """
+    times = run_rank_pair(
+        "autopart.profiler.links", [",".join(map(str, sizes)), str(repeats)],
+        what="timing the link between two gloo processes", timeout_s=timeout_s,
+        fix="check that the host allows local TCP connections, or plan from device presets")
+    return fit_link(tuple(sizes), tuple(times))
 
 
 @functools.lru_cache(maxsize=1)
