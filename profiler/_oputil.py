@@ -60,6 +60,7 @@ class _Run:
     flops: int = 0
     saved_bytes: int = 0
     saved_keys: set[tuple[str, int]] = field(default_factory=set)
+    saved_from: tuple[tuple[int, int], ...] = ()  # see NodeCost.saved_from
     samples: list[float] = field(default_factory=list)
     outs: list[torch.Tensor] = field(default_factory=list)  # outputs that need a gradient
     input_leaves: list[torch.Tensor] = field(default_factory=list)

@@ -26,7 +26,13 @@ from autopart.profiler._oputil import (
     _Run,
     _written_args,
 )
-from autopart.profiler.meters import SavedTensorMeter, storage_key, tensor_leaves, tree_nbytes
+from autopart.profiler.meters import (
+    SavedTensorMeter,
+    storage_key,
+    strided_nbytes,
+    tensor_leaves,
+    tree_nbytes,
+)
 from autopart.profiler.timer import spread, time_calls, time_samples
 
 __all__: list[str] = []
@@ -70,6 +76,9 @@ class _Walker:
         self._done: dict[fx.Node, tuple[NodeCost, float]] = {}  # measured: (cost, wall s)
         self._saved_live: set[_Key] = set()  # saved storages already counted, still alive
         self._live_refs: Counter[_Key] = Counter()  # live env values per storage
+        self._producer: dict[_Key, int] = {}  # live storage -> op index that returned it first
+        self._index = -1  # op index of the node being profiled (-1: graph inputs)
+        self._ops: list[fx.Node] = []  # op nodes in order
         self._grad_call_us: float | None = None  # see _empty_grad_call_us
 
     # ---- walk --------------------------------------------------------------------
@@ -80,10 +89,13 @@ class _Walker:
         costs: list[NodeCost] = []
         seen_params: set[str] = set()
         ops = op_nodes(self.graph)
+        self._ops = ops
         op_set = set(ops)
         for node in self.graph.nodes:
+            self._index = len(costs)
             if node.op == "placeholder":
                 value = self._to_device(next(inputs))
+                self._index = -1  # a graph input: produced before every op
                 self._set(node, value)
                 self.needs_grad[node] = (isinstance(value, torch.Tensor)
                                          and value.requires_grad)
@@ -108,7 +120,10 @@ class _Walker:
 
     def _set(self, node: fx.Node, value: Any) -> None:
         self.env[node] = value
-        self._live_refs.update({k for t in tensor_leaves(value) if (k := storage_key(t))})
+        keys = {k for t in tensor_leaves(value) if (k := storage_key(t))}
+        self._live_refs.update(keys)
+        for key in keys:  # a view keeps its base's producer
+            self._producer.setdefault(key, self._index)
 
     def _drop(self, node: fx.Node) -> None:
         for key in {k for t in tensor_leaves(self.env.pop(node, None)) if (k := storage_key(t))}:
@@ -116,6 +131,7 @@ class _Walker:
             if self._live_refs[key] <= 0:
                 del self._live_refs[key]
                 self._saved_live.discard(key)
+                self._producer.pop(key, None)
 
     def _same_grads(self, node: fx.Node, rep: fx.Node) -> bool:
         """Whether the node's inputs need gradients exactly where its representative's did."""
@@ -141,6 +157,14 @@ class _Walker:
         self.report.reused[node.name] = rep.name
         self.report.fwd_spread[node.name] = 0.0
         base = self._done[rep][0]
+        # what the representative first saved of nodes' outputs, this node saves of the
+        # nodes as far back: counted here, so a measured node after it (a different layer
+        # reading this one's output) does not count it again (a ResNet's first strided
+        # convolution counted the block output that a reused ReLU had saved: 16 MiB twice)
+        for dist, _ in base.saved_from or ():
+            if dist <= self._index:
+                value = result if dist == 0 else self.env.get(self._ops[self._index - dist])
+                self._saved_live |= {k for t in tensor_leaves(value) if (k := storage_key(t))}
         params = tuple(dict.fromkeys(self.fqn[n] for n in node.all_input_nodes if n in self.fqn))
         return dataclasses.replace(
             base, name=node.name, module_path=node_module_path(node),
@@ -260,7 +284,9 @@ class _Walker:
             param_bytes=sum(self.param_sizes[p] for p in params if p not in seen_params),
             inputs=tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"),
             params=params, output_is_tensor=isinstance(result, torch.Tensor),
-            transient_bytes=transient, backward_peak_bytes=backward_peak)
+            transient_bytes=transient, backward_peak_bytes=backward_peak,
+            saved_from=run.saved_from if self.training else None,
+            strided_output_bytes=strided_nbytes(result))
 
     def _backward_peak(self, run: _Run) -> int:
         """The most a node's whole backward (input and weight gradients, from ones as its
@@ -348,6 +374,16 @@ class _Walker:
         if run.outs:
             run.saved_bytes = meter.saved_bytes
             run.saved_keys = meter.keys
+            # the saved storages that a node returned (this one included: its output's
+            # storage is set as produced here), by distance back to that node
+            mine = {k for t in tensor_leaves(run.value) if (k := storage_key(t))}
+            back: Counter[int] = Counter()
+            for key, nbytes in meter.sizes.items():
+                producer = self._index if key in mine and key not in self._producer \
+                    else self._producer.get(key)
+                if producer is not None:
+                    back[self._index - producer] += nbytes
+            run.saved_from = tuple(sorted(back.items()))
         return run
 
     def _time_backward(self, node: fx.Node, run: _Run, fwd_us: float) -> tuple[float, float]:

@@ -179,19 +179,22 @@ class _MetaWalker:
         self.param_numel: dict[str, int] = {}
         self.param_storages: set[int] = set()
         self.saved: dict[int, Any] = {}  # id(storage) -> storage, kept so ids stay unique
+        self.producer: dict[int, int] = {}  # id(storage) -> op index that returned it first
+        self._outputs: list[Any] = []
         self._meta_params: dict[str, torch.Tensor] = {}
 
     def run(self, inputs: list[Any], placeholders: list[fx.Node]) -> list[NodeCost]:
         """Interpret every node; one NodeCost per op node, in topological order."""
         for p, v in zip(placeholders, inputs, strict=True):
             self.env[p] = v
+            self._produced(v, -1)  # graph inputs: before every op
         for node in self.captured.graph_module.graph.nodes:
             if node.op == "get_attr":
                 self.env[node] = self._get_attr(node)
         costs: list[NodeCost] = []
         seen_params: set[str] = set()
         for node in op_nodes(self.captured.graph_module.graph):
-            cost = self._node(node, seen_params)
+            cost = self._node(node, seen_params, len(costs))
             seen_params.update(cost.params)
             costs.append(cost)
         return costs
@@ -214,22 +217,32 @@ class _MetaWalker:
             self.param_storages.add(id(meta.untyped_storage()))
         return self._meta_params[fqn]
 
-    def _pack(self, counted: list[int]) -> Any:
+    def _produced(self, value: Any, index: int) -> None:
+        """Record op ``index`` as the producer of ``value``'s storages (a view keeps its
+        base's)."""
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if id(storage) not in self.producer:
+                    self.producer[id(storage)] = index
+                    self._outputs.append(storage)  # kept, so the id stays unique
+
+    def _pack(self, counted: list[tuple[int | None, int]]) -> Any:
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
             key = id(storage)
             if key not in self.param_storages and key not in self.saved:
                 self.saved[key] = storage
-                counted.append(storage.nbytes())
+                counted.append((key, storage.nbytes()))
             return t
         return pack
 
-    def _node(self, node: fx.Node, seen_params: set[str]) -> NodeCost:
+    def _node(self, node: fx.Node, seen_params: set[str], index: int) -> NodeCost:
         target = str(node.target)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.env.__getitem__)
         args, kwargs = fx.node.map_aggregate(
             (args, kwargs), lambda x: torch.device("meta") if isinstance(x, torch.device) else x)
-        counted: list[int] = []
+        counted: list[tuple[int | None, int]] = []  # (id(storage) or None, bytes)
         counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
         fn: Any = node.target
         try:
@@ -260,8 +273,15 @@ class _MetaWalker:
             q = args[0]
             lse = q.numel() // q.shape[-1] * 4  # float32 log-sum-exp per query row
             out_leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            counted.append(sum(self._claim(t) for t in in_tensors + out_leaves) + lse)
+            counted.extend(self._claim(t) for t in in_tensors + out_leaves)
+            counted.append((None, lse))
         self.env[node] = out
+        self._produced(out, index)
+        back: dict[int, int] = {}  # saved storages a node returned, by distance to it
+        for key, nbytes in counted:
+            if key is not None and key in self.producer:
+                dist = index - self.producer[key]
+                back[dist] = back.get(dist, 0) + nbytes
         flops = int(counter.get_total_flops())
         out_bytes = _nbytes(out)
         is_view = target in VIEW_OPS
@@ -285,20 +305,26 @@ class _MetaWalker:
         return NodeCost(
             name=node.name, op=target, module_path=node_module_path(node), fwd_us=fwd_us,
             bwd_input_us=bwd_in, bwd_weight_us=bwd_w, flops=flops, bytes_accessed=nbytes,
-            output_bytes=out_bytes, saved_bytes=sum(counted) if needs_grad else 0,
+            output_bytes=out_bytes,
+            saved_bytes=sum(b for _, b in counted) if needs_grad else 0,
+            saved_from=(tuple(sorted(back.items())) if needs_grad else ()) if self.training
+            else None,
             param_bytes=sum(self.param_sizes[p] for p in params if p not in seen_params),
             inputs=tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"),
             params=params, output_is_tensor=isinstance(out, torch.Tensor),
-            transient_bytes=transient)
+            transient_bytes=transient,
+            strided_output_bytes=sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
+                                     if isinstance(t, torch.Tensor) and not t.is_contiguous()))
 
-    def _claim(self, t: torch.Tensor) -> int:
-        """Count ``t``'s storage as saved unless a parameter's or already counted, bytes."""
+    def _claim(self, t: torch.Tensor) -> tuple[int | None, int]:
+        """Count ``t``'s storage as saved unless a parameter's or already counted:
+        ``(id(storage), bytes)``, or ``(None, 0)``."""
         storage = t.untyped_storage()
         key = id(storage)
         if key in self.param_storages or key in self.saved:
-            return 0
+            return None, 0
         self.saved[key] = storage
-        return int(storage.nbytes())
+        return key, int(storage.nbytes())
 
     def _time(self, flops: int, nbytes: int) -> float:
         """Roofline time of one kernel plus the op overhead, µs."""

@@ -23,6 +23,13 @@ def tree_nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensor_leaves(value))
 
 
+def strided_nbytes(value: Any) -> int:
+    """Sum of ``numel * element_size`` over the tensors of a nested value that are not
+    contiguous, bytes (what making each contiguous allocates)."""
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(value)
+               if not t.is_contiguous())
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """``(device, data_ptr)`` of a tensor's untyped storage; None for storage-less tensors."""
     try:
@@ -65,6 +72,11 @@ class SavedTensorMeter:
     def keys(self) -> set[tuple[str, int]]:
         """Storage keys counted so far."""
         return set(self._seen)
+
+    @property
+    def sizes(self) -> dict[tuple[str, int], int]:
+        """Storage key -> bytes of each storage counted so far."""
+        return dict(self._seen)
 
     @property
     def saved_bytes(self) -> int:

@@ -171,7 +171,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)
         state, pbytes, numel = model.state_of(a, z)
-        act = model.scale_bytes(model.saved_bytes(a, z), ratio) if training else 0
+        act = model.scale_bytes(model.held_bytes(a, z), ratio) if training else 0
         transient = model.transient_bytes(a, z, ratio)
         cols["fwd"].append(fwd)
         cols["bi"].append(bi if training else 0.0)
@@ -195,16 +195,26 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
                               + (0 if training else transient))
         # the last stage's outputs (the logits the loss reads) stay held, in both runtimes,
         # from its forward until that microbatch's backward
+        # (held_bytes counts them where the profile says which storages nodes returned)
         held_out = cross_out if training and s == s_total - 1 else 0
-        cols["saved"].append((cross_in if rc[s] else act) + held_out)
-        cols["extra"].append((transient + (act if rc[s] else 0)) if training else 0)
+        strided = model.scale_bytes(model.strided_bytes(a, z), ratio) if training else 0
+        cols["saved"].append(cross_in + held_out + strided if rc[s] else
+                             act if model.held_bytes_cover_outputs else act + held_out)
         split_here = training and splits_backward(kind, rc[s])
+        # the first stage's I computes nothing (its inputs need no gradient): no working set
+        # (its W, the whole backward, has it). Charged, it put the fidelity CNN's first rank
+        # 8 MiB over at every I (ZB-H1, m = 8)
+        empty_i = split_here and s == 0
+        cols["extra"].append((transient + (act if rc[s] else 0)) if training and not empty_i
+                             else 0)
         # from I to W a split backward keeps the gradients W restarts from: where parameter
         # paths join the activations' (SplitBackward's intermediates); on the first stage,
         # whose inputs need no gradient, I computes nothing and W restarts from the stage's
-        # outputs and their gradients
-        cols["held"].append(0 if not split_here else 2 * cross_out if s == 0
-                            else model.split_held_bytes(a, z, ratio))
+        # outputs and their gradients, which torch's stages hold anyway (the outputs in
+        # held_bytes, their gradients in receive buffers: measured, nothing more from I to W)
+        torch_held = model.receive_buffers_per_microbatch and model.held_bytes_cover_outputs
+        cols["held"].append(0 if not split_here else (0 if torch_held else 2 * cross_out)
+                            if s == 0 else model.split_held_bytes(a, z, ratio))
         # autopart's W returns the weight gradients (up to all of the stage's, when their
         # paths meet in one group) before adding them; on the first stage it is the whole
         # backward, whose working set they join. torch's stage_backward_weight adds each

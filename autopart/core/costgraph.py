@@ -46,6 +46,19 @@ class NodeCost:
             writes the weight's gradient twice). Measured once by the profiler
             (``autopart.core.memory.allocated_peak_bytes``). Optional (default 0: not
             measured).
+        saved_from: of the storages this node is the first to save (``saved_bytes``), the
+            ones another node (or this one) returned: ``(distance, bytes)`` pairs, the
+            producer being the node ``distance`` places earlier in ``nodes`` (0: this node;
+            more than this node's index: a graph input). The rest of ``saved_bytes`` is
+            what the op keeps of its own (a mask, a softmax's statistics). With it, a
+            stage's held activations follow the runtime that sends between processes: the
+            producer's stage keeps what it sent until its backward, and the receiving stage
+            saves the copy in its receive buffer (``autopart.solver._costmodel``). Optional
+            (None: not recorded, as in profiles from before it existed).
+        strided_output_bytes: bytes of its output tensors that are not contiguous (a
+            transposed attention output, an ``expand``ed mask). A runtime that sends between
+            processes moves dense buffers: it sends a contiguous copy of such an output, and
+            the receiving stage copies it back into the captured layout. Optional (default 0).
     """
 
     name: str
@@ -64,13 +77,21 @@ class NodeCost:
     output_is_tensor: bool = True
     transient_bytes: int = 0
     backward_peak_bytes: int = 0
+    saved_from: tuple[tuple[int, int], ...] | None = None
+    strided_output_bytes: int = 0
 
     def __post_init__(self) -> None:
         for attr in ("fwd_us", "bwd_input_us", "bwd_weight_us", "flops", "bytes_accessed",
                      "output_bytes", "saved_bytes", "param_bytes", "transient_bytes",
-                     "backward_peak_bytes"):
+                     "backward_peak_bytes", "strided_output_bytes"):
             if getattr(self, attr) < 0:
                 raise PlanError(f"node {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)}")
+        if self.saved_from is not None and (
+                any(d < 0 or b < 0 for d, b in self.saved_from)
+                or sum(b for _, b in self.saved_from) > self.saved_bytes):
+            raise PlanError(f"node {self.name!r}: saved_from {list(self.saved_from)[:4]} needs "
+                            "(distance >= 0, bytes >= 0) pairs adding up to at most saved_bytes "
+                            f"({self.saved_bytes}); re-profile the model")
 
     @property
     def bwd_us(self) -> float:
@@ -216,7 +237,9 @@ class CostGraph:
                     f"CostGraph schema_version {d.get('schema_version')!r} is not supported "
                     f"(this autopart reads {COSTGRAPH_SCHEMA_VERSION}); profile the model again")
             nodes = tuple(
-                NodeCost(**{**n, "inputs": tuple(n["inputs"]), "params": tuple(n["params"])})
+                NodeCost(**{**n, "inputs": tuple(n["inputs"]), "params": tuple(n["params"]),
+                            "saved_from": None if n.get("saved_from") is None else tuple(
+                                (int(dist), int(nbytes)) for dist, nbytes in n["saved_from"])})
                 for n in d["nodes"])
             return cls(nodes=nodes, graph_inputs=dict(d["graph_inputs"]),
                        graph_outputs=tuple(d["graph_outputs"]), param_sizes=dict(d["param_sizes"]),

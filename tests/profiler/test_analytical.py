@@ -58,6 +58,8 @@ def test_analytical_saved_matches_measured_except_attention() -> None:
         assert a.flops == m.flops, a.name
         if "scaled_dot_product" not in a.op:  # analytical follows the GPU fused kernels
             assert a.saved_bytes == m.saved_bytes, a.name
+            assert a.saved_from == m.saved_from, a.name
+        assert a.strided_output_bytes == m.strided_output_bytes, a.name
 
 
 def test_meta_llama_profiles_without_weights() -> None:

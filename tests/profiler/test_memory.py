@@ -120,3 +120,72 @@ def test_each_nodes_backward_peak_covers_the_gradients_it_returns() -> None:
         grads_in = 0 if n is linears[0] else 32 * 256 * 4
         assert n.backward_peak_bytes >= weights + grads_in, (n.name, n.backward_peak_bytes)
         assert n.backward_peak_bytes < 4 * (weights + grads_in) + 65536
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_saved_from_names_the_node_that_returned_each_saved_storage(reuse: bool) -> None:
+    """Each node's saved storages that a node returned point back at that node: a layer
+    norm's input at the residual add before it, the embedding's token ids at the graph's
+    input, attention's output at itself; the repeated layer's reused costs point the same
+    distance back. The transposed attention output is strided."""
+    model, x = small_gpt2()
+    captured = capture(model, (x,))
+    costs, _ = profile_graph_report(captured, [x], warmup=0, repeats=1,
+                                    reuse_repeated_blocks=reuse)
+    nodes = costs.nodes
+    for nd in nodes:
+        assert nd.saved_from is not None, nd.name
+        assert sum(b for _, b in nd.saved_from) <= nd.saved_bytes, nd.name
+    producers = {nd.name: {nodes[i - d].op if d <= i else "input" for d, _ in nd.saved_from}
+                 for i, nd in enumerate(nodes)}
+    norms = [i for i, nd in enumerate(nodes) if nd.op == "aten.layer_norm.default"]
+    assert [producers[nodes[i].name] for i in norms[1:]] == [{"aten.add.Tensor"}] * (
+        len(norms) - 1)  # every norm after the first reads the residual stream
+    embedding = next(nd for nd in nodes if nd.op == "aten.embedding.default")
+    assert producers[embedding.name] == {"input"}  # the token ids
+    assert dict(embedding.saved_from or ())[nodes.index(embedding) + 1] == x.numel() * 8
+    attention = [(i, nd) for i, nd in enumerate(nodes) if "scaled_dot_product" in nd.op]
+    assert len(attention) == 2
+    for _, nd in attention:  # the fused kernel keeps its own output
+        assert dict(nd.saved_from or ()).get(0) == nd.output_bytes
+        assert nd.strided_output_bytes == nd.output_bytes  # (b, heads, t, d) over (b, t, heads, d)
+    assert sum(nd.strided_output_bytes > 0 for nd in nodes) >= 2
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class _Blocks(torch.nn.Module):
+    """Three identical blocks (reused costs), then a head of another shape reading the last
+    block's ReLU output, which that ReLU saved first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_storage_a_reused_node_saved_is_not_counted_again_by_a_measured_one() -> None:
+    torch.manual_seed(0)
+    model, x = _Blocks(), torch.randn(16, 32)
+    captured = capture(model, (x,))
+    excluded = {k for t in model.parameters() if (k := storage_key(t))}
+    meter = SavedTensorMeter(excluded)
+    with saved_tensors_hooks(meter.pack, meter.unpack):
+        captured.graph_module(x)
+    for reuse in (False, True):
+        costs, report = profile_graph_report(captured, [x], warmup=0, repeats=1,
+                                             reuse_repeated_blocks=reuse)
+        assert bool(report.reused) == reuse
+        assert sum(n.saved_bytes for n in costs.nodes) == meter.saved_bytes, reuse

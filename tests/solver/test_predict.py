@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -141,9 +142,10 @@ def test_zero_bubbles_w_holds_all_the_stages_weight_gradients_only_in_autoparts_
         return predict(plan, costs, cluster, opts).stage_costs
 
     # a node's backward working set at 4 x 8 rows: its 100-byte output scaled x 4, or its
-    # weight's new 400-byte gradient (these nodes' gradients are 0 bytes)
+    # weight's new 400-byte gradient (these nodes' gradients are 0 bytes); the first stage's
+    # I computes nothing and has none
     local, dist = stage_costs(False), stage_costs(True)
-    assert list(local.backward_extra_bytes) == list(dist.backward_extra_bytes) == [400, 400]
+    assert list(local.backward_extra_bytes) == list(dist.backward_extra_bytes) == [0, 400]
     # autopart's W returns the 4 weights' gradients before adding them (the first stage's
     # W is its whole backward: its working set too); torch's adds each group's in turn
     assert list(local.weight_grad_bytes) == [4 * 400 + 400, 4 * 400]
@@ -184,3 +186,43 @@ def test_the_runtimes_cost_per_transfer_is_added_to_the_f_b_and_i_that_post_it(
     assert list(three.bwd_input_us) == [33.0, 36.0, 23.0]
     with pytest.raises(PlanError, match="transfer_overhead_us=-1.0 must be >= 0"):
         SolveOptions(batch_size=8, transfer_overhead_us=-1.0)
+
+
+def test_a_stage_holds_its_unsaved_outputs_and_not_the_inputs_it_saves_from_torchs_buffers(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # x -> a -> b -> c -> d, cut at 2. a saves the graph input x (distance 1: before node 0);
+    # b saves a (distance 1); c is the first to save b, which stage 0 returned (distance
+    # 1); d saves its own output (distance 0) and c's. b crosses the cut and nothing in
+    # stage 0 saves it; b's output is also strided (sent as a dense copy, copied back).
+    def node(name: str, inp: str, saved_from: tuple[tuple[int, int], ...], extra: int = 0,
+             strided: int = 0) -> Any:
+        base = build.node(name, (inp,), out=100, saved=sum(b for _, b in saved_from) + extra)
+        return dataclasses.replace(base, saved_from=saved_from, strided_output_bytes=strided)
+
+    nodes = [node("a", "x", ((1, 100),)), node("b", "a", ((1, 100),), strided=60),
+             node("c", "b", ((1, 100),), extra=30), node("d", "c", ((0, 100), (1, 100)))]
+    costs = build.graph(nodes, inputs={"x": 100})
+    cluster = build.cluster(2, link_bw=1e12)
+
+    def saved(torch_stages: bool, graph: Any = costs) -> list[int]:
+        opts = SolveOptions(batch_size=8, num_microbatches=1,
+                            receive_buffers_per_microbatch=torch_stages)
+        plan = plan_at(graph, cluster, opts, (2,), kind="1f1b", num_microbatches=1)
+        return list(predict(plan, graph, cluster, opts).stage_costs.saved_bytes)
+
+    # torch's stages: stage 0 holds a's save (100; x, which a saved, is the caller's
+    # microbatch), b (100: kept to send and to start its backward from) and the dense copy
+    # of its strided part (60); stage 1 saved b in its receive buffer (static, not here):
+    # c's own 30, c's and d's outputs (200), and the copy of b's strided part laid out as
+    # captured (60). The last stage's output d is saved already
+    assert saved(True) == [260, 290]
+    # the local runtime hands b on as it is: stage 1's save of it stays counted there, and
+    # so does stage 0's of x
+    assert saved(False) == [300, 330]
+    # a profile without saved_from (from before it): saved bytes, plus the last stage's
+    # outputs from its forward to its backward
+    old = build.graph([dataclasses.replace(nd, saved_from=None, strided_output_bytes=0)
+                       for nd in nodes], inputs={"x": 100})
+    assert saved(True, old) == [200, 330 + 100]
+    with pytest.raises(PlanError, match="saved_from"):
+        dataclasses.replace(nodes[0], saved_from=((1, 500),))
