@@ -22,8 +22,10 @@ __all__ = ["cache_dir", "host_file", "profile_key", "load_cached", "store", "cac
            "load_measure", "store_measure", "cache_enabled", "machine_busy", "PROFILER_REVISION"]
 
 #: Bumped whenever the profiler's numbers change for the same inputs, so that profiles
-#: cached by an earlier revision are never reused (2: empty autograd-call cost subtracted).
-PROFILER_REVISION = "2"
+#: cached by an earlier revision are never reused (2: empty autograd-call cost subtracted;
+#: 3: ``NodeCost.saved_from`` and ``strided_output_bytes`` recorded, a reused node's saved
+#: storages no longer counted again).
+PROFILER_REVISION = "3"
 
 
 def cache_dir() -> Path:
