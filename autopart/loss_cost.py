@@ -140,14 +140,16 @@ def estimate_loss_cost(captured: CapturedGraph) -> LossCost:
 
 
 def with_loss_cost(costs: CostGraph, loss: LossCost) -> CostGraph:
-    """``costs`` with ``loss`` added to its last node (the last stage always holds it)."""
+    """``costs`` with ``loss`` added to its last node (the last stage always holds it); its
+    saved bytes are also recorded apart (``CostGraph.loss_saved_bytes``)."""
     last = costs.nodes[-1]
     bwd = loss.bwd_us
     node = dataclasses.replace(
         last, fwd_us=last.fwd_us + loss.fwd_us, bwd_input_us=last.bwd_input_us + bwd,
         saved_bytes=last.saved_bytes + loss.saved_bytes,
         transient_bytes=max(last.transient_bytes, loss.transient_bytes))
-    return dataclasses.replace(costs, nodes=(*costs.nodes[:-1], node))
+    return dataclasses.replace(costs, nodes=(*costs.nodes[:-1], node),
+                               loss_saved_bytes=costs.loss_saved_bytes + loss.saved_bytes)
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -127,7 +127,7 @@ class CostModel:
         # whether every node says which saved storages other nodes returned
         self._last_use = [v.last_use for v in _values(costs) if v.produced >= 0]
         self._producers_known = all(nd.saved_from is not None for nd in costs.nodes)
-        self._held: dict[tuple[int, int], int] = {}
+        self._held: dict[tuple[int, int], tuple[int, int, int]] = {}
         # per position 0 .. n, bytes of the non-contiguous node outputs crossing it
         n_nodes = len(costs.nodes)
         diff = [0] * (n_nodes + 2)
@@ -331,10 +331,18 @@ class CostModel:
         it). Measured on the same GPT-2: a stage sending a transposed attention output held
         0.5 MiB a microbatch more, and so did the stage receiving it.
         """
+        inside, outputs, strided = self.held_parts(start, stop)
+        return inside + outputs + strided
+
+    def held_parts(self, start: int, stop: int) -> tuple[int, int, int]:
+        """The three parts of :meth:`held_bytes`, at the profiled batch, bytes: what the
+        stage's nodes save (less, with torch's stages, the inputs they save from receive
+        buffers); its outputs no node of it saves; the copies of strided values crossing its
+        cuts (torch's stages). Without ``saved_from``: ``(saved bytes, 0, 0)``."""
         key = (start, stop)
         if key in self._held:
             return self._held[key]
-        held = self.saved_bytes(start, stop)
+        inside, outputs, strided = self.saved_bytes(start, stop), 0, 0
         if self._producers_known:
             nodes = self.costs.nodes
             saved_here: set[int] = set()  # producers (node indices) whose output is saved here
@@ -346,12 +354,12 @@ class CostModel:
                     else:
                         outside += nbytes
             if self.receive_buffers_per_microbatch:
-                held -= outside
-                held += self.strided_bytes(start, stop)
-            held += sum(nodes[i].output_bytes for i in range(start, stop)
-                        if self._last_use[i] >= stop and i not in saved_here)
-        self._held[key] = held
-        return held
+                inside -= outside
+                strided = self.strided_bytes(start, stop)
+            outputs = sum(nodes[i].output_bytes for i in range(start, stop)
+                          if self._last_use[i] >= stop and i not in saved_here)
+        self._held[key] = (inside, outputs, strided)
+        return self._held[key]
 
     def strided_bytes(self, start: int, stop: int) -> int:
         """Non-contiguous values crossing into and out of a stage of nodes ``start .. stop -

@@ -171,7 +171,6 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)
         state, pbytes, numel = model.state_of(a, z)
-        act = model.scale_bytes(model.held_bytes(a, z), ratio) if training else 0
         transient = model.transient_bytes(a, z, ratio)
         cols["fwd"].append(fwd)
         cols["bi"].append(bi if training else 0.0)
@@ -195,18 +194,33 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
                               + (0 if training else transient))
         # the last stage's outputs (the logits the loss reads) stay held, in both runtimes,
         # from its forward until that microbatch's backward
-        # (held_bytes counts them where the profile says which storages nodes returned)
+        # (held_parts counts them where the profile says which storages nodes returned)
         held_out = cross_out if training and s == s_total - 1 else 0
-        strided = model.scale_bytes(model.strided_bytes(a, z), ratio) if training else 0
-        cols["saved"].append(cross_in + held_out + strided if rc[s] else
-                             act if model.held_bytes_cover_outputs else act + held_out)
+        torch_held = model.receive_buffers_per_microbatch and model.held_bytes_cover_outputs
+        inside, outs, strided = (model.scale_bytes(x, ratio) for x in model.held_parts(a, z)) \
+            if training else (0, 0, 0)
+        if not rc[s]:
+            saved = (inside + outs + strided if model.held_bytes_cover_outputs
+                     else inside + held_out)
+            recomputed = 0
+        elif torch_held:
+            # a recomputed stage of torch's keeps its outputs (the stage's cache), the copies
+            # of strided values and the loss's saved set (the loss runs outside the
+            # recomputed forward) from F to B; its inputs are receive buffers (static). The
+            # backward recomputes the rest. Measured on the fidelity GPT-2's last rank (1F1B
+            # m = 8): its logits and the loss's 8 MiB were charged twice in B, 14.7 % over
+            loss = model.scale_bytes(model.costs.loss_saved_bytes, ratio) if s == s_total - 1 \
+                else 0
+            saved, recomputed = outs + strided + loss, inside - loss
+        else:
+            saved, recomputed = cross_in + held_out, inside + outs
+        cols["saved"].append(saved)
         split_here = training and splits_backward(kind, rc[s])
         # the first stage's I computes nothing (its inputs need no gradient): no working set
         # (its W, the whole backward, has it). Charged, it put the fidelity CNN's first rank
         # 8 MiB over at every I (ZB-H1, m = 8)
         empty_i = split_here and s == 0
-        cols["extra"].append((transient + (act if rc[s] else 0)) if training and not empty_i
-                             else 0)
+        cols["extra"].append(transient + recomputed if training and not empty_i else 0)
         # from I to W a split backward keeps the gradients W restarts from: where parameter
         # paths join the activations' (SplitBackward's intermediates); on the first stage,
         # whose inputs need no gradient, I computes nothing and W restarts from the stage's

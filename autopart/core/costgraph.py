@@ -123,6 +123,9 @@ class CostGraph:
             measured at ``low_batch_size`` (empty when ``low_batch_size`` is 0).
         low_backward_peaks: per node, ``backward_peak_bytes`` measured at
             ``low_batch_size`` (empty when not measured).
+        loss_saved_bytes: of the last node's ``saved_bytes``, what the loss added to it
+            (``autopart.loss_cost.with_loss_cost``): what the loss keeps from its forward to
+            its backward, outside any recomputed stage. Optional (default 0).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -140,6 +143,7 @@ class CostGraph:
     low_batch_size: int = 0
     low_times: tuple[tuple[float, float, float], ...] = ()
     low_backward_peaks: tuple[int, ...] = ()
+    loss_saved_bytes: int = 0
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -177,6 +181,10 @@ class CostGraph:
                 raise PlanError(f"CostGraph: low_times needs one (fwd, bwd_input, bwd_weight) "
                                 f"triple of times >= 0 per node ({len(self.nodes)}), got "
                                 f"{len(self.low_times)}; re-profile the model")
+        if not 0 <= self.loss_saved_bytes <= (self.nodes[-1].saved_bytes if self.nodes else 0):
+            raise PlanError(f"CostGraph: loss_saved_bytes={self.loss_saved_bytes} must be >= 0 and "
+                            "at most the last node's saved_bytes, which include it; re-profile "
+                            "the model")
         if self.low_backward_peaks and (
                 len(self.low_backward_peaks) != len(self.low_times)
                 or min(self.low_backward_peaks) < 0):
@@ -250,7 +258,8 @@ class CostGraph:
                        low_batch_size=int(d.get("low_batch_size", 0)),
                        low_times=tuple((float(a), float(b), float(c))
                                        for a, b, c in d.get("low_times", ())),
-                       low_backward_peaks=tuple(int(x) for x in d.get("low_backward_peaks", ())))
+                       low_backward_peaks=tuple(int(x) for x in d.get("low_backward_peaks", ())),
+                       loss_saved_bytes=int(d.get("loss_saved_bytes", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"not a valid CostGraph: {exc}") from exc
 
