@@ -185,6 +185,12 @@ def main() -> None:
                              "'gpt2:zero_bubble v1 m8' (repeatable; the solver's plans stay)")
     parser.add_argument("--traces", default=None, metavar="DIR",
                         help="also keep every plan, predicted trace and measured trace here")
+    parser.add_argument("--max-spread", type=float, default=0.12, metavar="F",
+                        help="run a group of plans again when one plan's timed steps spread "
+                             "more than F (max - min over the median; default 0.12)")
+    parser.add_argument("--attempts", type=int, default=3,
+                        help="runs of a group at most (default 3); the run whose widest "
+                             "spread is least is kept")
     parser.add_argument("--profile-cache", default=None, metavar="DIR",
                         help="read and keep profiles in this cache (default: a fresh one, so "
                              "the profile is taken minutes before the steps it predicts)")
@@ -208,13 +214,28 @@ def main() -> None:
     rows, profiles, plan_of = plans(grid, work, with_solver=True)
     here = Path(__file__).resolve()
     measured: dict[str, Any] = {}
+    runs: dict[str, int] = {}  # runs of each plan's group
     for name in profiles:  # per workload, groups of plans alternated on one set of ranks
         ids = [r["id"] for r in rows if r["workload"] == name]
         for k in range(0, len(ids), opts.arms_per_process):
             mine = {rid: plan_of[rid] for rid in ids[k:k + opts.arms_per_process]}
-            got = run_arms(f"{here}:{name}", mine, ranks=P, steps=opts.steps, warmup=WARMUP,
-                           single=False)
-            for rid, res in got.items():
+            # this shared machine has bursts (+30-75 % for 0.1 s to tens of seconds) that a
+            # median of 7 steps does not hide when they hit several: a group with a plan
+            # whose steps spread more than --max-spread runs again, in fresh processes
+            kept: tuple[float, dict[str, Any]] | None = None
+            done = 0
+            while done < max(opts.attempts, 1):
+                done += 1
+                got = run_arms(f"{here}:{name}", mine, ranks=P, steps=opts.steps,
+                               warmup=WARMUP, single=False)
+                widest = max(_spread(res.steps_s) for res in got.values())
+                if kept is None or widest < kept[0]:
+                    kept = (widest, got)
+                if widest <= opts.max_spread:
+                    break
+            assert kept is not None
+            for rid, res in kept[1].items():
+                runs[rid] = done
                 measured[rid] = res
                 if res.trace is not None:
                     res.trace.save(Path(work, f"trace_{rid}.json"))
@@ -222,6 +243,8 @@ def main() -> None:
         got = measured[row["id"]]
         row["measured_steps_s"] = [round(t, 4) for t in got.steps_s]
         row["measured_step_s"] = got.step_s
+        row["step_spread"] = _spread(got.steps_s)
+        row["group_runs"] = runs[row["id"]]
         row["measured_peak_bytes"] = got.peak_bytes
         row["step_error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
         row["peak_error"] = [p / m - 1 for p, m in zip(row["predicted_peak_bytes"],
@@ -257,18 +280,27 @@ def main() -> None:
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "python": platform.python_version(), "torch": torch.__version__,
               "date": datetime.date.today().isoformat(), "ranks": P, "threads_per_rank": 1,
-              "steps": opts.steps, "wall_s": round(time.perf_counter() - t_start, 1),
+              "steps": opts.steps, "max_spread": opts.max_spread, "attempts": opts.attempts,
+              "wall_s": round(time.perf_counter() - t_start, 1),
               "summary": summary, "rows": rows}
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "results.md").write_text(markdown(report))
     print(markdown(report))
 
 
+def _spread(steps: list[float]) -> float:
+    """(max - min) / median of a plan's timed steps."""
+    return (max(steps) - min(steps)) / statistics.median(steps)
+
+
 def markdown(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = [f"Fidelity, {report['date']}: {report['machine']}; Python {report['python']}, "
              f"torch {report['torch']}; {report['ranks']} gloo ranks x "
-             f"{report['threads_per_rank']} thread, median of {report['steps']} steps.", "",
+             f"{report['threads_per_rank']} thread, median of {report['steps']} steps; a group "
+             f"of plans ran again (at most {report.get('attempts', 1)} runs, the least spread "
+             f"kept) when a plan's steps spread more than {report.get('max_spread', 1):.0%}.",
+             "",
              f"{s['plans']} plans: median |step error| {s['median_abs_step_error']:.1%}, worst "
              f"{s['max_abs_step_error']:.1%}; peaks under-predicted: "
              f"{s['under_predicted_peaks']}; most over-predicted peak: {s['max_peak_over']:+.1%}.",
@@ -278,12 +310,14 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"- {key.split('_')[0]}: the solver's plan measured "
                          f"{s[key]:+.1%} against the fastest plan of the sweep.")
     lines += ["", "| workload | plan | cuts | predicted s | measured s | error | "
-              "predicted peak MiB | measured peak MiB |", "|---|---|---|---:|---:|---:|---|---|"]
+              "step spread (runs) | predicted peak MiB | measured peak MiB |",
+              "|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in report["rows"]:
         mib = lambda xs: " / ".join(f"{x / 2**20:.0f}" for x in xs)  # noqa: E731
         lines.append(f"| {r['workload']} | {', '.join(r['labels'])} | {r['cuts']} | "
                      f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
-                     f"{r['step_error']:+.1%} | {mib(r['predicted_peak_bytes'])} | "
+                     f"{r['step_error']:+.1%} | {r.get('step_spread', 0):.0%} "
+                     f"({r.get('group_runs', 1)}) | {mib(r['predicted_peak_bytes'])} | "
                      f"{mib(r['measured_peak_bytes'])} |")
     return "\n".join(lines) + "\n"
 
