@@ -181,6 +181,7 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         first_in_bytes=model.scale_bytes(model.crossing[0], ratio),
         last_out_bytes=model.scale_bytes(model.crossing[n], ratio),
         in_flight=in_flight(kind, p, m, v, options.training),
+        outputs_held=options.training and model.held_bytes_cover_outputs,
         rank_caps=tuple(max(c - transient, 0) for c in st.caps), recompute=st.mode,
         optimize=options.optimize, seg_bwd_weight=None if seg_w is None else tuple(seg_w))
 

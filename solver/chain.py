@@ -58,6 +58,10 @@ class ChainProblem:
         state_s + in_s + out_s + k_s * in_s + saved_s          (recompute: inputs kept, one
                                                                 microbatch rebuilt in backward)
 
+    plus ``k_s * out_s`` without recompute where ``outputs_held`` (the cost model counts a
+    stage's outputs that its nodes do not save as held from each F to its B,
+    ``CostModel.held_bytes``; the crossing bytes bound them).
+
     with ``state_s`` / ``saved_s`` sums of ``seg_state`` / ``seg_saved``, ``in_s`` the bytes
     crossing its incoming cut (``first_in_bytes`` for stage 0), ``out_s`` those of its outgoing
     cut (``last_out_bytes`` for the last) and ``k_s = in_flight[s]``. A rank's memory is the sum
@@ -89,6 +93,7 @@ class ChainProblem:
     recompute: str = "none"
     optimize: str = "speed"
     seg_bwd_weight: tuple[int, ...] | None = None
+    outputs_held: bool = False
 
     def __post_init__(self) -> None:
         k, s = len(self.seg_time), self.num_stages
@@ -206,7 +211,7 @@ class ChainProblem:
             cout = cross[b - 1] if b < self.num_segments else self.last_out_bytes
             k = self.in_flight_of(s)
             act = sum(saved[a:b])
-            held = k * cin + act if recompute[s] else k * act
+            held = k * cin + act if recompute[s] else k * (act + cout * self.outputs_held)
             out.append(sum(state[a:b]) + cin + cout + held)
         return out
 

@@ -236,8 +236,9 @@ def _add_memory(problem: ChainProblem, chain: ChainModel,
     state = list(problem.seg_state or [0] * k)
     saved = list(problem.seg_saved or [0] * k)
     mem_upper = (sum(state) + 2 * (sum(cross) + problem.first_in_bytes + problem.last_out_bytes)
-                 + max(problem.in_flight or (1,)) * (sum(saved) + sum(cross)
-                                                     + problem.first_in_bytes) + sum(saved))
+                 + max(problem.in_flight or (1,)) * (sum(saved) + 2 * sum(cross)
+                                                     + problem.first_in_bytes
+                                                     + problem.last_out_bytes) + sum(saved))
     mem: list[Any] = []
     for s in range(s_total):
         kk = problem.in_flight_of(s)
@@ -248,10 +249,11 @@ def _add_memory(problem: ChainProblem, chain: ChainModel,
         act = sum(saved[i] * x[i, s] for i in chain.segs[s])
         base = sum(state[i] * x[i, s] for i in chain.segs[s]) + cin_b + cout_b
         var = model.new_int_var(0, mem_upper, f"mem[{s}]")
+        kept = act + cout_b if problem.outputs_held else act  # see ChainProblem.outputs_held
         if isinstance(rc[s], int):
-            model.add(var >= base + (kk * cin_b + act if rc[s] else kk * act))
+            model.add(var >= base + (kk * cin_b + act if rc[s] else kk * kept))
         else:
-            model.add(var >= base + kk * act).only_enforce_if(rc[s].Not())
+            model.add(var >= base + kk * kept).only_enforce_if(rc[s].Not())
             model.add(var >= base + kk * cin_b + act).only_enforce_if(rc[s])
         mem.append(var)
     if problem.rank_caps is not None:

@@ -68,6 +68,9 @@ class _Tables:
         self.base_mem = (span(prefix(problem.seg_state or [0] * k)) + self.in_b[:, None]
                          + out_b[None, :])
         self.act = span(prefix(problem.seg_saved or [0] * k))
+        # held per microbatch in flight without recompute: the saved set, and the outputs
+        # where the cost model holds them (ChainProblem.outputs_held)
+        self.act_kept = self.act + out_b[None, :] * problem.outputs_held
         self.valid = np.arange(k + 1)[None, :] > np.arange(k)[:, None]
         cin = np.array([0, *problem.cut_in], dtype=np.int64)
         cout = np.array([0, *problem.cut_out, 0], dtype=np.int64)
@@ -89,7 +92,7 @@ class _Tables:
         prob = self.problem
         kk = prob.in_flight_of(s)
         bm, ac, ok = self.base_mem[rows, cols], self.act[rows, cols], self.valid[rows, cols]
-        mem0 = bm + kk * ac
+        mem0 = bm + kk * self.act_kept[rows, cols]
         mem1 = bm + kk * self.in_b[rows, None] + ac
         r = prob.rank_of(s)
         t0, t1, w = (a[rows, cols] for a in self.times[r])

@@ -40,7 +40,8 @@ def random_problem(rng: random.Random, kind: str, v: int, optimize: str) -> Chai
         first_in_bytes=rng.randint(0, 30), last_out_bytes=rng.randint(0, 30),
         in_flight=in_flight(kind, p, m, v),
         rank_caps=tuple(rng.randint(150, 700) * v for _ in range(p)) if has_cap else None,
-        recompute=rng.choice(("none", "all", "auto")), optimize=optimize)
+        recompute=rng.choice(("none", "all", "auto")), optimize=optimize,
+        outputs_held=rng.random() < 0.5)
 
 
 @pytest.mark.parametrize("optimize", ["speed", "memory"])
