@@ -33,6 +33,9 @@ from autopart.profiler.cache import (
     store_measure,
 )
 from autopart.profiler.calibrate import calibrate_to_segments, segment_cuts, segment_times
+from autopart.profiler.corunners import available as corunners_available
+from autopart.profiler.corunners import co_runners
+from autopart.profiler.corunners import model_step as corunner_step
 from autopart.profiler.links import SIZES as LINK_SIZES
 from autopart.profiler.links import (
     LinkFigures,
@@ -344,10 +347,18 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     if points is not None:
         # node and loss times from two smaller microbatches; the full batch keeps the bytes
         t0 = time.perf_counter()
+        # the distributed runtime's CPU ranks on this host compute at once: calibrate beside
+        # that many copies of this process running the model (autopart.profiler.corunners)
+        neighbours = (min(len(devices) - 1, (os.cpu_count() or 1) - 1)
+                      if runtime == "distributed" and training and len(devices) > 1
+                      and all(torch.device(d).type == "cpu" for d in devices)
+                      and corunners_available() else 0)
         with contextlib.suppress(PlanError):  # a batch-dependent graph: one point, scaled
             two_point, smallest = _two_point_costs(
                 model, args, kwargs, points, batch, costs, loss_at, devices[0], training, key,
-                use_cache, hits, _PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""))
+                use_cache, hits, _PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""),
+                neighbours)
+        timings["co_runners"] = float(neighbours)
         timings["batch_points_s"] = time.perf_counter() - t0
     if two_point is not None:
         costs = two_point
@@ -478,7 +489,7 @@ def _cached_or_measured(key: dict[str, Any], measure: Any, use_cache: bool, hits
 def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      points: tuple[int, int], batch: int, unlossed: CostGraph,
                      loss_at: Any, device: str, training: bool, key: dict[str, Any],
-                     use_cache: bool, hits: set[str], method: str,
+                     use_cache: bool, hits: set[str], method: str, neighbours: int = 0,
                      ) -> tuple[CostGraph, tuple[CapturedGraph, list[Any], CostGraph]]:
     """The full batch's costs with node and loss times from two smaller batches (see
     :func:`profile_model`): at the smallest microbatch (``points[0]`` microbatches) a
@@ -487,6 +498,11 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     and backward, cached as numbers on the full batch's profile. The loss (``loss_at(captured,
     m)``, None without one) is measured at both microbatches: the line through them gives
     its time at the full batch, and its bytes there are the larger microbatch's, scaled.
+    With ``neighbours``, the segments are timed while that many copies of this process run
+    the model at the same microbatch (:func:`autopart.profiler.corunners.co_runners`), as
+    the other ranks of the host will; such figures are cached apart. (The loss is timed
+    alone: right after the fork its 1-4 ms calls measured 70-130 % slower, more than the
+    20 % the fidelity GPT-2's pipeline showed.)
 
     Returns:
         The costs, and the smallest microbatch's capture, flat inputs and profile.
@@ -499,21 +515,28 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     low_captured = capture(model, low_args, low_kwargs)
     low_flat = low_captured.flatten_inputs(low_args, low_kwargs)
 
+    calibration = _CALIBRATION + (f",co-runners={neighbours}" if neighbours else "")
+
+    def beside(captured_: CapturedGraph, flat_: list[Any]) -> Any:
+        return co_runners(corunner_step(captured_, flat_), neighbours)
+
     def measure_low() -> CostGraph:
         low = profile_graph(low_captured, low_flat, device=device, training=training)
         cuts = _calibration_cuts(low)
-        return calibrate_to_segments(low, cuts, segment_times(low_captured, low_flat, device, cuts))
+        with beside(low_captured, low_flat):
+            times = segment_times(low_captured, low_flat, device, cuts)
+        return calibrate_to_segments(low, cuts, times)
 
     low_key = profile_key(low_captured.fingerprint, device, low_flat, dtype=_dtype_name(model),
-                          training=training, method=method + _CALIBRATION)
+                          training=training, method=method + calibration)
     low = _cached_or_measured(low_key, measure_low, use_cache, hits, "low_batch_profile")
     b_low, b_high = batch // m_low, batch // m_high
-    loss_low = _cached_loss(key, f"@{b_low}{_CALIBRATION}", lambda: loss_at(low_captured, m_low),
+    loss_low = _cached_loss(key, f"@{b_low}{calibration}", lambda: loss_at(low_captured, m_low),
                             device, use_cache)
     cuts = _calibration_cuts(unlossed)
     fields = ("loss_fwd_us", "loss_bwd_us", "loss_saved_bytes", "loss_transient_bytes",
               *(f"segment{k}_{f}" for k in range(len(cuts) + 1) for f in ("fwd_us", "bwd_us")))
-    names = [f"{f}@{b_high}{_CALIBRATION}" for f in fields]
+    names = [f"{f}@{b_high}{calibration}" for f in fields]
     cached = [load_measure(key, n) for n in names] if use_cache else [None] * len(names)
     if all(v is not None for v in cached):
         values = [float(v) for v in cached if v is not None]
@@ -521,8 +544,9 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     else:
         high_args, high_kwargs = microbatch_inputs(args, kwargs, m_high)
         high_captured = capture(model, high_args, high_kwargs)
-        times = segment_times(high_captured, high_captured.flatten_inputs(high_args, high_kwargs),
-                              device, cuts)
+        high_flat = high_captured.flatten_inputs(high_args, high_kwargs)
+        with beside(high_captured, high_flat):
+            times = segment_times(high_captured, high_flat, device, cuts)
         loss_high = loss_at(high_captured, m_high)
         values = ([0.0] * 4 if loss_high is None else [
             loss_high.fwd_us, loss_high.bwd_us, float(loss_high.saved_bytes),

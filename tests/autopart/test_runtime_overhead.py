@@ -65,3 +65,42 @@ def test_a_distributed_cpu_profile_carries_the_cached_cost_into_its_plans(
     # 1F1B, m = 4, 2 ranks: at least the 8 actions of a rank's timeline pay it
     assert dist.predicted_step_time_us >= local.predicted_step_time_us + 8 * 250.0 - 1.0
     assert prof.options().transfer_overhead_us == 250.0
+
+
+def test_the_distributed_runtimes_cpu_calibration_runs_beside_the_other_ranks_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With m left to the solver the profile's segments are timed at two microbatch sizes;
+    for the distributed runtime on two CPU ranks, beside one forked copy of the process
+    running the model (the other rank), never for the one-process runtime."""
+    import contextlib
+
+    from autopart.profiler import corunners
+
+    if not corunners.available():
+        pytest.skip("co-runners need os.fork on Linux")
+    planning.host_figures.cache_clear()
+    monkeypatch.setattr(planning, "measure_host_figures",
+                        lambda use_cache=True: (LinkFigures(80.0, 2.5e9, (16384, 262144),
+                                                            (86.0, 185.0)), 250.0))
+    entered: list[int] = []
+    real = corunners.co_runners
+
+    @contextlib.contextmanager
+    def spy(work, count):  # type: ignore[no-untyped-def]
+        with real(work, count) as running:
+            entered.append(running)
+            yield running
+
+    monkeypatch.setattr(planning, "co_runners", spy)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+    x = torch.randn(16, 16)
+    try:
+        _, prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule="1f1b",
+                                      runtime="distributed", cache=False)
+    finally:
+        planning.host_figures.cache_clear()
+    assert prof.timings_s["co_runners"] == 1.0 and entered and set(entered) == {1}
+    entered.clear()
+    _, local = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule="1f1b",
+                                   cache=False)
+    assert local.timings_s["co_runners"] == 0.0 and set(entered) <= {0}
