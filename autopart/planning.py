@@ -198,6 +198,9 @@ class Profile:
         transfer_overhead_us: what the distributed runtime spends on each transfer between
             ranks beside the link time, µs, measured on this host when the profile is for
             that runtime on two or more ``cpu`` ranks (:func:`host_figures`); else 0.0.
+        co_runners: forked copies of the process that ran the model beside the segment
+            calibration, as the host's other ranks will (:mod:`autopart.profiler.corunners`;
+            0: timed alone).
     """
 
     captured: CapturedGraph
@@ -213,6 +216,7 @@ class Profile:
     host_link: LinkFigures | None = None
     split_backward_us_per_node: float = 0.0
     transfer_overhead_us: float = 0.0
+    co_runners: int = 0
 
     def cluster(self) -> Cluster:
         """The devices as the solver sees them, with the measured host link if any."""
@@ -344,6 +348,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     points = batch_points(batch, candidates, len(devices)) if low_batch else None
     two_point: CostGraph | None = None
     smallest: tuple[CapturedGraph, list[Any], CostGraph] | None = None
+    neighbours = 0
     if points is not None:
         # node and loss times from two smaller microbatches; the full batch keeps the bytes
         t0 = time.perf_counter()
@@ -358,7 +363,6 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                 model, args, kwargs, points, batch, costs, loss_at, devices[0], training, key,
                 use_cache, hits, _PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""),
                 neighbours)
-        timings["co_runners"] = float(neighbours)
         timings["batch_points_s"] = time.perf_counter() - t0
     if two_point is not None:
         costs = two_point
@@ -396,7 +400,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             link = host_link(use_cache)
         timings["link_s"] = time.perf_counter() - t0
     return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
-                   1.0, timings, frozenset(hits), link, split_us, overhead)
+                   1.0, timings, frozenset(hits), link, split_us, overhead, neighbours)
 
 
 def measure_host_figures(use_cache: bool = True) -> tuple[LinkFigures, float]:
