@@ -16,6 +16,7 @@ from autopart.core.cluster import DeviceSpec
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError, ProfileError
 from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
+from autopart.profiler.meters import strided_nbytes
 
 __all__ = ["profile_analytical", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "SDPA_BWD_FLOP_RATIO",
            "MATMUL_OPS", "VIEW_OPS"]
@@ -313,8 +314,7 @@ class _MetaWalker:
             inputs=tuple(n.name for n in node.all_input_nodes if n.op != "get_attr"),
             params=params, output_is_tensor=isinstance(out, torch.Tensor),
             transient_bytes=transient,
-            strided_output_bytes=sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
-                                     if isinstance(t, torch.Tensor) and not t.is_contiguous()))
+            strided_output_bytes=strided_nbytes(out))
 
     def _claim(self, t: torch.Tensor) -> tuple[int | None, int]:
         """Count ``t``'s storage as saved unless a parameter's or already counted:

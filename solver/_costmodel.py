@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
-from autopart.solver.candidates import CutCandidates, _values, crossing_profile
+from autopart.solver.candidates import CutCandidates, _values, crossing_profile, crossing_sums
 
 if TYPE_CHECKING:
     from autopart.solver.options import SolveOptions
@@ -123,19 +123,16 @@ class CostModel:
         self.training = training
         self.overhead_us = cluster.devices[0].op_overhead_us
         self.crossing, _ = crossing_profile(costs)
-        # for held_bytes: where each node's output is last read (n: a graph output), and
-        # whether every node says which saved storages other nodes returned
-        self._last_use = [v.last_use for v in _values(costs) if v.produced >= 0]
+        # for held_parts: where each node's output is last read (n: a graph output), whether
+        # every node says which saved storages other nodes returned, and per position
+        # 0 .. n the bytes of the non-contiguous node outputs crossing it
+        values = _values(costs)
+        self._last_use = [v.last_use for v in values if v.produced >= 0]
         self._producers_known = all(nd.saved_from is not None for nd in costs.nodes)
         self._held: dict[tuple[int, int], tuple[int, int, int]] = {}
-        # per position 0 .. n, bytes of the non-contiguous node outputs crossing it
-        n_nodes = len(costs.nodes)
-        diff = [0] * (n_nodes + 2)
-        for i, nd in enumerate(costs.nodes):
-            if nd.strided_output_bytes and self._last_use[i] > i:
-                diff[i + 1] += nd.strided_output_bytes
-                diff[self._last_use[i] + 1] -= nd.strided_output_bytes
-        self._strided_crossing = list(itertools.accumulate(diff[:n_nodes + 1]))
+        self._strided_crossing = crossing_sums(
+            costs, values,
+            lambda v: costs.nodes[v.produced].strided_output_bytes if v.produced >= 0 else 0)
         ov = self.overhead_us
         self._fixed = [0.0]   # prefix sums of the batch-independent part of node time, µs
         self._linear = [0.0]  # prefix sums of the part linear in b / b0, µs

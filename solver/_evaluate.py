@@ -141,6 +141,9 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
     cols: dict[str, list[Any]] = {key: [] for key in (
         "fwd", "bi", "bw", "sf", "sb", "static", "saved", "extra", "held", "wgrad", "kept")}
     info = []
+    # torch's stages, on a profile that says which saved storages nodes returned
+    # (CostModel.held_parts): what they hold is counted part by part
+    torch_held = model.receive_buffers_per_microbatch and model.held_bytes_cover_outputs
     for s in range(s_total):
         a, z, r = bounds[s], bounds[s + 1], s % p
         f = model.speed(r)
@@ -196,7 +199,6 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # from its forward until that microbatch's backward
         # (held_parts counts them where the profile says which storages nodes returned)
         held_out = cross_out if training and s == s_total - 1 else 0
-        torch_held = model.receive_buffers_per_microbatch and model.held_bytes_cover_outputs
         inside, outs, strided = (model.scale_bytes(x, ratio) for x in model.held_parts(a, z)) \
             if training else (0, 0, 0)
         if not rc[s]:
@@ -226,7 +228,6 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # whose inputs need no gradient, I computes nothing and W restarts from the stage's
         # outputs and their gradients, which torch's stages hold anyway (the outputs in
         # held_bytes, their gradients in receive buffers: measured, nothing more from I to W)
-        torch_held = model.receive_buffers_per_microbatch and model.held_bytes_cover_outputs
         cols["held"].append(0 if not split_here else (0 if torch_held else 2 * cross_out)
                             if s == 0 else model.split_held_bytes(a, z, ratio))
         # autopart's W returns the weight gradients (up to all of the stage's, when their

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from autopart.core.costgraph import CostGraph
@@ -15,6 +15,7 @@ __all__ = [
     "Segment",
     "CutCandidates",
     "crossing_profile",
+    "crossing_sums",
     "crossing_values",
     "find_candidates",
     "add_positions",
@@ -110,27 +111,25 @@ def crossing_profile(costs: CostGraph) -> tuple[list[int], list[bool]]:
         ``(crossing_bytes, valid)``, each of length ``n + 1``; bytes per microbatch of the
         profiled batch.
     """
+    values = _values(costs)
+    crossing = crossing_sums(costs, values, lambda v: v.nbytes)
+    bad = crossing_sums(costs, values, lambda v: 0 if v.is_tensor else 1)
+    return crossing, [b == 0 for b in bad]
+
+
+def crossing_sums(costs: CostGraph, values: list[_Value],
+                  weight: Callable[[_Value], int]) -> list[int]:
+    """At every position ``0 .. n``, the sum of ``weight(v)`` over the values ``v`` of
+    ``values`` (from :func:`_values`) that cross it (see :func:`crossing_profile`), by a
+    difference array: O(n + len(values))."""
     n = len(costs.nodes)
-    dbytes = [0] * (n + 2)
-    dbad = [0] * (n + 2)
-    for v in _values(costs):
-        if v.last_use <= v.produced:
-            continue
-        lo, hi = v.produced + 1, v.last_use + 1
-        dbytes[lo] += v.nbytes
-        dbytes[hi] -= v.nbytes
-        if not v.is_tensor:
-            dbad[lo] += 1
-            dbad[hi] -= 1
-    crossing: list[int] = []
-    valid: list[bool] = []
-    acc_bytes = acc_bad = 0
-    for k in range(n + 1):
-        acc_bytes += dbytes[k]
-        acc_bad += dbad[k]
-        crossing.append(acc_bytes)
-        valid.append(acc_bad == 0)
-    return crossing, valid
+    diff = [0] * (n + 2)
+    for v in values:
+        w = weight(v)
+        if w and v.last_use > v.produced:
+            diff[v.produced + 1] += w
+            diff[v.last_use + 1] -= w
+    return list(itertools.accumulate(diff[:n + 1]))
 
 
 def crossing_values(costs: CostGraph, position: int) -> tuple[str, ...]:

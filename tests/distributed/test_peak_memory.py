@@ -6,30 +6,15 @@ under-prediction is an out-of-memory error in production) and at most 15 % above
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
-import torch
-from torch import nn
 
 pytest.importorskip("transformers")
 
-HERE = Path(__file__).resolve()
-
-
-def gpt2() -> tuple[nn.Module, tuple[Any, ...], Any, Any]:
-    """GPT-2-like, 4 layers of n_embd 128, vocabulary 2048, a batch of 16 x 32 tokens."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from tests.zoo import _lm_loss
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=2048, n_positions=32,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                     bos_token_id=0, eos_token_id=0)
-    tokens = torch.randint(0, 2048, (16, 32))
-    return GPT2LMHeadModel(cfg), (tokens,), tokens, _lm_loss
+#: GPT-2-like, 4 layers of n_embd 128, vocabulary 2048, a batch of 16 x 32 tokens, built by
+#: autopart.bench.load_workload (random weights, dropout off, the next-token loss)
+WORKLOAD = "hf:GPT2LMHeadModel"
+CONFIG = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 2048, "n_positions": 32,
+          "batch": 16, "seq": 32}
 
 
 @pytest.mark.parametrize(("kind", "v"), [("interleaved_1f1b", 2), ("zero_bubble", 1)])
@@ -39,11 +24,11 @@ def test_predicted_peaks_bound_a_real_steps_from_above_within_15_percent(kind: s
     copied back into its layout by the next stage) and saved by the kernel itself, and
     after a residual add, whose output no node of its stage saves: before the cost model
     counted those, the fidelity GPT-2's last rank came out 0.33 % under its measured peak."""
-    from autopart.bench import run_arms
+    from autopart.bench import load_workload, run_arms
     from autopart.planning import profile_model
     from autopart.solver.predict import plan_at
 
-    model, args, target, loss_fn = gpt2()
+    model, args, target, loss_fn = load_workload(WORKLOAD, dict(CONFIG))
     profile = profile_model(model, args, devices=["cpu", "cpu"], num_microbatches=4,
                             split_cost=False, loss_fn=loss_fn, example_target=target,
                             low_batch=False)
@@ -57,8 +42,8 @@ def test_predicted_peaks_bound_a_real_steps_from_above_within_15_percent(kind: s
                            receive_buffers_per_microbatch=True)
     plan = plan_at(profile.costs, profile.cluster(), opts, cuts, kind=kind,
                    num_microbatches=4, stages_per_rank=v)
-    got = run_arms(f"{HERE}:gpt2", {"plan": plan}, ranks=2, warmup=1, single=False,
-                   trace=False, untimed=["plan"])["plan"]
+    got = run_arms(WORKLOAD, {"plan": plan}, ranks=2, warmup=1, single=False, trace=False,
+                   untimed=["plan"], config=dict(CONFIG))["plan"]
     predicted = [r.peak_memory_bytes for r in plan.ranks]
     for rank, (pred, meas) in enumerate(zip(predicted, got.peak_bytes, strict=True)):
         assert meas <= pred <= 1.15 * meas, (rank, pred, meas, cuts)
