@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,5 +156,12 @@ app.command(name="devices")(_devices)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    Kineto (torch's profiler library, used to measure CPU memory) prints a
+    ``USDT: ... profiler_start`` line to stderr for every profiled call; in a command's
+    output that is noise, so level 6 (above every level it logs at) is set unless
+    ``$KINETO_LOG_LEVEL`` says otherwise. Child processes inherit it.
+    """
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     app()

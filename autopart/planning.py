@@ -263,9 +263,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     backward, at the smallest microbatch the plan may use
     (:func:`autopart.profiler.split_cost.measure_split_backward_overhead`). With ``loss_fn``
     (training) the loss's own cost is added to the graph's last node: measured on
-    ``example_target`` (the full batch's target) when given, else estimated
-    (:mod:`autopart.loss_cost`). With two or more ``cpu`` ranks (gloo processes on this host)
-    the link between them is timed once per process and cached per machine
+    ``example_target`` (the full batch's target) when given, else estimated as a
+    cross-entropy over the outputs, timed on ``devices[0]`` (untimed for a ``meta`` model;
+    :func:`autopart.loss_cost.estimate_loss_cost`). With two or more ``cpu`` ranks (gloo
+    processes on this host) the link between them is timed once per process and cached per machine
     (:func:`autopart.profiler.links.host_link`, about 3 s), so sends cost what they cost here
     (the preset's nominal figures, with a warning, when it cannot be timed). For the
     ``"distributed"`` runtime on two or more ``cpu`` ranks, the runtime's own cost per transfer
@@ -286,6 +287,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     (:func:`autopart.core.costgraph.through_two_batches`; ``timings_s["batch_points_s"]``).
     The full batch's profile keeps the bytes. A graph that differs at those batches keeps the
     one profile, scaled.
+    With ``num_microbatches`` fixed, for the ``"distributed"`` runtime on two or more ranks
+    (and ``low_batch``), the microbatch's profile is calibrated the same way, segment by
+    segment, beside the co-runners, and cached apart: a torchrun launch with a fixed m has
+    no other calibration.
 
     With ``cache`` (default: on unless ``$AUTOPART_CACHE`` is ``0``/``off``) the costs and the
     split's per-node cost are read from the profile cache (:mod:`autopart.profiler.cache`,
@@ -322,14 +327,29 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     t0 = time.perf_counter()
     flat = captured.flatten_inputs(args, kwargs)
     use_cache = cache_enabled() if cache is None else cache
+    # the distributed runtime's CPU ranks on this host compute at once: calibrate beside
+    # that many copies of this process running the model (autopart.profiler.corunners)
+    neighbours = (min(len(devices) - 1, (os.cpu_count() or 1) - 1)
+                  if runtime == "distributed" and training and len(devices) > 1
+                  and all(torch.device(d).type == "cpu" for d in devices)
+                  and corunners_available() else 0)
+    # m fixed, several ranks of the distributed runtime: the microbatch's profile is
+    # calibrated segment by segment as the two-point path calibrates its profiles
+    calibrate_fixed = (num_microbatches is not None and low_batch and training
+                       and runtime == "distributed" and len(devices) > 1)
+    method = _PROFILE_METHOD + (",cpu-malloc=kept" if malloc else "")
     key = profile_key(captured.fingerprint, devices[0], flat, dtype=_dtype_name(model),
-                      training=training,
-                      method=_PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""))
+                      training=training, method=method + (
+                          _calibration_suffix(neighbours) if calibrate_fixed else ""))
     hits: set[str] = set()
 
-    costs = _cached_or_measured(key, lambda: profile_graph(captured, flat, device=devices[0],
-                                                           training=training),
-                                use_cache, hits, "profile")
+    def measure() -> CostGraph:
+        measured = profile_graph(captured, flat, device=devices[0], training=training)
+        if not calibrate_fixed:
+            return measured
+        return _segment_calibrated(measured, captured, flat, devices[0], neighbours)
+
+    costs = _cached_or_measured(key, measure, use_cache, hits, "profile")
     timings["profile_s"] = time.perf_counter() - t0
 
     measured_loss = (training and loss_fn is not None and example_target is not None
@@ -339,8 +359,8 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         """The loss's cost at the batch ``cap`` was captured at (``m`` microbatches)."""
         if not (training and loss_fn is not None):
             return None
-        if not measured_loss:
-            return estimate_loss_cost(cap)
+        if not measured_loss:  # timed as a cross-entropy on a materialised model
+            return estimate_loss_cost(cap, None if launch_on_meta(model) else devices[0])
         target = example_target if m is None else InputSignature.split_target(
             example_target, m)[0]
         return measure_loss_cost(cap, loss_fn, target, devices[0])
@@ -348,29 +368,21 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     points = batch_points(batch, candidates, len(devices)) if low_batch else None
     two_point: CostGraph | None = None
     smallest: tuple[CapturedGraph, list[Any], CostGraph] | None = None
-    neighbours = 0
     if points is not None:
         # node and loss times from two smaller microbatches; the full batch keeps the bytes
         t0 = time.perf_counter()
-        # the distributed runtime's CPU ranks on this host compute at once: calibrate beside
-        # that many copies of this process running the model (autopart.profiler.corunners)
-        neighbours = (min(len(devices) - 1, (os.cpu_count() or 1) - 1)
-                      if runtime == "distributed" and training and len(devices) > 1
-                      and all(torch.device(d).type == "cpu" for d in devices)
-                      and corunners_available() else 0)
         with contextlib.suppress(PlanError):  # a batch-dependent graph: one point, scaled
             two_point, smallest = _two_point_costs(
                 model, args, kwargs, points, batch, costs, loss_at, devices[0], training, key,
-                use_cache, hits, _PROFILE_METHOD + (",cpu-malloc=kept" if malloc else ""),
-                neighbours)
+                use_cache, hits, method, neighbours, _loss_tag(measured_loss))
         timings["batch_points_s"] = time.perf_counter() - t0
     if two_point is not None:
         costs = two_point
     elif training and loss_fn is not None:
         t0 = time.perf_counter()
-        loss = _cached_loss(key, f"@m{num_microbatches}", lambda: loss_at(captured,
-                                                                        num_microbatches),
-                            devices[0], use_cache)
+        loss = _cached_loss(key, f"@m{num_microbatches}{_loss_tag(measured_loss)}",
+                            lambda: loss_at(captured, num_microbatches),
+                            _loss_source(devices[0], measured_loss), use_cache)
         assert loss is not None
         costs = with_loss_cost(costs, loss)
         timings["loss_cost_s"] = time.perf_counter() - t0
@@ -494,7 +506,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                      points: tuple[int, int], batch: int, unlossed: CostGraph,
                      loss_at: Any, device: str, training: bool, key: dict[str, Any],
                      use_cache: bool, hits: set[str], method: str, neighbours: int = 0,
-                     ) -> tuple[CostGraph, tuple[CapturedGraph, list[Any], CostGraph]]:
+                     loss_tag: str = "") -> tuple[CostGraph, tuple[CapturedGraph, list[Any], CostGraph]]:
     """The full batch's costs with node and loss times from two smaller batches (see
     :func:`profile_model`): at the smallest microbatch (``points[0]`` microbatches) a
     profile calibrated to its whole graph, cached like a profile; at the larger one
@@ -507,6 +519,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     the other ranks of the host will; such figures are cached apart. (The loss is timed
     alone: right after the fork its 1-4 ms calls measured 70-130 % slower, more than the
     20 % the fidelity GPT-2's pipeline showed.)
+    ``loss_tag`` (:func:`_loss_tag`) goes into the loss figures' cache names.
 
     Returns:
         The costs, and the smallest microbatch's capture, flat inputs and profile.
@@ -519,28 +532,27 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     low_captured = capture(model, low_args, low_kwargs)
     low_flat = low_captured.flatten_inputs(low_args, low_kwargs)
 
-    calibration = _CALIBRATION + (f",co-runners={neighbours}" if neighbours else "")
+    calibration = _calibration_suffix(neighbours)
 
     def beside(captured_: CapturedGraph, flat_: list[Any]) -> Any:
         return co_runners(corunner_step(captured_, flat_), neighbours)
 
     def measure_low() -> CostGraph:
         low = profile_graph(low_captured, low_flat, device=device, training=training)
-        cuts = _calibration_cuts(low)
-        with beside(low_captured, low_flat):
-            times = segment_times(low_captured, low_flat, device, cuts)
-        return calibrate_to_segments(low, cuts, times)
+        return _segment_calibrated(low, low_captured, low_flat, device, neighbours)
 
     low_key = profile_key(low_captured.fingerprint, device, low_flat, dtype=_dtype_name(model),
                           training=training, method=method + calibration)
     low = _cached_or_measured(low_key, measure_low, use_cache, hits, "low_batch_profile")
     b_low, b_high = batch // m_low, batch // m_high
-    loss_low = _cached_loss(key, f"@{b_low}{calibration}", lambda: loss_at(low_captured, m_low),
-                            device, use_cache)
+    loss_low = _cached_loss(key, f"@{b_low}{calibration}{loss_tag}",
+                            lambda: loss_at(low_captured, m_low),
+                            _loss_source(device, not loss_tag), use_cache)
     cuts = _calibration_cuts(unlossed)
     fields = ("loss_fwd_us", "loss_bwd_us", "loss_saved_bytes", "loss_transient_bytes",
               *(f"segment{k}_{f}" for k in range(len(cuts) + 1) for f in ("fwd_us", "bwd_us")))
-    names = [f"{f}@{b_high}{calibration}" for f in fields]
+    names = [f"{f}@{b_high}{calibration}{loss_tag if f.startswith('loss_') else ''}"
+             for f in fields]
     cached = [load_measure(key, n) for n in names] if use_cache else [None] * len(names)
     if all(v is not None for v in cached):
         values = [float(v) for v in cached if v is not None]
@@ -579,20 +591,51 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     return through_two_batches(unlossed, low, high), (low_captured, low_flat, low)
 
 
-def _cached_loss(key: dict[str, Any], suffix: str, measure: Any, device: str,
+def _calibration_suffix(neighbours: int) -> str:
+    """What a segment calibration beside ``neighbours`` co-runners adds to a cache key."""
+    return _CALIBRATION + (f",co-runners={neighbours}" if neighbours else "")
+
+
+def _segment_calibrated(costs: CostGraph, captured: CapturedGraph, flat: list[Any],
+                        device: str, neighbours: int) -> CostGraph:
+    """``costs`` (``captured``'s profile on ``flat``) with each calibration segment's nodes
+    scaled to the segment's forward and backward timed in sequence
+    (:func:`autopart.profiler.calibrate.segment_times`), beside ``neighbours`` copies of this
+    process running the same graph (:func:`autopart.profiler.corunners.co_runners`)."""
+    cuts = _calibration_cuts(costs)
+    with co_runners(corunner_step(captured, flat), neighbours):
+        times = segment_times(captured, flat, device, cuts)
+    return calibrate_to_segments(costs, cuts, times)
+
+
+def _loss_source(device: str, measured: bool) -> str:
+    """The :class:`LossCost` source of a loss timed on ``device``: the user's loss
+    (``measured``) or the cross-entropy stand-in (:func:`estimate_loss_cost`)."""
+    dev = torch.device(device)
+    return f"measured:{dev}" if measured else f"estimated:cross-entropy:{dev}"
+
+
+def _loss_tag(measured: bool) -> str:
+    """What a loss timed as the cross-entropy stand-in adds to its figures' cache names, so
+    that they never stand in for the user's loss measured later, nor the other way round."""
+    return "" if measured else ",loss=estimated-cross-entropy"
+
+
+def _cached_loss(key: dict[str, Any], suffix: str, measure: Any, source: str,
                  use_cache: bool) -> LossCost | None:
-    """``measure()``'s :class:`LossCost` (None: no loss), a measured one read from (and
-    stored in) the profile cache as numbers ``loss_<field><suffix>`` on ``key``'s profile,
-    so a second launch plans on the loss cost of the first (re-measured, it moved the
-    plan's predicted step by 1 % and its cuts between two launches)."""
+    """``measure()``'s :class:`LossCost` (None: no loss), a timed one (measured, or the
+    estimate's stand-in) read from (and stored in) the profile cache as numbers
+    ``loss_<field><suffix>`` on ``key``'s profile, so a second launch plans on the loss cost
+    of the first (re-measured, it moved the plan's predicted step by 1 % and its cuts
+    between two launches). ``source`` labels a cached one."""
     fields = ("fwd_us", "bwd_us", "saved_bytes", "transient_bytes")
     names = [f"loss_{f}{suffix}" for f in fields]
     cached = [load_measure(key, n) for n in names] if use_cache else [None]
     if all(v is not None for v in cached):
         fwd, bwd, saved, transient = (float(v) for v in cached if v is not None)
-        return LossCost(fwd, bwd, int(saved), int(transient), f"measured:{torch.device(device)}")
+        return LossCost(fwd, bwd, int(saved), int(transient), source)
     loss = measure()
-    if loss is not None and use_cache and loss.source.startswith("measured:"):
+    if loss is not None and use_cache and loss.source != "estimated":
         for n, v in zip(names, (loss.fwd_us, loss.bwd_us, loss.saved_bytes,
                                 loss.transient_bytes), strict=True):
             store_measure(key, n, v)

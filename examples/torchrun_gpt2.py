@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,19 +42,32 @@ def main() -> None:
                         attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     tokens = torch.randint(0, 8192, (args.batch_size, args.seq_len))  # (batch, seq)
-    pipe = autopart.compile(model, (tokens,), loss_fn=gpt2_loss, plan=args.plan,
-                            num_microbatches=args.num_microbatches)
+    # example_target: the loss's time on the last stage is measured, not guessed
+    pipe = autopart.compile(model, (tokens,), loss_fn=gpt2_loss, example_target=tokens,
+                            plan=args.plan, num_microbatches=args.num_microbatches)
     if dist.get_rank() == 0:
         plan = pipe.plan
         print(f"plan: {plan.num_stages} stages, {plan.schedule_kind}, m={plan.num_microbatches}, "
               f"cuts at {[c.position for c in plan.cuts]}", flush=True)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+    steps_s = []
     for step in range(args.steps):
         opt.zero_grad()
+        dist.barrier()
+        t0 = time.perf_counter()
         loss = pipe.train_step(tokens, target=tokens)
+        elapsed = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends on its slowest rank
+        steps_s.append(float(elapsed))
         opt.step()
         if dist.get_rank() == 0:
-            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+            print(f"step {step}: loss {loss.item():.4f}, {steps_s[-1]:.3f} s", flush=True)
+    if dist.get_rank() == 0 and len(steps_s) > 1:
+        measured = statistics.median(steps_s[1:])  # the first step warms up
+        predicted = pipe.plan.predicted_step_time_us / 1e6
+        print(f"step time: predicted {predicted:.3f} s, measured {measured:.3f} s (median of "
+              f"{len(steps_s) - 1} after the first), predicted {predicted / measured - 1:+.1%}",
+              flush=True)
     pipe.close()
     dist.destroy_process_group()
 

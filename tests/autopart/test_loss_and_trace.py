@@ -54,6 +54,32 @@ def test_cross_entropy_saves_about_its_logits_and_lands_on_the_last_node() -> No
     assert folded.nodes[:-1] == plain.costs.nodes[:-1]
 
 
+def test_without_a_target_the_loss_is_timed_as_a_cross_entropy_and_cached_apart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
+    x, y = torch.randn(64, 16), torch.randint(0, 1000, (64,))
+    captured = capture(Head(), (x,))
+    guess = estimate_loss_cost(captured, "cpu")
+    logits = 64 * 1000 * 4
+    assert guess.fwd_us > 0 and guess.bwd_us > 0  # timed, not left at no time
+    assert guess.source == "estimated:cross-entropy:cpu"
+    assert logits <= guess.saved_bytes <= 3 * logits
+    assert estimate_loss_cost(captured, "meta").fwd_us == 0.0  # nothing to run on
+
+    def lossed(target: torch.Tensor | None) -> tuple[float, set[str]]:
+        prof = profile_model(Head(), (x,), devices=["cpu"], num_microbatches=2, loss_fn=_ce,
+                             example_target=target)
+        return prof.costs.nodes[-1].fwd_us, set(prof.from_cache)
+
+    plain = profile_model(Head(), (x,), devices=["cpu"], num_microbatches=2).costs.nodes[-1]
+    first, _ = lossed(None)
+    assert first > plain.fwd_us  # the stand-in's time is on the last node
+    again, hits = lossed(None)
+    assert "profile" in hits and again == first  # the second launch replays it
+    measured, _ = lossed(y)  # the user's loss, measured: never the stand-in's figures
+    assert measured == lossed(y)[0] and measured != first
+
+
 def test_gantt_draws_a_png_and_save_needs_a_traced_step(tmp_path: Path) -> None:
     trace = Trace((TraceEvent(0, "0F0", 0, 10), TraceEvent(1, "1F0", 12, 20),
                    TraceEvent(1, "loss", 20, 21), TraceEvent(0, "wait", 10, 30),

@@ -3,6 +3,10 @@ two gloo processes, cached per machine and carried by a distributed profile into
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -97,9 +101,18 @@ def test_the_distributed_runtimes_cpu_calibration_runs_beside_the_other_ranks_lo
     try:
         _, prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule="1f1b",
                                       runtime="distributed", cache=False)
+        assert prof.co_runners == 1 and entered and set(entered) == {1}
+        entered.clear()
+        # m fixed (a torchrun launch's usual call): the microbatch's own profile is
+        # calibrated beside the co-runner, and cached under a key that says so
+        _, fixed = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule="1f1b",
+                                       num_microbatches=4, runtime="distributed")
     finally:
         planning.host_figures.cache_clear()
-    assert prof.co_runners == 1 and entered and set(entered) == {1}
+    assert fixed.co_runners == 1 and entered == [1]
+    methods = [json.loads(f.read_text())["key"]["method"]
+               for f in Path(os.environ["AUTOPART_CACHE_DIR"]).glob("profile-*.json")]
+    assert [m.endswith(",segment-calibrated-v2,co-runners=1") for m in methods] == [True]
     entered.clear()
     _, local = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule="1f1b",
                                    cache=False)
