@@ -593,7 +593,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
 def _calibration_suffix(neighbours: int) -> str:
     """What a segment calibration beside ``neighbours`` co-runners adds to a cache key."""
-    return _CALIBRATION + (f",co-runners={neighbours}-own-weights" if neighbours else "")
+    return _CALIBRATION + (f",co-runners={neighbours}" if neighbours else "")
 
 
 def _segment_calibrated(costs: CostGraph, captured: CapturedGraph, flat: list[Any],

@@ -37,25 +37,11 @@ def available() -> bool:
 
 def model_step(captured: CapturedGraph, flat_inputs: list[Any]) -> Callable[[], None]:
     """One forward and backward of the whole captured graph on ``flat_inputs`` (the outputs
-    that need a gradient summed, ``.grad`` written): what a neighbouring rank's stages do.
-
-    Its first call (in a copy, :func:`co_runners`) gives the copy its own parameters,
-    buffers and inputs: a fork reads the parent's pages, so the two would share one copy of
-    the weights in the caches, where two ranks hold two. (Sharing them, the fidelity GPT-2's
-    calibrated segments rose 2.3-2.8 % beside a copy, against 4.9 % beside a separate
-    process.)"""
+    that need a gradient summed, ``.grad`` written): what a neighbouring rank's stages do."""
     gm = captured.graph_module
-    inputs = list(flat_inputs)
-    own: list[bool] = []
 
     def step() -> None:
-        if not own:  # in the copy: its own memory, as another rank's
-            with torch.no_grad():
-                for t in [*gm.parameters(), *gm.buffers()]:
-                    t.data = t.data.clone()
-            inputs[:] = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-            own.append(True)
-        outs = gm(*inputs)
+        outs = gm(*flat_inputs)
         leaves = [o for o in (outs if isinstance(outs, (tuple, list)) else [outs])
                   if isinstance(o, torch.Tensor) and o.requires_grad]
         if leaves:
@@ -69,9 +55,9 @@ def co_runners(work: Callable[[], None], count: int) -> Iterator[int]:
     """Inside the block, ``count`` forked copies of this process call ``work()`` over and
     over (one thread each); they are killed when it ends.
 
-    A fork shares the parent's memory until either writes it; ``work`` makes whatever the
-    copy must hold apart (:func:`model_step` copies the weights on its first call). The
-    copies never return to the caller's code, print nothing and exit without clean-up.
+    A fork shares the parent's memory until either writes it, so the copies hold the same
+    model without a copy made up front (each allocates its own activations and gradients).
+    They never return to the caller's code, print nothing and exit without clean-up.
 
     Args:
         work: one unit of the neighbours' load, e.g. :func:`model_step`.

@@ -58,28 +58,3 @@ def test_model_step_runs_a_forward_and_backward_of_the_captured_graph() -> None:
     step = model_step(captured, captured.flatten_inputs((x,), {}))
     step()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
-
-
-def test_model_step_first_gives_the_copy_its_own_weights() -> None:
-    """A fork shares the parent's pages: the step's first call (in the copy) re-allocates
-    the graph's parameters, buffers and inputs, values unchanged, as another rank holds its
-    own."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
-                                torch.nn.Linear(8, 2))
-    x = torch.randn(4, 8)
-    captured = capture(model, (x,))
-    flat = captured.flatten_inputs((x,), {})
-    gm = captured.graph_module
-    tensors = [*gm.parameters(), *gm.buffers()]
-    before = [(t.data_ptr(), t.detach().clone()) for t in tensors]
-    step = model_step(captured, flat)
-    step()
-    assert all(t.data_ptr() != ptr for t, (ptr, _) in zip(tensors, before, strict=True))
-    params = len(list(gm.parameters()))  # (the buffers' running statistics move)
-    assert all(torch.equal(t.detach(), v)
-               for t, (_, v) in zip(tensors[:params], before[:params], strict=True))
-    assert flat[0] is x  # the caller's inputs are left alone
-    moved = [t.data_ptr() for t in tensors]
-    step()
-    assert [t.data_ptr() for t in tensors] == moved  # once
