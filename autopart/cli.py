@@ -111,7 +111,8 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True,
 @app.command()
 def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan, stage "
                                       "sources, trace and timeline PNG are written"),
-         steps: int = typer.Option(5, min=1, help="timed steps per arm"),
+         steps: int = typer.Option(7, min=1, help="timed steps per arm, their median "
+                                   "reported (with --numerics-only: training steps)"),
          numerics_only: bool = typer.Option(False, "--numerics-only", help="only compile "
                                             "GPT-2 (124M) into --num-stages stages in this "
                                             "process and compare losses with the plain model"),

@@ -43,7 +43,7 @@ def demo_workload() -> tuple[Any, tuple[Any, ...], Any, Any]:
     return GPT2LMHeadModel(cfg), (tokens,), tokens, gpt2_loss
 
 
-def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 5,
+def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 7,
                       console: Console | None = None) -> dict[str, Any]:
     """Plan the demo model for 2 ranks, measure it, print and write the results.
 
