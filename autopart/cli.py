@@ -111,8 +111,9 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True,
 @app.command()
 def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan, stage "
                                       "sources, trace and timeline PNG are written"),
-         steps: int = typer.Option(7, min=1, help="timed steps per arm, their median "
-                                   "reported (with --numerics-only: training steps)"),
+         steps: int | None = typer.Option(None, min=1, help="timed steps per arm, their "
+                                          "median reported (default 7); with "
+                                          "--numerics-only, training steps (default 5)"),
          numerics_only: bool = typer.Option(False, "--numerics-only", help="only compile "
                                             "GPT-2 (124M) into --num-stages stages in this "
                                             "process and compare losses with the plain model"),
@@ -123,12 +124,12 @@ def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan
     if numerics_only:
         from autopart.demo import run_demo
 
-        losses = run_demo(out_dir, steps=steps, num_stages=num_stages)
+        losses = run_demo(out_dir, steps=steps or 5, num_stages=num_stages)
         worst = max(abs(a - b) for a, b in losses)
     else:
         from autopart.showcase import run_measured_demo
 
-        worst = run_measured_demo(out_dir, steps=steps)["max_loss_diff"]
+        worst = run_measured_demo(out_dir, steps=steps or 7)["max_loss_diff"]
     if worst > 1e-4:
         typer.echo(f"pipeline and unpartitioned losses differ by {worst:.2e} (> 1e-4)", err=True)
         raise typer.Exit(1)
