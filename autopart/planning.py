@@ -347,7 +347,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         measured = profile_graph(captured, flat, device=devices[0], training=training)
         if not calibrate_fixed:
             return measured
-        return _segment_calibrated(measured, captured, flat, devices[0], neighbours)
+        try:
+            return _segment_calibrated(measured, captured, flat, devices[0], neighbours)
+        except PlanError:  # a segment the stage builder cannot cut: the per-node profile
+            return measured  # (as the two-point path falls back to one profile)
 
     costs = _cached_or_measured(key, measure, use_cache, hits, "profile")
     timings["profile_s"] = time.perf_counter() - t0
