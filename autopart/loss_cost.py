@@ -163,7 +163,7 @@ def _cross_entropy_over_outputs(output: Any, _target: Any) -> torch.Tensor:
     total: torch.Tensor | None = None
     for x in pytree.tree_leaves(output):
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 1
-                and x.shape[-1] > 0 and x.numel() > 0):
+                and x.numel() > 0):
             continue
         rows = x.reshape(-1, x.shape[-1])
         loss = torch.nn.functional.cross_entropy(

@@ -377,7 +377,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         with contextlib.suppress(PlanError):  # a batch-dependent graph: one point, scaled
             two_point, smallest = _two_point_costs(
                 model, args, kwargs, points, batch, costs, loss_at, devices[0], training, key,
-                use_cache, hits, method, neighbours, _loss_tag(measured_loss))
+                use_cache, hits, method, neighbours, measured_loss)
         timings["batch_points_s"] = time.perf_counter() - t0
     if two_point is not None:
         costs = two_point
@@ -509,7 +509,8 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                      points: tuple[int, int], batch: int, unlossed: CostGraph,
                      loss_at: Any, device: str, training: bool, key: dict[str, Any],
                      use_cache: bool, hits: set[str], method: str, neighbours: int = 0,
-                     loss_tag: str = "") -> tuple[CostGraph, tuple[CapturedGraph, list[Any], CostGraph]]:
+                     measured_loss: bool = True,
+                     ) -> tuple[CostGraph, tuple[CapturedGraph, list[Any], CostGraph]]:
     """The full batch's costs with node and loss times from two smaller batches (see
     :func:`profile_model`): at the smallest microbatch (``points[0]`` microbatches) a
     profile calibrated to its whole graph, cached like a profile; at the larger one
@@ -522,7 +523,8 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     the other ranks of the host will; such figures are cached apart. (The loss is timed
     alone: right after the fork its 1-4 ms calls measured 70-130 % slower, more than the
     20 % the fidelity GPT-2's pipeline showed.)
-    ``loss_tag`` (:func:`_loss_tag`) goes into the loss figures' cache names.
+    ``measured_loss``: ``loss_at`` measures the user's loss (else it times the cross-entropy
+    stand-in, whose figures are cached under their own names, :func:`_loss_tag`).
 
     Returns:
         The costs, and the smallest microbatch's capture, flat inputs and profile.
@@ -536,9 +538,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     low_flat = low_captured.flatten_inputs(low_args, low_kwargs)
 
     calibration = _calibration_suffix(neighbours)
-
-    def beside(captured_: CapturedGraph, flat_: list[Any]) -> Any:
-        return co_runners(corunner_step(captured_, flat_), neighbours)
+    loss_tag = _loss_tag(measured_loss)
 
     def measure_low() -> CostGraph:
         low = profile_graph(low_captured, low_flat, device=device, training=training)
@@ -550,7 +550,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     b_low, b_high = batch // m_low, batch // m_high
     loss_low = _cached_loss(key, f"@{b_low}{calibration}{loss_tag}",
                             lambda: loss_at(low_captured, m_low),
-                            _loss_source(device, not loss_tag), use_cache)
+                            _loss_source(device, measured_loss), use_cache)
     cuts = _calibration_cuts(unlossed)
     fields = ("loss_fwd_us", "loss_bwd_us", "loss_saved_bytes", "loss_transient_bytes",
               *(f"segment{k}_{f}" for k in range(len(cuts) + 1) for f in ("fwd_us", "bwd_us")))
@@ -564,7 +564,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         high_args, high_kwargs = microbatch_inputs(args, kwargs, m_high)
         high_captured = capture(model, high_args, high_kwargs)
         high_flat = high_captured.flatten_inputs(high_args, high_kwargs)
-        with beside(high_captured, high_flat):
+        with co_runners(corunner_step(high_captured, high_flat), neighbours):
             times = segment_times(high_captured, high_flat, device, cuts)
         loss_high = loss_at(high_captured, m_high)
         values = ([0.0] * 4 if loss_high is None else [

@@ -200,7 +200,6 @@ def main() -> None:
     # by 5-10 % over tens of minutes; a fresh one is what a first launch measures.
     os.environ["AUTOPART_CACHE_DIR"] = opts.profile_cache or tempfile.mkdtemp(
         prefix="autopart-fidelity-cache-")
-    from autopart.bench import run_arms
     from autopart.trace import Trace, gantt
 
     work = opts.traces or tempfile.mkdtemp(prefix="autopart-fidelity-")
@@ -220,22 +219,9 @@ def main() -> None:
         ids = [r["id"] for r in rows if r["workload"] == name]
         for k in range(0, len(ids), opts.arms_per_process):
             mine = {rid: plan_of[rid] for rid in ids[k:k + opts.arms_per_process]}
-            # this shared machine has bursts (+30-75 % for 0.1 s to tens of seconds) that a
-            # median of 7 steps does not hide when they hit several: a group with a plan
-            # whose steps spread more than --max-spread runs again, in fresh processes
-            kept: tuple[float, dict[str, Any]] | None = None
-            done = 0
-            while done < max(opts.attempts, 1):
-                done += 1
-                got = run_arms(f"{here}:{name}", mine, ranks=P, steps=opts.steps,
-                               warmup=WARMUP, single=False)
-                widest = max(_spread(res.steps_s) for res in got.values())
-                if kept is None or widest < kept[0]:
-                    kept = (widest, got)
-                if widest <= opts.max_spread:
-                    break
-            assert kept is not None
-            for rid, res in kept[1].items():
+            got, done = measure_group(f"{here}:{name}", mine, opts.steps, opts.max_spread,
+                                      opts.attempts)
+            for rid, res in got.items():
                 runs[rid] = done
                 measured[rid] = res
                 if res.trace is not None:
@@ -274,7 +260,7 @@ def main() -> None:
         best = min(mine, key=lambda r: r["measured_step_s"])
         chosen = next(r for r in mine if "solver" in r["labels"])
         summary[f"{name}_solver_over_fastest"] = chosen["measured_step_s"] / best["measured_step_s"] - 1
-        pair = (head_to_head(f"{here}:{name}", chosen, best, plan_of, opts.steps)
+        pair = (head_to_head(f"{here}:{name}", chosen, best, plan_of, opts)
                 if best is not chosen else None)
         summary[f"{name}_head_to_head"] = pair
         line = (f"{name}: the solver's plan measured "
@@ -302,33 +288,49 @@ def main() -> None:
     print(markdown(report))
 
 
+def measure_group(workload: str, plans: dict[str, Any], steps: int, max_spread: float,
+                  attempts: int) -> tuple[dict[str, Any], int]:
+    """Run ``plans`` alternately, step by step, in fresh processes
+    (:func:`autopart.bench.run_arms`, ``steps`` timed steps each).
+
+    This shared machine has bursts (+30-75 % for 0.1 s to tens of seconds) that a median of
+    7 steps does not hide when they hit several, so a group with a plan whose steps spread
+    more than ``max_spread`` (max - min over the median) runs again, up to ``attempts`` runs.
+
+    Returns:
+        The run whose widest spread is least (``{name: ArmResult}``), and the runs made.
+    """
+    from autopart.bench import run_arms
+
+    kept: tuple[float, dict[str, Any]] | None = None
+    runs = 0
+    while runs < max(attempts, 1):
+        runs += 1
+        got = run_arms(workload, plans, ranks=P, steps=steps, warmup=WARMUP, single=False)
+        widest = max(_spread(res.steps_s) for res in got.values())
+        if kept is None or widest < kept[0]:
+            kept = (widest, got)
+        if widest <= max_spread:
+            break
+    assert kept is not None
+    return kept[1], runs
+
+
 def head_to_head(workload: str, chosen: dict[str, Any], best: dict[str, Any],
-                 plan_of: dict[str, Any], steps: int) -> dict[str, Any]:
+                 plan_of: dict[str, Any], opts: argparse.Namespace) -> dict[str, Any]:
     """The solver's plan against the sweep's fastest, measured again in one group.
 
     The sweep's groups run minutes apart, and this machine's speed drifts by 5-10 % over
     that time, so two plans of different groups are not compared on equal terms: the two
-    run here alternately, step by step, in fresh processes (``steps`` timed steps each,
-    twice as many as a group's, rerun under the same spread rule as a group).
+    run here alternately, step by step, in fresh processes (twice a group's timed steps
+    each, under the same spread rule, :func:`measure_group`).
 
     Returns:
         ``{"fastest": its label, "solver_s", "fastest_s", "solver_over_fastest", "runs"}``.
     """
-    from autopart.bench import run_arms
-
     pair = {"solver": plan_of[chosen["id"]], "fastest": plan_of[best["id"]]}
-    kept: tuple[float, Any] | None = None
-    runs = 0
-    while runs < 3:
-        runs += 1
-        got = run_arms(workload, pair, ranks=P, steps=2 * steps, warmup=WARMUP, single=False)
-        widest = max(_spread(res.steps_s) for res in got.values())
-        if kept is None or widest < kept[0]:
-            kept = (widest, got)
-        if widest <= 0.12:
-            break
-    assert kept is not None
-    solver_s, fastest_s = kept[1]["solver"].step_s, kept[1]["fastest"].step_s
+    got, runs = measure_group(workload, pair, 2 * opts.steps, opts.max_spread, opts.attempts)
+    solver_s, fastest_s = got["solver"].step_s, got["fastest"].step_s
     return {"fastest": best["labels"][0] if best["labels"] else best["id"],
             "solver_s": solver_s, "fastest_s": fastest_s,
             "solver_over_fastest": solver_s / fastest_s - 1, "runs": runs}
