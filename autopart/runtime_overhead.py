@@ -34,8 +34,9 @@ from autopart.profiler.links import run_rank_pair
 __all__ = ["METHOD", "MICROBATCHES", "STEPS", "WARMUP", "cached_transfer_overhead",
            "fit_transfer_overhead", "run_tiny_pipeline", "store_transfer_overhead", "workload"]
 
-#: What is measured, and how; part of the cache file's name, so a change measures again.
-METHOD = "tiny-mlp-1f1b-m16-median-v1"
+#: What is measured, and how; part of the cache file's name, so a change measures again
+#: (v2: the runtime pins each CPU rank to its own cores).
+METHOD = "tiny-mlp-1f1b-m16-median-v2-pinned"
 #: Microbatches of the measured 1F1B pipeline (two ranks, one stage each).
 MICROBATCHES = 16
 #: Untimed and timed steps of the measured pipeline.

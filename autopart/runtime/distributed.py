@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +28,13 @@ from autopart.core.jsonio import write_text_atomic
 from autopart.core.schedule import build_schedule, splits_backward, to_csv
 from autopart.core.trace import Trace, TraceEvent
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
-from autopart.runtime.host import tune_cpu_allocator
+from autopart.runtime.host import (
+    affinity_enabled,
+    core_share,
+    pin_threads,
+    thread_affinity,
+    tune_cpu_allocator,
+)
 from autopart.runtime.signature import InputSignature, call_loss, require_loss
 from autopart.runtime.tracing import ActionRecorder, measure_peak_bytes, optimizer_tensors
 
@@ -167,6 +174,19 @@ class DistributedPipeline(nn.Module):
     and receives. That runtime runs all four schedule kinds, split backward (``I``/``W``)
     included, so no P2P code of autopart's own is needed.
 
+    During a step (``train_step``, ``forward``), CPU ranks that share a host run on
+    disjoint, contiguous shares of the cores the host lets them use
+    (:func:`autopart.runtime.host.core_share`; every thread of the process, gloo's
+    included), and get the cores they had back after it. Unpinned, the
+    scheduler runs a rank's gloo receive thread beside the other rank's compute; on this
+    project's 2-core CPU (torch 2.13.0+cpu, 2 gloo ranks x 1 thread, the torchrun GPT-2
+    example, interleaved 1F1B m = 8) posting a receive on the busier rank then waited on
+    that thread for 3-7 ms, about every other time: 25-46 ms a step of receive posts
+    against 6-12 ms pinned, and steps of 715-769 ms against 699-710 ms pinned
+    (``/proc``-wide thread affinity, 4 launches each). Turned off by
+    ``$AUTOPART_CPU_AFFINITY=0``, with fewer cores than ranks on the host, and where the
+    ranks were already allowed different cores (a user's own pinning).
+
     After the step: gradients of a tied parameter held by several ranks are summed across
     them (all-reduce), and with a data-parallel group every gradient is averaged across
     its replicas. The loss (mean over microbatches) is broadcast from the last stage's
@@ -179,6 +199,7 @@ class DistributedPipeline(nn.Module):
         pipeline_stages: torch ``PipelineStage`` objects of this rank's stages, in stage
             order (for driving them with torch's own schedules).
         timings_s: seconds per compile phase.
+        cpu_cores: the cores this CPU rank's steps run on, or None (not pinned).
 
     Args:
         model: the model (its tensors may be on ``meta`` when ``stages`` were built from
@@ -223,6 +244,7 @@ class DistributedPipeline(nn.Module):
         self.device = device
         if device.type == "cpu":
             tune_cpu_allocator()  # freed activations stay in the process (runtime/host.py)
+        self.cpu_cores = self._cpu_share()
         self._built: BuiltStages = stages
         self.local_stages = list(stages.local)
         self.stages = nn.ModuleList(stages.modules[s] for s in self.local_stages)
@@ -257,6 +279,40 @@ class DistributedPipeline(nn.Module):
         self._recorder: ActionRecorder | None = None
         self.last_trace: Trace | None = None  # set by train_step(trace=True)
         self.last_peak_memory_bytes: list[int] = []  # set by train_step(measure_memory=True)
+
+    def _cpu_share(self) -> tuple[int, ...] | None:
+        """This rank's own share of the host's cores for its steps (see the class docstring).
+
+        Every rank of the world takes part (one ``all_gather_object`` of host name and
+        allowed cores); a CPU rank gets a share only where it shares the host with other
+        ranks that are allowed the same cores (ranks a user pinned apart are left as they
+        are), there are at least as many cores as ranks there, and ``$AUTOPART_CPU_AFFINITY``
+        is not off. Returns the share, or None."""
+        cores = (tuple(sorted(os.sched_getaffinity(0))) if affinity_enabled()
+                 and self.device.type == "cpu" else ())
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (socket.gethostname(), cores))
+        me = dist.get_rank()
+        host, mine = every[me]
+        local = [r for r, (h, _) in enumerate(every) if h == host]
+        if not mine or len(local) < 2 or any(every[r][1] != mine for r in local):
+            return None
+        return core_share(mine, local.index(me), len(local)) or None
+
+    @contextlib.contextmanager
+    def _on_own_cores(self) -> Iterator[None]:
+        """Every thread of this process on :attr:`cpu_cores` meanwhile (when set), then back
+        on the cores each had: what runs between steps (the optimizer, a profile, processes
+        started from this one) is left as it was."""
+        if self.cpu_cores is None:
+            yield
+            return
+        before = thread_affinity()
+        pin_threads(self.cpu_cores)
+        try:
+            yield
+        finally:
+            pin_threads(before)
 
     def _pipelines(self) -> tuple[list[tuple[int, ...]], list[int]]:
         """Every pipeline replica's global ranks (sorted), and this rank's pipeline."""
@@ -434,6 +490,12 @@ class DistributedPipeline(nn.Module):
             PipelineFailure: a rank failed or stopped responding; names it and its stages.
         """
         require_loss(self._loss_fn)
+        with self._on_own_cores():
+            return self._train_step(args, kwargs, target, trace, measure_memory, optimizer)
+
+    def _train_step(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                    trace: bool, measure_memory: bool,
+                    optimizer: torch.optim.Optimizer | None) -> torch.Tensor:
         leaves = self.signature.flatten(args, kwargs)
         m = self.signature.num_microbatches(leaves)
         runtime = self._schedule(m, training=True)
@@ -594,6 +656,10 @@ class DistributedPipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined inference; the output (same structure as the model's) on every rank."""
+        with self._on_own_cores():
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves = self.signature.flatten(args, kwargs)
         m = self.signature.num_microbatches(leaves)
         runtime = self._schedule(m, training=False)

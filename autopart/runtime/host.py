@@ -1,4 +1,5 @@
-"""CPU hosts: keep freed memory in the process (glibc ``mallopt``) so steps stop page-faulting."""
+"""CPU hosts: keep freed memory in the process (glibc ``mallopt``) so steps stop page-faulting,
+and give each pipeline rank on a host its own cores."""
 
 from __future__ import annotations
 
@@ -6,11 +7,16 @@ import ctypes
 import ctypes.util
 import os
 import platform
+from collections.abc import Sequence
 
-__all__ = ["tune_cpu_allocator", "MALLOC_ENV"]
+__all__ = ["tune_cpu_allocator", "MALLOC_ENV", "AFFINITY_ENV", "core_share", "pin_threads",
+           "thread_affinity", "affinity_enabled"]
 
 #: Set to ``0``/``off``/``no``/``false`` to leave the C allocator as it is.
 MALLOC_ENV = "AUTOPART_MALLOC_TUNING"
+#: Set to ``0``/``off``/``no``/``false`` to leave CPU ranks' core affinity as it is.
+AFFINITY_ENV = "AUTOPART_CPU_AFFINITY"
+_OFF = ("0", "off", "no", "false")
 _M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 _M_MMAP_MAX = -4
 _TRIM_THRESHOLD_BYTES = 2**31 - 1  # the largest value mallopt takes (an int): never trim
@@ -49,7 +55,7 @@ def tune_cpu_allocator() -> str | None:
     global _done
     if _done is not None:
         return _done
-    if os.environ.get(MALLOC_ENV, "1").strip().lower() in ("0", "off", "no", "false"):
+    if os.environ.get(MALLOC_ENV, "1").strip().lower() in _OFF:
         return None
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
@@ -64,3 +70,64 @@ def tune_cpu_allocator() -> str | None:
         return None
     _done = f"M_MMAP_MAX=0 M_TRIM_THRESHOLD={_TRIM_THRESHOLD_BYTES}"
     return _done
+
+
+def affinity_enabled() -> bool:
+    """Whether CPU ranks may be pinned: the OS can set a thread's affinity (Linux) and
+    ``$AUTOPART_CPU_AFFINITY`` is not ``0``/``off``/``no``/``false``."""
+    return (hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
+            and os.environ.get(AFFINITY_ENV, "1").strip().lower() not in _OFF)
+
+
+def core_share(cores: Sequence[int], local_rank: int, local_size: int) -> tuple[int, ...]:
+    """Rank ``local_rank``'s share of ``cores`` when ``local_size`` ranks split them: the
+    sorted cores cut into ``local_size`` contiguous, disjoint parts whose sizes differ by at
+    most one (the first parts take the remainder). Empty when there are fewer cores than
+    ranks (sharing cores is then unavoidable and nothing is pinned).
+
+    Example: 4 cores, 2 ranks: ``(0, 1)`` and ``(2, 3)``; 5 cores: ``(0, 1, 2)`` and
+    ``(3, 4)``.
+
+    Raises:
+        ValueError: ``local_rank`` is not in ``[0, local_size)``.
+    """
+    if not 0 <= local_rank < local_size:
+        raise ValueError(f"local_rank={local_rank} must be in [0, local_size={local_size})")
+    ordered = sorted(set(cores))
+    if len(ordered) < local_size:
+        return ()
+    size, extra = divmod(len(ordered), local_size)
+    start = local_rank * size + min(local_rank, extra)
+    return tuple(ordered[start:start + size + (local_rank < extra)])
+
+
+def thread_affinity() -> dict[int, frozenset[int]]:
+    """Every thread of this process (Linux thread id) and the cores it may run on."""
+    out: dict[int, frozenset[int]] = {}
+    for name in os.listdir("/proc/self/task"):
+        try:
+            out[int(name)] = frozenset(os.sched_getaffinity(int(name)))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def pin_threads(cores: Sequence[int] | dict[int, frozenset[int]]) -> None:
+    """Set the cores every thread of this process may run on: ``cores`` for all of them, or
+    per thread id (``thread_affinity()``'s result, to restore it; threads that have ended
+    are skipped, threads started since keep what they have). Threads started afterwards
+    inherit the affinity of the thread that starts them.
+
+    Raises:
+        OSError: the OS refused (a core outside the process's cgroup).
+    """
+    wanted = cores if isinstance(cores, dict) else None
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        target = wanted.get(tid) if wanted is not None else frozenset(cores)  # type: ignore[arg-type]
+        if target is None:
+            continue
+        try:
+            os.sched_setaffinity(tid, target)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue

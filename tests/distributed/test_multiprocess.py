@@ -182,6 +182,35 @@ def test_a_real_step_traces_every_action_of_every_rank_in_order(kind: str, v: in
     assert sum(e.name == "loss" for e in trace.events) == 4
     assert all(int(x) > 0 for x in peaks[:world])
 
+@pytest.mark.parametrize("affinity", ["1", "0"])
+def test_cpu_ranks_run_their_steps_on_their_own_cores(affinity: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import os
+
+    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    monkeypatch.setenv("AUTOPART_CPU_AFFINITY", affinity)
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("pinned", 2, out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["before"] == r["after"] == [list(allowed)]  # given back after each step
+        # 4 microbatches x 2 steps on the first stage, and torch's shape inference once
+        assert len(r["during"]) == 9
+    if affinity == "0":
+        assert [r["cpu_cores"] for r in ranks] == [None, None]
+        assert all(d == [list(allowed)] for r in ranks for d in r["during"])
+        return
+    half = (len(allowed) + 1) // 2
+    assert ranks[0]["cpu_cores"] == list(allowed[:half])
+    assert ranks[1]["cpu_cores"] == list(allowed[half:])
+    for r in ranks:  # every thread of the process, gloo's included, during the step
+        assert all(d == [r["cpu_cores"]] for d in r["during"])
+
+
 CLIP_CASES = [("gpt2", "2.0", 2, 2), ("tied_mlp", "2.0", 4, 4), ("gpt2", "inf", 2, 2),
               ("gpt2", "2.0", 4, 2)]
 

@@ -515,3 +515,26 @@ def reused_output(rank: int, world: int, port: int, kind: str, result_dir: str) 
                            *problems]) + "\n")
     pipe.close()
     dist.destroy_process_group()
+
+
+def pinned(rank: int, world: int, port: int, result_dir: str) -> None:
+    """Two steps of the MLP; each rank writes the cores its threads may use before, during
+    (read in a stage's forward) and after a step, and its ``cpu_cores``."""
+    _setup(rank, world, port, 120.0)
+    import json
+
+    from autopart.runtime.host import thread_affinity
+
+    pipe, args, target, _ = _mlp_pipeline(world, "1f1b", 1)
+    before = sorted({tuple(sorted(c)) for c in thread_affinity().values()})
+    during: list[list[tuple[int, ...]]] = []
+    pipe.stages[0].register_forward_pre_hook(
+        lambda *_: during.append(sorted({tuple(sorted(c)) for c in thread_affinity().values()})))
+    for _ in range(2):
+        pipe.train_step(*args, target=target)
+    after = sorted({tuple(sorted(c)) for c in thread_affinity().values()})
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"cpu_cores": pipe.cpu_cores, "before": before, "during": during,
+                   "after": after}, f)
+    pipe.close()
+    dist.destroy_process_group()

@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import autopart.runtime.host as host
 
@@ -70,3 +72,57 @@ def test_nothing_is_set_off_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(host.MALLOC_ENV, raising=False)
     monkeypatch.setattr(host.platform, "libc_ver", lambda: ("musl", "1.2"))
     assert host.tune_cpu_allocator() is None
+
+
+@pytest.mark.parametrize(("cores", "size", "shares"), [
+    ((0, 1), 2, [(0,), (1,)]),
+    ((0, 1, 2, 3), 2, [(0, 1), (2, 3)]),
+    ((0, 1, 2, 3, 4), 2, [(0, 1, 2), (3, 4)]),
+    ((7, 3, 5), 3, [(3,), (5,), (7,)]),
+    ((0,), 2, [(), ()]),
+])
+def test_core_share_examples(cores: tuple[int, ...], size: int,
+                             shares: list[tuple[int, ...]]) -> None:
+    assert [host.core_share(cores, r, size) for r in range(size)] == shares
+
+
+@given(st.sets(st.integers(0, 255), min_size=1, max_size=64), st.integers(1, 16))
+@settings(max_examples=200, deadline=None)
+def test_core_shares_are_disjoint_contiguous_near_equal_and_cover_every_core(
+        cores: set[int], size: int) -> None:
+    shares = [host.core_share(sorted(cores), r, size) for r in range(size)]
+    if len(cores) < size:
+        assert shares == [()] * size
+        return
+    assert [c for share in shares for c in share] == sorted(cores)  # in order, each once
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_core_share_rejects_a_rank_outside_the_host() -> None:
+    with pytest.raises(ValueError, match="local_rank=2 must be in"):
+        host.core_share((0, 1), 2, 2)
+
+
+@pytest.mark.skipif(not host.affinity_enabled(), reason="no per-thread affinity here")
+def test_pin_threads_moves_every_thread_and_restores_each_ones_own() -> None:
+    import threading
+
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        before = host.thread_affinity()
+        first = min(min(c) for c in before.values())
+        host.pin_threads([first])
+        assert set(host.thread_affinity().values()) == {frozenset({first})}
+        host.pin_threads(before)
+        assert host.thread_affinity() == before
+    finally:
+        stop.set()
+        worker.join()
+
+
+@pytest.mark.parametrize("value", ["0", "off", "No", "false"])
+def test_affinity_can_be_turned_off(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(host.AFFINITY_ENV, value)
+    assert not host.affinity_enabled()
