@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -308,7 +309,18 @@ class DistributedPipeline(nn.Module):
             yield
             return
         before = thread_affinity()
-        pin_threads(self.cpu_cores)
+        try:
+            pin_threads(self.cpu_cores)
+        except OSError as exc:  # e.g. a core the cgroup took away since: run unpinned
+            warnings.warn(f"rank {self.pp_rank}: could not pin its threads to cores "
+                          f"{list(self.cpu_cores)} ({exc}); its steps run unpinned "
+                          "(set AUTOPART_CPU_AFFINITY=0 to skip trying)", RuntimeWarning,
+                          stacklevel=3)
+            with contextlib.suppress(OSError):
+                pin_threads(before)
+            self.cpu_cores = None
+            yield
+            return
         try:
             yield
         finally:

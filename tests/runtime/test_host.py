@@ -126,3 +126,22 @@ def test_pin_threads_moves_every_thread_and_restores_each_ones_own() -> None:
 def test_affinity_can_be_turned_off(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(host.AFFINITY_ENV, value)
     assert not host.affinity_enabled()
+
+
+def test_a_rank_the_os_will_not_pin_warns_and_runs_unpinned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import autopart.runtime.distributed as distributed
+
+    def refuse(cores: object) -> None:
+        if not isinstance(cores, dict):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(distributed, "pin_threads", refuse)
+    rank = types.SimpleNamespace(cpu_cores=(5,), pp_rank=1)
+    ran = []
+    with pytest.warns(RuntimeWarning, match=r"rank 1: could not pin its threads to cores \[5\]"):
+        with distributed.DistributedPipeline._on_own_cores(rank):  # type: ignore[arg-type]
+            ran.append(True)
+    assert ran == [True] and rank.cpu_cores is None  # the step ran; later steps do not try
