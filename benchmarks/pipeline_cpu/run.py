@@ -77,13 +77,14 @@ def single(steps: int) -> list[float]:
 
 
 def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f1b_path: str,
-           out_dir: str) -> None:
+           out_dir: str, pin_torch: bool = True) -> None:
     from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
     import autopart
     from autopart.core.plan import Plan
     from autopart.demo import gpt2_loss
+    from autopart.runtime.host import pin_threads, thread_affinity
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -111,11 +112,21 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f
 
         def step() -> None:
             optim.zero_grad()
-            if rank == 0:
-                sched.step(tokens)
-            else:
-                sched.step(target=tokens)
-            tied()
+            # on the cores autopart's train_step runs on (pipe.cpu_cores, when it pins): a
+            # like-for-like comparison of the schedules; --unpinned-torch-arms leaves them
+            cores = pipe.cpu_cores if pin_torch else None
+            before = thread_affinity() if cores else None
+            if cores:
+                pin_threads(cores)
+            try:
+                if rank == 0:
+                    sched.step(tokens)
+                else:
+                    sched.step(target=tokens)
+                tied()
+            finally:
+                if before is not None:
+                    pin_threads(before)
             optim.step()
         return step
 
@@ -193,6 +204,9 @@ def main() -> None:
     parser.add_argument("--stages-per-rank", type=int, default=None,
                         help="fix autopart's virtual stages per rank (default: the solver chooses)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results.json")))
+    parser.add_argument("--unpinned-torch-arms", action="store_true",
+                        help="run torch's arms on every core (autopart's steps still run on "
+                             "their own cores); default: on the same cores as autopart's")
     args = parser.parse_args()
     import tempfile
 
@@ -220,7 +234,8 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(ranked, args=(P, port, args.steps, plan_path, plan_1f1b_path, tmp), nprocs=P,
+    mp.spawn(ranked, args=(P, port, args.steps, plan_path, plan_1f1b_path, tmp,
+                           not args.unpinned_torch_arms), nprocs=P,
              join=True)
     base += single(args.steps)
     per_rank = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(P)]
@@ -236,6 +251,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
         "torch": torch.__version__, "model": f"GPT-2 {LAYERS} layers, n_embd {N_EMBD}, batch {BATCH}x{SEQ}",
         "num_microbatches": M, "ranks": P, "threads_per_rank": 1, "ideal_speedup": round(ideal, 4),
+        "torch_arms_pinned": not args.unpinned_torch_arms,
         "plan": {**describe(plan), "split_backward_us_per_node": profile.split_backward_us_per_node,
                  "timings_s": {k: round(v, 1) for k, v in timings.items()}},
         "plan_torch_1f1b": describe(plan_1f1b),
