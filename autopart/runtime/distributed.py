@@ -41,6 +41,9 @@ from autopart.runtime.tracing import ActionRecorder, measure_peak_bytes, optimiz
 
 __all__ = ["DistributedPipeline"]
 
+#: pipelines built in this process, per pipeline group (``"0-1"``): names their store keys
+_BUILT: dict[str, int] = {}
+
 
 class _P2PStage(nn.Module):
     """A stage adapted to point-to-point transfer, which moves dense buffers only.
@@ -265,6 +268,13 @@ class DistributedPipeline(nn.Module):
         self._first_rank = plan.stages[0].rank
         self._recompute = [st.stage_index for st in plan.stages if st.recompute]
         store = dist.distributed_c10d._get_default_store()
+        self._store = store
+        # pipelines are built collectively, in the same order on every rank: the n-th one
+        # of these ranks has the same number everywhere, and its gathers their own keys
+        group = "-".join(map(str, mine))
+        _BUILT[group] = _BUILT.get(group, 0) + 1
+        self._gather_prefix = f"autopart/gather/{group}/{_BUILT[group]}"
+        self._gathers = 0
         self._heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size(),
                                     hung_after_s=step_timeout_s)
         self.pipeline_stages = [
@@ -572,16 +582,31 @@ class DistributedPipeline(nn.Module):
             st.recorder, st.track = recorder, self.pp_rank
 
     def _gather_bytes(self, payload: bytes) -> list[bytes]:
-        """Every pipeline rank's ``payload``, in pipeline-rank order (JSON, never pickle)."""
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.pp_size)]
-        self._guarded(lambda: dist.all_gather(sizes, size, group=self._p2p_group))
-        longest = max(int(x.item()) for x in sizes)
-        buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        bufs = [torch.zeros_like(buf) for _ in range(self.pp_size)]
-        self._guarded(lambda: dist.all_gather(bufs, buf, group=self._p2p_group))
-        return [bytes(b[:int(n.item())].cpu().tolist()) for b, n in zip(bufs, sizes, strict=True)]
+        """Every pipeline rank's ``payload``, in pipeline-rank order (JSON, never pickle).
+
+        Through the rendezvous store, not a gloo ``all_gather``: gloo runs a collective on its
+        worker thread, which drops its last reference to the collective's tensors some time
+        after the caller's wait returns. When that comes after the interpreter has started to
+        exit (a process that ends right after a memory-measured step), the thread cannot take
+        the GIL to free them and the process aborts ("terminate called without an active
+        exception"; a core dump of one such abort showed ``AsyncAllgatherWork``'s destructor
+        on gloo's ``runLoop`` thread inside ``take_gil``). Each rank deletes its own key of
+        the gather before last, which every rank has read by then.
+        """
+        self._gathers += 1
+        n = self._gathers
+        keys = [f"{self._gather_prefix}/{n}/{r}" for r in range(self.pp_size)]
+        timeout = datetime.timedelta(seconds=self.step_timeout_s)
+
+        def exchange() -> list[bytes]:
+            self._store.set(keys[self.pp_rank], payload)
+            self._store.wait(keys, timeout)
+            got = [bytes(self._store.get(k)) for k in keys]
+            if n > 1:
+                self._store.delete_key(f"{self._gather_prefix}/{n - 1}/{self.pp_rank}")
+            return got
+
+        return self._guarded(exchange)
 
     def _gather_events(self, events: list[TraceEvent]) -> list[TraceEvent]:
         rows = [[e.rank, e.name, e.start_us, e.end_us] for e in events]
@@ -592,10 +617,7 @@ class DistributedPipeline(nn.Module):
         return out
 
     def _gather_ints(self, value: int) -> list[int]:
-        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        every = [torch.zeros_like(mine) for _ in range(self.pp_size)]
-        self._guarded(lambda: dist.all_gather(every, mine, group=self._p2p_group))
-        return [int(x.item()) for x in every]
+        return [int(blob) for blob in self._gather_bytes(str(int(value)).encode())]
 
     def _global(self, pp_rank: int) -> int:
         if self.pp_group is None:
