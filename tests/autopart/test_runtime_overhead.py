@@ -66,8 +66,11 @@ def test_a_distributed_cpu_profile_carries_the_cached_cost_into_its_plans(
     assert prof.transfer_overhead_us == again.transfer_overhead_us == 250.0 and len(calls) == 1
     assert prof.host_link == again.host_link == local_prof.host_link == fake_link
     assert local_prof.transfer_overhead_us == 0.0
-    # 1F1B, m = 4, 2 ranks: at least the 8 actions of a rank's timeline pay it
-    assert dist.predicted_step_time_us >= local.predicted_step_time_us + 8 * 250.0 - 1.0
+    # 1F1B, m = 4, 2 ranks: at least the 8 actions of a rank's timeline pay it (against the
+    # same profile replayed without it: the distributed profile is calibrated beside a
+    # co-runner, so its node times differ from the local one's by a few per cent)
+    bare = autopart.trace.predict(prof, dist, transfer_overhead_us=0.0).step_time_us
+    assert dist.predicted_step_time_us >= bare + 8 * 250.0 - 1.0
     assert prof.options().transfer_overhead_us == 250.0
 
 
