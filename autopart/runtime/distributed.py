@@ -32,8 +32,7 @@ from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.host import (
     affinity_enabled,
     core_share,
-    pin_threads,
-    thread_affinity,
+    on_cores,
     tune_cpu_allocator,
 )
 from autopart.runtime.signature import InputSignature, call_loss, require_loss
@@ -267,8 +266,7 @@ class DistributedPipeline(nn.Module):
         self._last_rank = plan.stages[-1].rank
         self._first_rank = plan.stages[0].rank
         self._recompute = [st.stage_index for st in plan.stages if st.recompute]
-        store = dist.distributed_c10d._get_default_store()
-        self._store = store
+        self._store = store = dist.distributed_c10d._get_default_store()
         # pipelines are built collectively, in the same order on every rank: the n-th one
         # of these ranks has the same number everywhere, and its gathers their own keys
         group = "-".join(map(str, mine))
@@ -313,28 +311,19 @@ class DistributedPipeline(nn.Module):
     @contextlib.contextmanager
     def _on_own_cores(self) -> Iterator[None]:
         """Every thread of this process on :attr:`cpu_cores` meanwhile (when set), then back
-        on the cores each had: what runs between steps (the optimizer, a profile, processes
-        started from this one) is left as it was."""
-        if self.cpu_cores is None:
+        on the cores each had (:func:`autopart.runtime.host.on_cores`): what runs between
+        steps (the optimizer, a profile, processes started from this one) is left as it
+        was. Where the OS refuses, this warns once and later steps run unpinned."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(on_cores(self.cpu_cores))
+            except OSError as exc:  # e.g. a core the cgroup took away since
+                warnings.warn(f"rank {self.pp_rank}: could not pin its threads to cores "
+                              f"{list(self.cpu_cores or ())} ({exc}); its steps run unpinned "
+                              "(set AUTOPART_CPU_AFFINITY=0 to skip trying)", RuntimeWarning,
+                              stacklevel=3)
+                self.cpu_cores = None
             yield
-            return
-        before = thread_affinity()
-        try:
-            pin_threads(self.cpu_cores)
-        except OSError as exc:  # e.g. a core the cgroup took away since: run unpinned
-            warnings.warn(f"rank {self.pp_rank}: could not pin its threads to cores "
-                          f"{list(self.cpu_cores)} ({exc}); its steps run unpinned "
-                          "(set AUTOPART_CPU_AFFINITY=0 to skip trying)", RuntimeWarning,
-                          stacklevel=3)
-            with contextlib.suppress(OSError):
-                pin_threads(before)
-            self.cpu_cores = None
-            yield
-            return
-        try:
-            yield
-        finally:
-            pin_threads(before)
 
     def _pipelines(self) -> tuple[list[tuple[int, ...]], list[int]]:
         """Every pipeline replica's global ranks (sorted), and this rank's pipeline."""

@@ -3,14 +3,15 @@ and give each pipeline rank on a host its own cores."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["tune_cpu_allocator", "MALLOC_ENV", "AFFINITY_ENV", "core_share", "pin_threads",
-           "thread_affinity", "affinity_enabled"]
+           "thread_affinity", "affinity_enabled", "on_cores"]
 
 #: Set to ``0``/``off``/``no``/``false`` to leave the C allocator as it is.
 MALLOC_ENV = "AUTOPART_MALLOC_TUNING"
@@ -131,3 +132,28 @@ def pin_threads(cores: Sequence[int] | dict[int, frozenset[int]]) -> None:
             os.sched_setaffinity(tid, target)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
+
+
+@contextlib.contextmanager
+def on_cores(cores: Sequence[int] | None) -> Iterator[None]:
+    """Every thread of this process on ``cores`` meanwhile (:func:`pin_threads`), then each
+    back on the cores it had; nothing when ``cores`` is None or empty.
+
+    Raises:
+        OSError: the OS refused to pin (raised on entry, with every thread given its cores
+            back; the body does not run).
+    """
+    if not cores:
+        yield
+        return
+    before = thread_affinity()
+    try:
+        pin_threads(cores)
+    except OSError:
+        with contextlib.suppress(OSError):
+            pin_threads(before)
+        raise
+    try:
+        yield
+    finally:
+        pin_threads(before)

@@ -84,7 +84,7 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f
     import autopart
     from autopart.core.plan import Plan
     from autopart.demo import gpt2_loss
-    from autopart.runtime.host import pin_threads, thread_affinity
+    from autopart.runtime.host import on_cores
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -114,19 +114,12 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f
             optim.zero_grad()
             # on the cores autopart's train_step runs on (pipe.cpu_cores, when it pins): a
             # like-for-like comparison of the schedules; --unpinned-torch-arms leaves them
-            cores = pipe.cpu_cores if pin_torch else None
-            before = thread_affinity() if cores else None
-            if cores:
-                pin_threads(cores)
-            try:
+            with on_cores(pipe.cpu_cores if pin_torch else None):
                 if rank == 0:
                     sched.step(tokens)
                 else:
                     sched.step(target=tokens)
                 tied()
-            finally:
-                if before is not None:
-                    pin_threads(before)
             optim.step()
         return step
 

@@ -264,13 +264,11 @@ def traced(rank: int, world: int, port: int, kind: str, v: int, result_dir: str)
         pipe.last_trace.save(os.path.join(result_dir, "trace.json"))
         with open(os.path.join(result_dir, "peaks.txt"), "w") as f:
             f.write(" ".join(map(str, peaks)) + f"\n{float(loss)}\n")
-    # Clean-clone CI runs twice saw rank 1 abort after the memory-measured step, once its
-    # checks were done ("terminate called without an active exception", SIGABRT): first
-    # with no close/destroy here, then (2026-11-25) with them, while rank 0 was still
-    # writing its files. Not reproduced in 24 runs of this test nor 30 of a reduced
-    # script. The ranks now leave together, as autopart.bench's workers (never seen to
-    # abort) do, and skip the interpreter's C++ teardown, which is not what this test is
-    # about.
+    # Clean-clone CI runs twice saw rank 1 abort here at exit ("terminate called without an
+    # active exception"): gloo's worker thread freed the peak gather's tensors while the
+    # interpreter was finalizing. The runtime now gathers through the store; the ranks also
+    # leave together, as autopart.bench's workers do, and skip the interpreter's C++
+    # teardown, which is not what this test is about.
     dist.barrier()
     pipe.close()
     dist.destroy_process_group()

@@ -138,7 +138,7 @@ def test_a_rank_the_os_will_not_pin_warns_and_runs_unpinned(
         if not isinstance(cores, dict):
             raise OSError(22, "Invalid argument")
 
-    monkeypatch.setattr(distributed, "pin_threads", refuse)
+    monkeypatch.setattr(host, "pin_threads", refuse)  # what on_cores pins with
     rank = types.SimpleNamespace(cpu_cores=(5,), pp_rank=1)
     ran = []
     with pytest.warns(RuntimeWarning, match=r"rank 1: could not pin its threads to cores \[5\]"):
