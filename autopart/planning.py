@@ -18,7 +18,12 @@ from torch import nn
 
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.cluster import PRESETS, Cluster, DeviceSpec
-from autopart.core.costgraph import CostGraph, through_two_batches, time_on_line
+from autopart.core.costgraph import (
+    CostGraph,
+    segment_scales,
+    through_two_batches,
+    time_on_line,
+)
 from autopart.core.errors import PlanError, ProfileError
 from autopart.core.plan import Plan
 from autopart.core.version import __version__
@@ -188,8 +193,10 @@ class Profile:
             transfer, for the distributed runtime; a phase read from the cache counts the
             reading).
         from_cache: the phases read from the profile cache: ``"profile"``,
-            ``"split_cost"``, and where m is left open ``"low_batch_profile"`` and
-            ``"high_batch_times"`` (empty when the cache was off or missed).
+            ``"split_cost"``, and where m is left open ``"low_batch_profile"``,
+            ``"high_batch_times"`` and, where more microbatches were measured
+            (:func:`scaled_batch_points`), ``"scaled_batch_times"`` (empty when the cache was
+            off or missed).
         host_link: the link between CPU ranks, measured when two or more ranks are ``cpu``
             (they run as gloo processes on this host), else None (device presets).
         split_backward_us_per_node: what zero-bubble's I/W split adds per node with a
@@ -284,7 +291,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     rows. The loss is measured at those two microbatches instead of the full batch (whose
     logits may not fit any cache: the demo's 16k-vocabulary loss cost 14x more per row at
     the full batch). Each node's time at a microbatch is then read off the line through its two points
-    (:func:`autopart.core.costgraph.through_two_batches`; ``timings_s["batch_points_s"]``).
+    (:func:`autopart.core.costgraph.through_two_batches`; ``timings_s["batch_points_s"]``),
+    except at the other candidates of at least twice the rank count microbatches
+    (:func:`scaled_batch_points`), whose segments are timed the same way: there each
+    segment's nodes take the measured-over-line factor (``CostGraph.batch_scales``).
     The full batch's profile keeps the bytes. A graph that differs at those batches keeps the
     one profile, scaled.
     With ``num_microbatches`` fixed, for the ``"distributed"`` runtime on two or more ranks
@@ -377,7 +387,8 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         with contextlib.suppress(PlanError):  # a batch-dependent graph: one point, scaled
             two_point, smallest = _two_point_costs(
                 model, args, kwargs, points, batch, costs, loss_at, devices[0], training, key,
-                use_cache, hits, method, neighbours, measured_loss)
+                use_cache, hits, method, neighbours, measured_loss,
+                scaled_batch_points(batch, candidates, len(devices), points))
         timings["batch_points_s"] = time.perf_counter() - t0
     if two_point is not None:
         costs = two_point
@@ -509,7 +520,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                      points: tuple[int, int], batch: int, unlossed: CostGraph,
                      loss_at: Any, device: str, training: bool, key: dict[str, Any],
                      use_cache: bool, hits: set[str], method: str, neighbours: int = 0,
-                     measured_loss: bool = True,
+                     measured_loss: bool = True, scaled: tuple[int, ...] = (),
                      ) -> tuple[CostGraph, tuple[CapturedGraph, list[Any], CostGraph]]:
     """The full batch's costs with node and loss times from two smaller batches (see
     :func:`profile_model`): at the smallest microbatch (``points[0]`` microbatches) a
@@ -525,6 +536,10 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     20 % the fidelity GPT-2's pipeline showed.)
     ``measured_loss``: ``loss_at`` measures the user's loss (else it times the cross-entropy
     stand-in, whose figures are cached under their own names, :func:`_loss_tag`).
+    ``scaled``: more microbatch counts (:func:`scaled_batch_points`) whose segments are timed
+    as the larger point's are, beside the same co-runners, each giving the line a
+    :class:`~autopart.core.costgraph.BatchScale` (cached as numbers on the full batch's
+    profile too); the loss stays on its line there.
 
     Returns:
         The costs, and the smallest microbatch's capture, flat inputs and profile.
@@ -591,7 +606,45 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         unlossed = with_loss_cost(unlossed, loss_full)
         low = with_loss_cost(low, loss_low)
         high = with_loss_cost(high, loss_high)
-    return through_two_batches(unlossed, low, high), (low_captured, low_flat, low)
+    line = through_two_batches(unlossed, low, high)
+    scales = []
+    for m in scaled:
+        rows = batch // m
+        names = [f"segment{k}_{f}@{rows}{calibration}" for k in range(len(cuts) + 1)
+                 for f in ("fwd_us", "bwd_us")]
+        got = [load_measure(key, n) for n in names] if use_cache else [None] * len(names)
+        if all(v is not None for v in got):
+            seg = [float(v) for v in got if v is not None]
+            hits.add("scaled_batch_times")
+        else:
+            m_args, m_kwargs = microbatch_inputs(args, kwargs, m)
+            m_captured = capture(model, m_args, m_kwargs)
+            m_flat = m_captured.flatten_inputs(m_args, m_kwargs)
+            if _ops(m_captured) != _ops(low_captured):
+                continue  # a batch-dependent graph at this size: the line there
+            try:
+                with co_runners(corunner_step(m_captured, m_flat), neighbours):
+                    times = segment_times(m_captured, m_flat, device, cuts)
+            except PlanError:  # a segment the stage builder cannot cut there: the line
+                continue
+            seg = [t for pair in times for t in pair]
+            if use_cache:
+                for n, v in zip(names, seg, strict=True):
+                    store_measure(key, n, v)
+        loss_m = ((0.0, 0.0) if loss_low is None else (
+            time_on_line(loss_low.fwd_us, values[0], b_low, b_high, rows),
+            time_on_line(loss_low.bwd_us, values[1], b_low, b_high, rows)))
+        scales.append(segment_scales(line, rows, cuts, list(zip(seg[0::2], seg[1::2], strict=True)),
+                                     loss_m))
+    return (dataclasses.replace(line, batch_scales=tuple(scales)),
+            (low_captured, low_flat, low))
+
+
+def _ops(captured: CapturedGraph) -> list[tuple[str, str]]:
+    """The op nodes of a capture, as ``(name, target)`` in order: what pairs two captures'
+    times node by node."""
+    return [(n.name, str(n.target)) for n in captured.graph_module.graph.nodes
+            if n.op == "call_function"]
 
 
 def _calibration_suffix(neighbours: int) -> str:
@@ -675,6 +728,24 @@ def batch_points(batch: int, candidates: tuple[int, ...] | None,
         if batch // m_low < batch // m_high < batch:
             return m_low, m_high
     return None
+
+
+def scaled_batch_points(batch: int, candidates: tuple[int, ...] | None, num_ranks: int,
+                        points: tuple[int, int], *, most: int = 4) -> tuple[int, ...]:
+    """The microbatch counts measured segment by segment beside the two batch points
+    (:func:`batch_points`), so that the solver reads measured times there instead of the
+    line's: the candidates of at least twice the ranks' microbatches (where pipelines run, as
+    :func:`batch_points` chooses its larger point), other than the two points, at most
+    ``most`` (default 4) of them, the ones nearest the larger point in ``log m``; ascending.
+    Empty when m is fixed. (Each costs a capture and a timed forward and backward: the demo's
+    planning took 5.6 s longer with its m = 2 = the ranks measured too.)"""
+    if not candidates:
+        return ()
+    m_high = points[1]
+    extra = [m for m in candidates if m >= 2 * max(num_ranks, 1) and m not in points
+             and batch // m < batch]
+    extra.sort(key=lambda m: (abs(math.log(m / m_high)), m))
+    return tuple(sorted(extra[:most]))
 
 
 #: The split's per-node cost's name in the cache, with the revision of its measurement.

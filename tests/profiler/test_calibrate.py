@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autopart.core.capture import capture
-from autopart.planning import batch_points, profile_model
+from autopart.planning import batch_points, profile_model, scaled_batch_points
 from autopart.profiler import profile_graph
 from autopart.profiler.calibrate import (
     calibrate_to_segments,
@@ -62,6 +62,37 @@ def test_the_two_profiled_microbatches() -> None:
     assert batch_points(8, (1, 2, 4), 1) == (4, 2)
     assert batch_points(4, (1, 2), 2) is None  # one microbatch size below the batch
     assert batch_points(32, None, 2) is None  # m fixed: profiled at the microbatch
+
+
+def test_the_microbatches_measured_beside_the_two_points() -> None:
+    # candidates of at least 2 x ranks microbatches, other than the two points, at most
+    # four, nearest the larger point
+    assert scaled_batch_points(32, (1, 2, 4, 8, 16), 2, (16, 4)) == (8,)
+    assert scaled_batch_points(16, (1, 2, 4, 8), 2, (8, 4)) == ()
+    assert scaled_batch_points(256, (1, 2, 4, 8, 16, 32, 64, 128), 4, (128, 8)) == (16, 32, 64)
+    assert scaled_batch_points(96, (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48), 2, (48, 4)) \
+        == (6, 8, 12, 16)
+    assert scaled_batch_points(32, None, 2, (16, 4)) == ()
+
+
+def test_profile_model_measures_the_other_pipeline_microbatches_segment_by_segment(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                            for _ in range(4)])
+    x, y = torch.randn(32, 32), torch.randn(32, 32)
+    kw = {"devices": ["cpu", "cpu"], "loss_fn": nn.functional.mse_loss, "example_target": y,
+          "split_cost": False}
+    prof = profile_model(model, (x,), cache=True, **kw)
+    assert prof.costs.low_batch_size == 2  # points m = 16 and 4; m = 8 measured as well
+    (scale,) = prof.costs.batch_scales
+    assert scale.batch_size == 4 and len(scale.fwd) == len(scale.positions) + 1
+    assert all(0.2 < f < 5 for f in (*scale.fwd, *scale.bwd))
+    again = profile_model(model, (x,), cache=True, **kw)
+    assert "scaled_batch_times" in again.from_cache
+    assert again.costs.batch_scales == prof.costs.batch_scales
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_profile_model_reads_node_times_off_two_microbatches() -> None:

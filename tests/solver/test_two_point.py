@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from autopart.core.costgraph import CostGraph, through_two_batches
+from autopart.core.costgraph import BatchScale, CostGraph, segment_scales, through_two_batches
 from autopart.core.errors import PlanError
 from autopart.solver._costmodel import CostModel
 
@@ -107,3 +107,67 @@ def test_a_backwards_measured_peak_at_two_batches_splits_into_fixed_and_per_row(
     # one profile only: the gradients (160 x 4 / 16) and the weight's 300-byte new gradient
     one = CostModel(full, build.cluster(1), batch_size=16, training=True, state_factor=2.0)
     assert one.transient_bytes(0, 1, one.ratio(4)) == 40 + 300
+
+
+def _two_point(build, n: int = 4) -> CostGraph:
+    """A chain of ``n`` nodes at 16 rows whose parts take 10 + 5 b µs at b rows."""
+    full = build.chain(n, fwd=100.0, bwd=200.0, batch_size=16)
+    return through_two_batches(full, replace(_times(full, 0.2), batch_size=2),
+                               replace(_times(full, 0.3), batch_size=4))
+
+
+def test_a_measured_microbatch_replaces_the_line_there_segment_by_segment(build) -> None:
+    g = _two_point(build)
+    # at 8 rows the line says 50 µs per part; segment [0, 2) measured 80 / 150 µs (forward /
+    # backward, i.e. 0.8 and 0.75 of the line's 100 / 200), segment [2, 4) 120 / 200
+    scale = segment_scales(g, 8, (2,), [(80.0, 150.0), (120.0, 200.0)])
+    assert scale.fwd == pytest.approx((0.8, 1.2)) and scale.bwd == pytest.approx((0.75, 1.0))
+    scaled = replace(g, batch_scales=(scale,))
+    model = CostModel(scaled, build.cluster(2), batch_size=16, training=True, state_factor=2.0)
+    r = model.ratio(2)  # 8 rows
+    assert model.part_us("fwd", 0, 2, r) == pytest.approx(80.0)
+    assert model.part_us("bwd_input", 0, 2, r) + model.part_us("bwd_weight", 0, 2, r) \
+        == pytest.approx(150.0)
+    assert model.time_us(0, 4, r) == pytest.approx(80 + 150 + 120 + 200)
+    est = model.evaluate([1], 2)
+    assert est[0].fwd_us == pytest.approx(40.0) and est[1].bwd_us == pytest.approx(75 + 200)
+    # other microbatches keep the line
+    line = CostModel(g, build.cluster(2), batch_size=16, training=True, state_factor=2.0)
+    for m in (4, 8):
+        assert model.time_us(0, 4, model.ratio(m)) == pytest.approx(
+            line.time_us(0, 4, line.ratio(m)))
+    # not training: forward only
+    fwd_only = CostModel(scaled, build.cluster(2), batch_size=16, training=False,
+                         state_factor=0.0)
+    assert fwd_only.time_us(0, 4, r) == pytest.approx(200.0)
+
+
+def test_the_loss_stays_on_its_line_in_a_segments_scale(build) -> None:
+    g = _two_point(build, 2)
+    # the loss's 30 / 40 µs at 8 rows are in the graph's last node but not in the segment
+    # times measured there; the segments measured exactly the line's nodes otherwise
+    lossy = replace(g, nodes=(g.nodes[0], replace(g.nodes[1], fwd_us=g.nodes[1].fwd_us + 30,
+                                                  bwd_input_us=g.nodes[1].bwd_input_us + 40)))
+    lossy = replace(lossy, low_times=(g.low_times[0], (g.low_times[1][0] + 30,
+                                                       g.low_times[1][1] + 40,
+                                                       g.low_times[1][2])))
+    scale = segment_scales(lossy, 8, (), [(100.0, 200.0)], loss=(30.0, 40.0))
+    assert scale.fwd == pytest.approx((1.0,)) and scale.bwd == pytest.approx((1.0,))
+
+
+def test_batch_scales_survive_json_and_are_validated(build) -> None:
+    g = replace(_two_point(build), batch_scales=(BatchScale(8, (2,), (0.9, 1.1), (1.0, 0.95)),))
+    assert CostGraph.from_dict(g.to_dict()) == g
+    assert g.scale_at(8) is g.batch_scales[0] and g.scale_at(4) is None
+    with pytest.raises(PlanError, match="one forward and one backward factor > 0"):
+        BatchScale(8, (2,), (0.9,), (1.0, 1.0))
+    with pytest.raises(PlanError, match="one forward and one backward factor > 0"):
+        BatchScale(8, (2,), (0.9, 0.0), (1.0, 1.0))
+    with pytest.raises(PlanError, match="positions ascending"):
+        BatchScale(8, (3, 2), (1.0,) * 3, (1.0,) * 3)
+    with pytest.raises(PlanError, match="need a second profiled batch"):
+        replace(build.chain(4, batch_size=16), batch_scales=g.batch_scales)
+    with pytest.raises(PlanError, match="one scale per batch"):
+        replace(g, batch_scales=g.batch_scales * 2)
+    with pytest.raises(PlanError, match="2 segments"):
+        segment_scales(g, 8, (2,), [(1.0, 1.0)])
