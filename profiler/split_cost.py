@@ -67,7 +67,14 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
     as
     :class:`autopart.codegen.split_backward.SplitBackward`'s ``input_grads`` then
     ``weight_grads`` (``I + W``), or with ``runtime="distributed"`` torch's split on copies of
-    the outputs, as the distributed stages send them. The pair's ratio is taken back to back
+    the outputs, as the distributed stages send them (the local executor builds its
+    ``SplitBackward`` in ``I``, and so is it timed). Before each of ``B``, ``I`` and ``W``
+    64 MiB are written (untimed), so each starts with cold caches, as in a pipeline, where
+    other microbatches' work runs between a microbatch's forward, its ``I`` and its ``W``:
+    timed back to back, torch's split of the fidelity GPT-2's piece at 2 rows cost 10-15 µs
+    a node; with the caches flushed 16-18 µs; in that GPT-2's ZB-H1 run (m = 16, 2 gloo
+    ranks) the second rank's ``I + W`` took 48 ms a step more than its ``B`` under 1F1B,
+    about 30 µs a node. The pair's ratio is taken back to back
     on the same activations, so load that drifts over seconds (other processes on a shared
     machine) cancels out of it. The first pair is a warm-up. Pairs are
     timed until at least ``min_pairs`` ratios spread by at most ``max_spread`` (``(max - min) / median``), or
@@ -195,17 +202,16 @@ def measure_split_backward_overhead(captured: CapturedGraph, flat_inputs: list[A
     return overhead_of(pairs, nodes)
 
 
-def _pipelining_split(roots: list[torch.Tensor], grads: list[torch.Tensor],
-                      inputs: list[torch.Tensor], params: list[torch.nn.Parameter]) -> None:
-    """``I`` then ``W`` as the distributed runtime runs them: torch.distributed.pipelining's
-    ``stage_backward_input`` and ``stage_backward_weight`` (its zero-bubble stages)."""
-    from torch.distributed.pipelining._backward import (
-        stage_backward_input,
-        stage_backward_weight,
-    )
+#: Bytes written between the timed parts of a pair, to take the caches' contents away: in a
+#: pipeline a microbatch's B, I and W each run after other microbatches' work.
+_FLUSH_BYTES = 64 * 1024 * 1024
 
-    _, groups = stage_backward_input(roots, grads, inputs, iter(params))
-    stage_backward_weight(iter(params), groups)
+
+def _cache_flusher(device: torch.device) -> Any:
+    """A function that writes :data:`_FLUSH_BYTES` on ``device`` (more than this project's
+    CPU's last-level cache, and than an H100's 50 MB L2)."""
+    buf = torch.zeros(_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
+    return lambda: buf.add_(1.0)
 
 
 def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGraph,
@@ -257,8 +263,15 @@ def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGra
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return []
 
+        flush = _cache_flusher(dev)
+
+        def cold(thunk: Any) -> Any:
+            """A :func:`time_samples` factory: the caches flushed (untimed), then ``thunk``."""
+            return lambda: (flush(), thunk)[1]
+
         def pair() -> tuple[float, float] | None:
-            """One forward, then B and I + W on its graph, µs (None: no backward)."""
+            """One forward, then B and I + W on its graph, each part after the caches were
+            flushed, µs (None: no backward)."""
             leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)
                       and a.requires_grad else a for a in args]
             out = middle(*leaves)
@@ -269,16 +282,24 @@ def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGra
                 roots = [o.clone() for o in roots]
             grads = [torch.ones_like(o) for o in roots]
             needing = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
-            (b_us,), _ = time_samples(dev, lambda: lambda: torch.autograd.backward(
-                roots, grads, retain_graph=True), 0, 1)
-            if runtime == "distributed":
-                (s_us,), _ = time_samples(dev, lambda: lambda: _pipelining_split(
-                    roots, grads, needing, params), 0, 1)
-            else:
-                split = SplitBackward(roots, grads, needing, params)
-                (s_us,), _ = time_samples(dev, lambda: lambda: (split.input_grads(),
-                                                                split.weight_grads()), 0, 1)
-            return (b_us, s_us) if b_us > 0 else None
+            (b_us,), _ = time_samples(dev, cold(lambda: torch.autograd.backward(
+                roots, grads, retain_graph=True)), 0, 1)
+            if runtime == "distributed":  # torch's zero-bubble stages' I and W
+                from torch.distributed.pipelining._backward import (
+                    stage_backward_input,
+                    stage_backward_weight,
+                )
+
+                (i_us,), (_, groups) = time_samples(dev, cold(lambda: stage_backward_input(
+                    roots, grads, needing, iter(params))), 0, 1)
+                (w_us,), _ = time_samples(dev, cold(lambda: stage_backward_weight(
+                    iter(params), groups)), 0, 1)
+            else:  # the local executor builds its SplitBackward in I
+                made: list[SplitBackward] = []
+                (i_us,), _ = time_samples(dev, cold(lambda: (made.append(SplitBackward(
+                    roots, grads, needing, params)), made[-1].input_grads())), 0, 1)
+                (w_us,), _ = time_samples(dev, cold(made[-1].weight_grads), 0, 1)
+            return (b_us, i_us + w_us) if b_us > 0 else None
 
         if pair() is None:  # the warm-up; None: the outputs need no gradient
             return []
