@@ -150,16 +150,21 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         fwd = model.part_us("fwd", a, z, ratio) * f
         # ZB-H1 splits each backward, at the runtime's measured cost, except where the
         # schedule runs the stage's backward whole (autopart.core.schedule.splits_backward)
-        split = model.split_factor if splits_backward(kind, rc[s]) else 1.0
+        split = model.split_factor if splits_backward(kind, rc[s]) and s > 0 else 1.0
         bi = model.part_us("bwd_input", a, z, ratio) * f * split + (fwd if rc[s] else 0.0)
         bw = model.part_us("bwd_weight", a, z, ratio) * f * split
         if splits_backward(kind, rc[s]):
-            # the split's own cost goes to W (measured: I as fast as its share of B, W
-            # slower); the first stage's inputs need no gradient, so its I computes nothing
-            # and its W is the whole backward (both runtimes)
-            bw += model.split_overhead_us(a, z) * f
             if s == 0:
+                # the first stage's inputs need no gradient: its I computes nothing and its W
+                # is one whole backward, unsplit (torch's stages run it as "full"; the local
+                # executor's SplitBackward seeds it from the roots). Measured with ZB-H1 on
+                # the fidelity GPT-2 (m = 16): its W 25.8 ms against its B under 1F1B, 25.8
+                # ms; the CNN (m = 8): 26.3 ms against 26.8 ms
                 bi, bw = 0.0, bi + bw
+            else:
+                # the split's own cost goes to W (measured: I as fast as its share of B, W
+                # slower)
+                bw += model.split_overhead_us(a, z) * f
         if splits_backward(kind, False) and not splits_backward(kind, rc[s]):
             bi, bw = bi + bw, 0.0  # one B where its I would be; no W
         # the runtime's own cost of each transfer between ranks an action posts or waits on

@@ -147,17 +147,17 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
     ratio = model.ratio(m)
     seg_t, out_t, in_t = model.chain_time(cands, m)
     seg_w: list[int] | None = None
+    seg_x: list[int] | None = None
     if options.training and splits_backward(kind, False):
-        # every stage is priced as splitting its backward at the measured cost (a recomputed
-        # one does not, which evaluate() knows) and all but stage 0 run their W off the
-        # critical path (ChainProblem.hides_weight)
+        # the stages after the first split their backward at the measured cost (stage 0's
+        # inputs need no gradient, so it runs its backward whole; a recomputed stage does not
+        # split either) and run their W off the critical path (ChainProblem.hides_weight)
         extra = model.split_factor - 1.0
         if extra > 0.0 or model.split_us_per_node > 0.0:
-            seg_t = [t + int(round(TIME_UNITS_PER_US * (extra * (
+            seg_x = [int(round(TIME_UNITS_PER_US * (extra * (
                 model.part_us("bwd_input", s.start, s.stop, ratio)
                 + model.part_us("bwd_weight", s.start, s.stop, ratio))
-                + model.split_overhead_us(s.start, s.stop))))
-                for t, s in zip(seg_t, cands.segments, strict=True)]
+                + model.split_overhead_us(s.start, s.stop)))) for s in cands.segments]
         seg_w = [int(round(TIME_UNITS_PER_US * (
             model.split_factor * model.part_us("bwd_weight", s.start, s.stop, ratio)
             + model.split_overhead_us(s.start, s.stop)))) for s in cands.segments]
@@ -183,7 +183,8 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         in_flight=in_flight(kind, p, m, v, options.training),
         outputs_held=options.training and model.held_bytes_cover_outputs,
         rank_caps=tuple(max(c - transient, 0) for c in st.caps), recompute=st.mode,
-        optimize=options.optimize, seg_bwd_weight=None if seg_w is None else tuple(seg_w))
+        optimize=options.optimize, seg_bwd_weight=None if seg_w is None else tuple(seg_w),
+        seg_split=None if seg_x is None else tuple(seg_x))
 
 
 def _baseline_cuts(costs: CostGraph, p: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -52,6 +52,9 @@ class ChainProblem:
     critical path, except stage 0's. ``W_s = speed[rank] * sum seg_bwd_weight`` (part of
     ``seg_time``); it is absent (0) unless ``seg_bwd_weight`` is given, and a recomputing
     stage runs its whole backward at once, so it hides nothing (:meth:`hides_weight`).
+    The stages that split their backward (the same ones) also pay ``seg_split`` (what the
+    split adds, per segment, not in ``seg_time``): stage 0's inputs need no gradient, so
+    its backward runs whole, as ``seg_time`` prices it.
     Stage memory::
 
         state_s + in_s + out_s + k_s * saved_s                 (no recompute)
@@ -94,6 +97,7 @@ class ChainProblem:
     optimize: str = "speed"
     seg_bwd_weight: tuple[int, ...] | None = None
     outputs_held: bool = False
+    seg_split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         k, s = len(self.seg_time), self.num_stages
@@ -112,12 +116,14 @@ class ChainProblem:
                    "seg_state": (self.seg_state, k), "seg_saved": (self.seg_saved, k),
                    "cut_bytes": (self.cut_bytes, k - 1), "in_flight": (self.in_flight, s),
                    "rank_caps": (self.rank_caps, self.num_ranks),
-                   "seg_bwd_weight": (self.seg_bwd_weight, k)}
+                   "seg_bwd_weight": (self.seg_bwd_weight, k),
+                   "seg_split": (self.seg_split, k)}
         for name, (values, want) in lengths.items():
             if values is not None and len(values) != want:
                 raise PlanError(f"ChainProblem.{name} has {len(values)} entries; expected {want}")
         ints = (self.seg_time, self.seg_fwd, self.cut_out, self.cut_in, self.seg_state or (),
-                self.seg_saved or (), self.cut_bytes or (), self.seg_bwd_weight or ())
+                self.seg_saved or (), self.cut_bytes or (), self.seg_bwd_weight or (),
+                self.seg_split or ())
         if any(v < 0 for v in itertools.chain(*ints)) or min(self.speed or (1.0,)) <= 0:
             raise PlanError("chain costs and memory must be >= 0 and speed factors > 0")
 
@@ -160,6 +166,14 @@ class ChainProblem:
         return (list(self.seg_bwd_weight) if f == 1.0
                 else [int(round(c * f)) for c in self.seg_bwd_weight])
 
+    def seg_split_on(self, rank: int) -> list[int]:
+        """What splitting the backward adds per segment on ``rank``; zeros without
+        ``seg_split``."""
+        if self.seg_split is None:
+            return [0] * self.num_segments
+        f = 1.0 if self.speed is None else self.speed[rank]
+        return list(self.seg_split) if f == 1.0 else [int(round(c * f)) for c in self.seg_split]
+
     def hides_weight(self, stage: int, recompute: bool) -> bool:
         """Whether ``stage`` runs its ``W`` off the critical path: not stage 0, and its backward
         splits into ``I`` and ``W`` (:func:`autopart.core.schedule.splits_backward` of ZB-H1,
@@ -193,6 +207,8 @@ class ChainProblem:
             t = sum(self.seg_time_on(r)[a:b])
             if recompute[s]:
                 t += sum(self.seg_fwd_on(r)[a:b])
+            if self.hides_weight(s, recompute[s]):
+                t += sum(self.seg_split_on(r)[a:b])
             if a > 0:
                 t += self.cut_in[a - 1]
             if b < self.num_segments:

@@ -56,7 +56,8 @@ class _Data:
     """Per-rank coefficients and the bounds the model's domains and pruning use.
 
     Attributes:
-        seg_t, seg_f, seg_w: per rank, segment time, recompute forward and W (ZB-H1) time.
+        seg_t, seg_f, seg_w, seg_x: per rank, segment time, recompute forward, W (ZB-H1)
+            time and what a split backward adds (ZB-H1, stages after the first).
         prefix: prefix sums of each segment's fastest time, length K + 1.
         upper: an upper bound on any stage time (every segment and send on the slowest rank).
         horizon: a bound on every stage's time in an answer at least as good as the hint.
@@ -66,6 +67,7 @@ class _Data:
     seg_t: dict[int, list[int]]
     seg_f: dict[int, list[int]]
     seg_w: dict[int, list[int]]
+    seg_x: dict[int, list[int]]
     prefix: list[int]
     upper: int
     horizon: int
@@ -77,10 +79,12 @@ class _Data:
         seg_t = {r: problem.seg_time_on(r) for r in range(p)}
         seg_f = {r: problem.seg_fwd_on(r) for r in range(p)}
         seg_w = {r: problem.seg_bwd_weight_on(r) for r in range(p)}
+        seg_x = {r: problem.seg_split_on(r) for r in range(p)}
         prefix = [0]
         for c in (min(seg_t[r][i] for r in range(p)) for i in range(k)):
             prefix.append(prefix[-1] + c)
-        upper = sum(max(seg_t[r][i] + seg_f[r][i] for r in range(p)) for i in range(k)) + sum(
+        upper = sum(max(seg_t[r][i] + max(seg_f[r][i], seg_x[r][i]) for r in range(p))
+                    for i in range(k)) + sum(
             problem.cut_out) + sum(problem.cut_in)
         horizon = upper
         w_max = problem.w_stage + problem.w_rank
@@ -88,7 +92,7 @@ class _Data:
         hidden_max = sum(max(seg_w[r][i] for r in range(p)) for i in range(k))
         if hint is not None and problem.optimize == "speed" and w_max > 0:
             horizon = min(upper, (hint.objective + hidden_max - problem.w_sum * prefix[k]) // w_max)
-        return cls(seg_t, seg_f, seg_w, prefix, upper, horizon, hidden_max)
+        return cls(seg_t, seg_f, seg_w, seg_x, prefix, upper, horizon, hidden_max)
 
 
 def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
@@ -205,18 +209,24 @@ def _read(problem: ChainProblem, chain: ChainModel, rc: list[Any], solver: cp_mo
 
 def _add_stage_times(problem: ChainProblem, chain: ChainModel, data: _Data, rc: list[Any],
                      t: list[Any], max_t: Any, max_load: Any) -> None:
-    """``t[s]`` = segments (+ recompute's forward) + outgoing and incoming cut charges;
-    ``max_t`` >= every ``t[s]``, ``max_load`` >= every rank's sum of them."""
+    """``t[s]`` = segments (+ recompute's forward, + what a split backward adds where it
+    splits) + outgoing and incoming cut charges; ``max_t`` >= every ``t[s]``, ``max_load`` >=
+    every rank's sum of them."""
     model, x = chain.model, chain.x
     for s in range(chain.num_stages):
         r = problem.rank_of(s)
         base = chain.stage_sum(s, data.seg_t[r], problem.cut_out, problem.cut_in)
         fwd = sum(data.seg_f[r][i] * x[i, s] for i in chain.segs[s])
+        split = (sum(data.seg_x[r][i] * x[i, s] for i in chain.segs[s])
+                 if problem.seg_split is not None else 0)
+        # with recompute (1) and without (0): the extra terms
+        extra = [split if problem.hides_weight(s, False) else 0,
+                 fwd + (split if problem.hides_weight(s, True) else 0)]
         if isinstance(rc[s], int):
-            model.add(t[s] == base + (fwd if rc[s] else 0))
+            model.add(t[s] == base + extra[rc[s]])
         else:
-            model.add(t[s] == base + fwd).only_enforce_if(rc[s])
-            model.add(t[s] == base).only_enforce_if(rc[s].Not())
+            model.add(t[s] == base + extra[1]).only_enforce_if(rc[s])
+            model.add(t[s] == base + extra[0]).only_enforce_if(rc[s].Not())
         model.add(t[s] <= max_t)
     p = problem.num_ranks
     for r in range(p):

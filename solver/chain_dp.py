@@ -74,15 +74,18 @@ class _Tables:
         self.valid = np.arange(k + 1)[None, :] > np.arange(k)[:, None]
         cin = np.array([0, *problem.cut_in], dtype=np.int64)
         cout = np.array([0, *problem.cut_out, 0], dtype=np.int64)
-        # per rank (ranks of equal speed share): times without and with recompute, and W
-        self.times: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        by_speed: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # per rank (ranks of equal speed share): times without and with recompute, W, and
+        # what a split backward adds
+        Times = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+        self.times: dict[int, Times] = {}
+        by_speed: dict[float, Times] = {}
         for r in sorted({problem.rank_of(s) for s in range(problem.num_stages)}):
             f = 1.0 if problem.speed is None else problem.speed[r]
             if f not in by_speed:
                 t0 = span(prefix(problem.seg_time_on(r))) + cin[:k, None] + cout[None, :]
                 by_speed[f] = (t0, t0 + span(prefix(problem.seg_fwd_on(r))),
-                               span(prefix(problem.seg_bwd_weight_on(r))))
+                               span(prefix(problem.seg_bwd_weight_on(r))),
+                               span(prefix(problem.seg_split_on(r))))
             self.times[r] = by_speed[f]
         self.modes = {"none": (True, False), "all": (False, True),
                       "auto": (True, True)}[problem.recompute]
@@ -95,7 +98,12 @@ class _Tables:
         mem0 = bm + kk * self.act_kept[rows, cols]
         mem1 = bm + kk * self.in_b[rows, None] + ac
         r = prob.rank_of(s)
-        t0, t1, w = (a[rows, cols] for a in self.times[r])
+        t0, t1, w, split = (a[rows, cols] for a in self.times[r])
+        # the stages whose backward splits pay what the split adds (ChainProblem.seg_split)
+        if prob.hides_weight(s, False):
+            t0 = t0 + split
+        if prob.hides_weight(s, True):
+            t1 = t1 + split
         cap = None if prob.rank_caps is None else prob.rank_caps[r] // self.cap_divisor
         none = np.zeros_like(ok)
         ok0 = (ok if cap is None else ok & (mem0 <= cap)) if self.modes[0] else none

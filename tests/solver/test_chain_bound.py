@@ -46,10 +46,12 @@ def problems(draw: st.DrawFn, kinds: list[tuple[str, int]] = KINDS) -> ChainProb
 
     seg_time = ints(0, 60, k)
     seg_w = tuple(draw(st.integers(0, t // 2)) for t in seg_time) if kind == "zero_bubble" else None
+    seg_x = tuple(ints(0, 10, k)) if kind == "zero_bubble" else None
     w_stage, w_rank, w_sum = objective_weights(kind, p, m, v)
     caps = draw(st.none() | st.just(ints(120, 700, p)))
     return ChainProblem(
-        seg_time=tuple(seg_time), seg_bwd_weight=seg_w, seg_fwd=tuple(ints(0, 20, k)),
+        seg_time=tuple(seg_time), seg_bwd_weight=seg_w, seg_split=seg_x,
+        seg_fwd=tuple(ints(0, 20, k)),
         cut_out=tuple(ints(0, 8, k - 1)), cut_in=tuple(ints(0, 8, k - 1)),
         num_ranks=p, stages_per_rank=v,
         speed=draw(st.none() | st.just(tuple(draw(st.sampled_from((1.0, 1.5, 2.0)))

@@ -73,7 +73,7 @@ def test_predict_refuses_a_plan_for_other_ranks(build) -> None:  # type: ignore[
         predict(plan, costs, build.cluster(4), opts)
 
 
-def test_zero_bubble_charges_the_split_per_node_to_w_and_the_first_stage_has_no_i(
+def test_zero_bubble_charges_the_split_per_node_to_w_and_the_first_stage_runs_b_whole(
         build) -> None:  # type: ignore[no-untyped-def]
     # 8 nodes of fwd 10, I 10, W 10 µs at b0 = 8, two stages of 4 at microbatch 8 (m = 1 of
     # batch 8 is not a pipeline: batch 32, m = 4)
@@ -89,8 +89,9 @@ def test_zero_bubble_charges_the_split_per_node_to_w_and_the_first_stage_has_no_
 
     # the first stage's inputs need no gradient: its I computes nothing, its W is all of B
     assert stage_costs(0.0) == ([0.0, 40.0], [80.0, 40.0])
-    # 2.5 µs per node with a backward, 4 per stage, on W
-    assert stage_costs(2.5) == ([0.0, 40.0], [90.0, 50.0])
+    # 2.5 µs per node with a backward, 4 per stage, on W; the first stage's W is one whole,
+    # unsplit backward and pays nothing
+    assert stage_costs(2.5) == ([0.0, 40.0], [80.0, 50.0])
     # a schedule that does not split pays nothing
     assert stage_costs(2.5, "1f1b") == stage_costs(0.0, "1f1b")
     with pytest.raises(PlanError, match="split_backward_us_per_node=-1.0 must be >= 0"):

@@ -26,8 +26,10 @@ def random_problem(rng: random.Random, kind: str, v: int, optimize: str) -> Chai
     seg_time = tuple(rng.randint(0, 60) for _ in range(k))
     # ZB-H1: each segment's W, part of its time, hidden behind later stages' work
     seg_w = tuple(rng.randint(0, t // 2) for t in seg_time) if kind == "zero_bubble" else None
+    # and what splitting adds, paid by the stages after the first that split
+    seg_x = tuple(rng.randint(0, 10) for _ in seg_time) if kind == "zero_bubble" else None
     return ChainProblem(
-        seg_time=seg_time, seg_bwd_weight=seg_w,
+        seg_time=seg_time, seg_bwd_weight=seg_w, seg_split=seg_x,
         seg_fwd=tuple(rng.randint(0, 20) for _ in range(k)),
         cut_out=tuple(rng.randint(0, 8) for _ in range(k - 1)),
         cut_in=tuple(rng.randint(0, 8) for _ in range(k - 1)),
@@ -101,3 +103,19 @@ def test_bad_chain_problems_raise() -> None:
     with pytest.raises(PlanError, match="recompute='some'"):
         ChainProblem(seg_time=(1,), seg_fwd=(0,), cut_out=(), cut_in=(), num_ranks=1,
                      recompute="some")
+
+
+def test_what_splitting_adds_is_paid_by_the_stages_that_split() -> None:
+    # ZB-H1, 2 ranks, 4 segments of 10: stage 0 runs its backward whole (no split cost),
+    # stage 1 pays 8 a segment; a recomputing stage 1 does not split either
+    prob = ChainProblem(seg_time=(10,) * 4, seg_fwd=(0,) * 4, cut_out=(0,) * 3, cut_in=(0,) * 3,
+                        num_ranks=2, seg_bwd_weight=(0,) * 4, seg_split=(8,) * 4)
+    assert prob.stage_times((1,), (False, False)) == [20, 36]
+    assert prob.stage_times((1,), (False, True)) == [20, 20]
+    # so the least largest stage gives stage 0 three segments: [30 | 18], not [20 | 36]
+    res = solve_chain_cpsat(prob, chain_dp_hint(prob))
+    assert res.answer.cuts == solve_brute_force(prob).cuts == (2,)
+    assert res.objective == 30
+    with pytest.raises(PlanError, match="seg_split has 3 entries"):
+        ChainProblem(seg_time=(10,) * 4, seg_fwd=(0,) * 4, cut_out=(0,) * 3, cut_in=(0,) * 3,
+                     num_ranks=2, seg_split=(3,) * 3)
