@@ -749,7 +749,7 @@ def scaled_batch_points(batch: int, candidates: tuple[int, ...] | None, num_rank
 
 
 #: The split's per-node cost's name in the cache, with the revision of its measurement.
-_SPLIT_OVERHEAD = "split_backward_us_per_node:smallest-microbatch-cold-v3"
+_SPLIT_OVERHEAD = "split_backward_us_per_node:smallest-microbatch-flushed-v4"
 
 
 def _dtype_name(model: nn.Module) -> str:

@@ -17,7 +17,7 @@ from autopart.core.costgraph import CostGraph
 from autopart.profiler.timer import spread, time_samples
 
 __all__ = ["measure_split_backward_factor", "measure_split_backward_overhead", "piece_cuts",
-           "factor_of", "overhead_of"]
+           "factor_of", "overhead_of", "flush_bytes"]
 
 
 def piece_cuts(costs: CostGraph, positions: Sequence[int], *, start: float = 0.25,
@@ -69,8 +69,10 @@ def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any
     ``weight_grads`` (``I + W``), or with ``runtime="distributed"`` torch's split on copies of
     the outputs, as the distributed stages send them (the local executor builds its
     ``SplitBackward`` in ``I``, and so is it timed). Before each of ``B``, ``I`` and ``W``
-    64 MiB are written (untimed), so each starts with cold caches, as in a pipeline, where
-    other microbatches' work runs between a microbatch's forward, its ``I`` and its ``W``:
+    :func:`flush_bytes` are written (untimed: the model's parameters and one microbatch's
+    saved activations, at most 64 MiB), so each starts with the caches as a pipeline
+    leaves them, where other microbatches' work runs between a microbatch's forward, its
+    ``I`` and its ``W``:
     timed back to back, torch's split of the fidelity GPT-2's piece at 2 rows cost 10-15 µs
     a node; with the caches flushed 16-18 µs; in that GPT-2's ZB-H1 run (m = 16, 2 gloo
     ranks) the second rank's ``I + W`` took 48 ms a step more than its ``B`` under 1F1B,
@@ -202,15 +204,24 @@ def measure_split_backward_overhead(captured: CapturedGraph, flat_inputs: list[A
     return overhead_of(pairs, nodes)
 
 
-#: Bytes written between the timed parts of a pair, to take the caches' contents away: in a
-#: pipeline a microbatch's B, I and W each run after other microbatches' work.
+#: The most bytes written between the timed parts of a pair, to take the caches' contents
+#: away: in a pipeline a microbatch's B, I and W each run after other microbatches' work.
 _FLUSH_BYTES = 64 * 1024 * 1024
 
 
-def _cache_flusher(device: torch.device) -> Any:
-    """A function that writes :data:`_FLUSH_BYTES` on ``device`` (more than this project's
-    CPU's last-level cache, and than an H100's 50 MB L2)."""
-    buf = torch.zeros(_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
+def flush_bytes(costs: CostGraph) -> int:
+    """Bytes written before each timed part of a pair: what the model's other microbatches
+    touch in between, at most: its parameters and buffers and one microbatch's saved
+    activations (at ``costs.batch_size``), capped at :data:`_FLUSH_BYTES` (more than this
+    project's CPU's last-level cache, and than an H100's 50 MB L2). A model whose work fits
+    in the caches keeps them warm in a pipeline too."""
+    touched = sum(costs.param_sizes.values()) + sum(nd.saved_bytes for nd in costs.nodes)
+    return min(_FLUSH_BYTES, touched)
+
+
+def _cache_flusher(device: torch.device, nbytes: int) -> Any:
+    """A function that writes ``nbytes`` (rounded down to 4) on ``device``."""
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
     return lambda: buf.add_(1.0)
 
 
@@ -263,7 +274,7 @@ def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGra
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return []
 
-        flush = _cache_flusher(dev)
+        flush = _cache_flusher(dev, flush_bytes(costs))
 
         def cold(thunk: Any) -> Any:
             """A :func:`time_samples` factory: the caches flushed (untimed), then ``thunk``."""

@@ -151,7 +151,12 @@ def threshold_search(prob: ChainProblem, incumbent: ChainAnswer | None = None, *
         return a * iv[0] + g(iv[1])
 
     while True:
-        intervals = [iv for iv in intervals if bound_of(iv) < best.objective]
+        # every interval's bound first: computing one may improve the incumbent, against which
+        # all are then kept or dropped (filtering as they were computed kept an interval that
+        # an earlier one's new incumbent had already beaten, and returned its bound, above
+        # that incumbent's objective)
+        bounds = [bound_of(iv) for iv in intervals]
+        intervals = [iv for iv, b in zip(intervals, bounds, strict=True) if b < best.objective]
         if not intervals:
             return ThresholdResult(best, best.objective, evaluations)
         low_iv = min(intervals, key=lambda iv: (bound_of(iv), iv))

@@ -213,3 +213,13 @@ def test_solve_reports_a_bound_below_the_chosen_chain_problems_optimum(
     assert any(s.recompute for s in plan.stages) == (cap == 5_600)
     if path == "banded+cp-sat":
         assert plan.solver.name.startswith("cp-sat-band+")
+
+
+def test_threshold_search_never_reports_a_bound_above_its_answer() -> None:
+    # found by hypothesis: the interval whose G improves the incumbent (18) was filtered
+    # after an interval bounded at 19 had been kept against the old incumbent (20)
+    prob = ChainProblem(seg_time=(0, 2, 4, 3, 0, 1), seg_fwd=(0,) * 6, cut_out=(0, 2, 0, 0, 0),
+                        cut_in=(0, 0, 2, 0, 0), num_ranks=2, w_stage=1, w_sum=1,
+                        in_flight=(2, 2))
+    res = threshold_search(prob, max_evaluations=10**6, rel_gap=0.0)
+    assert res is not None and res.answer.cuts == (2,) and res.bound == res.answer.objective == 18
