@@ -170,7 +170,7 @@ def overhead_of(pairs: Sequence[tuple[float, float]], nodes: int, *,
 
 def measure_split_backward_overhead(captured: CapturedGraph, flat_inputs: list[Any],
                                     costs: CostGraph, device: str, positions: Sequence[int],
-                                    *, min_pairs: int = 5, max_pairs: int = 12,
+                                    *, min_pairs: int = 7, max_pairs: int = 16,
                                     max_spread: float = 0.05, budget_s: float = 2.0,
                                     start: float = 0.25, share: float = 0.06,
                                     runtime: str = "local") -> float:
@@ -178,7 +178,7 @@ def measure_split_backward_overhead(captured: CapturedGraph, flat_inputs: list[A
     microbatch: the solver's ``split_backward_us_per_node``.
 
     Timed as :func:`measure_split_backward_factor` times its piece (same arguments, but
-    at least 5 and at most 12 pairs by default: one pair's ratio moves by 20 % here), and
+    at least 7 and at most 16 pairs by default: one pair's ratio moves by 20 % here), and
     reduced by :func:`overhead_of` over the piece's nodes with a backward (``bwd_us > 0`` in
     ``costs``). The split's extra work is a walk of the autograd graph per node (I's hooks
     on the intermediates W restarts from, W's second traversal), whatever the rows: on the
