@@ -576,11 +576,9 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         values = [float(v) for v in cached if v is not None]
         hits.add("high_batch_times")
     else:
-        high_args, high_kwargs = microbatch_inputs(args, kwargs, m_high)
-        high_captured = capture(model, high_args, high_kwargs)
-        high_flat = high_captured.flatten_inputs(high_args, high_kwargs)
-        with co_runners(corunner_step(high_captured, high_flat), neighbours):
-            times = segment_times(high_captured, high_flat, device, cuts)
+        high_captured, times = _segments_at(model, args, kwargs, m_high, device, cuts,
+                                            neighbours)
+        assert times is not None
         loss_high = loss_at(high_captured, m_high)
         values = ([0.0] * 4 if loss_high is None else [
             loss_high.fwd_us, loss_high.bwd_us, float(loss_high.saved_bytes),
@@ -617,17 +615,14 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
             seg = [float(v) for v in got if v is not None]
             hits.add("scaled_batch_times")
         else:
-            m_args, m_kwargs = microbatch_inputs(args, kwargs, m)
-            m_captured = capture(model, m_args, m_kwargs)
-            m_flat = m_captured.flatten_inputs(m_args, m_kwargs)
-            if _ops(m_captured) != _ops(low_captured):
-                continue  # a batch-dependent graph at this size: the line there
             try:
-                with co_runners(corunner_step(m_captured, m_flat), neighbours):
-                    times = segment_times(m_captured, m_flat, device, cuts)
+                _, m_times = _segments_at(model, args, kwargs, m, device, cuts, neighbours,
+                                          same_as=low_captured)
             except PlanError:  # a segment the stage builder cannot cut there: the line
                 continue
-            seg = [t for pair in times for t in pair]
+            if m_times is None:
+                continue  # a batch-dependent graph at this size: the line there
+            seg = [t for pair in m_times for t in pair]
             if use_cache:
                 for n, v in zip(names, seg, strict=True):
                     store_measure(key, n, v)
@@ -638,6 +633,26 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                                      loss_m))
     return (dataclasses.replace(line, batch_scales=tuple(scales)),
             (low_captured, low_flat, low))
+
+
+def _segments_at(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], m: int,
+                 device: str, cuts: tuple[int, ...], neighbours: int,
+                 same_as: CapturedGraph | None = None,
+                 ) -> tuple[CapturedGraph, list[tuple[float, float]] | None]:
+    """The model captured at ``m`` microbatches and its segments (cut at ``cuts``) timed
+    there beside ``neighbours`` co-runners (:func:`segment_times`); None for the times when
+    ``same_as`` is given and the capture's ops differ from it.
+
+    Raises:
+        PlanError: a segment cannot be cut at that batch.
+    """
+    m_args, m_kwargs = microbatch_inputs(args, kwargs, m)
+    captured = capture(model, m_args, m_kwargs)
+    if same_as is not None and _ops(captured) != _ops(same_as):
+        return captured, None
+    flat = captured.flatten_inputs(m_args, m_kwargs)
+    with co_runners(corunner_step(captured, flat), neighbours):
+        return captured, segment_times(captured, flat, device, cuts)
 
 
 def _ops(captured: CapturedGraph) -> list[tuple[str, str]]:
