@@ -764,7 +764,7 @@ def scaled_batch_points(batch: int, candidates: tuple[int, ...] | None, num_rank
 
 
 #: The split's per-node cost's name in the cache, with the revision of its measurement.
-_SPLIT_OVERHEAD = "split_backward_us_per_node:smallest-microbatch-flushed-v4"
+_SPLIT_OVERHEAD = "split_backward_us_per_node:smallest-microbatch-flushed-mad-v5"
 
 
 def _dtype_name(model: nn.Module) -> str:

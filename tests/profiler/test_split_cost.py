@@ -97,8 +97,12 @@ def test_pair_counts_are_checked() -> None:
     ([(1000.0, 990.0), (1000.0, 1010.0)], 10, 0.0),  # no slower than B
     # median ratio 1.2, noise 0.3 / 2 / sqrt(3) = 0.087: slower; median excess 200 µs / 10
     ([(1000.0, 1050.0), (1000.0, 1200.0), (1000.0, 1350.0)], 10, 20.0),
-    # median 1.1, noise 0.9 / 2 / sqrt(3) = 0.26: within it
+    # median 1.1, MAD 0.1: noise 1.253 * 1.4826 * 0.1 / sqrt(3) = 0.107: within it
     ([(1000.0, 1000.0), (1000.0, 1100.0), (1000.0, 1900.0)], 10, 0.0),
+    # 15-20 % slower in seven pairs, one caught by a burst (ratio 0.4) and one at 2.5: the
+    # median's noise is the MAD's (0.025 -> 0.029), not the range's (2.1 / 2 / 3 = 0.35)
+    ([(1000.0, r * 1000.0) for r in (1.15, 1.16, 1.17, 1.18, 1.18, 1.19, 1.2, 0.4, 2.5)],
+     10, 18.0),
     ([(2000.0, 2130.0), (2000.0, 2130.0), (2000.0, 2130.0)], 100, 1.5),  # 1.3 µs -> 1.5 grid
 ])
 def test_overhead_of_charges_a_per_node_cost_above_the_noise(
