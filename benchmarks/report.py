@@ -347,15 +347,24 @@ def fidelity(results: Path, figures: Path) -> list[str]:
              f"{s['max_abs_step_error']:.1%}; per-rank peaks under-predicted: "
              f"{s['under_predicted_peaks']}; most over-predicted peak {s['max_peak_over']:+.1%}.",
              ""]
+    drifted = "median_abs_speed_adjusted_step_error" in s
+    if drifted:
+        lines += ["The machine's speed while each plan ran, over its speed at the profile "
+                  "(a probe around each group; above 1: slower), is the `machine` column; "
+                  "predictions scaled by it come out at a median |error| of "
+                  f"{s['median_abs_speed_adjusted_step_error']:.1%}, worst "
+                  f"{s['max_abs_speed_adjusted_step_error']:.1%}.", ""]
     lines += [f"- {value}" for key, value in s.items() if key.endswith("_solver_vs_fastest")]
-    lines += ["", "| workload | plan | predicted s | measured s | error | peak MiB pred / meas |",
-              "|---|---|---:|---:|---:|---|"]
+    lines += ["", "| workload | plan | predicted s | measured s | error |"
+              + (" machine |" if drifted else "") + " peak MiB pred / meas |",
+              "|---|---|---:|---:|---:|" + ("---:|" if drifted else "") + "---|"]
     for r in d["rows"]:
         peaks = ", ".join(f"{a / 2**20:.0f} / {b / 2**20:.0f}" for a, b in
                           zip(r["predicted_peak_bytes"], r["measured_peak_bytes"], strict=True))
         lines.append(f"| {r['workload']} | {', '.join(r['labels'])} | "
                      f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
-                     f"{r['step_error']:+.1%} | {peaks} |")
+                     f"{r['step_error']:+.1%} |"
+                     + (f" {r['machine_vs_profile']:.3f} |" if drifted else "") + f" {peaks} |")
     png = results / "fidelity" / "timeline.png"
     if png.exists():
         shutil.copyfile(png, figures / "fidelity_timeline.png")

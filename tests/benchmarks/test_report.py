@@ -62,3 +62,26 @@ def test_report_lists_missing_results_and_names_a_broken_file(tmp_path: Path) ->
         report.write_report(results, tmp_path / "REPORT.md")
     assert text == (tmp_path / "REPORT.md").read_text()  # the old report is left whole
     assert not list(tmp_path.glob(".REPORT.md.*"))
+
+
+@pytest.mark.parametrize("probed", [False, True])
+def test_fidelity_section_shows_the_machine_speed_when_the_sweep_probed_it(
+        tmp_path: Path, probed: bool) -> None:
+    row = {"workload": "gpt2", "labels": ["1f1b v1 m8"], "predicted_step_s": 0.70,
+           "measured_step_s": 0.75, "step_error": 0.70 / 0.75 - 1,
+           "predicted_peak_bytes": [2**20, 2**21], "measured_peak_bytes": [2**20, 2**21]}
+    summary = {"plans": 1, "median_abs_step_error": 0.0667, "max_abs_step_error": 0.0667,
+               "under_predicted_peaks": 0, "max_peak_over": 0.0}
+    if probed:
+        row |= {"machine_vs_profile": 1.05, "speed_adjusted_step_error": 0.70 * 1.05 / 0.75 - 1}
+        summary |= {"median_abs_speed_adjusted_step_error": 0.02,
+                    "max_abs_speed_adjusted_step_error": 0.02}
+    (tmp_path / "fidelity").mkdir()
+    (tmp_path / "fidelity" / "results.json").write_text(json.dumps({
+        "machine": "x86_64, 2 cores", "python": "3.11", "torch": "2.13.0+cpu", "ranks": 2,
+        "threads_per_rank": 1, "steps": 7, "date": "2026-11-25", "summary": summary,
+        "rows": [row]}))
+    text = "\n".join(_report().fidelity(tmp_path, tmp_path))
+    assert "| gpt2 | 1f1b v1 m8 | 0.700 | 0.750 | -6.7% |" in text
+    assert ("| 1.050 | 1 / 1, 2 / 2 |" in text) == probed
+    assert ("median |error| of 2.0%, worst 2.0%" in text) == probed
