@@ -202,6 +202,10 @@ class Profile:
         split_backward_us_per_node: what zero-bubble's I/W split adds per node with a
             backward, per microbatch, µs, measured at the smallest microbatch the plan may
             use (0.0 when not measured: inference, one rank, or zero_bubble excluded).
+        split_backward_points: ``(rows, µs per node)``: that cost measured at each
+            microbatch size whose segments were timed (the two batch points and the scaled
+            ones), where m is left to the solver (``SolveOptions.split_backward_points``);
+            empty with m fixed, where the one figure above applies.
         transfer_overhead_us: what the distributed runtime spends on each transfer between
             ranks beside the link time, µs, measured on this host when the profile is for
             that runtime on two or more ``cpu`` ranks (:func:`host_figures`); else 0.0.
@@ -224,6 +228,7 @@ class Profile:
     split_backward_us_per_node: float = 0.0
     transfer_overhead_us: float = 0.0
     co_runners: int = 0
+    split_backward_points: tuple[tuple[int, float], ...] = ()
 
     def cluster(self) -> Cluster:
         """The devices as the solver sees them, with the measured host link if any."""
@@ -238,6 +243,7 @@ class Profile:
             microbatch_candidates=self.microbatch_candidates, training=self.training,
             library_versions=library_versions(), split_backward_factor=self.split_backward_factor,
             split_backward_us_per_node=self.split_backward_us_per_node,
+            split_backward_points=self.split_backward_points,
             transfer_overhead_us=self.transfer_overhead_us)
         if choices.get("num_microbatches") is not None:  # one m of the profiled candidates
             base["microbatch_candidates"] = None
@@ -267,8 +273,10 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     (export specialises size-1 dimensions, which can change the graph). With ``split_cost``
     (and training on more than one rank) what zero-bubble's I/W split adds per node is
     measured too, as ``runtime`` (``"local"``, default, or ``"distributed"``) splits a
-    backward, at the smallest microbatch the plan may use
-    (:func:`autopart.profiler.split_cost.measure_split_backward_overhead`). With ``loss_fn``
+    backward (:func:`autopart.profiler.split_cost.measure_split_backward_overhead`): at the
+    microbatch profiled when m is fixed, else at each microbatch size whose segments are
+    timed (the two batch points and the scaled ones below; ``split_backward_points``), as
+    the cost grows with the rows. With ``loss_fn``
     (training) the loss's own cost is added to the graph's last node: measured on
     ``example_target`` (the full batch's target) when given, else estimated as a
     cross-entropy over the outputs, timed on ``devices[0]`` (untimed for a ``meta`` model;
@@ -381,14 +389,16 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     points = batch_points(batch, candidates, len(devices)) if low_batch else None
     two_point: CostGraph | None = None
     smallest: tuple[CapturedGraph, list[Any], CostGraph] | None = None
+    scaled: tuple[int, ...] = ()
+    captures: dict[int, tuple[CapturedGraph, list[Any]]] = {}  # by m, as the points made them
     if points is not None:
         # node and loss times from two smaller microbatches; the full batch keeps the bytes
         t0 = time.perf_counter()
+        scaled = scaled_batch_points(batch, candidates, len(devices), points)
         with contextlib.suppress(PlanError):  # a batch-dependent graph: one point, scaled
             two_point, smallest = _two_point_costs(
                 model, args, kwargs, points, batch, costs, loss_at, devices[0], training, key,
-                use_cache, hits, method, neighbours, measured_loss,
-                scaled_batch_points(batch, candidates, len(devices), points))
+                use_cache, hits, method, neighbours, measured_loss, scaled, captures)
         timings["batch_points_s"] = time.perf_counter() - t0
     if two_point is not None:
         costs = two_point
@@ -401,21 +411,23 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         costs = with_loss_cost(costs, loss)
         timings["loss_cost_s"] = time.perf_counter() - t0
     split_us = 0.0
+    split_points: tuple[tuple[int, float], ...] = ()
     if split_cost and training and len(devices) > 1:
         t0 = time.perf_counter()
         split_name = _SPLIT_OVERHEAD + ("" if runtime == "local" else f":{runtime}")
-        cached = load_measure(key, split_name) if use_cache else None
-        if cached is not None:
-            split_us = cached
-            hits.add("split_cost")
-        else:
-            # the smallest microbatch's graph where the solver chooses m (the split's cost per
-            # node weighs most there), else the one profiled
-            piece = smallest if smallest is not None else (captured, flat, costs)
-            split_us = measure_split_backward_overhead(
-                *piece, devices[0], find_candidates(piece[2], 3).positions, runtime=runtime)
-            if use_cache:
-                store_measure(key, split_name, split_us)
+        if smallest is None or points is None:  # m fixed (or one point): the profiled graph
+            split_us = _split_cost_cached(key, split_name, (captured, flat, costs), devices[0],
+                                          runtime, use_cache, hits)
+        else:  # at each microbatch size the segments were timed at, smallest first
+            got = []
+            for m in sorted({*points, *scaled}, reverse=True):
+                piece = _split_piece(model, args, kwargs, m, batch, smallest, captures)
+                if piece is not None:
+                    got.append((batch // m, _split_cost_cached(
+                        key, f"{split_name}@{batch // m}", piece, devices[0], runtime,
+                        use_cache, hits)))
+            split_points = tuple(got)
+            split_us = got[0][1] if got else 0.0
         timings["split_cost_s"] = time.perf_counter() - t0
     link, overhead = None, 0.0
     if len(devices) > 1 and all(torch.device(d).type == "cpu" for d in devices):
@@ -426,7 +438,8 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             link = host_link(use_cache)
         timings["link_s"] = time.perf_counter() - t0
     return Profile(captured, costs, tuple(devices), batch, num_microbatches, candidates, training,
-                   1.0, timings, frozenset(hits), link, split_us, overhead, neighbours)
+                   1.0, timings, frozenset(hits), link, split_us, overhead, neighbours,
+                   split_points)
 
 
 def measure_host_figures(use_cache: bool = True) -> tuple[LinkFigures, float]:
@@ -521,6 +534,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                      loss_at: Any, device: str, training: bool, key: dict[str, Any],
                      use_cache: bool, hits: set[str], method: str, neighbours: int = 0,
                      measured_loss: bool = True, scaled: tuple[int, ...] = (),
+                     captures: dict[int, tuple[CapturedGraph, list[Any]]] | None = None,
                      ) -> tuple[CostGraph, tuple[CapturedGraph, list[Any], CostGraph]]:
     """The full batch's costs with node and loss times from two smaller batches (see
     :func:`profile_model`): at the smallest microbatch (``points[0]`` microbatches) a
@@ -540,6 +554,8 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     as the larger point's are, beside the same co-runners, each giving the line a
     :class:`~autopart.core.costgraph.BatchScale` (cached as numbers on the full batch's
     profile too); the loss stays on its line there.
+    ``captures``: filled with ``m -> (capture, flat inputs)`` for each microbatch count
+    captured here (the split's cost is timed on them, :func:`_split_piece`).
 
     Returns:
         The costs, and the smallest microbatch's capture, flat inputs and profile.
@@ -551,6 +567,8 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     low_args, low_kwargs = microbatch_inputs(args, kwargs, m_low)
     low_captured = capture(model, low_args, low_kwargs)
     low_flat = low_captured.flatten_inputs(low_args, low_kwargs)
+    made = captures if captures is not None else {}
+    made[m_low] = (low_captured, low_flat)
 
     calibration = _calibration_suffix(neighbours)
     loss_tag = _loss_tag(measured_loss)
@@ -577,7 +595,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         hits.add("high_batch_times")
     else:
         high_captured, times = _segments_at(model, args, kwargs, m_high, device, cuts,
-                                            neighbours)
+                                            neighbours, captures=made)
         assert times is not None
         loss_high = loss_at(high_captured, m_high)
         values = ([0.0] * 4 if loss_high is None else [
@@ -617,7 +635,7 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         else:
             try:
                 _, m_times = _segments_at(model, args, kwargs, m, device, cuts, neighbours,
-                                          same_as=low_captured)
+                                          same_as=low_captured, captures=made)
             except PlanError:  # a segment the stage builder cannot cut there: the line
                 continue
             if m_times is None:
@@ -638,10 +656,12 @@ def _two_point_costs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 def _segments_at(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], m: int,
                  device: str, cuts: tuple[int, ...], neighbours: int,
                  same_as: CapturedGraph | None = None,
+                 captures: dict[int, tuple[CapturedGraph, list[Any]]] | None = None,
                  ) -> tuple[CapturedGraph, list[tuple[float, float]] | None]:
     """The model captured at ``m`` microbatches and its segments (cut at ``cuts``) timed
     there beside ``neighbours`` co-runners (:func:`segment_times`); None for the times when
-    ``same_as`` is given and the capture's ops differ from it.
+    ``same_as`` is given and the capture's ops differ from it. ``captures`` (when given)
+    keeps ``m -> (capture, flat inputs)``.
 
     Raises:
         PlanError: a segment cannot be cut at that batch.
@@ -651,6 +671,8 @@ def _segments_at(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if same_as is not None and _ops(captured) != _ops(same_as):
         return captured, None
     flat = captured.flatten_inputs(m_args, m_kwargs)
+    if captures is not None:
+        captures[m] = (captured, flat)
     with co_runners(corunner_step(captured, flat), neighbours):
         return captured, segment_times(captured, flat, device, cuts)
 
@@ -764,7 +786,48 @@ def scaled_batch_points(batch: int, candidates: tuple[int, ...] | None, num_rank
 
 
 #: The split's per-node cost's name in the cache, with the revision of its measurement.
-_SPLIT_OVERHEAD = "split_backward_us_per_node:smallest-microbatch-flushed-mad-v5"
+_SPLIT_OVERHEAD = "split_backward_us_per_node:flushed-mad-v6"
+
+
+def _split_cost_cached(key: dict[str, Any], name: str,
+                       piece: tuple[CapturedGraph, list[Any], CostGraph], device: str,
+                       runtime: str, use_cache: bool, hits: set[str]) -> float:
+    """The split's per-node cost on ``piece`` (capture, flat inputs, profile), read from the
+    profile cache as the number ``name`` on ``key``'s profile or measured
+    (:func:`autopart.profiler.split_cost.measure_split_backward_overhead`) and stored;
+    ``"split_cost"`` goes into ``hits`` when read."""
+    cached = load_measure(key, name) if use_cache else None
+    if cached is not None:
+        hits.add("split_cost")
+        return cached
+    us = measure_split_backward_overhead(*piece, device, find_candidates(piece[2], 3).positions,
+                                         runtime=runtime)
+    if use_cache:
+        store_measure(key, name, us)
+    return us
+
+
+def _split_piece(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], m: int,
+                 batch: int, smallest: tuple[CapturedGraph, list[Any], CostGraph],
+                 captures: dict[int, tuple[CapturedGraph, list[Any]]],
+                 ) -> tuple[CapturedGraph, list[Any], CostGraph] | None:
+    """What the split's cost is timed on at ``m`` microbatches: the capture there (made by
+    the batch points, in ``captures``, else made now) with the smallest microbatch's profile,
+    its saved bytes scaled to the rows (the piece's cuts follow the profile's time shares, the
+    cache flush its bytes); None where the graph's ops differ from the smallest's."""
+    low_captured, _, low_costs = smallest
+    if m not in captures:
+        m_args, m_kwargs = microbatch_inputs(args, kwargs, m)
+        cap = capture(model, m_args, m_kwargs)
+        captures[m] = (cap, cap.flatten_inputs(m_args, m_kwargs))
+    cap, flat = captures[m]
+    if cap is not low_captured and _ops(cap) != _ops(low_captured):
+        return None
+    k = (batch // m) / low_costs.batch_size
+    costs = dataclasses.replace(low_costs, nodes=tuple(
+        dataclasses.replace(nd, saved_bytes=math.ceil(nd.saved_bytes * k))
+        for nd in low_costs.nodes))
+    return cap, flat, costs
 
 
 def _dtype_name(model: nn.Module) -> str:

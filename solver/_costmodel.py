@@ -105,6 +105,9 @@ class CostModel:
         split_us_per_node: what splitting a backward adds per node that has a backward, per
             microbatch, µs, whatever the microbatch's size (default 0.0); see
             :meth:`split_overhead_us`.
+        split_points: ``(rows, µs per node)`` where that cost was measured at several
+            microbatch sizes (default ``()``); when given it replaces ``split_us_per_node``
+            (:meth:`split_us_per_node_at`).
         receive_buffers_per_microbatch: training stages hold m receive buffers for their
             input and m for their outputs' gradient (torch.distributed.pipelining's stages
             allocate one per microbatch up front; default False: one of each), and keep
@@ -116,10 +119,12 @@ class CostModel:
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
                  state_factor: float, split_factor: float = 1.0, split_us_per_node: float = 0.0,
                  receive_buffers_per_microbatch: bool = False,
-                 transfer_overhead_us: float = 0.0) -> None:
+                 transfer_overhead_us: float = 0.0,
+                 split_points: Sequence[tuple[float, float]] = ()) -> None:
         self.costs = costs
         self.split_factor = split_factor  # (I + W) / B where splits_backward(kind, recompute)
         self.split_us_per_node = split_us_per_node
+        self.split_points = tuple(sorted(split_points))
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
         self.receive_buffers_per_microbatch = receive_buffers_per_microbatch
         self.transfer_overhead_us = transfer_overhead_us
@@ -268,15 +273,39 @@ class CostModel:
         fx, ln = self._parts[part]
         return fx[stop] - fx[start] + (ln[stop] - ln[start]) * ratio
 
-    def split_overhead_us(self, start: int, stop: int) -> float:
+    @property
+    def charges_split(self) -> bool:
+        """Whether splitting a backward costs anything per node at some microbatch size."""
+        return self.split_us_per_node > 0.0 or any(us > 0.0 for _, us in self.split_points)
+
+    def split_us_per_node_at(self, rows: float) -> float:
+        """What splitting a backward adds per node with a backward at a microbatch of
+        ``rows`` rows, µs: ``split_us_per_node`` without ``split_points``; with one point its
+        cost; else read off the piecewise line through the points (the end pieces extended
+        beyond the first and last rows), at least 0.
+
+        The split's extra work grows with the microbatch: timed as profiled (caches flushed
+        before each part), the fidelity GPT-2's piece measured 22, 52 and 70.5 µs per node
+        at 2, 4 and 8 rows (2-core CPU, torch 2.13.0+cpu, medians of 4), and its ZB-H1 plan
+        at m = 4 (8 rows) paid 5.8 ms a microbatch on its second rank for the split
+        against 2.6 ms charged at the 2-row figure."""
+        pts = self.split_points
+        if not pts:
+            return self.split_us_per_node
+        if len(pts) == 1:
+            return pts[0][1]
+        k = min(max(bisect.bisect_left([r for r, _ in pts], rows), 1), len(pts) - 1)
+        (r0, u0), (r1, u1) = pts[k - 1], pts[k]
+        return max(0.0, u0 + (u1 - u0) * (rows - r0) / (r1 - r0))
+
+    def split_overhead_us(self, start: int, stop: int, ratio: float = 1.0) -> float:
         """What splitting the backward of nodes ``start .. stop - 1`` into I and W adds to
-        one microbatch's ``I + W``, µs: ``split_us_per_node`` times the nodes that have a
+        one microbatch's ``I + W`` at ``ratio = b / b0``, µs: the cost per node at that
+        microbatch's rows (:meth:`split_us_per_node_at`) times the nodes that have a
         backward. The split walks the autograd graph twice (hooks on I's intermediates,
-        then W from them), a cost per node that does not grow with the microbatch: on the
-        fidelity GPT-2 (2-core CPU, torch 2.13.0+cpu) torch's split measured
-        ``(I + W) / B`` = 1.03-1.06 at 32 rows, 1.11-1.12 at 4 and 1.16 at 2, which one
-        constant per node explains, and a constant factor does not."""
-        return self.split_us_per_node * (self._bwd_nodes[stop] - self._bwd_nodes[start])
+        then W from them)."""
+        per_node = self.split_us_per_node_at(ratio * self.costs.batch_size)
+        return per_node * (self._bwd_nodes[stop] - self._bwd_nodes[start])
 
     def tied_sync_us(self, positions: Sequence[int], p: int) -> float:
         """End-of-step all-reduce of the gradients of trainable parameters that stages on
@@ -318,6 +347,7 @@ class CostModel:
                    state_factor=options.optimizer_state_bytes_per_param_byte,
                    split_factor=options.split_backward_factor,
                    split_us_per_node=options.split_backward_us_per_node,
+                   split_points=options.split_backward_points,
                    receive_buffers_per_microbatch=options.receive_buffers_per_microbatch,
                    transfer_overhead_us=options.transfer_overhead_us)
 

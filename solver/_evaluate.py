@@ -164,7 +164,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
             else:
                 # the split's own cost goes to W (measured: I as fast as its share of B, W
                 # slower)
-                bw += model.split_overhead_us(a, z) * f
+                bw += model.split_overhead_us(a, z, ratio) * f
         if splits_backward(kind, False) and not splits_backward(kind, rc[s]):
             bi, bw = bi + bw, 0.0  # one B where its I would be; no W
         # the runtime's own cost of each transfer between ranks an action posts or waits on

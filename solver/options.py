@@ -57,7 +57,14 @@ class SolveOptions:
             not grow with the microbatch (see
             :meth:`autopart.solver._costmodel.CostModel.split_overhead_us`); charged to W.
             :func:`autopart.compile` measures it on the profiled device, at the smallest
-            microbatch.
+            microbatch. Replaced by ``split_backward_points`` where those are given.
+        split_backward_points: ``(rows per microbatch, µs per node)`` pairs, the split's
+            cost per node measured at several microbatch sizes (default ``()``: none, and
+            ``split_backward_us_per_node`` applies at every size). At a microbatch of ``r``
+            rows the cost is read off the piecewise line through them, extended beyond the
+            ends by its end pieces, and never below 0
+            (:meth:`autopart.solver._costmodel.CostModel.split_us_per_node_at`). Rows must
+            be > 0 and distinct, costs >= 0.
         transfer_overhead_us: what the runtime spends on each transfer between ranks that
             an action posts or waits on, beside the link time, µs (default 0.0; must be
             >= 0): the schedule's own Python for the action, posting the send or receive
@@ -95,6 +102,7 @@ class SolveOptions:
     library_versions: dict[str, str] = field(default_factory=dict)
     split_backward_factor: float = 1.0
     split_backward_us_per_node: float = 0.0
+    split_backward_points: tuple[tuple[float, float], ...] = ()
     receive_buffers_per_microbatch: bool = False
     transfer_overhead_us: float = 0.0
     crossing_factor: float = 2.0
@@ -121,6 +129,11 @@ class SolveOptions:
         if not self.split_backward_us_per_node >= 0.0:
             raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
                             "must be >= 0 (splitting a backward cannot make it cheaper)")
+        rows = [r for r, _ in self.split_backward_points]
+        if (any(not (r > 0) for r in rows) or len(set(rows)) != len(rows)
+                or any(not (us >= 0.0) for _, us in self.split_backward_points)):
+            raise PlanError(f"split_backward_points={self.split_backward_points} must be "
+                            "(rows > 0, µs per node >= 0) pairs with distinct rows")
         if not self.transfer_overhead_us >= 0.0:
             raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
                             "transfer cannot cost less than its link time)")

@@ -65,6 +65,17 @@ def test_profile_reports_what_came_from_the_cache(monkeypatch: pytest.MonkeyPatc
     assert warm.from_cache == {"profile", "split_cost", "low_batch_profile", "high_batch_times"}
     assert warm.costs == cold.costs
     assert warm.split_backward_us_per_node == cold.split_backward_us_per_node
+    # m is open: the split's cost is timed at each microbatch size whose segments were timed,
+    # smallest first, and cached per size
+    batch = args[0].shape[0]
+    points = planning.batch_points(batch, cold.microbatch_candidates, 2)
+    assert points is not None
+    ms = sorted({*points, *planning.scaled_batch_points(batch, cold.microbatch_candidates, 2,
+                                                         points)}, reverse=True)
+    assert [r for r, _ in cold.split_backward_points] == [batch // m for m in ms]
+    assert len(ms) >= 2 and warm.split_backward_points == cold.split_backward_points
+    assert cold.split_backward_us_per_node == cold.split_backward_points[0][1]
+    assert cold.options().split_backward_points == cold.split_backward_points
     # a profile without the split factor is completed by the first call that needs it
     other, x = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), torch.randn(4, 8)
     assert planning.profile_model(other, (x,), devices=["cpu"]).from_cache == frozenset()

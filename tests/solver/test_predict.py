@@ -227,3 +227,34 @@ def test_a_stage_holds_its_unsaved_outputs_and_not_the_inputs_it_saves_from_torc
     assert saved(True, old) == [200, 330 + 100]
     with pytest.raises(PlanError, match="saved_from"):
         dataclasses.replace(nodes[0], saved_from=((1, 500),))
+
+
+def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_microbatches(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # the test_zero_bubble chain: 8 nodes of fwd 10, I 10, W 10 µs at b0 = 8 (batch 32)
+    costs = build.chain(8, param_bytes=400)
+    cluster = build.cluster(2, link_bw=1e12)
+    points = ((2, 1.0), (8, 4.0))  # µs per node at 2 and at 8 rows: 0.5 more per row
+
+    def second_w(m: int, **split: object) -> float:
+        opts = SolveOptions(batch_size=32, num_microbatches=m, **split)  # type: ignore[arg-type]
+        plan = plan_at(costs, cluster, opts, (4,), kind="zero_bubble", num_microbatches=m)
+        return predict(plan, costs, cluster, opts).stage_costs.bwd_weight_us[1]
+
+    plain = {m: second_w(m) for m in (2, 4, 8, 16)}
+    # 4 nodes with a backward on the second stage; rows 32 / m: 16 (beyond the last point,
+    # its piece extended), 8, 4 (between), 2
+    for m, per_node in ((2, 8.0), (4, 4.0), (8, 2.0), (16, 1.0)):
+        assert second_w(m, split_backward_points=points) == pytest.approx(
+            plain[m] + 4 * per_node)
+    # the points replace the single figure
+    assert second_w(4, split_backward_points=points, split_backward_us_per_node=100.0) == \
+        pytest.approx(plain[4] + 16.0)
+    # one point: its cost at every size; never below 0 (a falling line extended)
+    assert second_w(16, split_backward_points=((4, 3.0),)) == pytest.approx(plain[16] + 12.0)
+    assert second_w(16, split_backward_points=((4, 3.0), (8, 1.0))) == pytest.approx(
+        plain[16] + 4 * 4.0)
+    assert second_w(2, split_backward_points=((4, 3.0), (8, 1.0))) == pytest.approx(plain[2])
+    for bad in (((0, 1.0),), ((2, 1.0), (2, 2.0)), ((2, -1.0),)):
+        with pytest.raises(PlanError, match="split_backward_points=.* must be"):
+            SolveOptions(batch_size=8, split_backward_points=bad)  # type: ignore[arg-type]
