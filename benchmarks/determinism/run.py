@@ -68,13 +68,16 @@ def worker(model_name: str) -> dict[str, Any]:
 
 def split_factor(cache: Path) -> float | None:
     """The split's cost stored in a cache folder's profile file (None: none stored): a
-    factor (before 2026-11-24) or µs per node."""
+    factor (before 2026-11-24) or µs per node; of a cost stored per microbatch size
+    (``...@<rows>``, since 2026-11-25), the smallest microbatch's."""
+    found: list[tuple[int, float]] = []
     for path in cache.glob("profile-*.json"):
         measures = json.loads(path.read_text()).get("measures", {})
         for name, value in measures.items():
             if name.startswith(("split_backward_factor", "split_backward_us_per_node")):
-                return float(value)
-    return None
+                rows = name.rpartition("@")[2]
+                found.append((int(rows) if "@" in name and rows.isdigit() else 0, float(value)))
+    return min(found)[1] if found else None
 
 
 def launch(python: str, model: str, cache: Path) -> dict[str, Any]:
