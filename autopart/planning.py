@@ -11,6 +11,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -416,16 +417,17 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         t0 = time.perf_counter()
         split_name = _SPLIT_OVERHEAD + ("" if runtime == "local" else f":{runtime}")
         if smallest is None or points is None:  # m fixed (or one point): the profiled graph
-            split_us = _split_cost_cached(key, split_name, (captured, flat, costs), devices[0],
-                                          runtime, use_cache, hits)
+            split_us = _split_cost_cached(key, split_name, lambda: (captured, flat, costs),
+                                          devices[0], runtime, use_cache, hits) or 0.0
         else:  # at each microbatch size the segments were timed at, smallest first
             got = []
             for m in sorted({*points, *scaled}, reverse=True):
-                piece = _split_piece(model, args, kwargs, m, batch, smallest, captures)
-                if piece is not None:
-                    got.append((batch // m, _split_cost_cached(
-                        key, f"{split_name}@{batch // m}", piece, devices[0], runtime,
-                        use_cache, hits)))
+                us = _split_cost_cached(
+                    key, f"{split_name}@{batch // m}",
+                    functools.partial(_split_piece, model, args, kwargs, m, batch, smallest,
+                                      captures), devices[0], runtime, use_cache, hits)
+                if us is not None:
+                    got.append((batch // m, us))
             split_points = tuple(got)
             split_us = got[0][1] if got else 0.0
         timings["split_cost_s"] = time.perf_counter() - t0
@@ -668,11 +670,11 @@ def _segments_at(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     """
     m_args, m_kwargs = microbatch_inputs(args, kwargs, m)
     captured = capture(model, m_args, m_kwargs)
+    flat = captured.flatten_inputs(m_args, m_kwargs)
+    if captures is not None:  # kept even where the ops differ: no second capture to find out
+        captures[m] = (captured, flat)
     if same_as is not None and _ops(captured) != _ops(same_as):
         return captured, None
-    flat = captured.flatten_inputs(m_args, m_kwargs)
-    if captures is not None:
-        captures[m] = (captured, flat)
     with co_runners(corunner_step(captured, flat), neighbours):
         return captured, segment_times(captured, flat, device, cuts)
 
@@ -790,21 +792,26 @@ _SPLIT_OVERHEAD = "split_backward_us_per_node:flushed-mad-v6"
 
 
 def _split_cost_cached(key: dict[str, Any], name: str,
-                       piece: tuple[CapturedGraph, list[Any], CostGraph], device: str,
-                       runtime: str, use_cache: bool, hits: set[str]) -> float:
-    """The split's per-node cost on ``piece`` (capture, flat inputs, profile), read from the
-    profile cache as the number ``name`` on ``key``'s profile or measured
-    (:func:`autopart.profiler.split_cost.measure_split_backward_overhead`) and stored;
-    ``"split_cost"`` goes into ``hits`` when read."""
+                       piece: Callable[[], tuple[CapturedGraph, list[Any], CostGraph] | None],
+                       device: str, runtime: str, use_cache: bool,
+                       hits: set[str]) -> float | None:
+    """The split's per-node cost, µs, read from the profile cache as the number ``name`` on
+    ``key``'s profile, or else measured on what ``piece()`` returns (capture, flat inputs,
+    profile; called only on a miss, since making it may capture the model) with
+    :func:`autopart.profiler.split_cost.measure_split_backward_overhead` and stored; None
+    where ``piece()`` gives None. ``"split_cost"`` goes into ``hits`` when read."""
     cached = load_measure(key, name) if use_cache else None
     if cached is not None:
         hits.add("split_cost")
-        return cached
-    us = measure_split_backward_overhead(*piece, device, find_candidates(piece[2], 3).positions,
+        return float(cached)
+    made = piece()
+    if made is None:
+        return None
+    us = measure_split_backward_overhead(*made, device, find_candidates(made[2], 3).positions,
                                          runtime=runtime)
     if use_cache:
         store_measure(key, name, us)
-    return us
+    return float(us)
 
 
 def _split_piece(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], m: int,
@@ -814,7 +821,10 @@ def _split_piece(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     """What the split's cost is timed on at ``m`` microbatches: the capture there (made by
     the batch points, in ``captures``, else made now) with the smallest microbatch's profile,
     its saved bytes scaled to the rows (the piece's cuts follow the profile's time shares, the
-    cache flush its bytes); None where the graph's ops differ from the smallest's."""
+    cache flush its bytes); None where the graph's ops differ from the smallest's.
+
+    Raises:
+        TraceError: the model cannot be captured at that batch (it was at the others)."""
     low_captured, _, low_costs = smallest
     if m not in captures:
         m_args, m_kwargs = microbatch_inputs(args, kwargs, m)

@@ -53,11 +53,12 @@ class SolveOptions:
             candidates have their non-recomputed stages' I and W multiplied by it; must be
             >= 1. Profiles leave it at 1.0 and measure ``split_backward_us_per_node``.
         split_backward_us_per_node: what splitting one backward adds per node with a
-            backward, per microbatch, µs (default 0.0; must be >= 0): the split's cost does
-            not grow with the microbatch (see
+            backward, per microbatch, µs (default 0.0; must be >= 0), the same at every
+            microbatch size (see
             :meth:`autopart.solver._costmodel.CostModel.split_overhead_us`); charged to W.
-            :func:`autopart.compile` measures it on the profiled device, at the smallest
-            microbatch. Replaced by ``split_backward_points`` where those are given.
+            :func:`autopart.compile` measures it on the profiled device at the microbatch
+            it profiles when m is fixed; where m is open it measures
+            ``split_backward_points`` instead, which replace this figure.
         split_backward_points: ``(rows per microbatch, µs per node)`` pairs, the split's
             cost per node measured at several microbatch sizes (default ``()``: none, and
             ``split_backward_us_per_node`` applies at every size). At a microbatch of ``r``

@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def _label(point: tuple[str, str, int, int, bool]) -> str:
 PROBE_ROWS = 4
 
 
-def speed_probe(model: nn.Module, args: tuple[Any, ...]) -> Any:
+def speed_probe(model: nn.Module, args: tuple[Any, ...]) -> Callable[[], float]:
     """A machine-speed probe for a workload: a function returning the forward + backward of
     its whole graph at :data:`PROBE_ROWS` rows, µs, timed as the profile's calibration times
     its segments (:func:`autopart.profiler.calibrate.whole_graph_times`: one thread, median
