@@ -17,14 +17,15 @@ from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.options import CompileOptions, optimizer_state_factor
-from autopart.planning import plan_devices, plan_model
+from autopart.devices import plan_devices
+from autopart.planning import plan_model
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
 from autopart.runtime.distributed import DistributedPipeline
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S
 from autopart.runtime.local import PipelinedModule
 from autopart.runtime.pipeline import Pipeline
-from autopart.runtime.signature import InputSignature, batch_size, microbatch_inputs
+from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 
 __all__ = ["compile", "load"]
 
@@ -54,15 +55,15 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         loss_fn: ``(output, target) -> scalar``; ``None`` = inference only.
         example_target: a target for ``example_inputs`` (the full batch): the loss's own
             time and memory on the last stage are then measured, not estimated
-            (:mod:`autopart.loss_cost`). Default None.
+            (:mod:`autopart.profiler.loss_cost`). Default None.
         plan: a :class:`Plan` or a path to a plan file to replay without solving.
         options: the choices as one :class:`autopart.CompileOptions`; or pass them as
             keywords (not both):
         **choices: the fields of :class:`autopart.CompileOptions`: ``devices`` (one per
             rank; default the visible GPUs, else ``["cpu"] * ranks``), ``num_stages`` (S =
             ranks x stages_per_rank), ``num_microbatches`` (m), ``optimize`` (``"speed"``
-            or ``"memory"``), ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
-            ``"zero_bubble"``), ``stages_per_rank`` (v), ``recompute`` (True / False /
+            or ``"memory"``), ``schedule_kind`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
+            ``"zero_bubble"``; ``schedule=`` is accepted as its older name), ``stages_per_rank`` (v), ``recompute`` (True / False /
             None: per stage), ``fuse`` (``torch.compile`` each stage; compile time in
             ``pipe.timings_s["fuse_s"]`` covers wrapping, compilation runs on first call),
             ``backend`` (``"local"``: one process; ``"distributed"``: this process is one
@@ -94,6 +95,10 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         raise PlanError(f"pass the choices either as options= or as keywords, not both (got "
                         f"options and {sorted(choices)})")
     if options is None:
+        if "schedule" in choices:  # the name before 0.x; the plan's and solver's is schedule_kind
+            if "schedule_kind" in choices:
+                raise PlanError("pass schedule_kind= only (schedule= is its older name)")
+            choices["schedule_kind"] = choices.pop("schedule")
         if "devices" in choices and choices["devices"] is not None:
             choices["devices"] = tuple(str(d) for d in choices["devices"])
         try:
@@ -129,14 +134,12 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                loss_fn=loss_fn, example_target=example_target,
                                num_stages=options.num_stages,
                                num_microbatches=options.num_microbatches,
-                               optimize=options.optimize or "speed", schedule=options.schedule,
+                               optimize=options.optimize or "speed", schedule_kind=options.schedule_kind,
                                stages_per_rank=options.stages_per_rank,
                                recompute=options.recompute, training=training,
                                time_limit_s=options.time_limit_s,
                                optimizer_state_bytes_per_param_byte=_state_factor(model, options),
-                               # torch's stages: a receive buffer per microbatch, and
-                               # their own backward split
-                               runtime="distributed" if distributed else "local")
+                               backend="distributed" if distributed else "local")
     return plan, profile.captured, profile.timings_s
 
 

@@ -229,7 +229,7 @@ def _read(work: str, names: list[str]) -> dict[str, ArmResult]:
 
 def _rank_main(rank: int, world: int, port: int, work: str) -> None:
     import autopart
-    from autopart.runtime.microbatch import split_leaves
+    from autopart.core.microbatch import split_leaves
 
     spec = json.loads(Path(work, "spec.json").read_text())
     torch.set_num_threads(spec["threads"])
@@ -291,7 +291,7 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
         opt.zero_grad()
         if name == SINGLE:
             if spec["memory"] and rank == 0:
-                from autopart.runtime.tracing import measure_peak_bytes, optimizer_tensors
+                from autopart.core.memory import measure_peak_bytes, optimizer_tensors
 
                 held = [t for p in plain.parameters() for t in (p, p.grad) if t is not None]
                 held += list(plain.buffers()) + optimizer_tensors(opt)

@@ -8,10 +8,10 @@ from typing import Any
 
 from autopart.core.errors import PlanError
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
+from autopart.core.runtime_model import BACKENDS
 
-__all__ = ["CompileOptions", "BACKENDS", "OPTIMIZER_STATE_TENSORS", "optimizer_state_factor"]
+__all__ = ["CompileOptions", "OPTIMIZER_STATE_TENSORS", "optimizer_state_factor"]
 
-BACKENDS = ("local", "distributed")
 # State tensors per parameter, each shaped and typed like the parameter (torch.optim keeps
 # exp_avg / exp_avg_sq and momentum_buffer in the parameter's dtype): AdamW/Adam 2, SGD
 # with momentum 1 (SGD without momentum keeps none: pass optimizer=0.0).
@@ -76,7 +76,8 @@ class CompileOptions:
         num_microbatches: m >= 1.
         optimize: ``"speed"`` or ``"memory"``; ``None`` means ``"speed"`` (a replayed plan
             keeps its own).
-        schedule: one of ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``.
+        schedule_kind: one of ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``
+            (the plan's and the solver's name; ``compile(schedule=...)`` is still accepted).
         stages_per_rank: v >= 1 (v > 1 needs ``interleaved_1f1b``).
         recompute: every stage (True), none (False), solver's choice (None).
         fuse: compile each stage with ``torch.compile`` (both backends).
@@ -101,7 +102,7 @@ class CompileOptions:
     num_stages: int | None = None
     num_microbatches: int | None = None
     optimize: str | None = None
-    schedule: str | None = None
+    schedule_kind: str | None = None
     stages_per_rank: int | None = None
     recompute: bool | None = None
     fuse: bool = False
@@ -118,12 +119,12 @@ class CompileOptions:
             _positive_int(name, getattr(self, name))
         if self.optimize is not None and self.optimize not in OPTIMIZE_TARGETS:
             raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
-        if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
-            raise PlanError(f"schedule={self.schedule!r}; expected one of {SCHEDULE_KINDS} or "
+        if self.schedule_kind is not None and self.schedule_kind not in SCHEDULE_KINDS:
+            raise PlanError(f"schedule_kind={self.schedule_kind!r}; expected one of {SCHEDULE_KINDS} or "
                             "None (the solver chooses)")
-        if (self.stages_per_rank or 1) > 1 and self.schedule not in (None, "interleaved_1f1b"):
-            raise PlanError(f"stages_per_rank={self.stages_per_rank} needs schedule="
-                            f"'interleaved_1f1b' (or None), not {self.schedule!r}")
+        if (self.stages_per_rank or 1) > 1 and self.schedule_kind not in (None, "interleaved_1f1b"):
+            raise PlanError(f"stages_per_rank={self.stages_per_rank} needs schedule_kind="
+                            f"'interleaved_1f1b' (or None), not {self.schedule_kind!r}")
         if self.recompute not in (None, True, False):
             raise PlanError(f"recompute={self.recompute!r} must be True, False or None")
         if self.backend is not None and self.backend not in BACKENDS:
@@ -167,7 +168,7 @@ class CompileOptions:
         recompute = {st.recompute for st in plan.stages}
         given = [("num_stages", self.num_stages, plan.num_stages),
                  ("num_microbatches", self.num_microbatches, plan.num_microbatches),
-                 ("schedule", self.schedule, plan.schedule_kind),
+                 ("schedule_kind", self.schedule_kind, plan.schedule_kind),
                  ("stages_per_rank", self.stages_per_rank, plan.stages_per_rank),
                  ("optimize", self.optimize, plan.optimize),
                  ("recompute", self.recompute,

@@ -1,23 +1,42 @@
-"""What splitting a backward into I and W costs on this device: ``(I + W) / B``, measured."""
+"""What splitting a backward into I and W adds on this device, per node, measured."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
-from autopart.codegen.split_backward import SplitBackward
 from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
 from autopart.profiler.timer import spread, time_samples
 
-__all__ = ["measure_split_backward_factor", "measure_split_backward_overhead", "piece_cuts",
-           "factor_of", "overhead_of", "flush_bytes"]
+__all__ = ["SplitEngine", "measure_split_backward_overhead", "piece_cuts", "overhead_of",
+           "flush_bytes"]
+
+
+class SplitEngine(Protocol):
+    """How the runtime that will run a plan splits a stage's backward into its input- and
+    weight-gradient parts (zero-bubble's I and W); the runtime package provides one per
+    backend (``autopart.runtime.split_engines``), so the profiler times what that runtime
+    runs without importing it."""
+
+    def sent(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The stage's outputs as the runtime hands them on (the backward starts from
+        these)."""
+        ...
+
+    def split(self, roots: list[torch.Tensor], grads: list[torch.Tensor],
+              inputs: list[torch.Tensor], params: list[torch.nn.Parameter],
+              ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """``(I, W)``: two calls, I first, that compute the gradients of ``inputs`` and then
+        of ``params`` from ``roots`` with output gradients ``grads``; whatever the runtime
+        builds to split the backward is built in I."""
+        ...
 
 
 def piece_cuts(costs: CostGraph, positions: Sequence[int], *, start: float = 0.25,
@@ -50,105 +69,6 @@ def piece_cuts(costs: CostGraph, positions: Sequence[int], *, start: float = 0.2
     return first, second
 
 
-def measure_split_backward_factor(captured: CapturedGraph, flat_inputs: list[Any],
-                                  costs: CostGraph, device: str, positions: Sequence[int], *,
-                                  min_pairs: int = 3, max_pairs: int = 8,
-                                  max_spread: float = 0.05, budget_s: float = 2.0,
-                                  start: float = 0.25, share: float = 0.06,
-                                  runtime: str = "local") -> float:
-    """``(I + W) / B`` of the executor's zero-bubble split, timed on a small piece of the model.
-
-    The graph is cut around a piece of about ``share`` of its profiled time (see
-    :func:`piece_cuts`: by default one GPT-2 block a quarter in, whose inputs are activations
-    as every stage's but the first are). What comes before it runs once to make the piece's
-    inputs; those that need a gradient there become the piece's leaves, as in the runtime.
-    Then, per *pair*: one untimed forward of the piece, its backward timed once as
-    ``torch.autograd.backward(..., retain_graph=True)`` (``B``) and then, on the same graph,
-    as
-    :class:`autopart.codegen.split_backward.SplitBackward`'s ``input_grads`` then
-    ``weight_grads`` (``I + W``), or with ``runtime="distributed"`` torch's split on copies of
-    the outputs, as the distributed stages send them (the local executor builds its
-    ``SplitBackward`` in ``I``, and so is it timed). Before each of ``B``, ``I`` and ``W``
-    :func:`flush_bytes` are written (untimed: the model's parameters and one microbatch's
-    saved activations, at most 64 MiB), so each starts with the caches as a pipeline
-    leaves them, where other microbatches' work runs between a microbatch's forward, its
-    ``I`` and its ``W``:
-    timed back to back, torch's split of the fidelity GPT-2's piece at 2 rows cost 10-15 µs
-    a node; with the caches flushed 16-18 µs; in that GPT-2's ZB-H1 run (m = 16, 2 gloo
-    ranks) the second rank's ``I + W`` took 48 ms a step more than its ``B`` under 1F1B,
-    about 30 µs a node. The pair's ratio is taken back to back
-    on the same activations, so load that drifts over seconds (other processes on a shared
-    machine) cancels out of it. The first pair is a warm-up. Pairs are
-    timed until at least ``min_pairs`` ratios spread by at most ``max_spread`` (``(max - min) / median``), or
-    ``max_pairs`` were timed, or ``budget_s`` seconds went by after ``min_pairs``. The factor
-    is :func:`factor_of` the ratios: their median, rounded to 0.05, where it exceeds 1 by
-    more than the ratios' noise, else 1.0.
-
-    The ZB-H1 paper's cost model takes the split as free (factor 1); this measures what
-    the runtime pays. The result is cached with the profile by
-    :func:`autopart.planning.profile_model`, so one device, model and input shape pays it
-    once.
-
-    The model's parameters, buffers, gradients and random state are left as they were.
-
-    Args:
-        captured: the captured model; ``flat_inputs`` its flat inputs.
-        costs: its profile (chooses the piece).
-        device: where to run (the profiled device).
-        positions: where the graph may be cut (op-node positions, e.g. the solver's cut
-            candidates ``find_candidates(costs, 3).positions``).
-        min_pairs: timed pairs at least (default 3, >= 1).
-        max_pairs: timed pairs at most (default 8, >= ``min_pairs``).
-        max_spread: relative spread of the ratios at which timing stops (default 0.05).
-        budget_s: seconds of timing after which no pair beyond ``min_pairs`` starts
-            (default 2.0).
-        start, share: where the piece starts and how much of the profiled time it holds
-            (:func:`piece_cuts`).
-        runtime: whose split is timed: ``"local"`` (default; the local executor's
-            :class:`~autopart.codegen.split_backward.SplitBackward`) or ``"distributed"``
-            (torch.distributed.pipelining's ``stage_backward_input`` and
-            ``stage_backward_weight``, which the distributed runtime's stages run; measured
-            here 1.08-1.13 against SplitBackward's 1.05-1.11 on the same pieces).
-
-    Returns:
-        The factor, or 1.0 where it cannot be measured (fewer than two cut candidates, or
-        no floating-point activation enters the piece, or nothing leaves it that needs a
-        gradient).
-
-    Raises:
-        ValueError: ``min_pairs < 1`` or ``max_pairs < min_pairs``, or an unknown
-            ``runtime``.
-    """
-    ratios = _timed_ratios(captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
-                           max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s,
-                           start=start, share=share, runtime=runtime)
-    return factor_of(ratios)
-
-
-def factor_of(ratios: Sequence[float], *, step: float = 0.05) -> float:
-    """The factor the solver is charged for timed ``(I + W) / B`` ratios.
-
-    The median ratio, rounded to a multiple of ``step`` (default 0.05), where the split is
-    measurably slower: its excess over 1 is larger than half the ratios' range (the noise
-    of this measurement). Otherwise, and for no ratios at all, 1.0: an overhead within the
-    noise is not charged, so that the same model measured twice gets the same factor.
-
-    Args:
-        ratios: the pairs' ratios (dimensionless).
-        step: the rounding grid (> 0).
-
-    Returns:
-        A factor >= 1.0.
-    """
-    if not ratios:
-        return 1.0
-    median = statistics.median(ratios)
-    noise = (max(ratios) - min(ratios)) / 2
-    if median - 1.0 <= noise:
-        return 1.0
-    return max(1.0, round(round(median / step) * step, 6))
-
-
 def overhead_of(pairs: Sequence[tuple[float, float]], nodes: int, *,
                 step: float = 0.5) -> float:
     """The per-node cost the solver is charged for timed ``(B, I + W)`` pairs of a piece
@@ -159,11 +79,9 @@ def overhead_of(pairs: Sequence[tuple[float, float]], nodes: int, *,
     ``(I + W) / B`` exceeds 1 by more than the median's standard error, taken robustly as
     ``1.253 * 1.4826 * MAD / sqrt(n)`` (MAD: the ratios' median absolute deviation; for
     normal noise ``1.4826 * MAD`` estimates the standard deviation and ``1.253 / sqrt(n)``
-    of it is the median's error). Otherwise, and for no pairs or nodes, 0.0. (A test on the
-    ratios' range, used before, let one or two pairs caught by a burst of the machine zero a
-    real cost: the fidelity CNN's split adds 12-26 % to ``B`` in 16 pairs, and under a
-    concurrent load single pairs measured 0.59 and 2.41, which put that test's threshold at
-    13-16 % of ``B``; one cold profile of five came out 0 while another job ran.)
+    of it is the median's error). Otherwise, and for no pairs or nodes, 0.0. (The median
+    absolute deviation, not the range: one pair caught by a burst of load cannot zero a real
+    cost.)
     """
     if not pairs or nodes < 1:
         return 0.0
@@ -178,33 +96,55 @@ def overhead_of(pairs: Sequence[tuple[float, float]], nodes: int, *,
 
 def measure_split_backward_overhead(captured: CapturedGraph, flat_inputs: list[Any],
                                     costs: CostGraph, device: str, positions: Sequence[int],
-                                    *, min_pairs: int = 7, max_pairs: int = 16,
-                                    max_spread: float = 0.05, budget_s: float = 2.0,
-                                    start: float = 0.25, share: float = 0.06,
-                                    runtime: str = "local") -> float:
+                                    engine: SplitEngine, *, min_pairs: int = 7,
+                                    max_pairs: int = 16, max_spread: float = 0.05,
+                                    budget_s: float = 2.0, start: float = 0.25,
+                                    share: float = 0.06) -> float:
     """What splitting a backward into I and W adds per node that has a backward, µs per
     microbatch: the solver's ``split_backward_us_per_node``.
 
-    Timed as :func:`measure_split_backward_factor` times its piece (same arguments, but
-    at least 7 and at most 16 pairs by default: one pair's ratio moves by 20 % here), and
-    reduced by :func:`overhead_of` over the piece's nodes with a backward (``bwd_us > 0`` in
-    ``costs``). The split's extra work is a walk of the autograd graph per node (I's hooks
-    on the intermediates W restarts from, W's second traversal), whatever the rows: on the
-    fidelity GPT-2 (2-core CPU, torch 2.13.0+cpu, torch's split) ``(I + W) / B`` measured
-    1.03-1.06 at 32 rows, 1.11-1.12 at 4 and 1.16 at 2. Time it on the smallest
-    microbatch the plan may use, where it weighs most and is measured best;
-    :func:`autopart.planning.profile_model` does.
+    The graph is cut around a piece of about ``share`` of its profiled time (see
+    :func:`piece_cuts`), whose inputs are activations as every stage's but the first are.
+    What comes before it runs once to make the piece's inputs; those that need a gradient
+    there become the piece's leaves, as in the runtime. Then, per *pair*: one untimed
+    forward of the piece, its backward timed once as
+    ``torch.autograd.backward(..., retain_graph=True)`` (``B``) and then, on the same graph,
+    as ``engine`` splits it (``I`` then ``W``). Before each of ``B``, ``I`` and ``W``
+    :func:`flush_bytes` are written (untimed), so each starts with the caches as a pipeline
+    leaves them. A pair's ratio is taken back to back on the same activations, so load that
+    drifts over seconds cancels out of it. The first pair is a warm-up. Pairs are timed
+    until at least ``min_pairs`` ratios spread by at most ``max_spread``
+    (``(max - min) / median``), or ``max_pairs`` were timed, or ``budget_s`` seconds went by
+    after ``min_pairs``; :func:`overhead_of` reduces them over the piece's nodes with a
+    backward (``bwd_us > 0`` in ``costs``). The model's parameters, buffers, gradients and
+    random state are left as they were.
+
+    Args:
+        captured: the captured model; ``flat_inputs`` its flat inputs.
+        costs: its profile (chooses the piece).
+        device: where to run (the profiled device).
+        positions: where the graph may be cut (op-node positions, e.g. the solver's cut
+            candidates).
+        engine: how the runtime that will run the plan splits a backward
+            (:class:`SplitEngine`).
+        min_pairs, max_pairs: timed pairs at least and at most (defaults 7 and 16).
+        max_spread: relative spread of the ratios at which timing stops (default 0.05).
+        budget_s: seconds of timing after which no pair beyond ``min_pairs`` starts
+            (default 2.0).
+        start, share: where the piece starts and how much of the profiled time it holds
+            (:func:`piece_cuts`).
 
     Returns:
-        µs per node (>= 0), 0.0 where it cannot be measured (see
-        :func:`measure_split_backward_factor`) or is within the noise.
+        µs per node (>= 0); 0.0 where it cannot be measured (fewer than two cut
+        candidates, no floating-point activation enters the piece, or nothing leaves it
+        that needs a gradient) or is within the noise.
 
     Raises:
-        ValueError: as :func:`measure_split_backward_factor`.
+        ValueError: ``min_pairs < 1`` or ``max_pairs < min_pairs``.
     """
-    pairs = _timed_pairs(captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
-                         max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s,
-                         start=start, share=share, runtime=runtime)
+    pairs = _timed_pairs(captured, flat_inputs, costs, device, positions, engine,
+                         min_pairs=min_pairs, max_pairs=max_pairs, max_spread=max_spread,
+                         budget_s=budget_s, start=start, share=share)
     cuts = piece_cuts(costs, positions, start=start, share=share)
     if not pairs or cuts is None:
         return 0.0
@@ -233,24 +173,11 @@ def _cache_flusher(device: torch.device, nbytes: int) -> Any:
     return lambda: buf.add_(1.0)
 
 
-def _timed_ratios(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGraph,
-                  device: str, positions: Sequence[int], *, min_pairs: int, max_pairs: int,
-                  max_spread: float, budget_s: float, start: float, share: float,
-                  runtime: str = "local") -> list[float]:
-    """The pairs' ``(I + W) / B`` ratios, in the order timed (empty: not measurable)."""
-    return [s_us / b_us for b_us, s_us in _timed_pairs(
-        captured, flat_inputs, costs, device, positions, min_pairs=min_pairs,
-        max_pairs=max_pairs, max_spread=max_spread, budget_s=budget_s, start=start,
-        share=share, runtime=runtime)]
-
-
 def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGraph,
-                 device: str, positions: Sequence[int], *, min_pairs: int, max_pairs: int,
-                 max_spread: float, budget_s: float, start: float, share: float,
-                 runtime: str = "local") -> list[tuple[float, float]]:
+                 device: str, positions: Sequence[int], engine: SplitEngine, *,
+                 min_pairs: int, max_pairs: int, max_spread: float, budget_s: float,
+                 start: float, share: float) -> list[tuple[float, float]]:
     """The pairs' ``(B, I + W)`` times in µs, in the order timed (empty: not measurable)."""
-    if runtime not in ("local", "distributed"):
-        raise ValueError(f"runtime must be 'local' or 'distributed', got {runtime!r}")
     if min_pairs < 1 or max_pairs < min_pairs:
         raise ValueError(f"need 1 <= min_pairs <= max_pairs, got min_pairs={min_pairs}, "
                          f"max_pairs={max_pairs}")
@@ -297,27 +224,14 @@ def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGra
             roots = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
             if not roots:
                 return None
-            if runtime == "distributed":  # the distributed stages send copies (see _P2PStage)
-                roots = [o.clone() for o in roots]
+            roots = engine.sent(roots)
             grads = [torch.ones_like(o) for o in roots]
             needing = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
             (b_us,), _ = time_samples(dev, cold(lambda: torch.autograd.backward(
                 roots, grads, retain_graph=True)), 0, 1)
-            if runtime == "distributed":  # torch's zero-bubble stages' I and W
-                from torch.distributed.pipelining._backward import (
-                    stage_backward_input,
-                    stage_backward_weight,
-                )
-
-                (i_us,), (_, groups) = time_samples(dev, cold(lambda: stage_backward_input(
-                    roots, grads, needing, iter(params))), 0, 1)
-                (w_us,), _ = time_samples(dev, cold(lambda: stage_backward_weight(
-                    iter(params), groups)), 0, 1)
-            else:  # the local executor builds its SplitBackward in I
-                made: list[SplitBackward] = []
-                (i_us,), _ = time_samples(dev, cold(lambda: (made.append(SplitBackward(
-                    roots, grads, needing, params)), made[-1].input_grads())), 0, 1)
-                (w_us,), _ = time_samples(dev, cold(made[-1].weight_grads), 0, 1)
+            run_i, run_w = engine.split(roots, grads, needing, params)
+            (i_us,), _ = time_samples(dev, cold(run_i), 0, 1)
+            (w_us,), _ = time_samples(dev, cold(run_w), 0, 1)
             return (b_us, i_us + w_us) if b_us > 0 else None
 
         if pair() is None:  # the warm-up; None: the outputs need no gradient

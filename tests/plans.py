@@ -8,7 +8,7 @@ from autopart import PipelinedModule
 from autopart.codegen import build_stages
 from autopart.core.capture import CapturedGraph, op_nodes
 from autopart.core.plan import Cut, Plan, RankPlan, SolverReport, StagePlan
-from autopart.runtime.signature import InputSignature
+from autopart.core.signature import InputSignature
 
 
 def manual_plan(captured: CapturedGraph, positions: list[int], num_microbatches: int,

@@ -167,7 +167,7 @@ class CostGraph:
         low_backward_peaks: per node, ``backward_peak_bytes`` measured at
             ``low_batch_size`` (empty when not measured).
         loss_saved_bytes: of the last node's ``saved_bytes``, what the loss added to it
-            (``autopart.loss_cost.with_loss_cost``): what the loss keeps from its forward to
+            (``autopart.profiler.loss_cost.with_loss_cost``): what the loss keeps from its forward to
             its backward, outside any recomputed stage. Optional (default 0).
         batch_scales: with a second profiled batch, microbatches measured as well, segment
             by segment: at such a microbatch each node's time on the line is multiplied by

@@ -35,8 +35,9 @@ from autopart.runtime.host import (
     on_cores,
     tune_cpu_allocator,
 )
-from autopart.runtime.signature import InputSignature, call_loss, require_loss
-from autopart.runtime.tracing import ActionRecorder, measure_peak_bytes, optimizer_tensors
+from autopart.core.signature import InputSignature, call_loss, require_loss
+from autopart.core.memory import measure_peak_bytes, optimizer_tensors
+from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["DistributedPipeline"]
 
@@ -428,7 +429,7 @@ class DistributedPipeline(nn.Module):
 
         Raises:
             PlanError: compiled without ``loss_fn``, a loss that is not a scalar, or one that
-                fails without a target (:func:`autopart.runtime.signature.call_loss`).
+                fails without a target (:func:`autopart.core.signature.call_loss`).
         """
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         recorder = self._recorder
@@ -491,7 +492,7 @@ class DistributedPipeline(nn.Module):
                 the same on every rank.
             measure_memory: measure this rank's peak memory into
                 ``last_peak_memory_bytes`` (one entry per pipeline rank, gathered on every
-                rank; see :func:`autopart.runtime.tracing.measure_peak_bytes`; on CPU the
+                rank; see :func:`autopart.core.memory.measure_peak_bytes`; on CPU the
                 profiler it uses slows the step, so do not time such a step). Same on every
                 rank; default False.
             optimizer: with ``measure_memory``, its state counts as held memory.

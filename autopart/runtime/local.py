@@ -18,8 +18,9 @@ from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.trace import Trace
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.host import tune_cpu_allocator
-from autopart.runtime.signature import InputSignature, call_loss, require_loss
-from autopart.runtime.tracing import ActionRecorder, measure_peak_bytes, optimizer_tensors
+from autopart.core.signature import InputSignature, call_loss, require_loss
+from autopart.core.memory import measure_peak_bytes, optimizer_tensors
+from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["PipelinedModule", "state_layout"]
 
@@ -232,7 +233,7 @@ class PipelinedModule(nn.Module):
         """Pipelined inference: microbatches flow forward only, nothing is kept for backward.
 
         Returns the same structure as ``model(*args, **kwargs)``; see
-        :func:`autopart.runtime.microbatch.merge_leaves` for how microbatch outputs are joined.
+        :func:`autopart.core.microbatch.merge_leaves` for how microbatch outputs are joined.
 
         Raises:
             PlanError: inputs that do not fit the pipeline (:class:`InputSignature`).
@@ -261,7 +262,7 @@ class PipelinedModule(nn.Module):
                 False).
             measure_memory: measure the step's peak memory per device into
                 ``last_peak_memory_bytes`` (``{device: bytes}``, see
-                :func:`autopart.runtime.tracing.measure_peak_bytes`; on CPU the profiler it
+                :func:`autopart.core.memory.measure_peak_bytes`; on CPU the profiler it
                 uses slows the step, so do not time such a step). Default False.
             optimizer: with ``measure_memory``, its state counts as held memory.
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autopart.core.plan import Plan
-from autopart.runtime.signature import InputSignature
+from autopart.core.signature import InputSignature
 
 __all__ = ["Pipeline"]
 

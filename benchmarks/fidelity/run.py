@@ -13,7 +13,7 @@ GPT-2 plans in one process, 1F1B steps measured 7-8 % slower than with 3 (0.984 
 median of ``--steps`` timed ``train_step`` calls (slowest rank, after a barrier; the
 optimizer step is not part of the plan's prediction and is not timed), one traced step, and
 one step whose per-rank peak memory is measured with AdamW's state held
-(:func:`autopart.runtime.tracing.measure_peak_bytes`). The loss is profiled with an example
+(:func:`autopart.core.memory.measure_peak_bytes`). The loss is profiled with an example
 target, as ``autopart.compile(..., example_target=)`` does.
 
     .venv/bin/python benchmarks/fidelity/run.py [--quick] [--steps 7] [--out DIR]
@@ -150,7 +150,7 @@ def speed_probe(model: nn.Module, args: tuple[Any, ...]) -> Callable[[], float]:
     from autopart.core.capture import capture
     from autopart.profiler.calibrate import whole_graph_times
     from autopart.profiler.corunners import co_runners, model_step
-    from autopart.runtime.signature import microbatch_inputs
+    from autopart.core.signature import microbatch_inputs
 
     rows = args[0].shape[0]
     m_args, m_kwargs = microbatch_inputs(args, {}, rows // PROBE_ROWS)

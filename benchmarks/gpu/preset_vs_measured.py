@@ -71,7 +71,7 @@ def main() -> None:
     from autopart.core.cluster import device_preset
     from autopart.profiler import profile_graph
     from autopart.profiler.analytical import profile_analytical
-    from autopart.runtime.signature import microbatch_inputs
+    from autopart.core.signature import microbatch_inputs
 
     dev = opts.device
     out = Path(opts.out)

@@ -467,7 +467,7 @@ def _prepare(repeats: int) -> None:
     import functools
 
     import autopart
-    import autopart.planning as planning
+    import autopart.profiler.session as planning
     from autopart.profiler import profile_graph
 
     planning.profile_graph = functools.partial(profile_graph, warmup=0, repeats=repeats)

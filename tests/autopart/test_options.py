@@ -12,7 +12,7 @@ import torch
 import autopart
 from autopart import CompileOptions, PlanError
 from autopart.core.capture import capture
-from autopart.runtime.signature import InputSignature
+from autopart.core.signature import InputSignature
 from tests.plans import even_positions, manual_plan
 from tests.zoo import mlp
 
@@ -29,8 +29,11 @@ def replay() -> tuple[Any, ...]:
     ({"num_stages": 3}, r"num_stages=3 conflicts with the replayed plan, which has num_stages=2"),
     ({"num_microbatches": 4},
      r"num_microbatches=4 conflicts with the replayed plan, which has num_microbatches=2"),
-    ({"schedule": "gpipe"}, r"schedule='gpipe' conflicts .* which has schedule='1f1b'"),
-    ({"stages_per_rank": 2, "schedule": "interleaved_1f1b"}, r"conflicts with the replayed plan"),
+    ({"schedule_kind": "gpipe"},
+     r"schedule_kind='gpipe' conflicts .* which has schedule_kind='1f1b'"),
+    ({"schedule": "gpipe"}, r"schedule_kind='gpipe' conflicts"),  # the older name, same check
+    ({"stages_per_rank": 2, "schedule_kind": "interleaved_1f1b"},
+     r"conflicts with the replayed plan"),
     ({"optimize": "memory"}, r"optimize='memory' conflicts .* which has optimize='speed'"),
     ({"recompute": True}, r"recompute=True conflicts .* which has recompute=False"),
     ({"devices": ["cpu"] * 3}, r"the plan has 2 ranks but 3 devices were given"),
@@ -81,8 +84,8 @@ def test_the_distributed_backend_refuses_devices_and_needs_a_process_group(
     ({"num_microbatches": True}, r"num_microbatches=True must be an integer >= 1"),
     ({"stages_per_rank": -1}, r"stages_per_rank=-1 must be an integer >= 1"),
     ({"optimize": "fast"}, r"optimize='fast'; expected one of \('speed', 'memory'\)"),
-    ({"schedule": "pipedream"}, r"schedule='pipedream'; expected one of"),
-    ({"stages_per_rank": 2, "schedule": "1f1b"}, r"stages_per_rank=2 needs schedule="),
+    ({"schedule_kind": "pipedream"}, r"schedule_kind='pipedream'; expected one of"),
+    ({"stages_per_rank": 2, "schedule_kind": "1f1b"}, r"stages_per_rank=2 needs schedule_kind="),
     ({"recompute": "yes"}, r"recompute='yes' must be True, False or None"),
     ({"backend": "mpi"}, r"backend='mpi'; expected one of \('local', 'distributed'\)"),
     ({"devices": ()}, r"devices is empty"),
@@ -98,6 +101,8 @@ def test_compile_options_check_every_value(given: dict[str, Any], match: str) ->
 
 def test_unknown_and_doubled_arguments_are_refused() -> None:
     model, args, _, loss_fn = mlp()
+    with pytest.raises(PlanError, match="pass schedule_kind= only"):
+        autopart.compile(model, args, loss_fn=loss_fn, schedule="1f1b", schedule_kind="1f1b")
     with pytest.raises(PlanError, match="unknown argument.*fields of autopart.CompileOptions"):
         autopart.compile(model, args, loss_fn=loss_fn, chunks=4)
     with pytest.raises(PlanError, match=r"either as options= or as keywords, not both"):

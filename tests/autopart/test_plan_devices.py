@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from autopart.planning import plan_devices, plan_model
+from autopart.devices import plan_devices
+from autopart.planning import plan_model
 
 
 def _plan(devices: list[str]):  # type: ignore[no-untyped-def]

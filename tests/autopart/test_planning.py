@@ -11,6 +11,8 @@ from torch import nn
 
 import autopart
 import autopart.planning as planning
+import autopart.profiler.session as session
+from autopart.profiler.batch_points import batch_points, scaled_batch_points
 from tests.zoo import mlp
 
 
@@ -20,19 +22,19 @@ def _unclocked(plan: autopart.Plan) -> autopart.Plan:
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count the calls of ``autopart.planning.<name>`` (still calling it)."""
+    """Count the calls of ``autopart.profiler.session.<name>`` (still calling it)."""
     calls: list[int] = []
-    real = getattr(planning, name)
+    real = getattr(session, name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(planning, name, counted)
+    monkeypatch.setattr(session, name, counted)
     return calls
 
 
-def test_a_second_compile_reuses_the_cached_profile_and_split_factor(
+def test_a_second_compile_reuses_the_cached_profile_and_split_cost(
         monkeypatch: pytest.MonkeyPatch) -> None:
     profiles = _counting(monkeypatch, "profile_graph")
     splits = _counting(monkeypatch, "measure_split_backward_overhead")
@@ -64,18 +66,18 @@ def test_profile_reports_what_came_from_the_cache(monkeypatch: pytest.MonkeyPatc
     # m is open: the smallest microbatch's profile and the larger one's whole-graph times too
     assert warm.from_cache == {"profile", "split_cost", "low_batch_profile", "high_batch_times"}
     assert warm.costs == cold.costs
-    assert warm.split_backward_us_per_node == cold.split_backward_us_per_node
+    assert warm.runtime.split_backward_us_per_node == cold.runtime.split_backward_us_per_node
     # m is open: the split's cost is timed at each microbatch size whose segments were timed,
     # smallest first, and cached per size
     batch = args[0].shape[0]
-    points = planning.batch_points(batch, cold.microbatch_candidates, 2)
+    points = batch_points(batch, cold.microbatch_candidates, 2)
     assert points is not None
-    ms = sorted({*points, *planning.scaled_batch_points(batch, cold.microbatch_candidates, 2,
+    ms = sorted({*points, *scaled_batch_points(batch, cold.microbatch_candidates, 2,
                                                          points)}, reverse=True)
-    assert [r for r, _ in cold.split_backward_points] == [batch // m for m in ms]
-    assert len(ms) >= 2 and warm.split_backward_points == cold.split_backward_points
-    assert cold.split_backward_us_per_node == cold.split_backward_points[0][1]
-    assert cold.options().split_backward_points == cold.split_backward_points
+    assert [r for r, _ in cold.runtime.split_backward_points] == [batch // m for m in ms]
+    assert len(ms) >= 2 and warm.runtime.split_backward_points == cold.runtime.split_backward_points
+    assert cold.runtime.split_backward_us_per_node == cold.runtime.split_backward_points[0][1]
+    assert cold.options().runtime.split_backward_points == cold.runtime.split_backward_points
     # a profile without the split factor is completed by the first call that needs it
     other, x = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), torch.randn(4, 8)
     assert planning.profile_model(other, (x,), devices=["cpu"]).from_cache == frozenset()

@@ -81,7 +81,7 @@ def test_batchnorm_trains_across_stages_like_the_same_microbatching_by_hand() ->
 
     import autopart
     from autopart.core.capture import capture
-    from autopart.runtime.microbatch import split_leaves
+    from autopart.core.microbatch import split_leaves
     from tests.plans import even_positions, manual_plan
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autopart.core.capture import CapturedGraph, capture
-from autopart.runtime.microbatch import split_leaves
+from autopart.core.microbatch import split_leaves
 from tests.plans import even_positions, local_pipeline, manual_plan
 from tests.zoo import ZOO
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from autopart.core.capture import capture
-from autopart.planning import batch_points, profile_model, scaled_batch_points
+from autopart.planning import profile_model
+from autopart.profiler.batch_points import batch_points, scaled_batch_points
 from autopart.profiler import profile_graph
 from autopart.profiler.calibrate import (
     calibrate_to_segments,

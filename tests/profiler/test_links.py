@@ -10,7 +10,8 @@ from torch import nn
 
 import autopart.profiler.links as links
 from autopart.core.errors import ProfileError
-from autopart.planning import cluster_for_devices, profile_model
+from autopart.devices import cluster_for_devices
+from autopart.planning import profile_model
 from autopart.profiler.links import LinkFigures, fit_link, measure_host_link
 
 SIZES = (1 << 10, 1 << 20, 8 << 20)

@@ -7,7 +7,7 @@ import torch
 import autopart
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
-from autopart.runtime.microbatch import split_leaves
+from autopart.core.microbatch import split_leaves
 from tests.plans import even_positions, manual_plan
 from tests.zoo import gpt2, mlp
 

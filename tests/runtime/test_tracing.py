@@ -13,8 +13,8 @@ from autopart.core.capture import capture
 from autopart.core.errors import PlanError
 from autopart.core.schedule import build_schedule
 from autopart.core.trace import Trace, TraceEvent
-from autopart.runtime.microbatch import split_leaves
-from autopart.runtime.tracing import measure_peak_bytes, resident_bytes
+from autopart.core.microbatch import split_leaves
+from autopart.core.memory import measure_peak_bytes, resident_bytes
 from tests.plans import even_positions, manual_plan
 from tests.zoo import ZOO, gpt2
 

@@ -3,6 +3,7 @@ two gloo processes, cached per machine and carried by a distributed profile into
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -15,7 +16,8 @@ import autopart
 from autopart import planning
 from autopart.core.errors import ProfileError
 from autopart.profiler.links import LinkFigures
-from autopart.runtime_overhead import fit_transfer_overhead
+from autopart.profiler import batch_points
+from autopart.profiler.transfer_overhead import fit_transfer_overhead
 
 
 def test_the_fit_is_the_overhead_at_which_the_prediction_meets_the_measurement() -> None:
@@ -52,26 +54,27 @@ def test_a_distributed_cpu_profile_carries_the_cached_cost_into_its_plans(
     x = torch.randn(8, 16)
     try:
         dist, prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"],
-                                         num_microbatches=4, schedule="1f1b",
-                                         runtime="distributed")
+                                         num_microbatches=4, schedule_kind="1f1b",
+                                         backend="distributed")
         planning.host_figures.cache_clear()  # a new process reads the files
         _, again = autopart.plan_model(model, (x,), devices=["cpu", "cpu"],
-                                       num_microbatches=4, schedule="1f1b",
-                                       runtime="distributed")
+                                       num_microbatches=4, schedule_kind="1f1b",
+                                       backend="distributed")
     finally:
         planning.host_figures.cache_clear()
     # the one-process executor is not charged; its link is the same cached one
     local, local_prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"],
-                                            num_microbatches=4, schedule="1f1b")
-    assert prof.transfer_overhead_us == again.transfer_overhead_us == 250.0 and len(calls) == 1
+                                            num_microbatches=4, schedule_kind="1f1b")
+    assert prof.runtime.transfer_overhead_us == again.runtime.transfer_overhead_us == 250.0 and len(calls) == 1
     assert prof.host_link == again.host_link == local_prof.host_link == fake_link
-    assert local_prof.transfer_overhead_us == 0.0
+    assert local_prof.runtime.transfer_overhead_us == 0.0
     # 1F1B, m = 4, 2 ranks: at least the 8 actions of a rank's timeline pay it (against the
     # same profile replayed without it: the distributed profile is calibrated beside a
     # co-runner, so its node times differ from the local one's by a few per cent)
-    bare = autopart.trace.predict(prof, dist, transfer_overhead_us=0.0).step_time_us
+    bare = autopart.trace.predict(prof, dist, runtime=dataclasses.replace(
+        prof.runtime, transfer_overhead_us=0.0)).step_time_us
     assert dist.predicted_step_time_us >= bare + 8 * 250.0 - 1.0
-    assert prof.options().transfer_overhead_us == 250.0
+    assert prof.options().runtime.transfer_overhead_us == 250.0
 
 
 def test_the_distributed_runtimes_cpu_calibration_runs_beside_the_other_ranks_load(
@@ -98,18 +101,18 @@ def test_the_distributed_runtimes_cpu_calibration_runs_beside_the_other_ranks_lo
             entered.append(running)
             yield running
 
-    monkeypatch.setattr(planning, "co_runners", spy)
+    monkeypatch.setattr(batch_points, "co_runners", spy)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
     x = torch.randn(16, 16)
     try:
-        _, prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule="1f1b",
-                                      runtime="distributed", cache=False)
+        _, prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule_kind="1f1b",
+                                      backend="distributed", cache=False)
         assert prof.co_runners == 1 and entered and set(entered) == {1}
         entered.clear()
         # m fixed (a torchrun launch's usual call): the microbatch's own profile is
         # calibrated beside the co-runner, and cached under a key that says so
-        _, fixed = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule="1f1b",
-                                       num_microbatches=4, runtime="distributed")
+        _, fixed = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule_kind="1f1b",
+                                       num_microbatches=4, backend="distributed")
     finally:
         planning.host_figures.cache_clear()
     assert fixed.co_runners == 1 and entered == [1]
@@ -117,6 +120,6 @@ def test_the_distributed_runtimes_cpu_calibration_runs_beside_the_other_ranks_lo
                for f in Path(os.environ["AUTOPART_CACHE_DIR"]).glob("profile-*.json")]
     assert [m.endswith(",segment-calibrated-v2,co-runners=1") for m in methods] == [True]
     entered.clear()
-    _, local = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule="1f1b",
+    _, local = autopart.plan_model(model, (x,), devices=["cpu", "cpu"], schedule_kind="1f1b",
                                    cache=False)
     assert local.co_runners == 0 and set(entered) <= {0}

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autopart.core.errors import PlanError
-from autopart.runtime.microbatch import merge_leaves, split_leaves, split_tree
+from autopart.core.microbatch import merge_leaves, split_leaves, split_tree
 
 
 def test_split_tensors_along_dim0_and_broadcast_the_rest() -> None:

@@ -3,15 +3,15 @@
 ``loss_fn`` runs outside the captured graph (the runtimes call it on the last stage's
 outputs), so the profile of the graph alone misses its time and memory: for a language
 model's cross-entropy over a large vocabulary that is a copy of the logits, the saved
-log-softmax and the logits' gradient, per microbatch in flight (measured on this project's
-GPT-2-like benchmark model, vocab 8192: the last rank's peak was 28 % above a prediction
-without it). The cost is folded into the graph's last node, so it lands on the last stage.
+log-softmax and the logits' gradient, per microbatch in flight. The cost is folded into the
+graph's last node, so it lands on the last stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,10 +20,11 @@ from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
 from autopart.profiler.meters import SavedTensorMeter
 from autopart.profiler.timer import RngState, time_calls
-from autopart.runtime.signature import InputSignature, call_loss
-from autopart.runtime.tracing import measure_peak_bytes
+from autopart.core.signature import InputSignature, call_loss
+from autopart.core.memory import measure_peak_bytes
 
-__all__ = ["LossCost", "measure_loss_cost", "estimate_loss_cost", "with_loss_cost"]
+__all__ = ["LossCost", "measure_loss_cost", "estimate_loss_cost", "with_loss_cost", "cached_loss",
+           "loss_source", "loss_tag"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def measure_loss_cost(captured: CapturedGraph, loss_fn: Any, target: Any, device
     first call of ``long_us`` or more is the one sample, as in the profiler).
     Saved bytes: :class:`autopart.profiler.meters.SavedTensorMeter` over one forward.
     Transient: the largest allocation during forward + backward
-    (:func:`autopart.runtime.tracing.measure_peak_bytes`) less the saved bytes; the outputs
+    (:func:`autopart.core.memory.measure_peak_bytes`) less the saved bytes; the outputs
     the loss reads are allocated before (the stage holds them, and the plan counts them).
 
     Raises:
@@ -138,9 +139,7 @@ def estimate_loss_cost(captured: CapturedGraph, device: str | None = None) -> Lo
     time, saved bytes the floating outputs' (cross-entropy's log-softmax) and a transient of
     twice that (a shifted copy and the outputs' gradient), source ``"estimated"``. Either
     way a guess: pass ``example_target`` to :func:`autopart.compile` to measure the real
-    loss. (Left at no time, the loss of the project's torchrun example, a GPT-2-like model
-    with an 8192-entry vocabulary at 2 rows per microbatch, went missing from its plan:
-    1.6 ms forward and 1.8 ms backward per microbatch, 3.5 % of the step.)
+    loss.
 
     Raises:
         ProfileError: ``device`` is not valid.
@@ -191,3 +190,38 @@ def _to(value: Any, device: torch.device) -> Any:
     import torch.utils._pytree as pytree
 
     return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, value)
+
+
+def loss_source(device: str, measured: bool) -> str:
+    """The :class:`LossCost` source of a loss timed on ``device``: the user's loss
+    (``measured``) or the cross-entropy stand-in (:func:`estimate_loss_cost`)."""
+    dev = torch.device(device)
+    return f"measured:{dev}" if measured else f"estimated:cross-entropy:{dev}"
+
+
+def loss_tag(measured: bool) -> str:
+    """What a loss timed as the cross-entropy stand-in adds to its figures' cache names, so
+    that they never stand in for the user's loss measured later, nor the other way round."""
+    return "" if measured else ",loss=estimated-cross-entropy"
+
+
+def cached_loss(key: dict[str, Any] | None, suffix: str,
+                measure: Callable[[], LossCost | None], source: str) -> LossCost | None:
+    """``measure()``'s :class:`LossCost` (None: no loss), a timed one read from (and stored
+    in) the profile cache as numbers ``loss_<field><suffix>`` on ``key``'s profile (``key``
+    None: the cache is off), so a second launch plans on the loss cost of the first.
+    ``source`` labels a cached one."""
+    from autopart.profiler.cache import load_measure, store_measure
+
+    fields = ("fwd_us", "bwd_us", "saved_bytes", "transient_bytes")
+    names = [f"loss_{f}{suffix}" for f in fields]
+    cached = [load_measure(key, n) for n in names] if key is not None else [None]
+    if all(v is not None for v in cached):
+        fwd, bwd, saved, transient = (float(v) for v in cached if v is not None)
+        return LossCost(fwd, bwd, int(saved), int(transient), source)
+    loss = measure()
+    if loss is not None and key is not None and loss.source != "estimated":
+        for n, v in zip(names, (loss.fwd_us, loss.bwd_us, loss.saved_bytes,
+                                loss.transient_bytes), strict=True):
+            store_measure(key, n, v)
+    return loss

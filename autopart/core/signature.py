@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
-from autopart.runtime.microbatch import merge_leaves, split_leaves, split_tree
+from autopart.core.microbatch import merge_leaves, split_leaves, split_tree
 
 __all__ = ["InputSignature", "batch_size", "microbatch_inputs", "require_loss", "call_loss"]
 
@@ -170,5 +170,5 @@ class InputSignature:
 
     def merge(self, per_mb: list[list[Any]]) -> Any:
         """Join per-microbatch flat outputs into the full-batch output
-        (:func:`autopart.runtime.microbatch.merge_leaves`)."""
+        (:func:`autopart.core.microbatch.merge_leaves`)."""
         return self.output(merge_leaves(per_mb))

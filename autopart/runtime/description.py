@@ -1,0 +1,32 @@
+"""Each runtime as the profiler and the solver see it: one RuntimeDescription per backend."""
+
+from __future__ import annotations
+
+from autopart.core.errors import PlanError
+from autopart.core.runtime_model import BACKENDS, RuntimeDescription
+from autopart.runtime.split_engines import LocalSplit, TorchPipeliningSplit
+
+__all__ = ["describe"]
+
+
+def describe(backend: str) -> RuntimeDescription:
+    """The description of ``backend`` before anything is measured of it.
+
+    ``"local"``: one process runs every stage (the stream executor); a stage's receive
+    buffers are allocated as values arrive; the backward is split with
+    :class:`~autopart.runtime.split_engines.LocalSplit`.
+    ``"distributed"``: each rank is a process (torch.distributed.pipelining's stages): one
+    receive buffer per microbatch for the whole step, torch's backward split on copies of the
+    outputs, and a cost per transfer timed by
+    :func:`autopart.runtime.transfer_rank.time_steps`.
+
+    Raises:
+        PlanError: an unknown backend.
+    """
+    if backend == "local":
+        return RuntimeDescription(name="local", split_engine=LocalSplit())
+    if backend == "distributed":
+        return RuntimeDescription(name="distributed", receive_buffers_per_microbatch=True,
+                                  ranks_are_processes=True, split_engine=TorchPipeliningSplit(),
+                                  transfer_steps="autopart.runtime.transfer_rank:time_steps")
+    raise PlanError(f"backend={backend!r}; expected one of {BACKENDS}")
