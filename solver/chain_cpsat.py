@@ -105,8 +105,7 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
     stage s, ``rc[s]`` stage s recomputes, ``t[s]`` stage time, ``mem[s]`` stage memory. The
     objective is linear in ``max t``, ``max rank load``, ``sum t`` and (ZB-H1) the hidden
     ``W`` of the stages after the first. With a feasible hint its value bounds every stage's
-    time, which prunes ``x`` to a band (as in
-    :func:`autopart.solver.partition_cpsat.partition_cpsat`).
+    time, which prunes ``x`` to a band.
 
     Args:
         problem: the chain problem.

