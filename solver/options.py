@@ -55,7 +55,7 @@ class SolveOptions:
         split_backward_us_per_node: what splitting one backward adds per node with a
             backward, per microbatch, µs (default 0.0; must be >= 0), the same at every
             microbatch size (see
-            :meth:`autopart.solver._costmodel.CostModel.split_overhead_us`); charged to W.
+            :meth:`autopart.solver._cost_model.CostModel.split_overhead_us`); charged to W.
             :func:`autopart.compile` measures it on the profiled device at the microbatch
             it profiles when m is fixed; where m is open it measures
             ``split_backward_points`` instead, which replace this figure.
@@ -64,7 +64,7 @@ class SolveOptions:
             ``split_backward_us_per_node`` applies at every size). At a microbatch of ``r``
             rows the cost is read off the piecewise line through them, extended beyond the
             ends by its end pieces, and never below 0
-            (:meth:`autopart.solver._costmodel.CostModel.split_us_per_node_at`). Rows must
+            (:meth:`autopart.solver._cost_model.CostModel.split_us_per_node_at`). Rows must
             be > 0 and distinct, costs >= 0.
         transfer_overhead_us: what the runtime spends on each transfer between ranks that
             an action posts or waits on, beside the link time, µs (default 0.0; must be

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
-from autopart.solver._schedule_cost import in_flight, objective_weights
+from autopart.solver._closed_form import in_flight, objective_weights
 from autopart.solver.chain import ChainProblem
 from autopart.solver.chain_cpsat import solve_chain_cpsat
 from autopart.solver.chain_dp import chain_dp_hint

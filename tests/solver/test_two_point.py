@@ -9,7 +9,7 @@ import pytest
 
 from autopart.core.costgraph import BatchScale, CostGraph, segment_scales, through_two_batches
 from autopart.core.errors import PlanError
-from autopart.solver._costmodel import CostModel
+from autopart.solver._cost_model import CostModel
 
 
 def _times(g: CostGraph, scale: float) -> CostGraph:

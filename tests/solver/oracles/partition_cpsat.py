@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
-from autopart.solver._chain_model import (
+from autopart.solver._contiguous_stages import (
     add_cut_hint,
     best_bound,
     build_chain_model,
@@ -118,7 +118,7 @@ def partition_cpsat(seg_cost: Sequence[int], cut_cost: Sequence[int], num_stages
 
     # Variables.
     # x[i, s] = segment i is in stage s; e[i, s] = the cut after segment i ends stage s (with
-    # the constraints that make the stages contiguous: see _chain_model.build_chain_model).
+    # the constraints that make the stages contiguous: see _contiguous_stages.build_chain_model).
     chain = build_chain_model(prefix, s_total, horizon)
     model = chain.model
     # max_cost = the largest stage cost (the objective).

@@ -25,13 +25,13 @@ from autopart.core.schedule import (
     in_flight_counts,
     splits_backward,
 )
-from autopart.solver._costmodel import CostModel
-from autopart.solver._schedule_cost import (
+from autopart.solver._closed_form import (
     busy_us,
     closed_form_peaks,
     closed_form_step_us,
     in_flight,
 )
+from autopart.solver._cost_model import CostModel
 from autopart.solver.candidates import CutCandidates
 from autopart.solver.chain import ChainAnswer
 from autopart.solver.simulate import StageCosts, rank_peaks, simulate

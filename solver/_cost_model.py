@@ -438,7 +438,7 @@ class CostModel:
         intermediates). Not for the first stage, where the model's inputs need no gradient:
         there ``I`` computes nothing and ``W`` runs the whole backward from the stage's
         outputs and their gradients, which is what the solver charges it
-        (``solver._evaluate``). Charging this figure there put the first rank's peak 49 %
+        (``solver._candidate``). Charging this figure there put the first rank's peak 49 %
         over a CNN's measured ZB-H1 peak (2 gloo ranks, ``benchmarks/fidelity``)."""
         nodes = self.costs.nodes[start:stop]
         trainable = self.costs.trainable

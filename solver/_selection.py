@@ -1,6 +1,6 @@
-"""Step 3 of solve(): exact costs, baselines, simulator replays, the choice and its plan.
+"""Selection of the plan: exact costs, baselines, simulator replays, preference order and ties.
 
-Every answer of step 2 is costed exactly in closed form; the baseline partitioners are
+Every refined answer is costed exactly in closed form; the baseline partitioners are
 costed the same way under 1F1B, v = 1 at the chosen m (recomputing every stage if that is
 what makes them fit); the ``max_simulated`` best are replayed by the schedule simulator and the
 best by the target's preference order (:func:`_key`) becomes the plan, with the solver's
@@ -18,9 +18,9 @@ from importlib.metadata import version
 from autopart.core.cluster import Cluster
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import SCHEDULE_KINDS, BaselineReport, Plan, SolverReport
-from autopart.solver._costmodel import TIME_UNITS_PER_US
-from autopart.solver._evaluate import Candidate, build_plan, evaluate, lower_bounds, pareto
-from autopart.solver._subproblems import Setup, Subproblem, chain_problem, setup
+from autopart.solver._candidate import Candidate, build_plan, evaluate, lower_bounds, pareto
+from autopart.solver._cost_model import TIME_UNITS_PER_US
+from autopart.solver._problem_grid import Setup, Subproblem, chain_problem, setup
 from autopart.solver.chain_cpsat import ChainResult
 from autopart.solver.chain_dp import chain_dp_hint
 
@@ -36,7 +36,7 @@ def choose(st: Setup, solved: list[Subproblem], wall: float) -> Plan:
 
     Args:
         st: the solve's setup.
-        solved: the subproblems with an answer (:func:`autopart.solver._search.search`).
+        solved: the subproblems with an answer (:func:`autopart.solver._refinement.search`).
         wall: CP-SAT wall time spent, seconds (reported as ``solver.wall_s``).
 
     Raises:

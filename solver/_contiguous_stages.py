@@ -6,7 +6,8 @@ horizon (and optionally a band around a hint) allows; :func:`add_cut_hint` seeds
 cut set; :func:`solve_model` runs CP-SAT deterministically and :func:`read_cuts` /
 :func:`best_bound` read the answer. The full chain problem
 (:func:`autopart.solver.chain_cpsat.solve_chain_cpsat`, and the tests' min-max partition
-oracle) adds its stage costs and objective on top, in the OR-Tools samples' order (data, variables, constraints, objective, solve, read).
+oracle) adds its stage costs and objective on top, in the OR-Tools samples' order (data,
+variables, constraints, objective, solve, read).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Steps 0-1 of solve(): the cut candidates, one chain problem per (kind, v, m), and its seed.
+"""The search grid of solve(): cut candidates, and per (kind, v, m) a chain problem and its seed.
 
 :func:`setup` gathers what every later step reads (:class:`Setup`): the cost model, the cut
 candidates with the baselines' and a previous plan's cuts added, the per-rank caps and the
@@ -16,8 +16,8 @@ from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import Plan
 from autopart.core.schedule import splits_backward
-from autopart.solver._costmodel import TIME_UNITS_PER_US, CostModel
-from autopart.solver._schedule_cost import in_flight, objective_weights
+from autopart.solver._closed_form import in_flight, objective_weights
+from autopart.solver._cost_model import TIME_UNITS_PER_US, CostModel
 from autopart.solver.baselines import baseline_partitions
 from autopart.solver.candidates import CutCandidates, add_positions, crossing_profile, find_candidates
 from autopart.solver.chain import ChainAnswer, ChainProblem
