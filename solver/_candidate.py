@@ -148,11 +148,8 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         a, z, r = bounds[s], bounds[s + 1], s % p
         f = model.speed(r)
         fwd = model.part_us("fwd", a, z, ratio) * f
-        # ZB-H1 splits each backward, at the runtime's measured cost, except where the
-        # schedule runs the stage's backward whole (autopart.core.schedule.splits_backward)
-        split = model.split_factor if splits_backward(kind, rc[s]) and s > 0 else 1.0
-        bi = model.part_us("bwd_input", a, z, ratio) * f * split + (fwd if rc[s] else 0.0)
-        bw = model.part_us("bwd_weight", a, z, ratio) * f * split
+        bi = model.part_us("bwd_input", a, z, ratio) * f + (fwd if rc[s] else 0.0)
+        bw = model.part_us("bwd_weight", a, z, ratio) * f
         if splits_backward(kind, rc[s]):
             if s == 0:
                 # the first stage's inputs need no gradient: its I computes nothing and its W

@@ -99,9 +99,6 @@ class CostModel:
         state_factor: optimizer state bytes per trainable parameter byte (AdamW: 2.0); a
             trainable parameter then holds ``(2 + state_factor) x`` its bytes (weight, gradient,
             state); buffers, and every parameter when not training, hold 1x.
-        split_factor: measured ``(I + W) / B`` of a backward run as ``I`` then ``W``, applied
-            to the stages whose backward splits (:func:`autopart.core.schedule.splits_backward`;
-            default 1.0).
         split_us_per_node: what splitting a backward adds per node that has a backward, per
             microbatch, µs, whatever the microbatch's size (default 0.0); see
             :meth:`split_overhead_us`.
@@ -117,12 +114,11 @@ class CostModel:
     """
 
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
-                 state_factor: float, split_factor: float = 1.0, split_us_per_node: float = 0.0,
+                 state_factor: float, split_us_per_node: float = 0.0,
                  receive_buffers_per_microbatch: bool = False,
                  transfer_overhead_us: float = 0.0,
                  split_points: Sequence[tuple[float, float]] = ()) -> None:
         self.costs = costs
-        self.split_factor = split_factor  # (I + W) / B where splits_backward(kind, recompute)
         self.split_us_per_node = split_us_per_node
         self.split_points = tuple(sorted(split_points))
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
@@ -345,7 +341,6 @@ class CostModel:
         return cls(costs, cluster, batch_size=options.batch_size if batch_size is None
                    else batch_size, training=options.training,
                    state_factor=options.optimizer_state_bytes_per_param_byte,
-                   split_factor=options.split_backward_factor,
                    split_us_per_node=options.split_backward_us_per_node,
                    split_points=options.split_backward_points,
                    receive_buffers_per_microbatch=options.receive_buffers_per_microbatch,

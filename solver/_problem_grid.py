@@ -152,14 +152,11 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         # the stages after the first split their backward at the measured cost (stage 0's
         # inputs need no gradient, so it runs its backward whole; a recomputed stage does not
         # split either) and run their W off the critical path (ChainProblem.hides_weight)
-        extra = model.split_factor - 1.0
-        if extra > 0.0 or model.charges_split:
-            seg_x = [int(round(TIME_UNITS_PER_US * (extra * (
-                model.part_us("bwd_input", s.start, s.stop, ratio)
-                + model.part_us("bwd_weight", s.start, s.stop, ratio))
-                + model.split_overhead_us(s.start, s.stop, ratio)))) for s in cands.segments]
+        if model.charges_split:
+            seg_x = [int(round(TIME_UNITS_PER_US * model.split_overhead_us(s.start, s.stop, ratio)))
+                     for s in cands.segments]
         seg_w = [int(round(TIME_UNITS_PER_US * (
-            model.split_factor * model.part_us("bwd_weight", s.start, s.stop, ratio)
+            model.part_us("bwd_weight", s.start, s.stop, ratio)
             + model.split_overhead_us(s.start, s.stop, ratio)))) for s in cands.segments]
     seg_f = [int(round(model.part_us("fwd", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
              for s in cands.segments]

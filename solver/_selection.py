@@ -170,7 +170,7 @@ def _pick(final: list[Candidate], optimize: str, measured: bool) -> Candidate:
     """The plan among ``final``: :func:`_key`'s first, except for speed on ``measured``
     costs, where of the candidates within :data:`TIE_TOLERANCE` of the fastest the simplest
     wins — fewer microbatches, then fewer stages per rank, then no split backward
-    (zero-bubble pays a measured, noisy split factor), then fewer recomputing stages — and
+    (zero-bubble pays a measured, noisy split cost), then fewer recomputing stages — and
     then :func:`_key`'s order. Analytical costs carry no timing noise; peak memory depends
     on tensor sizes, not timings."""
     key = _key(optimize)

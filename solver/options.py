@@ -47,11 +47,6 @@ class SolveOptions:
         hint: a previous plan whose cuts seed the search (warm start after a change of
             batch, sequence length or device count).
         library_versions: package -> version recorded in the plan (ortools is added).
-        split_backward_factor: measured ``(I + W) / B`` of the runtime that will run the
-            plan: what splitting one backward into its input- and weight-gradient parts
-            costs (default 1.0: free, as the ZB-H1 paper assumes). ``zero_bubble``
-            candidates have their non-recomputed stages' I and W multiplied by it; must be
-            >= 1. Profiles leave it at 1.0 and measure ``split_backward_us_per_node``.
         split_backward_us_per_node: what splitting one backward adds per node with a
             backward, per microbatch, µs (default 0.0; must be >= 0), the same at every
             microbatch size (see
@@ -101,7 +96,6 @@ class SolveOptions:
     max_simulated: int = 4
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
-    split_backward_factor: float = 1.0
     split_backward_us_per_node: float = 0.0
     split_backward_points: tuple[tuple[float, float], ...] = ()
     receive_buffers_per_microbatch: bool = False
@@ -124,9 +118,6 @@ class SolveOptions:
         if self.batch_size < 1 or (self.num_stages is not None and self.num_stages < 1):
             raise PlanError(f"num_stages={self.num_stages} and batch_size={self.batch_size} "
                             "must be >= 1")
-        if not self.split_backward_factor >= 1.0:
-            raise PlanError(f"split_backward_factor={self.split_backward_factor} must be >= 1 "
-                            "(splitting a backward cannot make it cheaper)")
         if not self.split_backward_us_per_node >= 0.0:
             raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
                             "must be >= 0 (splitting a backward cannot make it cheaper)")
