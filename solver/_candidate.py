@@ -143,7 +143,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
     info = []
     # torch's stages, on a profile that says which saved storages nodes returned
     # (CostModel.held_parts): what they hold is counted part by part
-    torch_held = model.receive_buffers_per_microbatch and model.held_bytes_cover_outputs
+    torch_held = model.runtime.receive_buffers_per_microbatch and model.held_bytes_cover_outputs
     for s in range(s_total):
         a, z, r = bounds[s], bounds[s + 1], s % p
         f = model.speed(r)
@@ -165,14 +165,14 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         if splits_backward(kind, False) and not splits_backward(kind, rc[s]):
             bi, bw = bi + bw, 0.0  # one B where its I would be; no W
         # the runtime's own cost of each transfer between ranks an action posts or waits on
-        # (SolveOptions.transfer_overhead_us): F receives the stage's input and sends its
+        # (RuntimeDescription.transfer_overhead_us): F receives the stage's input and sends its
         # output, B (or I) receives the output's gradient and sends the input's; a split's W
         # neither (charged one too, a negligible-compute ZB-H1 pipeline at m = 16 was
         # predicted at 29.7 ms a step against 20.3 ms measured)
         if p > 1:
             transfers = (s > 0) + (s < s_total - 1)
-            fwd += model.transfer_overhead_us * transfers
-            bi += model.transfer_overhead_us * transfers if training else 0.0
+            fwd += model.runtime.transfer_overhead_us * transfers
+            bi += model.runtime.transfer_overhead_us * transfers if training else 0.0
         cross_in = model.scale_bytes(model.crossing[a], ratio)
         cross_out = model.scale_bytes(model.crossing[z], ratio)
         state, pbytes, numel = model.state_of(a, z)
@@ -187,7 +187,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # torch's stages receive into one buffer per microbatch: the input (not on the first
         # stage, which reads the user's microbatches) and the output gradient (not on the
         # last, which starts from the loss)
-        many = m if training and model.receive_buffers_per_microbatch else 1
+        many = m if training and model.runtime.receive_buffers_per_microbatch else 1
         # the stage's compute stream holds cuBLAS workspaces on a GPU (0 on the CPU)
         # training, the last stage holds each microbatch's outputs from its F to its B
         # (counted below) and in no output buffer: neither runtime returns them (measured
@@ -238,7 +238,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # parameter group's gradients before the next group's: one node's working set
         # (measured on the fidelity GPT-2, ZB-H1 m = 16: a W held 0.6 MiB above what it
         # started from where all the stage's weights are 17 MiB).
-        wgrad = (transient if model.receive_buffers_per_microbatch
+        wgrad = (transient if model.runtime.receive_buffers_per_microbatch
                  else pbytes + transient if s == 0 else pbytes)
         cols["wgrad"].append(wgrad if split_here else 0)
         # torch's stages keep what they send until the step ends: each sent output (the
@@ -246,7 +246,7 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # the stage's cache held it) and each input gradient (in the receive buffer's .grad
         # until the next step clears it). Measured on the fidelity CNN (1F1B, m = 8): each B
         # left 1 MiB more held on both ranks, 8 MiB by the last rank's last backward.
-        keeps = training and model.receive_buffers_per_microbatch
+        keeps = training and model.runtime.receive_buffers_per_microbatch
         cols["kept"].append((cross_out if s < s_total - 1 else 0) + (cross_in if s > 0 else 0)
                             if keeps else 0)
         info.append((pbytes, numel))

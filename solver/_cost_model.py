@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
+from autopart.core.runtime_model import RuntimeDescription
 from autopart.solver.candidates import CutCandidates, _values, crossing_profile, crossing_sums
 
 if TYPE_CHECKING:
@@ -18,6 +19,10 @@ if TYPE_CHECKING:
 
 #: CP-SAT time unit: chain costs are integers in tenths of a µs (round half to even).
 TIME_UNITS_PER_US = 10
+
+
+#: A runtime that costs nothing beyond the profiled ops (CostModel's default).
+_FREE_RUNTIME = RuntimeDescription()
 
 
 def to_time_units(us: float) -> int:
@@ -99,31 +104,18 @@ class CostModel:
         state_factor: optimizer state bytes per trainable parameter byte (AdamW: 2.0); a
             trainable parameter then holds ``(2 + state_factor) x`` its bytes (weight, gradient,
             state); buffers, and every parameter when not training, hold 1x.
-        split_us_per_node: what splitting a backward adds per node that has a backward, per
-            microbatch, µs, whatever the microbatch's size (default 0.0); see
-            :meth:`split_overhead_us`.
-        split_points: ``(rows, µs per node)`` where that cost was measured at several
-            microbatch sizes (default ``()``); when given it replaces ``split_us_per_node``
-            (:meth:`split_us_per_node_at`).
-        receive_buffers_per_microbatch: training stages hold m receive buffers for their
-            input and m for their outputs' gradient (torch.distributed.pipelining's stages
-            allocate one per microbatch up front; default False: one of each), and keep
-            each microbatch's sent output and input gradient until the step ends.
-        transfer_overhead_us: added to an F's, B's or I's duration once per transfer between
-            ranks it posts or waits on, µs (default 0.0; ``SolveOptions.transfer_overhead_us``).
+        runtime: the runtime's costs and buffers (default: none beyond the ops): its split
+            backward's cost per node (:meth:`split_us_per_node_at`), its cost per transfer
+            and its receive buffers (:meth:`held_parts`, :meth:`chain_memory`).
     """
 
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
-                 state_factor: float, split_us_per_node: float = 0.0,
-                 receive_buffers_per_microbatch: bool = False,
-                 transfer_overhead_us: float = 0.0,
-                 split_points: Sequence[tuple[float, float]] = ()) -> None:
+                 state_factor: float,
+                 runtime: RuntimeDescription = _FREE_RUNTIME) -> None:
         self.costs = costs
-        self.split_us_per_node = split_us_per_node
-        self.split_points = tuple(sorted(split_points))
+        self.runtime = runtime
+        self._split_points = tuple(sorted(runtime.split_backward_points))
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
-        self.receive_buffers_per_microbatch = receive_buffers_per_microbatch
-        self.transfer_overhead_us = transfer_overhead_us
         self.cluster = cluster
         self.batch_size = batch_size
         self.training = training
@@ -272,11 +264,13 @@ class CostModel:
     @property
     def charges_split(self) -> bool:
         """Whether splitting a backward costs anything per node at some microbatch size."""
-        return self.split_us_per_node > 0.0 or any(us > 0.0 for _, us in self.split_points)
+        return (self.runtime.split_backward_us_per_node > 0.0
+                or any(us > 0.0 for _, us in self._split_points))
 
     def split_us_per_node_at(self, rows: float) -> float:
         """What splitting a backward adds per node with a backward at a microbatch of
-        ``rows`` rows, µs: ``split_us_per_node`` without ``split_points``; with one point its
+        ``rows`` rows, µs: the runtime's ``split_backward_us_per_node`` without
+        ``split_backward_points``; with one point its
         cost; else read off the piecewise line through the points (the end pieces extended
         beyond the first and last rows), at least 0.
 
@@ -285,9 +279,9 @@ class CostModel:
         at 2, 4 and 8 rows (2-core CPU, torch 2.13.0+cpu, medians of 4), and its ZB-H1 plan
         at m = 4 (8 rows) paid 5.8 ms a microbatch on its second rank for the split
         against 2.6 ms charged at the 2-row figure."""
-        pts = self.split_points
+        pts = self._split_points
         if not pts:
-            return self.split_us_per_node
+            return self.runtime.split_backward_us_per_node
         if len(pts) == 1:
             return pts[0][1]
         k = min(max(bisect.bisect_left([r for r, _ in pts], rows), 1), len(pts) - 1)
@@ -341,10 +335,7 @@ class CostModel:
         return cls(costs, cluster, batch_size=options.batch_size if batch_size is None
                    else batch_size, training=options.training,
                    state_factor=options.optimizer_state_bytes_per_param_byte,
-                   split_us_per_node=options.split_backward_us_per_node,
-                   split_points=options.split_backward_points,
-                   receive_buffers_per_microbatch=options.receive_buffers_per_microbatch,
-                   transfer_overhead_us=options.transfer_overhead_us)
+                   runtime=options.runtime)
 
     def speed(self, rank: int) -> float:
         """Time multiplier of ``rank`` against the profiled device: peak FLOP/s of rank 0 over
@@ -407,7 +398,7 @@ class CostModel:
                         saved_here.add(j - dist)
                     else:
                         outside += nbytes
-            if self.receive_buffers_per_microbatch:
+            if self.runtime.receive_buffers_per_microbatch:
                 inside -= outside
                 strided = self.strided_bytes(start, stop)
             outputs = sum(nodes[i].output_bytes for i in range(start, stop)
@@ -419,7 +410,7 @@ class CostModel:
         """Non-contiguous values crossing into and out of a stage of nodes ``start .. stop -
         1`` at the profiled batch, bytes: the copies torch's stages make of them (see
         :meth:`held_bytes`). 0 unless ``receive_buffers_per_microbatch``."""
-        if not self.receive_buffers_per_microbatch:
+        if not self.runtime.receive_buffers_per_microbatch:
             return 0
         n = len(self.costs.nodes)
         return ((self._strided_crossing[start] if start > 0 else 0)
@@ -521,7 +512,7 @@ class CostModel:
             saved = m * self.scale_bytes(self._saved[s.stop] - self._saved[s.start], r)
             state = self._first_state[s.stop] - self._first_state[s.start]
             seg.append(state + (saved if self.training else 0))
-        per_cut = 2 * m if self.training and self.receive_buffers_per_microbatch else 1
+        per_cut = 2 * m if self.training and self.runtime.receive_buffers_per_microbatch else 1
         cut = [per_cut * self.scale_bytes(c, r) for c in cands.crossing_bytes]
         return seg, cut
 

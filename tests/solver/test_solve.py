@@ -14,6 +14,7 @@ import pytest
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import Plan
+from autopart.core.runtime_model import RuntimeDescription
 from autopart.solver import SolveOptions, solve
 
 FAST_LINK = 1e15  # bytes/s: communication ~0 where a test works times by hand
@@ -70,7 +71,7 @@ def test_uniform_chain_is_balanced_hand_worked(build: Any) -> None:
     held = solve(g, build.cluster(4, link_bw=FAST_LINK),
                  SolveOptions(num_stages=4, batch_size=16, num_microbatches=2,
                               schedule_kind="1f1b", recompute=False,
-                              receive_buffers_per_microbatch=True))
+                              runtime=RuntimeDescription(receive_buffers_per_microbatch=True)))
     assert [st.predicted_peak_memory_bytes for st in held.stages] == [4300, 4600, 4600, 4200]
     assert [r.peak_memory_bytes for r in held.ranks] == [4200, 4500, 4500, 4200]
     assert plan.stages[0].module_range == ("layers.0", "layers.1")
@@ -289,7 +290,7 @@ def test_split_backward_cost_is_charged_to_zero_bubble_only(build: Any) -> None:
         return solve(g, cluster, SolveOptions(batch_size=8, num_microbatches=4,
                                               schedule_kind=kind, stages_per_rank=1,
                                               recompute=False,
-                                              split_backward_us_per_node=per_node))
+                                              runtime=RuntimeDescription(split_backward_us_per_node=per_node)))
 
     one, zb = plan("1f1b", 5.0), plan("zero_bubble", 0.0)
     assert one.predicted_step_time_us == plan("1f1b", 0.0).predicted_step_time_us
@@ -308,7 +309,7 @@ def test_of_two_equally_fast_plans_the_one_holding_less_memory_is_chosen(build: 
     # but 1F1B holds p - s on the later ranks; zero-bubble's split is priced out.
     g = build.chain(8, param_bytes=400)
     options = SolveOptions(num_stages=4, batch_size=16, num_microbatches=4, stages_per_rank=1,
-                           recompute=False, split_backward_us_per_node=100.0)
+                           recompute=False, runtime=RuntimeDescription(split_backward_us_per_node=100.0))
     cluster = build.cluster(4, link_bw=FAST_LINK)
     gpipe = solve(g, cluster, dataclasses.replace(options, schedule_kind="gpipe"))
     one = solve(g, cluster, dataclasses.replace(options, schedule_kind="1f1b"))
@@ -329,7 +330,7 @@ def test_zero_bubble_objective_and_bound_are_of_its_own_closed_form(build: Any,
     plan = solve(g, build.cluster(4, link_bw=FAST_LINK),
                  SolveOptions(num_stages=4, batch_size=32, num_microbatches=4,
                               schedule_kind="zero_bubble", recompute=False,
-                              split_backward_us_per_node=per_node))
+                              runtime=RuntimeDescription(split_backward_us_per_node=per_node)))
     t = 60.0 + 2 * per_node  # the split's cost falls on W only, per node (2 a stage)
     w = 20.0 + 2 * per_node
     # stage 0's inputs need no gradient: its backward runs whole, unsplit (20 + 40 µs)
@@ -371,7 +372,7 @@ def test_memory_target_finds_the_exhaustive_least_peak_on_two_ranks(build: Any, 
     cluster = build.cluster(2)
     options = SolveOptions(num_stages=2, batch_size=8, num_microbatches=4, schedule_kind="1f1b",
                            stages_per_rank=1, optimize="memory",
-                           receive_buffers_per_microbatch=True)
+                           runtime=RuntimeDescription(receive_buffers_per_microbatch=True))
     plan = solve(g, cluster, options)
     least = min(max(r.peak_memory_bytes for r in plan_at(
         g, cluster, options, [q], kind="1f1b", num_microbatches=4, recompute=rc).ranks)
