@@ -18,8 +18,9 @@ from importlib.metadata import version
 from autopart.core.cluster import Cluster
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import SCHEDULE_KINDS, BaselineReport, Plan, SolverReport
-from autopart.solver._candidate import Candidate, build_plan, evaluate, lower_bounds, pareto
+from autopart.solver._candidate import Candidate, evaluate
 from autopart.solver._cost_model import TIME_UNITS_PER_US
+from autopart.solver._plan_build import build_plan, lower_bounds, pareto
 from autopart.solver._problem_grid import Setup, Subproblem, chain_problem, setup
 from autopart.solver.chain_cpsat import ChainResult
 from autopart.solver.chain_dp import chain_dp_hint

@@ -11,8 +11,9 @@ from autopart.core.errors import PlanError
 from autopart.core.plan import Plan, SolverReport
 from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.trace import Trace, TraceEvent
-from autopart.solver._candidate import build_plan, evaluate
+from autopart.solver._candidate import evaluate
 from autopart.solver._cost_model import CostModel
+from autopart.solver._plan_build import build_plan
 from autopart.solver.baselines import baseline_partitions
 from autopart.solver.options import SolveOptions
 from autopart.solver.simulate import StageCosts, simulate
