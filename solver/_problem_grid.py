@@ -161,7 +161,7 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
     seg_f = [int(round(model.part_us("fwd", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
              for s in cands.segments]
     # state of the parameters first read in each segment; saved bytes at the microbatch size
-    state = [model._first_state[s.stop] - model._first_state[s.start] for s in cands.segments]
+    state = [model.first_use_state_bytes(s.start, s.stop) for s in cands.segments]
     saved = [model.scale_bytes(model.saved_bytes(s.start, s.stop), ratio) if options.training
              else 0 for s in cands.segments]
     cut_b = [model.scale_bytes(c, ratio) for c in cands.crossing_bytes]

@@ -63,7 +63,7 @@ class ChainProblem:
 
     plus ``k_s * out_s`` without recompute where ``outputs_held`` (the cost model counts a
     stage's outputs that its nodes do not save as held from each F to its B,
-    ``CostModel.held_bytes``; the crossing bytes bound them).
+    ``CostModel.held_parts``; the crossing bytes bound them).
 
     with ``state_s`` / ``saved_s`` sums of ``seg_state`` / ``seg_saved``, ``in_s`` the bytes
     crossing its incoming cut (``first_in_bytes`` for stage 0), ``out_s`` those of its outgoing

@@ -53,7 +53,7 @@ class NodeCost:
             what the op keeps of its own (a mask, a softmax's statistics). With it, a
             stage's held activations follow the runtime that sends between processes: the
             producer's stage keeps what it sent until its backward, and the receiving stage
-            saves the copy in its receive buffer (``autopart.solver._cost_model``). Optional
+            saves the copy in its receive buffer (``autopart.solver._memory_model``). Optional
             (None: not recorded, as in profiles from before it existed).
         strided_output_bytes: bytes of its output tensors that are not contiguous (a
             transposed attention output, an ``expand``ed mask). A runtime that sends between
