@@ -144,9 +144,9 @@ def _read(key: dict[str, Any], root: Path | None) -> dict[str, Any] | None:
 
 
 def load_measure(key: dict[str, Any], name: str, root: Path | None = None) -> float | None:
-    """A number measured on the profile cached under ``key`` (e.g. the zero-bubble split
-    factor, ``"split_backward_factor"``), or None when the profile or that number is not
-    cached."""
+    """A number measured on the profile cached under ``key`` (e.g. the zero-bubble split's
+    cost per node), or None when the profile or that number is not cached. Numbers stored
+    under other names (an old file's ``"split_backward_factor"``) are ignored."""
     data = _read(key, root)
     measures = data.get("measures") if data is not None else None
     value = measures.get(name) if isinstance(measures, dict) else None

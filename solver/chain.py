@@ -37,7 +37,7 @@ class ChainProblem:
     """Split K segments into ``S = num_ranks * stages_per_rank`` contiguous non-empty stages.
 
     Stage ``s`` runs on rank ``s % num_ranks``. Times are integers (0.1 µs units in
-    :mod:`autopart.solver._subproblems`), memory integers (bytes).
+    :mod:`autopart.solver._problem_grid`), memory integers (bytes).
 
     Stage time ``t_s = speed[rank] * (sum seg_time + recompute * sum seg_fwd)`` (each product
     rounded per segment) ``+ cut_out`` of its outgoing cut ``+ cut_in`` of its incoming cut.
@@ -47,7 +47,7 @@ class ChainProblem:
             - sum_{s >= 1, not recomputing} W_s
 
     which covers the closed forms of every schedule kind (see
-    :func:`autopart.solver._schedule_cost.objective_weights`). The last term is ZB-H1's
+    :func:`autopart.solver._closed_form.objective_weights`). The last term is ZB-H1's
     (Qi et al. 2023): its cool-down runs each stage's weight-gradient part ``W`` off the
     critical path, except stage 0's. ``W_s = speed[rank] * sum seg_bwd_weight`` (part of
     ``seg_time``); it is absent (0) unless ``seg_bwd_weight`` is given, and a recomputing
@@ -63,7 +63,7 @@ class ChainProblem:
 
     plus ``k_s * out_s`` without recompute where ``outputs_held`` (the cost model counts a
     stage's outputs that its nodes do not save as held from each F to its B,
-    ``CostModel.held_bytes``; the crossing bytes bound them).
+    ``CostModel.held_parts``; the crossing bytes bound them).
 
     with ``state_s`` / ``saved_s`` sums of ``seg_state`` / ``seg_saved``, ``in_s`` the bytes
     crossing its incoming cut (``first_in_bytes`` for stage 0), ``out_s`` those of its outgoing

@@ -8,7 +8,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
-from autopart.solver._chain_model import (
+from autopart.solver._contiguous_stages import (
     ChainModel,
     add_cut_hint,
     best_bound,
@@ -24,7 +24,7 @@ __all__ = ["ChainResult", "solve_chain_cpsat"]
 @dataclass(frozen=True, slots=True)
 class ChainResult:
     """What one solve of a :class:`ChainProblem` returned (CP-SAT's, or the solver's search
-    around it: :func:`autopart.solver._search.search` tightens ``bound`` and sets ``method``).
+    around it: :func:`autopart.solver._refinement.search` tightens ``bound`` and sets ``method``).
 
     Attributes:
         answer: the best cuts and recompute flags found (their objective included).
@@ -105,8 +105,7 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
     stage s, ``rc[s]`` stage s recomputes, ``t[s]`` stage time, ``mem[s]`` stage memory. The
     objective is linear in ``max t``, ``max rank load``, ``sum t`` and (ZB-H1) the hidden
     ``W`` of the stages after the first. With a feasible hint its value bounds every stage's
-    time, which prunes ``x`` to a band (as in
-    :func:`autopart.solver.partition_cpsat.partition_cpsat`).
+    time, which prunes ``x`` to a band.
 
     Args:
         problem: the chain problem.
@@ -136,7 +135,7 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
 
     # Variables.
     # x[i, s] = segment i is in stage s; e[i, s] = the cut after segment i ends stage s (with
-    # the constraints that make the stages contiguous: see _chain_model.build_chain_model).
+    # the constraints that make the stages contiguous: see _contiguous_stages.build_chain_model).
     chain = build_chain_model(data.prefix, s_total, data.horizon, hint_stage=hint_stage,
                               band=band)
     model = chain.model

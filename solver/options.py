@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from autopart.core.errors import PlanError
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
+from autopart.core.runtime_model import RuntimeDescription
 
 __all__ = ["SolveOptions"]
 
@@ -47,41 +48,12 @@ class SolveOptions:
         hint: a previous plan whose cuts seed the search (warm start after a change of
             batch, sequence length or device count).
         library_versions: package -> version recorded in the plan (ortools is added).
-        split_backward_factor: measured ``(I + W) / B`` of the runtime that will run the
-            plan: what splitting one backward into its input- and weight-gradient parts
-            costs (default 1.0: free, as the ZB-H1 paper assumes). ``zero_bubble``
-            candidates have their non-recomputed stages' I and W multiplied by it; must be
-            >= 1. Profiles leave it at 1.0 and measure ``split_backward_us_per_node``.
-        split_backward_us_per_node: what splitting one backward adds per node with a
-            backward, per microbatch, µs (default 0.0; must be >= 0), the same at every
-            microbatch size (see
-            :meth:`autopart.solver._costmodel.CostModel.split_overhead_us`); charged to W.
-            :func:`autopart.compile` measures it on the profiled device at the microbatch
-            it profiles when m is fixed; where m is open it measures
-            ``split_backward_points`` instead, which replace this figure.
-        split_backward_points: ``(rows per microbatch, µs per node)`` pairs, the split's
-            cost per node measured at several microbatch sizes (default ``()``: none, and
-            ``split_backward_us_per_node`` applies at every size). At a microbatch of ``r``
-            rows the cost is read off the piecewise line through them, extended beyond the
-            ends by its end pieces, and never below 0
-            (:meth:`autopart.solver._costmodel.CostModel.split_us_per_node_at`). Rows must
-            be > 0 and distinct, costs >= 0.
-        transfer_overhead_us: what the runtime spends on each transfer between ranks that
-            an action posts or waits on, beside the link time, µs (default 0.0; must be
-            >= 0): the schedule's own Python for the action, posting the send or receive
-            and completing it. An F, B or I pays it once per neighbour stage on another rank
-            (its input's and its output's transfers); a split's W, which transfers nothing,
-            does not.
-            :func:`autopart.plan_model` measures it for the distributed runtime on CPU
-            ranks (:func:`autopart.runtime_overhead.transfer_overhead`).
+        runtime: what the runtime that will run the plan costs and holds (its cost per
+            transfer, the split backward's cost, its receive buffers); default: a runtime
+            that costs nothing beyond the profiled ops and allocates buffers as values
+            arrive (:class:`autopart.core.runtime_model.RuntimeDescription`).
         crossing_factor, window, max_candidates: see
             :func:`autopart.solver.candidates.find_candidates`.
-        receive_buffers_per_microbatch: when training, every stage holds one receive
-            buffer per microbatch for its input and one for its outputs' gradient for the
-            whole step, as torch.distributed.pipelining's stages allocate them, and keeps
-            each microbatch's sent output and input gradient until the step ends
-            (``autopart.compile`` sets it for the distributed backend; default False: the
-            one-process executor allocates them as values arrive).
     """
 
     batch_size: int
@@ -101,11 +73,7 @@ class SolveOptions:
     max_simulated: int = 4
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
-    split_backward_factor: float = 1.0
-    split_backward_us_per_node: float = 0.0
-    split_backward_points: tuple[tuple[float, float], ...] = ()
-    receive_buffers_per_microbatch: bool = False
-    transfer_overhead_us: float = 0.0
+    runtime: RuntimeDescription = RuntimeDescription()
     crossing_factor: float = 2.0
     window: int = 32
     max_candidates: int = 128
@@ -124,20 +92,6 @@ class SolveOptions:
         if self.batch_size < 1 or (self.num_stages is not None and self.num_stages < 1):
             raise PlanError(f"num_stages={self.num_stages} and batch_size={self.batch_size} "
                             "must be >= 1")
-        if not self.split_backward_factor >= 1.0:
-            raise PlanError(f"split_backward_factor={self.split_backward_factor} must be >= 1 "
-                            "(splitting a backward cannot make it cheaper)")
-        if not self.split_backward_us_per_node >= 0.0:
-            raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
-                            "must be >= 0 (splitting a backward cannot make it cheaper)")
-        rows = [r for r, _ in self.split_backward_points]
-        if (any(not (r > 0) for r in rows) or len(set(rows)) != len(rows)
-                or any(not (us >= 0.0) for _, us in self.split_backward_points)):
-            raise PlanError(f"split_backward_points={self.split_backward_points} must be "
-                            "(rows > 0, µs per node >= 0) pairs with distinct rows")
-        if not self.transfer_overhead_us >= 0.0:
-            raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
-                            "transfer cannot cost less than its link time)")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise PlanError(f"memory_cap_bytes={self.memory_cap_bytes} must be > 0 or None")
         if (self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0

@@ -11,8 +11,9 @@ from autopart.core.errors import PlanError
 from autopart.core.plan import Plan, SolverReport
 from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.trace import Trace, TraceEvent
-from autopart.solver._costmodel import CostModel
-from autopart.solver._evaluate import build_plan, evaluate
+from autopart.solver._candidate import evaluate
+from autopart.solver._cost_model import CostModel
+from autopart.solver._plan_build import build_plan
 from autopart.solver.baselines import baseline_partitions
 from autopart.solver.options import SolveOptions
 from autopart.solver.simulate import StageCosts, simulate
@@ -47,7 +48,7 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
         costs: the cost graph it was solved on.
         cluster: its devices (``cluster.num_ranks`` ranks).
         options: the options it was solved with (batch size, training, optimizer state,
-            split factor: what the cost model reads).
+            the runtime's costs: what the cost model reads).
 
     Returns:
         The simulated step time, per-rank peaks, per-stage costs and predicted trace.
@@ -102,7 +103,7 @@ def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,
 
     Args:
         costs, cluster, options: as for :func:`autopart.solver.solve` (``options`` gives the
-            batch size, training, optimizer state and split factor).
+            batch size, training, optimizer state and the runtime's costs).
         positions: cut positions (node indices), ``ranks x stages_per_rank - 1`` of them.
         kind, num_microbatches, stages_per_rank: the schedule.
         recompute: every stage recomputes its forward (True), none does (False, the

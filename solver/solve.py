@@ -1,9 +1,9 @@
 """solve(costs, cluster, options) -> Plan: cuts, microbatches, interleaving, schedule and recompute.
 
 The public entry. Its three steps live in their own modules, in data-flow order:
-:mod:`~autopart.solver._subproblems` (candidates, one chain problem and seed per (kind, v, m)),
-:mod:`~autopart.solver._search` (CP-SAT on the most promising, and bounds) and
-:mod:`~autopart.solver._choose` (exact costs, baselines, simulator, the plan).
+:mod:`~autopart.solver._problem_grid` (candidates, one chain problem and seed per (kind, v, m)),
+:mod:`~autopart.solver._refinement` (CP-SAT on the most promising, and bounds) and
+:mod:`~autopart.solver._selection` (exact costs, baselines, simulator, the plan).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
 from autopart.core.plan import Plan
-from autopart.solver._choose import choose
-from autopart.solver._search import search
-from autopart.solver._subproblems import setup, subproblems
+from autopart.solver._problem_grid import setup, subproblems
+from autopart.solver._refinement import search
+from autopart.solver._selection import choose
 from autopart.solver.options import SolveOptions
 
 __all__ = ["SolveOptions", "solve"]

@@ -53,7 +53,7 @@ class NodeCost:
             what the op keeps of its own (a mask, a softmax's statistics). With it, a
             stage's held activations follow the runtime that sends between processes: the
             producer's stage keeps what it sent until its backward, and the receiving stage
-            saves the copy in its receive buffer (``autopart.solver._costmodel``). Optional
+            saves the copy in its receive buffer (``autopart.solver._memory_model``). Optional
             (None: not recorded, as in profiles from before it existed).
         strided_output_bytes: bytes of its output tensors that are not contiguous (a
             transposed attention output, an ``expand``ed mask). A runtime that sends between
@@ -161,7 +161,7 @@ class CostGraph:
         profile_wall_s: seconds the profiling took.
         low_batch_size: a second, smaller profiled batch (0: none). With it, each node's
             time at a batch ``b`` between the two is interpolated between its two measured
-            times instead of scaled from one (see ``autopart.solver._costmodel.CostModel``).
+            times instead of scaled from one (see ``autopart.solver._cost_model.CostModel``).
         low_times: per node, in ``nodes`` order, ``(fwd_us, bwd_input_us, bwd_weight_us)``
             measured at ``low_batch_size`` (empty when ``low_batch_size`` is 0).
         low_backward_peaks: per node, ``backward_peak_bytes`` measured at
@@ -394,7 +394,7 @@ def segment_scales(line: CostGraph, rows: int, positions: tuple[int, ...],
     line, added to the last segment's measured times, since ``line``'s last node holds it.
 
     Each factor is the segment's measured time over the sum of its nodes' times on the line
-    at ``rows`` (as :class:`autopart.solver._costmodel.CostModel` reads it), 1.0 where either
+    at ``rows`` (as :class:`autopart.solver._cost_model.CostModel` reads it), 1.0 where either
     is 0.
 
     Raises:

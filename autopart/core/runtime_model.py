@@ -1,5 +1,5 @@
-"""RuntimeDescription: what the runtime that will run a plan costs and holds, as the
-profiler and the solver see it (no torch)."""
+"""RuntimeDescription: what the runtime that will run a plan costs and holds, as the profiler
+and the solver see it (no torch)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,54 @@ BACKENDS = ("local", "distributed")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RuntimeDescription:
-    """PLACEHOLDER until the solver branch lands (merged by hand)."""
+    """The costs and memory policy of the runtime a plan is made for (keyword-only).
+
+    The runtime package gives one per backend (:func:`autopart.runtime.description.describe`);
+    the profiler reads how that runtime runs (``split_engine``, ``ranks_are_processes``,
+    ``transfer_steps``) and fills in what it measures of it; the solver charges the figures.
+    Nothing here imports a runtime. The default describes a runtime
+    that costs nothing beyond the profiled ops and allocates buffers as values arrive (the
+    one-process stream executor).
+
+    Attributes:
+        name: a label for messages and reports only (default ``"local"``); the solver never
+            reads it to decide anything.
+        receive_buffers_per_microbatch: when training, every stage holds one receive buffer
+            per microbatch for its input and one for its outputs' gradient for the whole
+            step, and keeps each microbatch's sent output and input gradient until the step
+            ends, as torch.distributed.pipelining's stages allocate them (True for the
+            distributed runtime). Default False: one receive buffer of each, allocated as
+            values arrive.
+        transfer_overhead_us: what the runtime spends on each transfer between ranks that
+            an action posts or waits on, beside the link time, µs (default 0.0; must be
+            >= 0): the schedule's own code for the action, posting the send or receive and
+            completing it. An ``F``, ``B`` or ``I`` pays it once per neighbour stage on
+            another rank (its input's and its output's transfers); a split's ``W``, which
+            transfers nothing, does not.
+        split_backward_us_per_node: what splitting one backward into its input- and
+            weight-gradient parts (``I`` then ``W``, zero-bubble) adds per node that has a
+            backward, per microbatch, µs (default 0.0; must be >= 0), the same at every
+            microbatch size; charged to ``W``. Replaced by ``split_backward_points`` when
+            those are given.
+        split_backward_points: ``(rows per microbatch, µs per node)`` pairs: the split's cost
+            per node measured at several microbatch sizes (default ``()``: none, and
+            ``split_backward_us_per_node`` applies at every size). At a microbatch of ``r``
+            rows the cost is read off the piecewise line through the points, extended beyond
+            the ends by its end pieces, and never below 0. Rows must be > 0 and distinct,
+            costs >= 0.
+        ranks_are_processes: each rank is a process computing at the same time as the host's
+            other ranks (default False): the profiler then calibrates beside co-runners.
+        transfer_steps: ``"module:function"`` the profiler's two timing processes call to
+            run this runtime's steps (default None: no per-transfer cost is measured); named,
+            not imported, so the profiler never imports a runtime.
+        split_engine: how the runtime splits a backward into I and W, an object with the
+            profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
+            default None: the split's cost is not measured). Not compared or printed.
+
+    Raises:
+        PlanError: a negative cost, or split points with a row count <= 0, repeated rows or
+            a negative cost (the message names the field and the value).
+    """
 
     name: str = "local"
     receive_buffers_per_microbatch: bool = False
@@ -27,5 +74,16 @@ class RuntimeDescription:
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "split_backward_points",
+                           tuple((r, us) for r, us in self.split_backward_points))
+        if not self.split_backward_us_per_node >= 0.0:
+            raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
+                            "must be >= 0 (splitting a backward cannot make it cheaper)")
+        rows = [r for r, _ in self.split_backward_points]
+        if (any(not (r > 0) for r in rows) or len(set(rows)) != len(rows)
+                or any(not (us >= 0.0) for _, us in self.split_backward_points)):
+            raise PlanError(f"split_backward_points={self.split_backward_points} must be "
+                            "(rows > 0, µs per node >= 0) pairs with distinct rows")
         if not self.transfer_overhead_us >= 0.0:
-            raise PlanError("x")
+            raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
+                            "transfer cannot cost less than its link time)")

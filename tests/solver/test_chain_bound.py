@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.solver import SolveOptions, solve
-from autopart.solver._costmodel import TIME_UNITS_PER_US
-from autopart.solver._schedule_cost import in_flight, objective_weights
-from autopart.solver._subproblems import chain_problem, setup
+from autopart.solver._closed_form import in_flight, objective_weights
+from autopart.solver._cost_model import TIME_UNITS_PER_US
+from autopart.solver._problem_grid import chain_problem, setup
 from autopart.solver.chain import ChainAnswer, ChainProblem
 from autopart.solver.chain_bound import (
     relaxation_bound,
@@ -26,7 +26,7 @@ from autopart.solver.chain_bound import (
     threshold_search,
 )
 from autopart.solver.chain_dp import chain_dp_hint, chain_min_max, chain_min_sum
-from autopart.solver.reference import solve_brute_force
+from tests.solver.oracles.brute_force import solve_brute_force
 
 KINDS = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2)]
 EXAMPLES = settings(max_examples=150, deadline=None, derandomize=True)
@@ -185,14 +185,14 @@ def test_solve_reports_a_bound_below_the_chosen_chain_problems_optimum(
     # so that CP-SAT's banded search runs after it, seeded with its answer. The 5,600-byte
     # cap forces recompute.
     if path != "default":
-        monkeypatch.setattr(sys.modules["autopart.solver._search"], "_BAND_ABOVE", 0)
+        monkeypatch.setattr(sys.modules["autopart.solver._refinement"], "_BAND_ABOVE", 0)
     if path == "banded+cp-sat":
         def unproven(prob: ChainProblem, seed: ChainAnswer | None, **kw: object) -> object:
             # a threshold search that stopped early: its answer, a weaker (still valid) bound
             res = threshold_search(prob, seed, **kw)
             return res and replace(res, bound=min(res.bound, relaxation_bound(prob)))
 
-        monkeypatch.setattr(sys.modules["autopart.solver._search"], "threshold_search", unproven)
+        monkeypatch.setattr(sys.modules["autopart.solver._refinement"], "threshold_search", unproven)
     costs = build.chain(nodes, fwd=10.0, bwd=20.0, out=100, saved=600, param_bytes=400)
     cluster = build.cluster(ranks, memory_bytes=cap, link_bw=link_bw)
     options = SolveOptions(batch_size=8, microbatch_candidates=(2, 4, 8), max_candidates=8)

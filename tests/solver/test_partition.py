@@ -7,8 +7,8 @@ import random
 import pytest
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
-from autopart.solver.partition_cpsat import greedy_cuts, partition_cpsat
-from autopart.solver.partition_dp import partition_brute_force, partition_dp, stage_costs
+from tests.solver.oracles.partition_cpsat import greedy_cuts, partition_cpsat
+from tests.solver.oracles.partition_dp import partition_brute_force, partition_dp, stage_costs
 
 # (seg_cost, cut_cost, cut_in_cost, S) -> (objective, cuts); worked by hand.
 HAND = [

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from autopart.core.errors import PlanError
+from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.schedule import build_schedule
 from autopart.solver import SolveOptions, solve
 from autopart.solver.predict import baseline_plan, plan_at, predict
@@ -82,7 +83,7 @@ def test_zero_bubble_charges_the_split_per_node_to_w_and_the_first_stage_runs_b_
 
     def stage_costs(per_node: float, kind: str = "zero_bubble") -> tuple[list[float], ...]:
         opts = SolveOptions(batch_size=32, num_microbatches=4,
-                            split_backward_us_per_node=per_node)
+                            runtime=RuntimeDescription(split_backward_us_per_node=per_node))
         plan = plan_at(costs, cluster, opts, (4,), kind=kind, num_microbatches=4)
         c = predict(plan, costs, cluster, opts).stage_costs
         return list(c.bwd_input_us), list(c.bwd_weight_us)
@@ -94,8 +95,6 @@ def test_zero_bubble_charges_the_split_per_node_to_w_and_the_first_stage_runs_b_
     assert stage_costs(2.5) == ([0.0, 40.0], [80.0, 50.0])
     # a schedule that does not split pays nothing
     assert stage_costs(2.5, "1f1b") == stage_costs(0.0, "1f1b")
-    with pytest.raises(PlanError, match="split_backward_us_per_node=-1.0 must be >= 0"):
-        SolveOptions(batch_size=8, split_backward_us_per_node=-1.0)
 
 
 def test_a_parameter_tied_across_ranks_adds_its_gradient_all_reduce_to_the_step(
@@ -138,7 +137,7 @@ def test_zero_bubbles_w_holds_all_the_stages_weight_gradients_only_in_autoparts_
 
     def stage_costs(torch_stages: bool) -> Any:
         opts = SolveOptions(batch_size=32, num_microbatches=4,
-                            receive_buffers_per_microbatch=torch_stages)
+                            runtime=RuntimeDescription(receive_buffers_per_microbatch=torch_stages))
         plan = plan_at(costs, cluster, opts, (4,), kind="zero_bubble", num_microbatches=4)
         return predict(plan, costs, cluster, opts).stage_costs
 
@@ -161,7 +160,8 @@ def test_the_runtimes_cost_per_transfer_is_added_to_the_f_b_and_i_that_post_it(
     cluster = build.cluster(2, link_bw=1e12)
 
     def predicted(kind: str, overhead: float) -> Any:
-        opts = SolveOptions(batch_size=32, num_microbatches=4, transfer_overhead_us=overhead)
+        opts = SolveOptions(batch_size=32, num_microbatches=4,
+                            runtime=RuntimeDescription(transfer_overhead_us=overhead))
         return predict(plan_at(costs, cluster, opts, (4,), kind=kind, num_microbatches=4),
                        costs, cluster, opts)
 
@@ -179,14 +179,13 @@ def test_the_runtimes_cost_per_transfer_is_added_to_the_f_b_and_i_that_post_it(
     slower = predicted("1f1b", 3.0).step_time_us - predicted("1f1b", 0.0).step_time_us
     assert 8 * 3.0 <= slower <= 10 * 3.0 + 1e-6
     # three stages on three ranks: the middle one's F receives and sends, and so does its B
-    opts = SolveOptions(batch_size=32, num_microbatches=4, transfer_overhead_us=3.0)
+    opts = SolveOptions(batch_size=32, num_microbatches=4,
+                        runtime=RuntimeDescription(transfer_overhead_us=3.0))
     three = predict(plan_at(costs, build.cluster(3, link_bw=1e12), opts, (3, 6), kind="1f1b",
                             num_microbatches=4), costs, build.cluster(3, link_bw=1e12),
                     opts).stage_costs
     assert list(three.fwd_us) == [33.0, 36.0, 23.0]
     assert list(three.bwd_input_us) == [33.0, 36.0, 23.0]
-    with pytest.raises(PlanError, match="transfer_overhead_us=-1.0 must be >= 0"):
-        SolveOptions(batch_size=8, transfer_overhead_us=-1.0)
 
 
 def test_a_stage_holds_its_unsaved_outputs_and_not_the_inputs_it_saves_from_torchs_buffers(
@@ -207,7 +206,7 @@ def test_a_stage_holds_its_unsaved_outputs_and_not_the_inputs_it_saves_from_torc
 
     def saved(torch_stages: bool, graph: Any = costs) -> list[int]:
         opts = SolveOptions(batch_size=8, num_microbatches=1,
-                            receive_buffers_per_microbatch=torch_stages)
+                            runtime=RuntimeDescription(receive_buffers_per_microbatch=torch_stages))
         plan = plan_at(graph, cluster, opts, (2,), kind="1f1b", num_microbatches=1)
         return list(predict(plan, graph, cluster, opts).stage_costs.saved_bytes)
 
@@ -237,7 +236,8 @@ def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_micr
     points = ((2, 1.0), (8, 4.0))  # µs per node at 2 and at 8 rows: 0.5 more per row
 
     def second_w(m: int, **split: object) -> float:
-        opts = SolveOptions(batch_size=32, num_microbatches=m, **split)  # type: ignore[arg-type]
+        opts = SolveOptions(batch_size=32, num_microbatches=m,
+                            runtime=RuntimeDescription(**split))  # type: ignore[arg-type]
         plan = plan_at(costs, cluster, opts, (4,), kind="zero_bubble", num_microbatches=m)
         return predict(plan, costs, cluster, opts).stage_costs.bwd_weight_us[1]
 
@@ -255,6 +255,3 @@ def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_micr
     assert second_w(16, split_backward_points=((4, 3.0), (8, 1.0))) == pytest.approx(
         plain[16] + 4 * 4.0)
     assert second_w(2, split_backward_points=((4, 3.0), (8, 1.0))) == pytest.approx(plain[2])
-    for bad in (((0, 1.0),), ((2, 1.0), (2, 2.0)), ((2, -1.0),)):
-        with pytest.raises(PlanError, match="split_backward_points=.* must be"):
-            SolveOptions(batch_size=8, split_backward_points=bad)  # type: ignore[arg-type]

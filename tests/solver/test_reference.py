@@ -7,11 +7,11 @@ import random
 import pytest
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
-from autopart.solver._schedule_cost import in_flight, objective_weights
+from autopart.solver._closed_form import in_flight, objective_weights
 from autopart.solver.chain import ChainProblem
 from autopart.solver.chain_cpsat import solve_chain_cpsat
 from autopart.solver.chain_dp import chain_dp_hint
-from autopart.solver.reference import solve_brute_force
+from tests.solver.oracles.brute_force import solve_brute_force
 
 KINDS = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2)]
 

@@ -109,7 +109,7 @@ def test_reduced_gpt3_shape_is_reproducible_with_a_small_certified_gap(
     # was charged the gradients it keeps from I to W: that plan no longer fits, 1F1B at m=128
     # is the optimum.
     if banded:
-        monkeypatch.setattr(sys.modules["autopart.solver._search"], "_BAND_ABOVE", 0)
+        monkeypatch.setattr(sys.modules["autopart.solver._refinement"], "_BAND_ABOVE", 0)
     plan, _ = _solve_twice(12, 8, (8, 16, 24, 32, 48, 64, 96, 128), deterministic_time=0.2)
     _check(plan, 12, 8)
     sol = plan.solver  # type: ignore[attr-defined]

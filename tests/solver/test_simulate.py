@@ -8,7 +8,7 @@ import pytest
 
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, build_schedule, in_flight_counts
-from autopart.solver._schedule_cost import closed_form_step_us, in_flight
+from autopart.solver._closed_form import closed_form_step_us, in_flight
 from autopart.solver.simulate import StageCosts, simulate
 
 

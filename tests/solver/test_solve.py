@@ -14,6 +14,7 @@ import pytest
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import Plan
+from autopart.core.runtime_model import RuntimeDescription
 from autopart.solver import SolveOptions, solve
 
 FAST_LINK = 1e15  # bytes/s: communication ~0 where a test works times by hand
@@ -70,7 +71,7 @@ def test_uniform_chain_is_balanced_hand_worked(build: Any) -> None:
     held = solve(g, build.cluster(4, link_bw=FAST_LINK),
                  SolveOptions(num_stages=4, batch_size=16, num_microbatches=2,
                               schedule_kind="1f1b", recompute=False,
-                              receive_buffers_per_microbatch=True))
+                              runtime=RuntimeDescription(receive_buffers_per_microbatch=True)))
     assert [st.predicted_peak_memory_bytes for st in held.stages] == [4300, 4600, 4600, 4200]
     assert [r.peak_memory_bytes for r in held.ranks] == [4200, 4500, 4500, 4200]
     assert plan.stages[0].module_range == ("layers.0", "layers.1")
@@ -180,7 +181,6 @@ def test_plan_round_trips_through_json(build: Any, tmp_path: Path) -> None:
     ({"num_microbatches": 3}, r"num_microbatches \[3\] must be >= 1 and divide batch_size=16"),
     ({"microbatch_candidates": (2, 5)}, r"num_microbatches \[5\]"),
     ({"num_stages": 3}, "num_stages=3 but the cluster has 4 ranks"),
-    ({"split_backward_factor": 0.9}, r"split_backward_factor=0.9 must be >= 1"),
 ])
 def test_bad_requests_raise(build: Any, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(PlanError, match=match):
@@ -281,25 +281,27 @@ def test_memory_objective_is_reported_in_bytes(build: Any) -> None:
 
 
 def test_split_backward_cost_is_charged_to_zero_bubble_only(build: Any) -> None:
-    # uniform chain on 4 ranks, m = 4: stage = 2 x (10 + 20) µs, W = half the backward.
+    # uniform chain on 4 ranks, m = 4 of 2 rows: stage = 2 x (2.5 + 5) µs, W = half the
+    # backward.
     g = build.chain(8, param_bytes=400)
     cluster = build.cluster(4, link_bw=FAST_LINK)
 
-    def plan(kind: str | None, factor: float) -> Plan:
+    def plan(kind: str | None, per_node: float) -> Plan:
         return solve(g, cluster, SolveOptions(batch_size=8, num_microbatches=4,
                                               schedule_kind=kind, stages_per_rank=1,
-                                              recompute=False, split_backward_factor=factor))
+                                              recompute=False,
+                                              runtime=RuntimeDescription(split_backward_us_per_node=per_node)))
 
-    one, zb = plan("1f1b", 1.5), plan("zero_bubble", 1.0)
-    assert one.predicted_step_time_us == plan("1f1b", 1.0).predicted_step_time_us
-    # ZB-H1 at factor 1 beats 1F1B: its (p - 1) tail drops W
+    one, zb = plan("1f1b", 5.0), plan("zero_bubble", 0.0)
+    assert one.predicted_step_time_us == plan("1f1b", 0.0).predicted_step_time_us
+    # ZB-H1 with a free split beats 1F1B: its (p - 1) tail drops W
     assert zb.predicted_step_time_us < one.predicted_step_time_us
-    # at 1.5 every I and W costs half again: the split no longer pays, and the free choice
-    # falls back to a schedule that does not split
-    slow = plan("zero_bubble", 1.5)
+    # at 5 µs a node every W of the stages after the first costs 10 µs more: the split no
+    # longer pays, and the free choice falls back to a schedule that does not split
+    slow = plan("zero_bubble", 5.0)
     assert slow.predicted_step_time_us > one.predicted_step_time_us
-    assert plan(None, 1.5).schedule_kind != "zero_bubble"
-    assert plan(None, 1.0).schedule_kind == "zero_bubble"
+    assert plan(None, 5.0).schedule_kind != "zero_bubble"
+    assert plan(None, 0.0).schedule_kind == "zero_bubble"
 
 
 def test_of_two_equally_fast_plans_the_one_holding_less_memory_is_chosen(build: Any) -> None:
@@ -307,7 +309,7 @@ def test_of_two_equally_fast_plans_the_one_holding_less_memory_is_chosen(build: 
     # but 1F1B holds p - s on the later ranks; zero-bubble's split is priced out.
     g = build.chain(8, param_bytes=400)
     options = SolveOptions(num_stages=4, batch_size=16, num_microbatches=4, stages_per_rank=1,
-                           recompute=False, split_backward_factor=3.0)
+                           recompute=False, runtime=RuntimeDescription(split_backward_us_per_node=100.0))
     cluster = build.cluster(4, link_bw=FAST_LINK)
     gpipe = solve(g, cluster, dataclasses.replace(options, schedule_kind="gpipe"))
     one = solve(g, cluster, dataclasses.replace(options, schedule_kind="1f1b"))
@@ -317,19 +319,20 @@ def test_of_two_equally_fast_plans_the_one_holding_less_memory_is_chosen(build: 
     assert solve(g, cluster, options).schedule_kind == "1f1b"
 
 
-@pytest.mark.parametrize("factor", [1.0, 1.3])
+@pytest.mark.parametrize("per_node", [0.0, 3.0])
 def test_zero_bubble_objective_and_bound_are_of_its_own_closed_form(build: Any,
-                                                                    factor: float) -> None:
-    # uniform chain, 4 ranks, m = 4, microbatch 8 = b0: stage = 2 x (10 + 20) µs at factor 1,
-    # W = half the backward. ZB-H1: (m - 1) max t + sum t - sum_{s >= 1} W_s; the 1F1B form would leave the
-    # last term out, and its bound was above the plan's own predicted step.
+                                                                    per_node: float) -> None:
+    # uniform chain, 4 ranks, m = 4, microbatch 8 = b0: stage = 2 x (10 + 20) µs with a free
+    # split, W = half the backward. ZB-H1: (m - 1) max t + sum t - sum_{s >= 1} W_s; the 1F1B
+    # form would leave the last term out, and its bound was above the plan's own predicted
+    # step.
     g = build.chain(8, param_bytes=400)
     plan = solve(g, build.cluster(4, link_bw=FAST_LINK),
                  SolveOptions(num_stages=4, batch_size=32, num_microbatches=4,
                               schedule_kind="zero_bubble", recompute=False,
-                              split_backward_factor=factor))
-    t = 20.0 + 40.0 * factor  # the split's cost falls on the backward only
-    w = 20.0 * factor
+                              runtime=RuntimeDescription(split_backward_us_per_node=per_node)))
+    t = 60.0 + 2 * per_node  # the split's cost falls on W only, per node (2 a stage)
+    w = 20.0 + 2 * per_node
     # stage 0's inputs need no gradient: its backward runs whole, unsplit (20 + 40 µs)
     assert plan.solver.objective == pytest.approx(3 * t + (3 * t + 60.0) - 3 * w, abs=0.5)
     assert plan.solver.bound <= plan.solver.objective
@@ -369,7 +372,7 @@ def test_memory_target_finds_the_exhaustive_least_peak_on_two_ranks(build: Any, 
     cluster = build.cluster(2)
     options = SolveOptions(num_stages=2, batch_size=8, num_microbatches=4, schedule_kind="1f1b",
                            stages_per_rank=1, optimize="memory",
-                           receive_buffers_per_microbatch=True)
+                           runtime=RuntimeDescription(receive_buffers_per_microbatch=True))
     plan = solve(g, cluster, options)
     least = min(max(r.peak_memory_bytes for r in plan_at(
         g, cluster, options, [q], kind="1f1b", num_microbatches=4, recompute=rc).ranks)

@@ -9,7 +9,8 @@ import pytest
 
 from autopart.core.costgraph import BatchScale, CostGraph, segment_scales, through_two_batches
 from autopart.core.errors import PlanError
-from autopart.solver._costmodel import CostModel
+from autopart.solver._cost_model import CostModel
+from tests.solver.oracles.stage_estimate import stage_estimates
 
 
 def _times(g: CostGraph, scale: float) -> CostGraph:
@@ -34,7 +35,7 @@ def test_the_line_through_two_smaller_batches_gives_the_full_batchs_times(build)
     for m, rows in ((8, 2), (4, 4), (2, 8)):  # t(b) = 10 + 5 b per part, 4 nodes x 3 parts
         assert model.time_us(0, 4, model.ratio(m)) == pytest.approx(4 * 3 * (10 + 5 * rows))
         assert model.part_us("fwd", 0, 4, model.ratio(m)) == pytest.approx(4 * (10 + 5 * rows))
-    est = model.evaluate([2], 4)
+    est = stage_estimates(model, [2], 4)
     assert est[0].fwd_us == pytest.approx(2 * 30.0) and est[0].bwd_us == pytest.approx(2 * 60.0)
 
 
@@ -54,7 +55,7 @@ def test_without_a_second_batch_the_single_profile_is_scaled_as_before(build) ->
                       state_factor=2.0)
     # per node: forward 10 + 90 b/b0, backward (one op) 10 + 190 b/b0
     assert model.time_us(0, 3, model.ratio(4)) == pytest.approx(3 * (10 + 90 / 4 + 10 + 190 / 4))
-    est = model.evaluate([1], 4)
+    est = stage_estimates(model, [1], 4)
     assert est[0].fwd_us == pytest.approx(10 + 90 / 4)
 
 
@@ -129,7 +130,7 @@ def test_a_measured_microbatch_replaces_the_line_there_segment_by_segment(build)
     assert model.part_us("bwd_input", 0, 2, r) + model.part_us("bwd_weight", 0, 2, r) \
         == pytest.approx(150.0)
     assert model.time_us(0, 4, r) == pytest.approx(80 + 150 + 120 + 200)
-    est = model.evaluate([1], 2)
+    est = stage_estimates(model, [1], 2)
     assert est[0].fwd_us == pytest.approx(40.0) and est[1].bwd_us == pytest.approx(75 + 200)
     # other microbatches keep the line
     line = CostModel(g, build.cluster(2), batch_size=16, training=True, state_factor=2.0)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from autopart.solver import _choose
-from autopart.solver._choose import TIE_TOLERANCE, _pick, _to_simulate
+from autopart.solver import _selection
+from autopart.solver._selection import TIE_TOLERANCE, _pick, _to_simulate
 
 
 def cand(kind: str, m: int, step_us: float, *, v: int = 1, recompute: int = 0,
@@ -50,4 +50,4 @@ def test_candidates_within_the_tolerance_are_simulated_too() -> None:
     assert _to_simulate(pool, 2, "speed", True) == pool[:3]
     assert _to_simulate(pool, 2, "speed", False) == pool[:2]
     assert _to_simulate(pool, 1, "speed", True) == pool[:1]  # too big to simulate more
-    assert _choose.TIE_TOLERANCE < 0.03  # below the 3 % a chosen plan may trail the fastest
+    assert _selection.TIE_TOLERANCE < 0.03  # below the 3 % a chosen plan may trail the fastest

@@ -1,6 +1,6 @@
-"""Step 3 of solve(): exact costs, baselines, simulator replays, the choice and its plan.
+"""Selection of the plan: exact costs, baselines, simulator replays, preference order and ties.
 
-Every answer of step 2 is costed exactly in closed form; the baseline partitioners are
+Every refined answer is costed exactly in closed form; the baseline partitioners are
 costed the same way under 1F1B, v = 1 at the chosen m (recomputing every stage if that is
 what makes them fit); the ``max_simulated`` best are replayed by the schedule simulator and the
 best by the target's preference order (:func:`_key`) becomes the plan, with the solver's
@@ -18,9 +18,10 @@ from importlib.metadata import version
 from autopart.core.cluster import Cluster
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import SCHEDULE_KINDS, BaselineReport, Plan, SolverReport
-from autopart.solver._costmodel import TIME_UNITS_PER_US
-from autopart.solver._evaluate import Candidate, build_plan, evaluate, lower_bounds, pareto
-from autopart.solver._subproblems import Setup, Subproblem, chain_problem, setup
+from autopart.solver._candidate import Candidate, evaluate
+from autopart.solver._cost_model import TIME_UNITS_PER_US
+from autopart.solver._plan_build import build_plan, lower_bounds, pareto
+from autopart.solver._problem_grid import Setup, Subproblem, chain_problem, setup
 from autopart.solver.chain_cpsat import ChainResult
 from autopart.solver.chain_dp import chain_dp_hint
 
@@ -36,7 +37,7 @@ def choose(st: Setup, solved: list[Subproblem], wall: float) -> Plan:
 
     Args:
         st: the solve's setup.
-        solved: the subproblems with an answer (:func:`autopart.solver._search.search`).
+        solved: the subproblems with an answer (:func:`autopart.solver._refinement.search`).
         wall: CP-SAT wall time spent, seconds (reported as ``solver.wall_s``).
 
     Raises:
@@ -170,7 +171,7 @@ def _pick(final: list[Candidate], optimize: str, measured: bool) -> Candidate:
     """The plan among ``final``: :func:`_key`'s first, except for speed on ``measured``
     costs, where of the candidates within :data:`TIE_TOLERANCE` of the fastest the simplest
     wins — fewer microbatches, then fewer stages per rank, then no split backward
-    (zero-bubble pays a measured, noisy split factor), then fewer recomputing stages — and
+    (zero-bubble pays a measured, noisy split cost), then fewer recomputing stages — and
     then :func:`_key`'s order. Analytical costs carry no timing noise; peak memory depends
     on tensor sizes, not timings."""
     key = _key(optimize)

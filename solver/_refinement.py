@@ -1,4 +1,4 @@
-"""Step 2 of solve(): refine the most promising seeded subproblems and bound their optimum.
+"""Refinement of the seeded subproblems: threshold search, CP-SAT, and bounds on their optimum.
 
 Subproblems are ranked by the exact cost of their DP seed; the ``max_cpsat_solves`` best are
 refined on the full objective (per-stage recompute included): one stage per rank (speed) by
@@ -17,8 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 from autopart.core.errors import InfeasiblePlanError
-from autopart.solver._evaluate import evaluate
-from autopart.solver._subproblems import Setup, Subproblem
+from autopart.solver._candidate import evaluate
+from autopart.solver._problem_grid import Setup, Subproblem
 from autopart.solver.chain import ChainProblem
 from autopart.solver.chain_bound import relaxation_bound, stage_time_bound, threshold_search
 from autopart.solver.chain_cpsat import ChainResult, solve_chain_cpsat
@@ -46,7 +46,7 @@ def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
 
     Args:
         st: the solve's setup.
-        subs: every seeded subproblem (:func:`autopart.solver._subproblems.subproblems`).
+        subs: every seeded subproblem (:func:`autopart.solver._problem_grid.subproblems`).
 
     Returns:
         The subproblems with an answer (refined, else their seed), best seed first, and the

@@ -1,4 +1,4 @@
-"""Steps 0-1 of solve(): the cut candidates, one chain problem per (kind, v, m), and its seed.
+"""The search grid of solve(): cut candidates, and per (kind, v, m) a chain problem and its seed.
 
 :func:`setup` gathers what every later step reads (:class:`Setup`): the cost model, the cut
 candidates with the baselines' and a previous plan's cuts added, the per-rank caps and the
@@ -16,8 +16,8 @@ from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import Plan
 from autopart.core.schedule import splits_backward
-from autopart.solver._costmodel import TIME_UNITS_PER_US, CostModel
-from autopart.solver._schedule_cost import in_flight, objective_weights
+from autopart.solver._closed_form import in_flight, objective_weights
+from autopart.solver._cost_model import TIME_UNITS_PER_US, CostModel
 from autopart.solver.baselines import baseline_partitions
 from autopart.solver.candidates import CutCandidates, add_positions, crossing_profile, find_candidates
 from autopart.solver.chain import ChainAnswer, ChainProblem
@@ -152,19 +152,16 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         # the stages after the first split their backward at the measured cost (stage 0's
         # inputs need no gradient, so it runs its backward whole; a recomputed stage does not
         # split either) and run their W off the critical path (ChainProblem.hides_weight)
-        extra = model.split_factor - 1.0
-        if extra > 0.0 or model.charges_split:
-            seg_x = [int(round(TIME_UNITS_PER_US * (extra * (
-                model.part_us("bwd_input", s.start, s.stop, ratio)
-                + model.part_us("bwd_weight", s.start, s.stop, ratio))
-                + model.split_overhead_us(s.start, s.stop, ratio)))) for s in cands.segments]
+        if model.charges_split:
+            seg_x = [int(round(TIME_UNITS_PER_US * model.split_overhead_us(s.start, s.stop, ratio)))
+                     for s in cands.segments]
         seg_w = [int(round(TIME_UNITS_PER_US * (
-            model.split_factor * model.part_us("bwd_weight", s.start, s.stop, ratio)
+            model.part_us("bwd_weight", s.start, s.stop, ratio)
             + model.split_overhead_us(s.start, s.stop, ratio)))) for s in cands.segments]
     seg_f = [int(round(model.part_us("fwd", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
              for s in cands.segments]
     # state of the parameters first read in each segment; saved bytes at the microbatch size
-    state = [model._first_state[s.stop] - model._first_state[s.start] for s in cands.segments]
+    state = [model.first_use_state_bytes(s.start, s.stop) for s in cands.segments]
     saved = [model.scale_bytes(model.saved_bytes(s.start, s.stop), ratio) if options.training
              else 0 for s in cands.segments]
     cut_b = [model.scale_bytes(c, ratio) for c in cands.crossing_bytes]

@@ -1,13 +1,13 @@
-"""The CP-SAT core both chain models share: stage membership, cut variables, contiguity, hint, solve.
+"""The CP-SAT core of the chain model: stage membership, cut variables, contiguity, hint, solve.
 
 A chain of K segments is split into S contiguous, non-empty stages. :func:`build_chain_model`
 makes the variables and constraints that say so, over the (segment, stage) pairs a time
 horizon (and optionally a band around a hint) allows; :func:`add_cut_hint` seeds them with a
 cut set; :func:`solve_model` runs CP-SAT deterministically and :func:`read_cuts` /
-:func:`best_bound` read the answer. The min-max partition
-(:func:`autopart.solver.partition_cpsat.partition_cpsat`) and the full chain problem
-(:func:`autopart.solver.chain_cpsat.solve_chain_cpsat`) add their stage costs and objective
-on top, in the OR-Tools samples' order (data, variables, constraints, objective, solve, read).
+:func:`best_bound` read the answer. The full chain problem
+(:func:`autopart.solver.chain_cpsat.solve_chain_cpsat`, and the tests' min-max partition
+oracle) adds its stage costs and objective on top, in the OR-Tools samples' order (data,
+variables, constraints, objective, solve, read).
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
-from autopart.solver._chain_model import (
+from autopart.solver._contiguous_stages import (
     add_cut_hint,
     best_bound,
     build_chain_model,
     read_cuts,
     solve_model,
 )
-from autopart.solver.partition_dp import check_chain, stage_costs
+from tests.solver.oracles.partition_dp import check_chain, stage_costs
 
 __all__ = ["CpSatResult", "partition_cpsat", "greedy_cuts"]
 
@@ -118,7 +118,7 @@ def partition_cpsat(seg_cost: Sequence[int], cut_cost: Sequence[int], num_stages
 
     # Variables.
     # x[i, s] = segment i is in stage s; e[i, s] = the cut after segment i ends stage s (with
-    # the constraints that make the stages contiguous: see _chain_model.build_chain_model).
+    # the constraints that make the stages contiguous: see _contiguous_stages.build_chain_model).
     chain = build_chain_model(prefix, s_total, horizon)
     model = chain.model
     # max_cost = the largest stage cost (the objective).

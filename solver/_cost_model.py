@@ -1,0 +1,255 @@
+"""The solver's cost model: per-microbatch time and communication of segments and stages (µs)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from autopart.core.cluster import Cluster
+from autopart.core.costgraph import CostGraph
+from autopart.core.runtime_model import RuntimeDescription
+from autopart.solver._memory_model import MemoryModel, two_point_line
+from autopart.solver.candidates import CutCandidates
+
+if TYPE_CHECKING:
+    from autopart.solver.options import SolveOptions
+
+#: CP-SAT time unit: chain costs are integers in tenths of a µs (round half to even).
+TIME_UNITS_PER_US = 10
+
+
+#: A runtime that costs nothing beyond the profiled ops (CostModel's default).
+_FREE_RUNTIME = RuntimeDescription()
+
+
+def to_time_units(us: float) -> int:
+    """µs -> integer CP-SAT time units (0.1 µs)."""
+    return int(round(us * TIME_UNITS_PER_US))
+
+
+class CostModel(MemoryModel):
+    """The cost model of DESIGN.md evaluated at microbatch size ``b = batch_size / m``: time
+    here, memory in :class:`~autopart.solver._memory_model.MemoryModel`.
+
+    Time of one node at batch ``b`` from its profiled time ``t0`` at ``b0``, with ``ov`` the
+    device's ``op_overhead_us``: ``t(b) = min(t0, ov) + max(t0 - ov, 0) * b / b0``. For
+    ``t0 >= ov`` this is ``DeviceSpec``'s ``ov + (t0 - ov) * b / b0``; ops cheaper than the
+    overhead (views, getitem) stay at ``t0`` instead of being raised to ``ov``. The backward of a
+    node (input + weight gradient) is scaled as one op.
+
+    When the graph was also profiled at a smaller batch ``b1`` (``CostGraph.low_batch_size``),
+    each part of each node (forward, input gradient, weight gradient) is the line through
+    its two measured times instead: ``t(b) = t1 + s * (b - b1)`` with
+    ``s = max((t0 - t1) / (b0 - b1), 0)``. This holds the costs that do not shrink with the
+    batch (reading a layer's weights, dispatch), which a single profile at the full batch
+    scales away. The solver's microbatches are never smaller than ``b1``
+    (the smallest candidate), so the line is only used between its two points.
+
+    At a microbatch the profiler also measured segment by segment (``CostGraph.batch_scales``),
+    each node's time on the line is multiplied by its segment's measured-over-line factor
+    there, per forward and backward: kernels choose their algorithm by shape.
+
+    Args:
+        costs: the cost graph, profiled at ``costs.batch_size``.
+        cluster: devices; ``op_overhead_us`` is read from ``cluster.devices[0]``.
+        batch_size: the full batch the plan is for.
+        training: include backward time, gradient sends, saved activations and optimizer state.
+        state_factor: optimizer state bytes per trainable parameter byte (AdamW: 2.0); a
+            trainable parameter then holds ``(2 + state_factor) x`` its bytes (weight, gradient,
+            state); buffers, and every parameter when not training, hold 1x.
+        runtime: the runtime's costs and buffers (default: none beyond the ops): its split
+            backward's cost per node (:meth:`split_us_per_node_at`), its cost per transfer
+            and its receive buffers (:meth:`held_parts`).
+    """
+
+    def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
+                 state_factor: float,
+                 runtime: RuntimeDescription = _FREE_RUNTIME) -> None:
+        super().__init__(costs, batch_size=batch_size, training=training,
+                         state_factor=state_factor, runtime=runtime)
+        self._split_points = tuple(sorted(runtime.split_backward_points))
+        self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
+        self.cluster = cluster
+        self.overhead_us = cluster.devices[0].op_overhead_us
+        ov = self.overhead_us
+        self._fixed = [0.0]   # prefix sums of the batch-independent part of node time, µs
+        self._linear = [0.0]  # prefix sums of the part linear in b / b0, µs
+        # forward, input-gradient and weight-gradient parts, (fixed, linear) prefix sums, µs
+        self._parts: dict[str, tuple[list[float], list[float]]] = {
+            key: ([0.0], [0.0]) for key in ("fwd", "bwd_input", "bwd_weight")}
+        # per node (fixed, linear) of the forward and of the whole backward, µs
+        self._node_fwd: list[tuple[float, float]] = []
+        self._node_bwd: list[tuple[float, float]] = []
+        b0, b1 = costs.batch_size, costs.low_batch_size
+        for i, nd in enumerate(costs.nodes):
+            times = (nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us)
+            if b1:  # two profiled batches: the line through both, per part
+                parts = [two_point_line(t0, t1, b0, b1)
+                         for t0, t1 in zip(times, costs.low_times[i], strict=True)]
+                bwd = (parts[1][0] + parts[2][0], parts[1][1] + parts[2][1])
+            else:
+                parts = [(min(t, ov), max(t - ov, 0.0)) for t in times]
+                bwd = (min(nd.bwd_us, ov), max(nd.bwd_us - ov, 0.0))  # scaled as one op
+            self._node_fwd.append(parts[0])
+            self._node_bwd.append(bwd)
+            fixed = parts[0][0] + (bwd[0] if training else 0.0)
+            linear = parts[0][1] + (bwd[1] if training else 0.0)
+            self._fixed.append(self._fixed[-1] + fixed)
+            self._linear.append(self._linear[-1] + linear)
+            self._bwd_nodes.append(self._bwd_nodes[-1] + (nd.bwd_us > 0))
+            for key, (f, ln_) in zip(("fwd", "bwd_input", "bwd_weight"), parts, strict=True):
+                fx, ln = self._parts[key]
+                fx.append(fx[-1] + f)
+                ln.append(ln[-1] + ln_)
+        # trainable parameters read by more than one node (GPT-2's tied wte / lm_head): the
+        # nodes reading each, for tied_sync_us
+        readers: dict[str, list[int]] = {}
+        for i, nd in enumerate(costs.nodes):
+            for p in nd.params:
+                if p in costs.trainable:
+                    readers.setdefault(p, []).append(i)
+        self._shared = {p: idx for p, idx in readers.items() if len(idx) > 1}
+        # microbatches measured segment by segment beside the two points (CostGraph.batch_scales):
+        # rows -> prefix sums of each part's and of the whole node's time there, µs
+        self._scaled: dict[float, dict[str, list[float]]] = {}
+        for sc in costs.batch_scales:
+            r = sc.batch_size / b0
+            sums: dict[str, list[float]] = {key: [0.0] for key in ("fwd", "bwd_input",
+                                                                   "bwd_weight", "time")}
+            for i, (ff, fb) in enumerate(sc.factors(len(costs.nodes))):
+                at = {key: (fx[i + 1] - fx[i] + (ln[i + 1] - ln[i]) * r) * (ff if key == "fwd"
+                                                                            else fb)
+                      for key, (fx, ln) in self._parts.items()}
+                for key, t in at.items():
+                    sums[key].append(sums[key][-1] + t)
+                sums["time"].append(sums["time"][-1] + at["fwd"] + (
+                    at["bwd_input"] + at["bwd_weight"] if training else 0.0))
+            self._scaled[round(float(sc.batch_size), 6)] = sums
+
+    def _measured_at(self, ratio: float) -> dict[str, list[float]] | None:
+        """Prefix sums of the node times at ``ratio = b / b0`` where ``b`` was measured
+        segment by segment (``CostGraph.batch_scales``), else None (the line)."""
+        return self._scaled.get(round(ratio * self.costs.batch_size, 6)) if self._scaled else None
+
+    def time_us(self, start: int, stop: int, ratio: float) -> float:
+        """Compute time (fwd, + bwd when training) of nodes ``start .. stop - 1``, µs."""
+        at = self._measured_at(ratio)
+        if at is not None:
+            return at["time"][stop] - at["time"][start]
+        return (self._fixed[stop] - self._fixed[start]
+                + (self._linear[stop] - self._linear[start]) * ratio)
+
+    def link_us(self, nbytes: int) -> float:
+        """Slowest neighbour link's time for ``nbytes`` (what the chain model charges), µs."""
+        n = self.cluster.num_ranks
+        if n < 2 or nbytes <= 0:
+            return 0.0
+        links = getattr(self, "_links", None)
+        if links is None:
+            # Distinct (bandwidth, latency) of the neighbour links, as Cluster.transfer_us
+            # takes them: the max over these equals the max over every link.
+            devs = self.cluster.devices
+            links = sorted({(min(devs[r].link_bandwidth_bytes_per_s,
+                                 devs[r + 1].link_bandwidth_bytes_per_s),
+                             max(devs[r].link_latency_us, devs[r + 1].link_latency_us))
+                            for r in range(n - 1)})
+            self._links = links
+        return max(nbytes / bw * 1e6 + lat for bw, lat in links)
+
+    def part_us(self, part: str, start: int, stop: int, ratio: float) -> float:
+        """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``) of nodes
+        ``start .. stop - 1`` at ``ratio = b / b0``, µs (each part scaled as its own op)."""
+        at = self._measured_at(ratio)
+        if at is not None:
+            return at[part][stop] - at[part][start]
+        fx, ln = self._parts[part]
+        return fx[stop] - fx[start] + (ln[stop] - ln[start]) * ratio
+
+    @property
+    def charges_split(self) -> bool:
+        """Whether splitting a backward costs anything per node at some microbatch size."""
+        return (self.runtime.split_backward_us_per_node > 0.0
+                or any(us > 0.0 for _, us in self._split_points))
+
+    def split_us_per_node_at(self, rows: float) -> float:
+        """What splitting a backward adds per node with a backward at a microbatch of
+        ``rows`` rows, µs: the runtime's ``split_backward_us_per_node`` without
+        ``split_backward_points``; with one point its
+        cost; else read off the piecewise line through the points (the end pieces extended
+        beyond the first and last rows), at least 0: the split's extra work grows with the
+        microbatch."""
+        pts = self._split_points
+        if not pts:
+            return self.runtime.split_backward_us_per_node
+        if len(pts) == 1:
+            return pts[0][1]
+        k = min(max(bisect.bisect_left([r for r, _ in pts], rows), 1), len(pts) - 1)
+        (r0, u0), (r1, u1) = pts[k - 1], pts[k]
+        return max(0.0, u0 + (u1 - u0) * (rows - r0) / (r1 - r0))
+
+    def split_overhead_us(self, start: int, stop: int, ratio: float = 1.0) -> float:
+        """What splitting the backward of nodes ``start .. stop - 1`` into I and W adds to
+        one microbatch's ``I + W`` at ``ratio = b / b0``, µs: the cost per node at that
+        microbatch's rows (:meth:`split_us_per_node_at`) times the nodes that have a
+        backward. The split walks the autograd graph twice (hooks on I's intermediates,
+        then W from them)."""
+        per_node = self.split_us_per_node_at(ratio * self.costs.batch_size)
+        return per_node * (self._bwd_nodes[stop] - self._bwd_nodes[start])
+
+    def tied_sync_us(self, positions: Sequence[int], p: int) -> float:
+        """End-of-step all-reduce of the gradients of trainable parameters that stages on
+        more than one rank read (a tied embedding and LM head), µs; 0 when not training.
+
+        Each such parameter of ``b`` bytes, held by ``k`` ranks, is summed with one
+        all-reduce (the runtimes' ``reduce_grads``): a ring's ``2 (k - 1) / k * b`` bytes
+        each way per rank, charged as a send and a receive one after the other over the
+        slowest link between those ranks (:meth:`autopart.core.cluster.Cluster.transfer_us`).
+
+        Args:
+            positions: the cut positions (``p * v - 1``, ascending); stage ``s`` runs on
+                rank ``s % p``.
+            p: ranks.
+        """
+        if not self.training or p < 2 or not self._shared:
+            return 0.0
+        total = 0.0
+        for param, nodes in self._shared.items():
+            ranks = sorted({bisect.bisect_right(positions, i) % p for i in nodes})
+            k = len(ranks)
+            if k < 2:
+                continue
+            nbytes = int(math.ceil(2 * (k - 1) / k * self.costs.param_sizes[param]))
+            total += 2 * max(self.cluster.transfer_us(nbytes, a, b)
+                             for a, b in itertools.pairwise(ranks))
+        return total
+
+    @classmethod
+    def for_options(cls, costs: CostGraph, cluster: Cluster, options: SolveOptions,
+                    batch_size: int | None = None) -> CostModel:
+        """The model a :class:`autopart.solver.SolveOptions` describes (its batch unless
+        ``batch_size`` is given)."""
+        return cls(costs, cluster, batch_size=options.batch_size if batch_size is None
+                   else batch_size, training=options.training,
+                   state_factor=options.optimizer_state_bytes_per_param_byte,
+                   runtime=options.runtime)
+
+    def speed(self, rank: int) -> float:
+        """Time multiplier of ``rank`` against the profiled device: peak FLOP/s of rank 0 over
+        that of ``rank`` (1.0 on a uniform cluster)."""
+        return self.cluster.devices[0].peak_flops / self.cluster.devices[rank].peak_flops
+
+    # ---- chain data for the partition solvers --------------------------------------
+    def chain_time(self, cands: CutCandidates, m: int) -> tuple[list[int], list[int], list[int]]:
+        """Integer chain costs at ``m`` microbatches: (segment time, cut out-charge, cut in-charge).
+
+        The out-charge is the forward activation send (sender's stage), the in-charge the gradient
+        send (receiver's stage, training only); both in 0.1 µs units.
+        """
+        r = self.ratio(m)
+        seg = [to_time_units(self.time_us(s.start, s.stop, r)) for s in cands.segments]
+        out = [to_time_units(self.link_us(self.scale_bytes(c, r))) for c in cands.crossing_bytes]
+        cin = out if self.training else [0] * len(out)
+        return seg, out, cin

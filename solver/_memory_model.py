@@ -1,0 +1,225 @@
+"""Memory of stages per microbatch: parameter state, saved and held activations, working sets."""
+
+from __future__ import annotations
+
+import math
+
+from autopart.core.costgraph import CostGraph
+from autopart.core.runtime_model import RuntimeDescription
+from autopart.solver.candidates import _values, crossing_profile, crossing_sums
+
+__all__ = ["MemoryModel", "two_point_line"]
+
+
+def two_point_line(t0: float, t1: float, b0: int, b1: int) -> tuple[float, float]:
+    """``(fixed, linear at b0)`` of the line through ``(b1, t1)`` and ``(b0, t0)``, its slope
+    kept >= 0 (a figure measured lower at the larger batch is noise: held at ``t1``)."""
+    slope = max((t0 - t1) / (b0 - b1), 0.0)
+    return t1 - slope * b1, slope * b0
+
+
+class MemoryModel:
+    """The memory half of the cost model (:class:`autopart.solver._cost_model.CostModel`
+    extends it with time), in bytes, at microbatch size ``b = batch_size / m``.
+
+    Activation bytes (outputs, saved, crossing, graph inputs) scale as
+    ``ceil(bytes * b / b0)``; parameter bytes do not scale.
+
+    Args:
+        costs: the cost graph, profiled at ``costs.batch_size``.
+        batch_size: the full batch the plan is for.
+        training: count optimizer state, saved activations and backward working sets.
+        state_factor: optimizer state bytes per trainable parameter byte (AdamW: 2.0); a
+            trainable parameter then holds ``(2 + state_factor) x`` its bytes (weight,
+            gradient, state); buffers, and every parameter when not training, hold 1x.
+        runtime: the runtime's buffers (:meth:`held_parts`).
+    """
+
+    def __init__(self, costs: CostGraph, *, batch_size: int, training: bool,
+                 state_factor: float, runtime: RuntimeDescription) -> None:
+        self.costs = costs
+        self.runtime = runtime
+        self.batch_size = batch_size
+        self.training = training
+        self.crossing, _ = crossing_profile(costs)
+        # for held_parts: where each node's output is last read (n: a graph output), whether
+        # every node says which saved storages other nodes returned, and per position
+        # 0 .. n the bytes of the non-contiguous node outputs crossing it
+        values = _values(costs)
+        self._last_use = [v.last_use for v in values if v.produced >= 0]
+        self._producers_known = all(nd.saved_from is not None for nd in costs.nodes)
+        self._held: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._strided_crossing = crossing_sums(
+            costs, values,
+            lambda v: costs.nodes[v.produced].strided_output_bytes if v.produced >= 0 else 0)
+        self._saved = [0]  # prefix sums of saved bytes at b0
+        first_use: dict[str, int] = {}
+        for i, nd in enumerate(costs.nodes):
+            self._saved.append(self._saved[-1] + nd.saved_bytes)
+            for p in nd.params:
+                first_use.setdefault(p, i)
+        mult = (2.0 + state_factor) if training else 1.0
+        self.state_bytes = {
+            p: int(math.ceil(nbytes * mult)) if p in costs.trainable else nbytes
+            for p, nbytes in costs.param_sizes.items()}
+        self._first_state = [0] * (len(costs.nodes) + 1)  # prefix sums of first-use state bytes
+        per_node = [0] * len(costs.nodes)
+        for p, i in first_use.items():
+            per_node[i] += self.state_bytes[p]
+        for i, v in enumerate(per_node):
+            self._first_state[i + 1] = self._first_state[i] + v
+        # per node, the gradient its backward returns for each trainable parameter it reads,
+        # alive beside .grad until AccumulateGrad adds it in (every microbatch but a step's
+        # first, whose gradient .grad takes over): not scaled with the batch
+        self._new_grad = [sum(costs.param_sizes[p] for p in nd.params if p in costs.trainable)
+                          if training else 0 for nd in costs.nodes]
+        # per node, its backward's measured allocation peak at both profiled batches as
+        # (fixed, linear at b0): the weight gradients and the kernel's copies of them do not
+        # grow with the batch, the activations' gradients do
+        b0, b1 = costs.batch_size, costs.low_batch_size
+        self._bwd_peak = ([two_point_line(float(nd.backward_peak_bytes), float(lo), b0, b1)
+                           for nd, lo in zip(costs.nodes, costs.low_backward_peaks, strict=True)]
+                          if training and b1 and costs.low_backward_peaks else [])
+
+    # ---- scaling -------------------------------------------------------------------
+    def ratio(self, m: int) -> float:
+        """``b / b0`` for ``m`` microbatches."""
+        return self.batch_size / m / self.costs.batch_size
+
+    @staticmethod
+    def scale_bytes(nbytes: int, ratio: float) -> int:
+        """Activation bytes at the scaled batch, rounded up."""
+        return int(math.ceil(nbytes * ratio - 1e-9))
+
+    def saved_bytes(self, start: int, stop: int) -> int:
+        """Saved activations of nodes ``start .. stop - 1`` at the profiled batch, bytes."""
+        return self._saved[stop] - self._saved[start]
+
+    def first_use_state_bytes(self, start: int, stop: int) -> int:
+        """State of the parameters first read by nodes ``start .. stop - 1``, bytes (a tied
+        parameter counts once, where it is first read)."""
+        return self._first_state[stop] - self._first_state[start]
+
+    @property
+    def held_bytes_cover_outputs(self) -> bool:
+        """Whether :meth:`held_parts` counts a stage's outputs (the profile says which saved
+        storages the nodes returned)."""
+        return self._producers_known
+
+    def held_parts(self, start: int, stop: int) -> tuple[int, int, int]:
+        """What a stage of nodes ``start .. stop - 1`` holds for one microbatch from its
+        forward to its backward, at the profiled batch, in three parts, bytes: what the
+        stage's nodes save (less, with torch's stages, the inputs they save from receive
+        buffers); its outputs no node of it saves; the copies of strided values crossing its
+        cuts (torch's stages). Without ``saved_from`` (profiles from before it):
+        ``(saved bytes, 0, 0)``.
+
+        A runtime keeps each stage's outputs (to start its backward from them, and until the
+        send completes), whether or not autograd saved them: the outputs of nodes in the
+        stage read at ``stop`` or later that no node of the stage saved are the second part.
+        With torch's stages (``receive_buffers_per_microbatch``) the inputs a stage saves
+        are its receive buffers, counted in its static bytes: the saved storages that an
+        earlier stage returned are taken out (:attr:`NodeCost.saved_from`). The local
+        runtime hands a stage's outputs on as they are (or copied to another device, where
+        the receiving stage holds the copy): they stay counted where they are saved.
+
+        torch's stages also move dense buffers only: a non-contiguous output
+        (:attr:`NodeCost.strided_output_bytes`) is sent as a contiguous copy, held like the
+        outputs, and a stage copies such an input back into its captured layout, counted as
+        held until the backward (the stage's nodes may save it).
+        """
+        key = (start, stop)
+        if key in self._held:
+            return self._held[key]
+        inside, outputs, strided = self.saved_bytes(start, stop), 0, 0
+        if self._producers_known:
+            nodes = self.costs.nodes
+            saved_here: set[int] = set()  # producers (node indices) whose output is saved here
+            outside = 0
+            for j in range(start, stop):
+                for dist, nbytes in nodes[j].saved_from or ():
+                    if j - dist >= start:
+                        saved_here.add(j - dist)
+                    else:
+                        outside += nbytes
+            if self.runtime.receive_buffers_per_microbatch:
+                inside -= outside
+                strided = self.strided_bytes(start, stop)
+            outputs = sum(nodes[i].output_bytes for i in range(start, stop)
+                          if self._last_use[i] >= stop and i not in saved_here)
+        self._held[key] = (inside, outputs, strided)
+        return self._held[key]
+
+    def strided_bytes(self, start: int, stop: int) -> int:
+        """Non-contiguous values crossing into and out of a stage of nodes ``start .. stop -
+        1`` at the profiled batch, bytes: the copies torch's stages make of them (see
+        :meth:`held_parts`). 0 unless ``receive_buffers_per_microbatch``."""
+        if not self.runtime.receive_buffers_per_microbatch:
+            return 0
+        n = len(self.costs.nodes)
+        return ((self._strided_crossing[start] if start > 0 else 0)
+                + (self._strided_crossing[stop] if stop < n else 0))
+
+    def split_held_bytes(self, start: int, stop: int, ratio: float) -> int:
+        """What a split backward of nodes ``start .. stop - 1`` keeps from ``I`` to ``W``,
+        scaled, bytes: the gradient of each node where a trainable parameter's path joins
+        the activations' (a matmul reading its weight, a norm reading its scale), as big as
+        that node's output (:class:`autopart.codegen.split_backward.SplitBackward`'s
+        intermediates). Not for the first stage, where the model's inputs need no gradient:
+        there ``I`` computes nothing and ``W`` runs the whole backward from the stage's
+        outputs and their gradients, which is what the solver charges it
+        (:mod:`autopart.solver._stage_costing`)."""
+        nodes = self.costs.nodes[start:stop]
+        trainable = self.costs.trainable
+        weight_only: set[str] = set()  # nodes computed from parameters alone
+        held = 0
+        for nd in nodes:
+            reads_weight = any(p in trainable for p in nd.params) or any(
+                i in weight_only for i in nd.inputs)
+            reads_activation = any(i not in weight_only for i in nd.inputs)
+            if reads_weight and not reads_activation:
+                weight_only.add(nd.name)
+            elif reads_weight:
+                held += nd.output_bytes
+        return self.scale_bytes(held, ratio)
+
+    def state_of(self, start: int, stop: int) -> tuple[int, int, int]:
+        """(state bytes, parameter bytes, trainable elements) of every parameter read by
+        nodes ``start .. stop - 1`` (a tied parameter counts on every stage reading it)."""
+        params = sorted({p for nd in self.costs.nodes[start:stop] for p in nd.params})
+        return (sum(self.state_bytes[p] for p in params),
+                sum(self.costs.param_sizes[p] for p in params),
+                sum(self.costs.param_numel[p] for p in params if p in self.costs.trainable))
+
+    def transient_bytes(self, start: int, stop: int, ratio: float) -> int:
+        """Largest single-node working set of nodes ``start .. stop - 1``, bytes: its output
+        or, when training, its backward's:
+
+        - where the profile measured it at two batches (``NodeCost.backward_peak_bytes``,
+          ``CostGraph.low_backward_peaks``), the line through both at ``b`` plus its
+          outputs' gradients, or its gradients (``NodeCost.transient_bytes``, scaled; the
+          loss's working set, folded into the last node, is there) if more. The new weight
+          gradients and what the kernel allocates beside them (a kernel may write a weight's
+          gradient twice) are in the measured figure;
+        - otherwise its gradients (scaled) plus the new gradients of the trainable
+          parameters it reads (not scaled: they live beside ``.grad`` until added to it).
+        """
+        nodes = self.costs.nodes
+        out = 0
+        for i in range(start, stop):
+            nd = nodes[i]
+            output = self.scale_bytes(nd.output_bytes, ratio)
+            need = output
+            if self.training:
+                grads = self.scale_bytes(nd.transient_bytes, ratio)
+                if self._bwd_peak and nd.backward_peak_bytes:
+                    fixed, linear = self._bwd_peak[i]
+                    need = max(need, grads, int(math.ceil(fixed + linear * ratio)) + output)
+                else:
+                    need = max(need, grads + self._new_grad[i])
+            out = max(out, need)
+        return out
+
+    def max_transient_bytes(self, ratio: float) -> int:
+        """:meth:`transient_bytes` over the whole graph."""
+        return self.transient_bytes(0, len(self.costs.nodes), ratio)

@@ -1,0 +1,230 @@
+"""Exact per-stage costs of one candidate: compute and sends (µs), memory by lifetime (bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopart.core.schedule import splits_backward
+from autopart.solver._cost_model import CostModel
+from autopart.solver.simulate import StageCosts
+
+__all__ = ["StageSpan", "StageTerms", "stage_terms", "stage_costs"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpan:
+    """Where one stage of a candidate sits.
+
+    Attributes:
+        index: stage index s, ``0 <= s < count``.
+        count: stages of the candidate, ``p * v``.
+        start, stop: its op nodes ``start .. stop - 1``.
+        rank: the rank that runs it, ``s % p``.
+        num_ranks: p.
+        recompute: whether it recomputes its forward in its backward.
+    """
+
+    index: int
+    count: int
+    start: int
+    stop: int
+    rank: int
+    num_ranks: int
+    recompute: bool
+
+    @property
+    def first(self) -> bool:
+        """The first stage (it reads the user's microbatches; its inputs need no gradient)."""
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        """The last stage (its outputs go to the loss)."""
+        return self.index == self.count - 1
+
+
+@dataclass(frozen=True, slots=True)
+class StageTerms:
+    """What one stage costs per microbatch, as the simulator charges it
+    (:class:`~autopart.solver.simulate.StageCosts` has one column per field but the last two).
+
+    Attributes:
+        fwd_us, bwd_input_us, bwd_weight_us: F, I (or the whole B) and W compute, the runtime's
+            cost per transfer included, µs (backward parts 0 for inference).
+        send_fwd_us, send_bwd_us: sending the output forward and the input gradient back, µs.
+        static_bytes: held for the whole step: parameter state, workspaces, buffers.
+        saved_bytes: one microbatch's hold from its forward until its backward.
+        backward_extra_bytes: live only while one backward runs (working set, recomputed).
+        split_held_bytes: one microbatch's hold from its ``I`` until its ``W`` (ZB-H1).
+        weight_grad_bytes: live while one ``W`` runs (ZB-H1).
+        kept_bytes: what each backward leaves held until the step ends (torch's stages).
+        param_bytes: bytes of every parameter and buffer its nodes read.
+        num_parameters: elements of the trainable parameters its nodes read.
+    """
+
+    fwd_us: float
+    bwd_input_us: float
+    bwd_weight_us: float
+    send_fwd_us: float
+    send_bwd_us: float
+    static_bytes: int
+    saved_bytes: int
+    backward_extra_bytes: int
+    split_held_bytes: int
+    weight_grad_bytes: int
+    kept_bytes: int
+    param_bytes: int
+    num_parameters: int
+
+
+def stage_costs(terms: Sequence[StageTerms]) -> StageCosts:
+    """The simulator's per-stage columns of ``terms``."""
+    return StageCosts(
+        [t.fwd_us for t in terms], [t.bwd_input_us for t in terms],
+        [t.bwd_weight_us for t in terms], [t.send_fwd_us for t in terms],
+        [t.send_bwd_us for t in terms], [t.static_bytes for t in terms],
+        [t.saved_bytes for t in terms], [t.backward_extra_bytes for t in terms],
+        [t.split_held_bytes for t in terms], [t.weight_grad_bytes for t in terms],
+        [t.kept_bytes for t in terms])
+
+
+def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTerms:
+    """Cost one stage exactly at ``m`` microbatches under schedule ``kind``."""
+    ratio, training = model.ratio(m), model.training
+    fwd, bi, bw = _compute_us(model, kind, span, ratio)
+    cross_in = model.scale_bytes(model.crossing[span.start], ratio)
+    cross_out = model.scale_bytes(model.crossing[span.stop], ratio)
+    state, pbytes, numel = model.state_of(span.start, span.stop)
+    transient = model.transient_bytes(span.start, span.stop, ratio)
+    saved, recomputed = _saved_bytes(model, span, cross_in, cross_out, ratio)
+    split_here = training and splits_backward(kind, span.recompute)
+    # the first stage's I computes nothing (its inputs need no gradient): no working set (its
+    # W, the whole backward, has it)
+    empty_i = split_here and span.first
+    held, wgrad = _split_bytes(model, span, cross_out, pbytes, transient, ratio) \
+        if split_here else (0, 0)
+    cluster, p, s, r = model.cluster, span.num_ranks, span.index, span.rank
+    return StageTerms(
+        fwd_us=fwd, bwd_input_us=bi if training else 0.0, bwd_weight_us=bw if training else 0.0,
+        send_fwd_us=cluster.transfer_us(cross_out, r, (s + 1) % p) if not span.last else 0.0,
+        send_bwd_us=cluster.transfer_us(cross_in, r, (s - 1) % p)
+        if not span.first and training else 0.0,
+        static_bytes=_static_bytes(model, span, state, cross_in, cross_out, transient, m),
+        saved_bytes=saved,
+        backward_extra_bytes=transient + recomputed if training and not empty_i else 0,
+        split_held_bytes=held, weight_grad_bytes=wgrad,
+        kept_bytes=_kept_bytes(model, span, cross_in, cross_out),
+        param_bytes=pbytes, num_parameters=numel)
+
+
+def _compute_us(model: CostModel, kind: str, span: StageSpan,
+                ratio: float) -> tuple[float, float, float]:
+    """``(F, I, W)`` of the stage, µs; a backward run whole is all in ``I``."""
+    a, z, s = span.start, span.stop, span.index
+    f = model.speed(span.rank)
+    fwd = model.part_us("fwd", a, z, ratio) * f
+    bi = model.part_us("bwd_input", a, z, ratio) * f + (fwd if span.recompute else 0.0)
+    bw = model.part_us("bwd_weight", a, z, ratio) * f
+    if splits_backward(kind, span.recompute):
+        if span.first:
+            # the first stage's inputs need no gradient: its I computes nothing and its W is
+            # one whole backward, unsplit (torch's stages run it as "full"; the local
+            # executor's SplitBackward seeds it from the roots)
+            bi, bw = 0.0, bi + bw
+        else:
+            # the split's own cost goes to W (I runs as fast as its share of B)
+            bw += model.split_overhead_us(a, z, ratio) * f
+    if splits_backward(kind, False) and not splits_backward(kind, span.recompute):
+        bi, bw = bi + bw, 0.0  # one B where its I would be; no W
+    # the runtime's own cost of each transfer between ranks an action posts or waits on
+    # (RuntimeDescription.transfer_overhead_us): F receives the stage's input and sends its
+    # output, B (or I) receives the output's gradient and sends the input's; a split's W
+    # neither
+    if span.num_ranks > 1:
+        transfers = (s > 0) + (s < span.count - 1)
+        fwd += model.runtime.transfer_overhead_us * transfers
+        bi += model.runtime.transfer_overhead_us * transfers if model.training else 0.0
+    return fwd, bi, bw
+
+
+def _static_bytes(model: CostModel, span: StageSpan, state: int, cross_in: int,
+                  cross_out: int, transient: int, m: int) -> int:
+    """Held for the whole step: parameter state, the device's workspaces, receive and send
+    buffers, and (inference) the working set."""
+    training = model.training
+    # torch's stages receive into one buffer per microbatch: the input (not on the first
+    # stage, which reads the user's microbatches) and the output gradient (not on the last,
+    # which starts from the loss)
+    many = m if training and model.runtime.receive_buffers_per_microbatch else 1
+    # training, the last stage holds each microbatch's outputs from its F to its B (in
+    # saved_bytes) and in no output buffer: neither runtime returns them
+    out_buffers = many if not span.last else 0 if training else 1
+    # the stage's compute stream holds cuBLAS workspaces on a GPU (0 on the CPU)
+    return (state + model.cluster.devices[span.rank].workspace_bytes
+            + (many if not span.first else 1) * cross_in + out_buffers * cross_out
+            + (0 if training else transient))
+
+
+def _saved_bytes(model: CostModel, span: StageSpan, cross_in: int, cross_out: int,
+                 ratio: float) -> tuple[int, int]:
+    """``(held from F to B, recomputed in B)`` per microbatch, bytes (0 for inference)."""
+    training = model.training
+    # the last stage's outputs (the logits the loss reads) stay held, in both runtimes, from
+    # its forward until that microbatch's backward (held_parts counts them where the profile
+    # says which storages nodes returned)
+    held_out = cross_out if training and span.last else 0
+    inside, outs, strided = (model.scale_bytes(x, ratio)
+                             for x in model.held_parts(span.start, span.stop)) \
+        if training else (0, 0, 0)
+    if not span.recompute:
+        saved = (inside + outs + strided if model.held_bytes_cover_outputs
+                 else inside + held_out)
+        return saved, 0
+    if _torch_held(model):
+        # a recomputed stage of torch's keeps its outputs (the stage's cache), the copies of
+        # strided values and the loss's saved set (the loss runs outside the recomputed
+        # forward) from F to B; its inputs are receive buffers (static). The backward
+        # recomputes the rest
+        loss = model.scale_bytes(model.costs.loss_saved_bytes, ratio) if span.last else 0
+        return outs + strided + loss, inside - loss
+    return cross_in + held_out, inside + outs
+
+
+def _split_bytes(model: CostModel, span: StageSpan, cross_out: int, pbytes: int,
+                 transient: int, ratio: float) -> tuple[int, int]:
+    """``(held from I to W, live during W)`` of a stage whose backward splits, bytes."""
+    # from I to W a split backward keeps the gradients W restarts from: where parameter paths
+    # join the activations' (SplitBackward's intermediates); on the first stage, whose inputs
+    # need no gradient, I computes nothing and W restarts from the stage's outputs and their
+    # gradients, which torch's stages hold anyway (the outputs in held_bytes, their gradients
+    # in receive buffers)
+    if span.first:
+        held = 0 if _torch_held(model) else 2 * cross_out
+    else:
+        held = model.split_held_bytes(span.start, span.stop, ratio)
+    # autopart's W returns the weight gradients (up to all of the stage's, when their paths
+    # meet in one group) before adding them; on the first stage it is the whole backward,
+    # whose working set they join. torch's stage_backward_weight adds each parameter group's
+    # gradients before the next group's: one node's working set
+    wgrad = (transient if model.runtime.receive_buffers_per_microbatch
+             else pbytes + transient if span.first else pbytes)
+    return held, wgrad
+
+
+def _kept_bytes(model: CostModel, span: StageSpan, cross_in: int, cross_out: int) -> int:
+    """What each backward of the stage leaves held until the step ends, bytes.
+
+    torch's stages keep what they send: each sent output (the schedule waits on every send at
+    the step's end; until B its forward's saved set or the stage's cache held it) and each
+    input gradient (in the receive buffer's ``.grad`` until the next step clears it).
+    """
+    if not (model.training and model.runtime.receive_buffers_per_microbatch):
+        return 0
+    return (cross_out if not span.last else 0) + (cross_in if not span.first else 0)
+
+
+def _torch_held(model: CostModel) -> bool:
+    """torch's stages on a profile that says which saved storages nodes returned
+    (:meth:`CostModel.held_parts`): what they hold is counted part by part."""
+    return model.runtime.receive_buffers_per_microbatch and model.held_bytes_cover_outputs
