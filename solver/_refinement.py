@@ -28,10 +28,9 @@ __all__ = ["search", "is_big"]
 
 #: Above this many x[i, s] pairs CP-SAT searches a band of +-2 stages around the seed.
 _BAND_ABOVE = 20_000
-#: How many such big subproblems are refined, and CP-SAT's deterministic time on each. On the
-#: 175B-shaped graph (K = 383 segments, 64 ranks) CP-SAT's presolve and loading of the hint
-#: alone take about 1 deterministic second (several wall seconds on 2 cores), and the
-#: threshold search (about 1.5 s each) already proves its answer optimal there.
+#: How many such big subproblems are refined, and CP-SAT's deterministic time on each: on
+#: big graphs CP-SAT's presolve and hint loading alone take most of that time, and the
+#: threshold search already proves its answer optimal (``benchmarks/solver_scale``).
 _BIG_SOLVES = 2
 _BIG_DETERMINISTIC_TIME = 1.0
 #: A big subproblem whose threshold-search gap is at most this skips CP-SAT's banded search.

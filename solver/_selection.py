@@ -91,8 +91,7 @@ def _polish(st: Setup, cand: Candidate) -> Candidate:
     (two stages).
 
     The chain problems price memory with a simpler model than :func:`evaluate`, and their
-    optimum can miss the exact one: on the demo's GPT-2 (vocab 16k, 2 ranks, 1F1B), cut 202
-    without recompute (223 MiB) against cut 300 with the first rank recomputing (192 MiB).
+    optimum can miss the exact one.
     """
     model, p, n = st.model, st.p, len(st.model.costs.nodes)
     key = _key("memory")
@@ -148,10 +147,9 @@ def _key(optimize: str) -> Callable[[Candidate], tuple[float, ...]]:
 #: target, measured costs): op times measured twice differ by per cents, so a plan predicted
 #: less than this much faster is not known to be faster, and picking it would make the plan
 #: depend on one launch's noise. Kept below the 3 % by which a chosen plan may trail the
-#: fastest measured one. With every node's times moved by a seeded +-3 % (8 draws, the
-#: test zoo's 4-layer GPT-2 on 2 CPU ranks) it cut the distinct plans from 7 to 4; the rest
-#: differ in their cuts, which no tie-break among whole candidates can fix: a second launch
-#: gets the same plan from the profile cache (``autopart.planning.profile_model``).
+#: fastest measured one. Plans that differ in their cuts no tie-break among whole candidates
+#: can fix: a second launch gets the same plan from the profile cache
+#: (``benchmarks/determinism``).
 TIE_TOLERANCE = 0.02
 
 

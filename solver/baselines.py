@@ -20,15 +20,7 @@ same cost model as autopart's own plan. The four, and their sources:
   Bárány and Grinberg, "Block partitions of sequences" (arXiv:1308.2452).
 
 **Layers.** DeepSpeed and torchgpipe partition a list of layers, torchtitan counts transformer
-blocks. Here a *block* is a module whose path ends in an index of a repeated container
-(``transformer.h.3``, ``model.layers.7``, ``bert.encoder.layer.2``; ResNet bottlenecks
-``resnet.encoder.stages.1.layers.2``, found by descending while every node of a block sits
-in one indexed child). Containers are grouped by their path with digits replaced by ``*``; the
-group with the most nodes, and any other holding at least a quarter of the nodes, supply the
-blocks. The graph's layers are then its blocks plus each maximal run of nodes between them (the
-embeddings before the first block, the final norm and head after the last); without blocks, the
-runs of each top-level module are the layers. Per-layer quantities are sums over its nodes
-(parameters: each distinct parameter once per layer, as ``layer.parameters()`` counts them).
+blocks: :func:`autopart.solver.model_layers.model_layers` finds them.
 
 **Valid cuts.** A layer that cannot start a stage (its first position is not a valid cut, see
 :func:`autopart.solver.candidates.crossing_profile`) is merged into the layer before it for the
@@ -44,24 +36,21 @@ library itself would not make.
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import BaselineNotApplicable, PlanError
 from autopart.solver.candidates import crossing_profile
+from autopart.solver.model_layers import model_layers
+from autopart.solver.partition_algorithms import block_partition, partition_balanced
 
 __all__ = [
     "BASELINE_NAMES",
     "BaselineCuts",
     "BaselineNotApplicable",
-    "Layer",
     "baseline_partitions",
-    "block_partition",
     "deepspeed_parameters",
-    "model_layers",
-    "partition_balanced",
     "pippy_equal_size",
     "run_baselines",
     "torchgpipe_balance_by_time",
@@ -70,25 +59,6 @@ __all__ = [
 
 BASELINE_NAMES = ("uniform_layers", "deepspeed_parameters", "pippy_equal_size",
                   "torchgpipe_balance_by_time")
-_MAJOR_SHARE = 0.25  # a second block pattern counts when it holds this share of the nodes
-
-
-@dataclass(frozen=True, slots=True)
-class Layer:
-    """Op nodes ``start .. stop - 1`` forming one layer of the model.
-
-    Attributes:
-        name: the block's module path (``"transformer.h.3"``), or for other runs the module
-            path of their first node (``"(top level)"`` when it is empty).
-        start: index of its first op node.
-        stop: one past the index of its last op node.
-        is_block: True for a repeated block (a transformer layer, a ResNet bottleneck).
-    """
-
-    name: str
-    start: int
-    stop: int
-    is_block: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,87 +76,7 @@ class BaselineCuts:
     reason: str = ""
 
 
-# ---- layers ---------------------------------------------------------------------------------
-def _first_index_key(path: str) -> str | None:
-    """``"transformer.h.3.attn"`` -> ``"transformer.h.3"``; None without a numeric component."""
-    parts = path.split(".") if path else []
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return None
-
-
-def _indexed_child(path: str, key: str) -> str | None:
-    """``key.c.<int>`` when ``path`` lies under it (``key.c.<int>[.rest]``), else None."""
-    rest = path[len(key) + 1:].split(".") if path.startswith(key + ".") else []
-    if len(rest) >= 2 and rest[1].isdigit():
-        return f"{key}.{rest[0]}.{rest[1]}"
-    return None
-
-
-def _block_keys(costs: CostGraph) -> list[str | None]:
-    """Per node, the repeated block it belongs to (None outside every block)."""
-    paths = [nd.module_path for nd in costs.nodes]
-    keys = [_first_index_key(p) for p in paths]
-    changed = True
-    while changed:  # descend while all of a block's nodes sit in one indexed child container
-        changed = False
-        members: dict[str, list[int]] = {}
-        for i, k in enumerate(keys):
-            if k is not None:
-                members.setdefault(k, []).append(i)
-        for k, idxs in members.items():
-            subs = [_indexed_child(paths[i], k) for i in idxs]
-            if None not in subs and len({s.rsplit(".", 1)[0] for s in subs if s}) == 1:
-                for i, s in zip(idxs, subs, strict=True):
-                    keys[i] = s
-                changed = True
-    nodes_per: dict[str, int] = {}
-    blocks_per: dict[str, set[str]] = {}
-    for k in keys:
-        if k is not None:
-            pattern = re.sub(r"\d+", "*", k.rsplit(".", 1)[0] if "." in k else "")
-            nodes_per[pattern] = nodes_per.get(pattern, 0) + 1
-            blocks_per.setdefault(pattern, set()).add(k)
-    ranked = sorted(nodes_per, key=lambda p: -nodes_per[p])  # stable: first seen wins ties
-    if not ranked or len(blocks_per[ranked[0]]) < 2:
-        return [None] * len(keys)
-    n = len(keys)
-    kept = {p for p in ranked
-            if len(blocks_per[p]) >= 2 and (p == ranked[0] or nodes_per[p] >= _MAJOR_SHARE * n)}
-    return [k if k is not None and re.sub(r"\d+", "*", k.rsplit(".", 1)[0] if "." in k else "")
-            in kept else None for k in keys]
-
-
-def model_layers(costs: CostGraph) -> tuple[Layer, ...]:
-    """The graph's layers in order, covering every op node (see the module docstring).
-
-    Args:
-        costs: the cost graph.
-
-    Returns:
-        Contiguous layers; a block whose nodes are not contiguous gives one layer per run.
-    """
-    keys = _block_keys(costs)
-    blocks = any(k is not None for k in keys)
-    layers: list[Layer] = []
-    start = 0
-    for i in range(1, len(keys) + 1):
-        if i < len(keys) and _run_key(costs, keys, i, blocks) == _run_key(costs, keys, start, blocks):
-            continue
-        key = keys[start]
-        name = key if key is not None else (costs.nodes[start].module_path or "(top level)")
-        layers.append(Layer(name, start, i, key is not None))
-        start = i
-    return tuple(layers)
-
-
-def _run_key(costs: CostGraph, keys: list[str | None], i: int, blocks: bool) -> str | None:
-    if blocks:
-        return keys[i]
-    return costs.nodes[i].module_path.split(".")[0]  # no blocks: runs of top-level modules
-
-
+# ---- layers that can start a stage, cut positions that are valid ------------------------------
 def _valid_layers(costs: CostGraph, valid: list[bool]) -> list[tuple[int, int]]:
     """Layers as ``(start, stop)``, each one that cannot start a stage merged into the one before."""
     merged: list[tuple[int, int]] = []
@@ -342,108 +232,6 @@ def torchgpipe_balance_by_time(costs: CostGraph, num_stages: int) -> tuple[int, 
         raise BaselineNotApplicable(f"torchgpipe_balance_by_time: the block partition left a "
                                     f"stage empty (layer boundaries {stops})")
     return tuple(layers[k][0] for k in stops[:-1])
-
-
-# ---- the published algorithms ---------------------------------------------------------------
-def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """DeepSpeed's ``partition_balanced``: boundaries of ``num_parts`` contiguous parts.
-
-    Port of ``deepspeed.runtime.utils.partition_balanced`` (the dynamic-programming version):
-    ``cost[i][j]`` is the spread (largest minus smallest part) of the best ``j``-part split of the
-    first ``i`` weights, keeping one ``(max, min)`` per state; ties go to the later split point
-    (DeepSpeed's ``>=``). With ``len(weights) <= num_parts`` it falls back to
-    ``partition_uniform`` as DeepSpeed does.
-
-    Args:
-        weights: per-item weights (parameter counts), >= 0.
-        num_parts: number of parts, >= 1.
-
-    Returns:
-        ``num_parts + 1`` boundaries: part ``j`` is ``weights[parts[j]:parts[j + 1]]``.
-    """
-    n, m = len(weights), num_parts
-    if n <= m:
-        return [min(p, n) for p in range(m + 1)]
-    inf = float("inf")
-    prefix = [0.0, *itertools.accumulate(float(w) for w in weights)]
-    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
-    position = [[0] * (m + 1) for _ in range(n + 1)]
-    dp_max[0][0] = dp_cost[0][0] = 0.0
-    for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            for k in range(i):
-                part = prefix[i] - prefix[k]
-                max_sum = max(dp_max[k][j - 1], part)
-                min_sum = min(dp_min[k][j - 1], part)
-                cost = max_sum - min_sum
-                if dp_cost[i][j] >= cost:
-                    dp_cost[i][j], dp_max[i][j], dp_min[i][j] = cost, max_sum, min_sum
-                    position[i][j] = k
-    parts = [n]
-    for j in range(m, 0, -1):
-        parts.append(position[parts[-1]][j])
-    return parts[::-1]
-
-
-def block_partition(sequence: Sequence[float], partitions: int) -> list[int]:
-    """torchgpipe's ``blockpartition.solve``, returning the stop index of each block.
-
-    Port of ``torchgpipe/balance/blockpartition.py`` (Bárány and Grinberg, "Block partitions of
-    sequences", arXiv:1308.2452): normalise the sequence to [0, 1]; start from blocks of
-    ``n // k`` items (the last takes the rest); repeatedly take a largest block p (ties: the
-    later) and a smallest block q (ties: the earlier); stop when ``size(p) <= size(q) + 1`` in
-    normalised units, else move one item into q from its neighbour on p's side. "The result
-    might not be optimal" (torchgpipe's docstring).
-
-    Args:
-        sequence: per-layer costs.
-        partitions: number of blocks k, ``1 <= k <= len(sequence)``.
-
-    Returns:
-        ``k`` stop indices, the last ``len(sequence)``.
-
-    Raises:
-        PlanError: ``partitions < 1`` or more than the sequence's items (where torchgpipe
-            raises ValueError).
-        BaselineNotApplicable: no convergence within ``100 * n * k`` moves (a guard torchgpipe
-            does not have).
-    """
-    if partitions < 1:
-        raise PlanError(f"block_partition: partitions={partitions} must be >= 1; ask for at "
-                        "least one block")
-    n = len(sequence)
-    if n < partitions:
-        raise PlanError(f"block_partition: partitions={partitions} but the sequence has only {n} "
-                        f"items (each block needs one); use at most {n} partitions")
-    low = min(sequence)
-    span = max(sequence) - low
-    norm = [0.0] * n if span == 0 else [(x - low) / span for x in sequence]
-    splits = [n // partitions * (x + 1) for x in range(partitions - 1)] + [n]
-
-    def block_size(i: int) -> float:
-        return sum(norm[splits[i - 1] if i > 0 else 0: splits[i]])
-
-    def board() -> list[tuple[float, int]]:
-        return [(block_size(i), i) for i in range(partitions)]
-
-    for _ in range(100 * n * partitions):
-        max_size, p = max(board())
-        while True:
-            min_size, q = min(board())
-            if max_size <= min_size + 1:
-                return splits
-            if p < q:
-                h = q - 1
-                splits[h] -= 1
-            else:
-                h = q + 1
-                splits[q] += 1
-            if p == h:
-                break
-    raise BaselineNotApplicable(f"block partition did not converge for {n} layers into "
-                                f"{partitions} blocks")
 
 
 # ---- entry points -------------------------------------------------------------------------

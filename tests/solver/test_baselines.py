@@ -13,16 +13,15 @@ from autopart.solver.baselines import (
     BASELINE_NAMES,
     BaselineNotApplicable,
     baseline_partitions,
-    block_partition,
     deepspeed_parameters,
-    model_layers,
-    partition_balanced,
     pippy_equal_size,
     run_baselines,
     torchgpipe_balance_by_time,
     uniform_layers,
 )
 from autopart.solver.candidates import crossing_profile
+from autopart.solver.model_layers import model_layers
+from autopart.solver.partition_algorithms import block_partition, partition_balanced
 
 
 def toy(build: Any, *, tuple_at: int | None = None) -> CostGraph:
