@@ -16,8 +16,9 @@ from autopart.codegen import build_stages
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.options import CompileOptions, optimizer_state_factor
+from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.devices import plan_devices
+from autopart.options import CompileOptions, optimizer_state_factor
 from autopart.planning import plan_model
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
@@ -25,7 +26,6 @@ from autopart.runtime.distributed import DistributedPipeline
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S
 from autopart.runtime.local import PipelinedModule
 from autopart.runtime.pipeline import Pipeline
-from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 
 __all__ = ["compile", "load"]
 
@@ -63,7 +63,8 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             rank; default the visible GPUs, else ``["cpu"] * ranks``), ``num_stages`` (S =
             ranks x stages_per_rank), ``num_microbatches`` (m), ``optimize`` (``"speed"``
             or ``"memory"``), ``schedule_kind`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
-            ``"zero_bubble"``; ``schedule=`` is accepted as its older name), ``stages_per_rank`` (v), ``recompute`` (True / False /
+            ``"zero_bubble"``; ``schedule=`` is accepted as its older name),
+            ``stages_per_rank`` (v), ``recompute`` (True / False /
             None: per stage), ``fuse`` (``torch.compile`` each stage; compile time in
             ``pipe.timings_s["fuse_s"]`` covers wrapping, compilation runs on first call),
             ``backend`` (``"local"``: one process; ``"distributed"``: this process is one

@@ -136,7 +136,7 @@ def two_point_costs(session: Session, points: tuple[int, int], unlossed: CostGra
     Raises:
         PlanError: a graph captured at another batch differs (node count, names, ops).
     """
-    batch, device = session.batch, session.device
+    batch = session.batch
     m_low, m_high = points
     low_captured, low_flat = session.capture_at(m_low)
     calibration = calibration_suffix(session.neighbours)

@@ -10,18 +10,18 @@ graph's last node, so it lands on the last stage.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
+from autopart.core.memory import measure_peak_bytes
+from autopart.core.signature import InputSignature, call_loss
 from autopart.profiler.meters import SavedTensorMeter
 from autopart.profiler.timer import RngState, time_calls
-from autopart.core.signature import InputSignature, call_loss
-from autopart.core.memory import measure_peak_bytes
 
 __all__ = ["LossCost", "measure_loss_cost", "estimate_loss_cost", "with_loss_cost", "cached_loss",
            "loss_source", "loss_tag"]

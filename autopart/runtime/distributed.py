@@ -26,7 +26,9 @@ from autopart.codegen.recompute import recompute_context
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.jsonio import write_text_atomic
+from autopart.core.memory import measure_peak_bytes, optimizer_tensors
 from autopart.core.schedule import build_schedule, splits_backward, to_csv
+from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.core.trace import Trace, TraceEvent
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.host import (
@@ -35,8 +37,6 @@ from autopart.runtime.host import (
     on_cores,
     tune_cpu_allocator,
 )
-from autopart.core.signature import InputSignature, call_loss, require_loss
-from autopart.core.memory import measure_peak_bytes, optimizer_tensors
 from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["DistributedPipeline"]

@@ -14,12 +14,12 @@ from torch import nn
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import write_text_atomic
+from autopart.core.memory import measure_peak_bytes, optimizer_tensors
 from autopart.core.schedule import build_schedule, forward_schedule
+from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.core.trace import Trace
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.host import tune_cpu_allocator
-from autopart.core.signature import InputSignature, call_loss, require_loss
-from autopart.core.memory import measure_peak_bytes, optimizer_tensors
 from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["PipelinedModule", "state_layout"]

@@ -11,8 +11,8 @@ import autopart
 from autopart.core.capture import capture
 from autopart.core.errors import UsageError
 from autopart.core.trace import Trace, TraceEvent
-from autopart.profiler.loss_cost import estimate_loss_cost, measure_loss_cost, with_loss_cost
 from autopart.planning import profile_model
+from autopart.profiler.loss_cost import estimate_loss_cost, measure_loss_cost, with_loss_cost
 
 
 class Head(torch.nn.Module):

@@ -15,8 +15,8 @@ from torch import nn
 import autopart
 from autopart import planning
 from autopart.core.errors import ProfileError
-from autopart.profiler.links import LinkFigures
 from autopart.profiler import batch_points
+from autopart.profiler.links import LinkFigures
 from autopart.profiler.transfer_overhead import fit_transfer_overhead
 
 
@@ -65,7 +65,8 @@ def test_a_distributed_cpu_profile_carries_the_cached_cost_into_its_plans(
     # the one-process executor is not charged; its link is the same cached one
     local, local_prof = autopart.plan_model(model, (x,), devices=["cpu", "cpu"],
                                             num_microbatches=4, schedule_kind="1f1b")
-    assert prof.runtime.transfer_overhead_us == again.runtime.transfer_overhead_us == 250.0 and len(calls) == 1
+    assert prof.runtime.transfer_overhead_us == again.runtime.transfer_overhead_us == 250.0
+    assert len(calls) == 1
     assert prof.host_link == again.host_link == local_prof.host_link == fake_link
     assert local_prof.runtime.transfer_overhead_us == 0.0
     # 1F1B, m = 4, 2 ranks: at least the 8 actions of a rank's timeline pay it (against the

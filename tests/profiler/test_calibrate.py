@@ -8,8 +8,8 @@ from torch import nn
 
 from autopart.core.capture import capture
 from autopart.planning import profile_model
-from autopart.profiler.batch_points import batch_points, scaled_batch_points
 from autopart.profiler import profile_graph
+from autopart.profiler.batch_points import batch_points, scaled_batch_points
 from autopart.profiler.calibrate import (
     calibrate_to_segments,
     calibrate_to_whole_graph,

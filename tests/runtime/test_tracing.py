@@ -11,10 +11,10 @@ import torch
 import autopart
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
+from autopart.core.memory import measure_peak_bytes, resident_bytes
+from autopart.core.microbatch import split_leaves
 from autopart.core.schedule import build_schedule
 from autopart.core.trace import Trace, TraceEvent
-from autopart.core.microbatch import split_leaves
-from autopart.core.memory import measure_peak_bytes, resident_bytes
 from tests.plans import even_positions, manual_plan
 from tests.zoo import ZOO, gpt2
 
