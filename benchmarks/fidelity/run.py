@@ -182,7 +182,7 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
         t0 = time.perf_counter()
         solver_plan, profile = autopart.plan_model(model, args, devices=["cpu"] * P,
                                                    loss_fn=loss_fn, example_target=target,
-                                                   runtime="distributed")
+                                                   backend="distributed")
         profiles[name] = {"profile": profile, "compile_s": time.perf_counter() - t0}
         probe = speed_probe(model, args)
         profiles[name].update(probe=probe, probe_at_profile_us=probe())
@@ -191,8 +191,7 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
         for kind, v, m, rc in wanted:
             todo.append((_label((name, kind, v, m, rc)).split(":", 1)[1],
                          profile.solve(schedule_kind=kind, stages_per_rank=v,
-                                       num_microbatches=m, recompute=rc,
-                                       receive_buffers_per_microbatch=True)))
+                                       num_microbatches=m, recompute=rc)))
         for label, plan in todo:
             key = (f"{name}:{plan.schedule_kind}:{plan.stages_per_rank}:{plan.num_microbatches}:"
                    f"{[c.position for c in plan.cuts]}:{[st.recompute for st in plan.stages]}")
@@ -203,7 +202,7 @@ def plans(grid: list[tuple[str, str, int, int, bool]], work: str,
             seen[key] = rid
             plan.save(Path(work, f"plan_{rid}.json"))
             plan_of[rid] = plan
-            pred = predict(profile, plan, receive_buffers_per_microbatch=True)
+            pred = predict(profile, plan)
             pred.trace.save(Path(work, f"predicted_{rid}.json"))
             rows.append({"id": rid, "workload": name, "labels": [label],
                          "schedule": plan.schedule_kind, "stages_per_rank": plan.stages_per_rank,
