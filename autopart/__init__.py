@@ -30,10 +30,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("trace", "bench"):  # submodules: autopart.trace.save(...), autopart.bench
+    if name == "trace":  # a submodule: autopart.trace.save(...)
         import importlib
 
-        module = importlib.import_module(f"autopart.{name}")
+        module = importlib.import_module("autopart.trace")
         globals()[name] = module
         return module
     if name in _LAZY:
