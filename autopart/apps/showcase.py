@@ -1,7 +1,7 @@
 """``make demo``: the win measured on this machine: 2-process speed-up, memory that fits, numerics.
 
-The default model is a GPT-2-like language model whose head (a 16k vocabulary) costs about
-as much as five of its eight blocks, so where the cuts go matters. It is planned for two
+The default model is a GPT-2-like language model whose head (a 16k vocabulary) costs as
+much as several of its eight blocks, so where the cuts go matters. It is planned for two
 CPU ranks, then measured on two real processes (:func:`autopart.apps.bench.run_arms`: gloo, one
 thread each, arms alternated step by step) against the same model in one process with the
 same microbatching and against the usual hand split (equal layers per stage). A second plan
