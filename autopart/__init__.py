@@ -33,9 +33,9 @@ def __getattr__(name: str) -> Any:
     if name == "trace":  # a submodule: autopart.trace.save(...)
         import importlib
 
-        module = importlib.import_module("autopart.trace")
-        globals()[name] = module
-        return module
+        submodule = importlib.import_module("autopart.trace")
+        globals()[name] = submodule
+        return submodule
     if name in _LAZY:
         import importlib
 
