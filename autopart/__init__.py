@@ -30,12 +30,12 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("trace", "bench"):  # submodules: autopart.trace.save(...), autopart.bench
+    if name == "trace":  # a submodule: autopart.trace.save(...)
         import importlib
 
-        module = importlib.import_module(f"autopart.{name}")
-        globals()[name] = module
-        return module
+        submodule = importlib.import_module("autopart.trace")
+        globals()[name] = submodule
+        return submodule
     if name in _LAZY:
         import importlib
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopart
-from autopart.demo import gpt2_loss
+from autopart.apps.demo import gpt2_loss
 
 
 def main() -> None:

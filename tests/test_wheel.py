@@ -123,7 +123,7 @@ def test_wheel_holds_every_module(installed: Installed) -> None:
                    for n in names), sorted(names)
     info = f"autopart-{__version__}.dist-info"
     entry_points = zipfile.ZipFile(installed.wheel).read(f"{info}/entry_points.txt").decode()
-    assert "autopart = autopart.cli:main" in entry_points
+    assert "autopart = autopart.apps.cli:main" in entry_points
     metadata = zipfile.ZipFile(installed.wheel).read(f"{info}/METADATA").decode()
     assert re.search(rf"^Version: {re.escape(__version__)}$", metadata, re.M)
 
@@ -135,7 +135,7 @@ def test_installs_without_dev_extras(installed: Installed) -> None:
     assert {"torch", "ortools", "networkx", "numpy", "rich", "typer", "safetensors"} <= present
     assert not present & set(DEV_ONLY), present & set(DEV_ONLY)
     res = installed.python("-c", "import autopart, autopart.solver, autopart.profiler, "
-                           "autopart.codegen, autopart.runtime, autopart.cli; "
+                           "autopart.codegen, autopart.runtime, autopart.apps.cli; "
                            "print(autopart.__version__, autopart.__file__)")
     assert res.returncode == 0, res.stderr
     version, path = res.stdout.split()

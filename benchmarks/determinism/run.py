@@ -43,7 +43,7 @@ def worker(model_name: str) -> dict[str, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import autopart
-    from autopart.demo import gpt2_loss
+    from autopart.apps.demo import gpt2_loss
 
     fields, batch, seq, stages = MODELS[model_name]
     torch.manual_seed(0)

@@ -50,7 +50,7 @@ def run(device: torch.device, schedules: list[str], steps: int, batch: int, seq:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import autopart
-    from autopart.demo import gpt2_loss
+    from autopart.apps.demo import gpt2_loss
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,

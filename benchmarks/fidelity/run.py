@@ -6,7 +6,7 @@ are solved on it over a grid of microbatch counts, schedule kinds and recompute,
 solver's own choice. Two gloo ranks with one thread each then build the pipelines of a
 group of ``--arms-per-process`` plans (default 3) and run them alternately, step by step, in
 an order rotated each step (so drift in the machine's load hits every plan of the group
-alike; :func:`autopart.bench.run_arms`); then the next group, in fresh processes. A rank
+alike; :func:`autopart.apps.bench.run_arms`); then the next group, in fresh processes. A rank
 holding many pipelines at once runs each slower than a job that holds one: with all 12
 GPT-2 plans in one process, 1F1B steps measured 7-8 % slower than with 3 (0.984 against
 0.906 s at m = 8), and 3 measured as one alone (0.914 s). Per plan: the
@@ -52,7 +52,7 @@ def gpt2() -> tuple[nn.Module, tuple[Any, ...], Any, Any]:
     """GPT-2-like: 8 layers, n_embd 256, 8 heads, vocab 8192, batch 32 x 64 tokens."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autopart.demo import gpt2_loss
+    from autopart.apps.demo import gpt2_loss
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=8, n_embd=256, n_head=8, vocab_size=8192, n_positions=64,
@@ -237,12 +237,13 @@ def main() -> None:
                         help="read and keep profiles in this cache (default: a fresh one, so "
                              "the profile is taken minutes before the steps it predicts)")
     opts = parser.parse_args()
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no per-call USDT lines (see autopart.cli)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no USDT lines (autopart.apps.cli.main)
     # A cached profile may come from another hour of this shared machine, whose speed drifts
     # by 5-10 % over tens of minutes; a fresh one is what a first launch measures.
     os.environ["AUTOPART_CACHE_DIR"] = opts.profile_cache or tempfile.mkdtemp(
         prefix="autopart-fidelity-cache-")
-    from autopart.trace import Trace, gantt
+    from autopart.apps.figures import gantt
+    from autopart.trace import Trace
 
     work = opts.traces or tempfile.mkdtemp(prefix="autopart-fidelity-")
     Path(work).mkdir(parents=True, exist_ok=True)
@@ -361,7 +362,7 @@ def dealt_by_peak(rows: list[dict[str, Any]], per_group: int) -> list[list[str]]
 def measure_group(workload: str, plans: dict[str, Any], steps: int, max_spread: float,
                   attempts: int) -> tuple[dict[str, Any], int]:
     """Run ``plans`` alternately, step by step, in fresh processes
-    (:func:`autopart.bench.run_arms`, ``steps`` timed steps each).
+    (:func:`autopart.apps.bench.run_arms`, ``steps`` timed steps each).
 
     This shared machine has bursts (+30-75 % for 0.1 s to tens of seconds) that a median of
     7 steps does not hide when they hit several, so a group with a plan whose steps spread
@@ -370,7 +371,7 @@ def measure_group(workload: str, plans: dict[str, Any], steps: int, max_spread: 
     Returns:
         The run whose widest spread is least (``{name: ArmResult}``), and the runs made.
     """
-    from autopart.bench import run_arms
+    from autopart.apps.bench import run_arms
 
     kept: tuple[float, dict[str, Any]] | None = None
     runs = 0

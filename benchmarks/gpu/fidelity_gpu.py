@@ -34,7 +34,7 @@ def workload(device: str = "cuda:0", small: bool = False) -> tuple[Any, ...]:
     ``small`` (2 x 64, vocab 512, batch 32 x 16) is for checking the script without a GPU."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autopart.demo import gpt2_loss
+    from autopart.apps.demo import gpt2_loss
 
     torch.manual_seed(0)
     layers, width, heads, vocab, batch, seq = ((2, 64, 4, 512, 32, 16) if small
@@ -68,7 +68,8 @@ def main() -> None:
     import copy
 
     import autopart
-    from autopart.trace import gantt, predict
+    from autopart.apps.figures import gantt
+    from autopart.trace import predict
 
     dev = opts.device
     if torch.device(dev).type == "cuda" and not torch.cuda.is_available():

@@ -5,7 +5,7 @@ about one block). ``gpt2_head_heavy`` has the same blocks and a vocabulary of 32
 ``$AUTOPART_PEERS_HEAD_VOCAB``, or ``peers.py --head-vocab``, for 16000 or 50000 rows): its
 head costs several blocks, so splitting the blocks evenly, or by parameter count, leaves one
 stage far busier. Both: batch 16 x 128 tokens, m = 8, next-token cross entropy
-(:func:`autopart.demo.gpt2_loss`), random weights from seed 0, dropout off.
+(:func:`autopart.apps.demo.gpt2_loss`), random weights from seed 0, dropout off.
 
 DeepSpeed sees the model as the layer list ``[embedding, block x n_layer, ln_f, head]``: the
 embedding (``wte`` + ``wpe``) and the head are one ``TiedLayerSpec("embed", ...)``, the head
@@ -61,8 +61,8 @@ def tied_logits(embedding: GPT2Embedding, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy on raw logits, as :func:`autopart.demo.gpt2_loss`."""
-    from autopart.demo import gpt2_loss
+    """Next-token cross entropy on raw logits, as :func:`autopart.apps.demo.gpt2_loss`."""
+    from autopart.apps.demo import gpt2_loss
 
     return gpt2_loss(SimpleNamespace(logits=logits), labels)
 
@@ -71,7 +71,7 @@ def _build(*, n_layer: int, n_embd: int, n_head: int, vocab: int, batch: int,
            seq: int) -> tuple[nn.Module, tuple[Any, ...], Any, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autopart.demo import gpt2_loss
+    from autopart.apps.demo import gpt2_loss
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab,

@@ -28,7 +28,7 @@ class PeerWorkload:
         batch: full-batch rows (dim 0 of every input and of the target).
         num_microbatches: m, the same for every arm; must divide ``batch``.
         build: seeded (seed 0) ``() -> (model, example_inputs, target, loss_fn)`` for the full
-            batch, as :data:`autopart.bench.Workload`; ``loss_fn(model(*example_inputs),
+            batch, as :data:`autopart.apps.bench.Workload`; ``loss_fn(model(*example_inputs),
             target)`` is the scalar loss.
         ds_layers: ``model -> layers`` for ``deepspeed.pipe.PipelineModule`` that compute
             ``model(*inputs)`` exactly with ``model``'s weights (``nn.Module`` instances and/or

@@ -21,7 +21,7 @@ these itself). Arms:
 - ``hand_split``: ``torch.distributed.pipelining.pipeline()`` split at the workload's
   ``hand_split`` (half the blocks each), ``Schedule1F1B``;
 - ``single``: the unpartitioned model on rank 0, the same m microbatches with gradient
-  accumulation, while rank 1 waits (as ``autopart.bench.run_arms``).
+  accumulation, while rank 1 waits (as ``autopart.apps.bench.run_arms``).
 
 Every arm's first-step loss (the initial weights) is checked against ``single``'s (rtol
 1e-4), and every later step's loss too (``loss_trajectory_check``, rtol 1e-4: the arms train

@@ -61,7 +61,7 @@ def build() -> tuple[Any, torch.Tensor]:
 
 
 def single(steps: int) -> list[float]:
-    from autopart.demo import gpt2_loss
+    from autopart.apps.demo import gpt2_loss
 
     torch.set_num_threads(1)
     model, tokens = build()
@@ -82,8 +82,8 @@ def ranked(rank: int, world: int, port: int, steps: int, plan_path: str, plan_1f
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
     import autopart
+    from autopart.apps.demo import gpt2_loss
     from autopart.core.plan import Plan
-    from autopart.demo import gpt2_loss
     from autopart.runtime.host import on_cores
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,9 +1,9 @@
-"""autopart.bench.run_arms: real ranks, arms alternated; memory-only and traced arms."""
+"""autopart.apps.bench.run_arms: real ranks, arms alternated; memory-only and traced arms."""
 
 import pytest
 
 import autopart
-from autopart.bench import SINGLE, load_workload, run_arms
+from autopart.apps.bench import SINGLE, load_workload, run_arms
 from autopart.core.errors import UsageError
 
 CONFIG = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 16,

@@ -1,4 +1,4 @@
-"""The loss's own cost on the last stage, and autopart.trace (save, gantt)."""
+"""The loss's own cost on the last stage, and autopart.trace (save, load)."""
 
 from __future__ import annotations
 
@@ -80,15 +80,10 @@ def test_without_a_target_the_loss_is_timed_as_a_cross_entropy_and_cached_apart(
     assert measured == lossed(y)[0] and measured != first
 
 
-def test_gantt_draws_a_png_and_save_needs_a_traced_step(tmp_path: Path) -> None:
+def test_save_needs_a_traced_step(tmp_path: Path) -> None:
     trace = Trace((TraceEvent(0, "0F0", 0, 10), TraceEvent(1, "1F0", 12, 20),
                    TraceEvent(1, "loss", 20, 21), TraceEvent(0, "wait", 10, 30),
                    TraceEvent(0, "0B0", 30, 50)), "measured:cpu")
-    png = autopart.trace.gantt(tmp_path / "t.png", [("measured", trace)],
-                               peaks=[("predicted", [10, 20]), ("measured", [11, 19])])
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(UsageError, match="at least one"):
-        autopart.trace.gantt(tmp_path / "u.png", [])
 
     class NoTrace:
         last_trace = None

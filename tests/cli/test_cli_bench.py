@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopart.cli import app
+from autopart.apps.cli import app
 
 
 @pytest.mark.slow

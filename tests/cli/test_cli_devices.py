@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopart.cli import app
+from autopart.apps.cli import app
 from autopart.core.cluster import ESTIMATE_SOURCE, PRESETS
 from autopart.core.costgraph import CostGraph
 from autopart.core.plan import Plan

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopart.cli import app
+from autopart.apps.cli import app
 from autopart.core.plan import BaselineReport, Plan
 from tests.cli.test_cli_plan import synthetic
 

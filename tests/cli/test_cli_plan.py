@@ -12,10 +12,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from autopart.cli import app
+from autopart.apps.cli import app
+from autopart.apps.report import pareto_table
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.plan import BaselineReport, Plan
-from autopart.report import pareto_table
 
 
 def synthetic(num_layers: int = 4, *, source: str = "analytical:h100-sxm") -> CostGraph:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autopart.cli import app
+from autopart.apps.cli import app
 from autopart.core.cluster import PRESETS, device_preset
 
 ROOT = Path(__file__).resolve().parents[2]

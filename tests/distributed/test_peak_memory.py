@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 #: GPT-2-like, 4 layers of n_embd 128, vocabulary 2048, a batch of 16 x 32 tokens, built by
-#: autopart.bench.load_workload (random weights, dropout off, the next-token loss)
+#: autopart.apps.bench.load_workload (random weights, dropout off, the next-token loss)
 WORKLOAD = "hf:GPT2LMHeadModel"
 CONFIG = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 2048, "n_positions": 32,
           "batch": 16, "seq": 32}
@@ -26,7 +26,7 @@ def test_predicted_peaks_bound_a_real_steps_from_above_within_15_percent(kind: s
     copied back into its layout by the next stage) and saved by the kernel itself, and
     after a residual add, whose output no node of its stage saves: before the cost model
     counted those, the fidelity GPT-2's last rank came out 0.33 % under its measured peak."""
-    from autopart.bench import load_workload, run_arms
+    from autopart.apps.bench import load_workload, run_arms
     from autopart.planning import profile_model
     from autopart.solver.predict import plan_at
 

@@ -267,7 +267,7 @@ def traced(rank: int, world: int, port: int, kind: str, v: int, result_dir: str)
     # Clean-clone CI runs twice saw rank 1 abort here at exit ("terminate called without an
     # active exception"): gloo's worker thread freed the peak gather's tensors while the
     # interpreter was finalizing. The runtime now gathers through the store; the ranks also
-    # leave together, as autopart.bench's workers do, and skip the interpreter's C++
+    # leave together, as autopart.apps.bench's workers do, and skip the interpreter's C++
     # teardown, which is not what this test is about.
     dist.barrier()
     pipe.close()

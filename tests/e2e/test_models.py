@@ -11,8 +11,8 @@ import torch
 import autopart
 import autopart.profiler as autopart_profiler
 import autopart.solver as autopart_solver
+from autopart.apps.demo import run_demo
 from autopart.core.errors import PlanError
-from autopart.demo import run_demo
 from tests.zoo import ZOO, bert, gpt2, mlp, resnet
 
 TOL = {"rtol": 1e-5, "atol": 4e-5}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopart.cli import app
+from autopart.apps.cli import app
 from autopart.core.costgraph import CostGraph
 
 pytest.importorskip("transformers")

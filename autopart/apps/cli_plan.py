@@ -125,8 +125,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
          out: Path = typer.Option(Path("plan.json"), "--out", help="plan JSON to write"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap."""
+    from autopart.apps.report import print_certificate, print_plan, skipped_baselines_table
     from autopart.core.errors import PlanError
-    from autopart.report import print_certificate, print_plan, skipped_baselines_table
     from autopart.solver import SolveOptions, solve
     from autopart.solver.baselines import run_baselines
 

@@ -129,8 +129,8 @@ def load_workload(spec: str, config: dict[str, Any] | None = None) -> Workload:
 
 
 def _hf_workload(cls_name: str, config: dict[str, Any]) -> Workload:
-    from autopart.cli_profile import build_model
-    from autopart.demo import gpt2_loss
+    from autopart.apps.cli_profile import build_model
+    from autopart.apps.demo import gpt2_loss
 
     batch, seq = int(config.pop("batch", 8)), int(config.pop("seq", 128))
     items = [f"{k}={json.dumps(v)}" for k, v in config.items()]

@@ -1,8 +1,8 @@
 """``make demo``: the win measured on this machine: 2-process speed-up, memory that fits, numerics.
 
-The default model is a GPT-2-like language model whose head (a 16k vocabulary) costs about
-as much as five of its eight blocks, so where the cuts go matters. It is planned for two
-CPU ranks, then measured on two real processes (:func:`autopart.bench.run_arms`: gloo, one
+The default model is a GPT-2-like language model whose head (a 16k vocabulary) costs as
+much as several of its eight blocks, so where the cuts go matters. It is planned for two
+CPU ranks, then measured on two real processes (:func:`autopart.apps.bench.run_arms`: gloo, one
 thread each, arms alternated step by step) against the same model in one process with the
 same microbatching and against the usual hand split (equal layers per stage). A second plan
 is solved with ``optimize="memory"`` under a per-rank cap halfway between the least peak
@@ -33,7 +33,7 @@ def demo_workload() -> tuple[Any, tuple[Any, ...], Any, Any]:
     """The demo's model, inputs ``(BATCH, SEQ)`` token ids, target and loss (seed 0)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autopart.demo import gpt2_loss
+    from autopart.apps.demo import gpt2_loss
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, vocab_size=VOCAB,
@@ -52,11 +52,12 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 7,
         "memory_fits", ...}`` as measured (see the module docstring).
     """
     import autopart
-    from autopart.bench import SINGLE, run_arms
+    from autopart.apps.bench import SINGLE, run_arms
+    from autopart.apps.figures import gantt
+    from autopart.apps.report import print_plan
     from autopart.core.errors import InfeasiblePlanError
-    from autopart.report import print_plan
     from autopart.solver.predict import baseline_plan
-    from autopart.trace import gantt, predict
+    from autopart.trace import predict
 
     console = console or Console(width=None if Console().is_terminal else 120)
     out = Path(out_dir)
@@ -100,7 +101,7 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 7,
                   f"{steps} steps per arm, arms alternated; the memory plan's peak only ...")
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("steps", total=None)
-        results = run_arms("autopart.showcase:demo_workload", plans, ranks=RANKS, steps=steps,
+        results = run_arms("autopart.apps.showcase:demo_workload", plans, ranks=RANKS, steps=steps,
                            warmup=1, save_plan_to=out / "gpt2.plan.json", trace=["autopart"],
                            untimed=[n for n in ("autopart memory",) if n in plans],
                            on_step=lambda done, total: bar.update(task, completed=done,

@@ -48,7 +48,7 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
     from rich.progress import Progress
 
     import autopart
-    from autopart.bench import SINGLE, load_workload, run_arms
+    from autopart.apps.bench import SINGLE, load_workload, run_arms
     from autopart.solver.predict import baseline_plan
     from autopart.trace import predict
 
@@ -96,7 +96,7 @@ def write_report(out: Path, title: str, plans: dict[str, Any], results: dict[str
                  predicted: Any, *, single_name: str, facts: dict[str, Any]) -> Path:
     """``report.md`` + ``timeline.png`` (predicted vs measured, the first plan) +
     ``stages.png`` (per-stage busy time and per-rank peak memory, predicted vs measured)."""
-    from autopart.trace import gantt
+    from autopart.apps.figures import gantt, stage_bars
 
     out.mkdir(parents=True, exist_ok=True)
     single = results[single_name]
@@ -127,44 +127,9 @@ def write_report(out: Path, title: str, plans: dict[str, Any], results: dict[str
         gantt(out / "timeline.png", [("predicted", predicted.trace), ("measured", measured)],
               peaks=[("predicted", [r.peak_memory_bytes for r in plan.ranks]),
                      ("measured", results[first].peak_bytes)], title=f"{title}: {first}")
-        _stage_bars(out / "stages.png", plan, predicted, measured, plans, results)
+        stage_bars(out / "stages.png", plan, predicted, measured, plans, results)
     path = out / "report.md"
     from autopart.core.jsonio import write_text_atomic
 
     write_text_atomic(path, "\n".join(lines))
     return path
-
-
-def _stage_bars(path: Path, plan: Any, predicted: Any, measured: Any, plans: dict[str, Any],
-                results: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.5))
-    pred, meas = predicted.trace.stage_busy_us(), measured.stage_busy_us()
-    stages = sorted(set(pred) | set(meas))
-    a.bar([s - 0.2 for s in stages], [pred.get(s, 0) / 1e3 for s in stages], 0.4,
-          label="predicted")
-    a.bar([s + 0.2 for s in stages], [meas.get(s, 0) / 1e3 for s in stages], 0.4, label="measured")
-    a.set_xlabel("stage")
-    a.set_ylabel("busy ms per step")
-    a.set_xticks(stages)
-    a.legend(fontsize=7)
-    width = 0.8 / (2 * len(plans))
-    k = 0
-    for name, pl in plans.items():
-        ranks = range(len(pl.ranks))
-        for label, values in ((f"{name} pred", [r.peak_memory_bytes for r in pl.ranks]),
-                              (f"{name} meas", results[name].peak_bytes)):
-            b.bar([r + (k - len(plans) + 0.5) * width for r in ranks],
-                  [v / 2**20 for v in values], width, label=label)
-            k += 1
-    b.set_xlabel("rank")
-    b.set_ylabel("peak MiB")
-    b.set_xticks(list(range(len(plan.ranks))))
-    b.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

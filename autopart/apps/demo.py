@@ -45,7 +45,7 @@ def run_demo(out_dir: str | Path = "autopart-out", *, n_layer: int = 12, n_embd:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import autopart
-    from autopart.report import print_plan
+    from autopart.apps.report import print_plan
 
     console = console or Console(width=None if Console().is_terminal else 120)
     torch.manual_seed(0)

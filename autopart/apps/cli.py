@@ -11,10 +11,10 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from autopart.cli_bench import bench as _bench
-from autopart.cli_devices import devices as _devices
-from autopart.cli_plan import plan as _plan
-from autopart.cli_profile import profile as _profile
+from autopart.apps.cli_bench import bench as _bench
+from autopart.apps.cli_devices import devices as _devices
+from autopart.apps.cli_plan import plan as _plan
+from autopart.apps.cli_profile import profile as _profile
 
 __all__ = ["app", "main", "version_line"]
 
@@ -122,12 +122,12 @@ def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan
     processes against one process and the equal-layers split; a memory-capped plan; losses
     against the plain model."""
     if numerics_only:
-        from autopart.demo import run_demo
+        from autopart.apps.demo import run_demo
 
         losses = run_demo(out_dir, steps=steps or 5, num_stages=num_stages)
         worst = max(abs(a - b) for a, b in losses)
     else:
-        from autopart.showcase import run_measured_demo
+        from autopart.apps.showcase import run_measured_demo
 
         worst = run_measured_demo(out_dir, steps=steps or 7)["max_loss_diff"]
     if worst > 1e-4:
@@ -138,9 +138,9 @@ def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan
 @app.command()
 def show(plan: Path = typer.Argument(..., help="a plan JSON file")) -> None:
     """Print a saved plan as a table, with its baselines and the solver's certificate."""
+    from autopart.apps.report import print_certificate, print_plan
     from autopart.core.errors import PlanError
     from autopart.core.plan import Plan
-    from autopart.report import print_certificate, print_plan
 
     try:
         loaded = Plan.load(plan)

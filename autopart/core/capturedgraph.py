@@ -1,0 +1,142 @@
+"""The captured graph: a model as one flat fx.GraphModule, its node helpers and fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autopart.core.errors import TraceError
+
+__all__ = ["CapturedGraph", "graph_fingerprint", "op_nodes", "node_module_path", "node_source"]
+
+_OP_KINDS = ("call_function", "call_method", "call_module")
+
+
+@dataclass(frozen=True)
+class CapturedGraph:
+    """A model captured as one flat FX graph.
+
+    Attributes:
+        graph_module: takes the flattened inputs positionally (one placeholder per pytree
+            leaf of ``(args, kwargs)``) and returns the flattened outputs as a tuple.
+            Parameters and buffers are ``get_attr`` nodes; they are the model's own tensors.
+        in_spec: pytree spec of ``(args, kwargs)``; ``out_spec``: of the model's output.
+        attr_fqns: ``get_attr`` target -> the model's canonical FQN (the first name
+            ``model.named_parameters()`` / ``named_buffers()`` gives a tied tensor), or the
+            target itself for constants that belong to no module.
+        trainable: canonical FQNs of parameters with ``requires_grad``.
+        buffers: canonical FQNs of buffers.
+        batch_size: leading dimension of the first tensor input.
+        fingerprint: :func:`graph_fingerprint` of the graph.
+    """
+
+    graph_module: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    attr_fqns: dict[str, str]
+    trainable: frozenset[str]
+    buffers: frozenset[str]
+    batch_size: int
+    fingerprint: str
+
+    def flatten_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Flatten ``(args, kwargs)`` to the graph's placeholder order.
+
+        Raises:
+            TraceError: the inputs' structure differs from the captured one.
+        """
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            raise TraceError(
+                f"inputs have structure {spec} but the model was captured with {self.in_spec}; "
+                "pass the same positional and keyword inputs as the example inputs")
+        return leaves
+
+    def attr_value(self, target: str) -> torch.Tensor:
+        """The tensor behind a ``get_attr`` target."""
+        value = _get_attr(self.graph_module, target)
+        assert isinstance(value, torch.Tensor), target
+        return value
+
+    def attr_object(self, target: str) -> Any:
+        """What a ``get_attr`` target names: a tensor, or the submodule of a higher-order op."""
+        return _get_attr(self.graph_module, target)
+
+
+def op_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The graph's op nodes (calls) in topological order: what cuts split between."""
+    return [n for n in graph.nodes if n.op in _OP_KINDS]
+
+
+def node_module_path(node: fx.Node) -> str:
+    """Innermost ``nn_module_stack`` FQN of a node, ``""`` at the model's top level."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    fqn = list(stack.values())[-1][0]
+    return str(fqn)
+
+
+def node_source(node: fx.Node) -> str:
+    """Where the model made ``node``: ``"file.py:123 (code)"`` of the innermost frame that
+    torch.export recorded, or ``"unknown source line"`` when it recorded none (nodes that
+    autopart or export inserted)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    if not frames:
+        return "unknown source line"
+    path, line, code = frames[-1]
+    return f"{os.path.basename(path)}:{line} ({code.strip()})"
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _abstract(arg: Any, index: dict[fx.Node, int]) -> Any:
+    if isinstance(arg, fx.Node):
+        return f"%{index[arg]}"
+    if isinstance(arg, (list, tuple)):
+        return [_abstract(a, index) for a in arg]
+    if isinstance(arg, dict):
+        return {str(k): _abstract(v, index) for k, v in sorted(arg.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, torch.device):
+        return "device"  # where it was captured (cpu, cuda:N, meta) is not the structure
+    if isinstance(arg, int):
+        return "int"  # shape literals change with the batch; the structure does not
+    return repr(arg)
+
+
+def graph_fingerprint(gm: fx.GraphModule, attr_fqns: dict[str, str]) -> str:
+    """Hash of a graph's structure: ops, wiring, module paths and parameter shapes.
+
+    Integer literals and devices are abstracted, so the same model captured at batch 8 and
+    at microbatch 2, or on cpu, a GPU or ``meta``, has the same fingerprint; a different
+    model, layer count or hidden size does not. Returns 16 hex digits of SHA-256.
+    """
+    index: dict[fx.Node, int] = {}
+    h = hashlib.sha256()
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        if node.op == "get_attr":
+            value = _get_attr(gm, str(node.target))
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+            item: Any = ["get_attr", attr_fqns.get(str(node.target), str(node.target)), shape]
+        else:
+            item = [node.op, str(node.target), _abstract(node.args, index),
+                    _abstract(node.kwargs, index), node_module_path(node)]
+        h.update(repr(item).encode())
+    return h.hexdigest()[:16]
