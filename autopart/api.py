@@ -18,7 +18,7 @@ from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.devices import plan_devices
-from autopart.options import CompileOptions, optimizer_state_factor
+from autopart.options import CompileOptions, optimizer_state_factor, renamed_choices
 from autopart.planning import plan_model
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
@@ -96,10 +96,7 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         raise PlanError(f"pass the choices either as options= or as keywords, not both (got "
                         f"options and {sorted(choices)})")
     if options is None:
-        if "schedule" in choices:  # the name before 0.x; the plan's and solver's is schedule_kind
-            if "schedule_kind" in choices:
-                raise PlanError("pass schedule_kind= only (schedule= is its older name)")
-            choices["schedule_kind"] = choices.pop("schedule")
+        choices = renamed_choices(choices)
         if "devices" in choices and choices["devices"] is not None:
             choices["devices"] = tuple(str(d) for d in choices["devices"])
         try:

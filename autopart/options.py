@@ -10,7 +10,7 @@ from autopart.core.errors import PlanError
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
 from autopart.core.runtime_model import BACKENDS
 
-__all__ = ["CompileOptions", "OPTIMIZER_STATE_TENSORS", "optimizer_state_factor"]
+__all__ = ["CompileOptions", "renamed_choices", "OPTIMIZER_STATE_TENSORS", "optimizer_state_factor"]
 
 # State tensors per parameter, each shaped and typed like the parameter (torch.optim keeps
 # exp_avg / exp_avg_sq and momentum_buffer in the parameter's dtype): AdamW/Adam 2, SGD
@@ -60,6 +60,25 @@ def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PlanError(f"{name}={value!r} must be an integer >= 1 (or None to let the solver "
                         "choose)")
+
+
+#: Older keyword -> the name every layer uses now (plan files, the solver, CompileOptions).
+RENAMED = {"schedule": "schedule_kind"}
+
+
+def renamed_choices(choices: dict[str, Any]) -> dict[str, Any]:
+    """``choices`` with older keyword names (:data:`RENAMED`) under their current ones.
+
+    Raises:
+        PlanError: both the older and the current name were given.
+    """
+    out = dict(choices)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise PlanError(f"pass {new}= only ({old}= is its older name)")
+            out[new] = out.pop(old)
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,7 @@ from autopart.core.cluster import Cluster
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.devices import cluster_for_devices, library_versions, resolve_devices
+from autopart.options import renamed_choices
 from autopart.profiler import session
 from autopart.profiler.links import SIZES as LINK_SIZES
 from autopart.profiler.links import LinkFigures, fit_link, host_link
@@ -184,7 +185,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         num_stages: total stages S = ranks x stages_per_rank; fixes v when given.
         num_microbatches: m; None lets the solver choose among the batch's divisors.
         optimize: ``"speed"`` (default) or ``"memory"``.
-        schedule_kind: schedule kind, or None (the solver chooses).
+        schedule_kind: schedule kind, or None (the solver chooses); ``schedule=`` is accepted
+            as its older name.
         stages_per_rank: v, or None (the solver chooses).
         recompute: every stage, none, or None (the solver decides per stage).
         training: plan forward + backward (default) or inference.
@@ -207,6 +209,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         TraceError, ProfileError: capture or profiling failed.
         InfeasiblePlanError: no plan fits.
     """
+    solve_options = renamed_choices(solve_options)
+    schedule_kind = solve_options.pop("schedule_kind", schedule_kind)
     device_names, v = _ranks_and_v(devices, num_stages, stages_per_rank)
     fixed = {k: val for k, val in (("schedule_kind", schedule_kind), ("stages_per_rank", v),
                                    ("recompute", recompute)) if val is not None}

@@ -65,14 +65,13 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
     t0 = time.perf_counter()
     plan, profile = autopart.plan_model(net, args, devices=["cpu"] * ranks, loss_fn=loss_fn,
                                         example_target=target, num_microbatches=num_microbatches,
-                                        schedule=schedule, runtime="distributed")
+                                        schedule_kind=schedule, backend="distributed")
     plan_s = time.perf_counter() - t0
     cluster = profile.cluster()
     plans = {"autopart": plan}
     for name in ("uniform_layers", "deepspeed_parameters"):
         try:
-            held = profile.options(receive_buffers_per_microbatch=True)
-            plans[name] = baseline_plan(profile.costs, cluster, held, name,
+            plans[name] = baseline_plan(profile.costs, cluster, profile.options(), name,
                                         kind="1f1b", num_microbatches=plan.num_microbatches)
         except autopart.PlanError as exc:
             console.print(f"baseline {name} skipped: {exc}")
@@ -83,7 +82,7 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
         results = run_arms(spec, plans, ranks=ranks, steps=steps, config=cfg,
                            save_plan_to=out / "plan.json",
                            on_step=lambda d, t: bar.update(task, completed=d, total=t))
-    predicted = predict(profile, plan, receive_buffers_per_microbatch=True)
+    predicted = predict(profile, plan)
     path = write_report(out, model, plans, results, predicted, single_name=SINGLE,
                         facts={"ranks": ranks, "steps": steps, "plan_s": round(plan_s, 1),
                                "torch": torch.__version__, "python": platform.python_version(),

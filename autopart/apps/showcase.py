@@ -69,21 +69,20 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 7,
                   f"{RANKS} CPU ranks x 1 thread; torch {torch.__version__}")
     t0 = time.perf_counter()
     plan, profile = autopart.plan_model(model, args, devices=["cpu"] * RANKS, loss_fn=loss_fn,
-                                        example_target=target, runtime="distributed")
+                                        example_target=target, backend="distributed")
     compile_s = time.perf_counter() - t0
     print_plan(plan, console)
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in profile.timings_s.items())
     console.print(f"planning took {compile_s:.1f} s ({phases})")
     cluster = profile.cluster()
     m = plan.num_microbatches
-    held = {"receive_buffers_per_microbatch": True}  # torch's stages: one per microbatch
-    equal = baseline_plan(profile.costs, cluster, profile.options(**held), "uniform_layers",
+    equal = baseline_plan(profile.costs, cluster, profile.options(), "uniform_layers",
                           kind="1f1b", num_microbatches=m)
     # a per-rank cap the equal-layers split (and the whole model on one process) exceeds:
     # halfway between the least peak the solver reaches and the equal split's predicted
     # peak; the same schedule and m, so where the cuts go and which stage recomputes are
     # all that differ
-    fixed = {"schedule_kind": "1f1b", "stages_per_rank": 1, "num_microbatches": m, **held}
+    fixed = {"schedule_kind": "1f1b", "stages_per_rank": 1, "num_microbatches": m}
     least = max(r.peak_memory_bytes for r in profile.solve(optimize="memory", **fixed).ranks)
     over = max(r.peak_memory_bytes for r in equal.ranks)
     cap = (least + over) // 2
@@ -145,7 +144,7 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 7,
                   f"losses differ by at most {worst:.2e} (first {single.losses[0]:.6f})")
     out.mkdir(parents=True, exist_ok=True)
     measured = results["autopart"].trace
-    predicted = predict(profile, plan, **held)
+    predicted = predict(profile, plan)
     written = [out / "gpt2.plan.json", out / "stage_*.py"]
     if measured is not None:
         measured.save(out / "trace.json")

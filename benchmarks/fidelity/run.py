@@ -148,9 +148,9 @@ def speed_probe(model: nn.Module, args: tuple[Any, ...]) -> Callable[[], float]:
     ones.
     """
     from autopart.core.capture import capture
+    from autopart.core.signature import microbatch_inputs
     from autopart.profiler.calibrate import whole_graph_times
     from autopart.profiler.corunners import co_runners, model_step
-    from autopart.core.signature import microbatch_inputs
 
     rows = args[0].shape[0]
     m_args, m_kwargs = microbatch_inputs(args, {}, rows // PROBE_ROWS)

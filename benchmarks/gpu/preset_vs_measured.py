@@ -69,9 +69,9 @@ def main() -> None:
 
     from autopart.core.capture import capture
     from autopart.core.cluster import device_preset
+    from autopart.core.signature import microbatch_inputs
     from autopart.profiler import profile_graph
     from autopart.profiler.analytical import profile_analytical
-    from autopart.core.signature import microbatch_inputs
 
     dev = opts.device
     out = Path(opts.out)

@@ -212,7 +212,7 @@ def main() -> None:
     model, tokens = build()
     devices = ["cpu"] * P
     plan, profile = autopart.plan_model(copy.deepcopy(model), (tokens,), devices=devices,
-                                        num_microbatches=M, schedule=args.schedule,
+                                        num_microbatches=M, schedule_kind=args.schedule,
                                         stages_per_rank=args.stages_per_rank)
     timings = profile.timings_s
     tmp = tempfile.mkdtemp()

@@ -14,7 +14,7 @@ CONFIG = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positio
 def test_an_untimed_arm_is_measured_for_memory_only_and_only_named_arms_are_traced() -> None:
     model, args, target, loss_fn = load_workload("hf:GPT2LMHeadModel", CONFIG)
     plan, profile = autopart.plan_model(model, args, devices=["cpu", "cpu"], loss_fn=loss_fn,
-                                        num_microbatches=2, schedule="1f1b")
+                                        num_microbatches=2, schedule_kind="1f1b")
     memory = profile.solve(optimize="memory", schedule_kind="1f1b", stages_per_rank=1)
     results = run_arms("hf:GPT2LMHeadModel", {"speed": plan, "memory": memory}, ranks=2,
                        steps=2, warmup=1, config=CONFIG, trace=["speed"], untimed=["memory"])
@@ -29,6 +29,6 @@ def test_an_untimed_arm_is_measured_for_memory_only_and_only_named_arms_are_trac
 def test_untimed_arms_must_be_plans() -> None:
     model, args, _, loss_fn = load_workload("hf:GPT2LMHeadModel", CONFIG)
     plan, _ = autopart.plan_model(model, args, devices=["cpu", "cpu"], loss_fn=loss_fn,
-                                  num_microbatches=2, schedule="1f1b")
+                                  num_microbatches=2, schedule_kind="1f1b")
     with pytest.raises(UsageError, match=r"untimed arms \['nope'\] are not among the plans"):
         run_arms("hf:GPT2LMHeadModel", {"speed": plan}, ranks=2, untimed=["nope"])
