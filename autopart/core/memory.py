@@ -21,12 +21,11 @@ def allocated_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[A
     (``torch.profiler.profile(profile_memory=True)``); the running sum of those records, in
     time order, is what ``fn`` allocated and has not freed, and the result is its largest
     value. Only the frees of blocks allocated during ``fn`` count (matched by address): a
-    block allocated before ``fn`` and freed during it never lowers the figure. (The profiler
-    reports such a free when the block was allocated under an earlier profiling session, and
-    counting it had put a figure 64 KiB low.) On equal timestamps an allocation is taken
-    before a free. The whole process counts: run nothing else meanwhile. The profiler slows
-    ``fn`` (about 0.5 ms a call here once warm, its first use in a process about 0.1-1 s): do
-    not time such a call.
+    block allocated before ``fn`` and freed during it never lowers the figure (the profiler
+    reports such a free when the block was allocated under an earlier profiling session).
+    On equal timestamps an allocation is taken before a free. The whole process counts: run
+    nothing else meanwhile. The profiler slows ``fn`` (most on its first use in a process):
+    do not time such a call.
 
     CUDA: ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``,
     minus ``torch.cuda.memory_allocated`` before (block sizes of the caching allocator).

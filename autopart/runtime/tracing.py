@@ -1,18 +1,18 @@
-"""Recording a real step: each action's start and end per rank, and the peak memory it held."""
+"""Recording a real step: each action's start and end per rank (the trace's data is in core)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from autopart.core.memory import allocated_peak_bytes
 from autopart.core.trace import TraceEvent
+from autopart.runtime.memory import measure_peak_bytes  # noqa: F401  (autopart/loss_cost.py)
 
-__all__ = ["ActionRecorder", "measure_peak_bytes", "resident_bytes", "optimizer_tensors"]
+__all__ = ["ActionRecorder"]
 
 
 class ActionRecorder:
@@ -96,75 +96,3 @@ class ActionRecorder:
             start = ref.elapsed_time(ev0) * 1e3
             out.append(TraceEvent(rank, name, start, start + ev0.elapsed_time(ev1) * 1e3))
         return out
-
-
-def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages under ``tensors`` (a storage shared by views counts
-    once, with its full size)."""
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        if t is None or t.device.type == "meta":
-            continue
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            continue
-        seen.setdefault((str(t.device), st.data_ptr()), st.nbytes())
-    return sum(seen.values())
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Every tensor in ``optimizer``'s state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``)."""
-    if optimizer is None:
-        return []
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
-
-
-def measure_peak_bytes(fn: Callable[[], Any], devices: Sequence[torch.device],
-                       resident: Iterable[torch.Tensor] = ()) -> tuple[Any, dict[str, int]]:
-    """Run ``fn()`` once and measure the most tensor memory held on each device meanwhile.
-
-    CUDA: the bytes of the ``resident`` tensors on the device plus the most the step
-    allocated above what the device held before it (``torch.cuda.max_memory_allocated``
-    after ``torch.cuda.reset_peak_memory_stats``, minus ``torch.cuda.memory_allocated``
-    before; the caching allocator's block sizes, cuBLAS workspaces made during the step
-    included). Other tensors on the device (another pipeline, the user's reference model)
-    are not this pipeline's and are not counted.
-
-    CPU: the most ``fn`` held allocated (:func:`autopart.core.memory.allocated_peak_bytes`:
-    the profiler's allocation records, summed in time order) added to the bytes of the
-    ``resident`` tensors on the CPU (what was held before: parameters, gradients, optimizer
-    state; distinct storages, see :func:`resident_bytes`). A storage allocated before ``fn``
-    and freed during it stays counted, so the figure can only be high, never low. The whole
-    process is one CPU device. The profiler slows ``fn``: time it in other steps.
-
-    Args:
-        fn: one step.
-        devices: the devices to measure (repeats are ignored).
-        resident: the pipeline's tensors alive before ``fn`` (parameters, gradients,
-            buffers, optimizer state).
-
-    Returns:
-        ``(fn's result, {str(device): peak bytes})``.
-    """
-    devs = list(dict.fromkeys(torch.device(d) for d in devices))
-    cuda = [d for d in devs if d.type == "cuda"]
-    held = [t for t in resident if t is not None]
-    before: dict[torch.device, int] = {}
-    for d in cuda:
-        torch.cuda.synchronize(d)
-        torch.cuda.reset_peak_memory_stats(d)
-        before[d] = int(torch.cuda.memory_allocated(d))
-    peaks: dict[str, int] = {}
-    if any(d.type == "cpu" for d in devs):
-        base = resident_bytes(t for t in held if t.device.type == "cpu")
-        out, peak = allocated_peak_bytes(fn, torch.device("cpu"))
-        peaks["cpu"] = base + peak
-    else:
-        out = fn()
-    for d in cuda:
-        torch.cuda.synchronize(d)
-        own = resident_bytes(t for t in held if t.device == d)
-        peaks[str(d)] = own + int(torch.cuda.max_memory_allocated(d)) - before[d]
-    return out, peaks

@@ -13,7 +13,7 @@ GPT-2 plans in one process, 1F1B steps measured 7-8 % slower than with 3 (0.984 
 median of ``--steps`` timed ``train_step`` calls (slowest rank, after a barrier; the
 optimizer step is not part of the plan's prediction and is not timed), one traced step, and
 one step whose per-rank peak memory is measured with AdamW's state held
-(:func:`autopart.runtime.tracing.measure_peak_bytes`). The loss is profiled with an example
+(:func:`autopart.runtime.memory.measure_peak_bytes`). The loss is profiled with an example
 target, as ``autopart.compile(..., example_target=)`` does.
 
     .venv/bin/python benchmarks/fidelity/run.py [--quick] [--steps 7] [--out DIR]
