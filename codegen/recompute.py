@@ -9,8 +9,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["written_buffers", "recompute_context"]
+__all__ = ["written_buffers", "recompute_context", "run_recomputed"]
 
 
 def written_buffers(stage: nn.Module) -> list[torch.Tensor]:
@@ -89,3 +90,18 @@ def recompute_context(stage: nn.Module,
         return forward(), recompute()
 
     return context_fn
+
+
+def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | None = None) -> Any:
+    """``runner(*args)`` (default ``stage(*args)``) under non-reentrant
+    ``torch.utils.checkpoint`` with :func:`recompute_context` of ``stage``: only the inputs are
+    kept for backward, which runs the forward again. Both runtimes run a stage the plan marks
+    ``recompute`` this way when gradients are on.
+
+    Args:
+        stage: the stage's module (its written buffers are found on it).
+        *args: the stage's inputs.
+        runner: what computes the stage: ``stage`` itself or ``torch.compile`` of it.
+    """
+    return checkpoint(stage if runner is None else runner, *args, use_reentrant=False,
+                      context_fn=recompute_context(stage))

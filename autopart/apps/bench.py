@@ -306,7 +306,7 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
                 pipe.last_trace.save(Path(work, f"trace_{idx}.json"))
         if spec["memory"]:
             pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
-            results[name]["peaks"] = pipe.last_peak_memory_bytes
+            results[name]["peaks"] = list(pipe.last_peak_memory_bytes.by_rank.values())
         pipe.close()
     if rank == 0:
         Path(work, "result.json").write_text(json.dumps(results))

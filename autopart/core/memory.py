@@ -1,16 +1,19 @@
-"""The most memory a call allocates, on the CPU or a CUDA device (shared by the profiler,
-which sizes each node's backward, and the runtimes, which measure a step's peak)."""
+"""Memory measurement, the one module for it: the most a call allocates on the CPU or a CUDA
+device, the bytes a set of tensors holds, and a step's typed peak (shared by the profiler,
+which sizes each node's backward and the loss, and the runtimes, which measure a step)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["allocated_peak_bytes", "measure_peak_bytes", "resident_bytes", "optimizer_tensors"]
+__all__ = ["allocated_peak_bytes", "PeakMemory", "device_key", "measure_peak_bytes", "resident_bytes",
+           "optimizer_tensors"]
 
 
 def allocated_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int]:
@@ -21,12 +24,11 @@ def allocated_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[A
     (``torch.profiler.profile(profile_memory=True)``); the running sum of those records, in
     time order, is what ``fn`` allocated and has not freed, and the result is its largest
     value. Only the frees of blocks allocated during ``fn`` count (matched by address): a
-    block allocated before ``fn`` and freed during it never lowers the figure. (The profiler
-    reports such a free when the block was allocated under an earlier profiling session, and
-    counting it had put a figure 64 KiB low.) On equal timestamps an allocation is taken
-    before a free. The whole process counts: run nothing else meanwhile. The profiler slows
-    ``fn`` (about 0.5 ms a call here once warm, its first use in a process about 0.1-1 s): do
-    not time such a call.
+    block allocated before ``fn`` and freed during it never lowers the figure (the profiler
+    reports such a free when the block was allocated under an earlier profiling session).
+    On equal timestamps an allocation is taken before a free. The whole process counts: run
+    nothing else meanwhile. The profiler slows ``fn`` (most on its first use in a process):
+    do not time such a call.
 
     CUDA: ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``,
     minus ``torch.cuda.memory_allocated`` before (block sizes of the caching allocator).
@@ -71,6 +73,29 @@ def allocated_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[A
     return out, peak
 
 
+@dataclass(frozen=True, slots=True)
+class PeakMemory:
+    """Peak tensor memory of one measured step (``train_step(measure_memory=True)``), bytes.
+
+    Attributes:
+        by_rank: pipeline rank -> peak bytes of the device that rank runs on, for every rank
+            of the plan whose device was measured. A distributed step gathers each rank's own
+            figure onto every rank; a one-process step gives each rank its device's figure,
+            so ranks sharing a device (every rank on the CPU) show the same, whole-device peak.
+        by_device: :func:`device_key` -> peak bytes of the devices this process measured
+            (one-process: every device of the pipeline; distributed: this rank's device).
+    """
+
+    by_rank: Mapping[int, int]
+    by_device: Mapping[str, int]
+
+
+def device_key(device: torch.device) -> str:
+    """The key :func:`measure_peak_bytes` reports ``device`` under: ``"cpu"`` for any CPU
+    device (the whole process is one), else ``str(device)`` (``"cuda:0"``)."""
+    return "cpu" if device.type == "cpu" else str(device)
+
+
 def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under ``tensors`` (a storage shared by views counts
     once, with its full size)."""
@@ -105,7 +130,7 @@ def measure_peak_bytes(fn: Callable[[], Any], devices: Sequence[torch.device],
     included). Other tensors on the device (another pipeline, the user's reference model)
     are not this pipeline's and are not counted.
 
-    CPU: the most ``fn`` held allocated (:func:`allocated_peak_bytes`:
+    CPU: the most ``fn`` held allocated (:func:`autopart.core.memory.allocated_peak_bytes`:
     the profiler's allocation records, summed in time order) added to the bytes of the
     ``resident`` tensors on the CPU (what was held before: parameters, gradients, optimizer
     state; distinct storages, see :func:`resident_bytes`). A storage allocated before ``fn``

@@ -4,13 +4,10 @@ the original FQNs, committed atomically, restored onto any plan or the plain mod
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import os
 import shutil
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,50 +22,38 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from autopart.core.errors import CheckpointError
 from autopart.core.jsonio import dumps, fsync_dir, write_text_atomic
 from autopart.core.plan import Plan
+from autopart.runtime._checkpoint_files import (
+    CHECKPOINT_FORMAT,
+    LATEST,
+    MANIFEST,
+    OPT,
+    broadcast_int,
+    committed,
+    current_checkpoint,
+    quiet,
+    remove_leftovers,
+    save_lock,
+    sha256,
+    verified_manifest,
+)
+from autopart.runtime._checkpoint_optim import optimizer_buffers, optimizer_state, restore_optimizer
 from autopart.runtime._dcp_files import SafeReader, read_metadata, safetensors_weights
+from autopart.runtime.checkpoint_state import Checkpointable, CheckpointState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_extra", "checkpoint_plan",
            "checkpoint_tensors", "current_checkpoint", "PendingSave", "CHECKPOINT_FORMAT"]
 
-CHECKPOINT_FORMAT = 3  # 3: DCP + autopart.json; 1 and 2 (safetensors per stage) load weights
-_LATEST = "latest"
-_MANIFEST = "autopart.json"  # written last: a folder without it is not a checkpoint
-_OPT = "optim.state."  # DCP key of optimizer state: optim.state.<fqn>.<name>
 
-
-@dataclass
-class _Target:
-    """What a checkpoint reads and writes of one process's model: ``writes`` (canonical FQN
-    -> tensor this process saves: each tensor once over all ranks, up to dp replicas),
-    ``holds`` (every tensor it loads into, a tied replica on another rank included),
-    ``params`` (id(parameter) -> FQN, for the optimizer) and how to finish a load."""
-
-    writes: dict[str, torch.Tensor]
-    holds: dict[str, torch.Tensor]
-    params: dict[int, str]
-    aliases: dict[str, str]
-    plan: Plan | None
-    distributed: bool
-    device: torch.device
-    after_load: Callable[[], None]
-
-
-def _target(module: nn.Module) -> _Target:
-    """The checkpoint's view of a pipeline (told apart by what it offers, since the runtimes
-    import this module) or of a plain module."""
+def _target(module: nn.Module) -> CheckpointState:
+    """The checkpoint's view of a pipeline (its own :meth:`checkpoint_state`) or of a plain
+    module."""
     if not isinstance(module, nn.Module):
         raise CheckpointError(f"cannot checkpoint a {type(module).__name__}; pass a pipeline or "
                               "an nn.Module")
+    if isinstance(module, Checkpointable):
+        return module.checkpoint_state()
     obj: Any = module
     params = {id(p): f for f, p in obj.named_parameters()}
-    if hasattr(obj, "pp_rank"):  # DistributedPipeline: this rank's stages
-        held = obj.state_dict(keep_vars=True)
-        return _Target(obj.owned_tensors(), held, params, {f: f for f in held}, obj.plan,
-                       dist.get_world_size() > 1, obj.device, lambda: None)
-    if hasattr(obj, "owned_tensors"):  # PipelinedModule: every stage, one process
-        owned = {f: t for tensors in obj.owned_tensors().values() for f, t in tensors.items()}
-        return _Target(owned, owned, params, dict(obj.state_layout()), obj.plan, False,
-                       obj.devices[0], lambda: obj._sync_replicas(force=True))
     canon: dict[int, str] = {}  # a tied tensor's canonical name: the first one listed
     for f, t in list(obj.named_parameters()) + list(obj.named_buffers()):
         canon.setdefault(id(t), f)
@@ -77,7 +62,8 @@ def _target(module: nn.Module) -> _Target:
     aliases = {k: canon[id(v)] for k, v in obj.state_dict(keep_vars=True).items()
                if id(v) in canon}
     first = next(iter(tensors.values()), torch.empty(0))
-    return _Target(tensors, tensors, params, aliases, None, False, first.device, lambda: None)
+    return CheckpointState(tensors, tensors, params, aliases, None, False, first.device,
+                           lambda: None)
 
 
 # ---- saving ------------------------------------------------------------------------------
@@ -150,23 +136,23 @@ def save_checkpoint(obj: nn.Module, directory: str | os.PathLike[str], *,
     groups: list[dict[str, Any]] = []
     scalars: dict[str, dict[str, Any]] = {}
     if optimizer is not None:
-        tensors, groups, scalars = _optimizer_state(optimizer, target)
+        tensors, groups, scalars = optimizer_state(optimizer, target)
         state.update(tensors)
     rank0 = not target.distributed or dist.get_rank() == 0
     number = -1
-    lock = _save_lock(root) if rank0 else contextlib.nullcontext()
+    lock = save_lock(root) if rank0 else contextlib.nullcontext()
     lock.__enter__()
     try:
         if rank0:
             root.mkdir(parents=True, exist_ok=True)
-            _remove_leftovers(root)
-            previous = _committed(root)
+            remove_leftovers(root)
+            previous = committed(root)
             number = int(previous[-1].name[5:]) + 1 if previous else 0
             tmp = root / f".ckpt-{number:06d}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         if target.distributed:
-            number = _broadcast_int(number, target.device)
+            number = broadcast_int(number, target.device)
             everyone: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, (groups, scalars))
             groups = [g for gs, _ in everyone for g in gs]
@@ -184,7 +170,7 @@ def save_checkpoint(obj: nn.Module, directory: str | os.PathLike[str], *,
                 lock.__exit__(None, None, None)
 
         kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "no_dist": not target.distributed}
-        with _quiet():
+        with quiet():
             if async_save:
                 future = state_dict_saver.async_save(state, **kwargs)
                 assert isinstance(future, Future)  # the thread checkpointer's response
@@ -196,7 +182,7 @@ def save_checkpoint(obj: nn.Module, directory: str | os.PathLike[str], *,
     return commit()
 
 
-def _commit(root: Path, tmp: Path, number: int, meta: dict[str, Any], target: _Target,
+def _commit(root: Path, tmp: Path, number: int, meta: dict[str, Any], target: CheckpointState,
             keep: int) -> Path:
     """Rank 0 (after every rank wrote): manifest, rename, ``latest``; then old folders go.
     Every rank learns whether it worked and returns the folder or raises."""
@@ -208,68 +194,25 @@ def _commit(root: Path, tmp: Path, number: int, meta: dict[str, Any], target: _T
         try:
             if target.plan is not None:
                 target.plan.save(tmp / "plan.json")
-            files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+            files = {p.name: {"sha256": sha256(p), "bytes": p.stat().st_size}
                      for p in sorted(tmp.iterdir()) if p.is_file()}
-            write_text_atomic(tmp / _MANIFEST, dumps({**meta, "files": files}))
+            write_text_atomic(tmp / MANIFEST, dumps({**meta, "files": files}))
             fsync_dir(tmp)
             os.replace(tmp, final)
             fsync_dir(root)
-            write_text_atomic(root / _LATEST, final.name + "\n")
-            for old in _committed(root)[:-keep]:
+            write_text_atomic(root / LATEST, final.name + "\n")
+            for old in committed(root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         except OSError as exc:
             ok, error = 0, f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
     if target.distributed:
-        ok = _broadcast_int(ok, target.device)
+        ok = broadcast_int(ok, target.device)
     if not ok:
         why = error or "see rank 0's error"
         raise CheckpointError(f"committing checkpoint {final} failed on rank 0 ({why}); the "
                               "previous checkpoint is still the latest")
     return final
-
-
-def _optimizer_state(optimizer: torch.optim.Optimizer, target: _Target,
-                     ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]],
-                                dict[str, dict[str, Any]]]:
-    """Optimizer state re-keyed from positions to FQNs: DCP tensors, JSON param groups
-    (``params`` as FQNs) and JSON non-tensor state entries, of the parameters this process
-    writes."""
-    sd = optimizer.state_dict()
-    order = [p for g in optimizer.param_groups for p in g["params"]]
-    fqns = []
-    for p in order:
-        if id(p) not in target.params:
-            raise CheckpointError(f"the optimizer holds a {tuple(p.shape)} tensor that is not a "
-                                  "parameter of the pipeline; build it from pipe.parameters()")
-        fqns.append(target.params[id(p)])
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, entries in sd["state"].items():
-        fqn = fqns[index]
-        if fqn not in target.writes:
-            continue
-        for name, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{_OPT}{fqn}.{name}"] = value.detach()
-            else:
-                scalars.setdefault(fqn, {})[name] = _json_value(value, f"state {name} of {fqn}")
-    groups = []
-    for group in sd["param_groups"]:
-        hyper = {k: _json_value(v, f"param group option {k}") for k, v in group.items()
-                 if k != "params"}
-        groups.append({**hyper, "params": [fqns[i] for i in group["params"]]})
-    return tensors, groups, scalars
-
-
-def _json_value(value: Any, what: str) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"optimizer {what} = {value!r:.60} is not JSON-serialisable; "
-                              "checkpoints store optimizer options as JSON") from exc
 
 
 # ---- loading -----------------------------------------------------------------------------
@@ -302,89 +245,32 @@ def load_checkpoint(directory: str | os.PathLike[str], obj: nn.Module, *,
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a directory written by "
                               "pipe.save(...), or a plain model's weights")
-    if (path / _LATEST).is_file() or (path / _MANIFEST).is_file() or path.name.startswith(
+    if (path / LATEST).is_file() or (path / MANIFEST).is_file() or path.name.startswith(
             (".ckpt-", "ckpt-")):
         folder = current_checkpoint(path)
-        if (folder / "manifest.json").is_file() and not (folder / _MANIFEST).is_file():
+        if (folder / "manifest.json").is_file() and not (folder / MANIFEST).is_file():
             return _load_weights(safetensors_weights(folder), target, folder, optimizer)
-        meta = _verified_manifest(folder)
+        meta = verified_manifest(folder)
     else:
         return _load_weights(safetensors_weights(path), target, path, optimizer)
     metadata = read_metadata(folder).state_dict_metadata
-    saved = {k: v for k, v in metadata.items() if not k.startswith(_OPT)}
+    saved = {k: v for k, v in metadata.items() if not k.startswith(OPT)}
     _check_model(saved, target, folder)
     state: dict[str, Any] = {f: t.detach() for f, t in target.holds.items()}
     if optimizer is not None:
         if meta.get("optimizer") is None:
             raise CheckpointError(f"checkpoint {folder} holds no optimizer state (saved without "
                                   "optimizer=); load without optimizer= or save with it")
-        state.update(_optimizer_buffers(optimizer, target, metadata))
-    with torch.no_grad(), _quiet():
+        state.update(optimizer_buffers(optimizer, target, metadata))
+    with torch.no_grad(), quiet():
         state_dict_loader.load(state, storage_reader=SafeReader(str(folder)), no_dist=True)
     target.after_load()
     if optimizer is not None:
-        _restore_optimizer(optimizer, target, state, meta["optimizer"], folder)
+        restore_optimizer(optimizer, target, state, meta["optimizer"], folder)
     return dict(meta.get("extra") or {})
 
 
-def _optimizer_buffers(optimizer: torch.optim.Optimizer, target: _Target,
-                       metadata: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Empty tensors (saved shape and dtype) for the optimizer state of every parameter the
-    optimizer holds, under their DCP keys."""
-    by_fqn: dict[str, list[str]] = {}
-    for key in metadata:
-        if key.startswith(_OPT):  # optim.state.<fqn>.<name>; state names have no dots
-            owner, name = key[len(_OPT):].rsplit(".", 1)
-            by_fqn.setdefault(owner, []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            fqn = target.params.get(id(p))
-            if fqn is None:
-                raise CheckpointError(f"the optimizer holds a {tuple(p.shape)} tensor that is "
-                                      "not a parameter of the model; build it from "
-                                      "pipe.parameters()")
-            for name in by_fqn.get(fqn, []):
-                m = metadata[f"{_OPT}{fqn}.{name}"]
-                out[f"{_OPT}{fqn}.{name}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-    return out
-
-
-def _restore_optimizer(optimizer: torch.optim.Optimizer, target: _Target, state: dict[str, Any],
-                       saved: dict[str, Any], folder: Path) -> None:
-    current = optimizer.state_dict()
-    order = [p for g in optimizer.param_groups for p in g["params"]]
-    new_state: dict[int, dict[str, Any]] = {}
-    loaded: dict[str, dict[str, Any]] = {}
-    for key, value in state.items():
-        if key.startswith(_OPT):
-            fqn, name = key[len(_OPT):].rsplit(".", 1)
-            loaded.setdefault(fqn, {})[name] = value
-    for index, p in enumerate(order):
-        fqn = target.params[id(p)]
-        entries = {**loaded.get(fqn, {}), **saved["scalars"].get(fqn, {})}
-        if entries:
-            new_state[index] = entries
-    group_of: dict[str, dict[str, Any]] = {}
-    for g in saved["groups"]:
-        for fqn in g["params"]:
-            group_of.setdefault(fqn, g)
-    new_groups = []
-    for group, mine in zip(current["param_groups"], optimizer.param_groups, strict=True):
-        first = target.params[id(mine["params"][0])] if mine["params"] else None
-        theirs = group_of.get(first) if first is not None else None
-        if theirs is None and first is not None:
-            raise CheckpointError(f"checkpoint {folder} has no optimizer param group holding "
-                                  f"{first!r}; it was saved with another optimizer set-up")
-        restored = dict(group)
-        for k, v in (theirs or {}).items():
-            if k != "params" and k in group:
-                restored[k] = tuple(v) if isinstance(group[k], tuple) else v
-        new_groups.append(restored)
-    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
-
-
-def _load_weights(weights: dict[str, torch.Tensor], target: _Target, source: Path,
+def _load_weights(weights: dict[str, torch.Tensor], target: CheckpointState, source: Path,
                   optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """A plain model's weights (state_dict keys; tied aliases resolve to their owner)."""
     if optimizer is not None:
@@ -407,7 +293,7 @@ class _Shape:
     size: tuple[int, ...]
 
 
-def _check_model(saved: dict[str, Any], target: _Target, where: Path) -> None:
+def _check_model(saved: dict[str, Any], target: CheckpointState, where: Path) -> None:
     missing = sorted(set(target.holds) - set(saved))
     unexpected = [] if target.distributed else sorted(set(saved) - set(target.holds))
     shapes = sorted(f for f in set(target.holds) & set(saved)
@@ -424,75 +310,9 @@ def _check_model(saved: dict[str, Any], target: _Target, where: Path) -> None:
 
 
 # ---- reading a checkpoint's parts ---------------------------------------------------------
-def current_checkpoint(root: Path) -> Path:
-    """The committed folder a path names: ``root/latest``'s target, or ``root`` itself when
-    it is one ``ckpt-<n>`` folder.
-
-    Raises:
-        CheckpointError: no ``latest`` pointer, a partial folder (no ``autopart.json``: its
-            save did not finish), or ``latest`` naming a folder that is gone.
-    """
-    if (root / _MANIFEST).is_file() or (root / "manifest.json").is_file():  # format 3; 1-2
-        return root
-    if root.name.startswith((".ckpt-", "ckpt-")) and root.is_dir():
-        raise CheckpointError(f"{root} is a partial checkpoint: its save did not finish (no "
-                              f"{_MANIFEST}); load the directory's latest checkpoint instead")
-    pointer = root / _LATEST
-    if not pointer.is_file():
-        raise CheckpointError(f"{root} is not an autopart checkpoint (no 'latest' file); pass a "
-                              "directory written by pipe.save(...)")
-    folder = root / pointer.read_text(encoding="utf-8").strip()
-    if not (folder / _MANIFEST).is_file() and not (folder / "manifest.json").is_file():
-        raise CheckpointError(f"{root}/latest points at {folder.name}, which has no "
-                              f"{_MANIFEST}; the checkpoint is damaged")
-    return folder
-
-
-def _verified_manifest(folder: Path) -> dict[str, Any]:
-    """``autopart.json``, checked for shape, and every file it lists checked for size and
-    SHA-256 (so DCP reads only the bytes that were committed)."""
-    path = folder / _MANIFEST
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc}); the "
-                              "checkpoint is damaged: load an earlier one or save again") from exc
-    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else meta
-        raise CheckpointError(f"{path}: checkpoint format {found!r:.40} is not supported (this "
-                              f"autopart reads {CHECKPOINT_FORMAT}, and formats 1-2 as weights); "
-                              "save it again with this version")
-    try:
-        files = {str(n): (str(e["sha256"]), int(e["bytes"])) for n, e in meta["files"].items()}
-        opt = meta["optimizer"]
-        ok = ".metadata" in files and isinstance(meta["extra"], dict) and (
-            opt is None or (isinstance(opt["groups"], list) and isinstance(opt["scalars"], dict)))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); load an earlier "
-                              "checkpoint or save again") from exc
-    if not ok:
-        raise CheckpointError(f"{path} is damaged (no .metadata listed, or bad extra / optimizer "
-                              "entries); load an earlier checkpoint or save again")
-    for name, (sha, size) in files.items():
-        file = folder / name
-        try:
-            found_size = file.stat().st_size
-            digest = _sha256(file) if found_size == size else ""
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint file {file} is missing or unreadable ({exc}); the "
-                                  "checkpoint is damaged: load an earlier one or save again"
-                                  ) from exc
-        if found_size != size or digest != sha:
-            raise CheckpointError(f"checkpoint file {file} does not match its manifest (size "
-                                  f"{found_size} vs {size} bytes, or SHA-256 differs): it was "
-                                  "damaged or changed after the save; load an earlier "
-                                  "checkpoint or save again")
-    return meta
-
-
 def checkpoint_extra(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``extra`` dict a checkpoint was saved with (``{}`` when none)."""
-    return dict(_verified_manifest(current_checkpoint(Path(directory))).get("extra") or {})
+    return dict(verified_manifest(current_checkpoint(Path(directory))).get("extra") or {})
 
 
 def checkpoint_plan(directory: str | os.PathLike[str]) -> Plan:
@@ -516,7 +336,7 @@ def checkpoint_tensors(directory: str | os.PathLike[str]) -> Callable[[str], tor
         CheckpointError: not a checkpoint, or (when called) a tensor it does not hold.
     """
     folder = current_checkpoint(Path(directory))
-    if not (folder / _MANIFEST).is_file():
+    if not (folder / MANIFEST).is_file():
         weights = safetensors_weights(folder)
 
         def from_weights(fqn: str) -> torch.Tensor:
@@ -526,69 +346,17 @@ def checkpoint_tensors(directory: str | os.PathLike[str]) -> Callable[[str], tor
             return nn.Parameter(weights[fqn])
 
         return from_weights
-    _verified_manifest(folder)
+    verified_manifest(folder)
     metadata = read_metadata(folder).state_dict_metadata
 
     def tensor_of(fqn: str) -> torch.Tensor:
         m = metadata.get(fqn)
-        if not isinstance(m, TensorStorageMetadata) or fqn.startswith(_OPT):
+        if not isinstance(m, TensorStorageMetadata) or fqn.startswith(OPT):
             raise CheckpointError(f"checkpoint {folder} has no tensor {fqn!r}; it is from "
                                   "another model")
         value = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        with _quiet():
+        with quiet():
             state_dict_loader.load({fqn: value}, storage_reader=SafeReader(str(folder)), no_dist=True)
         return nn.Parameter(value)
 
     return tensor_of
-
-
-# ---- files ---------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Hide DCP's warning that a ``no_dist`` call runs in one process (that is the intent)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        yield
-
-
-def _committed(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("ckpt-*") if p.is_dir() and p.name[5:].isdigit())
-
-
-def _broadcast_int(value: int, device: torch.device) -> int:
-    box = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.broadcast(box, src=0)
-    return int(box.item())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _remove_leftovers(root: Path) -> None:
-    """Remove what killed saves left in ``root`` (the caller holds the save lock, so no
-    save is in flight): ``.ckpt-<n>.tmp`` folders and ``.latest.*.tmp`` files."""
-    for entry in root.iterdir():
-        name = entry.name
-        if name.startswith(".ckpt-") and ".tmp" in name:
-            shutil.rmtree(entry, ignore_errors=True)
-        elif name.startswith(f".{_LATEST}.") and name.endswith(".tmp") and entry.is_file():
-            entry.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _save_lock(root: Path) -> Iterator[None]:
-    """Hold ``root/.lock`` exclusively (``flock``): one save of a directory at a time, and
-    the lock dies with its process, so a killed save never blocks the next."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-

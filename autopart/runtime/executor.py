@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from autopart.codegen.recompute import recompute_context
+from autopart.codegen.recompute import run_recomputed
 from autopart.codegen.split_backward import SplitBackward
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule, execution_order
@@ -152,7 +151,8 @@ class LocalExecutor:
     (:func:`autopart.core.schedule.build_schedule` gives a recomputed stage a ``B``, see
     :func:`autopart.core.schedule.splits_backward`); the executor runs what it is given.
     A stage in ``recompute`` runs its forward under non-reentrant
-    ``torch.utils.checkpoint``: only its inputs are kept, the rest is recomputed in backward.
+    ``torch.utils.checkpoint`` (:func:`autopart.codegen.recompute.run_recomputed`): only its
+    inputs are kept, the rest is recomputed in backward.
     A stage's state for a microbatch is dropped as soon as its last backward action ran.
     Actions are issued in :func:`autopart.core.schedule.execution_order`; on CPU they run one
     after another, on CUDA each stage has its own compute stream and copies go on a copy
@@ -173,8 +173,7 @@ class LocalExecutor:
         self.devices = list(devices)
         self.recompute = frozenset(recompute)
         # made once and kept: PyTorch keeps a cuBLAS and a cuBLASLt workspace per stream
-        # that runs matmuls (65 MiB per stream on an H100), so streams made afresh every
-        # step held 130 MiB more after each step of a 2-stage pipeline
+        # that runs matmuls, so streams made afresh every step would hold more after each step
         self._stream_set: _Streams | None = None
 
     def run(self, schedule: Schedule, mb_inputs: list[list[Any]], *,
@@ -283,8 +282,7 @@ class LocalExecutor:
         args = [_as_leaf(v, streams.move(v, event, s, device), grad) for v in sent]
         with streams.on(s), torch.set_grad_enabled(training):
             if training and s in self.recompute:
-                out = checkpoint(self.stages[s], *args, use_reentrant=False,
-                                 context_fn=recompute_context(self.stages[s]))
+                out = run_recomputed(self.stages[s], *args)
             else:
                 out = self.stages[s](*args)
         self._done[("F", s, i)] = streams.mark(s)

@@ -32,10 +32,8 @@ def tune_cpu_allocator() -> str | None:
     block of 128 KiB or more (rising to the largest block freed, up to 32 MiB) with a fresh
     ``mmap``, and gives the top of its heap back to the OS whenever more than twice that is
     free. A training step frees its activations microbatch after microbatch, so the next one
-    takes its memory from the OS again, one zero-filled page at a time. Here (2-core x86_64,
-    torch 2.13.0+cpu, ``benchmarks/pipeline_cpu/allocator.py``) one ResNet-50-like step took
-    1.719 s with 137,898 minor page faults by default and 1.516 s with none once set; a
-    GPT-2-like step with a 50k head 5.029 s (910,763 faults) and 3.352 s.
+    takes its memory from the OS again, one zero-filled page at a time
+    (``benchmarks/pipeline_cpu/allocator.py`` measures what that costs).
 
     Sets ``M_MMAP_MAX`` to 0 (the main heap serves every block; a thread's own arena still
     maps a block its 64 MiB heap cannot hold) and ``M_TRIM_THRESHOLD`` to its largest value,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,13 +11,13 @@ from torch import nn
 
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PlanError
-from autopart.core.jsonio import write_text_atomic
-from autopart.core.memory import measure_peak_bytes, optimizer_tensors
+from autopart.core.memory import PeakMemory, device_key
 from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.signature import InputSignature, call_loss, require_loss
-from autopart.core.trace import Trace
+from autopart.runtime._torch_private import incompatible_keys, version_counter
+from autopart.runtime.checkpoint_state import CheckpointState
 from autopart.runtime.executor import LocalExecutor
-from autopart.runtime.host import tune_cpu_allocator
+from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["PipelinedModule", "state_layout"]
@@ -42,7 +40,7 @@ def state_layout(model: nn.Module) -> tuple[list[tuple[str, str]], list[str], li
     return keys, params, buffers
 
 
-class PipelinedModule(nn.Module):
+class PipelinedModule(Pipeline):
     """A model split into pipeline stages that run under a schedule.
 
     Built by :func:`autopart.compile`; not constructed directly. ``pipe(x)`` and
@@ -75,29 +73,20 @@ class PipelinedModule(nn.Module):
             loss_fn: ``(output, target) -> scalar``, or None for inference only.
             timings_s: seconds per compile phase, kept as ``timings_s``.
         """
-        super().__init__()
+        super().__init__(stages, signature, loss_fn=loss_fn, timings_s=timings_s,
+                         on_cpu=any(torch.device(d).type == "cpu" for d in stages.devices))
         plan = stages.plan
-        self.plan = plan
         self.stages = nn.ModuleList(stages.modules)
         self.devices = list(stages.devices)
-        if any(torch.device(d).type == "cpu" for d in self.devices):
-            tune_cpu_allocator()  # freed activations stay in the process (runtime/host.py)
-        self.timings_s = {} if timings_s is None else timings_s
-        self.signature = signature
-        self._built: BuiltStages = stages
         self._placement = stages.placement
         self._state_keys, self._param_order, self._buffer_order = state_layout(model)
         used = set(stages.placement.owner)
         self._unused = {fqn: t for fqn, t in list(model.named_parameters())
                         + list(model.named_buffers()) if fqn not in used}
-        self._loss_fn = loss_fn
         self._num_ranks = len(plan.ranks)
-        self._recompute = [st.stage_index for st in plan.stages if st.recompute]
         self._executor = LocalExecutor(list(stages.runners), self.devices,  # type: ignore[arg-type]
                                        recompute=self._recompute)
         self._replica_versions: dict[str, int] = {}
-        self.last_trace: Trace | None = None  # set by train_step(trace=True)
-        self.last_peak_memory_bytes: dict[str, int] = {}  # set by train_step(measure_memory=)
 
     # ---- tensors under original names ----------------------------------------------
     def _tensor(self, fqn: str) -> torch.Tensor:
@@ -143,41 +132,29 @@ class PipelinedModule(nn.Module):
                             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                             f"{'...' if len(unexpected) > 5 else ''}; pass a state_dict of the "
                             "model this pipeline was compiled from")
-        with torch.no_grad():
-            for key, fqn in self._state_keys:
-                if key not in state_dict:
-                    continue
-                value = state_dict[key]
-                target = self._tensor(fqn)
-                if tuple(value.shape) != tuple(target.shape):
-                    raise PlanError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, the "
-                                    f"model's is {tuple(target.shape)}")
-                target.copy_(value)
+        self._copy_state_in(state_dict, ((key, self._tensor(fqn)) for key, fqn in self._state_keys))
         self._sync_replicas(force=True)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return incompatible_keys(missing, unexpected)
 
     def state_layout(self) -> list[tuple[str, str]]:
         """(state_dict key, canonical FQN) pairs: tied names map to the FQN that owns them."""
         return list(self._state_keys)
 
-    def owned_tensors(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Per stage, the parameters and buffers it owns (replicas excluded), by FQN; tensors
-        the graph never reads are listed with stage 0."""
-        owned: dict[int, dict[str, torch.Tensor]] = {s: {} for s in range(len(self.stages))}
+    def owned_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of the model (owner copies, replicas excluded), by FQN:
+        one process holds every stage. Ordered stage by stage (tensors the graph never reads
+        with stage 0), parameters before buffers within a stage."""
+        by_stage: dict[int, dict[str, torch.Tensor]] = {s: {} for s in range(len(self.stages))}
         for fqn in self._param_order + self._buffer_order:
-            stage = self._placement.owner.get(fqn, 0)
-            owned[stage][fqn] = self._tensor(fqn)
-        return owned
+            by_stage[self._placement.owner.get(fqn, 0)][fqn] = self._tensor(fqn)
+        return {fqn: t for tensors in by_stage.values() for fqn, t in tensors.items()}
 
-    def save(self, directory: str | os.PathLike[str], *, optimizer: Any = None,
-             extra: dict[str, Any] | None = None, async_save: bool = False,
-             keep: int = 1) -> Any:
-        """Checkpoint model and optimizer state (DCP) and the plan atomically; see
-        :func:`autopart.runtime.checkpoint.save_checkpoint`."""
-        from autopart.runtime.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, directory, optimizer=optimizer, extra=extra,
-                               async_save=async_save, keep=keep)
+    def checkpoint_state(self) -> CheckpointState:
+        """Every tensor, written and loaded by this process; a load refreshes the replicas."""
+        owned = self.owned_tensors()
+        return CheckpointState(owned, owned, {id(p): f for f, p in self.named_parameters()},
+                               dict(self.state_layout()), self.plan, False, self.devices[0],
+                               lambda: self._sync_replicas(force=True))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -205,13 +182,13 @@ class PipelinedModule(nn.Module):
         with torch.no_grad():
             for fqn, stages in self._placement.replicas.items():
                 owner = self._tensor(fqn)
-                if not force and self._replica_versions.get(fqn) == owner._version:
+                if not force and self._replica_versions.get(fqn) == version_counter(owner):
                     continue
                 for s in stages:
                     replica = self._placement.tensors[(s, fqn)]
                     if replica is not owner:
                         replica.copy_(owner)
-                self._replica_versions[fqn] = owner._version
+                self._replica_versions[fqn] = version_counter(owner)
 
     def _reduce_replica_grads(self) -> None:
         """Sum replica gradients into the owner's ``.grad`` (DeepSpeed's tied-weight all-reduce)."""
@@ -261,7 +238,8 @@ class PipelinedModule(nn.Module):
                 :class:`autopart.core.trace.Trace`, one track per rank of the plan; default
                 False).
             measure_memory: measure the step's peak memory per device into
-                ``last_peak_memory_bytes`` (``{device: bytes}``, see
+                ``last_peak_memory_bytes`` (a :class:`autopart.core.memory.PeakMemory`:
+                per device, and per rank as its device's figure; see
                 :func:`autopart.core.memory.measure_peak_bytes`; on CPU the profiler it
                 uses slows the step, so do not time such a step). Default False.
             optimizer: with ``measure_memory``, its state counts as held memory.
@@ -294,37 +272,14 @@ class PipelinedModule(nn.Module):
                                       recorder=recorder)
 
         if measure_memory:
-            held = [t for _, p in self.named_parameters() for t in (p, p.grad)
-                    if t is not None] + [b for _, b in self.named_buffers()]
-            result, self.last_peak_memory_bytes = measure_peak_bytes(
-                run, self.devices, held + optimizer_tensors(optimizer))
+            result, peaks = self._measure_step(run, self.devices, optimizer,
+                                               [b for _, b in self.named_buffers()])
+            keys = [device_key(torch.device(d)) for d in self.devices]
+            by_rank = {rank_of[s]: peaks[k] for s, k in enumerate(keys) if k in peaks}
+            self.last_peak_memory_bytes = PeakMemory(dict(sorted(by_rank.items())), peaks)
         else:
             result = run()
         if recorder is not None:
-            self.last_trace = Trace(tuple(recorder.events()), f"measured:{self.devices[0]}",
-                                    {"schedule_kind": self.plan.schedule_kind,
-                                     "num_microbatches": m,
-                                     "stages_per_rank": self.plan.stages_per_rank,
-                                     "graph_fingerprint": self.plan.graph_fingerprint})
+            self.last_trace = self._trace(recorder.events(), f"measured:{self.devices[0]}", m)
         self._reduce_replica_grads()
         return torch.stack([loss for loss in result.losses if loss is not None]).sum()
-
-    # ---- files ---------------------------------------------------------------------
-    def stage_sources(self) -> dict[int, str]:
-        """Stage index -> readable Python source of the stage, tensor shapes as comments
-        (:func:`autopart.codegen.stage_source`)."""
-        return self._built.sources()
-
-    def save_plan(self, path: str | os.PathLike[str]) -> list[Path]:
-        """Write the plan to ``path`` and each stage's source as ``stage_<s>.py`` beside it.
-
-        Every file is written atomically. Returns the paths written.
-        """
-        target = Path(path)
-        self.plan.save(target)
-        written = [target]
-        for s, source in self.stage_sources().items():
-            out = target.parent / f"stage_{s}.py"
-            write_text_atomic(out, source)
-            written.append(out)
-        return written

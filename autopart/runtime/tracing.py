@@ -1,4 +1,4 @@
-"""Recording a real step: each action's start and end per rank, and the peak memory it held."""
+"""Recording a real step: each action's start and end per rank (the trace's data is in core)."""
 
 from __future__ import annotations
 

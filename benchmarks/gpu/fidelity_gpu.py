@@ -116,7 +116,7 @@ def main() -> None:
                      "measured_step_s": measured,
                      "step_error": plan.predicted_step_time_us / 1e6 / measured - 1,
                      "predicted_peak_bytes_device": sum(r.peak_memory_bytes for r in plan.ranks),
-                     "measured_peak_bytes_device": pipe.last_peak_memory_bytes[dev]})
+                     "measured_peak_bytes_device": pipe.last_peak_memory_bytes.by_device[dev]})
         if name == "solver":
             pipe.last_trace.save(out / "trace_solver.json")
             gantt(out / "timeline_gpu.png", [("predicted", pred.trace),

@@ -65,7 +65,7 @@ def main() -> None:
         pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
         opt.step()
         rows[f"step{step}"] = {"resident_before": before,
-                               "peak": pipe.last_peak_memory_bytes[dev],
+                               "peak": pipe.last_peak_memory_bytes.by_device[dev],
                                "after": allocated(dev)}
     workspaces = 0
     if torch.device(dev).type == "cuda":

@@ -258,7 +258,7 @@ def traced(rank: int, world: int, port: int, kind: str, v: int, result_dir: str)
     loss = pipe.train_step(*args, target=target, trace=True)
     assert pipe.last_trace is not None
     pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
-    peaks = pipe.last_peak_memory_bytes
+    peaks = list(pipe.last_peak_memory_bytes.by_rank.values())
     assert len(peaks) == world and all(p > 0 for p in peaks), peaks
     if rank == 0:
         pipe.last_trace.save(os.path.join(result_dir, "trace.json"))

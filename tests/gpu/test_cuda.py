@@ -80,7 +80,7 @@ def test_traced_step_and_peak_memory_on_cuda(tmp_path: Path) -> None:
     path = autopart.trace.save(trace, tmp_path / "t.json")
     assert json.loads(path.read_text())["traceEvents"]
     pipe.train_step(*args, target=target, measure_memory=True)
-    peak = pipe.last_peak_memory_bytes["cuda:0"]
+    peak = pipe.last_peak_memory_bytes.by_device["cuda:0"]
     predicted = sum(r.peak_memory_bytes for r in pipe.plan.ranks)
     assert 0 < peak
     assert predicted >= peak, (predicted, peak)  # never an under-prediction

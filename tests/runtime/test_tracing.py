@@ -70,12 +70,12 @@ def test_measured_peak_counts_resident_state_and_the_step() -> None:
     opt.step()
     opt.zero_grad()
     pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
-    peak = pipe.last_peak_memory_bytes["cpu"]
+    peak = pipe.last_peak_memory_bytes.by_device["cpu"]
     params = resident_bytes(p for _, p in pipe.named_parameters())
     # weights + their gradients + AdamW's two moments at least; activations on top
     assert peak > 4 * params * 0.99
     pipe.train_step(*args, target=target, measure_memory=True)
-    assert pipe.last_peak_memory_bytes["cpu"] < peak  # optimizer state no longer counted
+    assert pipe.last_peak_memory_bytes.by_device["cpu"] < peak  # optimizer state no longer counted
 
 
 def test_measure_peak_bytes_sees_a_transient_tensor() -> None:
@@ -120,5 +120,5 @@ def test_predicted_peak_memory_bounds_the_measured(kind: str) -> None:
     opt.zero_grad()
     pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
     predicted = sum(r.peak_memory_bytes for r in pipe.plan.ranks)
-    measured = pipe.last_peak_memory_bytes["cpu"]
+    measured = pipe.last_peak_memory_bytes.by_device["cpu"]
     assert 0.98 * measured <= predicted <= 1.15 * measured, (predicted, measured)

@@ -1,0 +1,192 @@
+"""A distributed pipeline's process groups, its gathers through the rendezvous store, its
+share of the host's cores, and the error a failed step raises."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopart.core.errors import PipelineFailure
+from autopart.core.plan import Plan
+from autopart.core.trace import TraceEvent
+from autopart.runtime._torch_private import default_store
+from autopart.runtime.heartbeat import Heartbeat
+from autopart.runtime.host import affinity_enabled, core_share
+
+__all__ = ["StoreGather", "cpu_share", "pipelines_of", "timed_group", "tied_groups",
+           "step_failure"]
+
+#: pipelines built in this process, per pipeline group (``"0-1"``): names their store keys
+_BUILT: dict[str, int] = {}
+
+
+def cpu_share(device: torch.device) -> tuple[int, ...] | None:
+    """This rank's own share of the host's cores for its steps.
+
+    Every rank of the world takes part (one ``all_gather_object`` of host name and allowed
+    cores); a CPU rank gets a share only where it shares the host with other ranks that are
+    allowed the same cores (ranks a user pinned apart are left as they are), there are at
+    least as many cores as ranks there, and ``$AUTOPART_CPU_AFFINITY`` is not off.
+
+    Returns:
+        The share (:func:`autopart.runtime.host.core_share`), or None.
+    """
+    cores = (tuple(sorted(os.sched_getaffinity(0))) if affinity_enabled()
+             and device.type == "cpu" else ())
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (socket.gethostname(), cores))
+    me = dist.get_rank()
+    host, mine = every[me]
+    local = [r for r, (h, _) in enumerate(every) if h == host]
+    if not mine or len(local) < 2 or any(every[r][1] != mine for r in local):
+        return None
+    return core_share(mine, local.index(me), len(local)) or None
+
+
+def pipelines_of(pp_group: dist.ProcessGroup | None) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Every pipeline replica's global ranks (sorted), and this rank's pipeline (collective
+    over the world)."""
+    mine = (dist.get_process_group_ranks(pp_group) if pp_group is not None
+            else list(range(dist.get_world_size())))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sorted({tuple(ranks) for ranks in every}), mine
+
+
+def timed_group(pipelines: list[tuple[int, ...]], mine: list[int],
+                timeout_s: float) -> dist.ProcessGroup:
+    """The pipeline's ranks again, as a group whose operations time out after ``timeout_s``:
+    its sends, receives and loss broadcast. ``new_group`` is collective over the whole world,
+    so every rank makes every replica's group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    made = [dist.new_group(list(pipeline), timeout=timeout) for pipeline in pipelines]
+    return made[pipelines.index(tuple(mine))]
+
+
+def tied_groups(placement: Any, plan: Plan, pipelines: list[tuple[int, ...]], mine: list[int],
+                pp_rank: int, held: dict[str, torch.Tensor],
+                timeout_s: float) -> list[tuple[str, dist.ProcessGroup | None]]:
+    """One group per parameter read on several pipeline ranks, per pipeline replica.
+
+    ``new_group`` is collective over the whole world: every rank creates every replica's
+    groups in the same order (with a pp x dp mesh each data-parallel replica has its own
+    pipeline group), and keeps those it belongs to (``(fqn, group)`` for each tensor of
+    ``held`` it shares).
+    """
+    groups: list[tuple[str, dist.ProcessGroup | None]] = []
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for fqn in sorted(placement.replicas):
+        readers = [placement.owner[fqn], *placement.replicas[fqn]]
+        ranks = sorted({plan.stages[s].rank for s in readers})
+        if len(ranks) < 2:
+            continue
+        for pipeline in pipelines:
+            group = dist.new_group([pipeline[r] for r in ranks], timeout=timeout)
+            if list(pipeline) == mine and pp_rank in ranks and fqn in held:
+                groups.append((fqn, group))
+    return groups
+
+
+class StoreGather:
+    """All-gathers of small payloads between a pipeline's ranks, through the rendezvous store.
+
+    Not a gloo ``all_gather``: gloo runs a collective on its worker thread, which drops its
+    last reference to the collective's tensors some time after the caller's wait returns.
+    When that comes after the interpreter has started to exit (a process that ends right
+    after a memory-measured step), the thread cannot take the GIL to free them and the
+    process aborts ("terminate called without an active exception"). Each rank deletes its
+    own key of the gather before last, which every rank has read by then.
+
+    Pipelines are built collectively, in the same order on every rank: the n-th one of a
+    set of ranks has the same number everywhere, and its gathers their own keys.
+
+    Args:
+        ranks: the pipeline's global ranks (names its keys).
+        pp_rank: this rank's index in the pipeline.
+        timeout_s: how long a gather waits for the other ranks.
+        guard: runs each exchange, turning its errors into the pipeline's.
+    """
+
+    def __init__(self, ranks: list[int], pp_rank: int, timeout_s: float,
+                 guard: Callable[[Callable[[], Any]], Any]) -> None:
+        self.store = default_store()
+        group = "-".join(map(str, ranks))
+        _BUILT[group] = _BUILT.get(group, 0) + 1
+        self._prefix = f"autopart/gather/{group}/{_BUILT[group]}"
+        self._size, self._rank = len(ranks), pp_rank
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._guard = guard
+        self._gathers = 0
+
+    def gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every pipeline rank's ``payload``, in pipeline-rank order (JSON, never pickle)."""
+        self._gathers += 1
+        n = self._gathers
+        keys = [f"{self._prefix}/{n}/{r}" for r in range(self._size)]
+
+        def exchange() -> list[bytes]:
+            self.store.set(keys[self._rank], payload)
+            self.store.wait(keys, self._timeout)
+            got = [bytes(self.store.get(k)) for k in keys]
+            if n > 1:
+                self.store.delete_key(f"{self._prefix}/{n - 1}/{self._rank}")
+            return got
+
+        return self._guard(exchange)
+
+    def gather_events(self, events: list[TraceEvent]) -> list[TraceEvent]:
+        """Every pipeline rank's trace events, rank after rank."""
+        rows = [[e.rank, e.name, e.start_us, e.end_us] for e in events]
+        out: list[TraceEvent] = []
+        for blob in self.gather_bytes(json.dumps(rows).encode()):
+            out.extend(TraceEvent(int(r), str(n), float(a), float(b))
+                       for r, n, a, b in json.loads(blob))
+        return out
+
+    def gather_ints(self, value: int) -> list[int]:
+        """Every pipeline rank's ``value``, in pipeline-rank order."""
+        return [int(blob) for blob in self.gather_bytes(str(int(value)).encode())]
+
+
+def step_failure(exc: Exception, heartbeat: Heartbeat, plan: Plan, p2p_ranks: list[int],
+                 pp_rank: int, step_timeout_s: float) -> PipelineFailure:
+    """The error a failed step raises: which rank died or hangs, and in which action.
+
+    A hung rank (inside one action for at least half the step timeout while this rank's
+    send or receive timed out) is told to exit.
+
+    Args:
+        exc: what this rank's step raised.
+        heartbeat: the pipeline's heartbeat (who is alive, who hangs where).
+        plan: the plan (which stages each rank runs).
+        p2p_ranks: the pipeline's global ranks, in pipeline-rank order.
+        pp_rank: this rank's pipeline rank.
+        step_timeout_s: the step timeout.
+    """
+    dead, hung = heartbeat.diagnose(hung_after_s=step_timeout_s / 2)
+    pp_of = {g: r for r, g in enumerate(p2p_ranks)}
+    stages_of = {r: [st.stage_index for st in plan.stages if st.rank == r]
+                 for r in range(len(plan.ranks))}
+    text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    who = [f"rank {g} (stages {stages_of.get(pp_of.get(g, -1), '?')}) died or stopped "
+           "responding" for g in dead]
+    for g, (action, stuck_s) in sorted(hung.items()):
+        reason = (f"it hangs in action {action} (no progress for {stuck_s:.0f} s, step "
+                  f"timeout {step_timeout_s:g} s)")
+        told = ("it was told to exit" if heartbeat.tell_to_exit(g, reason)
+                else "telling it to exit was not acknowledged")
+        who.append(f"rank {g} (stages {stages_of.get(pp_of.get(g, -1), '?')}) hangs in "
+                   f"action {action} (no progress for {stuck_s:.0f} s; {told})")
+    if not who:
+        return PipelineFailure(f"pipeline step failed on rank {pp_rank} (stages "
+                               f"{stages_of[pp_rank]}): {text}")
+    return PipelineFailure(f"pipeline step failed on rank {pp_rank}: {'; '.join(who)} "
+                           f"({text}); restart the job (from the last checkpoint) once the "
+                           "rank is healthy")

@@ -1,0 +1,131 @@
+"""The stage modules torch's pipelining runtime drives: dense point-to-point transfers,
+recompute, and each action marked on the heartbeat and timed into a trace."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopart.codegen.recompute import run_recomputed
+from autopart.runtime._torch_private import ZeroIndexStage
+from autopart.runtime.heartbeat import Heartbeat
+from autopart.runtime.tracing import ActionRecorder
+
+__all__ = ["P2PStage", "TracedStage", "restride"]
+
+
+class P2PStage(nn.Module):
+    """A stage adapted to point-to-point transfer, which moves dense buffers only.
+
+    Outputs are made contiguous before they are sent (a pass-through mask is often an
+    ``expand`` view); inputs whose captured layout was strided (a transposed activation)
+    are copied back into that layout, because the stage's graph may ``view`` them. A stage
+    the plan marks ``recompute`` runs its forward under non-reentrant
+    ``torch.utils.checkpoint`` when gradients are on
+    (:func:`autopart.codegen.recompute.run_recomputed`): only its inputs are kept, and the
+    backward rebuilds the rest.
+
+    A stage whose backward splits (``split_backward``) sends copies of its outputs: torch's
+    ``stage_backward_input`` detaches every stage output in place once ``I`` is done, and
+    where the stage itself saved one for its ``W`` (a linear's input that also crosses the
+    cut) that ``W`` failed with "Trying to use a saved tensor that has been detached
+    in-place". A copy is one boundary tensor per microbatch.
+    """
+
+    def __init__(self, stage: fx.GraphModule, runner: nn.Module, recompute: bool = False,
+                 split_backward: bool = False) -> None:
+        super().__init__()
+        self.stage = stage
+        self._run = [runner]  # the module itself, or torch.compile of it (not a submodule)
+        self.recompute = recompute
+        self.split_backward = split_backward
+        self._layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
+        for node in stage.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and not val.is_contiguous():
+                self._layouts.append((tuple(val.shape), tuple(val.stride())))
+            else:
+                self._layouts.append(None)
+
+    def forward(self, *args: Any) -> Any:
+        restored = []
+        for arg, layout in zip(args, self._layouts, strict=True):
+            if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                # the gradient this stage sends back must be dense too
+                arg.register_hook(lambda g: g.contiguous())
+            if layout is not None and isinstance(arg, torch.Tensor) and arg.stride() != layout[1]:
+                arg = restride(arg, *layout)
+            restored.append(arg)
+        runner = self._run[0]
+        if self.recompute and torch.is_grad_enabled():
+            out = run_recomputed(self.stage, *restored, runner=runner)
+        else:
+            out = runner(*restored)
+        sent = []
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                dense = o.contiguous()
+                if self.split_backward and dense is o and o.requires_grad:
+                    dense = o.clone()  # torch's I detaches what it sent; the stage keeps o
+                o = dense
+            sent.append(o)
+        return tuple(sent)
+
+
+def restride(dense: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """``dense`` laid out like the captured tensor (differentiable).
+
+    Broadcast dimensions (stride 0) are taken from index 0 and expanded again; the other
+    dimensions are copied into a buffer with the captured strides.
+    """
+    expanded = [d for d, st in enumerate(stride) if st == 0 and shape[d] > 1]
+    base = dense
+    for d in expanded:
+        base = base.narrow(d, 0, 1)
+    if expanded:
+        return base.contiguous().expand(shape)
+    strided = torch.empty_strided(shape, stride, dtype=dense.dtype, device=dense.device)
+    return strided.copy_(dense)
+
+
+class TracedStage(ZeroIndexStage):
+    """``PipelineStage`` that marks each action it computes on the heartbeat (``"1F3"``,
+    ``"1B3"``, ``"1W3"``), so that a rank stuck inside one is named with it, and times it
+    into ``recorder`` during a traced step. Integer inputs of torch's shape inference are
+    zeros (:class:`autopart.runtime._torch_private.ZeroIndexStage`)."""
+
+    def __init__(self, heartbeat: Heartbeat, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._heartbeat = heartbeat
+        self.recorder: ActionRecorder | None = None  # set for one traced step
+        self.track = 0  # this rank's pipeline rank: the trace's track
+
+    @contextlib.contextmanager
+    def _action(self, name: str) -> Iterator[None]:
+        with self._heartbeat.action(name):
+            if self.recorder is None:
+                yield
+                return
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            with self.recorder.span(self.track, name, stream):
+                yield
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._action(f"{self.stage_index}F{fwd_chunk_id}"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        kind = "B" if kwargs.get("full_backward", True) else "I"
+        with self._action(f"{self.stage_index}{kind}{bwd_chunk_id}"):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._action(f"{self.stage_index}W{bwd_chunk_id}"):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)

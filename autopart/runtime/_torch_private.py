@@ -1,0 +1,97 @@
+"""Every private torch API the runtimes use, in one place (``torch.utils._pytree`` aside).
+
+Each entry says why no public API does the job and the torch versions it was read against
+(the project supports torch >= 2.6, < 3; the installed one is 2.13). A torch upgrade that
+breaks the runtimes should break here first: ``tests/runtime/test_torch_private.py``
+checks that no other runtime module touches a private torch name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
+
+from autopart.core.schedule import Schedule
+
+__all__ = ["ScheduleRuntime", "ZeroIndexStage", "default_store", "incompatible_keys",
+           "new_schedule_runtime", "receive_buffers", "version_counter"]
+
+#: torch's runtime for a schedule given as action lists (public schedules build their own
+#: action lists; this one takes ours). Read on torch 2.6 and 2.13.
+ScheduleRuntime = _PipelineScheduleRuntime
+
+
+def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
+                         schedule: Schedule,
+                         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                         ) -> _PipelineScheduleRuntime:
+    """torch's schedule runtime over ``stages`` running ``schedule`` (one action list per
+    pipeline rank), with the sends and receives torch inserts between the actions.
+
+    The actions are handed over in memory, as ``_load_csv`` would have read them from the
+    CSV action format (``autopart.core.schedule.to_csv``), without the file. Gradients are
+    not scaled by torch (``scale_grads=False``): the caller divides by m once per step.
+    Torch 2.13 lowers with ``_prepare_schedule_with_comms``; older releases (2.6) named it
+    ``_load_actions``.
+    """
+    runtime = _PipelineScheduleRuntime(  # type: ignore[no-untyped-call]
+        list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    for rank, actions in enumerate(schedule):
+        runtime.pipeline_order[rank] = [_Action.from_str(str(a)) for a in actions]
+    lower = getattr(runtime, "_prepare_schedule_with_comms", None)
+    if lower is None:
+        lower = runtime._load_actions  # type: ignore[attr-defined]
+    lower(runtime.pipeline_order)
+    return runtime
+
+
+class ZeroIndexStage(PipelineStage):
+    """``PipelineStage`` whose shape-inference inputs of integer and bool type are zeros.
+
+    torch (2.6 - 2.13) runs each stage's forward once on ``torch.empty`` inputs made from
+    the received metadata (``PipelineStage._to_tensor``), to infer shapes. Uninitialised
+    integer inputs are out-of-range indices (a stage whose input is the token ids fails in
+    ``embedding`` with an IndexError); zeros are a valid index for any non-empty dimension.
+    Floating inputs stay as torch makes them. No public hook exists for these inputs.
+    """
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        tensor: torch.Tensor = super()._to_tensor(arg)
+        if (not isinstance(arg, torch.Tensor) and type(tensor) is torch.Tensor
+                and not (tensor.is_floating_point() or tensor.is_complex())):
+            tensor.zero_()
+        return tensor
+
+
+def receive_buffers(stage: PipelineStage) -> list[torch.Tensor]:
+    """The buffers ``stage`` receives into: one per microbatch for each input and each output
+    gradient, allocated once by torch and held across steps (``args_recv_info`` and
+    ``grad_recv_info``, internal tables without a public accessor; torch 2.6 - 2.13)."""
+    infos = [info for table in (stage.args_recv_info, getattr(stage, "grad_recv_info", {}))
+             for group in table.values() for info in group]
+    return [buffer for info in infos
+            if isinstance(buffer := getattr(info, "buffer", None), torch.Tensor)]
+
+
+def default_store() -> dist.Store:
+    """The rendezvous store of the default process group (``_get_default_store``: torch has
+    no public getter; torch 2.6 - 2.13)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:
+    """What ``nn.Module.load_state_dict`` returns (``_IncompatibleKeys``, a named tuple of
+    missing and unexpected keys, private in torch 2.6 - 2.13), for a drop-in override."""
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter (``Tensor._version``, bumped by every in-place
+    write such as ``opt.step()``; no public accessor in torch 2.6 - 2.13)."""
+    return int(tensor._version)
