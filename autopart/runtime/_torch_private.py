@@ -20,7 +20,7 @@ from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRun
 from autopart.core.schedule import Schedule
 
 __all__ = ["ScheduleRuntime", "ZeroIndexStage", "default_store", "incompatible_keys",
-           "new_schedule_runtime", "receive_buffers", "version_counter"]
+           "new_schedule_runtime", "receive_buffers", "split_stage_backward", "version_counter"]
 
 #: torch's runtime for a schedule given as action lists (public schedules build their own
 #: action lists; this one takes ours). Read on torch 2.6 and 2.13.
@@ -95,3 +95,24 @@ def version_counter(tensor: torch.Tensor) -> int:
     """The tensor's in-place version counter (``Tensor._version``, bumped by every in-place
     write such as ``opt.step()``; no public accessor in torch 2.6 - 2.13)."""
     return int(tensor._version)
+
+
+def split_stage_backward(roots: list[torch.Tensor], grads: list[torch.Tensor],
+                         inputs: list[torch.Tensor], params: list[nn.Parameter],
+                         ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """``(I, W)`` as torch.distributed.pipelining's zero-bubble stages run them
+    (``_backward.stage_backward_input`` then ``stage_backward_weight``: the stages' own
+    split, with no public entry; torch 2.6 - 2.13)."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    groups: list[Any] = []
+
+    def run_i() -> Any:
+        grads_in, param_groups = stage_backward_input(roots, grads, inputs, iter(params))
+        groups.append(param_groups)
+        return grads_in
+
+    return run_i, lambda: stage_backward_weight(iter(params), groups[-1])

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from autopart.codegen.split_backward import SplitBackward
+from autopart.runtime._torch_private import split_stage_backward
 
 __all__ = ["LocalSplit", "TorchPipeliningSplit"]
 
@@ -42,16 +43,4 @@ class TorchPipeliningSplit:
     def split(self, roots: list[torch.Tensor], grads: list[torch.Tensor],
               inputs: list[torch.Tensor], params: list[torch.nn.Parameter],
               ) -> tuple[Callable[[], Any], Callable[[], Any]]:
-        from torch.distributed.pipelining._backward import (
-            stage_backward_input,
-            stage_backward_weight,
-        )
-
-        groups: list[Any] = []
-
-        def run_i() -> Any:
-            grads_in, param_groups = stage_backward_input(roots, grads, inputs, iter(params))
-            groups.append(param_groups)
-            return grads_in
-
-        return run_i, lambda: stage_backward_weight(iter(params), groups[-1])
+        return split_stage_backward(roots, grads, inputs, params)
