@@ -235,14 +235,12 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
         # held_bytes, their gradients in receive buffers: measured, nothing more from I to W)
         cols["held"].append(0 if not split_here else (0 if torch_held else 2 * cross_out)
                             if s == 0 else model.split_held_bytes(a, z, ratio))
-        # autopart's W returns the weight gradients (up to all of the stage's, when their
-        # paths meet in one group) before adding them; on the first stage it is the whole
-        # backward, whose working set they join. torch's stage_backward_weight adds each
-        # parameter group's gradients before the next group's: one node's working set
-        # (measured on the fidelity GPT-2, ZB-H1 m = 16: a W held 0.6 MiB above what it
-        # started from where all the stage's weights are 17 MiB).
-        wgrad = (transient if model.receive_buffers_per_microbatch
-                 else pbytes + transient if s == 0 else pbytes)
+        # a W adds each parameter group's gradients to .grad before the next group's
+        # (autopart's SplitBackward and torch's stage_backward_weight alike): one node's
+        # working set. autopart's W on the first stage is the whole backward in one call,
+        # whose gradients are returned together (CostModel.whole_backward_bytes)
+        wgrad = (model.whole_backward_bytes(a, z, ratio)
+                 if s == 0 and not model.receive_buffers_per_microbatch else transient)
         cols["wgrad"].append(wgrad if split_here else 0)
         # torch's stages keep what they send until the step ends: each sent output (the
         # schedule waits on every send at the step's end; until B its forward's saved set or
