@@ -220,6 +220,25 @@ class MemoryModel:
             out = max(out, need)
         return out
 
+    def whole_backward_bytes(self, start: int, stop: int, ratio: float) -> int:
+        """Most a backward of nodes ``start .. stop - 1`` run as one autograd call that returns
+        every trainable parameter's gradient holds above what it started from, bytes.
+
+        The call keeps each gradient until it returns, while each node's backward frees what
+        that node saved: at each node (last to first), its working set
+        (:meth:`transient_bytes`) plus what the gradients of the parameters read only after
+        it (their backward ran first) exceed the saved bytes of the nodes after it, scaled."""
+        trainable, nodes = self.costs.trainable, self.costs.nodes
+        done: set[str] = set()  # parameters whose gradient the call holds already
+        freed = out = 0
+        for i in range(stop - 1, start - 1, -1):
+            own = {p for p in nodes[i].params if p in trainable}
+            grads = sum(self.costs.param_sizes[p] for p in done - own)
+            out = max(out, self.transient_bytes(i, i + 1, ratio) + max(grads - freed, 0))
+            done |= own
+            freed += self.scale_bytes(nodes[i].saved_bytes, ratio)
+        return out
+
     def max_transient_bytes(self, ratio: float) -> int:
         """:meth:`transient_bytes` over the whole graph."""
         return self.transient_bytes(0, len(self.costs.nodes), ratio)

@@ -102,7 +102,7 @@ def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTe
     # the first stage's I computes nothing (its inputs need no gradient): no working set (its
     # W, the whole backward, has it)
     empty_i = split_here and span.first
-    held, wgrad = _split_bytes(model, span, cross_out, pbytes, transient, ratio) \
+    held, wgrad = _split_bytes(model, span, cross_out, transient, ratio) \
         if split_here else (0, 0)
     cluster, p, s, r = model.cluster, span.num_ranks, span.index, span.rank
     return StageTerms(
@@ -191,7 +191,7 @@ def _saved_bytes(model: CostModel, span: StageSpan, cross_in: int, cross_out: in
     return cross_in + held_out, inside + outs
 
 
-def _split_bytes(model: CostModel, span: StageSpan, cross_out: int, pbytes: int,
+def _split_bytes(model: CostModel, span: StageSpan, cross_out: int,
                  transient: int, ratio: float) -> tuple[int, int]:
     """``(held from I to W, live during W)`` of a stage whose backward splits, bytes."""
     # from I to W a split backward keeps the gradients W restarts from: where parameter paths
@@ -203,12 +203,12 @@ def _split_bytes(model: CostModel, span: StageSpan, cross_out: int, pbytes: int,
         held = 0 if _torch_held(model) else 2 * cross_out
     else:
         held = model.split_held_bytes(span.start, span.stop, ratio)
-    # autopart's W returns the weight gradients (up to all of the stage's, when their paths
-    # meet in one group) before adding them; on the first stage it is the whole backward,
-    # whose working set they join. torch's stage_backward_weight adds each parameter group's
-    # gradients before the next group's: one node's working set
-    wgrad = (transient if model.runtime.receive_buffers_per_microbatch
-             else pbytes + transient if span.first else pbytes)
+    # a W adds each parameter group's gradients to .grad before the next group's (autopart's
+    # SplitBackward and torch's stage_backward_weight alike): one node's working set.
+    # autopart's W on the first stage is the whole backward in one call, whose gradients are
+    # returned together (MemoryModel.whole_backward_bytes)
+    wgrad = (model.whole_backward_bytes(span.start, span.stop, ratio)
+             if span.first and not model.runtime.receive_buffers_per_microbatch else transient)
     return held, wgrad
 
 

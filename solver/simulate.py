@@ -33,8 +33,8 @@ class StageCosts:
             the outputs of the ops that read a trainable parameter; ZB-H1 only, Qi et al.
             2024). Default: none.
         weight_grad_bytes: memory live while one ``W`` of the stage runs: the parameter
-            gradients its autograd call returns before they are added to ``.grad`` (the
-            stage's trainable parameter bytes; ZB-H1 only). Default: none.
+            gradients its autograd calls return before they are added to ``.grad``, and
+            their working set (ZB-H1 only). Default: none.
         kept_bytes: memory each ``B`` (or ``I``) of the stage leaves held until the step
             ends: with torch.distributed.pipelining, the output the microbatch sent (held
             by its forward's saved set or the stage's cache until then, then by the send,

@@ -296,6 +296,10 @@ class LocalExecutor:
             loss = result.losses[i]
             assert loss is not None, "the last stage's forward computes the loss"
             st.roots, st.root_grads = [loss], [None]
+            # the step keeps the loss's value only: its graph must go with this state after
+            # the last backward action (a split I runs with retain_graph, so until W frees
+            # the state, only the state may hold what its graph saved)
+            result.losses[i] = loss.detach()
             return
         pairs = [(o, g) for o, g in zip(st.outputs, received, strict=True)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
