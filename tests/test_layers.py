@@ -189,3 +189,20 @@ def test_the_solver_and_the_contracts_never_import_torch(module: str) -> None:
     code = f"import {module}, sys; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("folder", ["profiler", "solver"])
+def test_the_profiler_and_solver_take_a_runtime_description_not_a_name(folder: str) -> None:
+    """Which runtime a plan is for reaches the profiler and the solver as a
+    ``RuntimeDescription`` (``autopart.core.runtime_model``), never as a string parameter;
+    its ``name`` labels messages and cache entries only."""
+    bad = []
+    for path in sorted((ROOT / folder).glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in [*node.args.args, *node.args.kwonlyargs]:
+                    ann = ast.unparse(arg.annotation) if arg.annotation else ""
+                    if arg.arg == "runtime" and "RuntimeDescription" not in ann:
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {arg.arg}: {ann}")
+    assert bad == [], "\n".join(bad)
