@@ -83,8 +83,8 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     (``"local"`` or ``"distributed"``, :func:`autopart.runtime.description.describe`); with
     two or more ``cpu`` ranks also the link between them and, for a runtime whose ranks are
     processes, its cost per transfer (:func:`host_figures`). Arguments as
-    :class:`autopart.profiler.session.ProfileOptions`; docs/design.md, "Profiling", says what
-    each phase measures and caches.
+    :class:`autopart.profiler.session.ProfileOptions`; docs/design.md ("Cost model the solver
+    optimises") says what each phase measures and caches.
 
     Raises:
         PlanError: ``num_microbatches`` does not divide the batch, no batched input, or an

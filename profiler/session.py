@@ -216,7 +216,8 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
                   options: ProfileOptions) -> ModelProfile:
     """Capture ``model`` on ``(args, kwargs)`` (the full batch) and measure every node's cost
     on ``options.devices[0]``; with the loss's cost, the two batch points where m is open,
-    and the runtime's split cost (docs/design.md, "Profiling", says what each phase times).
+    and the runtime's split cost (what each phase times and caches: docs/design.md, "Cost
+    model the solver optimises").
 
     Raises:
         PlanError: ``num_microbatches`` does not divide the batch, or no batched input.
