@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from autopart.core.cluster import Cluster
+from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.devices import cluster_for_devices, library_versions, resolve_devices
 from autopart.options import renamed_choices
 from autopart.profiler import session
+from autopart.profiler.cache import cache_enabled
 from autopart.profiler.links import SIZES as LINK_SIZES
 from autopart.profiler.links import LinkFigures, fit_link, host_link
 from autopart.profiler.transfer_overhead import (
@@ -67,7 +69,7 @@ class Profile(session.ModelProfile):
         return solve(self.costs, self.cluster(), self.options(**choices))
 
 
-def _cut_positions(costs: Any) -> tuple[int, ...]:
+def _cut_positions(costs: CostGraph) -> tuple[int, ...]:
     """The solver's cut candidates, where the profiler may cut a graph to time it."""
     return tuple(find_candidates(costs, 3).positions)
 
@@ -105,7 +107,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     fields = {f.name: getattr(measured, f.name) for f in dataclasses.fields(measured)}
     if len(devices) > 1 and all(torch.device(d).type == "cpu" for d in devices):
         t0 = time.perf_counter()
-        use_cache = session.cache_enabled() if cache is None else cache
+        use_cache = cache_enabled() if cache is None else cache
         if runtime.transfer_steps is not None and training:
             link, overhead = host_figures(use_cache)
             fields["runtime"] = dataclasses.replace(fields["runtime"], transfer_overhead_us=overhead)

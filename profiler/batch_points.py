@@ -13,7 +13,7 @@ from autopart.core.errors import PlanError
 from autopart.profiler.calibrate import calibrate_to_segments, segment_cuts, segment_times
 from autopart.profiler.corunners import co_runners
 from autopart.profiler.corunners import model_step as corunner_step
-from autopart.profiler.loss_cost import LossCost, with_loss_cost
+from autopart.profiler.loss_cost import LossCost, loss_tag, with_loss_cost
 
 if TYPE_CHECKING:
     from autopart.profiler.session import Session
@@ -189,8 +189,6 @@ def _high_point_values(session: Session, m_high: int, cuts: tuple[int, ...],
                        calibration: str) -> list[float]:
     """At the larger point: the loss's ``fwd_us, bwd_us, saved_bytes, transient_bytes``
     (zeros without a loss) then each segment's ``fwd_us, bwd_us``; cached as numbers."""
-    from autopart.profiler.loss_cost import loss_tag
-
     b_high = session.batch // m_high
     tag = loss_tag(session.measured_loss)
     fields = ("loss_fwd_us", "loss_bwd_us", "loss_saved_bytes", "loss_transient_bytes",

@@ -20,6 +20,7 @@ from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
 from autopart.core.memory import measure_peak_bytes
 from autopart.core.signature import InputSignature, call_loss
+from autopart.profiler.cache import load_measure, store_measure
 from autopart.profiler.meters import SavedTensorMeter
 from autopart.profiler.timer import RngState, time_calls
 
@@ -211,8 +212,6 @@ def cached_loss(key: dict[str, Any] | None, suffix: str,
     in) the profile cache as numbers ``loss_<field><suffix>`` on ``key``'s profile (``key``
     None: the cache is off), so a second launch plans on the loss cost of the first.
     ``source`` labels a cached one."""
-    from autopart.profiler.cache import load_measure, store_measure
-
     fields = ("fwd_us", "bwd_us", "saved_bytes", "transient_bytes")
     names = [f"loss_{f}{suffix}" for f in fields]
     cached = [load_measure(key, n) for n in names] if key is not None else [None]

@@ -18,6 +18,14 @@ from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
+from autopart.profiler.batch_points import (
+    batch_points,
+    calibration_suffix,
+    same_ops,
+    scaled_batch_points,
+    segment_calibrated,
+    two_point_costs,
+)
 from autopart.profiler.cache import cache_enabled, cached_profile, load_measure, profile_key, store_measure
 from autopart.profiler.corunners import available as corunners_available
 from autopart.profiler.links import LinkFigures
@@ -160,6 +168,7 @@ class Session:
         return profile_graph(captured, flat, device=self.device, training=self.training)
 
     def cut_positions(self, costs: CostGraph) -> list[int]:
+        """Where ``costs``' graph may be cut (the caller's ``ProfileOptions.cut_positions``)."""
         return list(self.options.cut_positions(costs))
 
     def capture_at(self, m: int) -> tuple[CapturedGraph, list[Any]]:
@@ -224,14 +233,6 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         TraceError: the model cannot be captured.
         ProfileError: a node fails to run on the device.
     """
-    from autopart.profiler.batch_points import (
-        batch_points,
-        calibration_suffix,
-        scaled_batch_points,
-        segment_calibrated,
-        two_point_costs,
-    )
-
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     batch = batch_size(args, kwargs)
@@ -341,12 +342,13 @@ def _split_cost_cached(session: Session, name: str,
     made = piece()
     if made is None:
         return None
-    engine = cast(SplitEngine, session.options.runtime.split_engine)
-    if engine is None:
-        raise PlanError(f"the runtime description {session.options.runtime.name!r} names no "
-                        "split engine; pass split_cost=False or a runtime with one")
-    us = measure_split_backward_overhead(*made, session.device,
-                                         session.cut_positions(made[2]), engine)
+    runtime = session.options.runtime
+    if runtime.split_engine is None:
+        raise PlanError(f"the runtime description {runtime.name!r} names no split engine; pass "
+                        "split_cost=False, or a description from "
+                        "autopart.runtime.description.describe()")
+    us = measure_split_backward_overhead(*made, session.device, session.cut_positions(made[2]),
+                                         cast(SplitEngine, runtime.split_engine))
     session.store(name, us)
     return float(us)
 
@@ -361,8 +363,6 @@ def _split_piece(session: Session, m: int,
 
     Raises:
         TraceError: the model cannot be captured at that batch (it was at the others)."""
-    from autopart.profiler.batch_points import same_ops
-
     low_captured, _, low_costs = smallest
     cap, flat = session.capture_at(m)
     if cap is not low_captured and not same_ops(cap, low_captured):

@@ -35,7 +35,8 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
     pipeline rank), with the sends and receives torch inserts between the actions.
 
     The actions are handed over in memory, as ``_load_csv`` would have read them from the
-    CSV action format (``autopart.core.schedule.to_csv``), without the file. Gradients are
+    CSV action format (``autopart.core.schedule.to_csv``), without the file, and checked and
+    mapped to ranks as it does (``_validate_and_set_stage_mapping``). Gradients are
     not scaled by torch (``scale_grads=False``): the caller divides by m once per step.
     Torch 2.13 lowers with ``_prepare_schedule_with_comms``; older releases (2.6) named it
     ``_load_actions``.
@@ -44,6 +45,9 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
         list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
     for rank, actions in enumerate(schedule):
         runtime.pipeline_order[rank] = [_Action.from_str(str(a)) for a in actions]
+    validate = getattr(runtime, "_validate_and_set_stage_mapping", None)
+    if validate is not None:  # what _load_csv does after reading the rows
+        validate(runtime.pipeline_order)
     lower = getattr(runtime, "_prepare_schedule_with_comms", None)
     if lower is None:
         lower = runtime._load_actions  # type: ignore[attr-defined]
