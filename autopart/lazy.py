@@ -68,8 +68,10 @@ def plan_summary(plan: Plan) -> str:
                      f"recompute {'yes' if st.recompute else 'no'}")
         if st.stage_index < len(plan.cuts):
             cut = plan.cuts[st.stage_index]
-            lines.append(f"  cut {st.stage_index + 1}: {cut.after_node} | {cut.before_node} "
-                         f"({cut.crossing_bytes / 2**10:.1f} KiB per microbatch)")
+            before = plan.stages[st.stage_index + 1].module_range[0] or "(top level)"
+            lines.append(f"  cut {st.stage_index + 1}: {last} | {before} (nodes "
+                         f"{cut.after_node} | {cut.before_node}, "
+                         f"{cut.crossing_bytes / 2**10:.1f} KiB per microbatch)")
     peaks = ", ".join(f"rank {r.rank} {_mib(r.peak_memory_bytes)}" for r in plan.ranks)
     lines.append(f"  predicted step {plan.predicted_step_time_us / 1e3:.1f} ms (bubble "
                  f"{plan.bubble_fraction:.1%}); predicted peak {peaks}")
