@@ -30,7 +30,7 @@ FirstBuild = Callable[[tuple[Any, ...], dict[str, Any], Any], Pipeline]
 #: another capture of the model, weights from ``tensor_of``.
 Rebuild = Callable[[CapturedGraph, Plan, Callable[[str], torch.Tensor], bool], Pipeline]
 
-_RUNTIME_CLASS: dict[str, type[Pipeline]] = {"local": PipelinedModule,
+_RUNTIME_CLASS: dict[str, type[PipelinedModule] | type[DistributedPipeline]] = {"local": PipelinedModule,
                                              "distributed": DistributedPipeline}
 
 
@@ -259,7 +259,7 @@ class LazyPipeline:
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The pipeline's ``state_dict``; before the first call the model's."""
         source: nn.Module = self.model if self._current is None else self._current
-        return source.state_dict(*args, **kwargs)  # type: ignore[no-any-return]
+        return source.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:

@@ -117,6 +117,7 @@ def test_gpt2_as_written_plans_at_the_first_step_and_trains_two_lengths_in_alter
     assert out.count("autopart: planned at the first train_step on inputs (4, 8):") == 1
     assert f"2 ranks, 2 stages, m={pipe.plan.num_microbatches}" in out
     assert "cut 1: " in out and "predicted peak rank 0" in out
+    assert out.count("; recompute ") == 2  # one line per stage
     assert out.count("new input shape (4, 16)") == 1
     # forward at a seen and an unseen length, same as the (trained) reference
     for seq in (16, 12):
@@ -167,7 +168,9 @@ def _branch_pipe() -> tuple[nn.Module, Any]:
 
 def test_a_shape_whose_graph_loses_the_cut_is_refused_with_the_fix() -> None:
     _, pipe = _branch_pipe()
-    pipe.train_step(torch.randn(4, 4, 8), target=torch.randn(4, 8))
+    # train_step's own keywords reach the pipeline's train_step; they are not model inputs
+    pipe.train_step(torch.randn(4, 4, 8), target=torch.randn(4, 8), trace=True)
+    assert pipe.last_trace is not None and pipe.last_trace.events
     with pytest.raises(autopart.PlanError, match=r"inputs \(4, 6, 8\) give another graph.*"
                        r"cuts do not carry over.*example_inputs="):
         pipe.train_step(torch.randn(4, 6, 8), target=torch.randn(4, 8))
@@ -193,6 +196,12 @@ def test_before_the_first_step(tmp_path: Path) -> None:
     torch.testing.assert_close(pipe(x), model(x), **TOL)
     torch.testing.assert_close(pipe.state_dict(), state)  # the pipeline's, same values
     assert pipe.save_plan(tmp_path / "p.json")  # now the pipeline's own methods
+    pipe.save(tmp_path / "ckpt")
+    # autopart.load into a pipeline not planned yet: into its model, then built from it
+    other_model, other = _branch_pipe()
+    assert autopart.load(tmp_path / "ckpt", other) is other and other.pipeline is None
+    torch.testing.assert_close(other_model.state_dict(), state)
+    torch.testing.assert_close(other(x), model(x), **TOL)
 
 
 def test_an_optimizer_of_parameters_the_pipeline_copied_is_refused() -> None:
