@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ from autopart.runtime.distributed import DistributedPipeline
 from autopart.runtime.local import PipelinedModule
 from autopart.runtime.pipeline import Pipeline
 
-__all__ = ["LazyPipeline", "input_key", "plan_summary"]
+__all__ = ["LazyPipeline", "input_key", "plan_summary", "MANY_SHAPES"]
 
 #: ``(args, kwargs, target) -> pipeline``: plan (or replay) on this batch and build, as an
 #: eager ``compile`` given these example inputs would.
@@ -29,6 +30,9 @@ FirstBuild = Callable[[tuple[Any, ...], dict[str, Any], Any], Pipeline]
 #: ``(captured, plan, tensor_of, cuts_by_name) -> pipeline``: build ``plan``'s stages from
 #: another capture of the model, weights from ``tensor_of``.
 Rebuild = Callable[[CapturedGraph, Plan, Callable[[str], torch.Tensor], bool], Pipeline]
+
+#: More input shapes than this draw a warning (each keeps its capture and stages).
+MANY_SHAPES = 8
 
 _RUNTIME_CLASS: dict[str, type[PipelinedModule] | type[DistributedPipeline]] = {"local": PipelinedModule,
                                              "distributed": DistributedPipeline}
@@ -168,13 +172,17 @@ class LazyPipeline:
         pipe = self.pipelines.get(key)
         if pipe is None and not self.pipelines:
             pipe = self._first_build(args, kwargs, target)
-            self.pipelines[key] = pipe
+            self.pipelines[key] = self._current = pipe  # kept even if the check below fails
             _say(f"planned at the first {call} on inputs {_shapes(args, kwargs)}: "
                  f"{plan_summary(pipe.plan)}")
             self._check_handed_out(pipe)
         elif pipe is None:
             pipe = self._build_at(args, kwargs)
             self.pipelines[key] = pipe
+            if len(self.pipelines) == MANY_SHAPES + 1:
+                warnings.warn(f"{len(self.pipelines)} input shapes so far, each captured and "
+                              "built once and kept: pad or bucket the inputs to a few lengths",
+                              RuntimeWarning, stacklevel=3)
             _say(f"new input shape {_shapes(args, kwargs)}: captured and split at the plan's "
                  "cuts (no profiling); its predicted figures are the first shape's")
         self._current = pipe
@@ -268,6 +276,15 @@ class LazyPipeline:
         if self._current is None:
             return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
         return self._current.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient (the model's before the first call)."""
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
 
     def train(self, mode: bool = True) -> LazyPipeline:
         """Set training mode on the model and every pipeline built (before the first call

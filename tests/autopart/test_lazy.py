@@ -187,6 +187,7 @@ def test_before_the_first_step(tmp_path: Path) -> None:
             getattr(pipe, name)
     with pytest.raises(autopart.PlanError, match="example_target= goes with example_inputs="):
         autopart.compile(model, loss_fn=_mse, example_target=torch.zeros(4, 8))
+    pipe.zero_grad()  # the model's, before the first call
     # state goes into the model, which the pipeline is built from
     state = {k: v + 1.0 for k, v in model.state_dict().items()}
     pipe.load_state_dict(state)
@@ -220,3 +221,20 @@ def test_an_optimizer_of_parameters_the_pipeline_copied_is_refused() -> None:
     with pytest.raises(autopart.PlanError, match=r"holds copies of \['layers.0.weight'.*Build "
                        r"the optimizer after the first pipe.train_step"):
         pipe.train_step(torch.randn(4, 4, 8), target=torch.randn(4, 8))
+    # the pipeline is kept: its parameters are now the ones to build the optimizer from
+    assert [id(p) for p in pipe.parameters()] == [id(p) for p in elsewhere.parameters()]
+    pipe.train_step(torch.randn(4, 4, 8), target=torch.randn(4, 8))
+
+
+def test_many_shapes_draw_a_warning_to_pad_or_bucket() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))  # any (batch, seq, 8)
+    captured = capture(model, (torch.randn(2, 1, 8),), {})
+    pipe = autopart.compile(model, plan=manual_plan(captured, [2], 1, 2))
+    for seq in range(1, lazy.MANY_SHAPES + 1):
+        x = torch.randn(2, seq, 8)
+        torch.testing.assert_close(pipe(x), model(x), **TOL)
+    with pytest.warns(RuntimeWarning, match=f"{lazy.MANY_SHAPES + 1} input shapes so far.*pad "
+                      "or bucket"):
+        pipe(torch.randn(2, lazy.MANY_SHAPES + 1, 8))
+    assert len(pipe.pipelines) == lazy.MANY_SHAPES + 1
