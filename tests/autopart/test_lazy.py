@@ -238,3 +238,30 @@ def test_many_shapes_draw_a_warning_to_pad_or_bucket() -> None:
                       "or bucket"):
         pipe(torch.randn(2, lazy.MANY_SHAPES + 1, 8))
     assert len(pipe.pipelines) == lazy.MANY_SHAPES + 1
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)) * mask)  # x, mask: (batch, 8)
+
+
+def test_model_keywords_are_inputs_and_step_keywords_are_the_pipelines() -> None:
+    torch.manual_seed(0)
+    model = _Masked()
+    reference = copy.deepcopy(model)
+    x, mask, y = torch.randn(4, 8), (torch.rand(4, 8) > 0.5).float(), torch.randn(4, 8)
+    captured = capture(model, (x[:2],), {"mask": mask[:2]})
+    pipe = autopart.compile(model, loss_fn=_mse, plan=manual_plan(captured, [2], 2, 4))
+    loss = pipe.train_step(x, mask=mask, target=y, trace=True)
+    ref_loss = _mse(reference(x, mask=mask), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=name)
+    assert pipe.last_trace is not None
