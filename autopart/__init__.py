@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["compile", "plan_model", "load", "checkpoint_extra", "CompileOptions", "Profile",
-           "Plan", "Pipeline", "PipelinedModule", "DistributedPipeline", "AutopartError", "TraceError",
-           "ProfileError", "PlanError", "InfeasiblePlanError", "CheckpointError",
-           "PipelineFailure", "trace", "__version__"]
+           "Plan", "Pipeline", "PipelinedModule", "DistributedPipeline", "LazyPipeline",
+           "AutopartError", "TraceError", "ProfileError", "PlanError", "InfeasiblePlanError",
+           "CheckpointError", "PipelineFailure", "trace", "__version__"]
 from autopart.core.version import __version__
 
 # Exports resolve lazily (PEP 562) so that `import autopart.solver` or `autopart.core.plan`
@@ -20,6 +20,7 @@ _LAZY = {
     "Profile": ("autopart.planning", "Profile"),
     "CompileOptions": ("autopart.options", "CompileOptions"),
     "Pipeline": ("autopart.runtime.pipeline", "Pipeline"),
+    "LazyPipeline": ("autopart.lazy", "LazyPipeline"),
     "PipelinedModule": ("autopart.runtime.local", "PipelinedModule"),
     "DistributedPipeline": ("autopart.runtime.distributed", "DistributedPipeline"),
     "Plan": ("autopart.core.plan", "Plan"),

@@ -18,6 +18,7 @@ from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.devices import plan_devices
+from autopart.lazy import LazyPipeline
 from autopart.options import CompileOptions, optimizer_state_factor, renamed_choices
 from autopart.planning import plan_model
 from autopart.runtime import launch
@@ -35,7 +36,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             example_kwargs: dict[str, Any] | None = None, loss_fn: LossFn | None = None,
             example_target: Any = None, plan: Plan | str | os.PathLike[str] | None = None,
-            options: CompileOptions | None = None, **choices: Any) -> Pipeline:
+            options: CompileOptions | None = None, **choices: Any) -> Pipeline | LazyPipeline:
     """Partition ``model`` into pipeline stages and return a pipeline that runs them.
 
     Steps: capture with ``torch.export`` (non-strict), measure every node's cost on the
@@ -50,12 +51,16 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             the stage's device is the one they are on. Dropout draws different numbers per
             microbatch, so compare against the unpartitioned model with dropout off;
             BatchNorm statistics depend on the microbatch (as in GPipe).
-        example_inputs: positional inputs, tensors ``(batch, ...)``.
+        example_inputs: positional inputs, tensors ``(batch, ...)``. Default ``()`` with no
+            ``example_kwargs``: plan at the first ``train_step`` or forward call, on its batch,
+            and return a :class:`autopart.lazy.LazyPipeline` (a batch of another shape later
+            gets its own pipeline on the same plan's cuts and parameters).
         example_kwargs: keyword inputs.
         loss_fn: ``(output, target) -> scalar``; ``None`` = inference only.
         example_target: a target for ``example_inputs`` (the full batch): the loss's own
             time and memory on the last stage are then measured, not estimated
-            (:mod:`autopart.profiler.loss_cost`). Default None.
+            (:mod:`autopart.profiler.loss_cost`). Default None (a lazy pipeline uses the
+            first ``train_step``'s target).
         plan: a :class:`Plan` or a path to a plan file to replay without solving.
         options: the choices as one :class:`autopart.CompileOptions`; or pass them as
             keywords (not both):
@@ -83,11 +88,13 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
 
     Returns:
         A :class:`autopart.Pipeline`: :class:`autopart.PipelinedModule` (local) or
-        :class:`autopart.DistributedPipeline` (distributed).
+        :class:`autopart.DistributedPipeline` (distributed); without example inputs a
+        :class:`autopart.lazy.LazyPipeline` that builds one at its first call.
 
     Raises:
         TraceError: the model cannot be captured.
-        PlanError: bad or conflicting arguments (an argument the backend or a replayed plan
+        PlanError: bad or conflicting arguments (``example_target`` without example inputs;
+            an argument the backend or a replayed plan
             cannot honour names itself, its value, the plan's and the fix), or a plan that
             does not match this model.
         InfeasiblePlanError: no partition fits the devices' memory.
@@ -116,10 +123,34 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         options.check_plan(the_plan, ranks=None if options.devices is None
                            else len(options.devices))
+    if not args and not kwargs:  # plan at the first step, on its batch
+        if example_target is not None:
+            raise PlanError("example_target= goes with example_inputs=; without example inputs "
+                            "compile plans at the first train_step and measures the loss with "
+                            "its target")
+        return _lazy(model, loss_fn, the_plan, options, backend)
     loss = (loss_fn, example_target)
     if backend == "distributed":
         return _compile_distributed(model, args, kwargs, loss, the_plan, options)
     return _compile_local(model, args, kwargs, loss, the_plan, options)
+
+
+def _lazy(model: nn.Module, loss_fn: LossFn | None, plan: Plan | None,
+          options: CompileOptions, backend: str) -> LazyPipeline:
+    """The pipeline that plans (or replays ``plan``) at its first call, on that batch."""
+    distributed = backend == "distributed"
+
+    def first_build(args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> Pipeline:
+        compile_at = _compile_distributed if distributed else _compile_local
+        return compile_at(model, args, kwargs, (loss_fn, target), plan, options)
+
+    def rebuild(captured: CapturedGraph, the_plan: Plan,
+                tensor_of: Callable[[str], torch.Tensor], cuts_by_name: bool) -> Pipeline:
+        build = _distributed_pipeline if distributed else _local_pipeline
+        return build(model, captured, the_plan, loss_fn, options, {}, tensor_of=tensor_of,
+                     cuts_by_name=cuts_by_name)
+
+    return LazyPipeline(model, backend=backend, first_build=first_build, rebuild=rebuild)
 
 
 def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -172,16 +203,25 @@ def _capture_for(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 def _compile_local(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    loss: tuple[LossFn | None, Any], plan: Plan | None,
                    options: CompileOptions) -> PipelinedModule:
-    loss_fn = loss[0]
     profiled: CapturedGraph | None = None
     timings: dict[str, float] = {}
     if plan is None:
         plan, profiled, timings = _solve(model, args, kwargs, loss, options,
                                          options.devices)
-    devices = plan_devices(plan, options.devices)
     captured = _capture_for(model, args, kwargs, plan, profiled, timings)
+    return _local_pipeline(model, captured, plan, loss[0], options, timings)
+
+
+def _local_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
+                    loss_fn: LossFn | None, options: CompileOptions, timings: dict[str, float],
+                    *, tensor_of: Callable[[str], torch.Tensor] | None = None,
+                    cuts_by_name: bool = False) -> PipelinedModule:
+    """Build every stage of ``plan`` from ``captured`` (weights from ``tensor_of`` when
+    given, see :func:`autopart.codegen.build_stages`) and wrap them for one process."""
+    devices = plan_devices(plan, options.devices)
     t0 = time.perf_counter()
-    stages = build_stages(captured, plan, devices, fuse=options.fuse)
+    stages = build_stages(captured, plan, devices, fuse=options.fuse, tensor_of=tensor_of,
+                          cuts_by_name=cuts_by_name)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s
@@ -198,9 +238,7 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     loss_fn = loss[0]
     launch.require_process_group()
     mesh = options.mesh
-    pp_group = mesh.get_group("pp") if mesh is not None else None
-    dp_group = mesh.get_group("dp") if mesh is not None else None
-    pp_size, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    pp_size = dist.get_world_size(mesh.get_group("pp") if mesh is not None else None)
     device = launch.rank_device()
     timings: dict[str, float] = {}
     if plan is None:
@@ -223,15 +261,31 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                         f"{pp_size}; launch with --nproc-per-node={len(plan.ranks)} "
                         "(times the data-parallel size)")
     captured = _capture_for(model, args, kwargs, plan, None, timings)
+    return _distributed_pipeline(model, captured, plan, loss_fn, options, timings)
+
+
+def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
+                          loss_fn: LossFn | None, options: CompileOptions,
+                          timings: dict[str, float], *,
+                          tensor_of: Callable[[str], torch.Tensor] | None = None,
+                          cuts_by_name: bool = False) -> DistributedPipeline:
+    """Build this rank's stages of ``plan`` from ``captured`` (weights from ``tensor_of``
+    when given, else the checkpoint option, else the model's, materialised from ``meta``
+    where it is there) and wrap them as this rank's pipeline."""
+    mesh = options.mesh
+    pp_group = mesh.get_group("pp") if mesh is not None else None
+    dp_group = mesh.get_group("dp") if mesh is not None else None
+    pp_size, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    device = launch.rank_device()
     meta = launch.on_meta(model)  # codegen points the capture's meta literals at device
-    tensor_of = None
-    if options.checkpoint is not None:
+    if tensor_of is None and options.checkpoint is not None:
         tensor_of = checkpoint_tensors(options.checkpoint)
-    elif meta:
+    elif tensor_of is None and meta:
         tensor_of = launch.materialise(model, device)
     t0 = time.perf_counter()
     stages = build_stages(captured, plan, [device] * pp_size, ranks={pp_rank},
-                          tensor_of=tensor_of, fuse=options.fuse, cuts_by_name=meta)
+                          tensor_of=tensor_of, fuse=options.fuse,
+                          cuts_by_name=meta or cuts_by_name)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s
@@ -241,10 +295,10 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                                step_timeout_s=options.step_timeout_s or DEFAULT_STEP_TIMEOUT_S)
 
 
-def load(directory: str | os.PathLike[str], model: nn.Module,
+def load(directory: str | os.PathLike[str], model: nn.Module | LazyPipeline,
          example_inputs: tuple[Any, ...] | None = None, *,
          optimizer: torch.optim.Optimizer | None = None, **compile_kwargs: Any,
-         ) -> nn.Module | Pipeline:
+         ) -> nn.Module | Pipeline | LazyPipeline:
     """Restore a checkpoint written by ``pipe.save(directory)`` onto any plan.
 
     Args:
@@ -252,7 +306,8 @@ def load(directory: str | os.PathLike[str], model: nn.Module,
             folder, or a plain model's weights (a ``.safetensors`` file, a
             ``save_pretrained`` folder, a format 1/2 autopart checkpoint).
         model: where the state goes: a pipeline of any plan (a
-            :class:`autopart.DistributedPipeline` on every rank, any rank count), or the
+            :class:`autopart.DistributedPipeline` on every rank, any rank count; a
+            :class:`autopart.lazy.LazyPipeline` not yet planned loads into its model), or the
             plain model. Weights are cast to its dtype.
         example_inputs: with a plain ``model``, compile it with the saved plan first (no
             profiling or solving) and return the pipeline.
@@ -270,6 +325,9 @@ def load(directory: str | os.PathLike[str], model: nn.Module,
             another model (the message lists the tensors that differ); a checkpoint of a
             plain model given ``example_inputs`` (it has no plan).
     """
+    if isinstance(model, LazyPipeline):  # its pipeline once planned, else the plain model
+        load_checkpoint(directory, model.pipeline or model.model, optimizer=optimizer)
+        return model
     if example_inputs is not None and not isinstance(model, Pipeline):
         pipe = compile(model, example_inputs, plan=checkpoint_plan(directory), **compile_kwargs)
         load_checkpoint(directory, pipe, optimizer=optimizer)  # type: ignore[arg-type, unused-ignore]
