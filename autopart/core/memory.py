@@ -47,8 +47,9 @@ def quiet_cpu_profiler() -> Iterator[None]:
       during it. The garbage collector freeing an earlier cycle is the way that happens
       without the measured code asking for it, so automatic collection is paused inside the
       block (``gc.disable``) and restored after; what the measured code frees itself is
-      its own. (Its level, ``$TORCH_CPP_LOG_LEVEL``, is read when torch is imported, too late
-      to set here.)
+      its own. A reference cycle the measured code makes and drops is then freed after the
+      block, so the figure counts it (it can only be high). (c10's level,
+      ``$TORCH_CPP_LOG_LEVEL``, is read when torch is imported, too late to set here.)
     """
     global _kineto_configured
     set_here = not _kineto_configured and "KINETO_LOG_LEVEL" not in os.environ
@@ -78,7 +79,8 @@ def allocated_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[A
     reports such a free when the block was allocated under an earlier profiling session).
     On equal timestamps an allocation is taken before a free. The whole process counts: run
     nothing else meanwhile. The profiler slows ``fn`` (most on its first use in a process):
-    do not time such a call.
+    do not time such a call. Torch's profiler prints nothing meanwhile
+    (:func:`quiet_cpu_profiler`).
 
     CUDA: ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``,
     minus ``torch.cuda.memory_allocated`` before (block sizes of the caching allocator).
