@@ -16,6 +16,7 @@ from autopart.codegen import build_stages
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
+from autopart.core.progress import phase, progress
 from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.devices import plan_devices
 from autopart.lazy import LazyPipeline
@@ -130,9 +131,10 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                             "its target")
         return _lazy(model, loss_fn, the_plan, options, backend)
     loss = (loss_fn, example_target)
-    if backend == "distributed":
-        return _compile_distributed(model, args, kwargs, loss, the_plan, options)
-    return _compile_local(model, args, kwargs, loss, the_plan, options)
+    with progress():  # the phases on stderr (autopart.core.progress)
+        if backend == "distributed":
+            return _compile_distributed(model, args, kwargs, loss, the_plan, options)
+        return _compile_local(model, args, kwargs, loss, the_plan, options)
 
 
 def _lazy(model: nn.Module, loss_fn: LossFn | None, plan: Plan | None,
@@ -142,7 +144,8 @@ def _lazy(model: nn.Module, loss_fn: LossFn | None, plan: Plan | None,
 
     def first_build(args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> Pipeline:
         compile_at = _compile_distributed if distributed else _compile_local
-        return compile_at(model, args, kwargs, (loss_fn, target), plan, options)
+        with progress():  # the phases on stderr (autopart.core.progress)
+            return compile_at(model, args, kwargs, (loss_fn, target), plan, options)
 
     def rebuild(captured: CapturedGraph, the_plan: Plan,
                 tensor_of: Callable[[str], torch.Tensor], cuts_by_name: bool) -> Pipeline:
@@ -195,7 +198,8 @@ def _capture_for(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if launch.on_meta(model):
         mb_args, mb_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
                                                   (mb_args, mb_kwargs))
-    captured = capture(model, mb_args, mb_kwargs)
+    with phase("capture"):
+        captured = capture(model, mb_args, mb_kwargs)
     timings["capture_s"] = timings.get("capture_s", 0.0) + time.perf_counter() - t0
     return captured
 
@@ -220,8 +224,9 @@ def _local_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     given, see :func:`autopart.codegen.build_stages`) and wrap them for one process."""
     devices = plan_devices(plan, options.devices)
     t0 = time.perf_counter()
-    stages = build_stages(captured, plan, devices, fuse=options.fuse, tensor_of=tensor_of,
-                          cuts_by_name=cuts_by_name)
+    with phase("codegen"):
+        stages = build_stages(captured, plan, devices, fuse=options.fuse, tensor_of=tensor_of,
+                              cuts_by_name=cuts_by_name)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s
@@ -283,9 +288,10 @@ def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     elif tensor_of is None and meta:
         tensor_of = launch.materialise(model, device)
     t0 = time.perf_counter()
-    stages = build_stages(captured, plan, [device] * pp_size, ranks={pp_rank},
-                          tensor_of=tensor_of, fuse=options.fuse,
-                          cuts_by_name=meta or cuts_by_name)
+    with phase("codegen"):
+        stages = build_stages(captured, plan, [device] * pp_size, ranks={pp_rank},
+                              tensor_of=tensor_of, fuse=options.fuse,
+                              cuts_by_name=meta or cuts_by_name)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s

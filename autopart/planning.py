@@ -17,6 +17,7 @@ from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
+from autopart.core.progress import phase, progress
 from autopart.devices import cluster_for_devices, library_versions, resolve_devices
 from autopart.options import renamed_choices
 from autopart.profiler import session
@@ -103,19 +104,29 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         training=training, split_cost=split_cost, loss_fn=loss_fn,
         example_target=example_target, cache=cache, low_batch=low_batch, runtime=runtime,
         cpu_malloc=malloc)
-    measured = session.profile_model(model, args, dict(example_kwargs or {}), options)
-    fields = {f.name: getattr(measured, f.name) for f in dataclasses.fields(measured)}
-    if len(devices) > 1 and all(torch.device(d).type == "cpu" for d in devices):
-        t0 = time.perf_counter()
-        use_cache = cache_enabled() if cache is None else cache
+    with progress():  # one display for the model's phases and the link's
+        measured = session.profile_model(model, args, dict(example_kwargs or {}), options)
+        fields = {f.name: getattr(measured, f.name) for f in dataclasses.fields(measured)}
+        if len(devices) > 1 and all(torch.device(d).type == "cpu" for d in devices):
+            fields.update(_with_host_figures(fields, cache, training))
+    return Profile(**fields)
+
+
+def _with_host_figures(fields: dict[str, Any], cache: bool | None,
+                       training: bool) -> dict[str, Any]:
+    """The profile's ``host_link`` between CPU ranks, and its runtime with the cost per
+    transfer where the runtime's ranks are processes (:func:`host_figures`)."""
+    t0 = time.perf_counter()
+    use_cache = cache_enabled() if cache is None else cache
+    runtime = fields["runtime"]
+    with phase("host link"):
         if runtime.transfer_steps is not None and training:
             link, overhead = host_figures(use_cache)
-            fields["runtime"] = dataclasses.replace(fields["runtime"], transfer_overhead_us=overhead)
+            runtime = dataclasses.replace(runtime, transfer_overhead_us=overhead)
         else:
             link = host_link(use_cache)
-        fields["host_link"] = link
-        fields["timings_s"]["link_s"] = time.perf_counter() - t0
-    return Profile(**fields)
+    fields["timings_s"]["link_s"] = time.perf_counter() - t0
+    return {"host_link": link, "runtime": runtime}
 
 
 def measure_host_figures(use_cache: bool = True) -> tuple[LinkFigures, float]:
@@ -219,12 +230,15 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     # the split cost matters only where the solver may still pick zero_bubble (v = 1)
     may_split = (fixed.get("stages_per_rank", 1) == 1
                  and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble")
-    profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
-                            devices=device_names, num_microbatches=num_microbatches,
-                            training=training, split_cost=may_split, loss_fn=loss_fn,
-                            example_target=example_target, cache=cache, backend=backend)
-    t0 = time.perf_counter()
-    plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed, **solve_options)
+    with progress():  # one display for the phases of the profile and the solve
+        profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
+                                devices=device_names, num_microbatches=num_microbatches,
+                                training=training, split_cost=may_split, loss_fn=loss_fn,
+                                example_target=example_target, cache=cache, backend=backend)
+        t0 = time.perf_counter()
+        with phase("solve"):
+            plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed,
+                                 **solve_options)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
     return plan, profile
 

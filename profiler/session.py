@@ -16,6 +16,7 @@ from torch import nn
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
+from autopart.core.progress import phase
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.profiler.batch_points import (
@@ -248,7 +249,8 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         candidates = tuple(m for m in range(1, batch + 1)
                            if batch % m == 0 and (batch // m >= 2 or batch == 1))
     session = Session(model, args, kwargs, options, batch)
-    captured = capture(model, args, kwargs)
+    with phase("capture"):
+        captured = capture(model, args, kwargs)
     timings["capture_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     flat = captured.flatten_inputs(args, kwargs)
@@ -265,11 +267,15 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         if not calibrate_fixed:
             return measured
         try:
-            return segment_calibrated(session, measured, captured, flat)
+            with phase("calibration"):
+                return segment_calibrated(session, measured, captured, flat)
         except PlanError:  # a segment the stage builder cannot cut: the per-node profile
             return measured  # (as the two-point path falls back to one profile)
 
-    costs = session.cached_costs(session.key, measure, "profile")
+    with phase("profile") as shown:
+        costs = session.cached_costs(session.key, measure, "profile")
+        if "profile" in session.hits:
+            shown.note("from cache")
     timings["profile_s"] = time.perf_counter() - t0
 
     points = batch_points(batch, candidates, ranks) if options.low_batch else None
@@ -281,7 +287,8 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         t0 = time.perf_counter()
         scaled = scaled_batch_points(batch, candidates, ranks, points)
         try:
-            two_point, smallest = two_point_costs(session, points, costs, scaled)
+            with phase("calibration"):
+                two_point, smallest = two_point_costs(session, points, costs, scaled)
         except PlanError:  # a batch-dependent graph: one point, scaled
             pass
         timings["batch_points_s"] = time.perf_counter() - t0
@@ -289,15 +296,17 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         costs = two_point
     elif options.training and options.loss_fn is not None:
         t0 = time.perf_counter()
-        loss = session.cached_loss(f"@m{m_fixed}", captured, m_fixed)
+        with phase("loss cost"):
+            loss = session.cached_loss(f"@m{m_fixed}", captured, m_fixed)
         assert loss is not None
         costs = with_loss_cost(costs, loss)
         timings["loss_cost_s"] = time.perf_counter() - t0
     runtime = options.runtime
     if options.split_cost and options.training and ranks > 1:
         t0 = time.perf_counter()
-        runtime = _with_split_cost(session, runtime, captured, flat, costs, points, scaled,
-                                   smallest)
+        with phase("split cost"):
+            runtime = _with_split_cost(session, runtime, captured, flat, costs, points, scaled,
+                                       smallest)
         timings["split_cost_s"] = time.perf_counter() - t0
     return ModelProfile(captured=captured, costs=costs, devices=tuple(options.devices),
                         batch_size=batch, num_microbatches=m_fixed,

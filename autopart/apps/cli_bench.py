@@ -45,10 +45,10 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
     (equal layers; DeepSpeed's parameter balance) on real processes, and write a report."""
     import torch
     from rich.console import Console
-    from rich.progress import Progress
 
     import autopart
     from autopart.apps.bench import SINGLE, load_workload, run_arms
+    from autopart.core.progress import phase
     from autopart.solver.predict import baseline_plan
     from autopart.trace import predict
 
@@ -77,11 +77,9 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
             console.print(f"baseline {name} skipped: {exc}")
     console.print(f"planned in {plan_s:.1f} s; running {len(plans) + 1} arms x {steps} steps on "
                   f"{ranks} processes ...")
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("steps", total=None)
+    with phase("run arms") as shown:  # on stderr, with the steps done
         results = run_arms(spec, plans, ranks=ranks, steps=steps, config=cfg,
-                           save_plan_to=out / "plan.json",
-                           on_step=lambda d, t: bar.update(task, completed=d, total=t))
+                           save_plan_to=out / "plan.json", on_step=shown.count)
     predicted = predict(profile, plan)
     path = write_report(out, model, plans, results, predicted, single_name=SINGLE,
                         facts={"ranks": ranks, "steps": steps, "plan_s": round(plan_s, 1),

@@ -127,6 +127,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap."""
     from autopart.apps.report import print_certificate, print_plan, skipped_baselines_table
     from autopart.core.errors import PlanError
+    from autopart.core.progress import phase
     from autopart.solver import SolveOptions, solve
     from autopart.solver.baselines import run_baselines
 
@@ -141,7 +142,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
             stages_per_rank=stages_per_rank,
             memory_cap_bytes=None if memory_cap is None else int(memory_cap * _GIB),
             time_limit_s=time_limit, library_versions=_versions())
-        result = solve(costs, the_cluster, options)
+        with phase("solve"):  # on stderr (autopart.core.progress)
+            result = solve(costs, the_cluster, options)
         result.save(out)
     except (UsageError, PlanError) as exc:
         typer.echo(f"error: {exc}", err=True)

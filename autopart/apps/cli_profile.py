@@ -188,31 +188,34 @@ def profile(model: str = typer.Argument(..., help="hf:<transformers class> or fi
 def _run(net: Any, inputs: tuple[Any, ...], method: str, target: Any, dtype: str, out: Path,
          depth: int, top: int, use_cache: bool) -> None:
     import torch
-    from rich.progress import Progress
 
     from autopart.core.capture import capture
+    from autopart.core.progress import phase, progress
     from autopart.profiler import profile_analytical, profile_graph
     from autopart.profiler.cache import cached_profile, profile_key
 
     torch_dtype = getattr(torch, dtype)
     net = net.to(torch_dtype)
-    captured = capture(net, inputs)
-    flat = captured.flatten_inputs(inputs, {})
-    name = target.name if method == "analytical" else target
-    key = profile_key(captured.fingerprint, name, flat, dtype=dtype, training=True, method=method)
+    with progress():  # the phases on stderr (autopart.core.progress)
+        with phase("capture"):
+            captured = capture(net, inputs)
+        flat = captured.flatten_inputs(inputs, {})
+        name = target.name if method == "analytical" else target
+        key = profile_key(captured.fingerprint, name, flat, dtype=dtype, training=True,
+                          method=method)
+        with phase("profile") as shown:
 
-    def compute() -> Any:
-        if method == "analytical":
-            return profile_analytical(captured, flat, target, dtype=torch_dtype)
-        with Progress(transient=True) as bar:
-            task = bar.add_task(f"measuring on {target}", total=None)
-            return profile_graph(captured, flat, device=target,
-                                 progress=lambda d, t: bar.update(task, completed=d, total=t))
+            def compute() -> Any:
+                if method == "analytical":
+                    return profile_analytical(captured, flat, target, dtype=torch_dtype)
+                return profile_graph(captured, flat, device=target, progress=shown.count)
 
-    if use_cache:
-        costs, hit = cached_profile(key, compute)
-    else:
-        costs, hit = compute(), False
+            if use_cache:
+                costs, hit = cached_profile(key, compute)
+            else:
+                costs, hit = compute(), False
+            if hit:
+                shown.note("from cache")
     _table(costs, depth, top)
     costs.save(out)
     typer.echo(f"wrote {out} ({'from cache, ' if hit else ''}{costs.profile_wall_s:.1f} s profiling)")

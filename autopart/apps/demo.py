@@ -46,6 +46,7 @@ def run_demo(out_dir: str | Path = "autopart-out", *, n_layer: int = 12, n_embd:
 
     import autopart
     from autopart.apps.report import print_plan
+    from autopart.core.progress import phase
 
     console = console or Console(width=None if Console().is_terminal else 120)
     torch.manual_seed(0)
@@ -74,21 +75,23 @@ def run_demo(out_dir: str | Path = "autopart-out", *, n_layer: int = 12, n_embd:
     for col in ("step", "pipeline loss", "unpartitioned loss", "|diff|", "pipeline s", "plain s"):
         table.add_column(col, justify="right")
     losses = []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = pipe.train_step(tokens, target=tokens)
-        opt.step()
-        t_pipe = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ref_opt.zero_grad()
-        ref_loss = gpt2_loss(reference(tokens), tokens)
-        ref_loss.backward()
-        ref_opt.step()
-        t_ref = time.perf_counter() - t0
-        losses.append((loss.item(), ref_loss.item()))
-        table.add_row(str(step), f"{loss.item():.6f}", f"{ref_loss.item():.6f}",
-                      f"{abs(loss.item() - ref_loss.item()):.2e}", f"{t_pipe:.2f}", f"{t_ref:.2f}")
+    with phase("train") as shown:  # on stderr, with the steps done
+        for step in range(steps):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = pipe.train_step(tokens, target=tokens)
+            opt.step()
+            t_pipe = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ref_opt.zero_grad()
+            ref_loss = gpt2_loss(reference(tokens), tokens)
+            ref_loss.backward()
+            ref_opt.step()
+            t_ref = time.perf_counter() - t0
+            losses.append((loss.item(), ref_loss.item()))
+            table.add_row(str(step), f"{loss.item():.6f}", f"{ref_loss.item():.6f}",
+                          f"{abs(loss.item() - ref_loss.item()):.2e}", f"{t_pipe:.2f}", f"{t_ref:.2f}")
+            shown.count(step + 1, steps)
     console.print(table)
     console.print(f"The plan's predicted step ({pipe.plan.predicted_step_time_us / 1e6:.2f} s) is "
                   f"for {num_stages} devices working in parallel. Here the {num_stages} stages "

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 __all__ = ["demo_workload", "run_measured_demo"]
@@ -56,6 +55,7 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 7,
     from autopart.apps.figures import gantt
     from autopart.apps.report import print_plan
     from autopart.core.errors import InfeasiblePlanError
+    from autopart.core.progress import phase
     from autopart.solver.predict import baseline_plan
     from autopart.trace import predict
 
@@ -98,13 +98,11 @@ def run_measured_demo(out_dir: str | Path = "autopart-out", *, steps: int = 7,
                       f"the least the solver reaches ({least / 2**20:.0f} MiB): no memory arm")
     console.print(f"measuring on {RANKS} spawned processes (gloo, 1 thread each), "
                   f"{steps} steps per arm, arms alternated; the memory plan's peak only ...")
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("steps", total=None)
+    with phase("run arms") as shown:  # on stderr, with the steps done
         results = run_arms("autopart.apps.showcase:demo_workload", plans, ranks=RANKS, steps=steps,
                            warmup=1, save_plan_to=out / "gpt2.plan.json", trace=["autopart"],
                            untimed=[n for n in ("autopart memory",) if n in plans],
-                           on_step=lambda done, total: bar.update(task, completed=done,
-                                                                  total=total))
+                           on_step=shown.count)
     single = results[SINGLE]
     ideal = m * RANKS / (m + RANKS - 1)
     table = Table(title=f"step time, {RANKS} ranks x 1 thread, m = {m}, median of {steps}")

@@ -4,7 +4,10 @@ which sizes each node's backward and the loss, and the runtimes, which measure a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+import gc
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +16,55 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["allocated_peak_bytes", "PeakMemory", "device_key", "measure_peak_bytes", "resident_bytes",
-           "optimizer_tensors"]
+           "optimizer_tensors", "quiet_cpu_profiler", "KINETO_QUIET_LEVEL"]
+
+#: Kineto's log threshold while autopart measures memory: above ``USDT`` (5), the highest
+#: level it logs at (kineto's ``libkineto/include/ILoggerObserver.h``, ``LoggerOutputType``).
+KINETO_QUIET_LEVEL = "6"
+
+_kineto_configured = False
+
+
+@contextlib.contextmanager
+def quiet_cpu_profiler() -> Iterator[None]:
+    """Keep torch's profiler from printing while autopart measures CPU memory with it.
+
+    Two sources print on stderr during such a measurement, both C++ logging:
+
+    * kineto (torch's profiler library) logs ``USDT: ... profiler_start`` and
+      ``profiler_stop`` for every profiled call at its ``USDT`` level, above the ``ERROR``
+      threshold torch sets. Kineto reads its threshold once per process, from
+      ``$KINETO_LOG_LEVEL``, when the profiler is first used (``libkineto_init``); no API
+      changes it later. So before the process's first profiled call, and only if the user
+      has not set ``$KINETO_LOG_LEVEL``, the variable is set to :data:`KINETO_QUIET_LEVEL`
+      for the duration of the ``with`` block and removed after, so child processes started
+      later do not inherit it. Kineto keeps that threshold for the rest of the process (its
+      own messages to a later ``torch.profiler`` session are then silent too; set
+      ``$KINETO_LOG_LEVEL`` to keep them). If the process used the profiler before, kineto
+      already has its threshold and nothing changes.
+    * c10's ``CPUAllocator.cpp`` warns ("Memory block of unknown size was allocated before
+      the profiling started") when a block allocated before the profiled call is freed
+      during it. The garbage collector freeing an earlier cycle is the way that happens
+      without the measured code asking for it, so automatic collection is paused inside the
+      block (``gc.disable``) and restored after; what the measured code frees itself is
+      its own. A reference cycle the measured code makes and drops is then freed after the
+      block, so the figure counts it (it can only be high). (c10's level,
+      ``$TORCH_CPP_LOG_LEVEL``, is read when torch is imported, too late to set here.)
+    """
+    global _kineto_configured
+    set_here = not _kineto_configured and "KINETO_LOG_LEVEL" not in os.environ
+    _kineto_configured = True
+    if set_here:
+        os.environ["KINETO_LOG_LEVEL"] = KINETO_QUIET_LEVEL
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+        if set_here and os.environ.get("KINETO_LOG_LEVEL") == KINETO_QUIET_LEVEL:
+            del os.environ["KINETO_LOG_LEVEL"]
 
 
 def allocated_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int]:
@@ -28,7 +79,8 @@ def allocated_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[A
     reports such a free when the block was allocated under an earlier profiling session).
     On equal timestamps an allocation is taken before a free. The whole process counts: run
     nothing else meanwhile. The profiler slows ``fn`` (most on its first use in a process):
-    do not time such a call.
+    do not time such a call. Torch's profiler prints nothing meanwhile
+    (:func:`quiet_cpu_profiler`).
 
     CUDA: ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``,
     minus ``torch.cuda.memory_allocated`` before (block sizes of the caching allocator).
@@ -47,7 +99,8 @@ def allocated_peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[A
         return out, int(torch.cuda.max_memory_allocated(device)) - before
     if device.type != "cpu":
         return fn(), 0
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_cpu_profiler(), profile(activities=[ProfilerActivity.CPU],
+                                       profile_memory=True) as prof:
         out = fn()
     # (time, -bytes: allocations first on a tie, address) of each allocation and free
     records: list[tuple[int, int, int]] = []
