@@ -7,7 +7,7 @@ import datetime
 import json
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,12 +16,12 @@ import torch.distributed as dist
 from autopart.core.errors import PipelineFailure
 from autopart.core.plan import Plan
 from autopart.core.trace import TraceEvent
-from autopart.runtime._torch_private import default_store, found_non_finite
+from autopart.runtime._torch_private import default_store
 from autopart.runtime.heartbeat import Heartbeat
 from autopart.runtime.host import affinity_enabled, core_share
 
-__all__ = ["StoreGather", "agree_on_overflow", "cpu_share", "pipelines_of", "timed_group",
-           "tied_groups", "step_failure"]
+__all__ = ["StoreGather", "cpu_share", "pipelines_of", "timed_group", "tied_groups",
+           "step_failure"]
 
 #: pipelines built in this process, per pipeline group (``"0-1"``): names their store keys
 _BUILT: dict[str, int] = {}
@@ -190,44 +190,3 @@ def step_failure(exc: Exception, heartbeat: Heartbeat, plan: Plan, p2p_ranks: li
     return PipelineFailure(f"pipeline step failed on rank {pp_rank}: {'; '.join(who)} "
                            f"({text}); restart the job (from the last checkpoint) once the "
                            "rank is healthy")
-
-
-def agree_on_overflow(params: Iterable[torch.Tensor], device: torch.device,
-                      group: dist.ProcessGroup, guarded: Callable[[Callable[[], Any]], Any],
-                      ) -> bool:
-    """Make every rank's ``GradScaler`` skip a step that overflowed on any rank of ``group``.
-
-    A rank's scaler checks only the gradients of its own optimizer, so each rank finds
-    whether any gradient of ``params`` holds an inf or a nan (the check
-    ``GradScaler.unscale_`` makes, :func:`autopart.runtime._torch_private.found_non_finite`),
-    the flag is all-reduced (MAX) over ``group``, as torch's ``ShardedGradScaler`` does
-    inside its ``unscale_``, and a rank whose gradients are finite while another rank's are
-    not gets its gradients filled with nan: its scaler then skips ``opt.step()`` and backs
-    its scale off like the others' (such a step's gradients are unusable anyway), and a
-    plain ``torch.amp.GradScaler`` works unchanged. Collective over ``group``; data-parallel
-    replicas need no flag of their own, their gradient all-reduce carries a non-finite
-    value to every replica.
-
-    Args:
-        params: this rank's parameters; those without a gradient are skipped.
-        device: this rank's device (where the flag is reduced).
-        group: the pipeline's ranks.
-        guarded: runs the all-reduce, turning a failure into the step's error.
-
-    Returns:
-        Whether any rank of ``group`` found an inf or a nan.
-    """
-    held = [p for p in params if p.grad is not None]
-    found = found_non_finite([p.grad for p in held if p.grad is not None], device)
-    mine = bool(found)
-    guarded(lambda: dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group))
-    anywhere = bool(found)
-    if anywhere and not mine:
-        with torch.no_grad():
-            for p in held:
-                assert p.grad is not None
-                if p.grad.is_sparse:
-                    p.grad = p.grad * float("nan")
-                else:
-                    p.grad.fill_(float("nan"))
-    return anywhere

@@ -19,13 +19,13 @@ from autopart.core.schedule import build_schedule, splits_backward
 from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.runtime._dist_comm import (
     StoreGather,
-    agree_on_overflow,
     cpu_share,
     pipelines_of,
     step_failure,
     tied_groups,
     timed_group,
 )
+from autopart.runtime._dist_scaling import ScaledLosses, agree_on_overflow
 from autopart.runtime._dist_stages import P2PStage, TracedStage
 from autopart.runtime._torch_private import (
     ScheduleRuntime,
@@ -145,10 +145,7 @@ class DistributedPipeline(Pipeline):
         # because the stages hold the buffers of whichever runtime set them up last.
         self._runtime: tuple[tuple[int, bool], ScheduleRuntime] | None = None
         self._recorder: ActionRecorder | None = None
-        # during a step with loss scaling: GradScaler.scale, and id(scaled loss) -> unscaled
-        # (by id: torch also calls the loss function on its shape inference's empty outputs)
-        self._scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._unscaled_losses: dict[int, torch.Tensor] = {}
+        self._scaled_losses: ScaledLosses | None = None  # during a step with a grad_scaler
 
     @contextlib.contextmanager
     def _on_own_cores(self) -> Iterator[None]:
@@ -227,11 +224,7 @@ class DistributedPipeline(Pipeline):
                           else None)
                 stack.enter_context(recorder.span(self.pp_rank, "loss", stream, waits=False))
             loss = call_loss(require_loss(self._loss_fn), self.signature.output(flat), target)
-            if self._scale_loss is None:
-                return loss
-            scaled = self._scale_loss(loss)
-            self._unscaled_losses[id(scaled)] = loss.detach()
-            return scaled
+            return loss if self._scaled_losses is None else self._scaled_losses.scale(loss)
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -260,7 +253,7 @@ class DistributedPipeline(Pipeline):
         alike), then runs torch's AMP recipe (``scaler.unscale_(opt)`` and
         ``pipe.clip_grad_norm_`` if wanted, ``scaler.step(opt)``, ``scaler.update()``); a
         step that overflowed on any rank is skipped on every rank, whose scales stay equal
-        (:func:`autopart.runtime._dist_comm.agree_on_overflow`).
+        (:func:`autopart.runtime._dist_scaling.agree_on_overflow`).
 
         Args:
             trace: record every action of every rank of this pipeline into ``last_trace``
@@ -309,11 +302,8 @@ class DistributedPipeline(Pipeline):
             self._guarded(lambda: dist.barrier(group=self._p2p_group))
             recorder.start([self.device])
         self._set_recorder(recorder)
-        if scale_loss is not None:
-            # the scaler makes its scale at its first scale() call, which only the last
-            # stage's rank makes in the step: every rank's unscale_ and step need it
-            scale_loss(torch.zeros((), device=self.device))
-        self._scale_loss, self._unscaled_losses = scale_loss, {}
+        scaled = None if scale_loss is None else ScaledLosses(scale_loss, self.device)
+        self._scaled_losses = scaled
         try:
             if measure_memory:
                 resident = list(self._local.values()) + [
@@ -325,14 +315,13 @@ class DistributedPipeline(Pipeline):
                 self._guarded(step)
         finally:
             self._set_recorder(None)
-            self._scale_loss = None
+            self._scaled_losses = None
         # the mean over microbatches (the loss_fn averages within one), as torch's scale_grads
         for p in {id(p): p for mod in self.stages for p in mod.parameters()}.values():
             if p.grad is not None:
                 p.grad.div_(m)
-        if scale_loss is not None:  # the losses torch kept are the scaled ones
-            losses = [self._unscaled_losses[id(x)] for x in losses]
-            self._unscaled_losses = {}
+        if scaled is not None:  # the losses torch kept are the scaled ones
+            losses = scaled.unscaled(losses)
         # float32 on every rank: the broadcast needs one dtype (a bf16 model's loss is bf16)
         loss = (torch.stack([x.detach() for x in losses]).mean().float() if losses
                 else torch.zeros((), device=self.device))
@@ -341,7 +330,7 @@ class DistributedPipeline(Pipeline):
         with (contextlib.nullcontext() if recorder is None
               else recorder.span(self.pp_rank, "reduce", waits=False)):
             self.reduce_grads()
-            if scale_loss is not None:  # every rank's scaler skips when one overflowed
+            if scaled is not None:  # every rank's scaler skips when one overflowed
                 agree_on_overflow(self.parameters(), self.device, self._p2p_group,
                                   self._guarded)
         if recorder is not None:
