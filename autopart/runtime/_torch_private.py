@@ -19,8 +19,9 @@ from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRun
 
 from autopart.core.schedule import Schedule
 
-__all__ = ["ScheduleRuntime", "ZeroIndexStage", "default_store", "incompatible_keys",
-           "new_schedule_runtime", "receive_buffers", "split_stage_backward", "version_counter"]
+__all__ = ["ScheduleRuntime", "ZeroIndexStage", "default_store", "found_non_finite",
+           "incompatible_keys", "new_schedule_runtime", "receive_buffers",
+           "split_stage_backward", "version_counter"]
 
 #: torch's runtime for a schedule given as action lists (public schedules build their own
 #: action lists; this one takes ours). Read on torch 2.6 and 2.13.
@@ -99,6 +100,32 @@ def version_counter(tensor: torch.Tensor) -> int:
     """The tensor's in-place version counter (``Tensor._version``, bumped by every in-place
     write such as ``opt.step()``; no public accessor in torch 2.6 - 2.13)."""
     return int(tensor._version)
+
+
+def found_non_finite(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 when any of ``grads`` holds an inf or a nan, else 0.0 (a 0-dim float32 tensor on
+    ``device``), checked with the kernel ``GradScaler.unscale_`` runs
+    (``torch._amp_foreach_non_finite_check_and_unscale_``, here with an inverse scale of 1,
+    which leaves the gradients as they are), so this and the scaler agree on what counts.
+    No public API checks a list of tensors in one pass; read on torch 2.6 and 2.13.
+
+    Args:
+        grads: gradients, on any devices and of any floating dtypes.
+        device: where the flag is returned.
+    """
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        if g.is_sparse:  # its stored values, as the scaler checks them
+            g = g.coalesce().values()
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    with torch.no_grad():
+        for (dev, _), tensors in groups.items():
+            flag = torch.zeros((), dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                tensors, flag, torch.ones((), dtype=torch.float32, device=dev))
+            found = torch.maximum(found, flag.to(device))
+    return found
 
 
 def split_stage_backward(roots: list[torch.Tensor], grads: list[torch.Tensor],

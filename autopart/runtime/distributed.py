@@ -25,6 +25,7 @@ from autopart.runtime._dist_comm import (
     tied_groups,
     timed_group,
 )
+from autopart.runtime._dist_scaling import ScaledLosses, agree_on_overflow
 from autopart.runtime._dist_stages import P2PStage, TracedStage
 from autopart.runtime._torch_private import (
     ScheduleRuntime,
@@ -61,8 +62,9 @@ class DistributedPipeline(Pipeline):
 
     After the step: gradients of a tied parameter held by several ranks are summed across
     them (all-reduce), and with a data-parallel group every gradient is averaged across
-    its replicas. The loss (mean over microbatches) is broadcast from the last stage's
-    rank, so ``train_step`` returns it on every rank; ``pipe(x)`` returns the output on
+    its replicas; with a ``grad_scaler``, the ranks then agree on whether the step
+    overflowed (see :meth:`train_step`). The loss (mean over microbatches) is broadcast
+    from the last stage's rank, so ``train_step`` returns it on every rank; ``pipe(x)`` returns the output on
     every rank the same way.
 
     Attributes:
@@ -143,6 +145,7 @@ class DistributedPipeline(Pipeline):
         # because the stages hold the buffers of whichever runtime set them up last.
         self._runtime: tuple[tuple[int, bool], ScheduleRuntime] | None = None
         self._recorder: ActionRecorder | None = None
+        self._scaled_losses: ScaledLosses | None = None  # during a step with a grad_scaler
 
     @contextlib.contextmanager
     def _on_own_cores(self) -> Iterator[None]:
@@ -206,7 +209,8 @@ class DistributedPipeline(Pipeline):
 
     def loss_of_flat(self, out: Any, target: Any) -> torch.Tensor:
         """``loss_fn`` on the last stage's flat output (a tensor or a tuple of them), as
-        torch's schedules call it.
+        torch's schedules call it; during a step with a ``grad_scaler``, the scaled loss
+        (the backward's start; the unscaled one is kept for ``train_step`` to return).
 
         Raises:
             PlanError: compiled without ``loss_fn``, a loss that is not a scalar, or one that
@@ -214,11 +218,13 @@ class DistributedPipeline(Pipeline):
         """
         flat = list(out) if isinstance(out, (tuple, list)) else [out]
         recorder = self._recorder
-        if recorder is None:
-            return call_loss(require_loss(self._loss_fn), self.signature.output(flat), target)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        with recorder.span(self.pp_rank, "loss", stream, waits=False):
-            return call_loss(require_loss(self._loss_fn), self.signature.output(flat), target)
+        with contextlib.ExitStack() as stack:
+            if recorder is not None:
+                stream = (torch.cuda.current_stream(self.device) if self.device.type == "cuda"
+                          else None)
+                stack.enter_context(recorder.span(self.pp_rank, "loss", stream, waits=False))
+            loss = call_loss(require_loss(self._loss_fn), self.signature.output(flat), target)
+            return loss if self._scaled_losses is None else self._scaled_losses.scale(loss)
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         try:
@@ -236,11 +242,18 @@ class DistributedPipeline(Pipeline):
 
     def train_step(self, *args: Any, target: Any = None, trace: bool = False,
                    measure_memory: bool = False, optimizer: torch.optim.Optimizer | None = None,
+                   grad_scaler: torch.amp.GradScaler | None = None,
                    **kwargs: Any) -> torch.Tensor:
         """Every microbatch forward and backward; returns the mean loss on every rank.
 
         Inputs are needed on the first stage's rank, ``target`` on the last stage's rank
         (passing them everywhere is fine). Gradients accumulate in ``.grad``.
+
+        fp16 with loss scaling: every rank passes its own ``torch.amp.GradScaler`` (built
+        alike), then runs torch's AMP recipe (``scaler.unscale_(opt)`` and
+        ``pipe.clip_grad_norm_`` if wanted, ``scaler.step(opt)``, ``scaler.update()``); a
+        step that overflowed on any rank is skipped on every rank, whose scales stay equal
+        (:func:`autopart.runtime._dist_scaling.agree_on_overflow`).
 
         Args:
             trace: record every action of every rank of this pipeline into ``last_trace``
@@ -254,18 +267,26 @@ class DistributedPipeline(Pipeline):
                 profiler it uses slows the step, so do not time such a step). Same on every
                 rank; default False.
             optimizer: with ``measure_memory``, its state counts as held memory.
+            grad_scaler: this rank's ``torch.amp.GradScaler``, or None (no scaling, the
+                default): each microbatch's backward starts from ``grad_scaler.scale(loss)``
+                (gradients are then divided by m, as without it); the loss returned stays
+                unscaled. Given on every rank or on none.
 
         Raises:
-            PlanError: compiled without ``loss_fn``, or a batch that does not fit.
+            PlanError: compiled without ``loss_fn``, a batch that does not fit, or a
+                ``grad_scaler`` that is not a ``torch.amp.GradScaler``.
             PipelineFailure: a rank failed or stopped responding; names it and its stages.
         """
         require_loss(self._loss_fn)
+        scale_loss = self._loss_scaler(grad_scaler)
         with self._on_own_cores():
-            return self._train_step(args, kwargs, target, trace, measure_memory, optimizer)
+            return self._train_step(args, kwargs, target, trace, measure_memory, optimizer,
+                                    scale_loss)
 
     def _train_step(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                     trace: bool, measure_memory: bool,
-                    optimizer: torch.optim.Optimizer | None) -> torch.Tensor:
+                    optimizer: torch.optim.Optimizer | None,
+                    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
         leaves = self.signature.flatten(args, kwargs)
         m = self.signature.num_microbatches(leaves)
         runtime = self._schedule(m, training=True)
@@ -281,6 +302,8 @@ class DistributedPipeline(Pipeline):
             self._guarded(lambda: dist.barrier(group=self._p2p_group))
             recorder.start([self.device])
         self._set_recorder(recorder)
+        scaled = None if scale_loss is None else ScaledLosses(scale_loss, self.device)
+        self._scaled_losses = scaled
         try:
             if measure_memory:
                 resident = list(self._local.values()) + [
@@ -292,22 +315,27 @@ class DistributedPipeline(Pipeline):
                 self._guarded(step)
         finally:
             self._set_recorder(None)
+            self._scaled_losses = None
         # the mean over microbatches (the loss_fn averages within one), as torch's scale_grads
         for p in {id(p): p for mod in self.stages for p in mod.parameters()}.values():
             if p.grad is not None:
                 p.grad.div_(m)
+        if scaled is not None:  # the losses torch kept are the scaled ones
+            losses = scaled.unscaled(losses)
         # float32 on every rank: the broadcast needs one dtype (a bf16 model's loss is bf16)
         loss = (torch.stack([x.detach() for x in losses]).mean().float() if losses
                 else torch.zeros((), device=self.device))
         self._guarded(lambda: dist.broadcast(loss, src=self._global(self._last_rank),
                                              group=self._p2p_group))
+        with (contextlib.nullcontext() if recorder is None
+              else recorder.span(self.pp_rank, "reduce", waits=False)):
+            self.reduce_grads()
+            if scaled is not None:  # every rank's scaler skips when one overflowed
+                agree_on_overflow(self.parameters(), self.device, self._p2p_group,
+                                  self._guarded)
         if recorder is not None:
-            with recorder.span(self.pp_rank, "reduce", waits=False):
-                self.reduce_grads()
             self.last_trace = self._trace(self._gather.gather_events(recorder.events()),
                                           f"measured:{self.device.type}", m)
-        else:
-            self.reduce_grads()
         if measure_memory:
             by_rank = dict(enumerate(self._gather.gather_ints(mine)))
             self.last_peak_memory_bytes = PeakMemory(by_rank, {device_key(self.device): mine})
@@ -348,7 +376,8 @@ class DistributedPipeline(Pipeline):
         ranks sum ``norm ** p`` (max for ``inf``), and data-parallel replicas, whose
         gradients are equal after ``train_step``, are not counted again. Every rank then
         scales all its gradients (replicas included) by ``min(1, max_norm / (norm + 1e-6))``.
-        Collective over the pipeline group: call it on every rank after ``train_step``.
+        Collective over the pipeline group: call it on every rank after ``train_step``
+        (with a ``grad_scaler``, after every rank's ``scaler.unscale_(opt)``).
 
         Args:
             max_norm: the largest norm allowed, > 0.

@@ -19,6 +19,8 @@ __all__ = ["LocalExecutor", "StepResult"]
 
 # loss_closure(mb_index, flat_outputs_of_last_stage) -> scalar loss already scaled by 1/m
 LossClosure = Callable[[int, tuple[Any, ...]], torch.Tensor]
+# scale_loss(loss) -> the tensor the last stage's backward starts from (a GradScaler's scale)
+ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
 # on_action(action, live) with live[s] = microbatches whose activations stage s holds now
 ActionHook = Callable[[Action, list[int]], None]
 
@@ -175,10 +177,12 @@ class LocalExecutor:
         # made once and kept: PyTorch keeps a cuBLAS and a cuBLASLt workspace per stream
         # that runs matmuls, so streams made afresh every step would hold more after each step
         self._stream_set: _Streams | None = None
+        self._scale_loss: ScaleLoss | None = None
 
     def run(self, schedule: Schedule, mb_inputs: list[list[Any]], *,
             loss_closure: LossClosure | None = None, on_action: ActionHook | None = None,
-            recorder: ActionRecorder | None = None) -> StepResult:
+            recorder: ActionRecorder | None = None,
+            scale_loss: ScaleLoss | None = None) -> StepResult:
         """Run every action of ``schedule``.
 
         Args:
@@ -189,6 +193,9 @@ class LocalExecutor:
             on_action: called after every action with the live-microbatch count per stage.
             recorder: when given, every action (and the loss) is timed into it, on the track
                 of the rank its stage belongs to (tracing off costs one ``is None`` test).
+            scale_loss: training with loss scaling when given (``GradScaler.scale``): each
+                microbatch's backward starts from ``scale_loss(loss)``, on the last stage's
+                stream; the losses the result holds stay unscaled.
 
         Returns:
             The outputs, losses and live-activation counts (see :class:`StepResult`).
@@ -207,7 +214,7 @@ class LocalExecutor:
         streams.start()
         # done[(kind, s, i)]: event after stage s produced its outputs ("F") or input grads ("G")
         done: dict[tuple[str, int, int], torch.cuda.Event | None] = {}
-        self._streams, self._done = streams, done
+        self._streams, self._done, self._scale_loss = streams, done, scale_loss
         for action in execution_order(schedule, num_stages):
             if recorder is None:
                 self._action(action, mb_inputs, state, grads, live, result, loss_closure)
@@ -254,9 +261,9 @@ class LocalExecutor:
                     del state[(s, i)]
         else:
             st = state[(s, i)]
-            if not st.roots:
-                self._set_roots(st, s, i, result, grads)
             with streams.on(s):
+                if not st.roots:
+                    self._set_roots(st, s, i, result, grads)
                 if action.kind == "B":
                     if st.roots:
                         torch.autograd.backward(st.roots, st.root_grads)
@@ -288,14 +295,14 @@ class LocalExecutor:
         self._done[("F", s, i)] = streams.mark(s)
         state[(s, i)] = _MicrobatchState(args, tuple(out))
 
-    @staticmethod
-    def _set_roots(st: _MicrobatchState, s: int, i: int, result: StepResult,
+    def _set_roots(self, st: _MicrobatchState, s: int, i: int, result: StepResult,
                    grads: dict[tuple[int, int], list[torch.Tensor | None]]) -> None:
         received = grads.pop((s, i), None)
-        if received is None:  # last stage: the backward starts at the loss
+        if received is None:  # last stage: the backward starts at the (scaled) loss
             loss = result.losses[i]
             assert loss is not None, "the last stage's forward computes the loss"
-            st.roots, st.root_grads = [loss], [None]
+            root = loss if self._scale_loss is None else self._scale_loss(loss)
+            st.roots, st.root_grads = [root], [None]
             # the step keeps the loss's value only: its graph must go with this state after
             # the last backward action (a split I runs with retain_graph, so until W frees
             # the state, only the state may hold what its graph saved)

@@ -162,7 +162,8 @@ class PipelinedModule(Pipeline):
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does on the plain model.
 
         Call after ``train_step`` (which has summed tied replicas' gradients into their
-        owner, so each parameter is counted once).
+        owner, so each parameter is counted once); with a ``grad_scaler``, after
+        ``scaler.unscale_(opt)``, as on the plain model.
 
         Args:
             max_norm: the largest norm allowed, > 0.
@@ -224,12 +225,25 @@ class PipelinedModule(Pipeline):
 
     def train_step(self, *args: Any, target: Any = None, trace: bool = False,
                    measure_memory: bool = False, optimizer: torch.optim.Optimizer | None = None,
+                   grad_scaler: torch.amp.GradScaler | None = None,
                    **kwargs: Any) -> torch.Tensor:
         """Forward and backward of every microbatch; gradients accumulate in ``.grad``.
 
         With ``loss_fn`` a mean over the batch, the accumulated gradients equal those of
         ``loss_fn(model(*args, **kwargs), target).backward()`` (each microbatch's loss is
         scaled by 1/m). Call ``opt.zero_grad()`` and ``opt.step()`` around it as usual.
+
+        fp16 with loss scaling (torch's AMP recipe)::
+
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = pipe.train_step(x, target=y, grad_scaler=scaler)
+            scaler.unscale_(opt)            # optional: e.g. before pipe.clip_grad_norm_
+            scaler.step(opt)                # skipped when any gradient is inf or nan
+            scaler.update()
+
+        The gradients then equal those of ``scaler.scale(loss).backward()`` on the plain
+        model; ``opt`` holds this pipeline's parameters, so the scaler's inf/nan check sees
+        every stage's gradients.
 
         Args:
             *args, **kwargs: model inputs; tensors ``(batch, ...)``, split along dim 0.
@@ -243,14 +257,20 @@ class PipelinedModule(Pipeline):
                 :func:`autopart.core.memory.measure_peak_bytes`; on CPU the profiler it
                 uses slows the step, so do not time such a step). Default False.
             optimizer: with ``measure_memory``, its state counts as held memory.
+            grad_scaler: a ``torch.amp.GradScaler``: each microbatch's backward starts from
+                ``grad_scaler.scale(loss / m)`` instead of ``loss / m`` (nothing changes when
+                it is disabled); default None, no scaling.
 
         Returns:
-            The full-batch loss (mean of the microbatch losses), a detached 0-dim tensor.
+            The full-batch loss (mean of the microbatch losses, unscaled), a detached 0-dim
+            tensor.
 
         Raises:
-            PlanError: compiled without ``loss_fn``, or inputs that do not fit the pipeline.
+            PlanError: compiled without ``loss_fn``, inputs that do not fit the pipeline, or
+                a ``grad_scaler`` that is not a ``torch.amp.GradScaler``.
         """
         loss_fn = require_loss(self._loss_fn)
+        scale_loss = self._loss_scaler(grad_scaler)
         self._sync_replicas()
         mbs = self.signature.split(args, kwargs)
         m = len(mbs)
@@ -269,7 +289,7 @@ class PipelinedModule(Pipeline):
             if recorder is not None:
                 recorder.start(self.devices)
             return self._executor.run(schedule, mbs, loss_closure=loss_closure,
-                                      recorder=recorder)
+                                      recorder=recorder, scale_loss=scale_loss)
 
         if measure_memory:
             result, peaks = self._measure_step(run, self.devices, optimizer,

@@ -34,7 +34,9 @@ class Pipeline(nn.Module):
     microbatch, returning the mean loss as a 0-dim tensor), ``parameters()`` /
     ``named_parameters()`` (what this process holds, each once, under the original model's
     FQNs: what an optimizer takes), ``state_dict`` / ``load_state_dict`` by those FQNs,
-    ``clip_grad_norm_``, and the methods below.
+    ``clip_grad_norm_``, and the methods below. ``train_step(..., grad_scaler=scaler)``
+    trains with loss scaling (fp16) under the user's ``torch.amp.GradScaler``, which then
+    steps and updates as in torch's AMP recipe.
 
     Attributes:
         plan: the plan it runs.
@@ -138,6 +140,21 @@ class Pipeline(nn.Module):
                     raise PlanError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, the "
                                     f"model's is {tuple(target.shape)}")
                 target.copy_(value)
+
+    @staticmethod
+    def _loss_scaler(grad_scaler: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What multiplies each microbatch's loss where its backward starts:
+        ``grad_scaler.scale`` when a scaler is given and enabled, else None.
+
+        Raises:
+            PlanError: ``grad_scaler`` is not a ``torch.amp.GradScaler``.
+        """
+        if grad_scaler is None:
+            return None
+        if not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise PlanError(f"grad_scaler is a {type(grad_scaler).__name__}; pass a "
+                            "torch.amp.GradScaler (e.g. torch.amp.GradScaler('cuda')), or None")
+        return grad_scaler.scale if grad_scaler.is_enabled() else None
 
     def _measure_step(self, step: Callable[[], Any], devices: Sequence[torch.device],
                       optimizer: torch.optim.Optimizer | None,
