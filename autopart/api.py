@@ -116,6 +116,7 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         options.check_plan(the_plan, ranks=None if options.devices is None
                            else len(options.devices))
+    options.check_runtime(the_plan)
     loss = (loss_fn, example_target)
     if backend == "distributed":
         return _compile_distributed(model, args, kwargs, loss, the_plan, options)
