@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -18,6 +19,7 @@ from autopart.core.layout import (
 )
 from autopart.core.plan import Plan, ShardedParameter
 from autopart.core.topology import HostTopology
+from autopart.solver.candidates import crossing_profile
 from autopart.solver.data_parallel import DataParallelCost, data_parallel_cost, state_multiplier
 from autopart.solver.options import SolveOptions
 from autopart.solver.solve import solve
@@ -43,6 +45,9 @@ class LayoutOptions:
             (default 64).
         refine: how many of the best screened layouts are solved again with the request's
             full pipeline search (default 2).
+        microbatch_sizes: rows per microbatch to search (Megatron-LM's ``micro-batch-size``):
+            each layout searches ``m = batch / dp / size`` for the sizes that divide a
+            replica's batch; None (default) = ``options``' microbatch counts.
     """
 
     num_gpus: int
@@ -55,6 +60,7 @@ class LayoutOptions:
     gradient_factor: float = 1.0
     max_layouts: int = 64
     refine: int = 2
+    microbatch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -70,6 +76,9 @@ class LayoutOptions:
                 raise PlanError(f"{name}={value} must be >= 1 or None")
         if self.tp and self.pp and self.dp:
             check_degrees(self.tp, self.pp, self.dp, self.num_gpus)
+        if self.microbatch_sizes is not None and (not self.microbatch_sizes
+                                                  or min(self.microbatch_sizes) < 1):
+            raise PlanError(f"microbatch_sizes={self.microbatch_sizes} must be sizes >= 1 or None")
         if self.gradient_factor <= 0 or self.max_layouts < 1 or self.refine < 0:
             raise PlanError(f"gradient_factor={self.gradient_factor} must be > 0, "
                             f"max_layouts={self.max_layouts} >= 1 and refine={self.refine} >= 0")
@@ -81,10 +90,12 @@ class LayoutCandidate:
 
     Attributes:
         tp, pp, dp, zero_stage: the degrees.
-        step_lb_us: no plan of this layout is faster: its compute spread evenly over pp ranks
-            (no bubble, no recompute, one microbatch's per-op overheads) plus the dp
-            collectives of an even share of the parameters, µs.
+        step_lb_us: no plan of this layout is faster: its compute and its smallest
+            stage-to-stage sends spread evenly over pp ranks (no bubble, no recompute) plus the
+            dp collectives of an even share of the parameters, µs.
         state_lb_bytes: no rank of it holds less parameter state, bytes.
+        estimate_us: the bound with a 1F1B bubble, ``(m + pp - 1) / m`` on the compute: the
+            order layouts are screened in (not a bound), µs.
     """
 
     tp: int
@@ -93,6 +104,7 @@ class LayoutCandidate:
     zero_stage: int
     step_lb_us: float
     state_lb_bytes: int
+    estimate_us: float = 0.0
 
 
 def _tp_choices(layout: LayoutOptions) -> list[int]:
@@ -114,13 +126,16 @@ def _dp_cost(param_bytes: int, largest: int, dp: int, zero: int, tp: int,
 
 
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
-            options: SolveOptions, layout: LayoutOptions, overhead_us: float
-            ) -> LayoutCandidate:
+            options: SolveOptions, layout: LayoutOptions, device: DeviceSpec,
+            smallest_crossing: int) -> LayoutCandidate:
     """Bounds of one layout. With ``m`` microbatches a step is no shorter than the work
-    spread over pp ranks, ``(m O + L) / pp``, nor than one microbatch's forward and backward
-    through every stage in turn, ``O + L / m`` (O: the per-op fixed times of one microbatch,
-    L: the batch-proportional times of the replica's whole batch), plus the dp collectives of
-    an even share of the parameters; the bound is the smallest over the allowed m."""
+    spread over pp ranks, ``(m O + L + m C) / pp``, nor than one microbatch's forward and
+    backward through every stage in turn, ``O + L / m`` (O: the per-op fixed times of one
+    microbatch, L: the batch-proportional times of the replica's whole batch, C: the
+    forward and backward sends over pp - 1 cuts of the smallest crossing, each charged to a
+    stage's time as the pipeline cost model does), plus the dp collectives of an even share
+    of the parameters; the bound is the smallest over the allowed m."""
+    overhead_us = device.op_overhead_us
     rows = options.batch_size / dp / sharded.batch_size
     fixed = linear = 0.0
     for nd in sharded.nodes:
@@ -133,20 +148,39 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     share = -(-trainable // pp)
     largest = max((nd.param_bytes for nd in sharded.nodes), default=0)
     dp_cost = _dp_cost(share, largest, dp, zero, tp, layout) if options.training else None
-    lb = min(max((m * fixed + linear) / pp, fixed + linear / m)
-             + (dp_cost.step_us(m) if dp_cost else 0.0) for m in counts)
+    link = _pipeline_cluster(device, tp, 2, dp, layout.topology)
+    smallest = smallest_crossing if pp > 1 else 0
+    sends = 2 if options.training else 1
+
+    def send_us(m: int) -> float:
+        nbytes = math.ceil(smallest * options.batch_size / dp / m / sharded.batch_size - 1e-9)
+        return sends * (pp - 1) * link.transfer_us(nbytes, 0, 1) if nbytes > 0 else 0.0
+
+    lb = est = math.inf
+    for m in counts:
+        dp_us = dp_cost.step_us(m) if dp_cost else 0.0
+        work = (m * fixed + linear + m * send_us(m)) / pp
+        lb = min(lb, max(work, fixed + linear / m) + dp_us)
+        est = min(est, work * (m + pp - 1) / m + dp_us)
     mult = (state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
                              layout.gradient_factor) if options.training else 1.0)
     frozen = sum(b for p, b in sharded.param_sizes.items() if p not in sharded.trainable)
     state = int(trainable * mult + frozen) // pp
-    return LayoutCandidate(tp, pp, dp, zero, lb, state)
+    return LayoutCandidate(tp, pp, dp, zero, lb, state, est)
+
+
+def _smallest_crossing(costs: CostGraph) -> int:
+    """The fewest bytes any cut position 1 .. n - 1 of ``costs`` sends, at its profiled batch."""
+    crossing, valid = crossing_profile(costs)
+    inner = [c for q, c in enumerate(crossing) if 0 < q < len(crossing) - 1 and valid[q]]
+    return min(inner) if inner else 0
 
 
 def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                       layout: LayoutOptions, cache: dict[int, CostGraph] | None = None
                       ) -> list[LayoutCandidate]:
-    """Every layout the request allows, with bounds, best first (speed: step bound; memory:
-    state bound), ties broken by (tp, pp, dp, zero) ascending.
+    """Every layout the request allows, with bounds, most promising first (speed: by
+    ``estimate_us``; memory: by state bound, then estimate), ties broken by (tp, pp, dp, zero).
 
     Raises:
         PlanError: the fixed degrees admit no layout (tp x pp x dp is not the GPU count, the
@@ -162,6 +196,7 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
     shape_seen = False
     for tp in _tp_choices(layout):
         sharded = _sharded(costs, tp, device, layout, cache)
+        smallest = _smallest_crossing(sharded)
         for pp in divisors(n // tp) if n % tp == 0 else []:
             dp = n // (tp * pp)
             if layout.pp not in (None, pp) or layout.dp not in (None, dp):
@@ -170,14 +205,14 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
             if batch % dp:
                 continue
             try:
-                counts = replace(options, batch_size=batch // dp).microbatch_counts()
+                counts = _replica_options(options, layout, dp).microbatch_counts()
             except PlanError:
                 continue
             zeros = ([layout.zero_stage] if layout.zero_stage is not None
                      else list(ZERO_STAGES) if dp > 1 and options.training else [0])
             for zero in zeros:
-                out.append(_bounds(sharded, tp, pp, dp, zero, counts, options, layout,
-                                   device.op_overhead_us))
+                out.append(_bounds(sharded, tp, pp, dp, zero, counts, options, layout, device,
+                                   smallest))
     if not shape_seen:
         check_degrees(layout.tp or 1, layout.pp or 1, layout.dp or 1, n)
     if not out:
@@ -187,9 +222,23 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
                         f"of the data-parallel degrees the request allows ({dps}); choose a "
                         "batch that a dp among them divides, or fix dp")
     if options.optimize == "memory":
-        out.sort(key=lambda c: (c.state_lb_bytes, c.step_lb_us, c.tp, c.pp, c.dp, c.zero_stage))
+        out.sort(key=lambda c: (c.state_lb_bytes, c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage))
     else:
-        out.sort(key=lambda c: (c.step_lb_us, c.tp, c.pp, c.dp, c.zero_stage))
+        out.sort(key=lambda c: (c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage))
+    return out
+
+
+def _replica_options(options: SolveOptions, layout: LayoutOptions, dp: int) -> SolveOptions:
+    """``options`` for one replica: its batch, and the microbatch counts of
+    ``layout.microbatch_sizes`` (PlanError when none divides the replica's batch)."""
+    per = options.batch_size // dp
+    out = replace(options, batch_size=per, hint=None)
+    if layout.microbatch_sizes is not None and options.num_microbatches is None:
+        counts = tuple(sorted({per // s for s in layout.microbatch_sizes if per % s == 0}))
+        if not counts:
+            raise PlanError(f"no microbatch size in {layout.microbatch_sizes} divides the "
+                            f"replica batch {per}")
+        out = replace(out, microbatch_candidates=counts)
     return out
 
 
@@ -244,8 +293,8 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                                   f"than the {cap}-byte cap")
     mult = state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
                             layout.gradient_factor)
-    inner = replace(options, batch_size=options.batch_size // dp, memory_cap_bytes=cap - gathered,
-                    state_bytes_per_param_byte=mult if options.training else None, hint=None)
+    inner = replace(_replica_options(options, layout, dp), memory_cap_bytes=cap - gathered,
+                    state_bytes_per_param_byte=mult if options.training else None)
     plan = solve(sharded, _pipeline_cluster(device, tp, pp, dp, layout.topology), inner)
     extra = 0.0
     if options.training:
@@ -270,6 +319,16 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         model_flops=int(round((3 if options.training else 1) * forward)))
 
 
+def _screen_options(options: SolveOptions) -> SolveOptions:
+    """The cheap pipeline search a layout is screened with: the exact DP seeds only, one
+    simulator replay, no baselines, and one schedule kind (1F1B, v = 1) unless the request
+    fixes them."""
+    if options.schedule_kind is None and options.training and options.num_stages is None:
+        return replace(options, max_cpsat_solves=0, max_simulated=1, schedule_kind="1f1b",
+                       stages_per_rank=1, baselines=False)
+    return replace(options, max_cpsat_solves=0, max_simulated=1, baselines=False)
+
+
 def _key(plan: Plan, optimize: str) -> tuple[float, ...]:
     """Sort key: speed = (step, peak, tp, pp, dp, zero); memory = (peak, step, ...)."""
     peak = max(r.peak_memory_bytes for r in plan.ranks)
@@ -287,13 +346,14 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                  layout: LayoutOptions) -> Plan:
     """Choose tp, pp, dp and the ZeRO stage, and the pipeline plan inside them.
 
-    Layouts (:func:`layout_candidates`) are visited best bound first; each gets a screening
-    pipeline solve (:func:`evaluate_layout` with the exact DP seeds only:
-    ``max_cpsat_solves=0, max_simulated=1``) until the next one's bound cannot beat the best
-    plan found (speed: its step-time bound is no smaller than the best step time; memory: its
-    state bound is no smaller than the best peak), or ``layout.max_layouts`` were screened.
-    The ``layout.refine`` best screened layouts are then solved with ``options`` as given,
-    and the best of every plan seen is returned. Deterministic:
+    Layouts (:func:`layout_candidates`) are visited most promising first (by their
+    estimate); one whose bound cannot beat the best plan found is skipped (speed: its
+    step-time bound is no smaller than the best step time; memory: its state bound is no
+    smaller than the best peak), the others get a screening pipeline solve
+    (:func:`evaluate_layout` with :func:`_screen_options`: exact DP seeds, one replay, 1F1B
+    unless the request fixes the schedule) until ``layout.max_layouts`` were screened. The
+    ``layout.refine`` best screened layouts are then solved with ``options`` as given, and
+    the best of every plan seen is returned. Deterministic:
     equal inputs give equal plans but for ``solver.wall_s``. The plan's ``solver.objective`` is
     its step time and ``solver.bound`` the smallest step-time bound of any layout whose
     parameter state fits (no plan of any layout is faster), ``solver.gap`` their relative
@@ -319,8 +379,9 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     cache: dict[int, CostGraph] = {}
     cands = layout_candidates(costs, device, options, layout, cache)
     cap = options.memory_cap_bytes or device.memory_bytes
-    screen = replace(options, max_cpsat_solves=0, max_simulated=1)
+    screen = _screen_options(options)
     screened: list[tuple[Plan, LayoutCandidate]] = []
+    unscreened: list[LayoutCandidate] = []
     failures: list[str] = []
     best: Plan | None = None
     for cand in cands:
@@ -330,11 +391,14 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
             continue
         if best is not None:
             if options.optimize == "memory":
-                done = cand.state_lb_bytes >= max(r.peak_memory_bytes for r in best.ranks)
+                pruned = cand.state_lb_bytes >= max(r.peak_memory_bytes for r in best.ranks)
             else:
-                done = cand.step_lb_us >= best.predicted_step_time_us
-            if done or len(screened) >= layout.max_layouts:
-                break
+                pruned = cand.step_lb_us >= best.predicted_step_time_us
+            if pruned:
+                continue
+            if len(screened) >= layout.max_layouts:
+                unscreened.append(cand)
+                continue
         try:
             plan = evaluate_layout(costs, device, screen, layout, cand, cache)
         except InfeasiblePlanError as exc:

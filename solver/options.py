@@ -56,6 +56,9 @@ class SolveOptions:
             transfer, the split backward's cost, its receive buffers); default: a runtime
             that costs nothing beyond the profiled ops and allocates buffers as values
             arrive (:class:`autopart.core.runtime_model.RuntimeDescription`).
+        baselines: evaluate the baseline partitioners on the same costs, report them in the
+            plan and take a faster fitting one (default True); False skips them (the 3D
+            layout search screens layouts without them).
         crossing_factor, window, max_candidates: see
             :func:`autopart.solver.candidates.find_candidates`.
     """
@@ -79,6 +82,7 @@ class SolveOptions:
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
     runtime: RuntimeDescription = RuntimeDescription()
+    baselines: bool = True
     crossing_factor: float = 2.0
     window: int = 32
     max_candidates: int = 128

@@ -175,3 +175,12 @@ def test_nothing_fits_names_the_smallest_state() -> None:
     with pytest.raises(InfeasiblePlanError, match="no .tp, pp, dp, ZeRO. layout of 8 GPUs fits "
                                                   "10000 bytes per GPU"):
         solve_layout(_gpt(2), tiny, _options(), _layout())
+
+
+def test_microbatch_sizes_set_m_per_layout() -> None:
+    layout = _layout(tp=1, pp=2, dp=4, microbatch_sizes=(1, 2))
+    plan = solve_layout(_gpt(2), DEV, _options(batch=16), layout)
+    # a replica's batch is 16 / 4 = 4 rows: m = 4 (1 row each) or 2 (2 rows each)
+    assert plan.num_microbatches in (2, 4) and plan.dp == 4
+    with pytest.raises(PlanError, match=r"microbatch_sizes=\(\) must be sizes >= 1"):
+        _layout(microbatch_sizes=())
