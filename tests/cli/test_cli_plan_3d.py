@@ -64,3 +64,12 @@ def test_bad_axes_are_one_line_errors(profile: Path, tmp_path: Path, args: list[
                         "--out", str(tmp_path / "p.json"))
     assert code == 2 and "Traceback" not in text, text
     assert re.search(match, text), text
+
+
+def test_show_prints_the_layout_of_a_3d_plan(profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    assert invoke("plan", str(profile), "--cluster", "a100-80gb:8", "--tp", "2", "--dp", "2",
+                  "--batch-size", "16", "--time-limit", "2", "--out", str(out))[0] == 0
+    code, text = invoke("show", str(out))
+    assert code == 0, text
+    assert "parallel layout (per GPU)" in text and "data parallel (dp)" in text
