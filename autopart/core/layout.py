@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from autopart.core.errors import PlanError
 
 __all__ = ["ParallelLayout", "ZERO_STAGES", "divisors", "nearest", "check_zero_stage",
-           "check_tp", "check_degrees", "check_global_batch"]
+           "check_tp", "check_degrees", "check_global_batch", "layout_problem"]
 
 #: ZeRO stages: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).
 ZERO_STAGES = (0, 1, 2, 3)
@@ -81,6 +81,23 @@ def check_global_batch(batch_size: int, dp: int, num_microbatches: int | None = 
         raise PlanError(f"global batch {batch_size} over dp={dp} gives {per} per replica, which "
                         f"m={num_microbatches} microbatches cannot split; nearest valid m: "
                         f"{nearest(num_microbatches, divisors(per))}")
+
+
+def layout_problem(tp: int, dp: int, zero_stage: int, schema_version: int,
+                   sharded: list[str]) -> str | None:
+    """What is wrong with a plan file's tp, dp, zero_stage and sharded parameter names, or
+    None (plan schema 1 has none of them: tp = dp = 1, ZeRO 0; only tp > 1 shards)."""
+    if tp < 1 or dp < 1 or zero_stage > 3:
+        return (f"tp={tp}, dp={dp}, zero_stage={zero_stage}: tp and dp must be >= 1 and "
+                "zero_stage one of 0, 1, 2, 3")
+    if schema_version == 1 and (tp, dp, zero_stage) != (1, 1, 0):
+        return "schema_version 1 has no tp, dp or zero_stage; set schema_version 2"
+    if sharded and tp == 1:
+        return ("sharded_parameters listed with tp=1; tensor parallelism shards nothing at "
+                "tp=1: drop them or set tp")
+    if len(set(sharded)) != len(sharded):
+        return "a parameter appears twice in sharded_parameters; list each once"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
+from autopart.core.layout import layout_problem
 
 __all__ = ["Cut", "StagePlan", "RankPlan", "SolverReport", "BaselineReport", "ParetoPoint",
            "LowerBounds", "ShardedParameter", "Plan",
@@ -389,7 +390,10 @@ def _check_whole(plan: Plan) -> None:
     if plan.schema_version not in READABLE_SCHEMA_VERSIONS:
         raise bad(f"schema_version {plan.schema_version} is not supported (this autopart "
                   f"reads {READABLE_SCHEMA_VERSIONS}); re-plan with this version")
-    _check_layout(plan, bad)
+    problem = layout_problem(plan.tp, plan.dp, plan.zero_stage, plan.schema_version,
+                             [p.name for p in plan.sharded_parameters])
+    if problem:
+        raise bad(problem)
     for name in ("graph_fingerprint", "cluster_fingerprint", "cost_source"):
         if not getattr(plan, name).strip():
             raise bad(f"{name} is empty; a plan names what it was made for: {_FIX}")
@@ -442,22 +446,6 @@ def _check_whole(plan: Plan) -> None:
                       f"{cut.before_node!r}); {_FIX}")
     if not 0.0 <= plan.bubble_fraction <= 1.0:
         raise bad(f"bubble_fraction={plan.bubble_fraction} is outside [0, 1]")
-
-
-def _check_layout(plan: Plan, bad: Any) -> None:
-    """tp, dp, zero_stage and the sharded parameters agree (3D plans, schema 2)."""
-    if plan.tp < 1 or plan.dp < 1 or plan.zero_stage > 3:
-        raise bad(f"tp={plan.tp}, dp={plan.dp}, zero_stage={plan.zero_stage}: tp and dp must be "
-                  ">= 1 and zero_stage one of 0, 1, 2, 3")
-    if plan.schema_version == 1 and (plan.tp, plan.dp, plan.zero_stage) != (1, 1, 0):
-        raise bad("schema_version 1 has no tp, dp or zero_stage; set schema_version "
-                  f"{PLAN_SCHEMA_VERSION}")
-    if plan.sharded_parameters and plan.tp == 1:
-        raise bad("sharded_parameters listed with tp=1; tensor parallelism shards nothing "
-                  "at tp=1: drop them or set tp")
-    names = [p.name for p in plan.sharded_parameters]
-    if len(set(names)) != len(names):
-        raise bad("a parameter appears twice in sharded_parameters; list each once")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
