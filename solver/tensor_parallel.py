@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError
@@ -190,7 +191,10 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     all-reduce of its output; the first column node of each pair gets, in its input-gradient
     backward, the all-reduce of its input's gradient; a vocab-parallel embedding's forward
     gets the all-reduce of its output; a vocab-parallel head pays two ring latencies for
-    the parallel cross-entropy's per-token scalars. tp = 1 returns ``costs`` itself.
+    the parallel cross-entropy's per-token scalars. A second profiled batch's times
+    (``low_times``) are split the same way but get no collective: the interpolation between
+    two profiled batches then undercounts them (3D plans are made from single-batch analytical
+    profiles). tp = 1 returns ``costs`` itself.
 
     Args:
         costs: the whole model's costs.
@@ -239,7 +243,7 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     loss_saved = costs.loss_saved_bytes
     out: list[NodeCost] = []
     for i, nd in enumerate(nodes):
-        changes: dict[str, object] = {"param_bytes": nd.param_bytes - shrink[i]}
+        changes: dict[str, Any] = {"param_bytes": nd.param_bytes - shrink[i]}
         if i in split.sharded_nodes:
             changes.update(
                 fwd_us=_split_time(nd.fwd_us, tp, op_overhead_us),
@@ -275,15 +279,14 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
                 extra = ar(nd.output_bytes)
             elif i in split.vocab:
                 extra = 2 * 2 * (tp - 1) * latency_us
-            changes["fwd_us"] = float(changes["fwd_us"]) + extra  # type: ignore[arg-type]
+            changes["fwd_us"] += extra
             if i in bwd_extra:
-                changes["bwd_input_us"] = float(changes["bwd_input_us"]) + bwd_extra[i]  # type: ignore[arg-type]
-        out.append(replace(nd, **changes))  # type: ignore[arg-type]
-    low_times = costs.low_times
-    if low_times:
-        low_times = tuple(
-            tuple(_split_time(t, tp, op_overhead_us) for t in trip) if i in split.sharded_nodes
-            else trip for i, trip in enumerate(low_times))  # type: ignore[misc]
+                changes["bwd_input_us"] += bwd_extra[i]
+        out.append(replace(nd, **changes))
+    low_times = tuple(
+        (_split_time(trip[0], tp, op_overhead_us), _split_time(trip[1], tp, op_overhead_us),
+         _split_time(trip[2], tp, op_overhead_us)) if i in split.sharded_nodes else trip
+        for i, trip in enumerate(costs.low_times))
     return replace(costs, nodes=tuple(out), param_sizes=sizes, param_numel=numel,
                    loss_saved_bytes=loss_saved, low_times=low_times,
                    source=f"{costs.source}+tp{tp}")
