@@ -124,6 +124,7 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         options.check_plan(the_plan, ranks=None if options.devices is None
                            else len(options.devices))
+    options.check_runtime(the_plan)
     if not args and not kwargs:  # plan at the first step, on its batch
         if example_target is not None:
             raise PlanError("example_target= goes with example_inputs=; without example inputs "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopart.core.errors import PlanError
+from autopart.core.layout import check_zero_stage
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
 from autopart.core.runtime_model import BACKENDS
 
@@ -112,6 +113,11 @@ class CompileOptions:
             ``"adamw"`` (default) / ``"adam"`` (2 tensors like each parameter), ``"sgd"``
             (momentum, 1), or bytes of state per parameter (see
             :func:`optimizer_state_factor`). Ignored when a plan is replayed.
+        tp: tensor-parallel degree >= 1 (``None``: 1). The runtime for tp > 1 is not built
+            yet: :func:`autopart.compile` refuses it (:meth:`check_runtime`); plan such
+            layouts with ``autopart plan --tp`` or ``autopart.solver.layout_search``.
+        dp: data-parallel replicas >= 1 (``None``: 1); same as ``tp``.
+        zero_stage: ZeRO stage over dp, 0-3 (``None``: 0).
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -131,11 +137,16 @@ class CompileOptions:
     time_limit_s: float = 10.0
     step_timeout_s: float | None = None
     optimizer: str | float = "adamw"
+    tp: int | None = None
+    dp: int | None = None
+    zero_stage: int | None = None
 
     def __post_init__(self) -> None:
         optimizer_state_factor(self.optimizer, 1, 1)  # checks the name or figure
-        for name in ("num_stages", "num_microbatches", "stages_per_rank"):
+        for name in ("num_stages", "num_microbatches", "stages_per_rank", "tp", "dp"):
             _positive_int(name, getattr(self, name))
+        if self.zero_stage is not None:
+            check_zero_stage(self.zero_stage)
         if self.optimize is not None and self.optimize not in OPTIMIZE_TARGETS:
             raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
         if self.schedule_kind is not None and self.schedule_kind not in SCHEDULE_KINDS:
@@ -154,6 +165,23 @@ class CompileOptions:
         _positive_seconds("time_limit_s", self.time_limit_s, "default 10")
         _positive_seconds("step_timeout_s", self.step_timeout_s, "or None: 300 s",
                           optional=True)
+
+    def check_runtime(self, plan: Plan | None = None) -> None:
+        """Refuse a tensor- or data-parallel layout: no runtime executes one yet.
+
+        Raises:
+            PlanError: tp > 1, dp > 1 or a ZeRO stage > 0 (given, or in the replayed plan),
+                naming the values and what to do instead.
+        """
+        tp = max(self.tp or 1, plan.tp if plan is not None else 1)
+        dp = max(self.dp or 1, plan.dp if plan is not None else 1)
+        zero = max(self.zero_stage or 0, plan.zero_stage if plan is not None else 0)
+        if tp > 1 or dp > 1 or zero > 0:
+            raise PlanError(f"tp={tp}, dp={dp}, zero_stage={zero}: the runtime for tensor- and "
+                            "data-parallel plans is not built yet, so autopart.compile can only "
+                            "run tp=1, dp=1, zero_stage=0 (every GPU a pipeline rank). Such "
+                            "layouts can be planned: `autopart plan PROFILE --cluster PRESET:N "
+                            "--tp/--dp/--zero-stage`")
 
     def check_backend(self, backend: str) -> None:
         """Refuse what ``backend`` cannot honour.

@@ -233,7 +233,9 @@ class CostModel(MemoryModel):
         ``batch_size`` is given)."""
         return cls(costs, cluster, batch_size=options.batch_size if batch_size is None
                    else batch_size, training=options.training,
-                   state_factor=options.optimizer_state_bytes_per_param_byte,
+                   state_factor=(options.optimizer_state_bytes_per_param_byte
+                                 if options.state_bytes_per_param_byte is None
+                                 else options.state_bytes_per_param_byte - 2.0),
                    runtime=options.runtime)
 
     def speed(self, rank: int) -> float:

@@ -95,7 +95,7 @@ def setup(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Setup:
     caps = [dev.memory_bytes if options.memory_cap_bytes is None else options.memory_cap_bytes
             for dev in cluster.devices]
     model = CostModel.for_options(costs, cluster, options)
-    baselines = _baseline_cuts(costs, p)
+    baselines = _baseline_cuts(costs, p) if options.baselines else []
     s_max = p * max(v for _, v in configs) if configs else p
     cands = find_candidates(costs, min(s_max, _valid_count(costs, p)) if s_max > p else p,
                             crossing_factor=options.crossing_factor, window=options.window,

@@ -36,6 +36,10 @@ class SolveOptions:
         memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.
         optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte
             (AdamW: 2.0); weights + grads + state = ``(2 + this) x`` parameter bytes.
+        state_bytes_per_param_byte: bytes a GPU holds per trainable parameter byte it owns,
+            weights, gradients and optimizer state together, after any ZeRO sharding
+            (:func:`autopart.solver.data_parallel.state_multiplier`); ``None`` (default) =
+            ``2 + optimizer_state_bytes_per_param_byte``. Must be > 0.
         time_limit_s: CP-SAT wall-clock limit per solve, seconds (a safety net; the search
             is bounded by ``deterministic_time`` so that it is reproducible).
         deterministic_time: CP-SAT deterministic time limit per solve (default 2.0).
@@ -52,6 +56,9 @@ class SolveOptions:
             transfer, the split backward's cost, its receive buffers); default: a runtime
             that costs nothing beyond the profiled ops and allocates buffers as values
             arrive (:class:`autopart.core.runtime_model.RuntimeDescription`).
+        baselines: evaluate the baseline partitioners on the same costs, report them in the
+            plan and take a faster fitting one (default True); False skips them (the 3D
+            layout search screens layouts without them).
         crossing_factor, window, max_candidates: see
             :func:`autopart.solver.candidates.find_candidates`.
     """
@@ -67,6 +74,7 @@ class SolveOptions:
     recompute: bool | None = None
     memory_cap_bytes: int | None = None
     optimizer_state_bytes_per_param_byte: float = 2.0
+    state_bytes_per_param_byte: float | None = None
     time_limit_s: float = 10.0
     deterministic_time: float = 2.0
     max_cpsat_solves: int = 8
@@ -74,6 +82,7 @@ class SolveOptions:
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
     runtime: RuntimeDescription = RuntimeDescription()
+    baselines: bool = True
     crossing_factor: float = 2.0
     window: int = 32
     max_candidates: int = 128
@@ -94,6 +103,9 @@ class SolveOptions:
                             "must be >= 1")
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             raise PlanError(f"memory_cap_bytes={self.memory_cap_bytes} must be > 0 or None")
+        if self.state_bytes_per_param_byte is not None and self.state_bytes_per_param_byte <= 0:
+            raise PlanError(f"state_bytes_per_param_byte={self.state_bytes_per_param_byte} must "
+                            "be > 0 or None")
         if (self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0
                 or self.deterministic_time <= 0 or self.max_cpsat_solves < 0
                 or self.max_simulated < 1):

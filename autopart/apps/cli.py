@@ -138,13 +138,15 @@ def demo(out_dir: Path = typer.Option(Path("autopart-out"), help="where the plan
 @app.command()
 def show(plan: Path = typer.Argument(..., help="a plan JSON file")) -> None:
     """Print a saved plan as a table, with its baselines and the solver's certificate."""
-    from autopart.apps.report import print_certificate, print_plan
+    from autopart.apps.report import print_certificate, print_layout, print_plan
     from autopart.core.errors import PlanError
     from autopart.core.plan import Plan
 
     try:
         loaded = Plan.load(plan)
         print_plan(loaded)
+        if loaded.tp * loaded.dp > 1 or loaded.model_flops:
+            print_layout(loaded)
         print_certificate(loaded)
     except PlanError as exc:
         typer.echo(f"error: {_one_line(str(exc))}", err=True)

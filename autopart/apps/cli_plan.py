@@ -95,6 +95,20 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
     return Cluster.uniform(spec, names)
 
 
+def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int | None,
+              dp: int | None, zero_stage: int | None, heads: int | None) -> Any:
+    """The (tp, pp, dp, ZeRO) search over the cluster's GPUs, hosts as the preset ships them."""
+    from autopart.core.topology import topology_for_device
+    from autopart.solver.layout_search import LayoutOptions, solve_layout
+
+    spec = cluster.devices[0]
+    topology = topology_for_device(spec.name, spec.link_bandwidth_bytes_per_s,
+                                   spec.link_latency_us)
+    layout = LayoutOptions(num_gpus=cluster.num_ranks, topology=topology, tp=tp, pp=pp, dp=dp,
+                           zero_stage=zero_stage, num_heads=heads)
+    return solve_layout(costs, spec, options, layout)
+
+
 def _versions() -> dict[str, str]:
     out: dict[str, str] = {}
     for pkg in ("autopart", "torch"):
@@ -123,9 +137,26 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                                                     help="v virtual stages per rank (default: searched)"),
          time_limit: float = typer.Option(10.0, "--time-limit", help="CP-SAT time limit, s"),
          out: Path = typer.Option(Path("plan.json"), "--out", help="plan JSON to write"),
+         search_3d: bool = typer.Option(False, "--3d", help="choose tp, pp, dp and the ZeRO "
+                                        "stage together (implied by --tp/--pp/--dp/--zero-stage);"
+                                        " without it every GPU is a pipeline rank"),
+         tp: int | None = typer.Option(None, "--tp", help="tensor-parallel degree (3D; default: "
+                                       "searched)"),
+         pp: int | None = typer.Option(None, "--pp", help="pipeline ranks (3D; default: searched)"),
+         dp: int | None = typer.Option(None, "--dp", help="data-parallel replicas (3D; default: "
+                                       "searched)"),
+         zero_stage: int | None = typer.Option(None, "--zero-stage", help="ZeRO stage 0-3 over dp "
+                                               "(3D; default: searched)"),
+         heads: int | None = typer.Option(None, "--heads", help="the model's attention heads, "
+                                          "which tp must divide (3D)"),
          ) -> None:
-    """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap."""
-    from autopart.apps.report import print_certificate, print_plan, skipped_baselines_table
+    """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.
+
+    With ``--3d`` (or any of ``--tp/--pp/--dp/--zero-stage``) the GPUs are grouped in hosts
+    (DGX presets: 8 per host) and tp, pp, dp and the ZeRO stage are chosen together;
+    ``--batch-size`` is then the global batch over all replicas.
+    """
+    from autopart.apps.report import print_certificate, print_layout, print_plan, skipped_baselines_table
     from autopart.core.errors import PlanError
     from autopart.core.progress import phase
     from autopart.solver import SolveOptions, solve
@@ -143,7 +174,11 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
             memory_cap_bytes=None if memory_cap is None else int(memory_cap * _GIB),
             time_limit_s=time_limit, library_versions=_versions())
         with phase("solve"):  # on stderr (autopart.core.progress)
-            result = solve(costs, the_cluster, options)
+            if search_3d or any(x is not None for x in (tp, pp, dp, zero_stage)):
+                result = _solve_3d(costs, the_cluster, options, tp=tp, pp=pp, dp=dp,
+                                   zero_stage=zero_stage, heads=heads)
+            else:
+                result = solve(costs, the_cluster, options)
         result.save(out)
     except (UsageError, PlanError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -155,6 +190,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
 
     console = Console(width=None if Console().is_terminal else 120)
     print_plan(result, console)
+    if result.tp * result.dp > 1 or result.model_flops:
+        print_layout(result, console)
     skipped = [(b.name, b.reason) for b in run_baselines(costs, result.num_stages) if b.cuts is None]
     if skipped:
         console.print(skipped_baselines_table(skipped))

@@ -12,7 +12,7 @@ from rich.table import Table
 from autopart.core.plan import Plan
 
 __all__ = ["plan_table", "print_plan", "certificate_table", "pareto_table", "skipped_baselines_table",
-           "print_certificate"]
+           "print_certificate", "layout_table", "print_layout"]
 
 
 def _gib(nbytes: float) -> str:
@@ -69,6 +69,39 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                          _gib(b.peak_memory_bytes) + ("" if b.fits else " (over cap)"),
                          "all stages" if b.recompute else "none")
         console.print(base)
+
+
+def layout_table(plan: Plan) -> Table:
+    """The plan's parallel axes, memory per GPU and predicted TFLOP/s per GPU.
+
+    TFLOP/s per GPU = ``plan.model_flops`` (forward + backward of the whole model, recompute
+    excluded) / step time / GPUs; "-" when the plan records no FLOP count.
+    """
+    table = Table(title="parallel layout (per GPU)")
+    table.add_column("axis")
+    table.add_column("value", justify="right")
+    zero = ("none", "optimizer state", "+ gradients", "+ parameters")[plan.zero_stage]
+    peak = max(r.peak_memory_bytes for r in plan.ranks)
+    rows = [("tensor parallel (tp)", str(plan.tp)), ("pipeline ranks (pp)", str(len(plan.ranks))),
+            ("data parallel (dp)", str(plan.dp)),
+            ("ZeRO stage", f"{plan.zero_stage} ({zero})"), ("GPUs", str(plan.num_gpus)),
+            ("global batch / microbatches per replica",
+             f"{plan.batch_size} / {plan.num_microbatches}"),
+            ("sharded parameters", str(len(plan.sharded_parameters))),
+            ("largest memory per GPU", _gib(peak))]
+    step_s = plan.predicted_step_time_us / 1e6
+    tflops = (f"{plan.model_flops / step_s / plan.num_gpus / 1e12:.1f}"
+              if plan.model_flops and step_s > 0 else "-")
+    rows.append(("predicted TFLOP/s per GPU (model FLOPs, recompute excluded)", tflops))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def print_layout(plan: Plan, console: Console | None = None) -> None:
+    """Print :func:`layout_table`."""
+    console = console or Console(width=None if Console().is_terminal else 120)
+    console.print(layout_table(plan))
 
 
 def _ratio(value: float, reference: float) -> str:

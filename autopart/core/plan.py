@@ -11,12 +11,19 @@ from typing import Any
 
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
+from autopart.core.layout import layout_problem
 
 __all__ = ["Cut", "StagePlan", "RankPlan", "SolverReport", "BaselineReport", "ParetoPoint",
-           "LowerBounds", "Plan",
-           "PLAN_SCHEMA_VERSION", "SCHEDULE_KINDS", "OPTIMIZE_TARGETS"]
+           "LowerBounds", "ShardedParameter", "Plan",
+           "PLAN_SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "SCHEDULE_KINDS",
+           "OPTIMIZE_TARGETS", "SHARD_STYLES"]
 
-PLAN_SCHEMA_VERSION = 1
+#: 2 added tp, dp, zero_stage, sharded_parameters and model_flops (3D plans).
+PLAN_SCHEMA_VERSION = 2
+#: Versions :meth:`Plan.load` reads; a version 1 plan loads as tp = dp = 1, no ZeRO.
+READABLE_SCHEMA_VERSIONS = (1, 2)
+#: How tensor parallelism splits a parameter: by output feature, input feature, vocabulary row.
+SHARD_STYLES = ("column", "row", "vocab")
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 OPTIMIZE_TARGETS = ("speed", "memory")
 
@@ -145,6 +152,25 @@ class LowerBounds:
 
 
 @dataclass(frozen=True, slots=True)
+class ShardedParameter:
+    """A parameter tensor parallelism splits over the tp GPUs of a group (absent: replicated).
+
+    ``style``: ``"column"`` (split by output feature; a column-parallel linear's weight and
+    bias), ``"row"`` (split by input feature; a row-parallel linear's weight) or ``"vocab"``
+    (split by vocabulary row; the token embedding and the head that shares it).
+    """
+
+    name: str
+    style: str
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.style not in SHARD_STYLES:
+            raise PlanError(f"invalid plan: sharded parameter {self.name!r} has style "
+                            f"{self.style!r}; expected one of {SHARD_STYLES}")
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """A complete partition and schedule decision for one model, batch and cluster.
 
@@ -168,6 +194,15 @@ class Plan:
         pareto: the (step time, peak memory) frontier of the candidates the solver evaluated,
             by ascending time (may be empty).
         lower_bounds: physical lower bounds and the plan's ratio to them (None when absent).
+        tp: tensor-parallel degree: every rank is a group of tp GPUs of one host (default 1).
+        dp: data-parallel replicas of the whole pipeline (default 1); ``batch_size`` is the
+            global batch over all of them, each replica runs ``batch_size / dp`` rows in
+            ``num_microbatches`` microbatches.
+        zero_stage: 0-3, what dp shards: nothing, optimizer state, + gradients, + parameters.
+        sharded_parameters: the parameters tp splits and how (empty when tp = 1).
+        model_flops: FLOPs of one training step of the whole model at ``batch_size``
+            (forward + backward, recompute excluded), 0 when not recorded.
+        Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
     graph_fingerprint: str
@@ -188,6 +223,11 @@ class Plan:
     stages_per_rank: int = 1
     pareto: tuple[ParetoPoint, ...] = ()
     lower_bounds: LowerBounds | None = None
+    tp: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    sharded_parameters: tuple[ShardedParameter, ...] = ()
+    model_flops: int = 0
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -204,6 +244,11 @@ class Plan:
     def num_stages(self) -> int:
         """S, the number of pipeline stages."""
         return len(self.stages)
+
+    @property
+    def num_gpus(self) -> int:
+        """tp x pp x dp, pp being the number of ranks."""
+        return self.tp * len(self.ranks) * self.dp
 
     # ---- JSON ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -222,7 +267,8 @@ class Plan:
         """
         kwargs = _kwargs(cls, d, "")
         for name, kind in (("cuts", Cut), ("stages", StagePlan), ("ranks", RankPlan),
-                           ("baselines", BaselineReport), ("pareto", ParetoPoint)):
+                           ("baselines", BaselineReport), ("pareto", ParetoPoint),
+                           ("sharded_parameters", ShardedParameter)):
             if name in kwargs:
                 items = _listed(kwargs[name], name)
                 kwargs[name] = tuple(_build(kind, x, f"{name}[{i}]") for i, x in enumerate(items))
@@ -291,6 +337,8 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "tuple[RankPlan, ...]": (lambda v: _tuple_of(v, RankPlan), "a list of ranks"),
     "tuple[BaselineReport, ...]": (lambda v: _tuple_of(v, BaselineReport), "a list of baselines"),
     "tuple[ParetoPoint, ...]": (lambda v: _tuple_of(v, ParetoPoint), "a list of Pareto points"),
+    "tuple[ShardedParameter, ...]": (lambda v: _tuple_of(v, ShardedParameter),
+                                     "a list of sharded parameters"),
 }
 
 
@@ -339,9 +387,13 @@ def _check_whole(plan: Plan) -> None:
     def bad(msg: str) -> PlanError:
         return PlanError(f"invalid plan: {msg}")
 
-    if plan.schema_version != PLAN_SCHEMA_VERSION:
+    if plan.schema_version not in READABLE_SCHEMA_VERSIONS:
         raise bad(f"schema_version {plan.schema_version} is not supported (this autopart "
-                  f"reads {PLAN_SCHEMA_VERSION}); re-plan with this version")
+                  f"reads {READABLE_SCHEMA_VERSIONS}); re-plan with this version")
+    problem = layout_problem(plan.tp, plan.dp, plan.zero_stage, plan.schema_version,
+                             [p.name for p in plan.sharded_parameters])
+    if problem:
+        raise bad(problem)
     for name in ("graph_fingerprint", "cluster_fingerprint", "cost_source"):
         if not getattr(plan, name).strip():
             raise bad(f"{name} is empty; a plan names what it was made for: {_FIX}")
@@ -353,6 +405,9 @@ def _check_whole(plan: Plan) -> None:
     if batch < 1 or m < 1 or batch % m:
         raise bad(f"num_microbatches={m} must be >= 1 and divide batch_size={batch}; "
                   "choose a divisor of the batch")
+    if batch % (m * plan.dp):
+        raise bad(f"num_microbatches={m} x dp={plan.dp} must divide batch_size={batch} (the "
+                  "global batch); choose m dividing the batch per replica")
     if v < 1 or (v > 1 and plan.schedule_kind != "interleaved_1f1b"):
         raise bad(f"stages_per_rank={v} with schedule_kind={plan.schedule_kind!r}: only "
                   "'interleaved_1f1b' runs more than one stage per rank (v >= 1); set "

@@ -1,0 +1,284 @@
+"""Benchmark: autopart's 3D predictions against Megatron-LM's weak-scaling table (SC'21, Table 1).
+
+For each of the ten GPT rows (Narayanan et al., "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", SC'21, arXiv:2104.04473, Table 1) the model is built as a
+``GPT2LMHeadModel`` on the meta device (sequence 2048, vocabulary 51,200, bf16), captured at
+batch 1 and profiled analytically for an A100 80GB (``profile_analytical``). Then:
+
+(a) Megatron's own configuration: tp, pp and dp fixed as published, microbatch 1, the
+    interleaved schedule (1F1B when pp = 1), full recompute, no ZeRO; autopart's predicted
+    TFLOP/s per GPU by Megatron's FLOP count ``F = 96 B s l h^2 (1 + s/6h + V/16lh)`` is
+    compared with the published figure.
+(b) autopart's own plan: tp, pp, dp, ZeRO stage, schedule, v and recompute chosen by
+    ``solve_layout`` (microbatch 1, 2 or 4 rows), solved twice (same plan JSON?), timed.
+
+Costs are cached under ``--cache`` (CostGraph JSON per shape) so a rerun skips the captures.
+Writes ``results.json`` and ``results.md`` (and ``figure.png`` with matplotlib).
+
+    .venv/bin/python benchmarks/megatron_table/run.py [--rows 0,1,2] [--skip-own]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SEQ, VOCAB = 2048, 51200
+A100_PEAK = 312e12  # dense BF16, NVIDIA A100 datasheet
+OPTIMIZER_STATE = 6.0  # fp32 master weights + Adam moments = 12 bytes per 2-byte parameter
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of Table 1 (published values)."""
+
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float  # achieved teraFLOP/s per GPU
+    peak_pct: int  # percentage of theoretical peak
+
+
+#: Narayanan et al., SC'21, Table 1 (weak scaling, A100 80GB in DGX A100 hosts; interleaved
+#: schedule; full activation recomputation).
+ROWS = (
+    Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
+    Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+    Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46),
+    Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+    Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44),
+    Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+    Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47),
+    Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+    Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
+    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
+)
+
+
+def megatron_flops(row: Row) -> float:
+    """FLOPs of one step by Megatron's count (SC'21, section 5.1: recompute included)."""
+    b, s, n, h, v = row.batch, SEQ, row.layers, row.hidden, VOCAB
+    return 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+
+
+def profile_row(row: Row, cache: Path) -> Any:
+    """The row's analytical CostGraph on an A100 80GB (cached)."""
+    from autopart.core.costgraph import CostGraph
+
+    path = cache / f"gpt_l{row.layers}_h{row.hidden}_a{row.heads}.json"
+    if path.exists():
+        return CostGraph.load(path)
+    import torch
+    import transformers
+
+    from autopart.core.capture import capture
+    from autopart.core.cluster import PRESETS
+    from autopart.profiler import profile_analytical
+
+    config = transformers.GPT2Config(n_layer=row.layers, n_embd=row.hidden, n_head=row.heads,
+                                     n_positions=SEQ, vocab_size=VOCAB, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)
+    x = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    captured = capture(model.train(), (x,))
+    costs = profile_analytical(captured, None, PRESETS["a100-80gb"], dtype=torch.bfloat16)
+    cache.mkdir(parents=True, exist_ok=True)
+    costs.save(path)
+    return costs
+
+
+def _plan_json(plan: Any) -> str:
+    d = plan.to_dict()
+    d["solver"]["wall_s"] = 0.0
+    return json.dumps(d, sort_keys=True)
+
+
+def _summary(plan: Any, row: Row, wall: float) -> dict[str, Any]:
+    step_s = plan.predicted_step_time_us / 1e6
+    return {
+        "tp": plan.tp, "pp": len(plan.ranks), "dp": plan.dp, "zero_stage": plan.zero_stage,
+        "num_microbatches": plan.num_microbatches,
+        "microbatch_rows": plan.batch_size // (plan.dp * plan.num_microbatches),
+        "schedule_kind": plan.schedule_kind, "stages_per_rank": plan.stages_per_rank,
+        "recompute_stages": sum(st.recompute for st in plan.stages),
+        "num_stages": plan.num_stages,
+        "step_s": step_s, "bubble_fraction": plan.bubble_fraction,
+        "tflops_per_gpu_megatron_count": megatron_flops(row) / step_s / row.gpus / 1e12,
+        "tflops_per_gpu_model_flops": plan.model_flops / step_s / row.gpus / 1e12,
+        "max_peak_memory_gib": max(r.peak_memory_bytes for r in plan.ranks) / 2**30,
+        "solver": plan.solver.name, "gap": plan.solver.gap, "wall_s": wall,
+        "load_avg_1min": os.getloadavg()[0],
+    }
+
+
+def run_row(row: Row, costs: Any, *, own: bool) -> dict[str, Any]:
+    """(a) Megatron's configuration and (b) autopart's own plan for one row."""
+    from autopart.core.cluster import PRESETS
+    from autopart.core.topology import TOPOLOGY_PRESETS
+    from autopart.solver import SolveOptions
+    from autopart.solver.layout_search import LayoutOptions, solve_layout
+
+    device, topo = PRESETS["a100-80gb"], TOPOLOGY_PRESETS["dgx-a100"]
+    dp = row.gpus // (row.tp * row.pp)
+    out: dict[str, Any] = {"row": row.__dict__, "dp": dp, "nodes": len(costs.nodes),
+                           "megatron_flops": megatron_flops(row)}
+    base = dict(batch_size=row.batch, optimizer_state_bytes_per_param_byte=OPTIMIZER_STATE,
+                max_cpsat_solves=2, library_versions={"autopart": version("autopart")})
+    meg_opts = SolveOptions(**base, recompute=True,  # type: ignore[arg-type]
+                            schedule_kind="interleaved_1f1b" if row.pp > 1 else "1f1b",
+                            stages_per_rank=None if row.pp > 1 else 1)
+    meg_layout = LayoutOptions(num_gpus=row.gpus, topology=topo, tp=row.tp, pp=row.pp, dp=dp,
+                               zero_stage=0, num_heads=row.heads, microbatch_sizes=(1,),
+                               refine=1)
+    t0 = time.perf_counter()
+    meg = solve_layout(costs, device, meg_opts, meg_layout)
+    out["megatron_config"] = _summary(meg, row, time.perf_counter() - t0)
+    pred = out["megatron_config"]["tflops_per_gpu_megatron_count"]
+    out["megatron_config"]["error_vs_published"] = pred / row.tflops - 1
+    print(f"{row.params_b}B: megatron config predicted {pred:.1f} TFLOP/s per GPU "
+          f"(published {row.tflops}), {out['megatron_config']['wall_s']:.1f} s",
+          file=sys.stderr, flush=True)
+    if not own:
+        return out
+    own_opts = SolveOptions(**base)  # type: ignore[arg-type]
+    own_layout = LayoutOptions(num_gpus=row.gpus, topology=topo, num_heads=row.heads,
+                               microbatch_sizes=(1, 2, 4), max_layouts=24, refine=1)
+    texts, runs = [], []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        plan = solve_layout(costs, device, own_opts, own_layout)
+        runs.append(_summary(plan, row, time.perf_counter() - t0))
+        texts.append(_plan_json(plan))
+    out["own_plan"] = runs[0]
+    out["own_runs_wall_s"] = [r["wall_s"] for r in runs]
+    out["own_identical_json"] = texts[0] == texts[1]
+    out["own_at_least_as_fast"] = runs[0]["step_s"] <= out["megatron_config"]["step_s"] + 1e-9
+    out["own_fits_memory"] = runs[0]["max_peak_memory_gib"] * 2**30 <= device.memory_bytes
+    print(f"  own plan: tp {runs[0]['tp']} pp {runs[0]['pp']} dp {runs[0]['dp']} "
+          f"ZeRO-{runs[0]['zero_stage']}, {runs[0]['tflops_per_gpu_megatron_count']:.1f} "
+          f"TFLOP/s, {runs[0]['wall_s']:.1f} s / {runs[1]['wall_s']:.1f} s, same JSON "
+          f"{out['own_identical_json']}", file=sys.stderr, flush=True)
+    return out
+
+
+def write_markdown(results: dict[str, Any], path: Path) -> None:
+    """results.md: one table for (a), one for (b)."""
+    env = results["environment"]
+    lines = [f"{env['machine']}, {env['cpus']} CPUs; Python {env['python']}, torch "
+             f"{env['torch']}, ortools {env['ortools']}, transformers {env['transformers']}.",
+             "", "## (a) Megatron's configuration, predicted vs published", "",
+             "| params | GPUs | tp | pp | dp | batch | published TFLOP/s | predicted | error | "
+             "bubble | peak GiB | v | solve s |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["rows"]:
+        row, meg = r["row"], r["megatron_config"]
+        lines.append(f"| {row['params_b']}B | {row['gpus']} | {row['tp']} | {row['pp']} | "
+                     f"{r['dp']} | {row['batch']} | {row['tflops']} | "
+                     f"{meg['tflops_per_gpu_megatron_count']:.1f} | "
+                     f"{meg['error_vs_published']:+.1%} | {meg['bubble_fraction']:.1%} | "
+                     f"{meg['max_peak_memory_gib']:.1f} | {meg['stages_per_rank']} | "
+                     f"{meg['wall_s']:.1f} |")
+    within = sum(abs(r["megatron_config"]["error_vs_published"]) <= 0.15 for r in results["rows"])
+    lines += ["", f"Within 15 %: {within} of {len(results['rows'])} rows.", ""]
+    own_rows = [r for r in results["rows"] if "own_plan" in r]
+    if own_rows:
+        lines += ["## (b) autopart's own plan on the same costs", "",
+                  "| params | tp | pp | dp | ZeRO | mb rows | schedule | v | recompute stages | "
+                  "predicted TFLOP/s | vs Megatron config | peak GiB | solve s (2 runs) | "
+                  "same JSON |",
+                  "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
+        for r in own_rows:
+            o, meg = r["own_plan"], r["megatron_config"]
+            lines.append(
+                f"| {r['row']['params_b']}B | {o['tp']} | {o['pp']} | {o['dp']} | "
+                f"{o['zero_stage']} | {o['microbatch_rows']} | {o['schedule_kind']} | "
+                f"{o['stages_per_rank']} | {o['recompute_stages']}/{o['num_stages']} | "
+                f"{o['tflops_per_gpu_megatron_count']:.1f} | "
+                f"{meg['step_s'] / o['step_s']:.2f}x | {o['max_peak_memory_gib']:.1f} | "
+                f"{r['own_runs_wall_s'][0]:.1f} / {r['own_runs_wall_s'][1]:.1f} | "
+                f"{r['own_identical_json']} |")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def write_figure(results: dict[str, Any], path: Path) -> bool:
+    """Published vs predicted TFLOP/s per GPU, per row; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = results["rows"]
+    labels = [f"{r['row']['params_b']:g}B" for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot(xs, [r["row"]["tflops"] for r in rows], "ko-", label="Megatron-LM, published")
+    ax.plot(xs, [r["megatron_config"]["tflops_per_gpu_megatron_count"] for r in rows], "bs--",
+            label="autopart, Megatron's configuration")
+    own = [(i, r["own_plan"]["tflops_per_gpu_megatron_count"]) for i, r in enumerate(rows)
+           if "own_plan" in r]
+    if own:
+        ax.plot([i for i, _ in own], [t for _, t in own], "g^:", label="autopart, own plan")
+    ax.fill_between(xs, [0.85 * r["row"]["tflops"] for r in rows],
+                    [1.15 * r["row"]["tflops"] for r in rows], color="0.85", label="±15 %")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("TFLOP/s per GPU (Megatron's count)")
+    ax.set_title("GPT weak scaling on A100 80GB (Narayanan et al., SC'21, Table 1)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Profile (or load) each row, plan it, write the results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="", help="comma-separated row indices (default all)")
+    parser.add_argument("--skip-own", action="store_true", help="only (a)")
+    parser.add_argument("--cache", type=Path, default=HERE / ".cache")
+    parser.add_argument("--out-dir", type=Path, default=HERE)
+    args = parser.parse_args(argv)
+    import torch
+    import transformers
+
+    picked = [int(i) for i in args.rows.split(",") if i] or list(range(len(ROWS)))
+    rows = []
+    for i in picked:
+        t0 = time.perf_counter()
+        costs = profile_row(ROWS[i], args.cache)
+        print(f"row {i}: {len(costs.nodes)} nodes in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+        rows.append(run_row(ROWS[i], costs, own=not args.skip_own))
+    results = {
+        "source": "Narayanan et al., SC'21 (arXiv:2104.04473), Table 1",
+        "device": "a100-80gb", "topology": "dgx-a100", "rows": rows,
+        "optimizer_state_bytes_per_param_byte": OPTIMIZER_STATE,
+        "environment": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                        "python": platform.python_version(), "torch": torch.__version__,
+                        "ortools": version("ortools"), "transformers": transformers.__version__},
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True)
+                                               + "\n", encoding="utf-8")
+    write_markdown(results, args.out_dir / "results.md")
+    write_figure(results, args.out_dir / "figure.png")
+
+
+if __name__ == "__main__":
+    main()

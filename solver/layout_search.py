@@ -1,0 +1,433 @@
+"""solve_layout: choose tp, pp, dp and the ZeRO stage around the pipeline solver, best bound first."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+from autopart.core.cluster import Cluster, DeviceSpec
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import InfeasiblePlanError, PlanError
+from autopart.core.layout import (
+    ZERO_STAGES,
+    check_degrees,
+    check_global_batch,
+    check_tp,
+    check_zero_stage,
+    divisors,
+)
+from autopart.core.plan import Plan, ShardedParameter
+from autopart.core.topology import HostTopology
+from autopart.solver.candidates import crossing_profile
+from autopart.solver.data_parallel import DataParallelCost, data_parallel_cost, state_multiplier
+from autopart.solver.options import SolveOptions
+from autopart.solver.solve import solve
+from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
+
+__all__ = ["LayoutOptions", "LayoutCandidate", "layout_candidates", "evaluate_layout",
+           "solve_layout"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayoutOptions:
+    """The 3D part of a request (keyword-only); ``None`` = the search chooses.
+
+    Attributes:
+        num_gpus: GPUs in the cluster (tp x pp x dp).
+        topology: hosts and links (:class:`autopart.core.topology.HostTopology`).
+        tp, pp, dp: fixed degrees, or None.
+        zero_stage: fixed ZeRO stage 0-3, or None (the search tries 0-3 where dp > 1).
+        num_heads: the model's attention heads (a tp must divide them); None = not checked.
+        gradient_factor: gradient bytes per parameter byte (1.0: gradients in the
+            parameters' dtype; 2.0: fp32 gradients of bf16 weights).
+        max_layouts: at most this many layouts get a screening solve (best bound first)
+            (default 64).
+        refine: how many of the best screened layouts are solved again with the request's
+            full pipeline search (default 2).
+        microbatch_sizes: rows per microbatch to search (Megatron-LM's ``micro-batch-size``):
+            each layout searches ``m = batch / dp / size`` for the sizes that divide a
+            replica's batch; None (default) = ``options``' microbatch counts.
+    """
+
+    num_gpus: int
+    topology: HostTopology
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    zero_stage: int | None = None
+    num_heads: int | None = None
+    gradient_factor: float = 1.0
+    max_layouts: int = 64
+    refine: int = 2
+    microbatch_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1:
+            raise PlanError(f"num_gpus={self.num_gpus} must be >= 1")
+        if self.zero_stage is not None:
+            check_zero_stage(self.zero_stage)
+        if self.tp is not None:
+            check_tp(self.tp, gpus_per_host=self.topology.gpus_per_host,
+                     num_heads=self.num_heads)
+        for name in ("pp", "dp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise PlanError(f"{name}={value} must be >= 1 or None")
+        if self.tp and self.pp and self.dp:
+            check_degrees(self.tp, self.pp, self.dp, self.num_gpus)
+        if self.microbatch_sizes is not None and (not self.microbatch_sizes
+                                                  or min(self.microbatch_sizes) < 1):
+            raise PlanError(f"microbatch_sizes={self.microbatch_sizes} must be sizes >= 1 or None")
+        if self.gradient_factor <= 0 or self.max_layouts < 1 or self.refine < 0:
+            raise PlanError(f"gradient_factor={self.gradient_factor} must be > 0, "
+                            f"max_layouts={self.max_layouts} >= 1 and refine={self.refine} >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutCandidate:
+    """One (tp, pp, dp, zero) layout with its lower bounds.
+
+    Attributes:
+        tp, pp, dp, zero_stage: the degrees.
+        step_lb_us: no plan of this layout is faster: its compute and its smallest
+            stage-to-stage sends spread evenly over pp ranks (no bubble, no recompute) plus the
+            dp collectives of an even share of the parameters, µs.
+        state_lb_bytes: no rank of it holds less parameter state, bytes.
+        estimate_us: the bound with a 1F1B bubble, ``(m + pp - 1) / m`` on the compute: the
+            order layouts are screened in (not a bound), µs.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    step_lb_us: float
+    state_lb_bytes: int
+    estimate_us: float = 0.0
+
+
+def _tp_choices(layout: LayoutOptions) -> list[int]:
+    if layout.tp is not None:
+        return [layout.tp]
+    out = []
+    for tp in divisors(layout.topology.gpus_per_host):
+        if layout.num_gpus % tp == 0 and (layout.num_heads is None or layout.num_heads % tp == 0):
+            out.append(tp)
+    return out
+
+
+def _dp_cost(param_bytes: int, largest: int, dp: int, zero: int, tp: int,
+             layout: LayoutOptions) -> DataParallelCost:
+    bw, lat = layout.topology.link(tp * dp)
+    return data_parallel_cost(param_bytes, largest, dp=dp, zero_stage=zero,
+                              bandwidth_bytes_per_s=bw, latency_us=lat,
+                              gradient_factor=layout.gradient_factor)
+
+
+def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
+            options: SolveOptions, layout: LayoutOptions, device: DeviceSpec,
+            smallest_crossing: int) -> LayoutCandidate:
+    """Bounds of one layout. With ``m`` microbatches a step is no shorter than the work
+    spread over pp ranks, ``(m O + L + m C) / pp``, nor than one microbatch's forward and
+    backward through every stage in turn, ``O + L / m`` (O: the per-op fixed times of one
+    microbatch, L: the batch-proportional times of the replica's whole batch, C: the
+    forward and backward sends over pp - 1 cuts of the smallest crossing, each charged to a
+    stage's time as the pipeline cost model does), plus the dp collectives of an even share
+    of the parameters; the bound is the smallest over the allowed m."""
+    overhead_us = device.op_overhead_us
+    rows = options.batch_size / dp / sharded.batch_size
+    fixed = linear = 0.0
+    for nd in sharded.nodes:
+        for t in (nd.fwd_us, nd.bwd_input_us if options.training else 0.0,
+                  nd.bwd_weight_us if options.training else 0.0):
+            if t > 0:
+                linear += max(t - overhead_us, 0.0) * rows
+                fixed += min(t, overhead_us)
+    trainable = sum(b for p, b in sharded.param_sizes.items() if p in sharded.trainable)
+    share = -(-trainable // pp)
+    largest = max((nd.param_bytes for nd in sharded.nodes), default=0)
+    dp_cost = _dp_cost(share, largest, dp, zero, tp, layout) if options.training else None
+    link = _pipeline_cluster(device, tp, 2, dp, layout.topology)
+    smallest = smallest_crossing if pp > 1 else 0
+    sends = 2 if options.training else 1
+
+    def send_us(m: int) -> float:
+        nbytes = math.ceil(smallest * options.batch_size / dp / m / sharded.batch_size - 1e-9)
+        return sends * (pp - 1) * link.transfer_us(nbytes, 0, 1) if nbytes > 0 else 0.0
+
+    lb = est = math.inf
+    for m in counts:
+        dp_us = dp_cost.step_us(m) if dp_cost else 0.0
+        work = (m * fixed + linear + m * send_us(m)) / pp
+        lb = min(lb, max(work, fixed + linear / m) + dp_us)
+        est = min(est, work * (m + pp - 1) / m + dp_us)
+    mult = (state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
+                             layout.gradient_factor) if options.training else 1.0)
+    frozen = sum(b for p, b in sharded.param_sizes.items() if p not in sharded.trainable)
+    state = int(trainable * mult + frozen) // pp
+    return LayoutCandidate(tp, pp, dp, zero, lb, state, est)
+
+
+def _smallest_crossing(costs: CostGraph) -> int:
+    """The fewest bytes any cut position 1 .. n - 1 of ``costs`` sends, at its profiled batch."""
+    crossing, valid = crossing_profile(costs)
+    inner = [c for q, c in enumerate(crossing) if 0 < q < len(crossing) - 1 and valid[q]]
+    return min(inner) if inner else 0
+
+
+def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
+                      layout: LayoutOptions, cache: dict[int, CostGraph] | None = None
+                      ) -> list[LayoutCandidate]:
+    """Every layout the request allows, with bounds, most promising first (speed: by
+    ``estimate_us``; memory: by state bound, then estimate), ties broken by (tp, pp, dp, zero).
+
+    Raises:
+        PlanError: the fixed degrees admit no layout (tp x pp x dp is not the GPU count, the
+            batch does not split over dp, a fixed m does not split a replica's batch); the
+            message names the values and the nearest valid ones.
+    """
+    n, batch = layout.num_gpus, options.batch_size
+    if layout.tp is not None and n % layout.tp:
+        check_degrees(layout.tp, layout.pp or 1, layout.dp or 1, n)
+    if layout.dp is not None:
+        check_global_batch(batch, layout.dp, options.num_microbatches)
+    out: list[LayoutCandidate] = []
+    shape_seen = False
+    for tp in _tp_choices(layout):
+        sharded = _sharded(costs, tp, device, layout, cache)
+        smallest = _smallest_crossing(sharded)
+        for pp in divisors(n // tp) if n % tp == 0 else []:
+            dp = n // (tp * pp)
+            if layout.pp not in (None, pp) or layout.dp not in (None, dp):
+                continue
+            shape_seen = True
+            if batch % dp:
+                continue
+            try:
+                counts = _replica_options(options, layout, dp).microbatch_counts()
+            except PlanError:
+                continue
+            zeros = ([layout.zero_stage] if layout.zero_stage is not None
+                     else list(ZERO_STAGES) if dp > 1 and options.training else [0])
+            for zero in zeros:
+                out.append(_bounds(sharded, tp, pp, dp, zero, counts, options, layout, device,
+                                   smallest))
+    if not shape_seen:
+        check_degrees(layout.tp or 1, layout.pp or 1, layout.dp or 1, n)
+    if not out:
+        dps = sorted({n // (tp * pp) for tp in _tp_choices(layout) for pp in divisors(n // tp)
+                      if n % tp == 0})
+        raise PlanError(f"global batch {batch} (m={options.num_microbatches}) splits over none "
+                        f"of the data-parallel degrees the request allows ({dps}); choose a "
+                        "batch that a dp among them divides, or fix dp")
+    if options.optimize == "memory":
+        out.sort(key=lambda c: (c.state_lb_bytes, c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage))
+    else:
+        out.sort(key=lambda c: (c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage))
+    return out
+
+
+def _replica_options(options: SolveOptions, layout: LayoutOptions, dp: int) -> SolveOptions:
+    """``options`` for one replica: its batch, and the microbatch counts of
+    ``layout.microbatch_sizes`` (PlanError when none divides the replica's batch)."""
+    per = options.batch_size // dp
+    out = replace(options, batch_size=per, hint=None)
+    if layout.microbatch_sizes is not None and options.num_microbatches is None:
+        counts = tuple(sorted({per // s for s in layout.microbatch_sizes if per % s == 0}))
+        if not counts:
+            raise PlanError(f"no microbatch size in {layout.microbatch_sizes} divides the "
+                            f"replica batch {per}")
+        out = replace(out, microbatch_candidates=counts)
+    return out
+
+
+def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOptions,
+             cache: dict[int, CostGraph] | None = None) -> CostGraph:
+    """One GPU's share at tp (memoised in ``cache``, one entry per tp, for one request)."""
+    if cache is not None and tp in cache:
+        return cache[tp]
+    bw, lat = layout.topology.link(tp)
+    out = shard_costs(costs, tp, bandwidth_bytes_per_s=bw, latency_us=lat,
+                      op_overhead_us=device.op_overhead_us)
+    if cache is not None:
+        cache[tp] = out
+    return out
+
+
+def _pipeline_cluster(device: DeviceSpec, tp: int, pp: int, dp: int,
+                      topo: HostTopology) -> Cluster:
+    """pp ranks; neighbours sit ``tp x dp`` GPUs apart: inside a host or across. Across hosts
+    each of the tp GPUs sends its 1/tp slice over its own adapter (Megatron's scatter/gather
+    of activations between stages, SC'21 section 4.1): tp times one adapter's bandwidth."""
+    if tp * dp < topo.gpus_per_host:
+        bw, lat = topo.intra_host_bandwidth_bytes_per_s, topo.intra_host_latency_us
+    else:
+        bw, lat = topo.inter_host_bandwidth_bytes_per_s * tp, topo.inter_host_latency_us
+    spec = replace(device, link_bandwidth_bytes_per_s=bw, link_latency_us=lat)
+    return Cluster.uniform(spec, [f"cuda:{r}" for r in range(pp)])
+
+
+def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
+                    layout: LayoutOptions, cand: LayoutCandidate,
+                    cache: dict[int, CostGraph] | None = None) -> Plan:
+    """The pipeline solver's best plan for one layout, with tp, dp and ZeRO costs added.
+
+    The pipeline solver sees one GPU's share of the model (:func:`shard_costs` at tp), the
+    replica's batch (``batch_size / dp``), pp ranks linked as placed, the per-GPU parameter
+    state under ZeRO (:func:`state_multiplier`) and the memory cap less what ZeRO-3 holds
+    gathered. The dp collectives of the rank with the most parameters are then added to the
+    step (not overlapped) and ZeRO-3's gathered bytes to every rank's peak.
+
+    Raises:
+        InfeasiblePlanError: nothing fits this layout.
+    """
+    tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
+    sharded = _sharded(costs, tp, device, layout, cache)
+    largest = max((nd.param_bytes for nd in sharded.nodes), default=0)
+    probe = _dp_cost(largest, largest, dp, zero, tp, layout) if options.training else None
+    gathered = probe.gathered_bytes if probe else 0
+    cap = options.memory_cap_bytes or device.memory_bytes
+    if cap - gathered <= 0:
+        raise InfeasiblePlanError(f"ZeRO-3 at dp={dp} holds {gathered} bytes gathered, more "
+                                  f"than the {cap}-byte cap")
+    mult = state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
+                            layout.gradient_factor)
+    inner = replace(_replica_options(options, layout, dp), memory_cap_bytes=cap - gathered,
+                    state_bytes_per_param_byte=mult if options.training else None)
+    plan = solve(sharded, _pipeline_cluster(device, tp, pp, dp, layout.topology), inner)
+    extra = 0.0
+    if options.training:
+        rank_params = [sum(plan.stages[s].param_bytes for s in r.stage_indices)
+                       for r in plan.ranks]
+        extra = _dp_cost(max(rank_params), largest, dp, zero, tp, layout).step_us(
+            plan.num_microbatches)
+    split = find_tensor_parallel(costs) if tp > 1 else None
+    sharded_params = tuple(ShardedParameter(name, style)
+                           for name, style in sorted(split.params.items())) if split else ()
+    ranks = tuple(replace(r, peak_memory_bytes=r.peak_memory_bytes + gathered)
+                  for r in plan.ranks)
+    forward = sum(nd.flops for nd in costs.nodes) * options.batch_size / costs.batch_size
+    step = plan.predicted_step_time_us + extra
+    return replace(
+        plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
+        sharded_parameters=sharded_params, ranks=ranks,
+        predicted_step_time_us=round(step, 3),
+        bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
+        if step > 0 else plan.bubble_fraction,
+        cluster_fingerprint=f"{layout.num_gpus}x{device.name}/{layout.topology.name}",
+        model_flops=int(round((3 if options.training else 1) * forward)))
+
+
+def _screen_options(options: SolveOptions) -> SolveOptions:
+    """The cheap pipeline search a layout is screened with: the exact DP seeds only, one
+    simulator replay, no baselines, and one schedule kind (1F1B, v = 1) unless the request
+    fixes them."""
+    if options.schedule_kind is None and options.training and options.num_stages is None:
+        return replace(options, max_cpsat_solves=0, max_simulated=1, schedule_kind="1f1b",
+                       stages_per_rank=1, baselines=False)
+    return replace(options, max_cpsat_solves=0, max_simulated=1, baselines=False)
+
+
+def _key(plan: Plan, optimize: str) -> tuple[float, ...]:
+    """Sort key: speed = (step, peak, tp, pp, dp, zero); memory = (peak, step, ...)."""
+    peak = max(r.peak_memory_bytes for r in plan.ranks)
+    degrees = (plan.tp, len(plan.ranks), plan.dp, plan.zero_stage)
+    if optimize == "memory":
+        return (peak, plan.predicted_step_time_us, *degrees)
+    return (plan.predicted_step_time_us, peak, *degrees)
+
+
+def _better(a: Plan, b: Plan | None, optimize: str) -> bool:
+    return b is None or _key(a, optimize) < _key(b, optimize)
+
+
+def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
+                 layout: LayoutOptions) -> Plan:
+    """Choose tp, pp, dp and the ZeRO stage, and the pipeline plan inside them.
+
+    Layouts (:func:`layout_candidates`) are visited most promising first (by their
+    estimate); one whose bound cannot beat the best plan found is skipped (speed: its
+    step-time bound is no smaller than the best step time; memory: its state bound is no
+    smaller than the best peak), the others get a screening pipeline solve
+    (:func:`evaluate_layout` with :func:`_screen_options`: exact DP seeds, one replay, 1F1B
+    unless the request fixes the schedule) until ``layout.max_layouts`` were screened. The
+    ``layout.refine`` best screened layouts are then solved with ``options`` as given, and
+    the best of every plan seen is returned. Deterministic:
+    equal inputs give equal plans but for ``solver.wall_s``. The plan's ``solver.objective`` is
+    its step time and ``solver.bound`` the smallest step-time bound of any layout whose
+    parameter state fits (no plan of any layout is faster), ``solver.gap`` their relative
+    distance; ``solver.name`` starts with ``"layout-search+"``.
+
+    Args:
+        costs: the whole model's costs (one replica, unsharded), at ``costs.batch_size`` rows.
+        device: every GPU.
+        options: the pipeline options; ``batch_size`` is the global batch over all replicas,
+            ``memory_cap_bytes`` (or ``device.memory_bytes``) the cap per GPU.
+        layout: the GPU count, topology and any fixed degrees.
+
+    Returns:
+        The best plan, its tp, dp, zero_stage, sharded_parameters and model_flops set; times
+        and memory per GPU.
+
+    Raises:
+        PlanError: the fixed degrees are inconsistent (see :func:`layout_candidates`).
+        InfeasiblePlanError: no layout fits the memory cap; the message names the smallest
+            parameter state per GPU any layout needs and the cap.
+    """
+    t0 = time.perf_counter()
+    cache: dict[int, CostGraph] = {}
+    cands = layout_candidates(costs, device, options, layout, cache)
+    cap = options.memory_cap_bytes or device.memory_bytes
+    screen = _screen_options(options)
+    screened: list[tuple[Plan, LayoutCandidate]] = []
+    unscreened: list[LayoutCandidate] = []
+    failures: list[str] = []
+    best: Plan | None = None
+    for cand in cands:
+        if cand.state_lb_bytes > cap:
+            failures.append(f"tp {cand.tp} x pp {cand.pp} x dp {cand.dp} ZeRO-{cand.zero_stage}"
+                            f": >= {cand.state_lb_bytes} bytes of state per GPU")
+            continue
+        if best is not None:
+            if options.optimize == "memory":
+                pruned = cand.state_lb_bytes >= max(r.peak_memory_bytes for r in best.ranks)
+            else:
+                pruned = cand.step_lb_us >= best.predicted_step_time_us
+            if pruned:
+                continue
+            if len(screened) >= layout.max_layouts:
+                unscreened.append(cand)
+                continue
+        try:
+            plan = evaluate_layout(costs, device, screen, layout, cand, cache)
+        except InfeasiblePlanError as exc:
+            failures.append(f"tp {cand.tp} x pp {cand.pp} x dp {cand.dp} "
+                            f"ZeRO-{cand.zero_stage}: {str(exc)[:160]}")
+            continue
+        screened.append((plan, cand))
+        if _better(plan, best, options.optimize):
+            best = plan
+    ranked = sorted(screened, key=lambda pc: _key(pc[0], options.optimize))
+    for _, cand in ranked[:layout.refine]:
+        try:
+            plan = evaluate_layout(costs, device, options, layout, cand, cache)
+        except InfeasiblePlanError:
+            continue
+        if _better(plan, best, options.optimize):
+            best = plan
+    if best is None:
+        smallest = min(c.state_lb_bytes for c in cands)
+        raise InfeasiblePlanError(
+            f"no (tp, pp, dp, ZeRO) layout of {layout.num_gpus} GPUs fits {cap} bytes per GPU: "
+            f"the smallest parameter state any needs is {smallest} bytes; "
+            f"{'; '.join(failures[:3])}. Use more GPUs, a higher ZeRO stage, or recompute")
+    wall = time.perf_counter() - t0
+    bound = min([c.step_lb_us for c in cands if c.state_lb_bytes <= cap]
+                + [best.predicted_step_time_us])
+    objective = best.predicted_step_time_us
+    report = replace(best.solver, name=f"layout-search+{best.solver.name}",
+                     objective=round(objective, 3), bound=round(bound, 3),
+                     gap=round((objective - bound) / objective, 6) if objective > 0 else 0.0,
+                     wall_s=round(wall, 3))
+    return replace(best, solver=report)

@@ -1,0 +1,292 @@
+"""Tensor parallelism on a CostGraph: column/row-parallel pairs found in the graph, costs split by tp.
+
+The rule (Megatron-LM, Shoeybi et al. 2019, section 3; ``core/tensor_parallel/layers.py``):
+a matmul node that reads a trainable weight (a *weight matmul*) ``M`` whose inputs, followed
+back through nodes of ``M``'s enclosing module (``M.module_path`` minus its last part) that
+read no parameter, reach other weight matmuls ``C1..Ck`` of that module, forms a pair:
+``C1..Ck`` are column-parallel (their weights split by output feature), the nodes between
+(attention, activations, views) run on ``1/tp`` of the features, and ``M`` is row-parallel
+(weight split by input feature) with one all-reduce of its output in forward and one of
+``C``'s input gradient in backward. Values from outside the module that the nodes between
+read (masks, rotary tables) are broadcast operands, replicated. Nothing between may be read
+from outside the pair. Attention's q/k/v -> output projection and the MLP's up/gate -> down
+are such pairs. The embedding and the head that share the token-embedding weight (or a head
+whose output reaches the graph's outputs with no weight matmul after it) are vocab-parallel
+(Megatron's ``VocabParallelEmbedding`` and parallel cross-entropy): the embedding all-reduces
+its output, the head's loss exchanges per-token scalars only (counted at their latency).
+Every other node (layer norms, residual adds, position embeddings) is replicated: each of the
+tp GPUs runs it whole and holds its parameters whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.errors import PlanError
+from autopart.solver.collectives import all_reduce_us
+
+__all__ = ["TensorParallelSplit", "SHARD_STYLES", "find_tensor_parallel", "shard_costs"]
+
+#: How a parameter is split over tp: by output feature, by input feature, or by vocabulary row.
+SHARD_STYLES = ("column", "row", "vocab")
+
+_MATMUL_OPS = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+    "aten.linear.default", "aten.matmul.default", "aten.einsum.default"})
+_EMBEDDING_OPS = frozenset({"aten.embedding.default"})
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelSplit:
+    """Which nodes and parameters tensor parallelism splits (positions index ``costs.nodes``).
+
+    Attributes:
+        pairs: per column/row pair, ``(column nodes, row node)``.
+        between: nodes between a pair's column and row nodes (split by features).
+        vocab: the vocab-parallel embedding and head nodes.
+        params: parameter FQN -> style (:data:`SHARD_STYLES`); absent = replicated.
+    """
+
+    pairs: tuple[tuple[tuple[int, ...], int], ...]
+    between: frozenset[int]
+    vocab: frozenset[int]
+    params: dict[str, str]
+
+    @property
+    def sharded_nodes(self) -> frozenset[int]:
+        """Every node whose work is divided by tp."""
+        cols = {c for cs, _ in self.pairs for c in cs}
+        return frozenset(cols | {r for _, r in self.pairs} | self.between | self.vocab)
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent + ".")
+
+
+def _weight(costs: CostGraph, nd: NodeCost) -> str | None:
+    """The trainable parameter with the most elements a node reads (its weight), if any."""
+    own = [p for p in nd.params if p in costs.trainable]
+    return max(own, key=lambda p: (costs.param_numel[p], p)) if own else None
+
+
+def find_tensor_parallel(costs: CostGraph) -> TensorParallelSplit:
+    """Find the column/row-parallel pairs and vocab-parallel nodes of ``costs`` (module rule).
+
+    Returns:
+        The split; empty when the graph has no such pair (tp then only divides the vocab
+        nodes, if any).
+    """
+    nodes = costs.nodes
+    index = {nd.name: i for i, nd in enumerate(nodes)}
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, nd in enumerate(nodes):
+        for inp in nd.inputs:
+            if inp in index:
+                users[index[inp]].append(i)
+    weight_mm = {i for i, nd in enumerate(nodes)
+                 if nd.op in _MATMUL_OPS and _weight(costs, nd) is not None}
+    pairs: list[tuple[tuple[int, ...], int]] = []
+    between: set[int] = set()
+    used: set[int] = set()
+    for r in sorted(weight_mm):
+        parent = _parent(nodes[r].module_path)
+        if not parent or r in used:
+            continue
+        cols: set[int] = set()
+        inner: set[int] = set()
+        ok = True
+        stack = [index[x] for x in nodes[r].inputs if x in index]
+        seen: set[int] = set()
+        while stack and ok:
+            j = stack.pop()
+            if j in seen:
+                continue
+            seen.add(j)
+            nd = nodes[j]
+            if not _inside(nd.module_path, parent):
+                continue  # a broadcast operand from outside the module
+            if j in weight_mm:
+                cols.add(j)
+                continue
+            if nd.params:
+                ok = False
+                break
+            inner.add(j)
+            stack.extend(index[x] for x in nd.inputs if x in index)
+        region = cols | inner | {r}
+        if not ok or not cols or cols & used:
+            continue
+        # the columns' and the between nodes' outputs are split: nobody outside may read them
+        if any(u not in region for j in cols | inner for u in users[j]):
+            continue
+        if any(name in costs.graph_outputs for name in (nodes[j].name for j in cols | inner)):
+            continue
+        pairs.append((tuple(sorted(cols)), r))
+        between |= inner
+        used |= region
+    params: dict[str, str] = {}
+    for cols_, r in pairs:
+        for c in cols_:
+            for p in nodes[c].params:
+                if p in costs.trainable:
+                    params[p] = "column"
+        w = _weight(costs, nodes[r])
+        assert w is not None
+        params[w] = "row"
+    vocab = _vocab_nodes(costs, weight_mm - used, params)
+    for i in vocab:
+        w = _weight(costs, nodes[i])
+        if w is not None:
+            params[w] = "vocab"
+    return TensorParallelSplit(tuple(pairs), frozenset(between), frozenset(vocab), params)
+
+
+def _vocab_nodes(costs: CostGraph, free_mm: set[int], taken: dict[str, str]) -> set[int]:
+    """Embeddings whose weight a free weight matmul also reads (tied), and a free weight
+    matmul that is the last weight matmul before the graph's outputs, with its embedding."""
+    nodes = costs.nodes
+    out: set[int] = set()
+    emb = {i: _weight(costs, nd) for i, nd in enumerate(nodes) if nd.op in _EMBEDDING_OPS}
+    last = max(free_mm) if free_mm else None
+    for i in sorted(free_mm):
+        w = _weight(costs, nodes[i])
+        tied = [e for e, ew in emb.items() if ew == w]
+        if w in taken:
+            continue
+        if tied or i == last and i >= max(_weight_positions(costs)):
+            out.add(i)
+            out.update(tied)
+    return out
+
+
+def _weight_positions(costs: CostGraph) -> list[int]:
+    return [i for i, nd in enumerate(costs.nodes)
+            if nd.op in _MATMUL_OPS and _weight(costs, nd) is not None] or [0]
+
+
+def _split_time(t: float, tp: int, overhead_us: float) -> float:
+    """A roofline time ``overhead + max(flops / F, bytes / B)`` with its FLOPs and bytes
+    divided by tp: the overhead stays, the rest divides."""
+    return t if t <= overhead_us else overhead_us + (t - overhead_us) / tp
+
+
+def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, latency_us: float,
+                op_overhead_us: float, split: TensorParallelSplit | None = None) -> CostGraph:
+    """One tp GPU's share of ``costs``: the cost graph each GPU of a tp group runs.
+
+    Split nodes (:attr:`TensorParallelSplit.sharded_nodes`): FLOPs, bytes accessed and the
+    roofline part of each time (above ``op_overhead_us``) divided by tp; the outputs of column
+    and between nodes, and the saved activations and backward working sets of between and
+    row nodes, divided by tp (a column node saves its input, which is replicated: kept).
+    Split parameters (column: every parameter of a column node; row: the weight only, its
+    bias stays replicated; vocab: the weight) hold ``ceil(bytes / tp)``. Collectives are
+    added as time on the nodes that wait for them: each row node's forward gets the ring
+    all-reduce of its output; the first column node of each pair gets, in its input-gradient
+    backward, the all-reduce of its input's gradient; a vocab-parallel embedding's forward
+    gets the all-reduce of its output; a vocab-parallel head pays two ring latencies for
+    the parallel cross-entropy's per-token scalars. A second profiled batch's times
+    (``low_times``) are split the same way but get no collective: the interpolation between
+    two profiled batches then undercounts them (3D plans are made from single-batch analytical
+    profiles). tp = 1 returns ``costs`` itself.
+
+    Args:
+        costs: the whole model's costs.
+        tp: tensor-parallel degree.
+        bandwidth_bytes_per_s: the tp group's link (bus bandwidth), bytes/s.
+        latency_us: one ring step, µs.
+        op_overhead_us: the fixed part of each op's time that splitting does not shrink, µs
+            (``DeviceSpec.op_overhead_us`` for analytical profiles).
+        split: the split to apply (default: :func:`find_tensor_parallel`).
+
+    Raises:
+        PlanError: tp < 1.
+    """
+    if tp < 1:
+        raise PlanError(f"tp={tp} must be >= 1")
+    if tp == 1:
+        return costs
+    split = split if split is not None else find_tensor_parallel(costs)
+    nodes = list(costs.nodes)
+    index = {nd.name: i for i, nd in enumerate(nodes)}
+    cols = {c for cs, _ in split.pairs for c in cs}
+    rows = {r for _, r in split.pairs}
+    sizes = dict(costs.param_sizes)
+    numel = dict(costs.param_numel)
+    for p in split.params:
+        sizes[p] = math.ceil(sizes[p] / tp)
+        numel[p] = math.ceil(numel[p] / tp)
+    first: dict[str, int] = {}
+    for i, nd in enumerate(nodes):
+        for p in nd.params:
+            first.setdefault(p, i)
+    shrink = [0] * len(nodes)
+    for p in split.params:
+        shrink[first[p]] += costs.param_sizes[p] - sizes[p]
+
+    def ar(nbytes: int) -> float:
+        return all_reduce_us(nbytes, tp, bandwidth_bytes_per_s, latency_us)
+
+    def input_bytes(i: int) -> int:
+        total = 0
+        for x in dict.fromkeys(nodes[i].inputs):
+            total += nodes[index[x]].output_bytes if x in index else costs.graph_inputs.get(x, 0)
+        return total
+
+    bwd_extra = {cs[0]: ar(max(input_bytes(c) for c in cs)) for cs, _ in split.pairs}
+    loss_saved = costs.loss_saved_bytes
+    out: list[NodeCost] = []
+    for i, nd in enumerate(nodes):
+        changes: dict[str, Any] = {"param_bytes": nd.param_bytes - shrink[i]}
+        if i in split.sharded_nodes:
+            changes.update(
+                fwd_us=_split_time(nd.fwd_us, tp, op_overhead_us),
+                bwd_input_us=_split_time(nd.bwd_input_us, tp, op_overhead_us),
+                bwd_weight_us=_split_time(nd.bwd_weight_us, tp, op_overhead_us),
+                flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp,
+                backward_peak_bytes=nd.backward_peak_bytes // tp)
+            split_out = i in cols or i in split.between or (
+                i in split.vocab and nd.op not in _EMBEDDING_OPS)
+            split_saved = i in split.between or i in rows
+            if split_out:
+                changes.update(output_bytes=nd.output_bytes // tp,
+                               strided_output_bytes=nd.strided_output_bytes // tp)
+            if split_saved:
+                changes.update(saved_bytes=nd.saved_bytes // tp,
+                               transient_bytes=nd.transient_bytes // tp)
+                if nd.saved_from is not None:
+                    changes["saved_from"] = tuple((d, b // tp) for d, b in nd.saved_from)
+            if i == len(nodes) - 1 and i in split.vocab and loss_saved:
+                keep = nd.saved_bytes - loss_saved
+                loss_saved = loss_saved // tp
+                changes.update(saved_bytes=keep + loss_saved)
+                if nd.saved_from is not None:
+                    budget = keep + loss_saved
+                    fitted = []
+                    for d, b in nd.saved_from:
+                        take = min(b, budget)
+                        budget -= take
+                        fitted.append((d, take))
+                    changes["saved_from"] = tuple(fitted)
+            extra = 0.0
+            if i in rows or (i in split.vocab and nd.op in _EMBEDDING_OPS):
+                extra = ar(nd.output_bytes)
+            elif i in split.vocab:
+                extra = 2 * 2 * (tp - 1) * latency_us
+            changes["fwd_us"] += extra
+            if i in bwd_extra:
+                changes["bwd_input_us"] += bwd_extra[i]
+        out.append(replace(nd, **changes))
+    low_times = tuple(
+        (_split_time(trip[0], tp, op_overhead_us), _split_time(trip[1], tp, op_overhead_us),
+         _split_time(trip[2], tp, op_overhead_us)) if i in split.sharded_nodes else trip
+        for i, trip in enumerate(costs.low_times))
+    return replace(costs, nodes=tuple(out), param_sizes=sizes, param_numel=numel,
+                   loss_saved_bytes=loss_saved, low_times=low_times,
+                   source=f"{costs.source}+tp{tp}")

@@ -1,0 +1,75 @@
+"""`autopart plan --3d / --tp / --pp / --dp / --zero-stage`: the axes reach the search and the summary."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autopart.apps.cli import app
+from autopart.core.plan import Plan
+from tests.cli.test_cli_plan import synthetic
+
+
+@pytest.fixture
+def profile(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    synthetic().save(path)
+    return path
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(app, list(args))
+    return res.exit_code, res.output
+
+
+def test_fixed_axes_reach_the_plan_and_the_summary(profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    code, text = invoke("plan", str(profile), "--cluster", "a100-80gb:8", "--tp", "2", "--pp", "2",
+                        "--dp", "2", "--zero-stage", "1", "--batch-size", "16",
+                        "--time-limit", "2", "--out", str(out))
+    assert code == 0, text
+    plan = Plan.load(out)
+    assert (plan.tp, len(plan.ranks), plan.dp, plan.zero_stage) == (2, 2, 2, 1)
+    assert plan.batch_size == 16 and plan.cluster_fingerprint == "8xa100-80gb/dgx-a100"
+    assert "parallel layout (per GPU)" in text
+    for axis in ("tensor parallel (tp)", "pipeline ranks (pp)", "data parallel (dp)",
+                 "ZeRO stage", "largest memory per GPU", "TFLOP/s per GPU"):
+        assert axis in text, axis
+
+
+def test_3d_chooses_every_axis(profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    code, text = invoke("plan", str(profile), "--cluster", "h100:16", "--3d", "--batch-size", "32",
+                        "--time-limit", "2", "--out", str(out))
+    assert code == 0, text
+    plan = Plan.load(out)
+    assert plan.tp * len(plan.ranks) * plan.dp == 16
+    assert plan.solver.name.startswith("layout-search+")
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["--tp", "3"], r"tp=3 must divide the 8 GPUs per host.*nearest valid: \[2, 4\]"),
+    (["--tp", "8", "--heads", "12"], r"tp=8 does not divide the model's 12 attention heads"),
+    (["--tp", "2", "--pp", "2", "--dp", "3"], r"tp x pp x dp = 2 x 2 x 3 = 12, but the cluster "
+                                              r"has 8 GPUs"),
+    (["--zero-stage", "5"], r"zero_stage=5 is not a ZeRO stage; valid: 0"),
+    (["--dp", "8", "--batch-size", "12"], r"global batch 12 does not split over dp=8"),
+])
+def test_bad_axes_are_one_line_errors(profile: Path, tmp_path: Path, args: list[str],
+                                      match: str) -> None:
+    code, text = invoke("plan", str(profile), "--cluster", "a100-80gb:8", *args,
+                        "--out", str(tmp_path / "p.json"))
+    assert code == 2 and "Traceback" not in text, text
+    assert re.search(match, text), text
+
+
+def test_show_prints_the_layout_of_a_3d_plan(profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    assert invoke("plan", str(profile), "--cluster", "a100-80gb:8", "--tp", "2", "--dp", "2",
+                  "--batch-size", "16", "--time-limit", "2", "--out", str(out))[0] == 0
+    code, text = invoke("show", str(out))
+    assert code == 0, text
+    assert "parallel layout (per GPU)" in text and "data parallel (dp)" in text

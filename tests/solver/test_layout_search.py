@@ -1,0 +1,186 @@
+"""The (tp, pp, dp, ZeRO) search: against brute force, its bounds, memory per GPU, errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from autopart.core.cluster import Cluster, DeviceSpec
+from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.errors import InfeasiblePlanError, PlanError
+from autopart.core.topology import HostTopology
+from autopart.solver import SolveOptions, solve
+from autopart.solver.layout_search import LayoutOptions, evaluate_layout, layout_candidates, solve_layout
+
+MM = "aten.addmm.default"
+DEV = DeviceSpec("test-gpu", 10**9, 1e12, 1e12, 1e9, 2.0, "made up for tests", op_overhead_us=2.0)
+TOPO = HostTopology("test-host", 4, 8e9, 1e9, 1.0, 4.0, 1.0, "made up for tests")
+
+
+def _gpt(layers: int, *, width: int = 4000, scale: float = 1.0) -> CostGraph:
+    """``layers`` blocks of ln -> qkv -> attention -> proj -> residual add, then a head."""
+    nodes: list[NodeCost] = []
+    sizes: dict[str, tuple[int, int]] = {}
+    prev = "x"
+
+    def add(name: str, op: str, module: str, inputs: tuple[str, ...], fwd: float, out: int,
+            saved: int, params: tuple[tuple[str, int], ...] = ()) -> None:
+        for p, b in params:
+            sizes[p] = (b, b // 2)
+        nodes.append(NodeCost(name=name, op=op, module_path=module, fwd_us=fwd * scale,
+                              bwd_input_us=fwd * scale, bwd_weight_us=fwd * scale if params
+                              else 0.0, flops=int(fwd * 1e6), bytes_accessed=out,
+                              output_bytes=out, saved_bytes=saved,
+                              param_bytes=sum(b for _, b in params), inputs=inputs,
+                              params=tuple(p for p, _ in params)))
+
+    for i in range(layers):
+        b = f"h.{i}"
+        add(f"ln{i}", "aten.layer_norm.default", f"{b}.ln", (prev,), 6, width, width,
+            ((f"{b}.ln.w", 64),))
+        add(f"qkv{i}", MM, f"{b}.attn.qkv", (f"ln{i}",), 82, 3 * width, width,
+            ((f"{b}.attn.qkv.w", 24_000), (f"{b}.attn.qkv.b", 64)))
+        add(f"sdpa{i}", "aten.scaled_dot_product_attention.default", f"{b}.attn",
+            (f"qkv{i}",), 42, width, 4 * width)
+        add(f"proj{i}", MM, f"{b}.attn.proj", (f"sdpa{i}",), 34, width, width,
+            ((f"{b}.attn.proj.w", 8_000), (f"{b}.attn.proj.b", 64)))
+        add(f"res{i}", "aten.add.Tensor", b, (f"proj{i}", prev), 4, width, 0)
+        prev = f"res{i}"
+    add("head", "aten.linear.default", "head", (prev,), 122, 2 * width, width,
+        (("head.w", 32_000),))
+    return CostGraph(nodes=tuple(nodes), graph_inputs={"x": width}, graph_outputs=("head",),
+                     param_sizes={k: v[0] for k, v in sizes.items()},
+                     param_numel={k: v[1] for k, v in sizes.items()},
+                     trainable=frozenset(sizes), source="analytical:test",
+                     bwd_source="estimated", batch_size=1, fingerprint=f"gpt{layers}")
+
+
+def _options(batch: int = 16, **kw: object) -> SolveOptions:
+    return SolveOptions(batch_size=batch, max_cpsat_solves=0, max_simulated=1,
+                        deterministic_time=0.2, **kw)  # type: ignore[arg-type]
+
+
+def _layout(n: int = 8, **kw: object) -> LayoutOptions:
+    return LayoutOptions(num_gpus=n, topology=TOPO, num_heads=4, **kw)  # type: ignore[arg-type]
+
+
+def _json(plan: object) -> str:
+    d = plan.to_dict()  # type: ignore[attr-defined]
+    d["solver"]["wall_s"] = 0.0
+    return json.dumps(d, sort_keys=True)
+
+
+def test_search_matches_brute_force_and_its_bounds_hold() -> None:
+    costs, options, layout = _gpt(4), _options(), _layout()
+    cands = layout_candidates(costs, DEV, options, layout)
+    assert {(c.tp, c.pp, c.dp) for c in cands} == {
+        (tp, pp, 8 // (tp * pp)) for tp in (1, 2, 4) for pp in (1, 2, 4, 8) if 8 % (tp * pp) == 0}
+    brute = {}
+    for c in cands:
+        try:
+            plan = evaluate_layout(costs, DEV, options, layout, c)
+        except InfeasiblePlanError:
+            continue
+        # no plan of a layout is faster than its bound, nor holds less than its state bound
+        assert c.step_lb_us <= plan.predicted_step_time_us + 1e-6, c
+        assert c.state_lb_bytes <= max(r.peak_memory_bytes for r in plan.ranks), c
+        brute[(c.tp, c.pp, c.dp, c.zero_stage)] = plan.predicted_step_time_us
+    best = solve_layout(costs, DEV, options, layout)
+    assert best.predicted_step_time_us <= min(brute.values()) + 1e-6
+    assert best.solver.bound <= best.predicted_step_time_us
+    assert best.tp * len(best.ranks) * best.dp == 8
+    assert best.solver.name.startswith("layout-search+")
+
+
+@pytest.mark.parametrize("optimize", ["speed", "memory"])
+def test_search_is_deterministic(optimize: str) -> None:
+    costs, layout = _gpt(3), _layout()
+    one = solve_layout(costs, DEV, _options(optimize=optimize), layout)
+    two = solve_layout(costs, DEV, _options(optimize=optimize), layout)
+    assert _json(one) == _json(two)
+
+
+def test_tp_one_dp_one_gives_the_pipeline_solvers_plan() -> None:
+    costs, options = _gpt(3), _options()
+    topo = HostTopology("one", 1, DEV.link_bandwidth_bytes_per_s,
+                        DEV.link_bandwidth_bytes_per_s, DEV.link_latency_us,
+                        DEV.link_latency_us, 1.0, "one GPU per host")
+    plan3d = solve_layout(costs, DEV, options, LayoutOptions(num_gpus=4, topology=topo, tp=1,
+                                                             dp=1))
+    plain = solve(costs, Cluster.uniform(DEV, [f"cuda:{r}" for r in range(4)]), options)
+    assert (plan3d.tp, plan3d.dp, plan3d.zero_stage, plan3d.sharded_parameters) == (1, 1, 0, ())
+    assert plan3d.cuts == plain.cuts and plan3d.stages == plain.stages
+    assert plan3d.num_microbatches == plain.num_microbatches
+    assert plan3d.schedule_kind == plain.schedule_kind
+    assert plan3d.predicted_step_time_us == plain.predicted_step_time_us
+    assert plan3d.ranks == plain.ranks
+
+
+def test_memory_per_gpu_under_each_zero_stage_is_the_hand_count() -> None:
+    costs = _gpt(2)
+    trainable = sum(costs.param_sizes.values())  # 2 x (64 + 24064 + 8064) + 32000 = 96384
+    assert trainable == 96_384
+    options = _options(num_microbatches=1, schedule_kind="1f1b", recompute=False)
+    peaks = {}
+    for zero in (0, 1, 2, 3):
+        layout = _layout(4, tp=1, pp=1, dp=4, zero_stage=zero)
+        cand = layout_candidates(costs, DEV, options, layout)[0]
+        plan = evaluate_layout(costs, DEV, options, layout, cand)
+        peaks[zero] = plan.ranks[0].peak_memory_bytes
+    # AdamW (2x state): weights + grads + state = 4x; ZeRO-1: 1 + 1 + 2/4; ZeRO-2: 1 + 3/4;
+    # ZeRO-3: 4/4, plus the largest node's parameters gathered twice (the head: 32,000 bytes)
+    assert peaks[0] - peaks[1] == trainable * (4 - 2.5)
+    assert peaks[0] - peaks[2] == trainable * (4 - 1.75)
+    assert peaks[0] - peaks[3] == trainable * (4 - 1) - 2 * 32_000
+
+
+def test_fixed_degrees_are_kept() -> None:
+    plan = solve_layout(_gpt(4), DEV, _options(), _layout(tp=2, pp=2, dp=2, zero_stage=1))
+    assert (plan.tp, len(plan.ranks), plan.dp, plan.zero_stage) == (2, 2, 2, 1)
+    styles = {p.name: p.style for p in plan.sharded_parameters}
+    assert styles["h.0.attn.qkv.w"] == "column" and styles["h.0.attn.proj.w"] == "row"
+    assert styles["head.w"] == "vocab" and "h.0.ln.w" not in styles
+    assert plan.model_flops == 3 * sum(nd.flops for nd in _gpt(4).nodes) * 16
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"tp": 3}, r"tp=3 must divide the 4 GPUs per host.*nearest valid: \[2, 4\]"),
+    ({"tp": 4, "num_heads": 6}, r"tp=4 does not divide the model's 6 attention heads; "
+                                r"nearest valid: \[1, 2\]"),
+    ({"tp": 2, "pp": 2, "dp": 3}, r"tp x pp x dp = 2 x 2 x 3 = 12, but the cluster has 8 GPUs"
+                                  r".*use dp=2"),
+    ({"zero_stage": 4}, r"zero_stage=4 is not a ZeRO stage; valid: 0"),
+])
+def test_bad_layouts_name_the_value_and_the_nearest_valid(kw: dict[str, object],
+                                                          match: str) -> None:
+    args: dict[str, object] = {"num_heads": 4, **kw}
+    with pytest.raises(PlanError, match=match):
+        LayoutOptions(num_gpus=8, topology=TOPO, **args)  # type: ignore[arg-type]
+
+
+def test_a_batch_dp_cannot_split_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"global batch 12 does not split over dp=8.*nearest "
+                                        r"valid dp: \[4, 6\], or a batch of \[8, 16\]"):
+        layout_candidates(_gpt(2), DEV, _options(batch=12), _layout(tp=1, pp=1, dp=8))
+    with pytest.raises(PlanError, match=r"gives 8 per replica, which m=3 microbatches cannot "
+                                        r"split; nearest valid m: \[2, 4\]"):
+        layout_candidates(_gpt(2), DEV, _options(batch=16, num_microbatches=3),
+                          _layout(tp=1, pp=4, dp=2))
+
+
+def test_nothing_fits_names_the_smallest_state() -> None:
+    tiny = replace(DEV, memory_bytes=10_000)
+    with pytest.raises(InfeasiblePlanError, match="no .tp, pp, dp, ZeRO. layout of 8 GPUs fits "
+                                                  "10000 bytes per GPU"):
+        solve_layout(_gpt(2), tiny, _options(), _layout())
+
+
+def test_microbatch_sizes_set_m_per_layout() -> None:
+    layout = _layout(tp=1, pp=2, dp=4, microbatch_sizes=(1, 2))
+    plan = solve_layout(_gpt(2), DEV, _options(batch=16), layout)
+    # a replica's batch is 16 / 4 = 4 rows: m = 4 (1 row each) or 2 (2 rows each)
+    assert plan.num_microbatches in (2, 4) and plan.dp == 4
+    with pytest.raises(PlanError, match=r"microbatch_sizes=\(\) must be sizes >= 1"):
+        _layout(microbatch_sizes=())

@@ -1,0 +1,96 @@
+"""Tensor parallelism on a CostGraph: the pairs found from the graph, and one GPU's share of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.errors import PlanError
+from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
+
+MM = "aten.addmm.default"
+
+
+def _node(name: str, op: str, module: str, inputs: tuple[str, ...], *, fwd: float,
+          bwd: float = 0.0, out: int = 4000, saved: int = 0, params: tuple[str, ...] = (),
+          param_bytes: int = 0) -> NodeCost:
+    return NodeCost(name=name, op=op, module_path=module, fwd_us=fwd, bwd_input_us=bwd,
+                    bwd_weight_us=bwd, flops=400, bytes_accessed=800, output_bytes=out,
+                    saved_bytes=saved, param_bytes=param_bytes, inputs=inputs, params=params)
+
+
+def _block(*, leak: bool = False) -> CostGraph:
+    """x -> ln -> qkv -> attn -> proj -> add(x) -> head: one attention block and a head."""
+    nodes = [
+        _node("ln", "aten.layer_norm.default", "blk.ln", ("x",), fwd=15, saved=4000,
+              params=("blk.ln.w",), param_bytes=40),
+        _node("qkv", MM, "blk.attn.qkv", ("ln",), fwd=105, bwd=105, out=12000, saved=4000,
+              params=("blk.attn.qkv.w", "blk.attn.qkv.b"), param_bytes=1240),
+        _node("attn", "aten.scaled_dot_product_attention.default", "blk.attn", ("qkv",), fwd=45,
+              bwd=85, out=4000, saved=16000),
+        _node("proj", MM, "blk.attn.proj", ("attn",), fwd=45, bwd=45, saved=4000,
+              params=("blk.attn.proj.w", "blk.attn.proj.b"), param_bytes=440),
+        _node("add", "aten.add.Tensor", "blk", ("proj", "x"), fwd=9),
+        _node("head", "aten.linear.default", "head", ("add",) + (("attn",) if leak else ()),
+              fwd=205, bwd=205, out=8000, saved=4000, params=("head.w",), param_bytes=800),
+    ]
+    sizes = {"blk.ln.w": (40, 20), "blk.attn.qkv.w": (1200, 600), "blk.attn.qkv.b": (40, 20),
+             "blk.attn.proj.w": (400, 200), "blk.attn.proj.b": (40, 20), "head.w": (800, 400)}
+    return CostGraph(nodes=tuple(nodes), graph_inputs={"x": 4000}, graph_outputs=("head",),
+                     param_sizes={k: v[0] for k, v in sizes.items()},
+                     param_numel={k: v[1] for k, v in sizes.items()},
+                     trainable=frozenset(sizes), source="analytical:test", bwd_source="estimated",
+                     batch_size=1, fingerprint="block")
+
+
+def test_pairs_are_found_from_the_graph() -> None:
+    split = find_tensor_parallel(_block())
+    # qkv (column) -> attention (between) -> proj (row); the head is vocab-parallel
+    assert split.pairs == (((1,), 3),)
+    assert split.between == {2}
+    assert split.vocab == {5}
+    assert split.params == {"blk.attn.qkv.w": "column", "blk.attn.qkv.b": "column",
+                            "blk.attn.proj.w": "row", "head.w": "vocab"}
+
+
+def test_a_value_read_outside_the_pair_keeps_it_replicated() -> None:
+    # the head reads the attention's (split) output: it cannot be split
+    split = find_tensor_parallel(_block(leak=True))
+    assert split.pairs == ()
+    assert "blk.attn.qkv.w" not in split.params
+
+
+def test_shard_costs_hand_worked() -> None:
+    costs = _block()
+    tp4 = shard_costs(costs, 4, bandwidth_bytes_per_s=1e9, latency_us=1.0, op_overhead_us=5.0)
+    by = {nd.name: nd for nd in tp4.nodes}
+    # all-reduce of 4000 bytes over 4 GPUs at 1 GB/s: 2 * 3/4 * 4000 / 1e9 s = 6 µs, + 6 steps
+    ar = 6.0 + 6.0
+    # column: 5 + (105 - 5) / 4 = 30; its input-gradient backward waits for the all-reduce
+    assert by["qkv"].fwd_us == pytest.approx(30.0)
+    assert by["qkv"].bwd_input_us == pytest.approx(30.0 + ar)
+    assert by["qkv"].bwd_weight_us == pytest.approx(30.0)
+    assert by["qkv"].output_bytes == 3000 and by["qkv"].saved_bytes == 4000  # input replicated
+    # between: 5 + 40 / 4 = 15; activations split
+    assert by["attn"].fwd_us == pytest.approx(15.0)
+    assert (by["attn"].output_bytes, by["attn"].saved_bytes) == (1000, 4000)
+    # row: 5 + 40 / 4 = 15, then the all-reduce of its whole output
+    assert by["proj"].fwd_us == pytest.approx(15.0 + ar)
+    assert (by["proj"].output_bytes, by["proj"].saved_bytes) == (4000, 1000)
+    # replicated nodes keep their costs
+    assert by["ln"] == costs.nodes[0] and by["add"] == costs.nodes[4]
+    # vocab-parallel head: 5 + 200 / 4, plus two ring latencies for the cross-entropy's scalars
+    assert by["head"].fwd_us == pytest.approx(55.0 + 2 * 2 * 3 * 1.0)
+    # parameters: column weight and bias, row weight and the head split; the row bias is not
+    assert tp4.param_sizes == {"blk.ln.w": 40, "blk.attn.qkv.w": 300, "blk.attn.qkv.b": 10,
+                               "blk.attn.proj.w": 100, "blk.attn.proj.b": 40, "head.w": 200}
+    assert [nd.param_bytes for nd in tp4.nodes] == [40, 310, 0, 140, 0, 200]
+    assert tp4.param_numel["blk.attn.qkv.w"] == 150
+
+
+def test_tp_one_is_the_graph_itself() -> None:
+    costs = _block()
+    assert shard_costs(costs, 1, bandwidth_bytes_per_s=1e9, latency_us=0.0,
+                       op_overhead_us=5.0) is costs
+    with pytest.raises(PlanError, match="tp=0 must be >= 1"):
+        shard_costs(costs, 0, bandwidth_bytes_per_s=1e9, latency_us=0.0, op_overhead_us=5.0)
