@@ -109,6 +109,15 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
     return solve_layout(costs, spec, options, layout)
 
 
+def _ships_in_hosts(cluster: Any) -> bool:
+    """Whether ``cluster`` has several GPUs of a preset that ships in multi-GPU hosts."""
+    from autopart.core.topology import DEVICE_TOPOLOGY, TOPOLOGY_PRESETS
+
+    host = DEVICE_TOPOLOGY.get(cluster.devices[0].name)
+    return (cluster.num_ranks > 1 and host is not None
+            and TOPOLOGY_PRESETS[host].gpus_per_host > 1)
+
+
 def _versions() -> dict[str, str]:
     out: dict[str, str] = {}
     for pkg in ("autopart", "torch"):
@@ -137,9 +146,12 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                                                     help="v virtual stages per rank (default: searched)"),
          time_limit: float = typer.Option(10.0, "--time-limit", help="CP-SAT time limit, s"),
          out: Path = typer.Option(Path("plan.json"), "--out", help="plan JSON to write"),
-         search_3d: bool = typer.Option(False, "--3d", help="choose tp, pp, dp and the ZeRO "
-                                        "stage together (implied by --tp/--pp/--dp/--zero-stage);"
-                                        " without it every GPU is a pipeline rank"),
+         search_3d: bool | None = typer.Option(
+             None, "--3d/--pipeline-only",
+             help="--3d: choose tp, pp, dp and the ZeRO stage together (implied by "
+                  "--tp/--pp/--dp/--zero-stage); --pipeline-only: every GPU a pipeline rank. "
+                  "Default: --3d where the preset ships in hosts of several GPUs (DGX-class "
+                  "a100/h100/h200), else --pipeline-only"),
          tp: int | None = typer.Option(None, "--tp", help="tensor-parallel degree (3D; default: "
                                        "searched)"),
          pp: int | None = typer.Option(None, "--pp", help="pipeline ranks (3D; default: searched)"),
@@ -174,7 +186,13 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
             memory_cap_bytes=None if memory_cap is None else int(memory_cap * _GIB),
             time_limit_s=time_limit, library_versions=_versions())
         with phase("solve"):  # on stderr (autopart.core.progress)
-            if search_3d or any(x is not None for x in (tp, pp, dp, zero_stage)):
+            fixed = any(x is not None for x in (tp, pp, dp, zero_stage))
+            if search_3d is False and fixed:
+                raise UsageError("--pipeline-only makes every GPU a pipeline rank; drop it to "
+                                 "fix --tp/--pp/--dp/--zero-stage")
+            if search_3d is None:
+                search_3d = fixed or _ships_in_hosts(the_cluster)
+            if search_3d:
                 result = _solve_3d(costs, the_cluster, options, tp=tp, pp=pp, dp=dp,
                                    zero_stage=zero_stage, heads=heads)
             else:

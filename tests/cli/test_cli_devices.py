@@ -96,7 +96,8 @@ def test_profile_device_accepts_preset_names(tmp_path: Path, device: str, preset
     code, text = invoke("plan", str(out), "--devices", "2", "--time-limit", "5",
                         "--out", str(plan_out))
     assert code == 0, text
-    assert Plan.load(plan_out).cluster_fingerprint == f"2x{preset}"
+    # a DGX-class preset plans tp, pp and dp together: its fingerprint names the host
+    assert Plan.load(plan_out).cluster_fingerprint.split("/")[0] == f"2x{preset}"
 
 
 @pytest.mark.parametrize(("device", "match"), [
@@ -123,7 +124,7 @@ def test_plan_cluster_accepts_preset_names(tmp_path: Path, cluster: str, fingerp
     code, text = invoke("plan", str(profile), "--cluster", cluster, "--time-limit", "5",
                         "--out", str(out))
     assert code == 0, text
-    assert Plan.load(out).cluster_fingerprint == fingerprint
+    assert Plan.load(out).cluster_fingerprint.split("/")[0] == fingerprint
 
 
 @pytest.mark.parametrize("args", [

@@ -33,7 +33,7 @@ def plan_file(tmp_path: Path) -> Path:
     profile = tmp_path / "profile.json"
     synthetic().save(profile)
     out = tmp_path / "plan.json"
-    assert invoke("plan", str(profile), "--devices", "2", "--out", str(out))[0] == 0
+    assert invoke("plan", str(profile), "--pipeline-only", "--devices", "2", "--out", str(out))[0] == 0
     return out
 
 
@@ -135,7 +135,7 @@ def test_plan_bad_profile_files_are_one_line(tmp_path: Path, content: bytes | st
     path = tmp_path if content == "dir" else tmp_path / "c.json"
     if isinstance(content, bytes):
         path.write_bytes(content)
-    one_line(*invoke("plan", str(path), "--devices", "2", "--out", str(tmp_path / "p.json")),
+    one_line(*invoke("plan", str(path), "--pipeline-only", "--devices", "2", "--out", str(tmp_path / "p.json")),
              match)
 
 
@@ -144,7 +144,7 @@ def test_plan_unwritable_out_is_one_line(tmp_path: Path) -> None:
     synthetic().save(profile)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    one_line(*invoke("plan", str(profile), "--devices", "2", "--out", str(blocker / "p.json")),
+    one_line(*invoke("plan", str(profile), "--pipeline-only", "--devices", "2", "--out", str(blocker / "p.json")),
              r"error: .*file")
 
 
@@ -153,7 +153,7 @@ def test_memory_infeasible_names_a_device_count_that_fits(tmp_path: Path) -> Non
     synthetic(num_layers=8).save(profile)
     CAP = "0.1"  # GiB: each stage also holds an H100's 65 MiB of cuBLAS workspaces
     out = str(tmp_path / "p.json")
-    code, text = invoke("plan", str(profile), "--devices", "2", "--memory-cap", CAP,
+    code, text = invoke("plan", str(profile), "--pipeline-only", "--devices", "2", "--memory-cap", CAP,
                         "--out", out)
     one_line(code, text, r"no partition onto 2 ranks fits the memory cap")
     found = re.search(r"— (\d+) devices fit \(checked: largest predicted peak (\d+) bytes", text)
@@ -161,10 +161,10 @@ def test_memory_infeasible_names_a_device_count_that_fits(tmp_path: Path) -> Non
     n = found.group(1)
     assert int(found.group(2)) <= float(CAP) * 2**30
     # the count named really fits, and one fewer does not
-    code, text = invoke("plan", str(profile), "--devices", n, "--memory-cap", CAP, "--out", out)
+    code, text = invoke("plan", str(profile), "--pipeline-only", "--devices", n, "--memory-cap", CAP, "--out", out)
     assert code == 0, text
     assert max(r.peak_memory_bytes for r in Plan.load(out).ranks) <= float(CAP) * 2**30
-    code, text = invoke("plan", str(profile), "--devices", str(int(n) - 1), "--memory-cap", "0.02",
+    code, text = invoke("plan", str(profile), "--pipeline-only", "--devices", str(int(n) - 1), "--memory-cap", "0.02",
                         "--out", out)
     one_line(code, text, r"fits the memory cap")
 
@@ -173,7 +173,7 @@ def test_memory_infeasible_says_when_no_device_count_fits(tmp_path: Path) -> Non
     profile = tmp_path / "profile.json"
     synthetic(num_layers=8).save(profile)
     out = str(tmp_path / "p.json")
-    code, text = invoke("plan", str(profile), "--devices", "2", "--memory-cap", "0.001",
+    code, text = invoke("plan", str(profile), "--pipeline-only", "--devices", "2", "--memory-cap", "0.001",
                         "--out", out)
     found = re.search(r"no number of devices fits this cap \(the graph's cuts allow at most "
                       r"(\d+) stages\): raise the cap to at least (\d+) bytes \(([\d.]+) GiB\), "
@@ -181,6 +181,6 @@ def test_memory_infeasible_says_when_no_device_count_fits(tmp_path: Path) -> Non
     assert found, text
     one_line(code, text, "at least")
     # the cap named fits on the devices named
-    code, text = invoke("plan", str(profile), "--devices", found.group(4), "--memory-cap",
+    code, text = invoke("plan", str(profile), "--pipeline-only", "--devices", found.group(4), "--memory-cap",
                         found.group(3), "--out", out)
     assert code == 0, text

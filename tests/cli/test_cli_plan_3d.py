@@ -40,14 +40,29 @@ def test_fixed_axes_reach_the_plan_and_the_summary(profile: Path, tmp_path: Path
         assert axis in text, axis
 
 
-def test_3d_chooses_every_axis(profile: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flag", [[], ["--3d"]])
+def test_3d_chooses_every_axis(profile: Path, tmp_path: Path, flag: list[str]) -> None:
+    # a DGX-class preset ships in hosts of 8: all axes are chosen without --3d too
     out = tmp_path / "p.json"
-    code, text = invoke("plan", str(profile), "--cluster", "h100:16", "--3d", "--batch-size", "32",
+    code, text = invoke("plan", str(profile), "--cluster", "h100:16", *flag, "--batch-size", "32",
                         "--time-limit", "2", "--out", str(out))
     assert code == 0, text
     plan = Plan.load(out)
     assert plan.tp * len(plan.ranks) * plan.dp == 16
     assert plan.solver.name.startswith("layout-search+")
+
+
+def test_pipeline_only_makes_every_gpu_a_pipeline_rank(profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    code, text = invoke("plan", str(profile), "--cluster", "h100:4", "--pipeline-only",
+                        "--batch-size", "8", "--time-limit", "2", "--out", str(out))
+    assert code == 0, text
+    plan = Plan.load(out)
+    assert (plan.tp, len(plan.ranks), plan.dp) == (1, 4, 1)
+    assert plan.cluster_fingerprint == "4xh100-sxm"
+    code, text = invoke("plan", str(profile), "--cluster", "h100:4", "--pipeline-only",
+                        "--tp", "2", "--out", str(out))
+    assert code == 2 and "drop it to fix --tp" in text, text
 
 
 @pytest.mark.parametrize(("args", "match"), [
