@@ -17,7 +17,7 @@ from autopart.core.layout import (
     check_zero_stage,
     divisors,
 )
-from autopart.core.plan import Plan, ShardedParameter
+from autopart.core.plan import ParetoPoint, Plan, ShardedParameter
 from autopart.core.topology import HostTopology
 from autopart.solver.candidates import crossing_profile
 from autopart.solver.data_parallel import DataParallelCost, data_parallel_cost, state_multiplier
@@ -277,7 +277,10 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     replica's batch (``batch_size / dp``), pp ranks linked as placed, the per-GPU parameter
     state under ZeRO (:func:`state_multiplier`) and the memory cap less what ZeRO-3 holds
     gathered. The dp collectives of the rank with the most parameters are then added to the
-    step (not overlapped) and ZeRO-3's gathered bytes to every rank's peak.
+    step (not overlapped) and ZeRO-3's gathered bytes to every rank's peak. The baselines get
+    the same ZeRO-3 bytes and the dp collectives of an even parameter split over the pp ranks
+    (a lower bound on theirs), so they compare with the plan on one footing; the points of the
+    time-memory frontier (the search's own candidates) get the plan's dp collectives.
 
     Raises:
         InfeasiblePlanError: nothing fits this layout.
@@ -296,12 +299,16 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     inner = replace(_replica_options(options, layout, dp), memory_cap_bytes=cap - gathered,
                     state_bytes_per_param_byte=mult if options.training else None)
     plan = solve(sharded, _pipeline_cluster(device, tp, pp, dp, layout.topology), inner)
-    extra = 0.0
+    extra = even = 0.0
     if options.training:
         rank_params = [sum(plan.stages[s].param_bytes for s in r.stage_indices)
                        for r in plan.ranks]
         extra = _dp_cost(max(rank_params), largest, dp, zero, tp, layout).step_us(
             plan.num_microbatches)
+        # any partition's fullest rank holds at least an even share: the baselines are
+        # charged this (a lower bound on their dp collectives)
+        even = _dp_cost(-(-sum(rank_params) // len(rank_params)), largest, dp, zero, tp,
+                        layout).step_us(plan.num_microbatches)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()
@@ -309,8 +316,20 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                   for r in plan.ranks)
     forward = sum(nd.flops for nd in costs.nodes) * options.batch_size / costs.batch_size
     step = plan.predicted_step_time_us + extra
+    baselines = tuple(replace(b, predicted_step_time_us=round(b.predicted_step_time_us + even, 3),
+                              peak_memory_bytes=b.peak_memory_bytes + gathered)
+                      for b in plan.baselines)
+    own = ParetoPoint(round(step, 3), max(r.peak_memory_bytes for r in ranks))
+    pareto = tuple(sorted({own, *(ParetoPoint(round(p.predicted_step_time_us + extra, 3),
+                                              p.peak_memory_bytes + gathered)
+                                   for p in plan.pareto)},
+                          key=lambda p: (p.predicted_step_time_us, p.peak_memory_bytes)))
+    pareto = tuple(p for p in pareto if not any(
+        q != p and q.predicted_step_time_us <= p.predicted_step_time_us
+        and q.peak_memory_bytes <= p.peak_memory_bytes for q in pareto))
     return replace(
         plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
+        baselines=baselines, pareto=pareto,
         sharded_parameters=sharded_params, ranks=ranks,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)

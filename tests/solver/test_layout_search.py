@@ -145,6 +145,20 @@ def test_fixed_degrees_are_kept() -> None:
     assert plan.model_flops == 3 * sum(nd.flops for nd in _gpt(4).nodes) * 16
 
 
+def test_baselines_and_frontier_pay_the_dp_collectives_too() -> None:
+    # dp = 2 with ZeRO-1: the plan's step includes the gradient collectives after the flush;
+    # the baselines beside it and its own frontier point must include them as well
+    plan = solve_layout(_gpt(4), DEV, replace(_options(), baselines=True),
+                        _layout(tp=1, pp=4, dp=2, zero_stage=1))
+    peak = max(r.peak_memory_bytes for r in plan.ranks)
+    assert (plan.predicted_step_time_us, peak) in {
+        (p.predicted_step_time_us, p.peak_memory_bytes) for p in plan.pareto}
+    assert plan.baselines
+    for b in plan.baselines:
+        if b.fits:
+            assert b.predicted_step_time_us >= plan.predicted_step_time_us - 1e-3, b
+
+
 @pytest.mark.parametrize(("kw", "match"), [
     ({"tp": 3}, r"tp=3 must divide the 4 GPUs per host.*nearest valid: \[2, 4\]"),
     ({"tp": 4, "num_heads": 6}, r"tp=4 does not divide the model's 6 attention heads; "
