@@ -117,8 +117,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
          num_microbatches: int | None = typer.Option(None, "--num-microbatches",
                                                      help="m (default: searched)"),
          schedule: str | None = typer.Option(None, "--schedule",
-                                             help="gpipe, 1f1b, interleaved_1f1b or zero_bubble "
-                                                  "(default: searched)"),
+                                             help="gpipe, 1f1b, interleaved_1f1b, zero_bubble, "
+                                                  "zbv or dualpipev (default: searched)"),
          stages_per_rank: int | None = typer.Option(None, "--stages-per-rank",
                                                     help="v virtual stages per rank (default: searched)"),
          time_limit: float = typer.Option(10.0, "--time-limit", help="CP-SAT time limit, s"),
