@@ -52,11 +52,16 @@ def objective_weights(kind: str, num_ranks: int, num_microbatches: int,
     One stage per rank (GPipe, 1F1B, ZB-H1, inference): ``(m - 1) * max_s t_s + sum_s t_s``,
     the fill-and-drain form of DESIGN.md. Interleaved 1F1B: ``m * max_r load_r + (p - 1) *
     max_s t_s``, Narayanan et al. 2021's ``(1 + (p - 1) / (v m))`` times the ideal for
-    balanced stages. ZB-V and DualPipe-V (two stages per rank in a V): the same form, the
-    rank load being that of its two stages (:func:`closed_form_step_us`).
+    balanced stages. ZB-V and DualPipe-V (two stages per rank in a V): ``m * max_r load_r``,
+    a lower bound of their step (every rank runs its two stages' load m times); their bubble,
+    ``(p - 1)`` times the slower of a stage's ``F`` and ``I`` (:func:`closed_form_step_us`),
+    is no multiple of the chain's stage time and is left to the exact costing of the
+    candidates (:func:`autopart.solver._candidate.evaluate`, then the simulator).
     """
     p, m = num_ranks, num_microbatches
-    if (kind == "interleaved_1f1b" and stages_per_rank > 1) or kind in V_SCHEDULE_KINDS:
+    if kind in V_SCHEDULE_KINDS:
+        return 0, m, 0
+    if kind == "interleaved_1f1b" and stages_per_rank > 1:
         return p - 1, m, 0
     return m - 1, 0, 1
 
