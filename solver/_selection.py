@@ -189,7 +189,8 @@ def _pick(final: list[Candidate], optimize: str, measured: bool) -> Candidate:
 
 
 def _baselines(st: Setup, evaluated: list[Candidate]) -> tuple[list[BaselineReport], list[Candidate]]:
-    """Each baseline under 1F1B, v = 1, at the m of the best candidate.
+    """Each baseline under 1F1B, v = 1, at the m of the best candidate (the fastest that
+    fits; when none fits, the one with the least peak: its m is the one memory favours).
 
     A baseline whose peak does not fit the caps is costed again with every stage
     recomputing (DeepSpeed's ``activation_checkpoint_interval``, torchgpipe's
@@ -199,8 +200,11 @@ def _baselines(st: Setup, evaluated: list[Candidate]) -> tuple[list[BaselineRepo
     if not st.baselines:
         return [], []
     model, p, caps = st.model, st.p, st.caps
-    fitting = [c for c in evaluated if c.fits] or evaluated
-    m = min(fitting, key=_key("speed")).m if fitting else st.counts[0]
+    fitting = [c for c in evaluated if c.fits]
+    if fitting:
+        m = min(fitting, key=_key("speed")).m
+    else:
+        m = min(evaluated, key=_key("memory")).m if evaluated else st.counts[0]
     reports, cands = [], []
     for name, cuts in st.baselines:
         kind = "1f1b" if model.training else "gpipe"

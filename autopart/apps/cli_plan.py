@@ -153,7 +153,9 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
 
     console = Console(width=None if Console().is_terminal else 120)
     print_plan(result, console)
-    skipped = [(b.name, b.reason) for b in run_baselines(costs, result.num_stages) if b.cuts is None]
+    # the baselines partition onto the ranks, one stage each, as the solver costs them
+    skipped = [(b.name, b.reason) for b in run_baselines(costs, len(result.ranks))
+               if b.cuts is None]
     if skipped:
         console.print(skipped_baselines_table(skipped))
     print_certificate(result, console)

@@ -331,8 +331,8 @@ def main() -> None:
         summary[f"{name}_solver_vs_fastest"] = line + "."
         summary[f"{name}_compile_s"] = profiles[name]["compile_s"]
         summary[f"{name}_split_backward_us_per_node"] = (
-            profiles[name]["profile"].split_backward_us_per_node)
-        summary[f"{name}_transfer_overhead_us"] = profiles[name]["profile"].transfer_overhead_us
+            profiles[name]["profile"].runtime.split_backward_us_per_node)
+        summary[f"{name}_transfer_overhead_us"] = profiles[name]["profile"].runtime.transfer_overhead_us
         summary[f"{name}_probe_at_profile_us"] = profiles[name]["probe_at_profile_us"]
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "python": platform.python_version(), "torch": torch.__version__,
