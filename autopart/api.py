@@ -69,7 +69,8 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             rank; default the visible GPUs, else ``["cpu"] * ranks``), ``num_stages`` (S =
             ranks x stages_per_rank), ``num_microbatches`` (m), ``optimize`` (``"speed"``
             or ``"memory"``), ``schedule_kind`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
-            ``"zero_bubble"``; ``schedule=`` is accepted as its older name),
+            ``"zero_bubble"``, ``"zbv"``, ``"dualpipev"``; ``schedule=`` is accepted as its
+            older name),
             ``stages_per_rank`` (v), ``recompute`` (True / False /
             None: per stage), ``fuse`` (``torch.compile`` each stage; compile time in
             ``pipe.timings_s["fuse_s"]`` covers wrapping, compilation runs on first call),

@@ -97,8 +97,10 @@ class CompileOptions:
         optimize: ``"speed"`` or ``"memory"``; ``None`` means ``"speed"`` (a replayed plan
             keeps its own).
         schedule_kind: one of ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``
-            (the plan's and the solver's name; ``compile(schedule=...)`` is still accepted).
-        stages_per_rank: v >= 1 (v > 1 needs ``interleaved_1f1b``).
+            (ZB-H1), ``zbv`` (ZB-V), ``dualpipev`` (DualPipe-V) (the plan's and the
+            solver's name; ``compile(schedule=...)`` is still accepted).
+        stages_per_rank: v >= 1 (v > 1 needs ``interleaved_1f1b``; ``zbv`` and
+            ``dualpipev`` run v = 2, rank r holding stages r and 2p - 1 - r).
         recompute: every stage (True), none (False), solver's choice (None).
         fuse: compile each stage with ``torch.compile`` (both backends).
         backend: ``"local"`` or ``"distributed"``; ``None`` picks distributed inside an
@@ -152,9 +154,13 @@ class CompileOptions:
         if self.schedule_kind is not None and self.schedule_kind not in SCHEDULE_KINDS:
             raise PlanError(f"schedule_kind={self.schedule_kind!r}; expected one of {SCHEDULE_KINDS} or "
                             "None (the solver chooses)")
-        if (self.stages_per_rank or 1) > 1 and self.schedule_kind not in (None, "interleaved_1f1b"):
+        if (self.stages_per_rank or 1) > 1 and self.schedule_kind not in (
+                None, "interleaved_1f1b", "zbv", "dualpipev"):
             raise PlanError(f"stages_per_rank={self.stages_per_rank} needs schedule_kind="
                             f"'interleaved_1f1b' (or None), not {self.schedule_kind!r}")
+        if self.schedule_kind in ("zbv", "dualpipev") and self.stages_per_rank not in (None, 2):
+            raise PlanError(f"schedule_kind={self.schedule_kind!r} runs 2 stages per rank (a V); "
+                            f"stages_per_rank={self.stages_per_rank} must be 2 or None")
         if self.recompute not in (None, True, False):
             raise PlanError(f"recompute={self.recompute!r} must be True, False or None")
         if self.backend is not None and self.backend not in BACKENDS:

@@ -227,9 +227,11 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     device_names, v = _ranks_and_v(devices, num_stages, stages_per_rank)
     fixed = {k: val for k, val in (("schedule_kind", schedule_kind), ("stages_per_rank", v),
                                    ("recompute", recompute)) if val is not None}
-    # the split cost matters only where the solver may still pick zero_bubble (v = 1)
-    may_split = (fixed.get("stages_per_rank", 1) == 1
-                 and fixed.get("schedule_kind", "zero_bubble") == "zero_bubble")
+    # the split cost matters only where the solver may still pick a kind that splits the
+    # backward: zero_bubble (v = 1), zbv or dualpipev (v = 2)
+    kind_fixed, v_fixed = fixed.get("schedule_kind"), fixed.get("stages_per_rank")
+    may_split = any(kind_fixed in (None, kind) and v_fixed in (None, v)
+                    for kind, v in (("zero_bubble", 1), ("zbv", 2), ("dualpipev", 2)))
     with progress():  # one display for the phases of the profile and the solve
         profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
                                 devices=device_names, num_microbatches=num_microbatches,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from autopart.core.schedule import build_schedule, in_flight_counts
+from autopart.core.schedule import build_schedule, in_flight_counts, stage_ranks
+from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.solver.simulate import StageCosts
 
 __all__ = ["in_flight", "objective_weights", "closed_form_step_us"]
@@ -18,8 +19,10 @@ def in_flight(kind: str, num_ranks: int, num_microbatches: int, stages_per_rank:
 
     GPipe holds all ``m``; 1F1B and ZB-H1 (as built by :mod:`autopart.core.schedule`) hold
     ``min(p - s, m)`` on stage s (Narayanan et al. 2021; Qi et al. 2023, H1 keeps 1F1B's
-    memory); interleaved 1F1B is counted on its action lists with
-    :func:`autopart.core.schedule.in_flight_counts`. Inference keeps nothing for a backward: 0.
+    memory); interleaved 1F1B, ZB-V and DualPipe-V are counted on their action lists with
+    :func:`autopart.core.schedule.in_flight_counts` (ZB-V and DualPipe-V: ``min(2p - s, m)``
+    on stage s once ``m`` fills the pipeline, tested). Inference keeps nothing for a
+    backward: 0.
     """
     p, m, v = num_ranks, num_microbatches, stages_per_rank
     if not training:
@@ -28,6 +31,8 @@ def in_flight(kind: str, num_ranks: int, num_microbatches: int, stages_per_rank:
         return (m,) * (p * v)
     if kind in ("1f1b", "zero_bubble"):
         return tuple(min(p - s, m) for s in range(p))
+    if kind in V_SCHEDULE_KINDS:  # exact on the action lists (not known to saturate in m)
+        return _interleaved_counts(kind, p, m, v)
     # The counts are set by the warm-up (fewer than (v + 1) p units), so they saturate: m = 4p
     # gives the same counts as any larger multiple of p (checked in the tests).
     short = min(m, 4 * p) if m % p == 0 else m
@@ -47,9 +52,15 @@ def objective_weights(kind: str, num_ranks: int, num_microbatches: int,
     One stage per rank (GPipe, 1F1B, ZB-H1, inference): ``(m - 1) * max_s t_s + sum_s t_s``,
     the fill-and-drain form of DESIGN.md. Interleaved 1F1B: ``m * max_r load_r + (p - 1) *
     max_s t_s``, Narayanan et al. 2021's ``(1 + (p - 1) / (v m))`` times the ideal for
-    balanced stages.
+    balanced stages. ZB-V and DualPipe-V (two stages per rank in a V): ``m * max_r load_r``,
+    a lower bound of their step (every rank runs its two stages' load m times); their bubble,
+    ``(p - 1)`` times the slower of a stage's ``F`` and ``I`` (:func:`closed_form_step_us`),
+    is no multiple of the chain's stage time and is left to the exact costing of the
+    candidates (:func:`autopart.solver._candidate.evaluate`, then the simulator).
     """
     p, m = num_ranks, num_microbatches
+    if kind in V_SCHEDULE_KINDS:
+        return 0, m, 0
     if kind == "interleaved_1f1b" and stages_per_rank > 1:
         return p - 1, m, 0
     return m - 1, 0, 1
@@ -67,6 +78,12 @@ def closed_form_step_us(kind: str, num_ranks: int, num_microbatches: int,
     - ZB-H1 (I then W): ``(m - 1) * max_s t_s + sum_s (t_s - W_s) + W_0``; for equal stages
       ``m (F + I + W) + (p - 1) (F + I)`` (Qi et al. 2023).
     - Interleaved 1F1B: ``m * max_r load_r + (p - 1) * max_s t_s``.
+    - ZB-V and DualPipe-V (rank r runs stages r and 2p - 1 - r): ``m * max_r load_r +
+      (p - 1) * max_s (Fp_s + I_s)`` for ZB-V, whose ``W`` fill the warm-up and cool-down
+      (Qi et al. 2024: zero bubble when F = I = W); DualPipe-V runs whole ``B`` in its
+      middle and pairs F with B one after the other here, so ``m * max_r load_r +
+      (p - 1) * max_s t_s``. Both are estimates the solver's simulator replaces for its
+      final candidates.
 
     These agree with :func:`autopart.solver.simulate.simulate` within 2% for balanced stages
     and small sends (tested); the solver replays its final candidates with the simulator.
@@ -74,16 +91,26 @@ def closed_form_step_us(kind: str, num_ranks: int, num_microbatches: int,
     p, m, v = num_ranks, num_microbatches, stages_per_rank
     s_total = len(c.fwd_us)
     fp = [c.fwd_us[s] + c.send_fwd_us[s] for s in range(s_total)]
+    rank_of = stage_ranks(kind, p, v)
+
+    def loads(per: list[float]) -> float:
+        return max(sum(x for s, x in enumerate(per) if rank_of[s] == r) for r in range(p))
+
     if not training:
         if v > 1:
-            loads = [sum(fp[r::p]) for r in range(p)]
-            return m * max(loads) + (p - 1) * max(fp)
+            return m * loads(fp) + (p - 1) * max(fp)
         return (m - 1) * max(fp) + sum(fp)
     bp = [c.bwd_input_us[s] + c.bwd_weight_us[s] + c.send_bwd_us[s] for s in range(s_total)]
     t = [a + b for a, b in zip(fp, bp, strict=True)]
+    if kind in V_SCHEDULE_KINDS:
+        ip = [c.bwd_input_us[s] + c.send_bwd_us[s] for s in range(s_total)]
+        # steady state: every rank busy with its load, plus (p - 1) slots of the slower of
+        # F and I (W fills the rest); a short step is bound by one microbatch's way down and
+        # back up the V
+        steady = m * loads(t) + (p - 1) * max(max(f, i) for f, i in zip(fp, ip, strict=True))
+        return max(steady, sum(fp) + sum(ip) + c.bwd_weight_us[0] + (m - 1) * max(t))
     if kind == "interleaved_1f1b" and v > 1:
-        loads = [sum(t[r::p]) for r in range(p)]
-        return m * max(loads) + (p - 1) * max(t)
+        return m * loads(t) + (p - 1) * max(t)
     if kind == "gpipe":
         return (m - 1) * (max(fp) + max(bp)) + sum(t)
     if kind == "zero_bubble":
@@ -92,20 +119,25 @@ def closed_form_step_us(kind: str, num_ranks: int, num_microbatches: int,
 
 
 def busy_us(c: StageCosts, num_ranks: int, num_microbatches: int,
-            training: bool = True) -> list[float]:
-    """Per rank, compute + send time of one step, µs."""
+            training: bool = True, rank_of: Sequence[int] | None = None) -> list[float]:
+    """Per rank, compute + send time of one step, µs (``rank_of``: stage -> rank, default
+    ``s % p``)."""
     per = [c.fwd_us[s] + c.send_fwd_us[s]
            + ((c.bwd_input_us[s] + c.bwd_weight_us[s] + c.send_bwd_us[s]) if training else 0.0)
            for s in range(len(c.fwd_us))]
-    return [num_microbatches * sum(per[r::num_ranks]) for r in range(num_ranks)]
+    owner = rank_of or [s % num_ranks for s in range(len(per))]
+    return [num_microbatches * sum(x for s, x in enumerate(per) if owner[s] == r)
+            for r in range(num_ranks)]
 
 
 def closed_form_peaks(c: StageCosts, in_flight_per_stage: Sequence[int],
-                      num_ranks: int) -> list[int]:
-    """Per rank: static + sum over its stages of in-flight x saved, + the largest backward extra."""
+                      num_ranks: int, rank_of: Sequence[int] | None = None) -> list[int]:
+    """Per rank: static + sum over its stages of in-flight x saved, + the largest backward
+    extra (``rank_of``: stage -> rank, default ``s % p``)."""
+    owner = rank_of or [s % num_ranks for s in range(len(c.fwd_us))]
     out = []
     for r in range(num_ranks):
-        stages = range(r, len(c.fwd_us), num_ranks)
+        stages = [s for s in range(len(c.fwd_us)) if owner[s] == r]
         out.append(sum(c.static_bytes[s] + in_flight_per_stage[s] * c.saved_bytes[s] for s in stages)
                    + max(c.backward_extra_bytes[s] for s in stages))
     return out

@@ -199,7 +199,8 @@ class CostModel(MemoryModel):
         per_node = self.split_us_per_node_at(ratio * self.costs.batch_size)
         return per_node * (self._bwd_nodes[stop] - self._bwd_nodes[start])
 
-    def tied_sync_us(self, positions: Sequence[int], p: int) -> float:
+    def tied_sync_us(self, positions: Sequence[int], p: int,
+                     rank_of: Sequence[int] | None = None) -> float:
         """End-of-step all-reduce of the gradients of trainable parameters that stages on
         more than one rank read (a tied embedding and LM head), µs; 0 when not training.
 
@@ -209,15 +210,16 @@ class CostModel(MemoryModel):
         slowest link between those ranks (:meth:`autopart.core.cluster.Cluster.transfer_us`).
 
         Args:
-            positions: the cut positions (``p * v - 1``, ascending); stage ``s`` runs on
-                rank ``s % p``.
+            positions: the cut positions (``p * v - 1``, ascending).
             p: ranks.
+            rank_of: stage -> rank; default: stage ``s`` on rank ``s % p``.
         """
         if not self.training or p < 2 or not self._shared:
             return 0.0
         total = 0.0
         for param, nodes in self._shared.items():
-            ranks = sorted({bisect.bisect_right(positions, i) % p for i in nodes})
+            stages = {bisect.bisect_right(positions, i) for i in nodes}
+            ranks = sorted({rank_of[s] if rank_of else s % p for s in stages})
             k = len(ranks)
             if k < 2:
                 continue

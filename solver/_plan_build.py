@@ -16,6 +16,7 @@ from autopart.core.plan import (
     SolverReport,
     StagePlan,
 )
+from autopart.core.schedule import stage_ranks
 from autopart.solver._candidate import Candidate
 from autopart.solver._cost_model import CostModel
 from autopart.solver.candidates import CutCandidates
@@ -61,9 +62,10 @@ def build_plan(costs: CostGraph, cluster: Cluster, model: CostModel, cands: CutC
                  for q in best.positions)
     bounds = [0, *best.positions, len(nodes)]
     c = best.costs
+    rank_of = stage_ranks(best.kind, p, best.v)
     stages = []
     for s in range(len(bounds) - 1):
-        a, z, r = bounds[s], bounds[s + 1], s % p
+        a, z, r = bounds[s], bounds[s + 1], rank_of[s]
         paths = [nd.module_path for nd in nodes[a:z] if nd.module_path]
         stages.append(StagePlan(
             stage_index=s, rank=r, device=cluster.device_names[r],
@@ -75,7 +77,7 @@ def build_plan(costs: CostGraph, cluster: Cluster, model: CostModel, cands: CutC
             predicted_comm_us=round(c.send_fwd_us[s] + c.send_bwd_us[s], 3),
             predicted_peak_memory_bytes=best.stage_peaks[s], recompute=best.recompute[s]))
     ranks = tuple(RankPlan(rank=r, device=cluster.device_names[r],
-                           stage_indices=tuple(range(r, len(stages), p)),
+                           stage_indices=tuple(s for s in range(len(stages)) if rank_of[s] == r),
                            peak_memory_bytes=best.peaks[r]) for r in range(p))
     return Plan(
         graph_fingerprint=costs.fingerprint, cluster_fingerprint=cluster.fingerprint(),

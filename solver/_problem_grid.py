@@ -15,7 +15,8 @@ from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import Plan
-from autopart.core.schedule import splits_backward
+from autopart.core.schedule import check_microbatches, splits_backward, stage_ranks
+from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.solver._closed_form import in_flight, objective_weights
 from autopart.solver._cost_model import TIME_UNITS_PER_US, CostModel
 from autopart.solver.baselines import baseline_partitions
@@ -25,7 +26,7 @@ from autopart.solver.chain_cpsat import ChainResult
 from autopart.solver.chain_dp import chain_dp_hint
 from autopart.solver.options import SolveOptions
 
-__all__ = ["Setup", "Subproblem", "setup", "subproblems", "chain_problem"]
+__all__ = ["Setup", "Subproblem", "setup", "subproblems", "chain_problem", "runs_microbatches"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -34,7 +35,8 @@ class Setup:
 
     Attributes:
         costs: the cost graph, profiled at ``costs.batch_size``.
-        cluster: the devices; stage s runs on rank ``s % p``.
+        cluster: the devices; stages are placed as each schedule kind places them
+            (:func:`autopart.core.schedule.stage_ranks`).
         options: the request.
         model: the cost model at ``options.batch_size``.
         cands: cut candidates, the baselines' and the hint's cut positions included.
@@ -128,16 +130,31 @@ def subproblems(st: Setup) -> list[Subproblem]:
     seeds: dict[ChainProblem, ChainAnswer | None] = {}
     for kind, v in st.configs:
         for m in st.counts:
-            if kind == "interleaved_1f1b" and m % p:
+            if not runs_microbatches(kind, p, m):
                 continue
             prob = chain_problem(st, kind, v, m)
             if prob not in seeds:
                 seeds[prob] = _seed(prob, st.cands, st.options.hint, st.costs)
             subs.append(Subproblem(kind, v, m, prob, seeds[prob]))
     if not subs:
-        raise PlanError(f"no microbatch count in {list(st.counts)} is a multiple of the {p} ranks "
-                        "that interleaved_1f1b needs; allow another m or schedule")
+        kinds = sorted({kind for kind, _ in st.configs})
+        if kinds == ["interleaved_1f1b"]:
+            raise PlanError(f"no microbatch count in {list(st.counts)} is a multiple of the {p} "
+                            "ranks that interleaved_1f1b needs; allow another m or schedule")
+        raise PlanError(f"no microbatch count in {list(st.counts)} suits the schedule(s) "
+                        f"{kinds} on {p} ranks (interleaved_1f1b needs a multiple of the ranks, "
+                        f"dualpipev at least {2 * p}); allow another m or schedule")
     return subs
+
+
+def runs_microbatches(kind: str, p: int, m: int) -> bool:
+    """Whether schedule ``kind`` runs ``m`` microbatches on ``p`` ranks
+    (:func:`autopart.core.schedule.check_microbatches`)."""
+    try:
+        check_microbatches(kind, p, m)
+    except PlanError:
+        return False
+    return True
 
 
 def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
@@ -148,7 +165,9 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
     seg_t, out_t, in_t = model.chain_time(cands, m)
     seg_w: list[int] | None = None
     seg_x: list[int] | None = None
-    if options.training and splits_backward(kind, False):
+    if options.training and splits_backward(kind, False) and kind not in V_SCHEDULE_KINDS:
+        # (ZB-H1's closed form; the V schedules' is the interleaved one, without hidden W:
+        # their split cost is priced exactly when candidates are costed)
         # the stages after the first split their backward at the measured cost (stage 0's
         # inputs need no gradient, so it runs its backward whole; a recomputed stage does not
         # split either) and run their W off the critical path (ChainProblem.hides_weight)
@@ -181,7 +200,8 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         outputs_held=options.training and model.held_bytes_cover_outputs,
         rank_caps=tuple(max(c - transient, 0) for c in st.caps), recompute=st.mode,
         optimize=options.optimize, seg_bwd_weight=None if seg_w is None else tuple(seg_w),
-        seg_split=None if seg_x is None else tuple(seg_x))
+        seg_split=None if seg_x is None else tuple(seg_x),
+        placement=stage_ranks(kind, p, v) if kind in V_SCHEDULE_KINDS else None)
 
 
 def _baseline_cuts(costs: CostGraph, p: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -18,10 +18,17 @@ from importlib.metadata import version
 from autopart.core.cluster import Cluster
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import SCHEDULE_KINDS, BaselineReport, Plan, SolverReport
+from autopart.core.schedule import splits_backward
 from autopart.solver._candidate import Candidate, evaluate
 from autopart.solver._cost_model import TIME_UNITS_PER_US
 from autopart.solver._plan_build import build_plan, lower_bounds, pareto
-from autopart.solver._problem_grid import Setup, Subproblem, chain_problem, setup
+from autopart.solver._problem_grid import (
+    Setup,
+    Subproblem,
+    chain_problem,
+    runs_microbatches,
+    setup,
+)
 from autopart.solver.chain_cpsat import ChainResult
 from autopart.solver.chain_dp import chain_dp_hint
 
@@ -177,12 +184,13 @@ def _pick(final: list[Candidate], optimize: str, measured: bool) -> Candidate:
         return min(final, key=key)
     fastest = min(c.step_us for c in final)
     near = [c for c in final if c.step_us <= fastest * (1 + TIE_TOLERANCE)]
-    return min(near, key=lambda c: (c.m, c.v, c.kind == "zero_bubble", sum(c.recompute),
+    return min(near, key=lambda c: (c.m, c.v, splits_backward(c.kind, False), sum(c.recompute),
                                     *key(c)))
 
 
 def _baselines(st: Setup, evaluated: list[Candidate]) -> tuple[list[BaselineReport], list[Candidate]]:
-    """Each baseline under 1F1B, v = 1, at the m of the best candidate.
+    """Each baseline under 1F1B, v = 1, at the m of the best candidate (the fastest that
+    fits; when none fits, the one with the least peak: its m is the one memory favours).
 
     A baseline whose peak does not fit the caps is costed again with every stage
     recomputing (DeepSpeed's ``activation_checkpoint_interval``, torchgpipe's
@@ -192,8 +200,11 @@ def _baselines(st: Setup, evaluated: list[Candidate]) -> tuple[list[BaselineRepo
     if not st.baselines:
         return [], []
     model, p, caps = st.model, st.p, st.caps
-    fitting = [c for c in evaluated if c.fits] or evaluated
-    m = min(fitting, key=_key("speed")).m if fitting else st.counts[0]
+    fitting = [c for c in evaluated if c.fits]
+    if fitting:
+        m = min(fitting, key=_key("speed")).m
+    else:
+        m = min(evaluated, key=_key("memory")).m if evaluated else st.counts[0]
     reports, cands = [], []
     for name, cuts in st.baselines:
         kind = "1f1b" if model.training else "gpipe"
@@ -231,7 +242,7 @@ def _least_peak(st: Setup) -> Candidate | None:
     least: Candidate | None = None
     for kind, v in st.configs:
         for m in st.counts:
-            if kind == "interleaved_1f1b" and m % st.p:
+            if not runs_microbatches(kind, st.p, m):
                 continue
             prob = chain_problem(st, kind, v, m)
             seed = chain_dp_hint(replace(prob, rank_caps=None, optimize="memory"))

@@ -20,9 +20,11 @@ class StageSpan:
         index: stage index s, ``0 <= s < count``.
         count: stages of the candidate, ``p * v``.
         start, stop: its op nodes ``start .. stop - 1``.
-        rank: the rank that runs it, ``s % p``.
+        rank: the rank that runs it (``placement[s]``).
         num_ranks: p.
         recompute: whether it recomputes its forward in its backward.
+        placement: stage -> rank of every stage of the candidate; empty (default): stage
+            ``t`` on rank ``t % p``.
     """
 
     index: int
@@ -32,6 +34,11 @@ class StageSpan:
     rank: int
     num_ranks: int
     recompute: bool
+    placement: tuple[int, ...] = ()
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs ``stage`` of the candidate."""
+        return self.placement[stage] if self.placement else stage % self.num_ranks
 
     @property
     def first(self) -> bool:
@@ -104,11 +111,12 @@ def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTe
     empty_i = split_here and span.first
     held, wgrad = _split_bytes(model, span, cross_out, transient, ratio) \
         if split_here else (0, 0)
-    cluster, p, s, r = model.cluster, span.num_ranks, span.index, span.rank
+    cluster, s, r = model.cluster, span.index, span.rank
     return StageTerms(
         fwd_us=fwd, bwd_input_us=bi if training else 0.0, bwd_weight_us=bw if training else 0.0,
-        send_fwd_us=cluster.transfer_us(cross_out, r, (s + 1) % p) if not span.last else 0.0,
-        send_bwd_us=cluster.transfer_us(cross_in, r, (s - 1) % p)
+        send_fwd_us=cluster.transfer_us(cross_out, r, span.rank_of(s + 1))
+        if not span.last else 0.0,
+        send_bwd_us=cluster.transfer_us(cross_in, r, span.rank_of(s - 1))
         if not span.first and training else 0.0,
         static_bytes=_static_bytes(model, span, state, cross_in, cross_out, transient, m),
         saved_bytes=saved,
@@ -140,9 +148,11 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan,
     # the runtime's own cost of each transfer between ranks an action posts or waits on
     # (RuntimeDescription.transfer_overhead_us): F receives the stage's input and sends its
     # output, B (or I) receives the output's gradient and sends the input's; a split's W
-    # neither
+    # neither. Two neighbouring stages on one rank (the bottom of a V) hand their values over
+    # in memory: no transfer
     if span.num_ranks > 1:
-        transfers = (s > 0) + (s < span.count - 1)
+        transfers = ((s > 0 and span.rank_of(s - 1) != span.rank)
+                     + (s < span.count - 1 and span.rank_of(s + 1) != span.rank))
         fwd += model.runtime.transfer_overhead_us * transfers
         bi += model.runtime.transfer_overhead_us * transfers if model.training else 0.0
     return fwd, bi, bw

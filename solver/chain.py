@@ -36,7 +36,8 @@ class ChainAnswer:
 class ChainProblem:
     """Split K segments into ``S = num_ranks * stages_per_rank`` contiguous non-empty stages.
 
-    Stage ``s`` runs on rank ``s % num_ranks``. Times are integers (0.1 µs units in
+    Stage ``s`` runs on rank ``placement[s]`` (default ``s % num_ranks``; the V schedules
+    place rank r's two stages at r and 2p - 1 - r). Times are integers (0.1 µs units in
     :mod:`autopart.solver._problem_grid`), memory integers (bytes).
 
     Stage time ``t_s = speed[rank] * (sum seg_time + recompute * sum seg_fwd)`` (each product
@@ -98,6 +99,7 @@ class ChainProblem:
     seg_bwd_weight: tuple[int, ...] | None = None
     outputs_held: bool = False
     seg_split: tuple[int, ...] | None = None
+    placement: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         k, s = len(self.seg_time), self.num_stages
@@ -117,7 +119,7 @@ class ChainProblem:
                    "cut_bytes": (self.cut_bytes, k - 1), "in_flight": (self.in_flight, s),
                    "rank_caps": (self.rank_caps, self.num_ranks),
                    "seg_bwd_weight": (self.seg_bwd_weight, k),
-                   "seg_split": (self.seg_split, k)}
+                   "seg_split": (self.seg_split, k), "placement": (self.placement, s)}
         for name, (values, want) in lengths.items():
             if values is not None and len(values) != want:
                 raise PlanError(f"ChainProblem.{name} has {len(values)} entries; expected {want}")
@@ -126,6 +128,10 @@ class ChainProblem:
                 self.seg_split or ())
         if any(v < 0 for v in itertools.chain(*ints)) or min(self.speed or (1.0,)) <= 0:
             raise PlanError("chain costs and memory must be >= 0 and speed factors > 0")
+        if self.placement is not None and sorted(self.placement) != sorted(
+                r for r in range(self.num_ranks) for _ in range(self.stages_per_rank)):
+            raise PlanError(f"ChainProblem.placement={list(self.placement)} must give each of "
+                            f"the {self.num_ranks} ranks {self.stages_per_rank} stage(s)")
 
     # ---- sizes -----------------------------------------------------------------------
     @property
@@ -146,7 +152,13 @@ class ChainProblem:
     # ---- per-stage coefficients ------------------------------------------------------
     def rank_of(self, stage: int) -> int:
         """Rank that runs ``stage``."""
+        if self.placement is not None:
+            return self.placement[stage]
         return stage % self.num_ranks
+
+    def stages_on(self, rank: int) -> list[int]:
+        """The stages ``rank`` runs, ascending."""
+        return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
 
     def seg_time_on(self, rank: int) -> list[int]:
         """Segment times on ``rank`` (speed factor applied, rounded half to even)."""
@@ -234,12 +246,12 @@ class ChainProblem:
     def rank_memory(self, cuts: Sequence[int], recompute: Sequence[bool]) -> list[int]:
         """Memory of every rank: the sum over its stages, bytes."""
         mem = self.stage_memory(cuts, recompute)
-        return [sum(mem[r::self.num_ranks]) for r in range(self.num_ranks)]
+        return [sum(mem[s] for s in self.stages_on(r)) for r in range(self.num_ranks)]
 
     def time_objective(self, cuts: Sequence[int], recompute: Sequence[bool]) -> int:
         """``w_stage * max t + w_rank * max rank load + w_sum * sum t - hidden W``."""
         t = self.stage_times(cuts, recompute)
-        loads = [sum(t[r::self.num_ranks]) for r in range(self.num_ranks)]
+        loads = [sum(t[s] for s in self.stages_on(r)) for r in range(self.num_ranks)]
         return (self.w_stage * max(t) + self.w_rank * max(loads) + self.w_sum * sum(t)
                 - self.hidden_weight(cuts, recompute))
 

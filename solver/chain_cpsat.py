@@ -157,7 +157,7 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
     if problem.optimize == "memory":
         max_mem = model.new_int_var(0, mem_upper * problem.stages_per_rank, "max_mem")
         for r in range(problem.num_ranks):
-            model.add(sum(mem[r::problem.num_ranks]) <= max_mem)
+            model.add(sum(mem[s] for s in problem.stages_on(r)) <= max_mem)
         model.minimize(max_mem)
     else:
         hidden = _hidden_weight(problem, chain, data, rc)
@@ -229,7 +229,7 @@ def _add_stage_times(problem: ChainProblem, chain: ChainModel, data: _Data, rc: 
         model.add(t[s] <= max_t)
     p = problem.num_ranks
     for r in range(p):
-        model.add(sum(t[r::p]) <= max_load)
+        model.add(sum(t[s] for s in problem.stages_on(r)) <= max_load)
 
 
 def _add_memory(problem: ChainProblem, chain: ChainModel,
@@ -267,7 +267,7 @@ def _add_memory(problem: ChainProblem, chain: ChainModel,
         mem.append(var)
     if problem.rank_caps is not None:
         for r in range(p):
-            model.add(sum(mem[r::p]) <= problem.rank_caps[r])
+            model.add(sum(mem[s] for s in problem.stages_on(r)) <= problem.rank_caps[r])
     return mem, mem_upper
 
 

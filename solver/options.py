@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from autopart.core.errors import PlanError
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
 from autopart.core.runtime_model import RuntimeDescription
+from autopart.core.v_schedules import V_SCHEDULE_KINDS
 
 __all__ = ["SolveOptions"]
 
@@ -30,7 +31,8 @@ class SolveOptions:
         training: plan for fwd + bwd (True) or forward-only inference (GPipe forward schedule).
         schedule_kind: one of ``SCHEDULE_KINDS``; ``None`` = the solver chooses (training).
         stages_per_rank: v; ``None`` = the solver chooses among 1, 2, 4 (v > 1 only with
-            ``interleaved_1f1b``, which needs m to be a multiple of the ranks).
+            ``interleaved_1f1b``, which needs m to be a multiple of the ranks, and v = 2
+            with the V schedules ``zbv`` and ``dualpipev``, the latter needing m >= 2p).
         recompute: ``True`` every stage recomputes, ``False`` none, ``None`` the solver picks
             per stage.
         memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.
@@ -93,9 +95,13 @@ class SolveOptions:
                             f"{SCHEDULE_KINDS} or None")
         if self.stages_per_rank is not None and self.stages_per_rank < 1:
             raise PlanError(f"stages_per_rank={self.stages_per_rank} must be >= 1 or None")
-        if (self.stages_per_rank or 1) > 1 and self.schedule_kind not in (None, "interleaved_1f1b"):
+        if (self.stages_per_rank or 1) > 1 and self.schedule_kind not in (
+                None, "interleaved_1f1b", *V_SCHEDULE_KINDS):
             raise PlanError(f"stages_per_rank={self.stages_per_rank} needs schedule_kind "
                             f"'interleaved_1f1b' (or None), not {self.schedule_kind!r}")
+        if self.schedule_kind in V_SCHEDULE_KINDS and self.stages_per_rank not in (None, 2):
+            raise PlanError(f"schedule_kind={self.schedule_kind!r} runs 2 stages per rank (a V); "
+                            f"stages_per_rank={self.stages_per_rank} must be 2 or None")
         if self.optimize not in OPTIMIZE_TARGETS:
             raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
         if self.batch_size < 1 or (self.num_stages is not None and self.num_stages < 1):
@@ -148,13 +154,20 @@ class SolveOptions:
                                 "ranks x stages_per_rank; pass num_stages=None to let the "
                                 "solver choose")
             v_fixed = self.num_stages // num_ranks
+        if self.schedule_kind in V_SCHEDULE_KINDS and v_fixed not in (None, 2):
+            raise PlanError(f"schedule_kind={self.schedule_kind!r} runs 2 stages per rank but "
+                            f"num_stages={self.num_stages} on {num_ranks} ranks gives "
+                            f"{v_fixed}; pass num_stages={2 * num_ranks} or None")
         if not self.training:
-            return [(self.schedule_kind or "gpipe", v_fixed or 1)]
+            kind = self.schedule_kind or "gpipe"
+            return [(kind, 2 if kind in V_SCHEDULE_KINDS else v_fixed or 1)]
         kinds = (self.schedule_kind,) if self.schedule_kind else SCHEDULE_KINDS
         out = []
         for kind in kinds:
             vs: tuple[int, ...]
-            if kind == "interleaved_1f1b":
+            if kind in V_SCHEDULE_KINDS:
+                vs = (2,) if v_fixed in (None, 2) else ()
+            elif kind == "interleaved_1f1b":
                 if self.schedule_kind is None:  # v = 1 is plain 1F1B: searched under that name
                     vs = () if v_fixed == 1 else ((v_fixed,) if v_fixed else (2, 4))
                 else:

@@ -72,7 +72,7 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
     if options.training:
         sched = build_schedule(kind, p, m, v, recompute=[s for s, r in enumerate(recompute) if r])
     else:
-        sched = forward_schedule(p, m, v)
+        sched = forward_schedule(p, m, v, kind=kind)
     c = cand.costs
     res = simulate(sched, c, record=True)
     events = []

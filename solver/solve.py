@@ -52,7 +52,8 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
 
     Args:
         costs: per-node costs, profiled at ``costs.batch_size``.
-        cluster: the devices; stage s runs on rank ``s % p``.
+        cluster: the devices; stage s runs on rank ``s % p`` (the V schedules ``zbv`` and
+            ``dualpipev``: rank r runs stages r and 2p - 1 - r).
         options: see :class:`SolveOptions`.
 
     Returns:

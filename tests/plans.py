@@ -8,6 +8,7 @@ from autopart import PipelinedModule
 from autopart.codegen import build_stages
 from autopart.core.capture import CapturedGraph, op_nodes
 from autopart.core.plan import Cut, Plan, RankPlan, SolverReport, StagePlan
+from autopart.core.schedule import stage_ranks
 from autopart.core.signature import InputSignature
 
 
@@ -16,12 +17,14 @@ def manual_plan(captured: CapturedGraph, positions: list[int], num_microbatches:
                 recompute: bool = False) -> Plan:
     """A plan with cuts at ``positions`` (op-node indices) and zero predictions.
 
-    Stage ``s`` runs on rank ``s % p`` with ``p = stages / stages_per_rank`` (interleaving).
+    ``p = stages / stages_per_rank`` ranks; stages are placed as ``schedule_kind`` places them
+    (stage ``s`` on rank ``s % p``, or in a V for ``zbv`` / ``dualpipev``: ``stage_ranks``).
     """
     names = [n.name for n in op_nodes(captured.graph_module.graph)]
     num_stages = len(positions) + 1
     p = num_stages // stages_per_rank
-    stages = tuple(StagePlan(s, s % p, "cpu", "", "", 0, ("", ""), 0, 0, 0.0, 0.0, 0.0, 0,
+    rank_of = stage_ranks(schedule_kind, p, stages_per_rank)
+    stages = tuple(StagePlan(s, rank_of[s], "cpu", "", "", 0, ("", ""), 0, 0, 0.0, 0.0, 0.0, 0,
                              recompute=recompute)
                    for s in range(num_stages))
     return Plan(graph_fingerprint=captured.fingerprint, cluster_fingerprint=f"{num_stages}xcpu",
@@ -30,7 +33,8 @@ def manual_plan(captured: CapturedGraph, positions: list[int], num_microbatches:
                 schedule_kind=schedule_kind, stages_per_rank=stages_per_rank,
                 cuts=tuple(Cut(k, names[k - 1], names[k], 0) for k in positions),
                 stages=stages,
-                ranks=tuple(RankPlan(r, "cpu", tuple(range(r, num_stages, p)), 0)
+                ranks=tuple(RankPlan(r, "cpu", tuple(s for s in range(num_stages)
+                                                     if rank_of[s] == r), 0)
                             for r in range(p)),
                 predicted_step_time_us=0.0, bubble_fraction=0.0,
                 solver=SolverReport("MANUAL", 0.0, 0.0, 0.0, 0.0, name="manual"))

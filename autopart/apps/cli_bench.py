@@ -39,7 +39,8 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
           steps: int = typer.Option(5, min=1, help="timed steps per arm"),
           num_microbatches: int = typer.Option(None, min=1, help="m (default: the solver's)"),
           schedule: str = typer.Option(None, help="schedule kind (default: the solver's): "
-                                       "gpipe, 1f1b, interleaved_1f1b, zero_bubble"),
+                                       "gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, "
+                                       "dualpipev"),
           out: Path = typer.Option(Path("autopart-bench"), help="report folder")) -> None:
     """Plan MODEL for --ranks ranks, run the plan, the unpartitioned model and the baselines
     (equal layers; DeepSpeed's parameter balance) on real processes, and write a report."""

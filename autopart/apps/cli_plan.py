@@ -140,8 +140,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
          num_microbatches: int | None = typer.Option(None, "--num-microbatches",
                                                      help="m (default: searched)"),
          schedule: str | None = typer.Option(None, "--schedule",
-                                             help="gpipe, 1f1b, interleaved_1f1b or zero_bubble "
-                                                  "(default: searched)"),
+                                             help="gpipe, 1f1b, interleaved_1f1b, zero_bubble, "
+                                                  "zbv or dualpipev (default: searched)"),
          stages_per_rank: int | None = typer.Option(None, "--stages-per-rank",
                                                     help="v virtual stages per rank (default: searched)"),
          time_limit: float = typer.Option(10.0, "--time-limit", help="CP-SAT time limit, s"),
@@ -210,7 +210,9 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
     print_plan(result, console)
     if result.tp * result.dp > 1 or result.model_flops:
         print_layout(result, console)
-    skipped = [(b.name, b.reason) for b in run_baselines(costs, result.num_stages) if b.cuts is None]
+    # the baselines partition onto the ranks, one stage each, as the solver costs them
+    skipped = [(b.name, b.reason) for b in run_baselines(costs, len(result.ranks))
+               if b.cuts is None]
     if skipped:
         console.print(skipped_baselines_table(skipped))
     print_certificate(result, console)

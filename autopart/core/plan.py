@@ -12,6 +12,8 @@ from typing import Any
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
 from autopart.core.layout import layout_problem
+from autopart.core.schedule import check_microbatches, stage_ranks
+from autopart.core.v_schedules import V_SCHEDULE_KINDS
 
 __all__ = ["Cut", "StagePlan", "RankPlan", "SolverReport", "BaselineReport", "ParetoPoint",
            "LowerBounds", "ShardedParameter", "Plan",
@@ -24,7 +26,7 @@ PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 #: How tensor parallelism splits a parameter: by output feature, input feature, vocabulary row.
 SHARD_STYLES = ("column", "row", "vocab")
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 OPTIMIZE_TARGETS = ("speed", "memory")
 
 
@@ -190,7 +192,9 @@ class Plan:
         bubble_fraction: idle share of a rank's step time under the schedule, 0..1.
         solver: the solver's status, objective, bound, gap and wall time.
         baselines: other partitioners on the same costs (may be empty).
-        stages_per_rank: v, virtual stages per rank (1 without interleaving).
+        stages_per_rank: v, virtual stages per rank (1 without interleaving; 2 for the V
+            schedules ``zbv`` and ``dualpipev``, which place rank r's stages at r and
+            2p - 1 - r; every other kind places stage s on rank s % p).
         pareto: the (step time, peak memory) frontier of the candidates the solver evaluated,
             by ascending time (may be empty).
         lower_bounds: physical lower bounds and the plan's ratio to them (None when absent).
@@ -383,7 +387,8 @@ def _check_values(cls: type, values: dict[str, Any], where: str) -> None:
 
 
 def _check_whole(plan: Plan) -> None:
-    """The cross-field invariants the runtimes rely on (stage s runs on rank s % p)."""
+    """The cross-field invariants the runtimes rely on (stages placed as the schedule kind
+    places them: :func:`autopart.core.schedule.stage_ranks`)."""
     def bad(msg: str) -> PlanError:
         return PlanError(f"invalid plan: {msg}")
 
@@ -408,29 +413,38 @@ def _check_whole(plan: Plan) -> None:
     if batch % (m * plan.dp):
         raise bad(f"num_microbatches={m} x dp={plan.dp} must divide batch_size={batch} (the "
                   "global batch); choose m dividing the batch per replica")
-    if v < 1 or (v > 1 and plan.schedule_kind != "interleaved_1f1b"):
-        raise bad(f"stages_per_rank={v} with schedule_kind={plan.schedule_kind!r}: only "
-                  "'interleaved_1f1b' runs more than one stage per rank (v >= 1); set "
-                  "stages_per_rank to 1 or the schedule to 'interleaved_1f1b'")
+    kind = plan.schedule_kind
+    if kind in V_SCHEDULE_KINDS and v != 2:
+        raise bad(f"stages_per_rank={v} with schedule_kind={kind!r}: the V schedules run "
+                  "exactly 2 stages per rank; set stages_per_rank to 2")
+    if v < 1 or (v > 1 and kind not in ("interleaved_1f1b", *V_SCHEDULE_KINDS)):
+        raise bad(f"stages_per_rank={v} with schedule_kind={kind!r}: only "
+                  "'interleaved_1f1b' and the V schedules (v = 2) run more than one stage per "
+                  "rank (v >= 1); set stages_per_rank to 1 or the schedule to "
+                  "'interleaved_1f1b'")
     if p < 1 or len(plan.stages) != p * v:
         raise bad(f"{len(plan.stages)} stages on {p} ranks with stages_per_rank={v}; the "
                   f"number of stages must be ranks x stages_per_rank = {p * v}")
-    if plan.schedule_kind == "interleaved_1f1b" and m % p:
-        raise bad(f"interleaved_1f1b needs num_microbatches ({m}) to be a multiple of the "
-                  f"number of ranks ({p}); choose m in {[p * k for k in range(1, 5)]}")
+    try:
+        check_microbatches(kind, p, m)
+    except PlanError as exc:
+        raise bad(str(exc)) from None
     num_stages = len(plan.stages)
+    rank_of = stage_ranks(kind, p, v)
+    how = "in a V: rank r runs stages r and 2p - 1 - r" if kind in V_SCHEDULE_KINDS \
+        else f"stage s on rank s % {p}"
     for r, rank in enumerate(plan.ranks):
-        want = tuple(range(r, num_stages, p))
+        want = tuple(s for s in range(num_stages) if rank_of[s] == r)
         if rank.rank != r or rank.stage_indices != want:
             raise bad(f"ranks[{r}] has rank={rank.rank}, stage_indices={list(rank.stage_indices)}; "
-                      f"rank {r} of {p} runs stages {list(want)} (stage s on rank s % {p})")
+                      f"rank {r} of {p} runs stages {list(want)} ({kind}: {how})")
     for i, st in enumerate(plan.stages):
         if st.stage_index != i:
             raise bad(f"stages[{i}] has stage_index {st.stage_index}; stages are listed in "
                       f"order 0..{num_stages - 1}")
-        if st.rank != i % p:
+        if st.rank != rank_of[i]:
             raise bad(f"stage {i} is on rank {st.rank}, but the plan has {p} ranks and "
-                      f"stage s runs on rank s % {p} = {i % p}")
+                      f"{kind} places it on rank {rank_of[i]} ({how})")
         if st.device != plan.ranks[st.rank].device:
             raise bad(f"stage {i} names device {st.device!r}, its rank {st.rank} names "
                       f"{plan.ranks[st.rank].device!r}; make them agree")

@@ -1,4 +1,4 @@
-"""Schedules as data: actions like ``2F0``, per-rank action lists, GPipe generation and validation."""
+"""Schedules as data: actions like ``2F0``, per-rank action lists, generation, placement, validation."""
 
 from __future__ import annotations
 
@@ -7,10 +7,18 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from autopart.core.errors import PlanError
+from autopart.core.v_schedules import (
+    V_SCHEDULE_KINDS,
+    dualpipev_rank_actions,
+    v_stage_ranks,
+    zbv_rank_actions,
+)
 
 __all__ = ["Action", "Schedule", "gpipe_schedule", "one_f_one_b_schedule",
-           "interleaved_1f1b_schedule", "zero_bubble_schedule", "splits_backward", "build_schedule",
-           "forward_schedule", "validate_schedule", "execution_order", "in_flight_counts",
+           "interleaved_1f1b_schedule", "zero_bubble_schedule", "zbv_schedule",
+           "dualpipev_schedule", "splits_backward", "build_schedule", "stage_ranks",
+           "check_microbatches", "forward_schedule", "validate_schedule", "execution_order",
+           "in_flight_counts",
            "to_csv", "from_csv", "format_timeline"]
 
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
@@ -154,10 +162,72 @@ def zero_bubble_schedule(num_stages: int, num_microbatches: int) -> Schedule:
     return tuple(split)
 
 
+def zbv_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, section 6): ``2p`` stages in a V (:func:`stage_ranks`), every
+    backward split into ``I`` and ``W``, the ``W``s filling the warm-up and cool-down
+    bubbles. Action order as torch 2.13's ``ScheduleZBVZeroBubble``
+    (:func:`autopart.core.v_schedules.zbv_rank_actions`). Any ``m >= 1``."""
+    _check_sizes(num_ranks, num_microbatches)
+    return tuple(tuple(Action(*a) for a in zbv_rank_actions(num_ranks, num_microbatches, r))
+                 for r in range(num_ranks))
+
+
+def dualpipev_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipe-V (DeepSeek 2024): ``2p`` stages in a V, forwards of one chunk paired with
+    backwards of the other, the tail's backwards split into ``I`` and ``W``. Each of torch's
+    overlapped F+B pairs is an ``F`` then a ``B`` here (no runtime of autopart overlaps them;
+    the solver prices them one after the other). Action order as torch 2.13's
+    ``ScheduleDualPipeV`` (:func:`autopart.core.v_schedules.dualpipev_rank_actions`).
+
+    Raises:
+        PlanError: ``num_microbatches < 2 * num_ranks``.
+    """
+    _check_sizes(num_ranks, num_microbatches)
+    return tuple(tuple(Action(*a) for a in dualpipev_rank_actions(num_ranks, num_microbatches, r))
+                 for r in range(num_ranks))
+
+
+def stage_ranks(kind: str, num_ranks: int, stages_per_rank: int = 1) -> tuple[int, ...]:
+    """Stage -> rank of ``kind``'s placement of ``p * v`` stages.
+
+    Looped (every kind but the V ones): stage ``s`` on rank ``s % p``. V (``zbv``,
+    ``dualpipev``, ``v = 2``): rank ``r`` runs stages ``r`` and ``2p - 1 - r``
+    (:func:`autopart.core.v_schedules.v_stage_ranks`; torch's ``style="v"``).
+
+    Raises:
+        PlanError: a V kind with ``stages_per_rank != 2``, or counts below 1.
+    """
+    if num_ranks < 1 or stages_per_rank < 1:
+        raise PlanError(f"num_ranks={num_ranks} and stages_per_rank={stages_per_rank} must be >= 1")
+    if kind in V_SCHEDULE_KINDS:
+        if stages_per_rank != 2:
+            raise PlanError(f"schedule {kind!r} runs exactly 2 stages per rank (a V); got "
+                            f"stages_per_rank={stages_per_rank}: set it to 2")
+        return v_stage_ranks(num_ranks)
+    return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
+
+
+def check_microbatches(kind: str, num_ranks: int, num_microbatches: int) -> None:
+    """Raise unless ``kind`` can run ``num_microbatches`` on ``num_ranks`` ranks.
+
+    Raises:
+        PlanError: ``interleaved_1f1b`` with m not a multiple of p, or ``dualpipev`` with
+            m < 2p; the message gives the values that work.
+    """
+    p, m = num_ranks, num_microbatches
+    if kind == "interleaved_1f1b" and m % p:
+        raise PlanError(f"interleaved_1f1b needs num_microbatches ({m}) to be a multiple of the "
+                        f"number of ranks ({p}); choose m in {[p * k for k in range(1, 5)]}")
+    if kind == "dualpipev" and m < 2 * p:
+        raise PlanError(f"dualpipev needs at least as many microbatches as stages: "
+                        f"num_microbatches={m} < 2 x {p} ranks; choose m >= {2 * p}")
+
+
 def splits_backward(kind: str, recompute: bool) -> bool:
     """Whether a stage's backward runs as ``I`` then ``W`` (True) or as one ``B``.
 
-    Only ZB-H1 splits, and not on a stage that recomputes its forward: every autograd call
+    ZB-H1, ZB-V and DualPipe-V split (DualPipe-V only some microbatches' backwards: the
+    others are one ``B``), and not on a stage that recomputes its forward: every autograd call
     that reads a checkpointed stage's saved tensors re-runs its forward, and the split makes
     several such calls per microbatch (measured 5-6 forwards per microbatch instead of 2 on
     torch's runtime, and a ``W`` 5x slower than ``B`` on a 4-block MLP in the one-process
@@ -165,7 +235,7 @@ def splits_backward(kind: str, recompute: bool) -> bool:
     ``B`` where ``I`` would be, no ``W``), the runtimes run what the schedule says, and the
     solver prices the same actions.
     """
-    return kind == "zero_bubble" and not recompute
+    return kind in ("zero_bubble", *V_SCHEDULE_KINDS) and not recompute
 
 
 def build_schedule(kind: str, num_ranks: int, num_microbatches: int,
@@ -173,27 +243,33 @@ def build_schedule(kind: str, num_ranks: int, num_microbatches: int,
     """The training schedule of ``kind`` (one of ``SCHEDULE_KINDS``) as per-rank action lists.
 
     Args:
-        kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``.
+        kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``, ``"zbv"``
+            or ``"dualpipev"``.
         num_ranks: p >= 1.
-        num_microbatches: m >= 1.
-        stages_per_rank: v >= 1 (only ``interleaved_1f1b`` takes v > 1).
+        num_microbatches: m >= 1 (``dualpipev``: m >= 2p).
+        stages_per_rank: v >= 1 (``interleaved_1f1b`` takes any v, ``zbv`` and
+            ``dualpipev`` exactly 2, the others 1).
         recompute: indices of the stages that recompute their forward in backward; under
-            ``zero_bubble`` their ``I`` becomes a whole ``B`` and their ``W`` is dropped
-            (see :func:`splits_backward`). Default: none.
+            the kinds that split the backward their ``I`` becomes a whole ``B`` and their
+            ``W`` is dropped (see :func:`splits_backward`). Default: none.
 
     Raises:
-        PlanError: unknown kind, or ``stages_per_rank > 1`` for a kind without interleaving.
+        PlanError: unknown kind, a stages_per_rank the kind does not run, or a microbatch
+            count it cannot (:func:`check_microbatches`).
     """
     if kind == "interleaved_1f1b":
         return interleaved_1f1b_schedule(num_ranks, num_microbatches, stages_per_rank)
-    if stages_per_rank != 1:
-        raise PlanError(f"schedule {kind!r} runs one stage per rank; stages_per_rank="
-                        f"{stages_per_rank} needs schedule 'interleaved_1f1b'")
     builders = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule,
-                "zero_bubble": zero_bubble_schedule}
+                "zero_bubble": zero_bubble_schedule, "zbv": zbv_schedule,
+                "dualpipev": dualpipev_schedule}
     if kind not in builders:
         raise PlanError(f"unknown schedule kind {kind!r}; expected one of "
-                        "gpipe, 1f1b, interleaved_1f1b, zero_bubble")
+                        "gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev")
+    want = 2 if kind in V_SCHEDULE_KINDS else 1
+    if stages_per_rank != want:
+        raise PlanError(f"schedule {kind!r} runs {want} stage(s) per rank; stages_per_rank="
+                        f"{stages_per_rank} needs {want}"
+                        + ("" if want == 2 else " or schedule 'interleaved_1f1b'"))
     schedule = builders[kind](num_ranks, num_microbatches)
     whole = set(recompute)
     if not whole:
@@ -211,12 +287,17 @@ def build_schedule(kind: str, num_ranks: int, num_microbatches: int,
     return tuple(out)
 
 
-def forward_schedule(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:
-    """Inference: each rank runs its stages' forwards, microbatch by microbatch, stage order."""
+def forward_schedule(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1,
+                     *, kind: str = "1f1b") -> Schedule:
+    """Inference: each rank runs its stages' forwards (ascending stage), microbatch by
+    microbatch; the stages are placed as ``kind`` places them (:func:`stage_ranks`; default
+    looped: stage ``s`` on rank ``s % p``)."""
     _check_sizes(num_ranks, num_microbatches)
-    p, v = num_ranks, stages_per_rank
-    return tuple(tuple(Action(c * p + r, "F", i) for c in range(v) for i in range(num_microbatches))
-                 for r in range(p))
+    rank_of = stage_ranks(kind if kind in V_SCHEDULE_KINDS else "1f1b", num_ranks,
+                          stages_per_rank)
+    return tuple(tuple(Action(s, "F", i) for s in range(len(rank_of)) if rank_of[s] == r
+                       for i in range(num_microbatches))
+                 for r in range(num_ranks))
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int) -> None:

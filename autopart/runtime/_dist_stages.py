@@ -34,7 +34,8 @@ class P2PStage(nn.Module):
     ``stage_backward_input`` detaches every stage output in place once ``I`` is done, and
     where the stage itself saved one for its ``W`` (a linear's input that also crosses the
     cut) that ``W`` failed with "Trying to use a saved tensor that has been detached
-    in-place". A copy is one boundary tensor per microbatch.
+    in-place". A copy is one boundary tensor per microbatch. Outputs that need no gradient
+    are sent detached (a view, such as a mask, cannot be detached in place).
     """
 
     def __init__(self, stage: fx.GraphModule, runner: nn.Module, recompute: bool = False,
@@ -74,6 +75,11 @@ class P2PStage(nn.Module):
                 dense = o.contiguous()
                 if self.split_backward and dense is o and o.requires_grad:
                     dense = o.clone()  # torch's I detaches what it sent; the stage keeps o
+                elif self.split_backward and not o.requires_grad:
+                    # torch's I detaches every output in place, which a view refuses ("Can't
+                    # detach views in-place": a mask the stage passes on as a view of its
+                    # own); detach() gives the same values as a tensor of its own, no copy
+                    dense = dense.detach()
                 o = dense
             sent.append(o)
         return tuple(sent)

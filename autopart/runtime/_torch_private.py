@@ -37,7 +37,13 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
 
     The actions are handed over in memory, as ``_load_csv`` would have read them from the
     CSV action format (``autopart.core.schedule.to_csv``), without the file, and checked and
-    mapped to ranks as it does (``_validate_and_set_stage_mapping``). Gradients are
+    mapped to ranks as it does (``_validate_and_set_stage_mapping``). A forward-only
+    schedule (inference), which torch's check refuses (it wants every backward), is mapped
+    to ranks from where its actions are, as the check would have (each stage on the rank
+    whose list holds it), and lowered as ``_prepare_schedule_with_comms`` lowers a
+    compute-only schedule, without that check: the V schedules need this, because torch
+    2.13's runtime fails in ``eval`` on a V training schedule's backwards ("can't
+    steal_bwd_input"). Gradients are
     not scaled by torch (``scale_grads=False``): the caller divides by m once per step.
     Torch 2.13 lowers with ``_prepare_schedule_with_comms``; older releases (2.6) named it
     ``_load_actions``.
@@ -46,6 +52,9 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
         list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
     for rank, actions in enumerate(schedule):
         runtime.pipeline_order[rank] = [_Action.from_str(str(a)) for a in actions]
+    if all(a.kind == "F" for acts in schedule for a in acts):
+        _lower_forward_only(runtime, stages, schedule, num_microbatches)
+        return runtime
     validate = getattr(runtime, "_validate_and_set_stage_mapping", None)
     if validate is not None:  # what _load_csv does after reading the rows
         validate(runtime.pipeline_order)
@@ -54,6 +63,27 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
         lower = runtime._load_actions  # type: ignore[attr-defined]
     lower(runtime.pipeline_order)
     return runtime
+
+
+def _lower_forward_only(runtime: _PipelineScheduleRuntime, stages: Sequence[PipelineStage],
+                        schedule: Schedule, num_microbatches: int) -> None:
+    """``_prepare_schedule_with_comms`` of a forward-only schedule (torch 2.13), less the
+    check that wants every backward: stage -> rank from the actions, then torch's own
+    lowering passes (``_add_unshard_reshard``, ``_add_reduce_grad``, ``_add_send_recv``)."""
+    from torch.distributed.pipelining.schedules import (
+        _add_reduce_grad,
+        _add_send_recv,
+        _add_unshard_reshard,
+    )
+
+    mapping = {a.stage_index: rank for rank, acts in enumerate(schedule) for a in acts}
+    runtime.stage_index_to_group_rank = mapping
+    for stage in stages:
+        stage.stage_index_to_group_rank = mapping
+    order = {rank: _add_reduce_grad(_add_unshard_reshard(list(acts)), num_microbatches)
+             for rank, acts in runtime.pipeline_order.items()}
+    runtime.pipeline_order_with_comms = _add_send_recv(
+        order, stage_to_rank=mapping.__getitem__, num_stages=runtime._num_stages)
 
 
 class ZeroIndexStage(PipelineStage):

@@ -15,8 +15,9 @@ from torch import nn
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.memory import PeakMemory, device_key
-from autopart.core.schedule import build_schedule, splits_backward
+from autopart.core.schedule import build_schedule, forward_schedule, splits_backward
 from autopart.core.signature import InputSignature, call_loss, require_loss
+from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.runtime._dist_comm import (
     StoreGather,
     cpu_share,
@@ -48,8 +49,10 @@ class DistributedPipeline(Pipeline):
     ``PipelineStage`` and the plan's action lists (autopart's schedule, recomputed stages
     running whole ``B`` backwards as the schedule says) are handed to torch's schedule
     runtime (:func:`autopart.runtime._torch_private.new_schedule_runtime`), which inserts the
-    point-to-point sends and receives. That runtime runs all four schedule kinds, split backward (``I``/``W``)
-    included, so no P2P code of autopart's own is needed.
+    point-to-point sends and receives. That runtime runs every schedule kind, split backward
+    (``I``/``W``) included, so no P2P code of autopart's own is needed; it maps stages to
+    ranks from the actions (the V schedules' two stages per rank included) and hands the
+    values between two neighbouring stages of one rank over in memory.
 
     During a step (``train_step``, ``forward``), CPU ranks that share a host run on
     disjoint, contiguous shares of the cores the host lets them use
@@ -202,8 +205,14 @@ class DistributedPipeline(Pipeline):
         # gradients are divided by m once per step in train_step, not by each stage: torch
         # divides every stage's parameters, so a tensor two local stages share (a tied one)
         # would be divided twice
-        actions = build_schedule(self.plan.schedule_kind, self.pp_size, m,
-                                 self.plan.stages_per_rank, recompute=self._recompute)
+        kind, v = self.plan.schedule_kind, self.plan.stages_per_rank
+        # the V schedules' inference runs their stages' forwards only (torch 2.13's runtime
+        # cannot run a V training schedule in eval, and DualPipe-V's needs m >= 2p, which an
+        # inference batch need not have); the other kinds hand torch their training
+        # schedule, whose backwards its eval skips
+        actions = (forward_schedule(self.pp_size, m, v, kind=kind)
+                   if not training and kind in V_SCHEDULE_KINDS
+                   else build_schedule(kind, self.pp_size, m, v, recompute=self._recompute))
         return new_schedule_runtime(self.pipeline_stages, m, actions,
                                     self.loss_of_flat if training else None)
 

@@ -219,7 +219,8 @@ class PipelinedModule(Pipeline):
         self._sync_replicas()
         mbs = self.signature.split(args, kwargs)
         with torch.no_grad():
-            schedule = forward_schedule(self._num_ranks, len(mbs), self.plan.stages_per_rank)
+            schedule = forward_schedule(self._num_ranks, len(mbs), self.plan.stages_per_rank,
+                                        kind=self.plan.schedule_kind)
             result = self._executor.run(schedule, mbs)
         return self.signature.merge([list(o) for o in result.outputs])
 

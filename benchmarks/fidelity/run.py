@@ -112,7 +112,8 @@ GRID = [("gpt2", "gpipe", 1, 4, False), ("gpt2", "gpipe", 1, 8, False),
         ("gpt2", "1f1b", 1, 8, False), ("gpt2", "1f1b", 1, 16, False),
         ("gpt2", "1f1b", 1, 8, True), ("gpt2", "interleaved_1f1b", 2, 8, False),
         ("gpt2", "interleaved_1f1b", 2, 16, False), ("gpt2", "zero_bubble", 1, 8, False),
-        ("gpt2", "zero_bubble", 1, 16, False),
+        ("gpt2", "zero_bubble", 1, 16, False), ("gpt2", "zbv", 2, 8, False),
+        ("gpt2", "dualpipev", 2, 8, False),
         ("cnn", "gpipe", 1, 4, False), ("cnn", "1f1b", 1, 8, False),
         ("cnn", "1f1b", 1, 8, True), ("cnn", "zero_bubble", 1, 8, False),
         ("cnn", "interleaved_1f1b", 2, 16, False)]
@@ -330,8 +331,8 @@ def main() -> None:
         summary[f"{name}_solver_vs_fastest"] = line + "."
         summary[f"{name}_compile_s"] = profiles[name]["compile_s"]
         summary[f"{name}_split_backward_us_per_node"] = (
-            profiles[name]["profile"].split_backward_us_per_node)
-        summary[f"{name}_transfer_overhead_us"] = profiles[name]["profile"].transfer_overhead_us
+            profiles[name]["profile"].runtime.split_backward_us_per_node)
+        summary[f"{name}_transfer_overhead_us"] = profiles[name]["profile"].runtime.transfer_overhead_us
         summary[f"{name}_probe_at_profile_us"] = profiles[name]["probe_at_profile_us"]
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "python": platform.python_version(), "torch": torch.__version__,

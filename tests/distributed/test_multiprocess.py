@@ -36,7 +36,10 @@ def _spawn(fn: str, world: int, *args: object, timeout: float = 240) -> subproce
 CASES = [("gpt2", "1f1b", 1, 2, False), ("gpt2", "interleaved_1f1b", 2, 2, False),
          ("gpt2", "zero_bubble", 1, 2, False), ("bert", "1f1b", 1, 4, False),
          ("llama", "interleaved_1f1b", 2, 2, False), ("tied_mlp", "zero_bubble", 1, 4, False),
-         ("gpt2", "1f1b", 1, 2, True), ("tied_mlp", "zero_bubble", 1, 2, True)]
+         ("gpt2", "1f1b", 1, 2, True), ("tied_mlp", "zero_bubble", 1, 2, True),
+         # the V schedules: rank 0 holds the first and the last stage (GPT-2's tied wte on
+         # one rank, in two stages), stages 1 and 2 meet on rank 1 and hand over in memory
+         ("gpt2", "zbv", 2, 2, False), ("tied_mlp", "dualpipev", 2, 2, False)]
 
 
 @pytest.mark.parametrize(("model", "kind", "v", "world", "recompute"), CASES,

@@ -21,7 +21,8 @@ MODELS = ["gpt2", "bert", "llama", "vit", "resnet", "skip_mlp", "tied_mlp"]
 # (schedule kind, total stages, stages per rank)
 LAYOUTS = [("gpipe", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
            ("zero_bubble", 2, 1), ("zero_bubble", 4, 1),
-           ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2)]
+           ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2),
+           ("zbv", 4, 2), ("dualpipev", 4, 2)]  # V: 2 ranks, stages 0, 3 on rank 0
 
 _CAPTURED: dict[str, tuple[Any, ...]] = {}
 

@@ -116,10 +116,11 @@ def test_stage_sources_are_written_next_to_the_plan(tmp_path: Any) -> None:
 @pytest.mark.parametrize(("fixed", "measured"), [
     ({}, True),  # the solver may pick zero_bubble: the split is priced
     ({"schedule": "zero_bubble"}, True),
-    ({"schedule": "1f1b"}, False),  # zero_bubble ruled out: nothing to price
-    ({"stages_per_rank": 2}, False),  # zero_bubble runs one stage per rank
+    ({"schedule": "1f1b"}, False),  # the splitting kinds ruled out: nothing to price
+    ({"stages_per_rank": 2}, True),  # zbv and dualpipev run two stages per rank and split
+    ({"stages_per_rank": 2, "schedule": "interleaved_1f1b"}, False),
 ])
-def test_split_cost_is_measured_only_where_zero_bubble_can_be_chosen(
+def test_split_cost_is_measured_only_where_a_splitting_schedule_can_be_chosen(
         fixed: dict[str, Any], measured: bool) -> None:
     model, args, _, loss_fn = mlp()
     pipe = autopart.compile(model, args, loss_fn=loss_fn, devices=["cpu", "cpu"],

@@ -28,17 +28,18 @@ def test_gpipe_timeline_recorded_by_the_simulator_is_hand_worked() -> None:
     assert simulate(build_schedule("gpipe", 2, 2), uniform(2)).timeline == ()
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zero_bubble"])
-def test_predicted_trace_replays_the_plan(build, kind: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("kind", "v"), [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1),
+                                         ("zbv", 2), ("dualpipev", 2)])
+def test_predicted_trace_replays_the_plan(build, kind: str, v: int) -> None:  # type: ignore[no-untyped-def]
     costs = build.chain(12, param_bytes=400)
     cluster = build.cluster(2, link_bw=1e6, latency_us=5.0)
     opts = SolveOptions(batch_size=8, num_microbatches=4, schedule_kind=kind,
-                        stages_per_rank=1, time_limit_s=5)
+                        stages_per_rank=v, time_limit_s=5)
     plan = solve(costs, cluster, opts)
     pred = predict(plan, costs, cluster, opts)
     assert pred.peak_memory_bytes == tuple(r.peak_memory_bytes for r in plan.ranks)
     assert pred.step_time_us == pytest.approx(plan.predicted_step_time_us, rel=0.02)
-    expected = build_schedule(kind, 2, 4)
+    expected = build_schedule(kind, 2, 4, v)
     for r in range(2):
         assert pred.trace.actions(r) == [str(a) for a in expected[r]]
     sends = [e for e in pred.trace.events if e.name.startswith("send ")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -57,10 +58,14 @@ def test_peaks_follow_in_flight_counts() -> None:
 
 
 # The test matrix: kinds x p x m x v, near-balanced stages with jitter and small sends.
+# The V schedules from m = 2p (below, the solver replays them: the closed form undershoots
+# ZB-V by up to 11 % while the pipeline never fills; test_v_closed_form_below_2p_is_replayed).
 MATRIX = [(kind, v, p, m) for kind, v in [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1),
-                                          ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
+                                          ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
+                                          ("zbv", 2), ("dualpipev", 2)]
           for p in (1, 2, 4, 8) for m in (1, 2, 3, 4, 8, 16, 32)
-          if kind != "interleaved_1f1b" or m % p == 0]
+          if (kind != "interleaved_1f1b" or m % p == 0)
+          and (kind not in ("zbv", "dualpipev") or m >= 2 * p)]
 
 
 @pytest.mark.parametrize(("kind", "v", "p", "m"), MATRIX)
@@ -94,3 +99,18 @@ def test_bad_inputs_raise() -> None:
         simulate(((Action(2, "F", 0),),), uniform(2))
     with pytest.raises(PlanError, match="deadlocks"):
         simulate(((Action(0, "B", 0), Action(0, "F", 0)),), uniform(1))
+
+
+def test_v_closed_form_below_2p_is_replayed(build: Any) -> None:
+    """ZB-V with fewer than 2p microbatches never fills its pipeline: the closed form is an
+    estimate there, and a candidate's step time is the replay instead."""
+    from autopart.solver import SolveOptions
+    from autopart.solver._candidate import evaluate
+    from autopart.solver._cost_model import CostModel
+
+    costs = build.chain(16, param_bytes=400)
+    model = CostModel.for_options(costs, build.cluster(4), SolveOptions(batch_size=8))
+    cand = evaluate(model, None, "zbv", 4, 2, 2, tuple(range(2, 16, 2)), None)
+    replay = simulate(build_schedule("zbv", 4, 2, 2), cand.costs).step_time_us
+    assert cand.step_us == pytest.approx(replay)
+    assert closed_form_step_us("zbv", 4, 2, 2, cand.costs) < replay
