@@ -137,7 +137,8 @@ def test_plan_bad_profile_files_are_one_line(tmp_path: Path, content: bytes | st
     path = tmp_path if content == "dir" else tmp_path / "c.json"
     if isinstance(content, bytes):
         path.write_bytes(content)
-    one_line(*invoke("plan", str(path), "--pipeline-only", "--devices", "2", "--out", str(tmp_path / "p.json")),
+    one_line(*invoke("plan", str(path), "--pipeline-only",
+                     "--devices", "2", "--out", str(tmp_path / "p.json")),
              match)
 
 
@@ -146,7 +147,8 @@ def test_plan_unwritable_out_is_one_line(tmp_path: Path) -> None:
     synthetic().save(profile)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    one_line(*invoke("plan", str(profile), "--pipeline-only", "--devices", "2", "--out", str(blocker / "p.json")),
+    one_line(*invoke("plan", str(profile), "--pipeline-only",
+                     "--devices", "2", "--out", str(blocker / "p.json")),
              r"error: .*file")
 
 
@@ -163,10 +165,12 @@ def test_memory_infeasible_names_a_device_count_that_fits(tmp_path: Path) -> Non
     n = found.group(1)
     assert int(found.group(2)) <= float(CAP) * 2**30
     # the count named really fits, and one fewer does not
-    code, text = invoke("plan", str(profile), "--pipeline-only", "--devices", n, "--memory-cap", CAP, "--out", out)
+    code, text = invoke("plan", str(profile), "--pipeline-only",
+                        "--devices", n, "--memory-cap", CAP, "--out", out)
     assert code == 0, text
     assert max(r.peak_memory_bytes for r in Plan.load(out).ranks) <= float(CAP) * 2**30
-    code, text = invoke("plan", str(profile), "--pipeline-only", "--devices", str(int(n) - 1), "--memory-cap", "0.02",
+    code, text = invoke("plan", str(profile), "--pipeline-only",
+                        "--devices", str(int(n) - 1), "--memory-cap", "0.02",
                         "--out", out)
     one_line(code, text, r"fits the memory cap")
 

@@ -54,7 +54,8 @@ def invoke(*args: str) -> tuple[int, str]:
 
 def test_plan_devices_writes_and_prints(profile: Path, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    code, text = invoke("plan", str(profile), "--pipeline-only", "--devices", "2", "--time-limit", "5", "--out", str(out))
+    code, text = invoke("plan", str(profile), "--pipeline-only",
+                        "--devices", "2", "--time-limit", "5", "--out", str(out))
     assert code == 0, text
     plan = Plan.load(out)
     assert plan.num_stages == 2 * plan.stages_per_rank and plan.cluster_fingerprint == "2xh100-sxm"
@@ -65,7 +66,8 @@ def test_plan_devices_writes_and_prints(profile: Path, tmp_path: Path) -> None:
 
 def test_plan_cluster_options_reach_the_solver(profile: Path, tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    code, text = invoke("plan", str(profile), "--pipeline-only", "--cluster", "a100-80gb:3", "--optimize", "memory",
+    code, text = invoke("plan", str(profile), "--pipeline-only",
+                        "--cluster", "a100-80gb:3", "--optimize", "memory",
                         "--batch-size", "16", "--num-microbatches", "4", "--schedule", "gpipe",
                         "--out", str(out))
     assert code == 0, text
@@ -78,7 +80,8 @@ def test_plan_cluster_options_reach_the_solver(profile: Path, tmp_path: Path) ->
 def test_plan_lists_baselines_that_do_not_apply(tmp_path: Path) -> None:
     path = tmp_path / "small.json"
     synthetic(num_layers=2).save(path)  # 2 blocks: torchtitan's split needs one per stage
-    code, text = invoke("plan", str(path), "--pipeline-only", "--devices", "3", "--out", str(tmp_path / "p.json"))
+    code, text = invoke("plan", str(path), "--pipeline-only",
+                        "--devices", "3", "--out", str(tmp_path / "p.json"))
     assert code == 0, text
     assert "baselines not applicable" in text
     assert "uniform_layers: 3 stages need at least 3 layers" in " ".join(text.split())
