@@ -245,7 +245,7 @@ def main() -> None:
         "torch": torch.__version__, "model": f"GPT-2 {LAYERS} layers, n_embd {N_EMBD}, batch {BATCH}x{SEQ}",
         "num_microbatches": M, "ranks": P, "threads_per_rank": 1, "ideal_speedup": round(ideal, 4),
         "torch_arms_pinned": not args.unpinned_torch_arms,
-        "plan": {**describe(plan), "split_backward_us_per_node": profile.split_backward_us_per_node,
+        "plan": {**describe(plan), "split_backward_us_per_node": profile.runtime.split_backward_us_per_node,
                  "timings_s": {k: round(v, 1) for k, v in timings.items()}},
         "plan_torch_1f1b": describe(plan_1f1b),
         "single_process_step_s": round(t1, 4),
