@@ -175,15 +175,19 @@ def _mlp_pipeline(world: int, kind: str, v: int, **compile_kwargs: Any) -> tuple
     captured = capture(model, tuple(a[:2] for a in args))
     plan = manual_plan(captured, even_positions(captured, world * v), 4, 8, schedule_kind=kind,
                        stages_per_rank=v)
+    # the ranks meet before compile and before the first step, so that a short step timeout
+    # governs only the steps a test makes fail, never how far apart a busy machine started them
+    dist.barrier()
     pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed",
                             **compile_kwargs)
+    dist.barrier()
     return pipe, args, target, loss_fn
 
 
 def dies(rank: int, world: int, port: int, victim: int, timeout_s: float, kind: str = "1f1b",
          v: int = 1) -> None:
     """Every rank trains; ``victim`` kills itself in the middle of its second step."""
-    _setup(rank, world, port, timeout_s)
+    _setup(rank, world, port, 600)  # the default group's set-up is not what is timed
     pipe, args, target, _ = _mlp_pipeline(world, kind, v, step_timeout_s=timeout_s)
     pipe.train_step(*args, target=target)
     if rank == victim:

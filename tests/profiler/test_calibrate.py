@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -89,7 +91,9 @@ def test_profile_model_measures_the_other_pipeline_microbatches_segment_by_segme
     assert prof.costs.low_batch_size == 2  # points m = 16 and 4; m = 8 measured as well
     (scale,) = prof.costs.batch_scales
     assert scale.batch_size == 4 and len(scale.fwd) == len(scale.positions) + 1
-    assert all(0.2 < f < 5 for f in (*scale.fwd, *scale.bwd))
+    # measured ratios: positive and finite (their size depends on the machine's load; the
+    # scaling itself is checked on fixed times below)
+    assert all(f > 0 and math.isfinite(f) for f in (*scale.fwd, *scale.bwd))
     again = profile_model(model, (x,), cache=True, **kw)
     assert "scaled_batch_times" in again.from_cache
     assert again.costs.batch_scales == prof.costs.batch_scales

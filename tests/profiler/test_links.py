@@ -54,7 +54,7 @@ def test_two_gloo_processes_are_timed() -> None:
     try:
         fit = measure_host_link(sizes=sizes, repeats=3)
     except ProfileError as err:  # a busy machine's times do not grow with size
-        assert "measure again when it is quiet" in str(err)
+        assert "measure again when it is quiet" in str(err) or "took over" in str(err), err
     else:
         assert fit.sizes == sizes and fit.backend == "gloo"
         assert fit.latency_us >= 0 and fit.bandwidth_bytes_per_s > 0

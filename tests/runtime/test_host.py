@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autopart.runtime.host as host
@@ -87,7 +87,7 @@ def test_core_share_examples(cores: tuple[int, ...], size: int,
 
 
 @given(st.sets(st.integers(0, 255), min_size=1, max_size=64), st.integers(1, 16))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_core_shares_are_disjoint_contiguous_near_equal_and_cover_every_core(
         cores: set[int], size: int) -> None:
     shares = [host.core_share(sorted(cores), r, size) for r in range(size)]

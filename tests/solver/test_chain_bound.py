@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autopart.core.errors import InfeasiblePlanError, PlanError
@@ -29,7 +29,8 @@ from autopart.solver.chain_dp import chain_dp_hint, chain_min_max, chain_min_sum
 from tests.solver.oracles.brute_force import solve_brute_force
 
 KINDS = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2)]
-EXAMPLES = settings(max_examples=150, deadline=None, derandomize=True)
+EXAMPLES = settings(max_examples=150, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])  # a busy CI machine
 
 
 @st.composite
