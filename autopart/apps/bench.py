@@ -205,8 +205,19 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ctx = mp.start_processes(_rank_main, args=(ranks, port, work), nprocs=ranks, join=False,
-                                 start_method="spawn")
+        # c10 warns once per process (CPUAllocator.cpp) when a step whose peak memory is
+        # measured frees a block allocated before it, as every training step does; the rank
+        # processes started here read TORCH_CPP_LOG_LEVEL when they import torch, so they
+        # log C++ errors only, unless the user set the level
+        quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+        if quiet:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        try:
+            ctx = mp.start_processes(_rank_main, args=(ranks, port, work), nprocs=ranks,
+                                     join=False, start_method="spawn")
+        finally:
+            if quiet:
+                del os.environ["TORCH_CPP_LOG_LEVEL"]
         timed = len(plans) - len(set(untimed)) + int(single)
         total = timed * (steps + warmup) + len(set(untimed))
         while not ctx.join(timeout=0.5):
