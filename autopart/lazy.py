@@ -278,13 +278,9 @@ class LazyPipeline:
         return self._current.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear every parameter's gradient (the model's before the first call)."""
-        for p in self.parameters():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.detach_()
-                p.grad.zero_()
+        """Clear every parameter's gradient (the model's before the first call):
+        ``nn.Module.zero_grad`` of the model or of the current pipeline."""
+        (self.model if self._current is None else self._current).zero_grad(set_to_none)
 
     def train(self, mode: bool = True) -> LazyPipeline:
         """Set training mode on the model and every pipeline built (before the first call

@@ -6,11 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from autopart.apps.cli import app
 from autopart.core.plan import Plan
-from tests.cli.test_cli_plan import synthetic
+from tests.cli.test_cli_plan import invoke, synthetic
 
 
 @pytest.fixture
@@ -18,11 +16,6 @@ def profile(tmp_path: Path) -> Path:
     path = tmp_path / "profile.json"
     synthetic().save(path)
     return path
-
-
-def invoke(*args: str) -> tuple[int, str]:
-    res = CliRunner().invoke(app, list(args))
-    return res.exit_code, res.output
 
 
 def test_fixed_axes_reach_the_plan_and_the_summary(profile: Path, tmp_path: Path) -> None:
