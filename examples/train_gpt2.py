@@ -69,6 +69,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt's latest")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hold-after-step", type=int, metavar="N",
+                   help="fault injection for resume tests: after step N is logged, every rank "
+                        "waits until it is killed (so a kill lands at a known step)")
     p.add_argument("--peak-tflops", type=float, help="GPU peak for MFU (default: datasheet)")
     return p.parse_args()
 
@@ -185,6 +188,9 @@ def main() -> None:
             progress.update(task, completed=step + 1, status=(
                 f"loss {entry['loss']:.4f}  {tok_s:,.0f} tok/s  {dt * 1e3:.0f} ms/step"
                 + (f"  MFU {entry['mfu']:.1%}" if "mfu" in entry else "")))
+            if args.hold_after_step == step + 1:
+                while True:  # until the test kills the launch
+                    time.sleep(1.0)
     if pending is not None:
         pending.wait()
     if log is not None:
