@@ -55,9 +55,11 @@ def check_device(device: str) -> torch.device:
 
 
 def time_calls(device: torch.device, factory: CallFactory, warmup: int, repeats: int,
-               long_us: float = math.inf) -> tuple[float, Any]:
-    """Median of :func:`time_samples`: ``(median µs, result of the last call)``."""
-    samples, result = time_samples(device, factory, warmup, repeats, long_us)
+               long_us: float = math.inf, host: list[float] | None = None,
+               ) -> tuple[float, Any]:
+    """Median of :func:`time_samples`: ``(median µs, result of the last call)``; ``host``
+    as there."""
+    samples, result = time_samples(device, factory, warmup, repeats, long_us, host)
     return float(statistics.median(samples)), result
 
 
@@ -70,7 +72,8 @@ def spread(samples: list[float]) -> float:
 
 
 def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeats: int,
-                 long_us: float = math.inf) -> tuple[list[float], Any]:
+                 long_us: float = math.inf, host: list[float] | None = None,
+                 ) -> tuple[list[float], Any]:
     """Call ``factory()()`` ``warmup + repeats`` times and time the repeats.
 
     Only the thunk is timed, never the factory's set-up. On CPU each call is timed with
@@ -84,6 +87,13 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
     slow a call down); on CUDA that check synchronizes once, after the first call's end
     event.
 
+    On CUDA the host's issue time of each timed call is taken too, when ``host`` is given:
+    ``time.perf_counter`` around the thunk alone (inside the event pair, no synchronize),
+    appended to ``host`` in µs, one per sample (the smaller of the two after a long first
+    call). At most this measurement's own calls are queued when one starts, so the host
+    waits for the device only where the op itself synchronizes, which the figure then
+    rightly includes. On the CPU the host runs the op: ``host`` is left as it is.
+
     Args:
         device: where the calls run.
         factory: untimed set-up; returns the thunk to time.
@@ -91,6 +101,7 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
         repeats: timed calls (>= 1).
         long_us: first-call duration, µs, from which the faster of two more calls is the
             only sample.
+        host: on CUDA, receives each timed call's host issue time, µs (default None).
 
     Returns:
         ``(µs of each timed call, result of the last call)``.
@@ -100,12 +111,15 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
     calls, i, long_first = warmup + repeats, 0, False
     if device.type == "cuda":
         pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        issued: list[float] = []
         while i < calls:
             thunk = factory()
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
+            h0 = time.perf_counter()
             result = thunk()
+            h1 = time.perf_counter()
             end.record()
             if i == 0 and math.isfinite(long_us):
                 end.synchronize()
@@ -114,9 +128,12 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
                     warmup, calls, long_first = 1, 3, True
             if i >= warmup:
                 pairs.append((start, end))
+                issued.append((h1 - h0) * 1e6)
             i += 1
         torch.cuda.synchronize(device)
         samples = [float(s.elapsed_time(e)) * 1e3 for s, e in pairs]
+        if host is not None:
+            host.extend([min(issued)] if long_first else issued)
     else:
         while i < calls:
             thunk = factory()
