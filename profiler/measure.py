@@ -65,9 +65,10 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
       Parameters' ``.grad`` are never touched.
     - ``host_fwd_us`` / ``host_bwd_input_us`` / ``host_bwd_weight_us`` (on CUDA only; None
       on the CPU, where the host runs the ops): the same calls' host issue times,
-      ``time.perf_counter`` around each call with no synchronize inside
-      (:func:`autopart.profiler.timer.time_samples`), the backward's less an empty
-      ``autograd.grad`` call's as for the device times.
+      ``time.perf_counter`` around each call with no synchronize inside, the backward's less
+      an empty ``autograd.grad`` call's as for the device times. The device times on CUDA
+      then leave out the host's launch gaps: the timed calls are queued behind a wait on
+      the device (:func:`autopart.profiler.timer.time_samples`).
     - ``saved_bytes`` (when ``training``, else 0): storages autograd packs during the
       instrumented forward, each storage once at its full ``nbytes`` (a saved view keeps
       its base alive), storages of the parameters and buffers the node reads excluded;

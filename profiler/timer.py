@@ -87,12 +87,22 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
     slow a call down); on CUDA that check synchronizes once, after the first call's end
     event.
 
-    On CUDA the host's issue time of each timed call is taken too, when ``host`` is given:
-    ``time.perf_counter`` around the thunk alone (inside the event pair, no synchronize),
-    appended to ``host`` in µs, one per sample (the smaller of the two after a long first
-    call). At most this measurement's own calls are queued when one starts, so the host
-    waits for the device only where the op itself synchronizes, which the figure then
-    rightly includes. On the CPU the host runs the op: ``host`` is left as it is.
+    On CUDA, when ``host`` is given, the two figures of each timed call are taken apart (the
+    cost model's device time and host issue time):
+
+    - host: ``time.perf_counter`` around the thunk alone (inside the event pair, no
+      synchronize), appended to ``host`` in µs, one per sample (the smaller of the two
+      after a long first call). The host waits for the device only where the op itself
+      synchronizes, which the figure then rightly includes.
+    - device: the timed calls are queued behind a wait on the device (a spin kernel,
+      :func:`_device_wait`) three times as long as issuing them takes at the slowest
+      warm-up call's pace (200 µs to 20 ms), so the device reaches each call's start
+      event after its kernels are queued: the event pair
+      spans the kernels and not the gaps in which the device waited for the host to launch
+      them (with a pair per call on an idle device, small ops measured about 5x their cost
+      in a step on an H100, ``benchmarks/gpu/README.md``).
+
+    On the CPU the host runs the op: ``host`` is left as it is.
 
     Args:
         device: where the calls run.
@@ -114,6 +124,10 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
         issued: list[float] = []
         while i < calls:
             thunk = factory()
+            if i == warmup and host is not None:  # queue the timed calls behind a wait
+                _device_wait(device, min(max(3 * (calls - warmup) * max(issued, default=0.0),
+                                             _MIN_WAIT_US), _MAX_WAIT_US))
+                issued.clear()
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
@@ -126,9 +140,9 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
                 first_us = float(start.elapsed_time(end)) * 1e3  # ms -> µs
                 if first_us >= long_us:
                     warmup, calls, long_first = 1, 3, True
+            issued.append((h1 - h0) * 1e6)
             if i >= warmup:
                 pairs.append((start, end))
-                issued.append((h1 - h0) * 1e6)
             i += 1
         torch.cuda.synchronize(device)
         samples = [float(s.elapsed_time(e)) * 1e3 for s, e in pairs]
@@ -148,6 +162,32 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
     if long_first:
         samples = [min(samples)]
     return samples, result
+
+
+#: The device wait before timed calls, µs: at least (the warm-up's issue may be too fast to
+#: time), at most (ops that long are not launch-bound).
+_MIN_WAIT_US, _MAX_WAIT_US = 200.0, 20_000.0
+
+#: Spin-kernel cycles per µs, per CUDA device index (:func:`_device_wait`).
+_CYCLES_PER_US: dict[int, float] = {}
+
+
+def _device_wait(device: torch.device, us: float) -> None:
+    """Queue about ``us`` µs of waiting on ``device``'s current stream, returning at once:
+    ``torch.cuda._sleep``, a spin kernel of a number of clock cycles (torch's own tests use
+    it to hold a stream), calibrated once per device against a pair of CUDA events."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES_PER_US:
+        cycles = 1_000_000
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        torch.cuda._sleep(1_000)  # load the kernel
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_US[index] = cycles / max(float(start.elapsed_time(end)) * 1e3, 1e-3)
+    torch.cuda._sleep(int(us * _CYCLES_PER_US[index]))
 
 
 class RngState:

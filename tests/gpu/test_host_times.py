@@ -53,3 +53,22 @@ def test_a_one_thread_plan_is_never_below_its_host_time() -> None:
     host_step = plan.num_microbatches * costs.total_host_us()
     assert plan.predicted_step_time_us >= host_step * (1 - 1e-9)
     assert predict(plan, costs, cluster, opts).host_bound_us == pytest.approx(host_step)
+
+
+def test_the_device_wait_holds_the_stream_and_small_ops_time_their_kernels_alone() -> None:
+    import autopart.profiler.timer as timer
+
+    dev = torch.device("cuda:0")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    timer._device_wait(dev, 1.0)  # calibrates
+    start.record()
+    timer._device_wait(dev, 2_000.0)
+    end.record()
+    end.synchronize()
+    assert 1.0 <= start.elapsed_time(end) <= 4.0  # ms: the spin kernel's clock is calibrated
+    x = torch.ones(1024, device=dev)
+    host: list[float] = []
+    samples, _ = timer.time_samples(dev, lambda: lambda: x + 1, 2, 5, host=host)
+    # a 1,024-element add runs in a few µs; launching it from Python takes longer
+    assert len(host) == len(samples) == 5
+    assert sorted(samples)[2] < sorted(host)[2]
