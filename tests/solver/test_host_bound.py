@@ -172,6 +172,8 @@ def test_the_solvers_plan_never_predicts_below_the_shared_threads_host_time(buil
     host_step = plan.num_microbatches * costs.total_host_us()
     assert plan.predicted_step_time_us >= host_step * (1 - 1e-9)
     assert predict(plan, costs, cluster, opts).step_time_us >= host_step * (1 - 1e-9)
+    assert plan.lower_bounds is not None  # every issue on the one thread: a bound too
+    assert plan.lower_bounds.step_time_us == pytest.approx(host_step, abs=1e-3)
     for base in plan.baselines:
         assert base.predicted_step_time_us >= host_step * (1 - 1e-9) or not base.fits
     # host-bound, fewer microbatches issue fewer actions: the solver takes the smallest m
