@@ -79,7 +79,7 @@ class _Walker:
         self._producer: dict[_Key, int] = {}  # live storage -> op index that returned it first
         self._index = -1  # op index of the node being profiled (-1: graph inputs)
         self._ops: list[fx.Node] = []  # op nodes in order
-        self._grad_call_us: float | None = None  # see _empty_grad_call_us
+        self._grad_call_us: tuple[float, float] | None = None  # see _empty_grad_call_us
 
     # ---- walk --------------------------------------------------------------------
     def run(self, flat_inputs: list[Any]) -> list[NodeCost]:
@@ -256,14 +256,16 @@ class _Walker:
             # call, never a sample; after a long one, the faster of two plain calls is the
             # sample (time_samples' long-call rule, its warm-up already done)
             long = run.us >= self.long_us
+            host: list[float] | None = [] if self.device.type == "cuda" else None
             samples, _ = time_samples(self.device, factory, 0 if long else self.warmup,
-                                      2 if long else self.repeats)
+                                      2 if long else self.repeats, host=host)
             if long:
-                samples = [min(samples)]
+                samples, host = [min(samples)], host and [min(host)]
             fwd_us = float(statistics.median(samples))
             self.report.fwd_spread[node.name] = spread(samples)
             result = self._commit(node, fn, written, value_of) if written else run.value
-            bwd_in, bwd_w = self._time_backward(node, run, fwd_us)
+            host_f = float(statistics.median(host)) if host else None
+            (bwd_in, bwd_w), host_b = self._time_backward(node, run, fwd_us, host_f)
         except Exception as exc:  # any op failure becomes one error that names the node
             raise _node_error(node, self.device, exc) from exc
         self._set(node, result)
@@ -286,7 +288,8 @@ class _Walker:
             params=params, output_is_tensor=isinstance(result, torch.Tensor),
             transient_bytes=transient, backward_peak_bytes=backward_peak,
             saved_from=run.saved_from if self.training else None,
-            strided_output_bytes=strided_nbytes(result))
+            strided_output_bytes=strided_nbytes(result), host_fwd_us=host_f,
+            host_bwd_input_us=host_b and host_b[0], host_bwd_weight_us=host_b and host_b[1])
 
     def _backward_peak(self, run: _Run) -> int:
         """The most a node's whole backward (input and weight gradients, from ones as its
@@ -386,36 +389,47 @@ class _Walker:
             run.saved_from = tuple(sorted(back.items()))
         return run
 
-    def _time_backward(self, node: fx.Node, run: _Run, fwd_us: float) -> tuple[float, float]:
-        """``(bwd_input_us, bwd_weight_us)``; 0 when no output needs a gradient."""
+    def _time_backward(self, node: fx.Node, run: _Run, fwd_us: float, host_fwd: float | None,
+                       ) -> tuple[tuple[float, float], tuple[float, float] | None]:
+        """``((bwd_input_us, bwd_weight_us), their host issue times or None)``, 0 when no
+        output needs a gradient; host times on CUDA only (``host_fwd`` given)."""
         if not run.outs:
-            return 0.0, 0.0
+            return (0.0, 0.0), None if host_fwd is None else (0.0, 0.0)
         grads = [torch.ones_like(t) for t in run.outs]
         try:
-            return (self._time_grad(run.outs, grads, run.input_leaves, fwd_us),
-                    self._time_grad(run.outs, grads, run.weight_leaves, fwd_us))
+            (bi, hi), (bw, hw) = (self._time_grad(run.outs, grads, leaves, fwd_us, host_fwd)
+                                  for leaves in (run.input_leaves, run.weight_leaves))
         except RuntimeError:  # an op without a derivative formula: estimate, and say so
             self.estimated.append(node.name)
-            return fwd_us, fwd_us
+            (bi, hi), (bw, hw) = (fwd_us, host_fwd or 0.0), (fwd_us, host_fwd or 0.0)
+        return (bi, bw), None if host_fwd is None else (hi, hw)
 
     def _time_grad(self, outs: list[torch.Tensor], grads: list[torch.Tensor],
-                   leaves: list[torch.Tensor], fwd_us: float) -> float:
-        """µs of one node's backward part: the timed ``torch.autograd.grad`` call less the
-        cost of an empty one (:meth:`_empty_grad_call_us`). Where little is left (ops whose
-        backward is smaller than a call's start-up), the node's forward time — the cost of
-        dispatching that op — is the estimate instead; never more than the raw sample."""
+                   leaves: list[torch.Tensor], fwd_us: float, host_fwd: float | None = None,
+                   ) -> tuple[float, float]:
+        """``(µs, host µs)`` of one node's backward part: the timed ``torch.autograd.grad``
+        call less the cost of an empty one (:meth:`_empty_grad_call_us`). Where little is
+        left (ops whose backward is smaller than a call's start-up), the node's forward time
+        — the cost of dispatching that op — is the estimate instead; never more than the raw
+        sample. The same on the host clock (CUDA, ``host_fwd`` given; else 0.0)."""
         if not leaves:
-            return 0.0
+            return 0.0, 0.0
 
         def factory() -> Callable[[], Any]:
             return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True,
                                                allow_unused=True)
 
-        us, _ = time_calls(self.device, factory, self.warmup, self.repeats, self.long_us)
-        return max(float(us) - self._empty_grad_call_us(), min(fwd_us, float(us)))
+        host: list[float] = []
+        us, _ = time_calls(self.device, factory, self.warmup, self.repeats, self.long_us,
+                           None if host_fwd is None else host)
+        empty, empty_host = self._empty_grad_call_us()
+        h = float(statistics.median(host)) if host else 0.0
+        return (max(float(us) - empty, min(fwd_us, float(us))),
+                max(h - empty_host, min(host_fwd or 0.0, h)))
 
-    def _empty_grad_call_us(self) -> float:
-        """Median µs of ``torch.autograd.grad`` through one one-element multiply.
+    def _empty_grad_call_us(self) -> tuple[float, float]:
+        """Median ``(µs, host µs)`` of ``torch.autograd.grad`` through one one-element
+        multiply (host 0.0 off CUDA).
 
         Each node's I and W are timed as separate ``autograd.grad`` calls, but a real
         backward runs every node inside one engine call, so the fixed cost of starting a
@@ -426,6 +440,7 @@ class _Walker:
         run alone 78 and 85 ms).
         """
         if self._grad_call_us is None:
+            host: list[float] | None = [] if self.device.type == "cuda" else None
             with torch.enable_grad():
                 x = torch.zeros(1, device=self.device, requires_grad=True)
                 y = x * 1.0
@@ -435,6 +450,6 @@ class _Walker:
                 return lambda: torch.autograd.grad([y], [x], [ones], retain_graph=True,
                                                    allow_unused=True)
 
-            us, _ = time_calls(self.device, factory, 5, max(self.repeats, 21))
-            self._grad_call_us = float(us)
+            us, _ = time_calls(self.device, factory, 5, max(self.repeats, 21), host=host)
+            self._grad_call_us = (float(us), float(statistics.median(host)) if host else 0.0)
         return self._grad_call_us

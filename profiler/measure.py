@@ -63,6 +63,12 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
       more call is the one sample), once w.r.t. the input aliases and once w.r.t. the parameter aliases: Zero
       Bubble's split of B into I and W. Nodes whose outputs need no gradient get 0.
       Parameters' ``.grad`` are never touched.
+    - ``host_fwd_us`` / ``host_bwd_input_us`` / ``host_bwd_weight_us`` (on CUDA only; None
+      on the CPU, where the host runs the ops): the same calls' host issue times,
+      ``time.perf_counter`` around each call with no synchronize inside, the backward's less
+      an empty ``autograd.grad`` call's as for the device times. The device times on CUDA
+      then leave out the host's launch gaps: the timed calls are queued behind a wait on
+      the device (:func:`autopart.profiler.timer.time_samples`).
     - ``saved_bytes`` (when ``training``, else 0): storages autograd packs during the
       instrumented forward, each storage once at its full ``nbytes`` (a saved view keeps
       its base alive), storages of the parameters and buffers the node reads excluded;

@@ -160,7 +160,8 @@ class Session:
                            if options.runtime.ranks_are_processes and options.training
                            and len(options.devices) > 1 and cpu_ranks
                            and corunners_available() else 0)
-        self.method = PROFILE_METHOD + (",cpu-malloc=kept" if options.cpu_malloc else "")
+        self.method = PROFILE_METHOD + (",cpu-malloc=kept" if options.cpu_malloc else "") + (
+            ",host-issue" if torch.device(self.device).type == "cuda" else "")  # host times
         self.key: dict[str, Any] = {}
 
     def profile(self, captured: CapturedGraph, flat: list[Any]) -> CostGraph:

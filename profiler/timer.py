@@ -55,9 +55,11 @@ def check_device(device: str) -> torch.device:
 
 
 def time_calls(device: torch.device, factory: CallFactory, warmup: int, repeats: int,
-               long_us: float = math.inf) -> tuple[float, Any]:
-    """Median of :func:`time_samples`: ``(median µs, result of the last call)``."""
-    samples, result = time_samples(device, factory, warmup, repeats, long_us)
+               long_us: float = math.inf, host: list[float] | None = None,
+               ) -> tuple[float, Any]:
+    """Median of :func:`time_samples`: ``(median µs, result of the last call)``; ``host``
+    as there."""
+    samples, result = time_samples(device, factory, warmup, repeats, long_us, host)
     return float(statistics.median(samples)), result
 
 
@@ -70,7 +72,8 @@ def spread(samples: list[float]) -> float:
 
 
 def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeats: int,
-                 long_us: float = math.inf) -> tuple[list[float], Any]:
+                 long_us: float = math.inf, host: list[float] | None = None,
+                 ) -> tuple[list[float], Any]:
     """Call ``factory()()`` ``warmup + repeats`` times and time the repeats.
 
     Only the thunk is timed, never the factory's set-up. On CPU each call is timed with
@@ -84,6 +87,23 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
     slow a call down); on CUDA that check synchronizes once, after the first call's end
     event.
 
+    On CUDA, when ``host`` is given, the two figures of each timed call are taken apart (the
+    cost model's device time and host issue time):
+
+    - host: ``time.perf_counter`` around the thunk alone (inside the event pair, no
+      synchronize), appended to ``host`` in µs, one per sample (the smaller of the two
+      after a long first call). The host waits for the device only where the op itself
+      synchronizes, which the figure then rightly includes.
+    - device: the timed calls are queued behind a wait on the device (a spin kernel,
+      :func:`_device_wait`) three times as long as issuing them takes at the slowest
+      warm-up call's pace (200 µs to 20 ms), so the device reaches each call's start
+      event after its kernels are queued: the event pair
+      spans the kernels and not the gaps in which the device waited for the host to launch
+      them (with a pair per call on an idle device, small ops measured about 5x their cost
+      in a step on an H100, ``benchmarks/gpu/README.md``).
+
+    On the CPU the host runs the op: ``host`` is left as it is.
+
     Args:
         device: where the calls run.
         factory: untimed set-up; returns the thunk to time.
@@ -91,6 +111,7 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
         repeats: timed calls (>= 1).
         long_us: first-call duration, µs, from which the faster of two more calls is the
             only sample.
+        host: on CUDA, receives each timed call's host issue time, µs (default None).
 
     Returns:
         ``(µs of each timed call, result of the last call)``.
@@ -100,23 +121,33 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
     calls, i, long_first = warmup + repeats, 0, False
     if device.type == "cuda":
         pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        issued: list[float] = []
         while i < calls:
             thunk = factory()
+            if i == warmup and host is not None:  # queue the timed calls behind a wait
+                _device_wait(device, min(max(3 * (calls - warmup) * max(issued, default=0.0),
+                                             _MIN_WAIT_US), _MAX_WAIT_US))
+                issued.clear()
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
+            h0 = time.perf_counter()
             result = thunk()
+            h1 = time.perf_counter()
             end.record()
             if i == 0 and math.isfinite(long_us):
                 end.synchronize()
                 first_us = float(start.elapsed_time(end)) * 1e3  # ms -> µs
                 if first_us >= long_us:
                     warmup, calls, long_first = 1, 3, True
+            issued.append((h1 - h0) * 1e6)
             if i >= warmup:
                 pairs.append((start, end))
             i += 1
         torch.cuda.synchronize(device)
         samples = [float(s.elapsed_time(e)) * 1e3 for s, e in pairs]
+        if host is not None:
+            host.extend([min(issued)] if long_first else issued)
     else:
         while i < calls:
             thunk = factory()
@@ -131,6 +162,32 @@ def time_samples(device: torch.device, factory: CallFactory, warmup: int, repeat
     if long_first:
         samples = [min(samples)]
     return samples, result
+
+
+#: The device wait before timed calls, µs: at least (the warm-up's issue may be too fast to
+#: time), at most (ops that long are not launch-bound).
+_MIN_WAIT_US, _MAX_WAIT_US = 200.0, 20_000.0
+
+#: Spin-kernel cycles per µs, per CUDA device index (:func:`_device_wait`).
+_CYCLES_PER_US: dict[int, float] = {}
+
+
+def _device_wait(device: torch.device, us: float) -> None:
+    """Queue about ``us`` µs of waiting on ``device``'s current stream, returning at once:
+    ``torch.cuda._sleep``, a spin kernel of a number of clock cycles (torch's own tests use
+    it to hold a stream), calibrated once per device against a pair of CUDA events."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES_PER_US:
+        cycles = 1_000_000
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        torch.cuda._sleep(1_000)  # load the kernel
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_US[index] = cycles / max(float(start.elapsed_time(end)) * 1e3, 1e-3)
+    torch.cuda._sleep(int(us * _CYCLES_PER_US[index]))
 
 
 class RngState:

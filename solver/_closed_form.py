@@ -9,7 +9,7 @@ from autopart.core.schedule import build_schedule, in_flight_counts, stage_ranks
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.solver.simulate import StageCosts
 
-__all__ = ["in_flight", "objective_weights", "closed_form_step_us"]
+__all__ = ["in_flight", "objective_weights", "closed_form_step_us", "closed_form_host_bound_us"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -87,7 +87,39 @@ def closed_form_step_us(kind: str, num_ranks: int, num_microbatches: int,
 
     These agree with :func:`autopart.solver.simulate.simulate` within 2% for balanced stages
     and small sends (tested); the solver replays its final candidates with the simulator.
+
+    With host times (``c.has_host``), the step is at least
+    :func:`closed_form_host_bound_us`, as in the simulator.
     """
+    step = _schedule_step_us(kind, num_ranks, num_microbatches, stages_per_rank, c,
+                             training=training)
+    if not c.has_host:
+        return step
+    return max(step, closed_form_host_bound_us(kind, num_ranks, num_microbatches,
+                                               stages_per_rank, c, training=training))
+
+
+def closed_form_host_bound_us(kind: str, num_ranks: int, num_microbatches: int,
+                              stages_per_rank: int, c: StageCosts, *,
+                              training: bool = True) -> float:
+    """The busiest issuing thread's host time in one step, µs (0.0 without host times):
+    every microbatch runs each stage's ``F`` and, training, its ``B`` (or ``I`` and ``W``)
+    once, so a thread spends ``m`` times the host time of its stages' actions
+    (:func:`autopart.solver.simulate.host_bound_us` sums the same over an action list).
+    ``c.issue_thread`` says which stages share a thread (default: a rank's own)."""
+    if not c.has_host:
+        return 0.0
+    threads = c.issue_thread or stage_ranks(kind, num_ranks, stages_per_rank)
+    per: dict[int, float] = {}
+    for s, t in enumerate(threads):
+        per[t] = per.get(t, 0.0) + num_microbatches * (c.host_fwd_us[s] + (
+            c.host_bwd_input_us[s] + c.host_bwd_weight_us[s] if training else 0.0))
+    return max(per.values(), default=0.0)
+
+
+def _schedule_step_us(kind: str, num_ranks: int, num_microbatches: int,
+                      stages_per_rank: int, c: StageCosts, *, training: bool = True) -> float:
+    """:func:`closed_form_step_us` without the host bound."""
     p, m, v = num_ranks, num_microbatches, stages_per_rank
     s_total = len(c.fwd_us)
     fp = [c.fwd_us[s] + c.send_fwd_us[s] for s in range(s_total)]

@@ -52,6 +52,11 @@ class CostModel(MemoryModel):
     each node's time on the line is multiplied by its segment's measured-over-line factor
     there, per forward and backward: kernels choose their algorithm by shape.
 
+    Where the profile carries the host's issue times (``CostGraph.has_host_times``, measured
+    on CUDA), :meth:`host_part_us` sums them; they are not scaled with the batch (issuing a
+    kernel costs the same whatever its shape) nor by a rank's speed. Without them (the CPU,
+    where the host runs the ops) nothing here or in the solver reads a host figure.
+
     Args:
         costs: the cost graph, profiled at ``costs.batch_size``.
         cluster: devices; ``op_overhead_us`` is read from ``cluster.devices[0]``.
@@ -104,6 +109,14 @@ class CostModel(MemoryModel):
                 fx, ln = self._parts[key]
                 fx.append(fx[-1] + f)
                 ln.append(ln[-1] + ln_)
+        # host issue times, per part: prefix sums, µs (none when the profile has none)
+        self._host: dict[str, list[float]] = {}
+        if costs.has_host_times:
+            for k, key in enumerate(("fwd", "bwd_input", "bwd_weight")):
+                sums = [0.0]
+                for nd in costs.nodes:
+                    sums.append(sums[-1] + nd.host_times[k])  # type: ignore[index]
+                self._host[key] = sums
         # trainable parameters read by more than one node (GPT-2's tied wte / lm_head): the
         # nodes reading each, for tied_sync_us
         readers: dict[str, list[int]] = {}
@@ -167,6 +180,24 @@ class CostModel(MemoryModel):
             return at[part][stop] - at[part][start]
         fx, ln = self._parts[part]
         return fx[stop] - fx[start] + (ln[stop] - ln[start]) * ratio
+
+    @property
+    def has_host_times(self) -> bool:
+        """Whether the profile carries the host's issue times (then :meth:`host_part_us`)."""
+        return bool(self._host)
+
+    def host_part_us(self, part: str, start: int, stop: int) -> float:
+        """Host issue time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``) of nodes
+        ``start .. stop - 1``, µs, the same at every microbatch size (0.0 without host times)."""
+        sums = self._host.get(part)
+        return sums[stop] - sums[start] if sums else 0.0
+
+    def host_time_us(self, start: int, stop: int) -> float:
+        """Host issue time of nodes ``start .. stop - 1`` (forward, + backward when
+        training), µs (0.0 without host times)."""
+        return self.host_part_us("fwd", start, stop) + (
+            self.host_part_us("bwd_input", start, stop)
+            + self.host_part_us("bwd_weight", start, stop) if self.training else 0.0)
 
     @property
     def charges_split(self) -> bool:
@@ -253,7 +284,12 @@ class CostModel(MemoryModel):
         send (receiver's stage, training only); both in 0.1 µs units.
         """
         r = self.ratio(m)
-        seg = [to_time_units(self.time_us(s.start, s.stop, r)) for s in cands.segments]
+        # with host issue times a segment costs the slower of its device and host sides (the
+        # candidates are then costed action by action, :func:`autopart.solver._stage_costing`)
+        seg = [to_time_units(max(self.time_us(s.start, s.stop, r),
+                                 self.host_time_us(s.start, s.stop))
+                             if self._host else self.time_us(s.start, s.stop, r))
+               for s in cands.segments]
         out = [to_time_units(self.link_us(self.scale_bytes(c, r))) for c in cands.crossing_bytes]
         cin = out if self.training else [0] * len(out)
         return seg, out, cin

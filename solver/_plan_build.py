@@ -35,12 +35,16 @@ def pareto(cands: Sequence[Candidate]) -> tuple[ParetoPoint, ...]:
 
 
 def lower_bounds(model: CostModel, plan: Plan, p: int) -> LowerBounds:
-    """Physical bounds: all compute of a step spread over the ranks (their speeds counted), and
-    all parameter state spread over the ranks."""
+    """Physical bounds: all compute of a step spread over the ranks (their speeds counted), or
+    with host times all host issue time spread over the issuing threads, whichever is
+    longer; and all parameter state spread over the ranks."""
     n = len(model.costs.nodes)
     m = plan.num_microbatches
     work = m * model.time_us(0, n, model.ratio(m))
     step_lb = work / sum(1.0 / model.speed(r) for r in range(p))
+    if model.has_host_times:
+        threads = len({model.runtime.issue_thread_of(r) for r in range(p)})
+        step_lb = max(step_lb, m * model.host_time_us(0, n) / threads)
     mem_lb = -(-sum(model.state_bytes.values()) // p)
     peak = max(r.peak_memory_bytes for r in plan.ranks)
     return LowerBounds(step_time_us=round(step_lb, 3), peak_memory_bytes=mem_lb,

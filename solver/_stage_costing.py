@@ -54,7 +54,8 @@ class StageSpan:
 @dataclass(frozen=True, slots=True)
 class StageTerms:
     """What one stage costs per microbatch, as the simulator charges it
-    (:class:`~autopart.solver.simulate.StageCosts` has one column per field but the last two).
+    (:class:`~autopart.solver.simulate.StageCosts` has one column per field but
+    ``param_bytes`` and ``num_parameters``).
 
     Attributes:
         fwd_us, bwd_input_us, bwd_weight_us: F, I (or the whole B) and W compute, the runtime's
@@ -68,6 +69,9 @@ class StageTerms:
         kept_bytes: what each backward leaves held until the step ends (torch's stages).
         param_bytes: bytes of every parameter and buffer its nodes read.
         num_parameters: elements of the trainable parameters its nodes read.
+        host_fwd_us, host_bwd_input_us, host_bwd_weight_us: the host's issue time of F, I
+            (or the whole B) and W, the runtime's cost per transfer included, µs (0.0: the
+            profile has no host times).
     """
 
     fwd_us: float
@@ -83,23 +87,33 @@ class StageTerms:
     kept_bytes: int
     param_bytes: int
     num_parameters: int
+    host_fwd_us: float = 0.0
+    host_bwd_input_us: float = 0.0
+    host_bwd_weight_us: float = 0.0
 
 
-def stage_costs(terms: Sequence[StageTerms]) -> StageCosts:
-    """The simulator's per-stage columns of ``terms``."""
+def stage_costs(terms: Sequence[StageTerms], issue_thread: Sequence[int] = ()) -> StageCosts:
+    """The simulator's per-stage columns of ``terms``; ``issue_thread``: per stage, the host
+    thread that issues it (default: none given, each rank its own). The host columns are
+    left empty when every host time is 0 (a profile without host times)."""
+    host = any(t.host_fwd_us or t.host_bwd_input_us or t.host_bwd_weight_us for t in terms)
     return StageCosts(
         [t.fwd_us for t in terms], [t.bwd_input_us for t in terms],
         [t.bwd_weight_us for t in terms], [t.send_fwd_us for t in terms],
         [t.send_bwd_us for t in terms], [t.static_bytes for t in terms],
         [t.saved_bytes for t in terms], [t.backward_extra_bytes for t in terms],
         [t.split_held_bytes for t in terms], [t.weight_grad_bytes for t in terms],
-        [t.kept_bytes for t in terms])
+        [t.kept_bytes for t in terms],
+        host_fwd_us=[t.host_fwd_us for t in terms] if host else (),
+        host_bwd_input_us=[t.host_bwd_input_us for t in terms] if host else (),
+        host_bwd_weight_us=[t.host_bwd_weight_us for t in terms] if host else (),
+        issue_thread=tuple(issue_thread) if host else ())
 
 
 def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTerms:
     """Cost one stage exactly at ``m`` microbatches under schedule ``kind``."""
     ratio, training = model.ratio(m), model.training
-    fwd, bi, bw = _compute_us(model, kind, span, ratio)
+    (fwd, bi, bw), host = _compute_us(model, kind, span, ratio)
     cross_in = model.scale_bytes(model.crossing[span.start], ratio)
     cross_out = model.scale_bytes(model.crossing[span.stop], ratio)
     state, pbytes, numel = model.state_of(span.start, span.stop)
@@ -123,28 +137,36 @@ def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTe
         backward_extra_bytes=transient + recomputed if training and not empty_i else 0,
         split_held_bytes=held, weight_grad_bytes=wgrad,
         kept_bytes=_kept_bytes(model, span, cross_in, cross_out),
-        param_bytes=pbytes, num_parameters=numel)
+        param_bytes=pbytes, num_parameters=numel,
+        host_fwd_us=host[0], host_bwd_input_us=host[1] if training else 0.0,
+        host_bwd_weight_us=host[2] if training else 0.0)
 
 
-def _compute_us(model: CostModel, kind: str, span: StageSpan,
-                ratio: float) -> tuple[float, float, float]:
-    """``(F, I, W)`` of the stage, µs; a backward run whole is all in ``I``."""
+def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
+                ) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """``((F, I, W), (host F, host I, host W))`` of the stage, µs; a backward run whole is
+    all in ``I``.
+
+    Each action costs the slower of its device time and its host's issue time, where the
+    profile has host times (``CostModel.has_host_times``; else the host columns are 0 and
+    the actions cost their device time, as before host times existed). The runtime's cost
+    per transfer is host work: it is added to both columns.
+    """
     a, z, s = span.start, span.stop, span.index
     f = model.speed(span.rank)
-    fwd = model.part_us("fwd", a, z, ratio) * f
-    bi = model.part_us("bwd_input", a, z, ratio) * f + (fwd if span.recompute else 0.0)
-    bw = model.part_us("bwd_weight", a, z, ratio) * f
-    if splits_backward(kind, span.recompute):
-        if span.first:
-            # the first stage's inputs need no gradient: its I computes nothing and its W is
-            # one whole backward, unsplit (torch's stages run it as "full"; the local
-            # executor's SplitBackward seeds it from the roots)
-            bi, bw = 0.0, bi + bw
-        else:
-            # the split's own cost goes to W (I runs as fast as its share of B)
-            bw += model.split_overhead_us(a, z, ratio) * f
-    if splits_backward(kind, False) and not splits_backward(kind, span.recompute):
-        bi, bw = bi + bw, 0.0  # one B where its I would be; no W
+    split_us = (model.split_overhead_us(a, z, ratio)
+                if splits_backward(kind, span.recompute) and not span.first else 0.0)
+    fwd, bi, bw = _actions(kind, span, *(model.part_us(part, a, z, ratio) * f
+                                         for part in _PARTS), split_us * f)
+    host = (0.0, 0.0, 0.0)
+    if model.has_host_times:
+        host = _actions(kind, span, *(model.host_part_us(part, a, z) for part in _PARTS),
+                        split_us)
+        if splits_backward(kind, span.recompute):  # I and W are actions of their own
+            fwd, bi, bw = max(fwd, host[0]), max(bi, host[1]), max(bw, host[2])
+        else:  # one B: the slower side of the whole backward, all in I
+            fwd, bi, bw = max(fwd, host[0]), max(bi + bw, host[1] + host[2]), 0.0
+            host = (host[0], host[1] + host[2], 0.0)
     # the runtime's own cost of each transfer between ranks an action posts or waits on
     # (RuntimeDescription.transfer_overhead_us): F receives the stage's input and sends its
     # output, B (or I) receives the output's gradient and sends the input's; a split's W
@@ -153,8 +175,36 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan,
     if span.num_ranks > 1:
         transfers = ((s > 0 and span.rank_of(s - 1) != span.rank)
                      + (s < span.count - 1 and span.rank_of(s + 1) != span.rank))
-        fwd += model.runtime.transfer_overhead_us * transfers
-        bi += model.runtime.transfer_overhead_us * transfers if model.training else 0.0
+        tax = model.runtime.transfer_overhead_us * transfers
+        fwd += tax
+        bi += tax if model.training else 0.0
+        if model.has_host_times:
+            host = (host[0] + tax, host[1] + (tax if model.training else 0.0), host[2])
+    return (fwd, bi, bw), host
+
+
+#: The parts of a node's time, as ``CostModel.part_us`` names them.
+_PARTS = ("fwd", "bwd_input", "bwd_weight")
+
+
+def _actions(kind: str, span: StageSpan, fwd: float, bi: float, bw: float,
+             split_us: float) -> tuple[float, float, float]:
+    """``(F, I, W)`` of a stage from the sums of its nodes' parts (device or host side), µs:
+    recompute adds the forward to the backward; a split backward charges ``split_us`` to
+    ``W``; a backward run whole is all in ``I``."""
+    if span.recompute:
+        bi = bi + fwd
+    if splits_backward(kind, span.recompute):
+        if span.first:
+            # the first stage's inputs need no gradient: its I computes nothing and its W is
+            # one whole backward, unsplit (torch's stages run it as "full"; the local
+            # executor's SplitBackward seeds it from the roots)
+            bi, bw = 0.0, bi + bw
+        else:
+            # the split's own cost goes to W (I runs as fast as its share of B)
+            bw += split_us
+    if splits_backward(kind, False) and not splits_backward(kind, span.recompute):
+        bi, bw = bi + bw, 0.0  # one B where its I would be; no W
     return fwd, bi, bw
 
 

@@ -32,12 +32,17 @@ class Prediction:
         stage_costs: per-stage costs the replay charged (µs per microbatch, bytes).
         trace: the predicted trace: per rank, each action's compute slice and, where the
             action sends, a ``"send"`` slice right after it.
+        host_bound_us: the busiest issuing thread's host time, µs, which the step never
+            undercuts (0.0 when the profile has no host times;
+            :func:`autopart.solver.simulate.host_bound_us`). The trace's slices do not show
+            that wait.
     """
 
     step_time_us: float
     peak_memory_bytes: tuple[int, ...]
     stage_costs: StageCosts
     trace: Trace
+    host_bound_us: float = 0.0
 
 
 def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Prediction:
@@ -90,8 +95,11 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
             "graph_fingerprint": plan.graph_fingerprint,
             "peak_memory_bytes": list(res.peak_memory_bytes),
             "step_time_us": round(step, 3)}
+    if c.has_host:
+        meta["host_bound_us"] = round(res.host_bound_us, 3)
     return Prediction(step_time_us=step, peak_memory_bytes=res.peak_memory_bytes,
-                      stage_costs=c, trace=Trace(tuple(events), "predicted", meta))
+                      stage_costs=c, trace=Trace(tuple(events), "predicted", meta),
+                      host_bound_us=res.host_bound_us)
 
 
 def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,

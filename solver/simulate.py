@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Schedule
 
-__all__ = ["StageCosts", "SimResult", "simulate", "rank_peaks"]
+__all__ = ["StageCosts", "SimResult", "simulate", "rank_peaks", "host_bound_us"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,13 @@ class StageCosts:
             by its forward's saved set or the stage's cache until then, then by the send,
             which the schedule waits on at the step's end) and the input gradient it sent
             (in the receive buffer's ``.grad`` until the next step). Default: none.
+        host_fwd_us, host_bwd_input_us, host_bwd_weight_us: the host's issue time of the
+            stage's ``F``, ``I`` (a full ``B`` issues ``I + W``) and ``W``, µs; the device
+            columns above already cost each action at the slower of its two sides. Default:
+            none (the host runs the ops itself, as on the CPU: no host bound).
+        issue_thread: per stage, the host thread that issues its actions; stages sharing
+            one are bounded by the sum of their host times (:func:`host_bound_us`). Default:
+            none given: each rank's stages share the rank's own thread.
     """
 
     fwd_us: Sequence[float]
@@ -53,6 +60,10 @@ class StageCosts:
     split_held_bytes: Sequence[int] = ()
     weight_grad_bytes: Sequence[int] = ()
     kept_bytes: Sequence[int] = ()
+    host_fwd_us: Sequence[float] = ()
+    host_bwd_input_us: Sequence[float] = ()
+    host_bwd_weight_us: Sequence[float] = ()
+    issue_thread: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         n = len(self.fwd_us)
@@ -65,6 +76,19 @@ class StageCosts:
             if len(getattr(self, name)) != n:
                 raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
                                 f"fwd_us has {n}; give one per stage")
+        for name in ("host_fwd_us", "host_bwd_input_us", "host_bwd_weight_us", "issue_thread"):
+            if len(getattr(self, name)) not in (0, n):
+                raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
+                                f"fwd_us has {n}; give one per stage or none")
+        if len({len(self.host_fwd_us), len(self.host_bwd_input_us),
+                len(self.host_bwd_weight_us)}) > 1:
+            raise PlanError("StageCosts: give the three host columns (host_fwd_us, "
+                            "host_bwd_input_us, host_bwd_weight_us) together or none of them")
+
+    @property
+    def has_host(self) -> bool:
+        """Whether the host's issue times are given (then :func:`host_bound_us` applies)."""
+        return bool(self.host_fwd_us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +103,8 @@ class SimResult:
         timeline: with ``simulate(..., record=True)``, every action as ``(rank, stage_index,
             kind, mb_index, start_us, end_us)`` in the order the replay placed them (its end
             includes the action's send); empty otherwise.
+        host_bound_us: the busiest issuing thread's host time, µs (:func:`host_bound_us`;
+            0.0 without host times); ``step_time_us`` is never below it.
     """
 
     step_time_us: float
@@ -86,6 +112,7 @@ class SimResult:
     busy_us: tuple[float, ...]
     peak_memory_bytes: tuple[int, ...]
     timeline: tuple[tuple[int, int, str, int, float, float], ...] = ()
+    host_bound_us: float = 0.0
 
 
 def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> SimResult:
@@ -100,7 +127,9 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
     ``W`` lasts ``W`` and follows its own ``I``. Memory of a rank follows its own order: its
     stages' ``static_bytes``, plus ``saved_bytes`` from each ``F`` until the matching ``B``
     (or ``W``) ends, plus ``backward_extra_bytes`` while a ``B``/``I`` runs, plus the
-    ``kept_bytes`` of every ``B``/``I`` done.
+    ``kept_bytes`` of every ``B``/``I`` done. With host times, the step is at least the
+    busiest issuing thread's host time (:func:`host_bound_us`): ranks issued by one thread
+    cannot run faster than it issues their actions.
 
     Args:
         schedule: per-rank action lists; the stage count is ``len(costs.fwd_us)``.
@@ -188,10 +217,32 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
                        if c < len(acts)]
             raise PlanError(f"schedule deadlocks: every rank waits ({', '.join(blocked)} blocked)")
     step = max(free, default=0.0)
+    bound = host_bound_us(schedule, costs)
+    step = max(step, bound) if costs.has_host else step
     bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
     return SimResult(step_time_us=step, bubble_fraction=min(max(bubble, 0.0), 1.0),
                      busy_us=tuple(busy), peak_memory_bytes=rank_peaks(schedule, costs),
-                     timeline=tuple(timeline))
+                     timeline=tuple(timeline), host_bound_us=bound)
+
+
+def host_bound_us(schedule: Schedule, costs: StageCosts) -> float:
+    """The most host time any one issuing thread spends on ``schedule``'s actions, µs: per
+    thread (``costs.issue_thread``, default each rank's own), the sum of its actions' host
+    issue times (``F``: ``host_fwd``; ``B``: ``host_bwd_input + host_bwd_weight``; ``I``,
+    ``W``: their own). One thread issues its actions one after another, so no step is
+    shorter. 0.0 without host times."""
+    if not costs.has_host:
+        return 0.0
+    hf, hi, hw = costs.host_fwd_us, costs.host_bwd_input_us, costs.host_bwd_weight_us
+    per_thread: dict[int, float] = {}
+    for r, acts in enumerate(schedule):
+        for a in acts:
+            s = a.stage_index
+            t = costs.issue_thread[s] if costs.issue_thread else r
+            per_thread[t] = per_thread.get(t, 0.0) + (
+                hf[s] if a.kind == "F" else hi[s] + hw[s] if a.kind == "B"
+                else hi[s] if a.kind == "I" else hw[s])
+    return max(per_thread.values(), default=0.0)
 
 
 def rank_peaks(schedule: Schedule, costs: StageCosts) -> tuple[int, ...]:

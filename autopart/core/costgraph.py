@@ -59,6 +59,11 @@ class NodeCost:
             transposed attention output, an ``expand``ed mask). A runtime that sends between
             processes moves dense buffers: it sends a contiguous copy of such an output, and
             the receiving stage copies it back into the captured layout. Optional (default 0).
+        host_fwd_us, host_bwd_input_us, host_bwd_weight_us: the host's issue time of each
+            part, µs (``perf_counter`` around the call, no synchronize; measured on CUDA).
+            Optional, on every node or on none (default None: the host runs the op itself,
+            as on the CPU). Independent of the batch: on one H100 a GPT-2 microbatch cost
+            30-45 ms of host time at every size (``benchmarks/gpu/README.md``).
     """
 
     name: str
@@ -79,6 +84,9 @@ class NodeCost:
     backward_peak_bytes: int = 0
     saved_from: tuple[tuple[int, int], ...] | None = None
     strided_output_bytes: int = 0
+    host_fwd_us: float | None = None
+    host_bwd_input_us: float | None = None
+    host_bwd_weight_us: float | None = None
 
     def __post_init__(self) -> None:
         for attr in ("fwd_us", "bwd_input_us", "bwd_weight_us", "flops", "bytes_accessed",
@@ -86,6 +94,10 @@ class NodeCost:
                      "backward_peak_bytes", "strided_output_bytes"):
             if getattr(self, attr) < 0:
                 raise PlanError(f"node {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)}")
+        host = [getattr(self, a) for a in _HOST_FIELDS]
+        if any(h is not None for h in host) and not all(h is not None and h >= 0 for h in host):
+            raise PlanError(f"node {self.name!r}: host times {host} must all be >= 0 µs or all "
+                            "None (not measured); re-profile the model")
         if self.saved_from is not None and (
                 any(d < 0 or b < 0 for d, b in self.saved_from)
                 or sum(b for _, b in self.saved_from) > self.saved_bytes):
@@ -97,6 +109,16 @@ class NodeCost:
     def bwd_us(self) -> float:
         """Full backward time, µs (input-gradient plus weight-gradient part)."""
         return self.bwd_input_us + self.bwd_weight_us
+
+    @property
+    def host_times(self) -> tuple[float, float, float] | None:
+        """``(host_fwd_us, host_bwd_input_us, host_bwd_weight_us)``; None: not measured."""
+        f, i, w = self.host_fwd_us, self.host_bwd_input_us, self.host_bwd_weight_us
+        return None if f is None or i is None or w is None else (f, i, w)
+
+
+#: NodeCost's optional host issue times, µs (None: not measured).
+_HOST_FIELDS = ("host_fwd_us", "host_bwd_input_us", "host_bwd_weight_us")
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +261,10 @@ class CostGraph:
             raise PlanError(f"CostGraph: low_backward_peaks needs one byte count >= 0 per node "
                             f"({len(self.nodes)}) at low_batch_size, got "
                             f"{len(self.low_backward_peaks)}; re-profile the model")
+        if len({n.host_times is None for n in self.nodes}) > 1:
+            raise PlanError(f"CostGraph: host issue times on some nodes but not on "
+                            f"{[n.name for n in self.nodes if n.host_times is None][:4]}; a "
+                            "profile has them on every node (CUDA) or on none: re-profile")
         if self.batch_scales:
             rows = [sc.batch_size for sc in self.batch_scales]
             if not self.low_batch_size or len(set(rows)) != len(rows) or any(
@@ -247,6 +273,11 @@ class CostGraph:
                 raise PlanError(f"CostGraph: batch_scales at {rows} rows need a second profiled "
                                 "batch (low_batch_size), one scale per batch and positions "
                                 f"inside the graph's {len(self.nodes)} nodes; re-profile the model")
+
+    @property
+    def has_host_times(self) -> bool:
+        """Whether the nodes carry the host's issue times (:attr:`NodeCost.host_times`)."""
+        return bool(self.nodes) and self.nodes[0].host_times is not None
 
     def scale_at(self, rows: float) -> BatchScale | None:
         """The :class:`BatchScale` measured at a microbatch of ``rows`` rows, if any."""
@@ -285,11 +316,19 @@ class CostGraph:
         """Sum of every node's backward time, µs."""
         return sum(n.bwd_us for n in self.nodes)
 
+    def total_host_us(self) -> float:
+        """Sum of every node's host issue times (forward and backward), µs (0: none)."""
+        return sum(sum(n.host_times or ()) for n in self.nodes)
+
     # ---- JSON ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form (lists for tuples, sorted list for the trainable set)."""
+        """Plain-JSON form (lists for tuples, sorted list for the trainable set; host times
+        that were not measured are left out)."""
         d = asdict(self)
         d["trainable"] = sorted(self.trainable)
+        for node in d["nodes"]:  # not measured: left out, as in files from before them
+            for key in [k for k in _HOST_FIELDS if node[k] is None]:
+                del node[key]
         return d
 
     @classmethod

@@ -55,13 +55,20 @@ class RuntimeDescription:
         transfer_steps: ``"module:function"`` the profiler's two timing processes call to
             run this runtime's steps (default None: no per-transfer cost is measured); named,
             not imported, so the profiler never imports a runtime.
+        issue_threads: how many host threads issue the ranks' work, rank ``r`` on thread
+            ``r % issue_threads`` (default 1: one thread issues every stage, as the local
+            one-process runtime does); None: one per rank (the distributed runtime, a
+            process per rank). The solver bounds a step below by the host issue times of
+            the actions that share a thread, where the profile has them
+            (``NodeCost.host_times``).
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
 
     Raises:
-        PlanError: a negative cost, or split points with a row count <= 0, repeated rows or
-            a negative cost (the message names the field and the value).
+        PlanError: ``issue_threads`` below 1, a negative cost, or split points with a row
+            count <= 0, repeated rows or a negative cost (the message names the field and
+            the value).
     """
 
     name: str = "local"
@@ -71,6 +78,7 @@ class RuntimeDescription:
     split_backward_points: tuple[tuple[float, float], ...] = ()
     ranks_are_processes: bool = False
     transfer_steps: str | None = None
+    issue_threads: int | None = 1
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +92,13 @@ class RuntimeDescription:
                 or any(not (us >= 0.0) for _, us in self.split_backward_points)):
             raise PlanError(f"split_backward_points={self.split_backward_points} must be "
                             "(rows > 0, µs per node >= 0) pairs with distinct rows")
+        if self.issue_threads is not None and self.issue_threads < 1:
+            raise PlanError(f"issue_threads={self.issue_threads} must be >= 1, or None for one "
+                            "thread per rank")
         if not self.transfer_overhead_us >= 0.0:
             raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
                             "transfer cannot cost less than its link time)")
+
+    def issue_thread_of(self, rank: int) -> int:
+        """The host thread that issues ``rank``'s actions (``rank`` itself with one per rank)."""
+        return rank if self.issue_threads is None else rank % self.issue_threads

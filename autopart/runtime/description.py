@@ -12,10 +12,12 @@ __all__ = ["describe"]
 def describe(backend: str) -> RuntimeDescription:
     """The description of ``backend`` before anything is measured of it.
 
-    ``"local"``: one process runs every stage (the stream executor); a stage's receive
+    ``"local"``: one process runs every stage (the stream executor), one thread issues
+    every stage's work (``issue_threads=1``); a stage's receive
     buffers are allocated as values arrive; the backward is split with
     :class:`~autopart.runtime.split_engines.LocalSplit`.
-    ``"distributed"``: each rank is a process (torch.distributed.pipelining's stages): one
+    ``"distributed"``: each rank is a process (torch.distributed.pipelining's stages) with
+    its own issuing thread (``issue_threads=None``): one
     receive buffer per microbatch for the whole step, torch's backward split on copies of the
     outputs, and a cost per transfer timed by
     :func:`autopart.runtime.transfer_rank.time_steps`.
@@ -24,9 +26,10 @@ def describe(backend: str) -> RuntimeDescription:
         PlanError: an unknown backend.
     """
     if backend == "local":
-        return RuntimeDescription(name="local", split_engine=LocalSplit())
+        return RuntimeDescription(name="local", issue_threads=1, split_engine=LocalSplit())
     if backend == "distributed":
         return RuntimeDescription(name="distributed", receive_buffers_per_microbatch=True,
-                                  ranks_are_processes=True, split_engine=TorchPipeliningSplit(),
+                                  ranks_are_processes=True, issue_threads=None,
+                                  split_engine=TorchPipeliningSplit(),
                                   transfer_steps="autopart.runtime.transfer_rank:time_steps")
     raise PlanError(f"backend={backend!r}; expected one of {BACKENDS}")

@@ -7,12 +7,23 @@ runtime (one process, a compute and a copy stream per stage), plans alternated s
 step. Per plan: median of ``--steps`` steps (``torch.cuda.synchronize`` around each), one
 traced step (CUDA events), one step's ``torch.cuda.max_memory_allocated``. Not run in CI.
 
+Issue 32's two-figure cost model: per plan, the predicted step with the host bound (the
+plan's own figure: each action at the slower of its device and host times, and the one
+issuing thread's host time as a floor), without it (the same plan on the profile's device
+times alone, as before host times existed), and the host bound itself, beside the measured
+step and the plain model's step at the plan's microbatching. Per profile: its summed device
+and host times beside the plain eager step at the profiled batch.
+
     python benchmarks/gpu/fidelity_gpu.py [--steps 10] [--out benchmarks/gpu/out]
+    python benchmarks/gpu/fidelity_gpu.py --device cpu --small --fake-host-us 50 --plans-only
+        (checks the script and the host-bound path without a GPU: every node's host times
+        set to 50 µs each; no pipeline runs)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -57,6 +68,65 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
 
 
+def with_host_times(costs: Any, us: float | None) -> Any:
+    """``costs`` with every node's three host issue times set to ``us`` µs (None: removed,
+    the cost model of before host times)."""
+    return dataclasses.replace(costs, nodes=tuple(
+        dataclasses.replace(n, host_fwd_us=us, host_bwd_input_us=us, host_bwd_weight_us=us)
+        for n in costs.nodes))
+
+
+def plain_step_s(model: Any, args: tuple[Any, ...], target: Any, loss_fn: Any, m: int,
+                 rows: int, steps: int, device: str) -> float:
+    """Median seconds of the plain model's forward, loss and backward over the first
+    ``rows`` rows in ``m`` microbatches (gradients accumulated), ``torch.cuda.synchronize``
+    around each step; the first two steps are warm-up."""
+    x, t = args[0][:rows], target[:rows]
+    times = []
+    for i in range(steps + 2):
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        t0 = time.perf_counter()
+        for xs, ts in zip(x.chunk(m), t.chunk(m), strict=True):
+            (loss_fn(model(xs), ts) / m).backward()
+        synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def host_rows(profile: Any, plans: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per plan: predicted step with the host bound, without it, and the bound, s."""
+    from autopart.trace import predict
+
+    device_only = dataclasses.replace(profile, costs=with_host_times(profile.costs, None))
+    rows = []
+    for name, plan in plans.items():
+        pred = predict(profile, plan)
+        rows.append({"plan": name, "schedule": plan.schedule_kind,
+                     "num_microbatches": plan.num_microbatches,
+                     "predicted_step_s": plan.predicted_step_time_us / 1e6,
+                     "predicted_replay_s": pred.step_time_us / 1e6,
+                     "predicted_without_host_s": predict(device_only, plan).step_time_us / 1e6,
+                     "host_bound_s": pred.host_bound_us / 1e6})
+    return rows
+
+
+def profile_sums(profile: Any, model: Any, args: tuple[Any, ...], target: Any, loss_fn: Any,
+                 steps: int, device: str) -> dict[str, Any]:
+    """The profile's node sums (forward + backward, loss included in the last node's device
+    times) beside the plain eager step at the profiled batch, s."""
+    costs = profile.costs
+    eager = plain_step_s(model, args, target, loss_fn, 1, costs.batch_size, steps, device)
+    device_sum = (costs.total_fwd_us() + costs.total_bwd_us()) / 1e6
+    host_sum = costs.total_host_us() / 1e6
+    return {"profiled_rows": costs.batch_size, "device_sum_s": device_sum,
+            "host_sum_s": host_sum if costs.has_host_times else None,
+            "eager_step_s": eager, "device_sum_over_eager": device_sum / eager,
+            "host_sum_over_eager": host_sum / eager if costs.has_host_times else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
@@ -64,6 +134,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0",
                         help="cpu (with --small) checks the script on a machine without a GPU")
     parser.add_argument("--small", action="store_true", help="a 2-layer model, for checking")
+    parser.add_argument("--fake-host-us", type=float, default=None,
+                        help="set every node's host issue times to this many µs (checking "
+                             "the host-bound path on a CPU profile, which has none)")
+    parser.add_argument("--plans-only", action="store_true",
+                        help="print the plans' predictions and the profile's sums; run no "
+                             "pipeline")
     opts = parser.parse_args()
     import copy
 
@@ -80,10 +156,24 @@ def main() -> None:
     model, args, target, loss_fn = workload(dev, opts.small)
     solver_plan, profile = autopart.plan_model(model, args, devices=devices, loss_fn=loss_fn,
                                                example_target=target)
+    if opts.fake_host_us is not None:
+        profile = dataclasses.replace(
+            profile, costs=with_host_times(profile.costs, opts.fake_host_us))
+        solver_plan = profile.solve()
     plans = {"solver": solver_plan}
     for kind, m in GRID:
         plans[f"{kind} m{m}"] = profile.solve(schedule_kind=kind, stages_per_rank=1,
                                               num_microbatches=m)
+    sums = profile_sums(profile, model, args, target, loss_fn, opts.steps, dev)
+    host = {r["plan"]: r for r in host_rows(profile, plans)}
+    plain = {m: plain_step_s(model, args, target, loss_fn, m, args[0].shape[0], opts.steps, dev)
+             for m in sorted({p.num_microbatches for p in plans.values()})}
+    print_host_figures(sums, host, plain)
+    if opts.plans_only:
+        (out / "host_figures.json").write_text(json.dumps(
+            {"device": device_name(dev), "fake_host_us": opts.fake_host_us, "profile": sums,
+             "plans": list(host.values()), "plain_step_s": plain}, indent=1) + "\n")
+        return
     arms = {}
     for name, plan in plans.items():
         pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan)
@@ -110,10 +200,9 @@ def main() -> None:
         plan = plans[name]
         pred = predict(profile, plan)
         measured = statistics.median(times[name])
-        rows.append({"plan": name, "schedule": plan.schedule_kind,
-                     "num_microbatches": plan.num_microbatches,
-                     "predicted_step_s": plan.predicted_step_time_us / 1e6,
-                     "measured_step_s": measured,
+        rows.append({**host[name], "measured_step_s": measured,
+                     "plain_step_same_m_s": plain[plan.num_microbatches],
+                     "over_plain": measured / plain[plan.num_microbatches] - 1,
                      "step_error": plan.predicted_step_time_us / 1e6 / measured - 1,
                      "predicted_peak_bytes_device": sum(r.peak_memory_bytes for r in plan.ranks),
                      "measured_peak_bytes_device": pipe.last_peak_memory_bytes.by_device[dev]})
@@ -123,13 +212,33 @@ def main() -> None:
                                              ("measured", pipe.last_trace)],
                   title=f"one {device_name(dev)}, 4 stages, solver's plan")
     report = {"device": device_name(dev), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "python": platform.python_version(), "rows": rows}
+              "cuda": torch.version.cuda, "python": platform.python_version(),
+              "fake_host_us": opts.fake_host_us, "profile": sums, "plain_step_s": plain,
+              "rows": rows}
     (out / "fidelity_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
     for r in rows:
-        print(f"{r['plan']:>16}: predicted {r['predicted_step_s']:.4f} s, measured "
-              f"{r['measured_step_s']:.4f} s ({r['step_error']:+.1%}); peak predicted "
+        print(f"{r['plan']:>16}: predicted {r['predicted_step_s']:.4f} s (without the host "
+              f"bound {r['predicted_without_host_s']:.4f} s), measured "
+              f"{r['measured_step_s']:.4f} s ({r['step_error']:+.1%}; plain model at m = "
+              f"{r['num_microbatches']}: {r['plain_step_same_m_s']:.4f} s, pipeline "
+              f"{r['over_plain']:+.1%}); peak predicted "
               f"{r['predicted_peak_bytes_device'] / 2**30:.2f} GiB, measured "
               f"{r['measured_peak_bytes_device'] / 2**30:.2f} GiB")
+
+
+def print_host_figures(sums: dict[str, Any], host: dict[str, dict[str, Any]],
+                       plain: dict[int, float]) -> None:
+    """The profile's sums beside the eager step, and each plan's predictions, s."""
+    host_sum = ("no host times (CPU)" if sums["host_sum_s"] is None else
+                f"{sums['host_sum_s']:.4f} s ({sums['host_sum_over_eager']:.2f}x)")
+    print(f"profile at {sums['profiled_rows']} rows: node device sum "
+          f"{sums['device_sum_s']:.4f} s ({sums['device_sum_over_eager']:.2f}x the plain eager "
+          f"step {sums['eager_step_s']:.4f} s), host sum {host_sum}")
+    print("plain model step by m: " + ", ".join(f"m{m} {t:.4f} s" for m, t in plain.items()))
+    for r in host.values():
+        print(f"{r['plan']:>16}: {r['schedule']} m{r['num_microbatches']}, predicted "
+              f"{r['predicted_step_s']:.4f} s with the host bound ({r['host_bound_s']:.4f} s), "
+              f"{r['predicted_without_host_s']:.4f} s without")
 
 
 if __name__ == "__main__":
