@@ -20,7 +20,8 @@ __all__ = ["tp_copy", "tp_gather", "tp_reduce"]
 
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    reduced: torch.Tensor = torch.ops._c10d_functional.wait_tensor(out)
+    return reduced
 
 
 @torch.library.custom_op("autopart::tp_copy", mutates_args=())

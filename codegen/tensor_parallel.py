@@ -124,6 +124,12 @@ def _classify(user: fx.Node, attr: fx.Node, style: str) -> tuple[str, int]:
                  f"{style}-parallel parameter")
 
 
+def _dim_arg(node: fx.Node, pos: int) -> int:
+    """An op's ``dim`` argument (positional ``pos`` or keyword; default 0)."""
+    dim: Any = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)
+    return int(dim)
+
+
 def _blocks(node: fx.Node, width: int, size: int, fqn: str) -> tuple[tuple[int, ...], set[fx.Node]]:
     """The blocks of a column matmul's output features (one, or the pieces of a ``split``
     on them after reshapes) and those split nodes."""
@@ -135,8 +141,7 @@ def _blocks(node: fx.Node, width: int, size: int, fqn: str) -> tuple[tuple[int, 
         for u in n.users:
             if u.target in _RESHAPES and u.meta["val"].shape[-1] == width:
                 stack.append(u)
-            elif u.target in _SPLITS and (u.args[2] if len(u.args) > 2 else u.kwargs.get(
-                    "dim", 0)) % ndim == ndim - 1:
+            elif u.target in _SPLITS and _dim_arg(u, 2) % ndim == ndim - 1:
                 found[u] = tuple(int(v.shape[-1]) for v in u.meta["val"])
     kinds = set(found.values())
     if len(kinds) > 1:
@@ -275,7 +280,7 @@ def _rewrite(st: _Pass, node: fx.Node, kind: str | None) -> None:
         return
     if node.op != "call_function":
         return
-    args = list(node.args)
+    args: list[Any] = list(node.args)
     if kind in ("column", "vocab_linear"):
         x = args[1] if node.target == aten.addmm.default else args[0]
         weight = args[2] if node.target == aten.addmm.default else args[1]
@@ -313,7 +318,7 @@ def _rewrite(st: _Pass, node: fx.Node, kind: str | None) -> None:
         if x not in st.split or st.split[x] != len(st.local[x].shape) - 1:
             raise _error(node, fqn, "its input is not split along its features (no "
                          "column-parallel op before it in this stage)")
-        target = aten.linear.default if node.target == aten.linear.default else aten.mm.default
+        target = aten.mm.default if node.target == aten.addmm.default else node.target
         partial = st.call(target, (x, weight), node, node, node.meta["val"])
         out = st.call(torch.ops.autopart.tp_reduce.default, (partial, tp.group_name), node,
                       node, node.meta["val"])
@@ -376,8 +381,7 @@ def _check_and_retarget(st: _Pass, node: fx.Node, first: fx.Node, fqn: str) -> N
         node.args = (node.args[0], target, *node.args[2:])
         return
     if t in _SPLITS:
-        dim = node.args[2] if len(node.args) > 2 else 0
-        if dim % ndim != d:
+        if _dim_arg(node, 2) % ndim != d:
             return
         if node not in st.splits_ok:
             raise _error(node, fqn, "it splits the split features, and they do not come "
@@ -387,14 +391,13 @@ def _check_and_retarget(st: _Pass, node: fx.Node, first: fx.Node, fqn: str) -> N
         node.args = (node.args[0], new, *node.args[2:])
         return
     if t in _DIM_NOT_SPLIT:
-        pos = _DIM_NOT_SPLIT[t]
-        dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", 0)
-        if isinstance(dim, int) and dim % ndim == d:
+        if _dim_arg(node, _DIM_NOT_SPLIT[t]) % ndim == d:
             raise _error(node, fqn, f"it works along the split dimension {d}")
         return
     if t in _SDPA:
         for a in node.args[:3]:
-            if not isinstance(a, fx.Node) or st.split.get(a) != len(_orig_shape(st, a)) - 3:
+            if not isinstance(a, fx.Node) or a not in st.split \
+                    or st.split[a] != len(_orig_shape(st, a)) - 3:
                 raise _error(node, fqn, "attention needs q, k and v split by heads")
         return
     if t in _KEEP_SHAPE or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):

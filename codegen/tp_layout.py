@@ -21,13 +21,13 @@ class ShardLayout:
 
     def local(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """Rank ``rank``'s shard of the full tensor (a copy)."""
-        parts = full.split(list(self.blocks), self.dim)
+        parts = torch.split(full, list(self.blocks), self.dim)
         return torch.cat([p.chunk(size, self.dim)[rank] for p in parts], self.dim).clone()
 
     def full(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's shard (rank order)."""
         size = len(shards)
-        pieces = [s.split([b // size for b in self.blocks], self.dim) for s in shards]
+        pieces = [torch.split(s, [b // size for b in self.blocks], self.dim) for s in shards]
         return torch.cat([pieces[r][i] for i in range(len(self.blocks)) for r in range(size)],
                          self.dim)
 

@@ -61,7 +61,7 @@ class TensorParallelState:
         replicated parameter on tp rank 0 only (the others hold the same gradient)."""
         return fqn in self.shards or self.rank == 0
 
-    def reduce_norm(self, total: torch.Tensor, op: dist.ReduceOp) -> None:
+    def reduce_norm(self, total: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
         """Combine the tp ranks' partial norms (``norm ** p`` sums, or maxima) in place."""
         dist.all_reduce(total, op=op, group=self.group)
 
