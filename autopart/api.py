@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.codegen import build_stages
+from autopart.codegen import TensorParallelRank, build_stages
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
@@ -282,6 +282,9 @@ def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     mesh = options.mesh
     pp_group = mesh.get_group("pp") if mesh is not None else None
     dp_group = mesh.get_group("dp") if mesh is not None else None
+    tp_group = (mesh.get_group("tp") if mesh is not None and plan.tp > 1
+                and "tp" in (mesh.mesh_dim_names or ()) else None)
+    tp = TensorParallelRank.of_group(tp_group) if tp_group is not None else None
     pp_size, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     device = launch.rank_device()
     meta = launch.on_meta(model)  # codegen points the capture's meta literals at device
@@ -293,12 +296,13 @@ def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     with phase("codegen"):
         stages = build_stages(captured, plan, [device] * pp_size, ranks={pp_rank},
                               tensor_of=tensor_of, fuse=options.fuse,
-                              cuts_by_name=meta or cuts_by_name)
+                              cuts_by_name=meta or cuts_by_name, tp=tp)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s
     return DistributedPipeline(model, stages, InputSignature.of(captured), device,
                                loss_fn=loss_fn, pp_group=pp_group, dp_group=dp_group,
+                               tp_group=tp_group,
                                timings_s=timings,
                                step_timeout_s=options.step_timeout_s or DEFAULT_STEP_TIMEOUT_S)
 

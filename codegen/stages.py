@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -13,6 +13,8 @@ from torch import nn
 
 from autopart.codegen.params import Placement, build_stage_modules
 from autopart.codegen.split import split_graph
+from autopart.codegen.tensor_parallel import shard_stage
+from autopart.codegen.tp_layout import ShardLayout, TensorParallelRank
 from autopart.core.capture import CapturedGraph, op_nodes
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
@@ -57,6 +59,9 @@ class BuiltStages:
         local: indices of the stages built here, ascending.
         fuse_s: seconds spent wrapping stages in ``torch.compile`` (0.0 without ``fuse``;
             compilation itself happens on the first call).
+        tp: this process's tensor-parallel rank, or None (the plan's tp is 1).
+        shards: FQN -> how each parameter built here is split over tp (empty without tp);
+            ``placement.tensors`` then holds this tp rank's shards.
     """
 
     plan: Plan
@@ -66,6 +71,8 @@ class BuiltStages:
     placement: Placement
     local: tuple[int, ...]
     fuse_s: float = 0.0
+    tp: TensorParallelRank | None = None
+    shards: Mapping[str, ShardLayout] = field(default_factory=dict)
 
     def sources(self) -> dict[int, str]:
         """Stage index -> readable Python source of each stage built here
@@ -132,7 +139,8 @@ def check_plan_matches(plan: Plan, captured: CapturedGraph, *, by_name: bool = F
 def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | torch.device], *,
                  ranks: Collection[int] | None = None,
                  tensor_of: Callable[[str], torch.Tensor] | None = None,
-                 fuse: bool = False, cuts_by_name: bool = False) -> BuiltStages:
+                 fuse: bool = False, cuts_by_name: bool = False,
+                 tp: TensorParallelRank | None = None) -> BuiltStages:
     """Split ``captured`` at the plan's cuts and build the stages of ``ranks``.
 
     Both runtimes take their stages from here: the one-process executor builds every rank
@@ -151,13 +159,18 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
             the first call.
         cuts_by_name: ``captured`` is a capture of the planned model on another device
             (``meta``): find the cuts by their node names (:func:`check_plan_matches`).
+        tp: this process's tensor-parallel rank; required when ``plan.tp > 1``: each
+            built stage is then this rank's share (:func:`autopart.codegen.tensor_parallel.
+            shard_stage` with the plan's ``sharded_parameters``), before any fusion.
 
     Returns:
         The built stages (see :class:`BuiltStages`).
 
     Raises:
         PlanError: the plan does not match the graph, or the device count differs from
-            the plan's rank count, or ``ranks`` names a rank the plan does not have.
+            the plan's rank count, or ``ranks`` names a rank the plan does not have, or
+            ``tp`` is missing or of another degree than the plan's, or a stage cannot be
+            split over tp (:func:`autopart.codegen.tensor_parallel.shard_stage`).
     """
     if len(devices) != len(plan.ranks):
         raise PlanError(f"the plan has {len(plan.ranks)} ranks but {len(devices)} devices "
@@ -172,6 +185,7 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
     local = tuple(st.stage_index for st in plan.stages if st.rank in wanted)
     modules, placement = build_stage_modules(captured, stage_graphs, list(stage_devices),
                                              keep=set(local), tensor_of=tensor_of)
+    shards = _shard(plan, tp, modules, local, placement)
     runners: list[nn.Module | None] = list(modules)
     t0 = time.perf_counter()
     if fuse:
@@ -179,4 +193,26 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
                    for mod in modules]
     return BuiltStages(plan=plan, modules=tuple(modules), runners=tuple(runners),
                        devices=stage_devices, placement=placement, local=local,
-                       fuse_s=time.perf_counter() - t0 if fuse else 0.0)
+                       fuse_s=time.perf_counter() - t0 if fuse else 0.0,
+                       tp=tp if plan.tp > 1 else None, shards=shards)
+
+
+def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModule | None],
+           local: tuple[int, ...], placement: Placement) -> dict[str, ShardLayout]:
+    """Each built stage as this tp rank's share; the placement then holds the shards."""
+    if plan.tp == 1:
+        return {}
+    if tp is None or tp.size != plan.tp:
+        got = "none" if tp is None else f"a group of {tp.size}"
+        raise PlanError(f"the plan has tp={plan.tp} but {got} was given; run it under "
+                        f"torchrun with a tp group of {plan.tp} ranks (the mesh's 'tp' "
+                        "dimension), or re-plan with tp=1 for one process")
+    styles = {sp.name: sp.style for sp in plan.sharded_parameters}
+    made: dict[int, nn.Parameter] = {}
+    shards: dict[str, ShardLayout] = {}
+    for s in local:
+        shards.update(shard_stage(modules[s], styles, tp, made=made))  # type: ignore[arg-type]
+    for key, value in placement.tensors.items():
+        if id(value) in made:
+            placement.tensors[key] = made[id(value)]
+    return shards

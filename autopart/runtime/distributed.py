@@ -28,6 +28,7 @@ from autopart.runtime._dist_comm import (
 )
 from autopart.runtime._dist_scaling import ScaledLosses, agree_on_overflow
 from autopart.runtime._dist_stages import P2PStage, TracedStage
+from autopart.runtime._dist_tensor_parallel import tensor_parallel_state
 from autopart.runtime._torch_private import (
     ScheduleRuntime,
     incompatible_keys,
@@ -88,6 +89,10 @@ class DistributedPipeline(Pipeline):
         loss_fn: ``(output, target) -> scalar``, or None for inference only.
         pp_group: process group of the pipeline ranks (default: the world).
         dp_group: process group of this rank's data-parallel replicas, or None.
+        tp_group: process group of this rank's tensor-parallel peers (needed when the
+            plan's tp > 1; ``stages`` built with ``tp=TensorParallelRank.of_group(it)``):
+            parameters are then this rank's shards, ``state_dict`` gathers full tensors
+            (:mod:`autopart.runtime._dist_tensor_parallel`).
         timings_s: seconds per compile phase, kept as ``timings_s``.
         step_timeout_s: a send or receive of the pipeline that waits this long fails the
             step (default 300 s): every rank then raises :class:`PipelineFailure` naming the
@@ -103,6 +108,7 @@ class DistributedPipeline(Pipeline):
                  device: torch.device, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  pp_group: dist.ProcessGroup | None = None,
                  dp_group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None,
                  timings_s: dict[str, float] | None = None,
                  step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         super().__init__(stages, signature, loss_fn=loss_fn, timings_s=timings_s,
@@ -110,6 +116,7 @@ class DistributedPipeline(Pipeline):
         plan = stages.plan
         self.pp_group = pp_group
         self.dp_group = dp_group
+        self._tp = tensor_parallel_state(stages, tp_group)
         self.pp_rank = dist.get_rank(pp_group)
         self.pp_size = dist.get_world_size(pp_group)
         if self.pp_size != len(plan.ranks):
@@ -177,7 +184,10 @@ class DistributedPipeline(Pipeline):
                 yield prefix + fqn, t
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's tensors by FQN (parameters and buffers of its stages)."""
+        """This rank's tensors by FQN (parameters and buffers of its stages), tensor-parallel
+        shards gathered into full tensors (collective over the tp group)."""
+        if self._tp is not None:
+            return self._tp.full_state(self._local)
         return {fqn: t.detach() for fqn, t in self._local.items()}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -192,6 +202,8 @@ class DistributedPipeline(Pipeline):
         if strict and missing:
             raise PlanError(f"state_dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                             f"which rank {self.pp_rank} holds; pass the whole model's state_dict")
+        if self._tp is not None:  # full tensors in, this rank's slices copied
+            state_dict = self._tp.local_state(state_dict)
         self._copy_state_in(state_dict, self._local.items())
         return incompatible_keys(missing, [])
 
@@ -403,7 +415,8 @@ class DistributedPipeline(Pipeline):
         p = float(norm_type)
         owner = self._built.placement.owner
         grads = [t.grad for fqn, t in self.named_parameters() if t.grad is not None
-                 and self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank]
+                 and self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank
+                 and (self._tp is None or self._tp.counts_in_norm(fqn))]
         if grads:
             local = torch.nn.utils.get_total_norm(grads, p, foreach=None).to(torch.float32)
         else:
@@ -414,6 +427,8 @@ class DistributedPipeline(Pipeline):
         def reduce() -> None:
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
             dist.all_reduce(total, op=op, group=self._p2p_group)
+            if self._tp is not None:  # shards once each, replicated tensors once
+                self._tp.reduce_norm(total, op)
 
         self._guarded(reduce)
         if not inf:
@@ -465,6 +480,9 @@ class DistributedPipeline(Pipeline):
     def checkpoint_state(self) -> CheckpointState:
         """This rank writes the tensors it owns and loads every tensor it holds; saving and
         loading are collective when the world has several ranks."""
+        if self._tp is not None:
+            raise PlanError("checkpoints of tensor-parallel pipelines are not supported yet; "
+                            "save pipe.state_dict() (full tensors) with torch.save instead")
         held = dict(self._local)
         return CheckpointState(self.owned_tensors(), held,
                                {id(p): f for f, p in self.named_parameters()},
