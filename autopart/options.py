@@ -115,11 +115,13 @@ class CompileOptions:
             ``"adamw"`` (default) / ``"adam"`` (2 tensors like each parameter), ``"sgd"``
             (momentum, 1), or bytes of state per parameter (see
             :func:`optimizer_state_factor`). Ignored when a plan is replayed.
-        tp: tensor-parallel degree >= 1 (``None``: 1). The runtime for tp > 1 is not built
-            yet: :func:`autopart.compile` refuses it (:meth:`check_runtime`); plan such
-            layouts with ``autopart plan --tp`` or ``autopart.solver.layout_search``.
-        dp: data-parallel replicas >= 1 (``None``: 1); same as ``tp``.
-        zero_stage: ZeRO stage over dp, 0-3 (``None``: 0).
+        tp: tensor-parallel degree >= 1. Distributed only (the local backend refuses tp,
+            dp and zero_stage, :meth:`check_runtime`): giving any of the three makes rank 0
+            search the (tp, pp, dp, ZeRO) layouts of the world's ranks with the others
+            free (:func:`autopart.planning.plan_layout`); none of them (default):
+            every rank a pipeline rank, as before.
+        dp: data-parallel replicas >= 1, or None; as ``tp``.
+        zero_stage: ZeRO stage over dp, 0-3, or None; as ``tp``.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -172,22 +174,31 @@ class CompileOptions:
         _positive_seconds("step_timeout_s", self.step_timeout_s, "or None: 300 s",
                           optional=True)
 
-    def check_runtime(self, plan: Plan | None = None) -> None:
-        """Refuse a tensor- or data-parallel layout: no runtime executes one yet.
+    def check_runtime(self, plan: Plan | None = None, backend: str = "local") -> None:
+        """Refuse a tensor- or data-parallel layout where it cannot run: the local backend
+        (one process) has no tensor-parallel or data-parallel ranks. The distributed backend
+        runs any layout (its (pp, dp, tp) mesh: :mod:`autopart.runtime.mesh`).
+
+        Args:
+            plan: a replayed plan, or None.
+            backend: ``"local"`` or ``"distributed"``.
 
         Raises:
-            PlanError: tp > 1, dp > 1 or a ZeRO stage > 0 (given, or in the replayed plan),
-                naming the values and what to do instead.
+            PlanError: with the local backend, tp > 1 or dp > 1 (given, or in the replayed
+                plan), or a ZeRO stage > 0 given (nothing to shard without dp), naming the
+                values and what to do instead.
         """
+        if backend != "local":
+            return
         tp = max(self.tp or 1, plan.tp if plan is not None else 1)
         dp = max(self.dp or 1, plan.dp if plan is not None else 1)
         zero = max(self.zero_stage or 0, plan.zero_stage if plan is not None else 0)
         if tp > 1 or dp > 1 or zero > 0:
-            raise PlanError(f"tp={tp}, dp={dp}, zero_stage={zero}: the runtime for tensor- and "
-                            "data-parallel plans is not built yet, so autopart.compile can only "
-                            "run tp=1, dp=1, zero_stage=0 (every GPU a pipeline rank). Such "
-                            "layouts can be planned: `autopart plan PROFILE --cluster PRESET:N "
-                            "--tp/--dp/--zero-stage`")
+            raise PlanError(f"tp={tp}, dp={dp}, zero_stage={zero}: the local backend runs every "
+                            "stage in one process, so it has no tensor- or data-parallel ranks "
+                            "and runs tp=1, dp=1, zero_stage=0 only. Launch tp x pp x dp "
+                            "processes with torchrun (e.g. torchrun --nproc-per-node=4 with "
+                            "tp=1, dp=2 for pp 2 x dp 2), or drop tp=/dp=/zero_stage=")
 
     def check_backend(self, backend: str) -> None:
         """Refuse what ``backend`` cannot honour.

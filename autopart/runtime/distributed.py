@@ -37,6 +37,7 @@ from autopart.runtime._torch_private import (
 from autopart.runtime.checkpoint_state import CheckpointState
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.host import on_cores
+from autopart.runtime.mesh import replica_share
 from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.tracing import ActionRecorder
 
@@ -256,7 +257,9 @@ class DistributedPipeline(Pipeline):
         """Every microbatch forward and backward; returns the mean loss on every rank.
 
         Inputs are needed on the first stage's rank, ``target`` on the last stage's rank
-        (passing them everywhere is fine). Gradients accumulate in ``.grad``.
+        (passing them everywhere is fine). Gradients accumulate in ``.grad``. With a plan
+        of dp > 1 replicas, pass the global batch (each replica keeps its own rows) or the
+        replica's share; the loss returned is the replica's, gradients are averaged over dp.
 
         fp16 with loss scaling: every rank passes its own ``torch.amp.GradScaler`` (built
         alike), then runs torch's AMP recipe (``scaler.unscale_(opt)`` and
@@ -288,6 +291,7 @@ class DistributedPipeline(Pipeline):
         """
         require_loss(self._loss_fn)
         scale_loss = self._loss_scaler(grad_scaler)
+        args, kwargs, target = self._replica_share(args, kwargs, target)
         with self._on_own_cores():
             return self._train_step(args, kwargs, target, trace, measure_memory, optimizer,
                                     scale_loss)
@@ -426,9 +430,20 @@ class DistributedPipeline(Pipeline):
         return total
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Pipelined inference; the output (same structure as the model's) on every rank."""
+        """Pipelined inference; the output (same structure as the model's) on every rank.
+        With a plan of dp > 1 replicas, a global batch gives this replica's rows' output
+        (see :meth:`_replica_share`)."""
+        args, kwargs, _ = self._replica_share(args, kwargs, None)
         with self._on_own_cores():
             return self._forward(args, kwargs)
+
+    def _replica_share(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                       ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """A plan made for dp > 1 replicas takes the global batch (every rank passes the same)
+        or this replica's share; the global one is cut to this replica's rows
+        (:func:`autopart.runtime.mesh.replica_share`)."""
+        dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        return replica_share(self.plan, dp_rank, args, kwargs, target)
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves = self.signature.flatten(args, kwargs)
