@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Callable
@@ -83,8 +84,13 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             ``backend="local"``), ``checkpoint`` (distributed: a ``pipe.save`` directory
             each rank loads its own weights from, so a ``meta`` model never materialises
             whole; without it a meta model's modules this rank needs are initialised),
-            ``mesh`` (distributed: a 2-D
-            ``DeviceMesh`` with dims ``("pp", "dp")``), ``time_limit_s`` (CP-SAT limit per
+            ``mesh`` (distributed: a ``DeviceMesh`` with dims ``("pp", "dp")`` or ``("pp",
+            "dp", "tp")``; default: built from the plan, :mod:`autopart.runtime.mesh`),
+            ``tp``, ``dp``, ``zero_stage`` (distributed: any of them given, or
+            ``layout_search=True``, makes rank 0 choose the (tp, pp, dp, ZeRO) layout of the
+            world's ranks with those fixed, the example inputs being the global batch; a
+            replayed plan's layout is honoured; each dp replica then runs its rows of the
+            global batch every rank passes, or the share it passes), ``time_limit_s`` (CP-SAT limit per
             solve, seconds, default 10), ``step_timeout_s`` (distributed: a pipeline send or
             receive waiting this long fails the step and names the rank that died or hangs,
             default 300). ``None`` leaves a choice to the solver.
@@ -257,7 +263,8 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     loss_fn = loss[0]
     launch.require_process_group()
     mesh = options.mesh
-    three_d = any(v is not None for v in (options.tp, options.dp, options.zero_stage))
+    three_d = options.layout_search or any(v is not None for v in (options.tp, options.dp,
+                                                                   options.zero_stage))
     device = launch.rank_device()
     timings: dict[str, float] = {}
     if plan is None and three_d:
@@ -324,6 +331,10 @@ def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     (pp, dp, tp) mesh (:func:`autopart.runtime.mesh.mesh_groups`; the tp group is passed
     where tp > 1, the runtime reads ``plan.zero_stage`` with the dp group)."""
     groups = mesh_groups(plan, options.mesh)
+    if groups.tp_group is not None and "tp_group" not in inspect.signature(
+            DistributedPipeline).parameters:
+        raise PlanError(f"the plan has tp={plan.tp}, but this build's distributed runtime has "
+                        "no tensor parallelism; re-plan with tp=1 (compile(..., tp=1))")
     pp_rank = dist.get_rank(groups.pp_group)
     device = launch.rank_device()
     meta = launch.on_meta(model)  # codegen points the capture's meta literals at device

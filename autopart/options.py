@@ -122,6 +122,9 @@ class CompileOptions:
             every rank a pipeline rank, as before.
         dp: data-parallel replicas >= 1, or None; as ``tp``.
         zero_stage: ZeRO stage over dp, 0-3, or None; as ``tp``.
+        layout_search: distributed only: ``True`` searches the (tp, pp, dp, ZeRO) layouts
+            even with none of ``tp``, ``dp``, ``zero_stage`` given (all chosen); ``None``
+            (default) searches them only when one is given.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -144,6 +147,7 @@ class CompileOptions:
     tp: int | None = None
     dp: int | None = None
     zero_stage: int | None = None
+    layout_search: bool | None = None
 
     def __post_init__(self) -> None:
         optimizer_state_factor(self.optimizer, 1, 1)  # checks the name or figure
@@ -163,6 +167,9 @@ class CompileOptions:
         if self.schedule_kind in ("zbv", "dualpipev") and self.stages_per_rank not in (None, 2):
             raise PlanError(f"schedule_kind={self.schedule_kind!r} runs 2 stages per rank (a V); "
                             f"stages_per_rank={self.stages_per_rank} must be 2 or None")
+        if self.layout_search not in (None, True):
+            raise PlanError(f"layout_search={self.layout_search!r} must be True or None (None: "
+                            "search the layout only when tp=, dp= or zero_stage= is given)")
         if self.recompute not in (None, True, False):
             raise PlanError(f"recompute={self.recompute!r} must be True, False or None")
         if self.backend is not None and self.backend not in BACKENDS:
@@ -204,12 +211,13 @@ class CompileOptions:
         """Refuse what ``backend`` cannot honour.
 
         Raises:
-            PlanError: ``checkpoint``, ``mesh`` or ``step_timeout_s`` with the local backend;
+            PlanError: ``checkpoint``, ``mesh``, ``step_timeout_s`` or ``layout_search`` with
+                the local backend;
                 ``devices`` with the distributed one (each rank runs on its own
                 ``LOCAL_RANK`` device).
         """
         if backend == "local":
-            for name in ("checkpoint", "mesh", "step_timeout_s"):
+            for name in ("checkpoint", "mesh", "step_timeout_s", "layout_search"):
                 if getattr(self, name) is not None:
                     raise PlanError(f"{name}= is for backend='distributed' (a torchrun launch); "
                                     f"the local backend got {name}={getattr(self, name)!r}. Drop "
@@ -235,6 +243,8 @@ class CompileOptions:
                  ("schedule_kind", self.schedule_kind, plan.schedule_kind),
                  ("stages_per_rank", self.stages_per_rank, plan.stages_per_rank),
                  ("optimize", self.optimize, plan.optimize),
+                 ("tp", self.tp, plan.tp), ("dp", self.dp, plan.dp),
+                 ("zero_stage", self.zero_stage, plan.zero_stage),
                  ("recompute", self.recompute,
                   next(iter(recompute)) if len(recompute) == 1 else "per stage")]
         for name, value, planned in given:

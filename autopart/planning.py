@@ -40,7 +40,8 @@ from autopart.solver.layout_search import LayoutOptions, solve_layout
 from autopart.solver.predict import predict as predict_plan
 
 __all__ = ["Profile", "plan_model", "profile_model", "host_figures", "measure_host_figures",
-           "host_ranks_topology", "layout_request", "plan_layout", "model_heads"]
+           "host_ranks_topology", "layout_request", "plan_layout", "solve_world_layout",
+           "model_heads"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -349,7 +350,8 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     ``batch / dp`` rows). Costs are measured on ``device`` as :func:`autopart.plan_model`
     measures them; with ``cpu`` ranks the link between them is measured (cached per
     machine) and prices the pipeline's sends and the tp / dp collectives
-    (:func:`host_ranks_topology`).
+    (:func:`host_ranks_topology`). With m open, a replica's microbatch is one of the
+    profiled microbatch sizes (``LayoutOptions.microbatch_sizes``), never smaller.
 
     Args:
         model, args, kwargs: the model and its example inputs (global batch).
@@ -378,17 +380,45 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 split_cost=options.schedule_kind in _SPLITTING,
                                 loss_fn=loss_fn, example_target=example_target,
                                 backend="distributed")
-        spec = profile.cluster().devices[0]
-        choices = {k: v for k, v in (("schedule_kind", options.schedule_kind),
-                                     ("stages_per_rank", options.stages_per_rank),
-                                     ("recompute", options.recompute)) if v is not None}
-        solve_options = profile.options(optimize=options.optimize or "speed",
-                                        time_limit_s=options.time_limit_s,
-                                        optimizer_state_bytes_per_param_byte=state_factor,
-                                        **choices)
-        request = layout_request(options, world, spec, model_heads(model))
         t0 = time.perf_counter()
         with phase("solve"):
-            plan = solve_layout(profile.costs, spec, solve_options, request)
+            plan = solve_world_layout(profile, options, world, num_heads=model_heads(model),
+                                      state_factor=state_factor)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
-    return (_on_ranks(plan, "cpu") if device == "cpu" else plan), profile
+    return plan, profile
+
+
+def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
+                       num_heads: int | None = None, state_factor: float = 2.0) -> Plan:
+    """The (tp, pp, dp, ZeRO) plan for ``world`` ranks on ``profile``'s costs (the layout half
+    of :func:`plan_layout`; "profile once, solve several ways").
+
+    Args:
+        profile: a profile of the global batch on ``world`` ranks' devices.
+        options: as :func:`plan_layout` reads them.
+        world: the ranks.
+        num_heads: the model's attention heads (a tp must divide them), or None.
+        state_factor: optimizer state bytes per parameter byte.
+
+    Raises:
+        PlanError, InfeasiblePlanError: as :func:`plan_layout`.
+    """
+    spec = profile.cluster().devices[0]
+    choices = {k: v for k, v in (("schedule_kind", options.schedule_kind),
+                                 ("stages_per_rank", options.stages_per_rank),
+                                 ("recompute", options.recompute),
+                                 ("num_microbatches", options.num_microbatches))
+               if v is not None}
+    solve_options = profile.options(optimize=options.optimize or "speed",
+                                    time_limit_s=options.time_limit_s,
+                                    optimizer_state_bytes_per_param_byte=state_factor,
+                                    **choices)
+    request = layout_request(options, world, spec, num_heads)
+    if profile.microbatch_candidates is not None and options.num_microbatches is None:
+        # a replica's microbatches no smaller than the smallest profiled one: below it the
+        # two-point costs extrapolate (and can go negative)
+        sizes = tuple(sorted({profile.batch_size // m for m in profile.microbatch_candidates}))
+        request = dataclasses.replace(request, microbatch_sizes=sizes)
+    plan = solve_layout(profile.costs, spec, solve_options, request)
+    on_cpu = all(d == "cpu" for d in profile.devices)
+    return _on_ranks(plan, "cpu") if on_cpu else plan

@@ -20,6 +20,7 @@ from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.runtime._dist_comm import (
     StoreGather,
+    average_over,
     cpu_share,
     pipelines_of,
     step_failure,
@@ -372,12 +373,9 @@ class DistributedPipeline(Pipeline):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-        if self.dp_group is not None:
-            size = dist.get_world_size(self.dp_group)
-            for _, p in self.named_parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
-                    p.grad.div_(size)
+        if self.dp_group is not None:  # bucketed, as DDP does (_dist_comm.average_over)
+            average_over([p.grad for _, p in self.named_parameters() if p.grad is not None],
+                         self.dp_group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -56,10 +56,10 @@ pipe = autopart.compile(model, (x,), loss_fn=loss_fn, plan=plan)
 check(pipe, "replay")
 pipe.close()
 
-# 2. chosen: dp=2 fixed, so pp = 4 / 2; rank 0 profiles and solves, every rank replays
+# 2. chosen: tp=1 and dp=2 fixed, so pp = 4 / 2; rank 0 profiles and solves, the others wait
 for p in model.parameters():
     p.grad = None
-pipe = autopart.compile(model, (x,), loss_fn=loss_fn, example_target=y, dp=2, zero_stage=0,
+pipe = autopart.compile(model, (x,), loss_fn=loss_fn, example_target=y, tp=1, dp=2, zero_stage=0,
                         num_microbatches=2, schedule_kind="1f1b", time_limit_s=2.0)
 check(pipe, "chosen")
 pipe.close()
