@@ -107,7 +107,9 @@ class CompileOptions:
             initialised process group of more than one rank.
         checkpoint: distributed only: a ``pipe.save`` directory the rank loads its weights
             from.
-        mesh: distributed only: a 2-D ``DeviceMesh`` with dims ``("pp", "dp")``.
+        mesh: distributed only: a ``DeviceMesh`` with dims ``("pp", "dp")`` or ``("pp",
+            "dp", "tp")``; None (default): built from the plan's layout
+            (:func:`autopart.runtime.mesh.mesh_groups`).
         time_limit_s: CP-SAT wall-clock limit per solve, seconds, > 0 (default 10).
         step_timeout_s: distributed only: a pipeline send or receive that waits this long
             fails the step, naming the rank that died or hangs (default 300 s).
