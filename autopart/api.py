@@ -19,14 +19,15 @@ from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
 from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.devices import plan_devices
-from autopart.lazy import LazyPipeline
+from autopart.lazy import LazyPipeline, _say, plan_summary
 from autopart.options import CompileOptions, optimizer_state_factor, renamed_choices
-from autopart.planning import plan_model
+from autopart.planning import plan_layout, plan_model
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
 from autopart.runtime.distributed import DistributedPipeline
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S
 from autopart.runtime.local import PipelinedModule
+from autopart.runtime.mesh import mesh_groups, replica_share
 from autopart.runtime.pipeline import Pipeline
 
 __all__ = ["compile", "load"]
@@ -82,8 +83,13 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             ``backend="local"``), ``checkpoint`` (distributed: a ``pipe.save`` directory
             each rank loads its own weights from, so a ``meta`` model never materialises
             whole; without it a meta model's modules this rank needs are initialised),
-            ``mesh`` (distributed: a 2-D
-            ``DeviceMesh`` with dims ``("pp", "dp")``), ``time_limit_s`` (CP-SAT limit per
+            ``mesh`` (distributed: a ``DeviceMesh`` with dims ``("pp", "dp")`` or ``("pp",
+            "dp", "tp")``; default: built from the plan, :mod:`autopart.runtime.mesh`),
+            ``tp``, ``dp``, ``zero_stage`` (distributed: any of them given, or
+            ``layout_search=True``, makes rank 0 choose the (tp, pp, dp, ZeRO) layout of the
+            world's ranks with those fixed, the example inputs being the global batch; a
+            replayed plan's layout is honoured; each dp replica then runs its rows of the
+            global batch every rank passes, or the share it passes), ``time_limit_s`` (CP-SAT limit per
             solve, seconds, default 10), ``step_timeout_s`` (distributed: a pipeline send or
             receive waiting this long fails the step and names the rank that died or hangs,
             default 300). ``None`` leaves a choice to the solver.
@@ -125,7 +131,7 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         options.check_plan(the_plan, ranks=None if options.devices is None
                            else len(options.devices))
-    options.check_runtime(the_plan)
+    options.check_runtime(the_plan, backend)
     if not args and not kwargs:  # plan at the first step, on its batch
         if example_target is not None:
             raise PlanError("example_target= goes with example_inputs=; without example inputs "
@@ -135,7 +141,11 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     loss = (loss_fn, example_target)
     with progress():  # the phases on stderr (autopart.core.progress)
         if backend == "distributed":
-            return _compile_distributed(model, args, kwargs, loss, the_plan, options)
+            pipe = _compile_distributed(model, args, kwargs, loss, the_plan, options)
+            if the_plan is None and pipe.plan.num_gpus > len(pipe.plan.ranks):  # a 3D layout
+                _say(f"planned a layout for {pipe.plan.num_gpus} ranks: "
+                     f"{plan_summary(pipe.plan)}")
+            return pipe
         return _compile_local(model, args, kwargs, loss, the_plan, options)
 
 
@@ -190,10 +200,14 @@ def _capture_for(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                  profiled: CapturedGraph | None, timings: dict[str, float]) -> CapturedGraph:
     """The model captured at the plan's microbatch size (the profile's capture when it is)."""
     batch = batch_size(args, kwargs)
-    if batch != plan.batch_size:
-        raise PlanError(f"the plan was made for batch {plan.batch_size}, the example inputs "
-                        f"have batch {batch}; pass example inputs of the planned batch or re-plan")
-    if profiled is not None and profiled.batch_size == batch // plan.num_microbatches:
+    replica = plan.batch_size // plan.dp  # a 3D plan's batch is global, over dp replicas
+    if batch not in (plan.batch_size, replica):
+        also = f" (or one replica's {replica})" if plan.dp > 1 else ""
+        raise PlanError(f"the plan was made for batch {plan.batch_size}{also}, the example "
+                        f"inputs have batch {batch}; pass example inputs of the planned batch "
+                        "or re-plan")
+    args, kwargs, _ = replica_share(plan, 0, args, kwargs)  # any replica's rows will do
+    if profiled is not None and profiled.batch_size == replica // plan.num_microbatches:
         return profiled
     t0 = time.perf_counter()
     mb_args, mb_kwargs = microbatch_inputs(args, kwargs, plan.num_microbatches)
@@ -241,34 +255,68 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                          options: CompileOptions) -> DistributedPipeline:
     """One rank's share. Without a plan, global rank 0 profiles and solves (on a
     materialised model) and sends the plan to every rank as JSON, so all ranks follow one
-    decision."""
+    decision: with ``tp``, ``dp`` or ``zero_stage`` given, a (tp, pp, dp, ZeRO) layout of
+    the world's ranks (:func:`autopart.planning.plan_layout`, the example inputs
+    being the global batch), else a pipeline over the ranks of the pp group (the world, or
+    the mesh's ``pp`` dimension)."""
     loss_fn = loss[0]
     launch.require_process_group()
     mesh = options.mesh
-    pp_size = dist.get_world_size(mesh.get_group("pp") if mesh is not None else None)
+    three_d = options.layout_search or any(v is not None for v in (options.tp, options.dp,
+                                                                   options.zero_stage))
     device = launch.rank_device()
     timings: dict[str, float] = {}
-    if plan is None:
+    if plan is None and three_d:
+        _check_layout_request(options)
+        mine = None
+        if dist.get_rank() == 0:
+            _refuse_meta(model)
+            mine, profile = plan_layout(model, args, kwargs, world=dist.get_world_size(),
+                                        device=device.type, options=options, loss_fn=loss_fn,
+                                        example_target=loss[1],
+                                        state_factor=_state_factor(model, options))
+            timings = profile.timings_s
+        plan = launch.broadcast_plan(mine)  # from global rank 0 to every rank
+    elif plan is None:
+        pp_size = dist.get_world_size(mesh.get_group("pp") if mesh is not None else None)
         if options.num_stages is not None and options.num_stages % pp_size:
             raise PlanError(f"num_stages={options.num_stages} is not a multiple of the "
                             f"{pp_size} pipeline ranks; pass num_stages = ranks x stages_per_rank")
         mine = None
         if dist.get_rank() == 0:
-            if launch.on_meta(model):
-                raise PlanError("a meta-device model cannot be profiled here; plan it first "
-                                "(autopart.plan_model on a materialised copy, or `autopart "
-                                "plan`) and pass plan=")
+            _refuse_meta(model)
             names = (["cpu"] * pp_size if device.type == "cpu"
                      else [f"cuda:{i}" for i in range(pp_size)])
             mine, _, timings = _solve(model, args, kwargs, loss, options,
                                       tuple(names), distributed=True)
         plan = launch.broadcast_plan(mine)  # from global rank 0 to every rank
-    elif len(plan.ranks) != pp_size:
-        raise PlanError(f"the plan has {len(plan.ranks)} ranks but the pipeline group has "
-                        f"{pp_size}; launch with --nproc-per-node={len(plan.ranks)} "
-                        "(times the data-parallel size)")
+    mesh_groups(plan, mesh)  # the world or the mesh fits the plan's layout (PlanError if not)
     captured = _capture_for(model, args, kwargs, plan, None, timings)
     return _distributed_pipeline(model, captured, plan, loss_fn, options, timings)
+
+
+def _check_layout_request(options: CompileOptions) -> None:
+    """Refuse choices the layout search does not take.
+
+    Raises:
+        PlanError: ``mesh`` (autopart builds the mesh from the plan it chooses) or
+            ``num_stages`` (the search chooses pp; fix it through tp and dp).
+    """
+    if options.mesh is not None:
+        raise PlanError("mesh= with tp=/dp=/zero_stage=: autopart builds the (pp, dp, tp) mesh "
+                        "from the layout it chooses; drop mesh=, or drop tp=/dp=/zero_stage= "
+                        "to plan a pipeline on your mesh")
+    if options.num_stages is not None:
+        raise PlanError(f"num_stages={options.num_stages} with tp=/dp=/zero_stage=: the layout "
+                        "search chooses pp; fix it through tp= and dp= (pp = ranks / (tp x dp)) "
+                        "and stages_per_rank=")
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    if launch.on_meta(model):
+        raise PlanError("a meta-device model cannot be profiled here; plan it first "
+                        "(autopart.plan_model on a materialised copy, or `autopart "
+                        "plan`) and pass plan=")
 
 
 def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
@@ -278,14 +326,12 @@ def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
                           cuts_by_name: bool = False) -> DistributedPipeline:
     """Build this rank's stages of ``plan`` from ``captured`` (weights from ``tensor_of``
     when given, else the checkpoint option, else the model's, materialised from ``meta``
-    where it is there) and wrap them as this rank's pipeline."""
-    mesh = options.mesh
-    pp_group = mesh.get_group("pp") if mesh is not None else None
-    dp_group = mesh.get_group("dp") if mesh is not None else None
-    tp_group = (mesh.get_group("tp") if mesh is not None and plan.tp > 1
-                and "tp" in (mesh.mesh_dim_names or ()) else None)
-    tp = TensorParallelRank.of_group(tp_group) if tp_group is not None else None
-    pp_size, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    where it is there) and wrap them as this rank's pipeline, on the groups of the plan's
+    (pp, dp, tp) mesh (:func:`autopart.runtime.mesh.mesh_groups`; the tp group is passed
+    where tp > 1, the runtime reads ``plan.zero_stage`` with the dp group)."""
+    groups = mesh_groups(plan, options.mesh)
+    tp = TensorParallelRank.of_group(groups.tp_group) if groups.tp_group is not None else None
+    pp_rank = dist.get_rank(groups.pp_group)
     device = launch.rank_device()
     meta = launch.on_meta(model)  # codegen points the capture's meta literals at device
     if tensor_of is None and options.checkpoint is not None:
@@ -294,15 +340,15 @@ def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
         tensor_of = launch.materialise(model, device)
     t0 = time.perf_counter()
     with phase("codegen"):
-        stages = build_stages(captured, plan, [device] * pp_size, ranks={pp_rank},
+        stages = build_stages(captured, plan, [device] * groups.pp, ranks={pp_rank},
                               tensor_of=tensor_of, fuse=options.fuse,
                               cuts_by_name=meta or cuts_by_name, tp=tp)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s
     return DistributedPipeline(model, stages, InputSignature.of(captured), device,
-                               loss_fn=loss_fn, pp_group=pp_group, dp_group=dp_group,
-                               tp_group=tp_group,
+                               loss_fn=loss_fn, pp_group=groups.pp_group,
+                               dp_group=groups.dp_group, tp_group=groups.tp_group,
                                timings_s=timings,
                                step_timeout_s=options.step_timeout_s or DEFAULT_STEP_TIMEOUT_S)
 

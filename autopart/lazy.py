@@ -60,11 +60,13 @@ def _mib(nbytes: float) -> str:
 
 
 def plan_summary(plan: Plan) -> str:
-    """A few lines saying what a plan decided: ranks, stages with the module paths at each
-    cut, m, schedule, recompute, the predicted step (ms) and each rank's predicted peak
-    memory (MiB)."""
+    """A few lines saying what a plan decided: ranks, its layout (tp, pp, dp, ZeRO stage),
+    stages with the module paths at each cut, m, schedule, recompute, the predicted step
+    (ms) and each rank's predicted peak memory (MiB)."""
     lines = [f"{len(plan.ranks)} ranks, {plan.num_stages} stages, m={plan.num_microbatches}, "
-             f"schedule {plan.schedule_kind}, optimize={plan.optimize}"]
+             f"schedule {plan.schedule_kind}, optimize={plan.optimize}",
+             f"  layout: tp {plan.tp} x pp {len(plan.ranks)} x dp {plan.dp}, "
+             f"ZeRO-{plan.zero_stage} ({plan.num_gpus} ranks)"]
     for st in plan.stages:
         first, last = (path or "(top level)" for path in st.module_range)
         modules = first if first == last else f"{first} .. {last}"

@@ -107,7 +107,9 @@ class CompileOptions:
             initialised process group of more than one rank.
         checkpoint: distributed only: a ``pipe.save`` directory the rank loads its weights
             from.
-        mesh: distributed only: a 2-D ``DeviceMesh`` with dims ``("pp", "dp")``.
+        mesh: distributed only: a ``DeviceMesh`` with dims ``("pp", "dp")`` or ``("pp",
+            "dp", "tp")``; None (default): built from the plan's layout
+            (:func:`autopart.runtime.mesh.mesh_groups`).
         time_limit_s: CP-SAT wall-clock limit per solve, seconds, > 0 (default 10).
         step_timeout_s: distributed only: a pipeline send or receive that waits this long
             fails the step, naming the rank that died or hangs (default 300 s).
@@ -115,11 +117,16 @@ class CompileOptions:
             ``"adamw"`` (default) / ``"adam"`` (2 tensors like each parameter), ``"sgd"``
             (momentum, 1), or bytes of state per parameter (see
             :func:`optimizer_state_factor`). Ignored when a plan is replayed.
-        tp: tensor-parallel degree >= 1 (``None``: 1). The runtime for tp > 1 is not built
-            yet: :func:`autopart.compile` refuses it (:meth:`check_runtime`); plan such
-            layouts with ``autopart plan --tp`` or ``autopart.solver.layout_search``.
-        dp: data-parallel replicas >= 1 (``None``: 1); same as ``tp``.
-        zero_stage: ZeRO stage over dp, 0-3 (``None``: 0).
+        tp: tensor-parallel degree >= 1. Distributed only (the local backend refuses tp,
+            dp and zero_stage, :meth:`check_runtime`): giving any of the three makes rank 0
+            search the (tp, pp, dp, ZeRO) layouts of the world's ranks with the others
+            free (:func:`autopart.planning.plan_layout`); none of them (default):
+            every rank a pipeline rank, as before.
+        dp: data-parallel replicas >= 1, or None; as ``tp``.
+        zero_stage: ZeRO stage over dp, 0-3, or None; as ``tp``.
+        layout_search: distributed only: ``True`` searches the (tp, pp, dp, ZeRO) layouts
+            even with none of ``tp``, ``dp``, ``zero_stage`` given (all chosen); ``None``
+            (default) searches them only when one is given.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -142,6 +149,7 @@ class CompileOptions:
     tp: int | None = None
     dp: int | None = None
     zero_stage: int | None = None
+    layout_search: bool | None = None
 
     def __post_init__(self) -> None:
         optimizer_state_factor(self.optimizer, 1, 1)  # checks the name or figure
@@ -161,6 +169,9 @@ class CompileOptions:
         if self.schedule_kind in ("zbv", "dualpipev") and self.stages_per_rank not in (None, 2):
             raise PlanError(f"schedule_kind={self.schedule_kind!r} runs 2 stages per rank (a V); "
                             f"stages_per_rank={self.stages_per_rank} must be 2 or None")
+        if self.layout_search not in (None, True):
+            raise PlanError(f"layout_search={self.layout_search!r} must be True or None (None: "
+                            "search the layout only when tp=, dp= or zero_stage= is given)")
         if self.recompute not in (None, True, False):
             raise PlanError(f"recompute={self.recompute!r} must be True, False or None")
         if self.backend is not None and self.backend not in BACKENDS:
@@ -172,33 +183,43 @@ class CompileOptions:
         _positive_seconds("step_timeout_s", self.step_timeout_s, "or None: 300 s",
                           optional=True)
 
-    def check_runtime(self, plan: Plan | None = None) -> None:
-        """Refuse a tensor- or data-parallel layout: no runtime executes one yet.
+    def check_runtime(self, plan: Plan | None = None, backend: str = "local") -> None:
+        """Refuse a tensor- or data-parallel layout where it cannot run: the local backend
+        (one process) has no tensor-parallel or data-parallel ranks. The distributed backend
+        runs any layout (its (pp, dp, tp) mesh: :mod:`autopart.runtime.mesh`).
+
+        Args:
+            plan: a replayed plan, or None.
+            backend: ``"local"`` or ``"distributed"``.
 
         Raises:
-            PlanError: tp > 1, dp > 1 or a ZeRO stage > 0 (given, or in the replayed plan),
-                naming the values and what to do instead.
+            PlanError: with the local backend, tp > 1 or dp > 1 (given, or in the replayed
+                plan), or a ZeRO stage > 0 given (nothing to shard without dp), naming the
+                values and what to do instead.
         """
+        if backend != "local":
+            return
         tp = max(self.tp or 1, plan.tp if plan is not None else 1)
         dp = max(self.dp or 1, plan.dp if plan is not None else 1)
         zero = max(self.zero_stage or 0, plan.zero_stage if plan is not None else 0)
         if tp > 1 or dp > 1 or zero > 0:
-            raise PlanError(f"tp={tp}, dp={dp}, zero_stage={zero}: the runtime for tensor- and "
-                            "data-parallel plans is not built yet, so autopart.compile can only "
-                            "run tp=1, dp=1, zero_stage=0 (every GPU a pipeline rank). Such "
-                            "layouts can be planned: `autopart plan PROFILE --cluster PRESET:N "
-                            "--tp/--dp/--zero-stage`")
+            raise PlanError(f"tp={tp}, dp={dp}, zero_stage={zero}: the local backend runs every "
+                            "stage in one process, so it has no tensor- or data-parallel ranks "
+                            "and runs tp=1, dp=1, zero_stage=0 only. Launch tp x pp x dp "
+                            "processes with torchrun (e.g. torchrun --nproc-per-node=4 with "
+                            "tp=1, dp=2 for pp 2 x dp 2), or drop tp=/dp=/zero_stage=")
 
     def check_backend(self, backend: str) -> None:
         """Refuse what ``backend`` cannot honour.
 
         Raises:
-            PlanError: ``checkpoint``, ``mesh`` or ``step_timeout_s`` with the local backend;
+            PlanError: ``checkpoint``, ``mesh``, ``step_timeout_s`` or ``layout_search`` with
+                the local backend;
                 ``devices`` with the distributed one (each rank runs on its own
                 ``LOCAL_RANK`` device).
         """
         if backend == "local":
-            for name in ("checkpoint", "mesh", "step_timeout_s"):
+            for name in ("checkpoint", "mesh", "step_timeout_s", "layout_search"):
                 if getattr(self, name) is not None:
                     raise PlanError(f"{name}= is for backend='distributed' (a torchrun launch); "
                                     f"the local backend got {name}={getattr(self, name)!r}. Drop "
@@ -224,6 +245,8 @@ class CompileOptions:
                  ("schedule_kind", self.schedule_kind, plan.schedule_kind),
                  ("stages_per_rank", self.stages_per_rank, plan.stages_per_rank),
                  ("optimize", self.optimize, plan.optimize),
+                 ("tp", self.tp, plan.tp), ("dp", self.dp, plan.dp),
+                 ("zero_stage", self.zero_stage, plan.zero_stage),
                  ("recompute", self.recompute,
                   next(iter(recompute)) if len(recompute) == 1 else "per stage")]
         for name, value, planned in given:

@@ -160,7 +160,7 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
 
     Args:
         workload: a :func:`load_workload` spec every rank builds (the same seed everywhere).
-        plans: arm name -> plan for ``ranks`` ranks.
+        plans: arm name -> plan for ``ranks`` ranks (tp x pp x dp of them).
         ranks: processes to spawn (gloo on CPU).
         steps: timed steps per arm (default 7); ``warmup``: untimed steps first (default 2;
             AdamW's state exists after the first).
@@ -191,8 +191,8 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
         raise UsageError(f"untimed arms {unknown} are not among the plans {list(plans)}")
     traced = list(plans) if trace is True else [] if trace is False else list(trace)
     for name, plan in plans.items():
-        if len(plan.ranks) != ranks:
-            raise UsageError(f"plan {name!r} is for {len(plan.ranks)} ranks, not {ranks}")
+        if plan.num_gpus != ranks:  # tp x pp x dp: a 3D plan's mesh spans them all
+            raise UsageError(f"plan {name!r} is for {plan.num_gpus} ranks, not {ranks}")
     with tempfile.TemporaryDirectory(prefix="autopart-bench-") as work:
         for i, plan in enumerate(plans.values()):
             plan.save(Path(work, f"plan_{i}.json"))

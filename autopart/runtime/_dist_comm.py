@@ -21,7 +21,14 @@ from autopart.runtime.heartbeat import Heartbeat
 from autopart.runtime.host import affinity_enabled, core_share
 
 __all__ = ["StoreGather", "cpu_share", "pipelines_of", "timed_group", "tied_groups",
-           "step_failure"]
+           "step_failure", "average_over", "BUCKET_BYTES"]
+
+#: Gradients are averaged over data-parallel replicas in buckets of at most this many bytes
+#: (DDP's default ``bucket_cap_mb=25``): one all-reduce per bucket, close to the one ring
+#: all-reduce of a rank's gradient bytes that the cost model prices
+#: (:mod:`autopart.solver.data_parallel`); one all-reduce per tensor paid gloo's per-call
+#: latency for each of a stage's dozens of tensors.
+BUCKET_BYTES = 25 * 2**20
 
 #: pipelines built in this process, per pipeline group (``"0-1"``): names their store keys
 _BUILT: dict[str, int] = {}
@@ -190,3 +197,35 @@ def step_failure(exc: Exception, heartbeat: Heartbeat, plan: Plan, p2p_ranks: li
     return PipelineFailure(f"pipeline step failed on rank {pp_rank}: {'; '.join(who)} "
                            f"({text}); restart the job (from the last checkpoint) once the "
                            "rank is healthy")
+
+
+def average_over(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Replace each tensor by its mean over ``group``'s ranks, in place: tensors of one dtype
+    and device are packed into buckets of up to :data:`BUCKET_BYTES` (in the order given,
+    which must be the same on every rank), each all-reduced once.
+
+    Args:
+        tensors: this rank's tensors, the same shapes in the same order on every rank.
+        group: the ranks to average over.
+    """
+    size = dist.get_world_size(group)
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def flush(bucket: list[torch.Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in bucket])  # (total elements,)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(size)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        bucket.clear()
+
+    for t in tensors:
+        bucket = buckets.setdefault((t.dtype, t.device), [])
+        if bucket and (sum(b.numel() for b in bucket) + t.numel()) * t.element_size() > BUCKET_BYTES:
+            flush(bucket)
+        bucket.append(t)
+    for bucket in buckets.values():
+        if bucket:
+            flush(bucket)

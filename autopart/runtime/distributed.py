@@ -20,6 +20,7 @@ from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.runtime._dist_comm import (
     StoreGather,
+    average_over,
     cpu_share,
     pipelines_of,
     step_failure,
@@ -38,6 +39,7 @@ from autopart.runtime._torch_private import (
 from autopart.runtime.checkpoint_state import CheckpointState
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.host import on_cores
+from autopart.runtime.mesh import replica_share
 from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.tracing import ActionRecorder
 
@@ -268,7 +270,9 @@ class DistributedPipeline(Pipeline):
         """Every microbatch forward and backward; returns the mean loss on every rank.
 
         Inputs are needed on the first stage's rank, ``target`` on the last stage's rank
-        (passing them everywhere is fine). Gradients accumulate in ``.grad``.
+        (passing them everywhere is fine). Gradients accumulate in ``.grad``. With a plan
+        of dp > 1 replicas, pass the global batch (each replica keeps its own rows) or the
+        replica's share; the loss returned is the replica's, gradients are averaged over dp.
 
         fp16 with loss scaling: every rank passes its own ``torch.amp.GradScaler`` (built
         alike), then runs torch's AMP recipe (``scaler.unscale_(opt)`` and
@@ -300,6 +304,7 @@ class DistributedPipeline(Pipeline):
         """
         require_loss(self._loss_fn)
         scale_loss = self._loss_scaler(grad_scaler)
+        args, kwargs, target = self._replica_share(args, kwargs, target)
         with self._on_own_cores():
             return self._train_step(args, kwargs, target, trace, measure_memory, optimizer,
                                     scale_loss)
@@ -380,12 +385,9 @@ class DistributedPipeline(Pipeline):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-        if self.dp_group is not None:
-            size = dist.get_world_size(self.dp_group)
-            for _, p in self.named_parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
-                    p.grad.div_(size)
+        if self.dp_group is not None:  # bucketed, as DDP does (_dist_comm.average_over)
+            average_over([p.grad for _, p in self.named_parameters() if p.grad is not None],
+                         self.dp_group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -441,9 +443,20 @@ class DistributedPipeline(Pipeline):
         return total
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Pipelined inference; the output (same structure as the model's) on every rank."""
+        """Pipelined inference; the output (same structure as the model's) on every rank.
+        With a plan of dp > 1 replicas, a global batch gives this replica's rows' output
+        (see :meth:`_replica_share`)."""
+        args, kwargs, _ = self._replica_share(args, kwargs, None)
         with self._on_own_cores():
             return self._forward(args, kwargs)
+
+    def _replica_share(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                       ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """A plan made for dp > 1 replicas takes the global batch (every rank passes the same)
+        or this replica's share; the global one is cut to this replica's rows
+        (:func:`autopart.runtime.mesh.replica_share`)."""
+        dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        return replica_share(self.plan, dp_rank, args, kwargs, target)
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves = self.signature.flatten(args, kwargs)

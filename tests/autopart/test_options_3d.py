@@ -1,4 +1,4 @@
-"""CompileOptions' tp, dp and zero_stage: checked values, and compile() refusing what no runtime runs."""
+"""CompileOptions' tp, dp and zero_stage: checked values, and the local backend refusing them."""
 
 from __future__ import annotations
 
@@ -29,17 +29,22 @@ def test_tp_one_dp_one_is_accepted() -> None:
 
 
 @pytest.mark.parametrize("given", [{"tp": 2}, {"dp": 4}, {"dp": 2, "zero_stage": 1}])
-def test_compile_refuses_a_layout_no_runtime_runs(given: dict[str, Any]) -> None:
+def test_the_local_backend_refuses_a_layout_it_cannot_run(given: dict[str, Any]) -> None:
     model, args, _, loss_fn = mlp()
-    with pytest.raises(PlanError, match=r"runtime for tensor- and data-parallel plans is not "
-                                        r"built yet.*autopart plan PROFILE"):
+    with pytest.raises(PlanError, match=r"the local backend runs every stage in one process.*"
+                                        r"torchrun --nproc-per-node"):
         autopart.compile(model, args, loss_fn=loss_fn, devices=["cpu"], **given)
 
 
-def test_compile_refuses_a_replayed_3d_plan() -> None:
+def test_the_distributed_backend_takes_any_layout() -> None:
+    for given in ({"tp": 2}, {"dp": 2, "zero_stage": 3}):
+        CompileOptions(**given).check_runtime(None, "distributed")  # no error
+
+
+def test_the_local_backend_refuses_a_replayed_3d_plan() -> None:
     model, args, _, loss_fn = mlp()  # batch 8
     captured = capture(model, (args[0][:4],))
     plan = manual_plan(captured, even_positions(captured, 2), 2, 8, schedule_kind="1f1b")
     plan = dataclasses.replace(plan, dp=2)
-    with pytest.raises(PlanError, match=r"tp=1, dp=2, zero_stage=0: the runtime"):
+    with pytest.raises(PlanError, match=r"tp=1, dp=2, zero_stage=0: the local backend"):
         autopart.compile(model, args, loss_fn=loss_fn, plan=plan, devices=["cpu", "cpu"])

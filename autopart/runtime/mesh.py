@@ -1,0 +1,168 @@
+"""The (pp, dp, tp) device mesh of a torchrun world, built once from a plan, and its groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopart.core.errors import PlanError
+from autopart.core.plan import Plan
+from autopart.core.signature import batch_size
+
+__all__ = ["MESH_DIMS", "MeshGroups", "check_world", "build_mesh", "mesh_groups", "replica_share"]
+
+#: The dimension names, outermost first: tp innermost, so a tp group's ranks are adjacent
+#: (inside one host, as Megatron-LM places them; torchtitan's mesh uses the same order).
+MESH_DIMS = ("pp", "dp", "tp")
+
+_MESHES: dict[tuple[str, int, int, int], DeviceMesh] = {}
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """The process groups a rank's runtime needs, and the degrees they were made for.
+
+    Attributes:
+        mesh: the device mesh (a user's 2-D ``("pp", "dp")`` one, the 3-D one
+            :func:`build_mesh` made), or None when the world is one pipeline.
+        pp_group: ranks sharing this rank's (dp, tp) coordinates, in stage order (None: the
+            world).
+        dp_group: ranks sharing its (pp, tp) coordinates: its data-parallel replicas, or
+            None when dp = 1.
+        tp_group: ranks sharing its (pp, dp) coordinates, or None when tp = 1.
+        pp, dp, tp: the degrees.
+    """
+
+    mesh: DeviceMesh | None
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    tp_group: dist.ProcessGroup | None
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica index, 0 .. dp - 1."""
+        return dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+
+
+def check_world(world: int, tp: int, pp: int, dp: int) -> None:
+    """The torchrun world must hold exactly tp x pp x dp ranks.
+
+    Raises:
+        PlanError: naming the degrees, their product, the world size and the
+            ``--nproc-per-node`` that fixes it (on one host).
+    """
+    if min(tp, pp, dp) < 1 or tp * pp * dp != world:
+        raise PlanError(f"the plan's layout tp {tp} x pp {pp} x dp {dp} needs {tp * pp * dp} "
+                        f"ranks but this launch has {world}; launch with "
+                        f"--nproc-per-node={tp * pp * dp} (on one host; --nnodes x "
+                        "--nproc-per-node over several), or re-plan for this world "
+                        "(autopart.compile without plan=, or fix tp=/dp=)")
+
+
+def build_mesh(tp: int, pp: int, dp: int, device_type: str | None = None) -> DeviceMesh:
+    """The 3-D mesh ``(pp, dp, tp)`` over the default process group's ranks: global rank
+    ``r = (pp_i * dp + dp_i) * tp + tp_i``, so tp ranks are adjacent, then dp, pp outermost.
+    Made once per process for given degrees (every rank must call it, in the same order, as
+    ``init_device_mesh`` requires); later calls return the same mesh.
+
+    Args:
+        tp, pp, dp: the degrees.
+        device_type: ``"cuda"`` or ``"cpu"``; default cuda when CUDA is available.
+
+    Raises:
+        PlanError: no process group, or a world that is not tp x pp x dp
+            (:func:`check_world`).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PlanError("a device mesh needs an initialised process group: launch with torchrun "
+                        "(autopart.compile then initialises it) or call init_process_group()")
+    check_world(dist.get_world_size(), tp, pp, dp)
+    kind = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    key = (kind, pp, dp, tp)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(kind, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    return _MESHES[key]
+
+
+def _dim_size(mesh: DeviceMesh, name: str) -> int:
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index(name)) if name in names else 1
+
+
+def _group(mesh: DeviceMesh, name: str) -> dist.ProcessGroup | None:
+    names = mesh.mesh_dim_names or ()
+    return mesh.get_group(name) if name in names and _dim_size(mesh, name) > 1 else None
+
+
+def mesh_groups(plan: Plan, mesh: DeviceMesh | None = None) -> MeshGroups:
+    """The groups this rank runs ``plan`` with.
+
+    With ``mesh`` (a user's 2-D ``("pp", "dp")`` or a 3-D ``("pp", "dp", "tp")`` mesh): its
+    groups; its pp size must be the plan's rank count, and a plan made for dp > 1 or tp > 1
+    (a 3D plan) must match its dp and tp sizes (a pp-only plan runs on any dp: each replica
+    then feeds the batch the plan was made for). Without one: a plan with tp = dp = 1 runs
+    on the whole world as one pipeline (no mesh); any other gets :func:`build_mesh`.
+
+    Raises:
+        PlanError: a mesh without a ``pp`` dimension or of other sizes than the plan's, or
+            a world of another size than the plan's layout.
+    """
+    pp, tp, dp = len(plan.ranks), plan.tp, plan.dp
+    if mesh is None:
+        if tp == 1 and dp == 1:
+            check_world(dist.get_world_size(), 1, pp, 1)
+            return MeshGroups(None, None, None, None, pp, 1, 1)
+        mesh = build_mesh(tp, pp, dp)
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names or not set(names) <= set(MESH_DIMS):
+        raise PlanError(f"mesh dims {names}: expected ('pp', 'dp') or ('pp', 'dp', 'tp'); "
+                        "build it with init_device_mesh(..., mesh_dim_names=('pp', 'dp')) or "
+                        "leave mesh= out to let autopart build it from the plan")
+    sizes = {name: _dim_size(mesh, name) for name in MESH_DIMS}
+    wanted = {"pp": pp, **({"dp": dp} if dp > 1 or tp > 1 else {}), "tp": tp}
+    for name, size in wanted.items():
+        if sizes[name] != size:
+            raise PlanError(f"the mesh's {name} dimension has {sizes[name]} ranks but the plan "
+                            f"has {name}={size} (tp {tp} x pp {pp} x dp {dp}); build the mesh "
+                            "with the plan's sizes, or leave mesh= out to let autopart build it")
+    return MeshGroups(mesh, mesh.get_group("pp"), _group(mesh, "dp"), _group(mesh, "tp"),
+                      pp, sizes["dp"], tp)
+
+
+def replica_share(plan: Plan, dp_rank: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  target: Any = None) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """This replica's rows of a global batch.
+
+    With a plan made for dp > 1 replicas and inputs whose batch (dim 0 of the first batched
+    input) is the plan's global ``batch_size`` B, replica ``dp_rank`` keeps rows
+    ``[dp_rank * B / dp, (dp_rank + 1) * B / dp)`` of every input and target tensor of
+    leading size B. Anything else (the replica's own share already, a pp-only plan) is
+    returned as it is.
+
+    Args:
+        plan: the plan.
+        dp_rank: this rank's replica index, 0 .. plan.dp - 1.
+        args, kwargs: the inputs.
+        target: the target, or None.
+
+    Returns:
+        ``(args, kwargs, target)`` of this replica.
+    """
+    if plan.dp == 1 or batch_size(args, kwargs) != plan.batch_size:
+        return args, kwargs, target
+    per = plan.batch_size // plan.dp
+    rows = slice(dp_rank * per, (dp_rank + 1) * per)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t[rows] if t.dim() > 0 and t.shape[0] == plan.batch_size else t
+
+    out = pytree.tree_map_only(torch.Tensor, cut, (args, kwargs, target))
+    return tuple(out[0]), dict(out[1]), out[2]
