@@ -102,7 +102,8 @@ def crossing_profile(costs: CostGraph) -> tuple[list[int], list[bool]]:
     A value crosses position ``k`` iff ``produced < k <= last_use``; graph inputs are produced at
     -1 and graph outputs are last used at ``n``, so position 0 sizes the graph inputs that are
     read and position ``n`` the graph outputs. A position is valid iff no crossing value is a
-    non-tensor (``NodeCost.output_is_tensor=False``); only ``1 .. n - 1`` are ever cuts.
+    non-tensor (``NodeCost.output_is_tensor=False``) and the graph does not rule it out
+    (``CostGraph.no_cut``: inside a tensor-parallel pair); only ``1 .. n - 1`` are ever cuts.
 
     Args:
         costs: the cost graph.
@@ -114,7 +115,7 @@ def crossing_profile(costs: CostGraph) -> tuple[list[int], list[bool]]:
     values = _values(costs)
     crossing = crossing_sums(costs, values, lambda v: v.nbytes)
     bad = crossing_sums(costs, values, lambda v: 0 if v.is_tensor else 1)
-    return crossing, [b == 0 for b in bad]
+    return crossing, [b == 0 and k not in costs.no_cut for k, b in enumerate(bad)]
 
 
 def crossing_sums(costs: CostGraph, values: list[_Value],

@@ -28,7 +28,8 @@ from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError
 from autopart.solver.collectives import all_reduce_us
 
-__all__ = ["TensorParallelSplit", "SHARD_STYLES", "find_tensor_parallel", "shard_costs"]
+__all__ = ["TensorParallelSplit", "SHARD_STYLES", "find_tensor_parallel", "inside_pairs",
+           "shard_costs"]
 
 #: How a parameter is split over tp: by output feature, by input feature, or by vocabulary row.
 SHARD_STYLES = ("column", "row", "vocab")
@@ -177,6 +178,13 @@ def _split_time(t: float, tp: int, overhead_us: float) -> float:
     return t if t <= overhead_us else overhead_us + (t - overhead_us) / tp
 
 
+def inside_pairs(split: TensorParallelSplit) -> frozenset[int]:
+    """Cut positions inside a column/row pair (from after its first column node up to its
+    row node): a stage boundary there would send a tensor that only exists sharded, which the
+    runtime's tensor-parallel pass refuses (``codegen.shard_stage``)."""
+    return frozenset(k for cols, row in split.pairs for k in range(min(cols) + 1, row + 1))
+
+
 def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, latency_us: float,
                 op_overhead_us: float, split: TensorParallelSplit | None = None) -> CostGraph:
     """One tp GPU's share of ``costs``: the cost graph each GPU of a tp group runs.
@@ -289,4 +297,4 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
         for i, trip in enumerate(costs.low_times))
     return replace(costs, nodes=tuple(out), param_sizes=sizes, param_numel=numel,
                    loss_saved_bytes=loss_saved, low_times=low_times,
-                   source=f"{costs.source}+tp{tp}")
+                   source=f"{costs.source}+tp{tp}", no_cut=costs.no_cut | inside_pairs(split))

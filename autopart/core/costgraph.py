@@ -195,6 +195,10 @@ class CostGraph:
             by segment: at such a microbatch each node's time on the line is multiplied by
             its segment's factor (:class:`BatchScale`, :func:`segment_scales`). Optional
             (default none: the line everywhere).
+        no_cut: positions (``1 .. len(nodes) - 1``; ``k`` cuts before ``nodes[k]``) that no
+            plan may cut, beside those a non-tensor crossing rules out: inside a
+            tensor-parallel column/row pair, whose sharded activations exist only between
+            its collectives. Optional (default none).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -214,6 +218,7 @@ class CostGraph:
     low_backward_peaks: tuple[int, ...] = ()
     loss_saved_bytes: int = 0
     batch_scales: tuple[BatchScale, ...] = ()
+    no_cut: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -251,6 +256,9 @@ class CostGraph:
                 raise PlanError(f"CostGraph: low_times needs one (fwd, bwd_input, bwd_weight) "
                                 f"triple of times >= 0 per node ({len(self.nodes)}), got "
                                 f"{len(self.low_times)}; re-profile the model")
+        if any(not 1 <= k < len(self.nodes) for k in self.no_cut):
+            raise PlanError(f"CostGraph: no_cut positions {sorted(self.no_cut)[:5]} must lie in "
+                            f"1 .. {len(self.nodes) - 1} (between two nodes)")
         if not 0 <= self.loss_saved_bytes <= (self.nodes[-1].saved_bytes if self.nodes else 0):
             raise PlanError(f"CostGraph: loss_saved_bytes={self.loss_saved_bytes} must be >= 0 and "
                             "at most the last node's saved_bytes, which include it; re-profile "
@@ -326,6 +334,10 @@ class CostGraph:
         that were not measured are left out)."""
         d = asdict(self)
         d["trainable"] = sorted(self.trainable)
+        if self.no_cut:
+            d["no_cut"] = sorted(self.no_cut)
+        else:  # none: left out, as in files from before it
+            del d["no_cut"]
         for node in d["nodes"]:  # not measured: left out, as in files from before them
             for key in [k for k in _HOST_FIELDS if node[k] is None]:
                 del node[key]
@@ -359,6 +371,7 @@ class CostGraph:
                                        for a, b, c in d.get("low_times", ())),
                        low_backward_peaks=tuple(int(x) for x in d.get("low_backward_peaks", ())),
                        loss_saved_bytes=int(d.get("loss_saved_bytes", 0)),
+                       no_cut=frozenset(int(k) for k in d.get("no_cut", ())),
                        batch_scales=tuple(
                            BatchScale(int(sc["batch_size"]), tuple(int(q) for q in sc["positions"]),
                                       tuple(float(f) for f in sc["fwd"]),
