@@ -49,10 +49,9 @@ def tiny(name: str) -> tuple[Any, tuple[Any, ...], Any, Any]:
 
 
 def styles(name: str) -> dict[str, str]:
-    """The sharded parameters of the tiny models: what ``find_tensor_parallel`` gives for
-    GPT-2 and Llama (tests/codegen/test_tensor_parallel.py checks it), and Megatron's pairs
-    for BERT, whose q/k/v and output projection sit in sibling modules the solver's module
-    rule does not pair (it finds only the tied vocabulary there)."""
+    """The sharded parameters of the tiny models, written out by hand: Megatron's pairs, what
+    ``find_tensor_parallel`` gives (tests/codegen/test_tensor_parallel.py checks it; BERT's
+    q/k/v and output projection, and its two MLP dense layers, pair as sibling modules)."""
     out: dict[str, str] = {}
     for layer in range(2):
         if name == "gpt2":
