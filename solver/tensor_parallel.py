@@ -296,7 +296,6 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
         return costs
     split = split if split is not None else find_tensor_parallel(costs)
     nodes = list(costs.nodes)
-    index = {nd.name: i for i, nd in enumerate(nodes)}
     cols = {c for cs, _ in split.pairs for c in cs}
     rows = {r for _, r in split.pairs}
     sizes = dict(costs.param_sizes)
