@@ -257,7 +257,8 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     roofline part of each time (above ``op_overhead_us``) divided by tp; the outputs of column
     and between nodes, and the saved activations and backward working sets of between and
     row nodes, divided by tp (a column node saves its input, which is replicated: kept; a
-    vocab-parallel head's output is the gathered, whole logits: kept). The loss's saved
+    vocab-parallel head's output is the gathered, whole logits, and its backward starts from
+    their whole gradient: both kept). The loss's saved
     bytes (``loss_saved_bytes``, on the last node) are never divided: every tp GPU runs the
     user's loss on the whole logits. Split parameters (column: every parameter of a column
     node; row: the weight only, its bias stays replicated; vocab: the weight) hold
@@ -315,6 +316,7 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
         return all_reduce_us(nbytes, tp, bandwidth_bytes_per_s, latency_us)
 
     bwd_extra = _copy_all_reduces(costs, split)
+    heads = {i for i in split.vocab if nodes[i].op not in _EMBEDDING_OPS}
     out: list[NodeCost] = []
     for i, nd in enumerate(nodes):
         changes: dict[str, Any] = {"param_bytes": nd.param_bytes - shrink[i]}
@@ -323,8 +325,9 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
                 fwd_us=_split_time(nd.fwd_us, tp, op_overhead_us),
                 bwd_input_us=_split_time(nd.bwd_input_us, tp, op_overhead_us),
                 bwd_weight_us=_split_time(nd.bwd_weight_us, tp, op_overhead_us),
-                flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp,
-                backward_peak_bytes=nd.backward_peak_bytes // tp)
+                flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp)
+            if i not in heads:  # a head's backward starts from the whole logits' gradient
+                changes["backward_peak_bytes"] = nd.backward_peak_bytes // tp
             if i in cols or i in split.between:
                 changes.update(output_bytes=nd.output_bytes // tp,
                                strided_output_bytes=nd.strided_output_bytes // tp)
@@ -338,7 +341,7 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
             extra = 0.0
             if i in rows or (i in split.vocab and nd.op in _EMBEDDING_OPS):
                 extra = ar(nd.output_bytes)
-            elif i in split.vocab:
+            elif i in heads:
                 # every GPU gathers the whole logits (its output stays whole) for the loss
                 extra = all_gather_us(nd.output_bytes, tp, bandwidth_bytes_per_s, latency_us)
             changes["fwd_us"] += extra

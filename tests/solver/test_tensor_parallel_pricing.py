@@ -128,7 +128,8 @@ def test_vocab_pricing_and_the_loss_memory_stays_whole() -> None:
     costs = _graph([
         _node("emb", "aten.embedding.default", "wte", ("x",), params=("wte.w",)),
         _ln("ln", "ln_f", "emb"),
-        _node("head", LIN, "lm_head", ("ln",), out=16000, saved=7000, params=("wte.w",)),
+        dataclasses.replace(_node("head", LIN, "lm_head", ("ln",), out=16000, saved=7000,
+                                  params=("wte.w",)), backward_peak_bytes=20000),
     ], loss_saved=3000)
     split = find_tensor_parallel(costs)
     assert split.vocab == {0, 2} and split.params == {"wte.w": "vocab"}
@@ -138,6 +139,7 @@ def test_vocab_pricing_and_the_loss_memory_stays_whole() -> None:
     assert head.fwd_us == pytest.approx(15.0 + _ar(16000) / 2)
     assert head.bwd_input_us == pytest.approx(15.0 + _ar(4000))
     assert (head.output_bytes, head.saved_bytes, tp2.loss_saved_bytes) == (16000, 7000, 3000)
+    assert head.backward_peak_bytes == 20000  # from the whole logits' gradient
 
 
 def _bert_layer(*, residual_inside: bool = False) -> CostGraph:
