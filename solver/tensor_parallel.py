@@ -10,10 +10,12 @@ read no parameter, reach other weight matmuls ``C1..Ck`` of that module, forms a
 ``C``'s input gradient in backward. Values from outside the module that the nodes between
 read (masks, rotary tables) are broadcast operands, replicated. Nothing between may be read
 from outside the pair. Attention's q/k/v -> output projection and the MLP's up/gate -> down
-are such pairs. The embedding and the head that share the token-embedding weight (or a head
-whose output reaches the graph's outputs with no weight matmul after it) are vocab-parallel
-(Megatron's ``VocabParallelEmbedding`` and parallel cross-entropy): the embedding all-reduces
-its output, the head's loss exchanges per-token scalars only (counted at their latency).
+are such pairs; where they sit in sibling modules (BERT), the module above is searched. The
+embedding and the head that share the token-embedding weight (or a head whose output
+reaches the graph's outputs with no weight matmul after it) are vocab-parallel (Megatron's
+``VocabParallelEmbedding``): the embedding all-reduces its output; the head computes its
+share of the logits and all-gathers them, so the user's loss runs on the whole logits on
+every GPU (not Megatron's parallel cross-entropy).
 Every other node (layer norms, residual adds, position embeddings) is replicated: each of the
 tp GPUs runs it whole and holds its parameters whole.
 """
@@ -26,7 +28,7 @@ from typing import Any
 
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError
-from autopart.solver.collectives import all_reduce_us
+from autopart.solver.collectives import all_gather_us, all_reduce_us
 
 __all__ = ["TensorParallelSplit", "SHARD_STYLES", "find_tensor_parallel", "inside_pairs",
            "shard_costs"]
@@ -38,6 +40,7 @@ _MATMUL_OPS = frozenset({
     "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
     "aten.linear.default", "aten.matmul.default", "aten.einsum.default"})
 _EMBEDDING_OPS = frozenset({"aten.embedding.default"})
+_RESIDUAL_OPS = frozenset({"aten.add.Tensor", "aten.sub.Tensor"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +80,56 @@ def _weight(costs: CostGraph, nd: NodeCost) -> str | None:
     return max(own, key=lambda p: (costs.param_numel[p], p)) if own else None
 
 
+def _walk(costs: CostGraph, index: dict[str, int], weight_mm: set[int], r: int, scope: str,
+          sibling: bool) -> tuple[set[int], set[int]] | None:
+    """Follow row candidate ``r``'s inputs back through parameter-free nodes of module
+    ``scope``: ``(column nodes, nodes between)``, or None when a node between reads a
+    parameter or, for ``sibling`` scopes, adds a value from outside as large as its own
+    output (a residual add: the pair would mix split and whole features)."""
+    nodes = costs.nodes
+    cols: set[int] = set()
+    inner: set[int] = set()
+    stack = [index[x] for x in nodes[r].inputs if x in index]
+    seen: set[int] = set()
+    while stack:
+        j = stack.pop()
+        nd = nodes[j]
+        if not _inside(nd.module_path, scope):
+            continue  # a broadcast operand from outside the module (masks, rotary tables)
+        if j in seen:
+            continue
+        seen.add(j)
+        if j in weight_mm:
+            cols.add(j)
+            continue
+        if nd.params:
+            return None
+        if sibling and nd.op in _RESIDUAL_OPS and any(
+                _outside_bytes(costs, index, x, scope) >= nd.output_bytes for x in nd.inputs):
+            return None
+        inner.add(j)
+        stack.extend(index[x] for x in nd.inputs if x in index)
+    return cols, inner
+
+
+def _outside_bytes(costs: CostGraph, index: dict[str, int], name: str, scope: str) -> int:
+    """Bytes of value ``name`` when it comes from outside module ``scope`` (a graph input or
+    a node of another module), else -1."""
+    if name not in index:
+        return costs.graph_inputs.get(name, -1)
+    nd = costs.nodes[index[name]]
+    return -1 if _inside(nd.module_path, scope) else nd.output_bytes
+
+
 def find_tensor_parallel(costs: CostGraph) -> TensorParallelSplit:
     """Find the column/row-parallel pairs and vocab-parallel nodes of ``costs`` (module rule).
+
+    A weight matmul ``M`` is first paired inside its enclosing module; when nothing there
+    reaches a weight matmul (and no parameter is in the way), inside the module above it:
+    sibling modules such as BERT's ``attention.self`` (q/k/v) and ``attention.output``
+    (dense), or ``intermediate.dense`` and ``output.dense``. A sibling pair may not cross a
+    residual add (an add of a value from outside as large as its output) nor a layer norm
+    (it reads a parameter).
 
     Returns:
         The split; empty when the graph has no such pair (tp then only divides the vocab
@@ -100,29 +151,14 @@ def find_tensor_parallel(costs: CostGraph) -> TensorParallelSplit:
         parent = _parent(nodes[r].module_path)
         if not parent or r in used:
             continue
-        cols: set[int] = set()
-        inner: set[int] = set()
-        ok = True
-        stack = [index[x] for x in nodes[r].inputs if x in index]
-        seen: set[int] = set()
-        while stack and ok:
-            j = stack.pop()
-            if j in seen:
-                continue
-            seen.add(j)
-            nd = nodes[j]
-            if not _inside(nd.module_path, parent):
-                continue  # a broadcast operand from outside the module
-            if j in weight_mm:
-                cols.add(j)
-                continue
-            if nd.params:
-                ok = False
-                break
-            inner.add(j)
-            stack.extend(index[x] for x in nd.inputs if x in index)
+        found = _walk(costs, index, weight_mm, r, parent, sibling=False)
+        if found is not None and not found[0] and _parent(parent):
+            found = _walk(costs, index, weight_mm, r, _parent(parent), sibling=True)
+        if found is None:
+            continue
+        cols, inner = found
         region = cols | inner | {r}
-        if not ok or not cols or cols & used:
+        if not cols or cols & used:
             continue
         # the columns' and the between nodes' outputs are split: nobody outside may read them
         if any(u not in region for j in cols | inner for u in users[j]):
@@ -172,6 +208,42 @@ def _weight_positions(costs: CostGraph) -> list[int]:
             if nd.op in _MATMUL_OPS and _weight(costs, nd) is not None] or [0]
 
 
+def _needs_grad(costs: CostGraph) -> list[bool]:
+    """Per node, whether its output needs a gradient (it depends on a trainable parameter;
+    the graph's inputs need none)."""
+    index = {nd.name: i for i, nd in enumerate(costs.nodes)}
+    out: list[bool] = []
+    for nd in costs.nodes:
+        out.append(any(p in costs.trainable for p in nd.params)
+                   or any(x in index and out[index[x]] for x in nd.inputs))
+    return out
+
+
+def _copy_all_reduces(costs: CostGraph, split: TensorParallelSplit) -> dict[int, int]:
+    """Node position -> bytes all-reduced in its input-gradient backward: Megatron's "f"
+    (``autopart::tp_copy``), once per distinct replicated value that enters split work and
+    needs a gradient: the inputs of the column nodes (q/k/v share one, as do Llama's
+    gate/up), of a vocab-parallel head, and the floating operands from outside a pair that
+    the nodes between read (rotary tables). Charged to the first node reading it."""
+    nodes = costs.nodes
+    index = {nd.name: i for i, nd in enumerate(nodes)}
+    grad = _needs_grad(costs)
+    cols = {c for cs, _ in split.pairs for c in cs}
+    heads = {i for i in split.vocab if nodes[i].op not in _EMBEDDING_OPS}
+    inside = cols | split.between
+    readers: dict[int, int] = {}
+    for i in sorted(cols | heads | split.between):
+        for x in nodes[i].inputs:
+            j = index.get(x)
+            if j is None or j in inside or not grad[j]:
+                continue  # a graph input (no gradient), or a split value of the pair
+            readers.setdefault(j, i)
+    out: dict[int, int] = {}
+    for j, i in readers.items():
+        out[i] = out.get(i, 0) + nodes[j].output_bytes
+    return out
+
+
 def _split_time(t: float, tp: int, overhead_us: float) -> float:
     """A roofline time ``overhead + max(flops / F, bytes / B)`` with its FLOPs and bytes
     divided by tp: the overhead stays, the rest divides."""
@@ -192,17 +264,28 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     Split nodes (:attr:`TensorParallelSplit.sharded_nodes`): FLOPs, bytes accessed and the
     roofline part of each time (above ``op_overhead_us``) divided by tp; the outputs of column
     and between nodes, and the saved activations and backward working sets of between and
-    row nodes, divided by tp (a column node saves its input, which is replicated: kept).
-    Split parameters (column: every parameter of a column node; row: the weight only, its
-    bias stays replicated; vocab: the weight) hold ``ceil(bytes / tp)``. Collectives are
-    added as time on the nodes that wait for them: each row node's forward gets the ring
-    all-reduce of its output; the first column node of each pair gets, in its input-gradient
-    backward, the all-reduce of its input's gradient; a vocab-parallel embedding's forward
-    gets the all-reduce of its output; a vocab-parallel head pays two ring latencies for
-    the parallel cross-entropy's per-token scalars. A second profiled batch's times
+    row nodes, divided by tp (a column node saves its input, which is replicated: kept; a
+    vocab-parallel head's output is the gathered, whole logits, and its backward starts from
+    their whole gradient: both kept). The loss's saved
+    bytes (``loss_saved_bytes``, on the last node) are never divided: every tp GPU runs the
+    user's loss on the whole logits. Split parameters (column: every parameter of a column
+    node; row: the weight only, its bias stays replicated; vocab: the weight) hold
+    ``ceil(bytes / tp)``.
+
+    Collectives are priced as the runtime (``autopart/codegen/tensor_parallel.py``) runs
+    them, as ring collectives (:mod:`autopart.solver.collectives`), added as time on the
+    nodes that wait for them. Forward: each row node all-reduces its output (tokens x h); a
+    vocab-parallel embedding all-reduces its output (tokens x h); a vocab-parallel head
+    all-gathers its logits (tokens x V). Backward (input gradient): one all-reduce per
+    distinct replicated value entering split work that needs a gradient (Megatron's "f":
+    the column nodes' input, shared by q/k/v or by gate/up; a vocab-parallel head's input;
+    a floating operand from outside a pair that its nodes between read, such as a learned
+    table), charged to the first node reading it. A second profiled batch's times
     (``low_times``) are split the same way but get no collective: the interpolation between
-    two profiled batches then undercounts them (3D plans are made from single-batch analytical
-    profiles). tp = 1 returns ``costs`` itself.
+    two profiled batches then undercounts them (3D plans are made from single-batch
+    analytical profiles). The loss's own time, folded into the last node's times by the
+    profiler, is divided with a split last node (the cost graph does not keep it apart).
+    tp = 1 returns ``costs`` itself.
 
     Args:
         costs: the whole model's costs.
@@ -222,7 +305,6 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
         return costs
     split = split if split is not None else find_tensor_parallel(costs)
     nodes = list(costs.nodes)
-    index = {nd.name: i for i, nd in enumerate(nodes)}
     cols = {c for cs, _ in split.pairs for c in cs}
     rows = {r for _, r in split.pairs}
     sizes = dict(costs.param_sizes)
@@ -241,14 +323,8 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     def ar(nbytes: int) -> float:
         return all_reduce_us(nbytes, tp, bandwidth_bytes_per_s, latency_us)
 
-    def input_bytes(i: int) -> int:
-        total = 0
-        for x in dict.fromkeys(nodes[i].inputs):
-            total += nodes[index[x]].output_bytes if x in index else costs.graph_inputs.get(x, 0)
-        return total
-
-    bwd_extra = {cs[0]: ar(max(input_bytes(c) for c in cs)) for cs, _ in split.pairs}
-    loss_saved = costs.loss_saved_bytes
+    bwd_extra = _copy_all_reduces(costs, split)
+    heads = {i for i in split.vocab if nodes[i].op not in _EMBEDDING_OPS}
     out: list[NodeCost] = []
     for i, nd in enumerate(nodes):
         changes: dict[str, Any] = {"param_bytes": nd.param_bytes - shrink[i]}
@@ -257,44 +333,34 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
                 fwd_us=_split_time(nd.fwd_us, tp, op_overhead_us),
                 bwd_input_us=_split_time(nd.bwd_input_us, tp, op_overhead_us),
                 bwd_weight_us=_split_time(nd.bwd_weight_us, tp, op_overhead_us),
-                flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp,
-                backward_peak_bytes=nd.backward_peak_bytes // tp)
-            split_out = i in cols or i in split.between or (
-                i in split.vocab and nd.op not in _EMBEDDING_OPS)
-            split_saved = i in split.between or i in rows
-            if split_out:
+                flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp)
+            if i not in heads:  # a head's backward starts from the whole logits' gradient
+                changes["backward_peak_bytes"] = nd.backward_peak_bytes // tp
+            if i in cols or i in split.between:
                 changes.update(output_bytes=nd.output_bytes // tp,
                                strided_output_bytes=nd.strided_output_bytes // tp)
-            if split_saved:
-                changes.update(saved_bytes=nd.saved_bytes // tp,
+            if i in split.between or i in rows:
+                # the loss (on the last node) runs whole on every tp GPU: its saved set stays
+                loss = costs.loss_saved_bytes if i == len(nodes) - 1 else 0
+                changes.update(saved_bytes=(nd.saved_bytes - loss) // tp + loss,
                                transient_bytes=nd.transient_bytes // tp)
                 if nd.saved_from is not None:
                     changes["saved_from"] = tuple((d, b // tp) for d, b in nd.saved_from)
-            if i == len(nodes) - 1 and i in split.vocab and loss_saved:
-                keep = nd.saved_bytes - loss_saved
-                loss_saved = loss_saved // tp
-                changes.update(saved_bytes=keep + loss_saved)
-                if nd.saved_from is not None:
-                    budget = keep + loss_saved
-                    fitted = []
-                    for d, b in nd.saved_from:
-                        take = min(b, budget)
-                        budget -= take
-                        fitted.append((d, take))
-                    changes["saved_from"] = tuple(fitted)
             extra = 0.0
             if i in rows or (i in split.vocab and nd.op in _EMBEDDING_OPS):
                 extra = ar(nd.output_bytes)
-            elif i in split.vocab:
-                extra = 2 * 2 * (tp - 1) * latency_us
+            elif i in heads:
+                # every GPU gathers the whole logits (its output stays whole) for the loss
+                extra = all_gather_us(nd.output_bytes, tp, bandwidth_bytes_per_s, latency_us)
             changes["fwd_us"] += extra
-            if i in bwd_extra:
-                changes["bwd_input_us"] += bwd_extra[i]
+        if i in bwd_extra:
+            changes["bwd_input_us"] = changes.get("bwd_input_us", nd.bwd_input_us) \
+                + ar(bwd_extra[i])
         out.append(replace(nd, **changes))
     low_times = tuple(
         (_split_time(trip[0], tp, op_overhead_us), _split_time(trip[1], tp, op_overhead_us),
          _split_time(trip[2], tp, op_overhead_us)) if i in split.sharded_nodes else trip
         for i, trip in enumerate(costs.low_times))
     return replace(costs, nodes=tuple(out), param_sizes=sizes, param_numel=numel,
-                   loss_saved_bytes=loss_saved, low_times=low_times,
+                   low_times=low_times,
                    source=f"{costs.source}+tp{tp}", no_cut=costs.no_cut | inside_pairs(split))

@@ -1,5 +1,7 @@
 """Tensor parallelism in real gloo processes (no mocks): tp = 2 alone and tp = 2 x pp = 2 on tiny
-GPT-2 (tied wte / lm_head), Llama (grouped-query attention) and BERT, against the plain model."""
+GPT-2 (tied wte / lm_head), Llama (grouped-query attention) and BERT, sharded as
+``find_tensor_parallel`` finds in each profile (BERT: sibling-module pairs), against the plain
+model."""
 
 import json
 import socket

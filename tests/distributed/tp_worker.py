@@ -49,10 +49,9 @@ def tiny(name: str) -> tuple[Any, tuple[Any, ...], Any, Any]:
 
 
 def styles(name: str) -> dict[str, str]:
-    """The sharded parameters of the tiny models: what ``find_tensor_parallel`` gives for
-    GPT-2 and Llama (tests/codegen/test_tensor_parallel.py checks it), and Megatron's pairs
-    for BERT, whose q/k/v and output projection sit in sibling modules the solver's module
-    rule does not pair (it finds only the tied vocabulary there)."""
+    """The sharded parameters of the tiny models, written out by hand: Megatron's pairs, what
+    ``find_tensor_parallel`` gives (tests/codegen/test_tensor_parallel.py checks it; BERT's
+    q/k/v and output projection, and its two MLP dense layers, pair as sibling modules)."""
     out: dict[str, str] = {}
     for layer in range(2):
         if name == "gpt2":
@@ -78,9 +77,14 @@ def styles(name: str) -> dict[str, str]:
 
 
 def tp_plan(name: str, captured: Any, pp: int, m: int, batch: int) -> Any:
-    """A hand-made plan: ``pp`` stages cut before the second layer, tp = 2."""
+    """A hand-made plan: ``pp`` stages cut before the second layer, tp = 2, sharding what
+    ``find_tensor_parallel`` finds in the model's analytical profile (for BERT, its
+    sibling-module pairs)."""
     from autopart.core.capture import node_module_path, op_nodes
+    from autopart.core.cluster import PRESETS
     from autopart.core.plan import ShardedParameter
+    from autopart.profiler import profile_analytical
+    from autopart.solver.tensor_parallel import find_tensor_parallel
     from tests.plans import manual_plan
 
     positions = []
@@ -89,8 +93,9 @@ def tp_plan(name: str, captured: Any, pp: int, m: int, batch: int) -> Any:
         positions = [next(k for k, n in enumerate(nodes)
                           if node_module_path(n).startswith(SECOND_LAYER[name]))]
     plan = manual_plan(captured, positions, m, batch, schedule_kind="1f1b")
+    found = find_tensor_parallel(profile_analytical(captured, None, PRESETS["a100-80gb"]))
     return dataclasses.replace(plan, tp=2, sharded_parameters=tuple(
-        ShardedParameter(k, v) for k, v in sorted(styles(name).items())))
+        ShardedParameter(k, v) for k, v in sorted(found.params.items())))
 
 
 def _close(problems: list[str], what: str, got: torch.Tensor, want: torch.Tensor) -> None:

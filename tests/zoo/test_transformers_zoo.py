@@ -13,18 +13,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benchmarks.zoo.models import Entry, entries  # noqa: E402
+from benchmarks.zoo.models import CI_SUBSET, Entry, entries  # noqa: E402
 from benchmarks.zoo.run import TOLERANCE, run_one  # noqa: E402
 
-# model types, by family; each one stands for a pattern the sweep found or must keep
-SUBSET = {
-    "causal_lm": ("gpt2", "llama", "gpt_neox", "bloom", "opt", "qwen2_moe", "falcon"),
-    "masked_lm": ("bert", "roberta", "albert", "deberta-v2"),
-    "seq2seq_lm": ("t5", "bart"),  # t5: the strided attention-output view (issue 14)
-    "speech_seq2seq": ("whisper", "speech_to_text"),
-    "image_classification": ("vit", "resnet", "convnext"),  # resnet: BatchNorm in training
-    "audio_classification": ("wav2vec2", "audio-spectrogram-transformer"),
-}
+SUBSET = CI_SUBSET
 
 
 @functools.cache

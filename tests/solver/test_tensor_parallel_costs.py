@@ -79,8 +79,13 @@ def test_shard_costs_hand_worked() -> None:
     assert (by["proj"].output_bytes, by["proj"].saved_bytes) == (4000, 1000)
     # replicated nodes keep their costs
     assert by["ln"] == costs.nodes[0] and by["add"] == costs.nodes[4]
-    # vocab-parallel head: 5 + 200 / 4, plus two ring latencies for the cross-entropy's scalars
-    assert by["head"].fwd_us == pytest.approx(55.0 + 2 * 2 * 3 * 1.0)
+    # vocab-parallel head: 5 + 200 / 4, then the all-gather of its whole 8000-byte logits:
+    # 3/4 * 8000 / 1e9 s = 6 µs + 3 steps; backward: the all-reduce of its 4000-byte input's
+    # gradient; its output stays whole (every GPU holds the gathered logits)
+    assert by["head"].fwd_us == pytest.approx(55.0 + 6.0 + 3.0)
+    assert by["head"].bwd_input_us == pytest.approx(55.0 + ar)
+    assert by["head"].bwd_weight_us == pytest.approx(55.0)
+    assert by["head"].output_bytes == 8000
     # parameters: column weight and bias, row weight and the head split; the row bias is not
     assert tp4.param_sizes == {"blk.ln.w": 40, "blk.attn.qkv.w": 300, "blk.attn.qkv.b": 10,
                                "blk.attn.proj.w": 100, "blk.attn.proj.b": 40, "head.w": 200}
