@@ -151,11 +151,14 @@ def device_key(device: torch.device) -> str:
 
 def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under ``tensors`` (a storage shared by views counts
-    once, with its full size)."""
+    once, with its full size; a DTensor counts its local shard's storage)."""
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
+        to_local = getattr(t, "to_local", None)  # a DTensor (ZeRO shards): this rank's part
+        if callable(to_local):
+            t = to_local()
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):

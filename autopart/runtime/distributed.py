@@ -28,7 +28,8 @@ from autopart.runtime._dist_comm import (
     timed_group,
 )
 from autopart.runtime._dist_scaling import ScaledLosses, agree_on_overflow
-from autopart.runtime._dist_stages import P2PStage, TracedStage
+from autopart.runtime._dist_sharding import DataSharding, local_tensor
+from autopart.runtime._dist_stages import P2PStage
 from autopart.runtime._dist_tensor_parallel import tensor_parallel_state
 from autopart.runtime._torch_private import (
     ScheduleRuntime,
@@ -68,8 +69,10 @@ class DistributedPipeline(Pipeline):
 
     After the step: gradients of a tied parameter held by several ranks are summed across
     them (all-reduce), and with a data-parallel group every gradient is averaged across
-    its replicas; with a ``grad_scaler``, the ranks then agree on whether the step
-    overflowed (see :meth:`train_step`). The loss (mean over microbatches) is broadcast
+    its replicas (under the plan's ZeRO stage 1-3, FSDP2 shards each stage over the
+    data-parallel group instead and reduce-scatters the mean gradient into DTensor shards:
+    :mod:`autopart.runtime._dist_sharding`); with a ``grad_scaler``, the ranks then agree on
+    whether the step overflowed (see :meth:`train_step`). The loss (mean over microbatches) is broadcast
     from the last stage's rank, so ``train_step`` returns it on every rank; ``pipe(x)`` returns the output on
     every rank the same way.
 
@@ -103,7 +106,9 @@ class DistributedPipeline(Pipeline):
             :class:`autopart.runtime.heartbeat.Heartbeat`).
 
     Raises:
-        PlanError: the pipeline group's size differs from the plan's rank count.
+        PlanError: the pipeline group's size differs from the plan's rank count; a ZeRO
+            stage the groups or the placement cannot run
+            (:class:`autopart.runtime._dist_sharding.DataSharding`).
     """
 
     def __init__(self, model: nn.Module, stages: BuiltStages, signature: InputSignature,
@@ -146,11 +151,17 @@ class DistributedPipeline(Pipeline):
         self._gather = StoreGather(mine, self.pp_rank, step_timeout_s, self._guarded)
         self._heartbeat = Heartbeat(self._gather.store, dist.get_rank(), dist.get_world_size(),
                                     hung_after_s=step_timeout_s)
+        submods = {s: P2PStage(stages.modules[s], stages.runners[s], plan.stages[s].recompute,
+                               splits_backward(plan.schedule_kind, plan.stages[s].recompute))
+                   for s in self.local_stages}
+        # ZeRO 1-3: FSDP2 on each submodule; its DTensor parameters replace the FQNs' tensors
+        self._sharding = DataSharding(plan, dp_group, device, placement, self._fqn_order)
+        self._sharding.shard(submods)
+        self._local = self._sharding.refreshed(self._local, {s: stages.modules[s] for s in submods},
+                                               placement)
         self.pipeline_stages = [
-            TracedStage(self._heartbeat,
-                        P2PStage(stages.modules[s], stages.runners[s], plan.stages[s].recompute,
-                                 splits_backward(plan.schedule_kind, plan.stages[s].recompute)),
-                        s, plan.num_stages, device, group=self._p2p_group)
+            self._sharding.new_stage(self._heartbeat, submods[s], s, plan.num_stages, device,
+                                     group=self._p2p_group)
             for s in self.local_stages]
         # The last runtime built, kept while steps keep its (m, training): a new runtime re-runs
         # the stages' shape inference and buffer set-up (a P2P exchange). Only one is kept
@@ -186,11 +197,11 @@ class DistributedPipeline(Pipeline):
                 yield prefix + fqn, t
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's tensors by FQN (parameters and buffers of its stages), tensor-parallel
-        shards gathered into full tensors (collective over the tp group)."""
-        if self._tp is not None:
-            return self._tp.full_state(self._local)
-        return {fqn: t.detach() for fqn, t in self._local.items()}
+        """This rank's tensors by FQN (parameters and buffers of its stages), whole: ZeRO
+        shards gathered over the data-parallel group, then tensor-parallel shards into full
+        tensors over the tp group (collective over both)."""
+        held = self._sharding.full_state(self._local)
+        return held if self._tp is None else self._tp.full_state(held)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Copy values into this rank's tensors by FQN; keys of tensors other ranks hold are
@@ -206,7 +217,7 @@ class DistributedPipeline(Pipeline):
                             f"which rank {self.pp_rank} holds; pass the whole model's state_dict")
         if self._tp is not None:  # full tensors in, this rank's slices copied
             state_dict = self._tp.local_state(state_dict)
-        self._copy_state_in(state_dict, self._local.items())
+        self._sharding.copy_in(state_dict, self._local.items())  # ZeRO: each its shard
         return incompatible_keys(missing, [])
 
     # ---- running ---------------------------------------------------------------------
@@ -357,8 +368,9 @@ class DistributedPipeline(Pipeline):
               else recorder.span(self.pp_rank, "reduce", waits=False)):
             self.reduce_grads()
             if scaled is not None:  # every rank's scaler skips when one overflowed
-                agree_on_overflow(self.parameters(), self.device, self._p2p_group,
-                                  self._guarded)
+                for group in (self._p2p_group, self._sharding.dp_group):  # ZeRO: shards differ
+                    if group is not None:
+                        agree_on_overflow(self.parameters(), self.device, group, self._guarded)
         if recorder is not None:
             self.last_trace = self._trace(self._gather.gather_events(recorder.events()),
                                           f"measured:{self.device.type}", m)
@@ -384,8 +396,9 @@ class DistributedPipeline(Pipeline):
             p = self._local[fqn]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-        if self.dp_group is not None:  # bucketed, as DDP does (_dist_comm.average_over)
+            dist.all_reduce(local_tensor(p.grad), op=dist.ReduceOp.SUM, group=group)
+        if self.dp_group is not None and not self._sharding.sharded:  # FSDP reduced ZeRO 1-3
+            # bucketed, as DDP does (_dist_comm.average_over)
             average_over([p.grad for _, p in self.named_parameters() if p.grad is not None],
                          self.dp_group)
 
@@ -397,7 +410,8 @@ class DistributedPipeline(Pipeline):
         rank takes the p-norm of the parameters it owns (a tied parameter on the rank of
         its owning stage only; its replicas hold the same summed gradient), the pipeline
         ranks sum ``norm ** p`` (max for ``inf``), and data-parallel replicas, whose
-        gradients are equal after ``train_step``, are not counted again. Every rank then
+        gradients are equal after ``train_step``, are not counted again (under ZeRO 1-3 each
+        holds a disjoint shard: the dp group sums those too). Every rank then
         scales all its gradients (replicas included) by ``min(1, max_norm / (norm + 1e-6))``.
         Collective over the pipeline group: call it on every rank after ``train_step``
         (with a ``grad_scaler``, after every rank's ``scaler.unscale_(opt)``).
@@ -416,7 +430,7 @@ class DistributedPipeline(Pipeline):
         """
         p = float(norm_type)
         owner = self._built.placement.owner
-        grads = [t.grad for fqn, t in self.named_parameters() if t.grad is not None
+        grads = [local_tensor(t.grad) for fqn, t in self.named_parameters() if t.grad is not None
                  and self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank
                  and (self._tp is None or self._tp.counts_in_norm(fqn))]
         if grads:
@@ -431,6 +445,7 @@ class DistributedPipeline(Pipeline):
             dist.all_reduce(total, op=op, group=self._p2p_group)
             if self._tp is not None:  # shards once each, replicated tensors once
                 self._tp.reduce_norm(total, op)
+            self._sharding.grad_norm_power(total, inf)  # ZeRO: disjoint shards over dp
 
         self._guarded(reduce)
         if not inf:
@@ -439,7 +454,7 @@ class DistributedPipeline(Pipeline):
             raise RuntimeError(f"the total norm of order {p} of the gradients is non-finite, so "
                                "it cannot be clipped; pass error_if_nonfinite=False to clip "
                                "anyway")
-        torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
+        self._sharding.scale_grads(self.parameters(), max_norm, total)
         return total
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -496,6 +511,7 @@ class DistributedPipeline(Pipeline):
         if self._tp is not None:
             raise PlanError("checkpoints of tensor-parallel pipelines are not supported yet; "
                             "save pipe.state_dict() (full tensors) with torch.save instead")
+        self._sharding.refuse_checkpoint()
         held = dict(self._local)
         return CheckpointState(self.owned_tensors(), held,
                                {id(p): f for f, p in self.named_parameters()},
