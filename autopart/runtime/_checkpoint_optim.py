@@ -32,13 +32,14 @@ def optimizer_state(optimizer: torch.optim.Optimizer, target: CheckpointState,
         fqns.append(target.params[id(p)])
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for index, entries in sd["state"].items():
+    for index, entries in sorted(sd["state"].items()):  # one order on every peer (whole)
         fqn = fqns[index]
         if fqn not in target.writes:
             continue
-        for name, value in entries.items():
+        for name, value in sorted(entries.items()):
             if isinstance(value, torch.Tensor):
-                tensors[f"{OPT}{fqn}.{name}"] = value.detach()
+                tensors[f"{OPT}{fqn}.{name}"] = (value.detach() if target.whole is None
+                                                 else target.whole(fqn, value))
             else:
                 scalars.setdefault(fqn, {})[name] = _json_value(value, f"state {name} of {fqn}")
     groups = []
@@ -91,7 +92,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, target: CheckpointState,
     for key, value in state.items():
         if key.startswith(OPT):
             fqn, name = key[len(OPT):].rsplit(".", 1)
-            loaded.setdefault(fqn, {})[name] = value
+            loaded.setdefault(fqn, {})[name] = (value if target.part is None
+                                                else target.part(fqn, value))
     for index, p in enumerate(order):
         fqn = target.params[id(p)]
         entries = {**loaded.get(fqn, {}), **saved["scalars"].get(fqn, {})}

@@ -258,18 +258,6 @@ class DataSharding:
                     g = local_tensor(p.grad)
                     g.mul_(coef.to(g.device, g.dtype))
 
-    def refuse_checkpoint(self) -> None:
-        """Refuse a checkpoint of sharded parameters (its writer and reader take whole
-        tensors by FQN; none is written from DTensor shards yet).
-
-        Raises:
-            PlanError: under ZeRO 1-3, naming what to save instead.
-        """
-        if self.sharded:
-            raise PlanError(f"checkpoints of zero_stage={self.zero_stage} pipelines are not "
-                            "supported yet; save pipe.state_dict() (whole tensors, gathered "
-                            "over dp) with torch.save, and load it with pipe.load_state_dict")
-
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """The dp group when sharded (overflow flags and norms are reduced over it)."""

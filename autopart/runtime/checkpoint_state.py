@@ -28,6 +28,13 @@ class CheckpointState:
         distributed: saving and loading are collective over the default process group.
         device: where the collectives' small tensors live (the first stage's device).
         after_load: called once the tensors are loaded (refreshes tied replicas).
+        whole: for a process whose tensors are pieces of whole ones (tensor- or
+            ZeRO-sharded): ``(fqn, piece) -> whole tensor`` of that FQN's parameter or of an
+            optimizer state tensor shaped like it (collective over the process's peers),
+            applied to optimizer state on save; ``writes`` are whole already. None: nothing is
+            split.
+        part: the inverse, ``(fqn, whole) -> this process's piece``, applied to optimizer
+            state on load (``holds`` are whole buffers that ``after_load`` cuts).
     """
 
     writes: dict[str, torch.Tensor]
@@ -38,6 +45,8 @@ class CheckpointState:
     distributed: bool
     device: torch.device
     after_load: Callable[[], None]
+    whole: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    part: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
 
 @runtime_checkable

@@ -30,6 +30,7 @@ from autopart.runtime._dist_comm import (
 from autopart.runtime._dist_scaling import ScaledLosses, agree_on_overflow
 from autopart.runtime._dist_sharding import DataSharding, local_tensor
 from autopart.runtime._dist_stages import P2PStage
+from autopart.runtime._dist_state import WholeTensors
 from autopart.runtime._dist_tensor_parallel import tensor_parallel_state
 from autopart.runtime._torch_private import (
     ScheduleRuntime,
@@ -159,6 +160,10 @@ class DistributedPipeline(Pipeline):
         self._sharding.shard(submods)
         self._local = self._sharding.refreshed(self._local, {s: stages.modules[s] for s in submods},
                                                placement)
+        whole_shapes = {f: tuple(t.shape) for f, t in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False)]}
+        self._whole = WholeTensors(self._local, whole_shapes, self._sharding, self._tp)
         self.pipeline_stages = [
             self._sharding.new_stage(self._heartbeat, submods[s], s, plan.num_stages, device,
                                      group=self._p2p_group)
@@ -200,8 +205,7 @@ class DistributedPipeline(Pipeline):
         """This rank's tensors by FQN (parameters and buffers of its stages), whole: ZeRO
         shards gathered over the data-parallel group, then tensor-parallel shards into full
         tensors over the tp group (collective over both)."""
-        held = self._sharding.full_state(self._local)
-        return held if self._tp is None else self._tp.full_state(held)
+        return self._whole.state_dict()
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Copy values into this rank's tensors by FQN; keys of tensors other ranks hold are
@@ -215,9 +219,7 @@ class DistributedPipeline(Pipeline):
         if strict and missing:
             raise PlanError(f"state_dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                             f"which rank {self.pp_rank} holds; pass the whole model's state_dict")
-        if self._tp is not None:  # full tensors in, this rank's slices copied
-            state_dict = self._tp.local_state(state_dict)
-        self._sharding.copy_in(state_dict, self._local.items())  # ZeRO: each its shard
+        self._whole.load(state_dict, self._local.items())  # tp and ZeRO: each its piece
         return incompatible_keys(missing, [])
 
     # ---- running ---------------------------------------------------------------------
@@ -507,16 +509,17 @@ class DistributedPipeline(Pipeline):
 
     def checkpoint_state(self) -> CheckpointState:
         """This rank writes the tensors it owns and loads every tensor it holds; saving and
-        loading are collective when the world has several ranks."""
-        if self._tp is not None:
-            raise PlanError("checkpoints of tensor-parallel pipelines are not supported yet; "
-                            "save pipe.state_dict() (full tensors) with torch.save instead")
-        self._sharding.refuse_checkpoint()
+        loading are collective when the world has several ranks. Under tp > 1 or ZeRO 1-3
+        both go through whole tensors (:class:`autopart.runtime._dist_state.WholeTensors`), so
+        a checkpoint loads into any (tp, pp, dp, ZeRO) layout and into the plain model."""
+        params = {id(p): f for f, p in self.named_parameters()}
+        if self._whole.split:
+            return self._whole.checkpoint_state(self.owned_tensors(), params, self.plan,
+                                                self.device,
+                                                lambda sd: self.load_state_dict(sd, strict=False))
         held = dict(self._local)
-        return CheckpointState(self.owned_tensors(), held,
-                               {id(p): f for f, p in self.named_parameters()},
-                               {f: f for f in held}, self.plan, dist.get_world_size() > 1,
-                               self.device, lambda: None)
+        return CheckpointState(self.owned_tensors(), held, params, {f: f for f in held},
+                               self.plan, dist.get_world_size() > 1, self.device, lambda: None)
 
     def _writes_plan_file(self) -> bool:
         return self.pp_rank == 0

@@ -55,8 +55,7 @@ def test_split_backwards_the_grad_scaler_and_what_is_refused() -> None:
     # ZB-V (I before W, two stages per rank handing over in memory) on Llama under
     # ZeRO-3 and ZB-H1 on GPT-2 under ZeRO-2: the same checks; torch's AMP recipe with a
     # GradScaler under ZeRO-3, and an inf on one rank skips the step on all; PlanErrors for
-    # a tied parameter two stages of one rank share, no dp group, a dp size mismatch and a
-    # checkpoint of shards
+    # a tied parameter two stages of one rank share, no dp group and a dp size mismatch
     cases = [(3, "llama", "zbv", 2), (2, "gpt2", "zero_bubble", 1), ("scaled", 3, "gpt2"),
              ("refusals",)]
     for name, lines in _run(cases).items():
