@@ -20,8 +20,8 @@ from autopart.runtime._torch_private import default_store
 from autopart.runtime.heartbeat import Heartbeat
 from autopart.runtime.host import affinity_enabled, core_share
 
-__all__ = ["StoreGather", "cpu_share", "pipelines_of", "timed_group", "tied_groups",
-           "step_failure", "average_over", "BUCKET_BYTES"]
+__all__ = ["StoreGather", "broadcast_outputs", "cpu_share", "pipelines_of", "timed_group",
+           "tied_groups", "step_failure", "average_over", "BUCKET_BYTES"]
 
 #: Gradients are averaged over data-parallel replicas in buckets of at most this many bytes
 #: (DDP's default ``bucket_cap_mb=25``): one all-reduce per bucket, close to the one ring
@@ -229,3 +229,35 @@ def average_over(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     for bucket in buckets.values():
         if bucket:
             flush(bucket)
+
+
+def broadcast_outputs(out: Any, output_meta: list[Any], m: int, src: int,
+                      group: dist.ProcessGroup, device: torch.device,
+                      guarded: Callable[[Callable[[], Any]], Any]) -> list[Any]:
+    """The last stage's flat outputs of an inference run, on every rank of the pipeline.
+
+    Args:
+        out: the last stage's output (a value or a tuple/list of them) on its rank, else None.
+        output_meta: per flat output, ``(shape of one microbatch, dtype)`` or None for a
+            non-tensor (sent as an object).
+        m: microbatches the run had (tensor outputs are m microbatches long).
+        src: the last stage's global rank.
+        group: the pipeline's group.
+        device: where the receive buffers go.
+        guarded: runs each broadcast, turning a dead rank into ``PipelineFailure``.
+    """
+    flat_out: list[Any] = []
+    for k, meta in enumerate(output_meta):
+        mine = (out[k] if isinstance(out, (tuple, list)) else out) if out is not None else None
+        if meta is None:  # not a tensor: sent as an object
+            box = [mine]
+            guarded(lambda box=box: dist.broadcast_object_list(box, src=src, group=group))
+            flat_out.append(box[0])
+            continue
+        shape, dtype = meta
+        shape = (shape[0] * m, *shape[1:]) if shape else shape
+        buf = (mine.detach().contiguous() if isinstance(mine, torch.Tensor)
+               else torch.empty(shape, dtype=dtype, device=device))
+        guarded(lambda buf=buf: dist.broadcast(buf, src=src, group=group))
+        flat_out.append(buf)
+    return flat_out

@@ -20,15 +20,16 @@ from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.runtime._dist_comm import (
     StoreGather,
-    average_over,
+    broadcast_outputs,
     cpu_share,
     pipelines_of,
     step_failure,
     tied_groups,
     timed_group,
 )
+from autopart.runtime._dist_grads import grad_norm, reduce_grads
 from autopart.runtime._dist_scaling import ScaledLosses, agree_on_overflow
-from autopart.runtime._dist_sharding import DataSharding, local_tensor
+from autopart.runtime._dist_sharding import DataSharding
 from autopart.runtime._dist_stages import P2PStage
 from autopart.runtime._dist_state import WholeTensors
 from autopart.runtime._dist_tensor_parallel import tensor_parallel_state
@@ -394,15 +395,8 @@ class DistributedPipeline(Pipeline):
     def reduce_grads(self) -> None:
         """Sum tied parameters' gradients across the ranks holding them, then average every
         gradient across data-parallel replicas (``train_step`` calls it after the step)."""
-        for fqn, group in self._tied_groups:
-            p = self._local[fqn]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(local_tensor(p.grad), op=dist.ReduceOp.SUM, group=group)
-        if self.dp_group is not None and not self._sharding.sharded:  # FSDP reduced ZeRO 1-3
-            # bucketed, as DDP does (_dist_comm.average_over)
-            average_over([p.grad for _, p in self.named_parameters() if p.grad is not None],
-                         self.dp_group)
+        reduce_grads(self._local, self._tied_groups, self.parameters(), self.dp_group,
+                     self._sharding)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -430,30 +424,14 @@ class DistributedPipeline(Pipeline):
             RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (torch's error).
             PipelineFailure: a pipeline rank died during the reduction.
         """
-        p = float(norm_type)
         owner = self._built.placement.owner
-        grads = [local_tensor(t.grad) for fqn, t in self.named_parameters() if t.grad is not None
-                 and self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank
-                 and (self._tp is None or self._tp.counts_in_norm(fqn))]
-        if grads:
-            local = torch.nn.utils.get_total_norm(grads, p, foreach=None).to(torch.float32)
-        else:
-            local = torch.zeros((), dtype=torch.float32, device=self.device)
-        inf = p == float("inf")
-        total = local.clone() if inf else local.pow(p)
-
-        def reduce() -> None:
-            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-            dist.all_reduce(total, op=op, group=self._p2p_group)
-            if self._tp is not None:  # shards once each, replicated tensors once
-                self._tp.reduce_norm(total, op)
-            self._sharding.grad_norm_power(total, inf)  # ZeRO: disjoint shards over dp
-
-        self._guarded(reduce)
-        if not inf:
-            total = total.pow(1.0 / p)
+        owned = [(fqn, t) for fqn, t in self.named_parameters()
+                 if self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank]
+        total = grad_norm(owned, norm_type, self.device, self._p2p_group, self._tp,
+                          self._sharding, self._guarded)
         if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"the total norm of order {p} of the gradients is non-finite, so "
+            raise RuntimeError(f"the total norm of order {float(norm_type)} of the gradients is "
+                               "non-finite, so "
                                "it cannot be clipped; pass error_if_nonfinite=False to clip "
                                "anyway")
         self._sharding.scale_grads(self.parameters(), max_norm, total)
@@ -481,22 +459,9 @@ class DistributedPipeline(Pipeline):
         runtime = self._schedule(m, training=False)
         first, last = self.pp_rank == self._first_rank, self.pp_rank == self._last_rank
         out: Any = self._guarded(lambda: runtime.eval(*(leaves if first else [])))
-        flat_out: list[Any] = []
-        for k, meta in enumerate(self.signature.output_meta):
-            mine = (out[k] if isinstance(out, (tuple, list)) else out) if last else None
-            if meta is None:  # not a tensor: sent as an object
-                box = [mine]
-                self._guarded(lambda box=box: dist.broadcast_object_list(
-                    box, src=self._global(self._last_rank), group=self._p2p_group))
-                flat_out.append(box[0])
-                continue
-            shape, dtype = meta
-            shape = (shape[0] * m, *shape[1:]) if shape else shape
-            buf = (mine.detach().contiguous() if isinstance(mine, torch.Tensor)
-                   else torch.empty(shape, dtype=dtype, device=self.device))
-            self._guarded(lambda buf=buf: dist.broadcast(buf, src=self._global(self._last_rank),
-                                                         group=self._p2p_group))
-            flat_out.append(buf)
+        flat_out = broadcast_outputs(out if last else None, self.signature.output_meta, m,
+                                     self._global(self._last_rank), self._p2p_group,
+                                     self.device, self._guarded)
         return self.signature.output(flat_out)
 
     # ---- checkpoints -------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""A pipeline rank's gradients after a step: tied sums, dp means, and the whole model's norm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopart.runtime._dist_comm import average_over
+from autopart.runtime._dist_sharding import DataSharding, local_tensor
+from autopart.runtime._dist_tensor_parallel import TensorParallelState
+
+__all__ = ["reduce_grads", "grad_norm"]
+
+
+def reduce_grads(local: dict[str, torch.Tensor],
+                 tied: Iterable[tuple[str, dist.ProcessGroup | None]],
+                 params: Iterable[torch.Tensor], dp_group: dist.ProcessGroup | None,
+                 sharding: DataSharding) -> None:
+    """Sum each tied parameter's gradient over the pipeline ranks holding it (its local
+    shard under ZeRO), then average every gradient over the data-parallel replicas in
+    buckets, as DDP does (:func:`average_over`); under ZeRO 1-3 FSDP has reduce-scattered
+    the mean already.
+
+    Args:
+        local: FQN -> tensor this rank holds.
+        tied: ``(fqn, group)`` per tied parameter this rank shares.
+        params: this rank's parameters.
+        dp_group: the data-parallel group, or None.
+        sharding: the rank's ZeRO sharding.
+    """
+    for fqn, group in tied:
+        p = local[fqn]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(local_tensor(p.grad), op=dist.ReduceOp.SUM, group=group)
+    if dp_group is not None and not sharding.sharded:
+        average_over([p.grad for p in params if p.grad is not None], dp_group)
+
+
+def grad_norm(owned: Iterable[tuple[str, torch.Tensor]], norm_type: float,
+              device: torch.device, pp_group: dist.ProcessGroup,
+              tp: TensorParallelState | None, sharding: DataSharding,
+              guarded: Callable[[Callable[[], None]], Any]) -> torch.Tensor:
+    """The whole model's gradient p-norm from this rank's pieces, equal on every rank.
+
+    Each rank takes ``sum |g| ** p`` (max for ``inf``) of the gradients it owns, the
+    pipeline ranks add theirs up, the tp ranks theirs (each shard once, a replicated
+    parameter on tp rank 0 only: :meth:`TensorParallelState.counts_in_norm`), and under
+    ZeRO 1-3 the dp ranks their disjoint shards; ZeRO-0 replicas hold equal gradients and
+    are counted once.
+
+    Args:
+        owned: ``(fqn, parameter)`` of the parameters whose owning stage is on this rank.
+        norm_type: p (``inf`` for the largest entry).
+        device: where the 0-dim result lives.
+        pp_group: the pipeline's group.
+        tp: the tp state, or None.
+        sharding: the rank's ZeRO sharding.
+        guarded: runs the collectives, turning a dead rank into ``PipelineFailure``.
+
+    Returns:
+        The norm (0-dim float32 tensor).
+    """
+    p = float(norm_type)
+    grads = [local_tensor(t.grad) for fqn, t in owned if t.grad is not None
+             and (tp is None or tp.counts_in_norm(fqn))]
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, p, foreach=None).to(torch.float32)
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    inf = p == float("inf")
+    total = local.clone() if inf else local.pow(p)
+
+    def reduce() -> None:
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=pp_group)
+        if tp is not None:
+            tp.reduce_norm(total, op)
+        sharding.grad_norm_power(total, inf)
+
+    guarded(reduce)
+    return total if inf else total.pow(1.0 / p)
