@@ -129,11 +129,37 @@ def test_memory_per_gpu_under_each_zero_stage_is_the_hand_count() -> None:
         cand = layout_candidates(costs, DEV, options, layout)[0]
         plan = evaluate_layout(costs, DEV, options, layout, cand)
         peaks[zero] = plan.ranks[0].peak_memory_bytes
-    # AdamW (2x state): weights + grads + state = 4x; ZeRO-1: 1 + 1 + 2/4; ZeRO-2: 1 + 3/4;
-    # ZeRO-3: 4/4, plus the largest node's parameters gathered twice (the head: 32,000 bytes)
-    assert peaks[0] - peaks[1] == trainable * (4 - 2.5)
-    assert peaks[0] - peaks[2] == trainable * (4 - 1.75)
-    assert peaks[0] - peaks[3] == trainable * (4 - 1) - 2 * 32_000
+    # AdamW (2x state), dp = 4, held at the step's peak per parameter byte (one stage, one
+    # FSDP unit): ZeRO-0 1 + 1 + 2 = 4; ZeRO-1 shards (1 + 2) / 4 + gathered 1 + unsharded
+    # gradients 1 + a staging copy 1 = 3.75; ZeRO-2 and -3 also the sharded gradients 1 / 4: 4
+    assert peaks[0] - peaks[1] == trainable * (4 - 3.75)
+    assert peaks[2] == peaks[3] == peaks[0]
+
+
+def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
+    # _gpt(2) cut at 5 (after block 0's residual add): rank 0 holds block 0's parameters
+    # (64 + 24,064 + 8,064 = 32,192 bytes), rank 1 block 1's and the head's (64,192)
+    costs = _gpt(2)
+    options = _options(batch=8, num_microbatches=2, schedule_kind="1f1b", recompute=False)
+    held = (32_192, 64_192)
+    peaks = {}
+    for zero in (0, 1, 2, 3):
+        layout = _layout(4, tp=1, pp=2, dp=2, zero_stage=zero)
+        cand = next(c for c in layout_candidates(costs, DEV, options, layout) if c.pp == 2)
+        plan = evaluate_layout(costs, DEV, options, layout, cand, positions=(5,))
+        assert [c.position for c in plan.cuts] == [5] and plan.num_microbatches == 2
+        assert [sum(plan.stages[s].param_bytes for s in r.stage_indices)
+                for r in plan.ranks] == list(held)
+        peaks[zero] = [r.peak_memory_bytes for r in plan.ranks]
+    # the activations are the same under every ZeRO stage: the peaks differ by the state,
+    # 4.5x (ZeRO-1) and 5x (ZeRO 2-3) against ZeRO-0's 4x at dp = 2
+    for r in (0, 1):
+        assert peaks[1][r] - peaks[0][r] == held[r] // 2
+        assert peaks[2][r] - peaks[0][r] == peaks[3][r] - peaks[0][r] == held[r]
+    with pytest.raises(PlanError, match=r"costs a fixed plan: set the options' schedule_kind "
+                                        r"\(None\) and num_microbatches \(2\) too"):
+        evaluate_layout(costs, DEV, replace(options, schedule_kind=None), _layout(
+            4, tp=1, pp=2, dp=2, zero_stage=0), cand, positions=(5,))
 
 
 def test_fixed_degrees_are_kept() -> None:
