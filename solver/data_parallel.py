@@ -55,23 +55,28 @@ def held_state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
       backward;
     - the stage's unsharded gradients (``g``): FSDP2 accumulates them unsharded until the
       reduce-scatter (once per step at ZeRO-1, after each backward at ZeRO 2-3);
-    - one collective's staging copy of the stage (``max(1, g)``): the all-gather's output
-      before FSDP2 copies it out into the parameters, or the reduce-scatter's input copy of
-      the gradients. gloo runs them on its own threads, so on the 2-core CPU runs of
-      ``benchmarks/zero_memory`` one coincided with a backward's activations (a rank's peak
-      one stage's parameters above the rest, in some runs and not others): it is charged.
+    - the collectives' buffers FSDP2 keeps beside them (torch 2.13,
+      ``_fsdp_param_group.py``): the reduce-scatter's input, a copy of the stage's gradients
+      (``g``), is kept until the stage's next reduce-scatter (``reduce_scatter_states``),
+      and an all-gather's output (``1``) that a forward's pre-hook ran is kept until the
+      next all-gather's copy-out (``all_gather_state``). ZeRO 2-3 reduce and re-gather every
+      microbatch, so a backward can find both (``1 + g``): on the 2-core CPU runs of
+      ``benchmarks/zero_memory`` pp rank 0's ZeRO-2/3 peak was, in some runs, two stages'
+      parameters above the others. ZeRO-1 gathers once, before the first forward, and
+      reduces once, after the last backward: one of them (``max(1, g)``; a pp rank 1 peak
+      one stage's parameters high in some runs).
 
     So ZeRO-1: ``(1 + k) / dp + 1 + g + max(1, g)``; ZeRO 2-3:
-    ``(1 + g + k) / dp + 1 + g + max(1, g)``; ZeRO-0 or ``dp == 1`` (nothing sharded):
+    ``(1 + g + k) / dp + 1 + g + 1 + g``; ZeRO-0 or ``dp == 1`` (nothing sharded):
     ``1 + g + k``. E.g. float32 AdamW (``k = 2``, ``g = 1``) at dp = 2: 4 (ZeRO-0), 4.5
-    (ZeRO-1), 5 (ZeRO 2-3): more than ZeRO-0 at dp = 2, less from dp = 4 (ZeRO-3: 4.75 ->
-    3 + 4 / dp). A rank with several stages is charged every stage's gathered copy (ZeRO-1
-    holds them all; ZeRO 2-3 one at a time: an upper bound there).
+    (ZeRO-1), 6 (ZeRO 2-3): more than ZeRO-0 at dp = 2 with whole stages as FSDP units.
+    A rank with several stages is charged every stage's gathered copy and buffers (ZeRO-1
+    holds every gathered copy; ZeRO 2-3 one stage's at a time: an upper bound there).
 
     ZeRO-1's reduce-scatter, at the step's end, also creates the sharded gradients
-    (``g / dp``) beside the unsharded ones and the staging copy; the activations are freed
-    by then, which this term does not see (a rank whose activations held less than
-    ``g / dp`` of its parameters would peak there, above this figure).
+    (``g / dp``) beside the unsharded ones and its input; the activations are freed by then,
+    which this term does not see (a rank whose activations held less than ``g / dp`` of its
+    parameters would peak there, above this figure).
 
     Raises:
         PlanError: a ZeRO stage outside 0-3.
@@ -80,8 +85,9 @@ def held_state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
     g, k = gradient_factor, optimizer_factor
     if zero_stage == 0 or dp == 1:
         return 1.0 + g + k
-    shards = (1.0 + k + (g if zero_stage >= 2 else 0.0)) / dp
-    return shards + 1.0 + g + max(1.0, g)
+    if zero_stage == 1:
+        return (1.0 + k) / dp + 1.0 + g + max(1.0, g)
+    return (1.0 + g + k) / dp + 1.0 + g + 1.0 + g
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,27 +282,22 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     The pipeline solver sees one GPU's share of the model (:func:`shard_costs` at tp), the
     replica's batch (``batch_size / dp``), pp ranks linked as placed, and the parameter state
     a GPU holds at its step's peak under ZeRO as the runtime runs it
-    (:func:`held_state_multiplier`: shards, plus each stage's gathered parameters, unsharded
-    gradients and a collective's staging copy), so every rank's peak is state + activations
-    + working sets against the memory cap. The dp collectives of the rank with the most
-    parameters are then added to the step (not overlapped). The baselines get the dp
-    collectives of an even parameter split over the pp ranks (a lower bound on theirs), so
-    they compare with the plan on one footing; the points of the time-memory frontier (the
-    search's own candidates) get the plan's dp collectives.
+    (:func:`held_state_multiplier`), so each rank's peak is state + activations + working
+    sets. The dp collectives of the rank with the most parameters are then added to the step
+    (not overlapped); the baselines get those of an even parameter split over the pp ranks (a
+    lower bound on theirs), the time-memory frontier's points the plan's.
 
     Args:
         costs, device, options, layout: as for :func:`solve_layout`.
         cand: the layout (its tp, pp, dp, ZeRO stage).
         cache: :func:`_sharded`'s memo, or None.
-        positions: cut positions (node indices of ``costs``, ``pp x v - 1`` of them) to cost
-            as given instead of searching (:func:`autopart.solver.predict.plan_at`: a hand
-            plan's 3D prediction); ``options`` must then fix ``schedule_kind`` and
-            ``num_microbatches`` (per replica). None (default): searched.
+        positions: cut positions (node indices, ``pp x v - 1``) to cost as given instead of
+            searching (:func:`autopart.solver.predict.plan_at`: a hand plan's prediction);
+            ``options`` then fixes ``schedule_kind`` and ``num_microbatches`` (per replica).
 
     Raises:
         InfeasiblePlanError: nothing fits this layout.
-        PlanError: ``positions`` without a fixed schedule kind and m, or that do not fit the
-            ranks (see :func:`autopart.solver.predict.plan_at`).
+        PlanError: ``positions`` without a fixed schedule kind and m, or not fitting the ranks.
     """
     tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
     sharded = _sharded(costs, tp, device, layout, cache)

@@ -75,14 +75,15 @@ def test_state_multiplier_hand_count() -> None:
 
 def test_held_state_multiplier_hand_count() -> None:
     # float32 AdamW (k = 2, g = 1) at dp = 2: shards (1 + 2) / 2, + sharded grads 1 / 2 at
-    # ZeRO 2-3; every stage gathered (1), its unsharded gradients (1), one staging copy (1)
+    # ZeRO 2-3; every stage gathered (1) and its unsharded gradients (1); FSDP2's kept
+    # buffers: one (ZeRO-1: 1), the all-gather output and reduce-scatter input (ZeRO 2-3: 2)
     assert held_state_multiplier(0, 2, 2.0) == 4.0
     assert held_state_multiplier(1, 2, 2.0) == 1.5 + 1 + 1 + 1
-    assert held_state_multiplier(2, 2, 2.0) == 2.0 + 1 + 1 + 1
-    assert held_state_multiplier(3, 2, 2.0) == 2.0 + 1 + 1 + 1
-    # fp32 gradients of bf16 weights (g = 2), Adam's 6x, dp = 4: the staging copy is the
-    # gradients' (2 > 1): ZeRO-3 (1 + 2 + 6) / 4 + 1 + 2 + 2
-    assert held_state_multiplier(3, 4, 6.0, 2.0) == 9 / 4 + 5
+    assert held_state_multiplier(2, 2, 2.0) == 2.0 + 1 + 1 + 2
+    assert held_state_multiplier(3, 2, 2.0) == 2.0 + 1 + 1 + 2
+    # fp32 gradients of bf16 weights (g = 2), Adam's 6x, dp = 4: ZeRO-3 (1 + 2 + 6) / 4 +
+    # 1 + 2 + (1 + 2); ZeRO-1 (1 + 6) / 4 + 1 + 2 + max(1, 2)
+    assert held_state_multiplier(3, 4, 6.0, 2.0) == 9 / 4 + 6
     assert held_state_multiplier(1, 4, 6.0, 2.0) == 7 / 4 + 5
     # one replica shards nothing, whatever the stage
     assert held_state_multiplier(3, 1, 6.0) == 8.0

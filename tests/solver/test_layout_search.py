@@ -131,9 +131,10 @@ def test_memory_per_gpu_under_each_zero_stage_is_the_hand_count() -> None:
         peaks[zero] = plan.ranks[0].peak_memory_bytes
     # AdamW (2x state), dp = 4, held at the step's peak per parameter byte (one stage, one
     # FSDP unit): ZeRO-0 1 + 1 + 2 = 4; ZeRO-1 shards (1 + 2) / 4 + gathered 1 + unsharded
-    # gradients 1 + a staging copy 1 = 3.75; ZeRO-2 and -3 also the sharded gradients 1 / 4: 4
+    # gradients 1 + one kept collective buffer 1 = 3.75; ZeRO-2 and -3 the sharded gradients
+    # 1 / 4 too and two kept buffers: 1 + 3 + 1 = 5
     assert peaks[0] - peaks[1] == trainable * (4 - 3.75)
-    assert peaks[2] == peaks[3] == peaks[0]
+    assert peaks[2] - peaks[0] == peaks[3] - peaks[0] == trainable * (5 - 4)
 
 
 def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
@@ -152,10 +153,10 @@ def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
                 for r in plan.ranks] == list(held)
         peaks[zero] = [r.peak_memory_bytes for r in plan.ranks]
     # the activations are the same under every ZeRO stage: the peaks differ by the state,
-    # 4.5x (ZeRO-1) and 5x (ZeRO 2-3) against ZeRO-0's 4x at dp = 2
+    # 4.5x (ZeRO-1) and 6x (ZeRO 2-3) against ZeRO-0's 4x at dp = 2
     for r in (0, 1):
         assert peaks[1][r] - peaks[0][r] == held[r] // 2
-        assert peaks[2][r] - peaks[0][r] == peaks[3][r] - peaks[0][r] == held[r]
+        assert peaks[2][r] - peaks[0][r] == peaks[3][r] - peaks[0][r] == 2 * held[r]
     with pytest.raises(PlanError, match=r"costs a fixed plan: set the options' schedule_kind "
                                         r"\(None\) and num_microbatches \(2\) too"):
         evaluate_layout(costs, DEV, replace(options, schedule_kind=None), _layout(
