@@ -12,6 +12,7 @@ from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.topology import HostTopology
 from autopart.solver import SolveOptions, solve
+from autopart.solver.collectives import all_gather_us, reduce_scatter_us
 from autopart.solver.layout_search import LayoutOptions, evaluate_layout, layout_candidates, solve_layout
 
 MM = "aten.addmm.default"
@@ -143,7 +144,7 @@ def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
     costs = _gpt(2)
     options = _options(batch=8, num_microbatches=2, schedule_kind="1f1b", recompute=False)
     held = (32_192, 64_192)
-    peaks = {}
+    peaks, steps = {}, {}
     for zero in (0, 1, 2, 3):
         layout = _layout(4, tp=1, pp=2, dp=2, zero_stage=zero)
         cand = next(c for c in layout_candidates(costs, DEV, options, layout) if c.pp == 2)
@@ -152,11 +153,20 @@ def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
         assert [sum(plan.stages[s].param_bytes for s in r.stage_indices)
                 for r in plan.ranks] == list(held)
         peaks[zero] = [r.peak_memory_bytes for r in plan.ranks]
+        steps[zero] = plan.predicted_step_time_us
     # the activations are the same under every ZeRO stage: the peaks differ by the state,
     # 4.5x (ZeRO-1) and 6x (ZeRO 2-3) against ZeRO-0's 4x at dp = 2
     for r in (0, 1):
         assert peaks[1][r] - peaks[0][r] == held[r] // 2
         assert peaks[2][r] - peaks[0][r] == peaks[3][r] - peaks[0][r] == 2 * held[r]
+    # the dp collectives of the fuller rank (64,192 bytes) on the dp link: ZeRO-1 one
+    # all-gather and one reduce-scatter per step, ZeRO-2 one of each per microbatch (m = 2),
+    # ZeRO-3 two all-gathers and a reduce-scatter per microbatch
+    bw, lat = TOPO.link(2)
+    gather = all_gather_us(held[1], 2, bw, lat)
+    scatter = reduce_scatter_us(held[1], 2, bw, lat)
+    assert steps[2] - steps[1] == pytest.approx(gather + scatter, abs=2e-3)
+    assert steps[3] - steps[2] == pytest.approx(2 * gather, abs=2e-3)
     with pytest.raises(PlanError, match=r"costs a fixed plan: set the options' schedule_kind "
                                         r"\(None\) and num_microbatches \(2\) too"):
         evaluate_layout(costs, DEV, replace(options, schedule_kind=None), _layout(
