@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from autopart.core.layout import check_zero_stage
 from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
 
-__all__ = ["state_multiplier", "DataParallelCost", "data_parallel_cost"]
+__all__ = ["state_multiplier", "held_state_multiplier", "DataParallelCost", "data_parallel_cost"]
 
 
 def state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
@@ -39,22 +39,70 @@ def state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
     return (1.0 + g + k) / dp
 
 
+def held_state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
+                          gradient_factor: float = 1.0) -> float:
+    """Bytes a rank holds at its step's peak per byte of a trainable parameter of its stages
+    (after tp), as autopart's runtime runs ZeRO: the per-stage peak's parameter-state term.
+
+    :func:`state_multiplier` is what the ZeRO paper's runtime holds at rest. autopart runs
+    ZeRO 1-3 with FSDP2, one ``fully_shard`` unit per stage (a stage is one flat FX graph;
+    ``autopart/runtime/_dist_sharding.py``), so during a stage's backward the rank holds,
+    beside its shards (weights ``1 / dp``, optimizer state ``k / dp`` and, at ZeRO 2-3, whose
+    gradients are reduce-scattered after every microbatch, gradients ``g / dp``):
+
+    - the whole stage's parameters gathered (``1``): ZeRO-1/2 keep them from the forward to
+      the backward (``reshard_after_forward=False``), ZeRO-3 gathers them again for the
+      backward;
+    - the stage's unsharded gradients (``g``): FSDP2 accumulates them unsharded until the
+      reduce-scatter (once per step at ZeRO-1, after each backward at ZeRO 2-3);
+    - the collectives' buffers FSDP2 keeps beside them (torch 2.13,
+      ``_fsdp_param_group.py``): the reduce-scatter's input, a copy of the stage's gradients
+      (``g``), is kept until the stage's next reduce-scatter (``reduce_scatter_states``),
+      and an all-gather's output (``1``) that a forward's pre-hook ran is kept until the
+      next all-gather's copy-out (``all_gather_state``). ZeRO 2-3 reduce and re-gather every
+      microbatch, so a backward can find both (``1 + g``): on the 2-core CPU runs of
+      ``benchmarks/zero_memory`` pp rank 0's ZeRO-2/3 peak was, in some runs, two stages'
+      parameters above the others. ZeRO-1 gathers once, before the first forward, and
+      reduces once, after the last backward: one of them (``max(1, g)``; a pp rank 1 peak
+      one stage's parameters high in some runs).
+
+    So ZeRO-1: ``(1 + k) / dp + 1 + g + max(1, g)``; ZeRO 2-3:
+    ``(1 + g + k) / dp + 1 + g + 1 + g``; ZeRO-0 or ``dp == 1`` (nothing sharded):
+    ``1 + g + k``. E.g. float32 AdamW (``k = 2``, ``g = 1``) at dp = 2: 4 (ZeRO-0), 4.5
+    (ZeRO-1), 6 (ZeRO 2-3): more than ZeRO-0 at dp = 2 with whole stages as FSDP units.
+    A rank with several stages is charged every stage's gathered copy and buffers (ZeRO-1
+    holds every gathered copy; ZeRO 2-3 one stage's at a time: an upper bound there).
+
+    ZeRO-1's reduce-scatter, at the step's end, also creates the sharded gradients
+    (``g / dp``) beside the unsharded ones and its input; the activations are freed by then,
+    which this term does not see (a rank whose activations held less than ``g / dp`` of its
+    parameters would peak there, above this figure).
+
+    Raises:
+        PlanError: a ZeRO stage outside 0-3.
+    """
+    check_zero_stage(zero_stage)
+    g, k = gradient_factor, optimizer_factor
+    if zero_stage == 0 or dp == 1:
+        return 1.0 + g + k
+    if zero_stage == 1:
+        return (1.0 + k) / dp + 1.0 + g + max(1.0, g)
+    return (1.0 + g + k) / dp + 1.0 + g + 1.0 + g
+
+
 @dataclass(frozen=True, slots=True)
 class DataParallelCost:
     """What data parallelism adds to one rank's training step.
 
     Attributes:
-        per_step_us: gradient reduction (and, under ZeRO 1-2, the all-gather of the updated
-            parameters) once per step, after the last backward, µs.
-        per_microbatch_us: ZeRO-3's parameter all-gathers (forward and backward) and gradient
-            reduce-scatter, paid for every microbatch, µs.
-        gathered_bytes: parameter bytes ZeRO-3 holds gathered at once (the largest layer's,
-            twice: the one running and the one prefetched), 0 below stage 3.
+        per_step_us: gradient all-reduce (ZeRO-0), or ZeRO-1's parameter all-gather and
+            gradient reduce-scatter, once per step, µs.
+        per_microbatch_us: ZeRO 2-3's parameter all-gathers and gradient reduce-scatter,
+            paid for every microbatch, µs.
     """
 
     per_step_us: float
     per_microbatch_us: float
-    gathered_bytes: int
 
     def step_us(self, num_microbatches: int) -> float:
         """Total on one rank for ``num_microbatches`` microbatches, µs (none of it overlapped
@@ -62,22 +110,25 @@ class DataParallelCost:
         return self.per_step_us + num_microbatches * self.per_microbatch_us
 
 
-def data_parallel_cost(param_bytes: int, largest_layer_bytes: int, *, dp: int, zero_stage: int,
+def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
                        bandwidth_bytes_per_s: float, latency_us: float,
                        gradient_factor: float = 1.0) -> DataParallelCost:
-    """The collectives one rank pays over its dp group.
+    """The collectives one rank pays over its dp group, as autopart's runtime runs them
+    (``autopart/runtime/_dist_sharding.py``: FSDP2, one unit per stage).
 
     - stage 0: ring all-reduce of the gradients (``g x param_bytes``) once per step.
-    - stages 1-2: reduce-scatter of the gradients, then all-gather of the updated parameters
-      (ZeRO, SC'20, section 7: the same volume as an all-reduce).
+    - stage 1: one all-gather of the parameters (before the stage's first action) and one
+      reduce-scatter of the accumulated gradients (after its last backward) per step: the
+      volume of an all-reduce (ZeRO, SC'20, section 7).
+    - stage 2: per microbatch, an all-gather of the parameters and a reduce-scatter of the
+      gradients: the runtime reduce-scatters and reshards after every backward, so the next
+      forward or backward of the stage gathers its parameters again.
     - stage 3: per microbatch, an all-gather of the parameters in forward and again in
       backward, and a reduce-scatter of the gradients (ZeRO's 1.5x of an all-reduce, paid
       per microbatch because a pipeline runs m forward/backward passes per step).
 
     Args:
         param_bytes: trainable parameter bytes this rank holds before ZeRO (after tp).
-        largest_layer_bytes: the largest single node's parameter bytes on the rank (ZeRO-3
-            gathers layer by layer).
         dp: replicas.
         zero_stage: 0-3.
         bandwidth_bytes_per_s: the dp group's link (bus bandwidth), bytes/s.
@@ -90,13 +141,12 @@ def data_parallel_cost(param_bytes: int, largest_layer_bytes: int, *, dp: int, z
     check_zero_stage(zero_stage)
     grads = param_bytes * gradient_factor
     if zero_stage == 0:
-        return DataParallelCost(all_reduce_us(grads, dp, bandwidth_bytes_per_s, latency_us),
-                                0.0, 0)
-    if zero_stage in (1, 2):
-        return DataParallelCost(
-            reduce_scatter_us(grads, dp, bandwidth_bytes_per_s, latency_us)
-            + all_gather_us(param_bytes, dp, bandwidth_bytes_per_s, latency_us), 0.0, 0)
-    per_mb = (2 * all_gather_us(param_bytes, dp, bandwidth_bytes_per_s, latency_us)
-              + reduce_scatter_us(grads, dp, bandwidth_bytes_per_s, latency_us))
-    gathered = 2 * largest_layer_bytes if dp > 1 else 0
-    return DataParallelCost(0.0, per_mb if dp > 1 else 0.0, gathered)
+        return DataParallelCost(all_reduce_us(grads, dp, bandwidth_bytes_per_s, latency_us), 0.0)
+    gather = all_gather_us(param_bytes, dp, bandwidth_bytes_per_s, latency_us)
+    scatter = reduce_scatter_us(grads, dp, bandwidth_bytes_per_s, latency_us)
+    if dp == 1:
+        return DataParallelCost(0.0, 0.0)
+    if zero_stage == 1:
+        return DataParallelCost(scatter + gather, 0.0)
+    gathers = 1 if zero_stage == 2 else 2
+    return DataParallelCost(0.0, gathers * gather + scatter)

@@ -20,8 +20,14 @@ from autopart.core.layout import (
 from autopart.core.plan import ParetoPoint, Plan, ShardedParameter
 from autopart.core.topology import HostTopology
 from autopart.solver.candidates import crossing_profile
-from autopart.solver.data_parallel import DataParallelCost, data_parallel_cost, state_multiplier
+from autopart.solver.data_parallel import (
+    DataParallelCost,
+    data_parallel_cost,
+    held_state_multiplier,
+    state_multiplier,
+)
 from autopart.solver.options import SolveOptions
+from autopart.solver.predict import plan_at
 from autopart.solver.solve import solve
 from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
 
@@ -117,10 +123,10 @@ def _tp_choices(layout: LayoutOptions) -> list[int]:
     return out
 
 
-def _dp_cost(param_bytes: int, largest: int, dp: int, zero: int, tp: int,
+def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int,
              layout: LayoutOptions) -> DataParallelCost:
     bw, lat = layout.topology.link(tp * dp)
-    return data_parallel_cost(param_bytes, largest, dp=dp, zero_stage=zero,
+    return data_parallel_cost(param_bytes, dp=dp, zero_stage=zero,
                               bandwidth_bytes_per_s=bw, latency_us=lat,
                               gradient_factor=layout.gradient_factor)
 
@@ -146,8 +152,7 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
                 fixed += min(t, overhead_us)
     trainable = sum(b for p, b in sharded.param_sizes.items() if p in sharded.trainable)
     share = -(-trainable // pp)
-    largest = max((nd.param_bytes for nd in sharded.nodes), default=0)
-    dp_cost = _dp_cost(share, largest, dp, zero, tp, layout) if options.training else None
+    dp_cost = _dp_cost(share, dp, zero, tp, layout) if options.training else None
     link = _pipeline_cluster(device, tp, 2, dp, layout.topology)
     smallest = smallest_crossing if pp > 1 else 0
     sends = 2 if options.training else 1
@@ -270,58 +275,68 @@ def _pipeline_cluster(device: DeviceSpec, tp: int, pp: int, dp: int,
 
 def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                     layout: LayoutOptions, cand: LayoutCandidate,
-                    cache: dict[int, CostGraph] | None = None) -> Plan:
+                    cache: dict[int, CostGraph] | None = None,
+                    positions: tuple[int, ...] | None = None) -> Plan:
     """The pipeline solver's best plan for one layout, with tp, dp and ZeRO costs added.
 
     The pipeline solver sees one GPU's share of the model (:func:`shard_costs` at tp), the
-    replica's batch (``batch_size / dp``), pp ranks linked as placed, the per-GPU parameter
-    state under ZeRO (:func:`state_multiplier`) and the memory cap less what ZeRO-3 holds
-    gathered. The dp collectives of the rank with the most parameters are then added to the
-    step (not overlapped) and ZeRO-3's gathered bytes to every rank's peak. The baselines get
-    the same ZeRO-3 bytes and the dp collectives of an even parameter split over the pp ranks
-    (a lower bound on theirs), so they compare with the plan on one footing; the points of the
-    time-memory frontier (the search's own candidates) get the plan's dp collectives.
+    replica's batch (``batch_size / dp``), pp ranks linked as placed, and the parameter state
+    a GPU holds at its step's peak under ZeRO as the runtime runs it
+    (:func:`held_state_multiplier`), so each rank's peak is state + activations + working
+    sets. The dp collectives of the rank with the most parameters are then added to the step
+    (not overlapped); the baselines get those of an even parameter split over the pp ranks (a
+    lower bound on theirs), the time-memory frontier's points the plan's.
+
+    Args:
+        costs, device, options, layout: as for :func:`solve_layout`.
+        cand: the layout (its tp, pp, dp, ZeRO stage).
+        cache: :func:`_sharded`'s memo, or None.
+        positions: cut positions (node indices, ``pp x v - 1``) to cost as given instead of
+            searching (:func:`autopart.solver.predict.plan_at`: a hand plan's prediction);
+            ``options`` then fixes ``schedule_kind`` and ``num_microbatches`` (per replica).
 
     Raises:
         InfeasiblePlanError: nothing fits this layout.
+        PlanError: ``positions`` without a fixed schedule kind and m, or not fitting the ranks.
     """
     tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
     sharded = _sharded(costs, tp, device, layout, cache)
-    largest = max((nd.param_bytes for nd in sharded.nodes), default=0)
-    probe = _dp_cost(largest, largest, dp, zero, tp, layout) if options.training else None
-    gathered = probe.gathered_bytes if probe else 0
-    cap = options.memory_cap_bytes or device.memory_bytes
-    if cap - gathered <= 0:
-        raise InfeasiblePlanError(f"ZeRO-3 at dp={dp} holds {gathered} bytes gathered, more "
-                                  f"than the {cap}-byte cap")
-    mult = state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
-                            layout.gradient_factor)
-    inner = replace(_replica_options(options, layout, dp), memory_cap_bytes=cap - gathered,
+    mult = held_state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
+                                 layout.gradient_factor)
+    inner = replace(_replica_options(options, layout, dp),
                     state_bytes_per_param_byte=mult if options.training else None)
-    plan = solve(sharded, _pipeline_cluster(device, tp, pp, dp, layout.topology), inner)
+    cluster = _pipeline_cluster(device, tp, pp, dp, layout.topology)
+    if positions is None:
+        plan = solve(sharded, cluster, inner)
+    elif options.schedule_kind is None or options.num_microbatches is None:
+        raise PlanError("evaluate_layout(positions=...) costs a fixed plan: set the options' "
+                        f"schedule_kind ({options.schedule_kind!r}) and num_microbatches "
+                        f"({options.num_microbatches!r}) too")
+    else:
+        plan = plan_at(sharded, cluster, inner, positions, kind=options.schedule_kind,
+                       num_microbatches=options.num_microbatches,
+                       stages_per_rank=options.stages_per_rank or 1,
+                       recompute=bool(options.recompute))
     extra = even = 0.0
     if options.training:
         rank_params = [sum(plan.stages[s].param_bytes for s in r.stage_indices)
                        for r in plan.ranks]
-        extra = _dp_cost(max(rank_params), largest, dp, zero, tp, layout).step_us(
+        extra = _dp_cost(max(rank_params), dp, zero, tp, layout).step_us(
             plan.num_microbatches)
         # any partition's fullest rank holds at least an even share: the baselines are
         # charged this (a lower bound on their dp collectives)
-        even = _dp_cost(-(-sum(rank_params) // len(rank_params)), largest, dp, zero, tp,
+        even = _dp_cost(-(-sum(rank_params) // len(rank_params)), dp, zero, tp,
                         layout).step_us(plan.num_microbatches)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()
-    ranks = tuple(replace(r, peak_memory_bytes=r.peak_memory_bytes + gathered)
-                  for r in plan.ranks)
     forward = sum(nd.flops for nd in costs.nodes) * options.batch_size / costs.batch_size
     step = plan.predicted_step_time_us + extra
-    baselines = tuple(replace(b, predicted_step_time_us=round(b.predicted_step_time_us + even, 3),
-                              peak_memory_bytes=b.peak_memory_bytes + gathered)
+    baselines = tuple(replace(b, predicted_step_time_us=round(b.predicted_step_time_us + even, 3))
                       for b in plan.baselines)
-    own = ParetoPoint(round(step, 3), max(r.peak_memory_bytes for r in ranks))
+    own = ParetoPoint(round(step, 3), max(r.peak_memory_bytes for r in plan.ranks))
     pareto = tuple(sorted({own, *(ParetoPoint(round(p.predicted_step_time_us + extra, 3),
-                                              p.peak_memory_bytes + gathered)
+                                              p.peak_memory_bytes)
                                    for p in plan.pareto)},
                           key=lambda p: (p.predicted_step_time_us, p.peak_memory_bytes)))
     pareto = tuple(p for p in pareto if not any(
@@ -329,8 +344,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         and q.peak_memory_bytes <= p.peak_memory_bytes for q in pareto))
     return replace(
         plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
-        baselines=baselines, pareto=pareto,
-        sharded_parameters=sharded_params, ranks=ranks,
+        baselines=baselines, pareto=pareto, sharded_parameters=sharded_params,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
         if step > 0 else plan.bubble_fraction,

@@ -39,8 +39,9 @@ class SolveOptions:
         optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte
             (AdamW: 2.0); weights + grads + state = ``(2 + this) x`` parameter bytes.
         state_bytes_per_param_byte: bytes a GPU holds per trainable parameter byte it owns,
-            weights, gradients and optimizer state together, after any ZeRO sharding
-            (:func:`autopart.solver.data_parallel.state_multiplier`); ``None`` (default) =
+            weights, gradients and optimizer state together, after any ZeRO sharding (the
+            layout search passes what the runtime holds at a step's peak,
+            :func:`autopart.solver.data_parallel.held_state_multiplier`); ``None`` (default) =
             ``2 + optimizer_state_bytes_per_param_byte``. Must be > 0.
         time_limit_s: CP-SAT wall-clock limit per solve, seconds (a safety net; the search
             is bounded by ``deterministic_time`` so that it is reproducible).

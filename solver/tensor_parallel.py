@@ -250,6 +250,18 @@ def _split_time(t: float, tp: int, overhead_us: float) -> float:
     return t if t <= overhead_us else overhead_us + (t - overhead_us) / tp
 
 
+def _gather_working_set(nd: NodeCost, tp: int) -> int:
+    """A vocab-parallel head's working set beside its (whole, gathered) logits, bytes, as
+    ``autopart::tp_gather`` runs (``codegen/_tp_ops.py``): forward, this GPU's slice of the
+    logits (``V / tp``) and the all-gather's parts (``V``) until the concatenation returns;
+    backward, the gradients (``transient_bytes``: the whole logits' and the input's) and
+    the contiguous copy of this GPU's slice of the logits' gradient (``V / tp``). The
+    larger is charged as the node's working set (``transient_bytes``, which
+    :meth:`autopart.solver._memory_model.MemoryModel.transient_bytes` reads)."""
+    part = -(-nd.output_bytes // tp)
+    return max(nd.transient_bytes + part, nd.output_bytes + part)
+
+
 def inside_pairs(split: TensorParallelSplit) -> frozenset[int]:
     """Cut positions inside a column/row pair (from after its first column node up to its
     row node): a stage boundary there would send a tensor that only exists sharded, which the
@@ -266,7 +278,8 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     and between nodes, and the saved activations and backward working sets of between and
     row nodes, divided by tp (a column node saves its input, which is replicated: kept; a
     vocab-parallel head's output is the gathered, whole logits, and its backward starts from
-    their whole gradient: both kept). The loss's saved
+    their whole gradient: both kept; training, its working set gains the gather's buffers,
+    :func:`_gather_working_set`). The loss's saved
     bytes (``loss_saved_bytes``, on the last node) are never divided: every tp GPU runs the
     user's loss on the whole logits. Split parameters (column: every parameter of a column
     node; row: the weight only, its bias stays replicated; vocab: the weight) hold
@@ -352,6 +365,8 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
             elif i in heads:
                 # every GPU gathers the whole logits (its output stays whole) for the loss
                 extra = all_gather_us(nd.output_bytes, tp, bandwidth_bytes_per_s, latency_us)
+                if costs.nodes[i].transient_bytes:  # training
+                    changes["transient_bytes"] = _gather_working_set(nd, tp)
             changes["fwd_us"] += extra
         if i in bwd_extra:
             changes["bwd_input_us"] = changes.get("bwd_input_us", nd.bwd_input_us) \

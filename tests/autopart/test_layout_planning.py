@@ -77,8 +77,7 @@ def test_a_fixed_dp_gives_its_layout_and_pays_the_measured_link() -> None:
     fast_plan, slow_plan = plans["fast"], plans["slow"]
     held = max(sum(slow_plan.stages[s].param_bytes for s in r.stage_indices)
                for r in slow_plan.ranks)
-    largest = max(nd.param_bytes for nd in costs.nodes)
-    slow_dp = data_parallel_cost(held, largest, dp=2, zero_stage=0,
+    slow_dp = data_parallel_cost(held, dp=2, zero_stage=0,
                                  bandwidth_bytes_per_s=2e7, latency_us=40.0)
     assert slow_plan.predicted_step_time_us >= slow_dp.step_us(slow_plan.num_microbatches)
     assert slow_plan.predicted_step_time_us > fast_plan.predicted_step_time_us

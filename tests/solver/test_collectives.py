@@ -7,7 +7,11 @@ import pytest
 from autopart.core.errors import PlanError
 from autopart.core.topology import TOPOLOGY_PRESETS, HostTopology, host_topology, topology_for_device
 from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
-from autopart.solver.data_parallel import data_parallel_cost, state_multiplier
+from autopart.solver.data_parallel import (
+    data_parallel_cost,
+    held_state_multiplier,
+    state_multiplier,
+)
 
 
 def test_ring_all_reduce_hand_worked() -> None:
@@ -69,23 +73,45 @@ def test_state_multiplier_hand_count() -> None:
         state_multiplier(4, 2, 2.0)
 
 
+def test_held_state_multiplier_hand_count() -> None:
+    # float32 AdamW (k = 2, g = 1) at dp = 2: shards (1 + 2) / 2, + sharded grads 1 / 2 at
+    # ZeRO 2-3; every stage gathered (1) and its unsharded gradients (1); FSDP2's kept
+    # buffers: one (ZeRO-1: 1), the all-gather output and reduce-scatter input (ZeRO 2-3: 2)
+    assert held_state_multiplier(0, 2, 2.0) == 4.0
+    assert held_state_multiplier(1, 2, 2.0) == 1.5 + 1 + 1 + 1
+    assert held_state_multiplier(2, 2, 2.0) == 2.0 + 1 + 1 + 2
+    assert held_state_multiplier(3, 2, 2.0) == 2.0 + 1 + 1 + 2
+    # fp32 gradients of bf16 weights (g = 2), Adam's 6x, dp = 4: ZeRO-3 (1 + 2 + 6) / 4 +
+    # 1 + 2 + (1 + 2); ZeRO-1 (1 + 6) / 4 + 1 + 2 + max(1, 2)
+    assert held_state_multiplier(3, 4, 6.0, 2.0) == 9 / 4 + 6
+    assert held_state_multiplier(1, 4, 6.0, 2.0) == 7 / 4 + 5
+    # one replica shards nothing, whatever the stage
+    assert held_state_multiplier(3, 1, 6.0) == 8.0
+    with pytest.raises(PlanError, match="zero_stage=5 is not a ZeRO stage; valid: 0"):
+        held_state_multiplier(5, 2, 2.0)
+
+
 def test_data_parallel_cost_hand_worked() -> None:
     # 1 GB of gradients over dp 4 at 20 GB/s: all-reduce 2 * 3/4 * 1e9 / 2e10 s = 75 ms
-    z0 = data_parallel_cost(10**9, 10**8, dp=4, zero_stage=0, bandwidth_bytes_per_s=20e9,
+    z0 = data_parallel_cost(10**9, dp=4, zero_stage=0, bandwidth_bytes_per_s=20e9,
                             latency_us=0.0)
-    assert (z0.per_step_us, z0.per_microbatch_us, z0.gathered_bytes) == (
-        pytest.approx(75_000.0), 0.0, 0)
-    # ZeRO-1/2: reduce-scatter (37.5 ms) + all-gather of the parameters (37.5 ms)
-    z1 = data_parallel_cost(10**9, 10**8, dp=4, zero_stage=1, bandwidth_bytes_per_s=20e9,
+    assert (z0.per_step_us, z0.per_microbatch_us) == (pytest.approx(75_000.0), 0.0)
+    # ZeRO-1: one all-gather of the parameters (37.5 ms) and one reduce-scatter of the
+    # gradients (37.5 ms) per step
+    z1 = data_parallel_cost(10**9, dp=4, zero_stage=1, bandwidth_bytes_per_s=20e9,
                             latency_us=0.0)
-    assert z1.per_step_us == pytest.approx(75_000.0)
-    # fp32 gradients of bf16 weights double the reduce-scatter only: 75 + 37.5 ms
-    z2 = data_parallel_cost(10**9, 10**8, dp=4, zero_stage=2, bandwidth_bytes_per_s=20e9,
+    assert (z1.per_step_us, z1.per_microbatch_us) == (pytest.approx(75_000.0), 0.0)
+    # ZeRO-2 reshards after every backward: per microbatch an all-gather (37.5 ms) and a
+    # reduce-scatter of fp32 gradients of bf16 weights (2 GB: 75 ms); 4 microbatches
+    z2 = data_parallel_cost(10**9, dp=4, zero_stage=2, bandwidth_bytes_per_s=20e9,
                             latency_us=0.0, gradient_factor=2.0)
-    assert z2.per_step_us == pytest.approx(112_500.0)
+    assert (z2.per_step_us, z2.per_microbatch_us) == (0.0, pytest.approx(112_500.0))
+    assert z2.step_us(4) == pytest.approx(450_000.0)
     # ZeRO-3: per microbatch two all-gathers and a reduce-scatter; 4 microbatches
-    z3 = data_parallel_cost(10**9, 10**8, dp=4, zero_stage=3, bandwidth_bytes_per_s=20e9,
+    z3 = data_parallel_cost(10**9, dp=4, zero_stage=3, bandwidth_bytes_per_s=20e9,
                             latency_us=0.0)
     assert z3.per_microbatch_us == pytest.approx(112_500.0)
     assert z3.step_us(4) == pytest.approx(450_000.0)
-    assert z3.gathered_bytes == 2 * 10**8
+    # one replica: nothing to reduce or gather
+    assert data_parallel_cost(10**9, dp=1, zero_stage=3, bandwidth_bytes_per_s=20e9,
+                              latency_us=0.0).step_us(4) == 0.0

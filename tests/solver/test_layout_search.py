@@ -12,6 +12,7 @@ from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.topology import HostTopology
 from autopart.solver import SolveOptions, solve
+from autopart.solver.collectives import all_gather_us, reduce_scatter_us
 from autopart.solver.layout_search import LayoutOptions, evaluate_layout, layout_candidates, solve_layout
 
 MM = "aten.addmm.default"
@@ -129,11 +130,47 @@ def test_memory_per_gpu_under_each_zero_stage_is_the_hand_count() -> None:
         cand = layout_candidates(costs, DEV, options, layout)[0]
         plan = evaluate_layout(costs, DEV, options, layout, cand)
         peaks[zero] = plan.ranks[0].peak_memory_bytes
-    # AdamW (2x state): weights + grads + state = 4x; ZeRO-1: 1 + 1 + 2/4; ZeRO-2: 1 + 3/4;
-    # ZeRO-3: 4/4, plus the largest node's parameters gathered twice (the head: 32,000 bytes)
-    assert peaks[0] - peaks[1] == trainable * (4 - 2.5)
-    assert peaks[0] - peaks[2] == trainable * (4 - 1.75)
-    assert peaks[0] - peaks[3] == trainable * (4 - 1) - 2 * 32_000
+    # AdamW (2x state), dp = 4, held at the step's peak per parameter byte (one stage, one
+    # FSDP unit): ZeRO-0 1 + 1 + 2 = 4; ZeRO-1 shards (1 + 2) / 4 + gathered 1 + unsharded
+    # gradients 1 + one kept collective buffer 1 = 3.75; ZeRO-2 and -3 the sharded gradients
+    # 1 / 4 too and two kept buffers: 1 + 3 + 1 = 5
+    assert peaks[0] - peaks[1] == trainable * (4 - 3.75)
+    assert peaks[2] - peaks[0] == peaks[3] - peaks[0] == trainable * (5 - 4)
+
+
+def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
+    # _gpt(2) cut at 5 (after block 0's residual add): rank 0 holds block 0's parameters
+    # (64 + 24,064 + 8,064 = 32,192 bytes), rank 1 block 1's and the head's (64,192)
+    costs = _gpt(2)
+    options = _options(batch=8, num_microbatches=2, schedule_kind="1f1b", recompute=False)
+    held = (32_192, 64_192)
+    peaks, steps = {}, {}
+    for zero in (0, 1, 2, 3):
+        layout = _layout(4, tp=1, pp=2, dp=2, zero_stage=zero)
+        cand = next(c for c in layout_candidates(costs, DEV, options, layout) if c.pp == 2)
+        plan = evaluate_layout(costs, DEV, options, layout, cand, positions=(5,))
+        assert [c.position for c in plan.cuts] == [5] and plan.num_microbatches == 2
+        assert [sum(plan.stages[s].param_bytes for s in r.stage_indices)
+                for r in plan.ranks] == list(held)
+        peaks[zero] = [r.peak_memory_bytes for r in plan.ranks]
+        steps[zero] = plan.predicted_step_time_us
+    # the activations are the same under every ZeRO stage: the peaks differ by the state,
+    # 4.5x (ZeRO-1) and 6x (ZeRO 2-3) against ZeRO-0's 4x at dp = 2
+    for r in (0, 1):
+        assert peaks[1][r] - peaks[0][r] == held[r] // 2
+        assert peaks[2][r] - peaks[0][r] == peaks[3][r] - peaks[0][r] == 2 * held[r]
+    # the dp collectives of the fuller rank (64,192 bytes) on the dp link: ZeRO-1 one
+    # all-gather and one reduce-scatter per step, ZeRO-2 one of each per microbatch (m = 2),
+    # ZeRO-3 two all-gathers and a reduce-scatter per microbatch
+    bw, lat = TOPO.link(2)
+    gather = all_gather_us(held[1], 2, bw, lat)
+    scatter = reduce_scatter_us(held[1], 2, bw, lat)
+    assert steps[2] - steps[1] == pytest.approx(gather + scatter, abs=2e-3)
+    assert steps[3] - steps[2] == pytest.approx(2 * gather, abs=2e-3)
+    with pytest.raises(PlanError, match=r"costs a fixed plan: set the options' schedule_kind "
+                                        r"\(None\) and num_microbatches \(2\) too"):
+        evaluate_layout(costs, DEV, replace(options, schedule_kind=None), _layout(
+            4, tp=1, pp=2, dp=2, zero_stage=0), cand, positions=(5,))
 
 
 def test_fixed_degrees_are_kept() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from autopart.core.costgraph import CostGraph, NodeCost
@@ -99,3 +101,20 @@ def test_tp_one_is_the_graph_itself() -> None:
                        op_overhead_us=5.0) is costs
     with pytest.raises(PlanError, match="tp=0 must be >= 1"):
         shard_costs(costs, 0, bandwidth_bytes_per_s=1e9, latency_us=0.0, op_overhead_us=5.0)
+
+
+def test_a_vocab_parallel_head_holds_the_gathers_buffers() -> None:
+    # training: the head's backward holds 8000 bytes of logits' gradient and 4000 of its
+    # input's; at tp 4 its slice of the logits is 2000 bytes
+    nodes = list(_block().nodes)
+    nodes[5] = replace(nodes[5], transient_bytes=12_000)
+    costs = replace(_block(), nodes=tuple(nodes))
+    head = shard_costs(costs, 4, bandwidth_bytes_per_s=1e9, latency_us=1.0,
+                       op_overhead_us=5.0).nodes[5]
+    # forward: the slice (2000) and the gathered parts (8000) beside the whole logits; backward:
+    # the gradients (12,000) and the copy of the slice of the logits' gradient (2000)
+    assert head.output_bytes == 8000
+    assert head.transient_bytes == max(2000 + 8000, 12_000 + 2000) == 14_000
+    # inference (no working set profiled): unchanged
+    assert shard_costs(_block(), 4, bandwidth_bytes_per_s=1e9, latency_us=1.0,
+                       op_overhead_us=5.0).nodes[5].transient_bytes == 0
