@@ -62,7 +62,8 @@ class PipelinedModule(Pipeline):
 
     def __init__(self, model: nn.Module, stages: BuiltStages, signature: InputSignature, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 timings_s: dict[str, float] | None = None) -> None:
+                 timings_s: dict[str, float] | None = None,
+                 issue_threads: int | None = 1) -> None:
         """Wrap ``stages`` (every stage built, see :func:`autopart.codegen.build_stages`).
 
         Args:
@@ -72,6 +73,11 @@ class PipelinedModule(Pipeline):
             signature: the inputs and outputs compiled for.
             loss_fn: ``(output, target) -> scalar``, or None for inference only.
             timings_s: seconds per compile phase, kept as ``timings_s``.
+            issue_threads: host threads that issue the stages' work (see
+                :attr:`issue_threads`; default 1).
+
+        Raises:
+            PlanError: ``issue_threads`` below 1.
         """
         super().__init__(stages, signature, loss_fn=loss_fn, timings_s=timings_s,
                          on_cpu=any(torch.device(d).type == "cpu" for d in stages.devices))
@@ -85,8 +91,28 @@ class PipelinedModule(Pipeline):
                         + list(model.named_buffers()) if fqn not in used}
         self._num_ranks = len(plan.ranks)
         self._executor = LocalExecutor(list(stages.runners), self.devices,  # type: ignore[arg-type]
-                                       recompute=self._recompute)
+                                       recompute=self._recompute, issue_threads=issue_threads)
         self._replica_versions: dict[str, int] = {}
+
+    @property
+    def issue_threads(self) -> int | None:
+        """Host threads that issue the ranks' actions: 1 (the caller's thread issues every
+        stage's work, in one global order), k (rank ``r`` on worker ``r % k``) or None (a
+        worker thread per rank: CPU stages run at the same time, CUDA stages are issued in
+        parallel; torchgpipe's scheme). Numerics are the same for every setting. Settable
+        between steps.
+
+        Raises:
+            PlanError: set below 1.
+        """
+        return self._executor.issue_threads
+
+    @issue_threads.setter
+    def issue_threads(self, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise PlanError(f"issue_threads={value} must be >= 1, or None for one thread per "
+                            "rank")
+        self._executor.issue_threads = value
 
     # ---- tensors under original names ----------------------------------------------
     def _tensor(self, fqn: str) -> torch.Tensor:
