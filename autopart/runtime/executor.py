@@ -13,6 +13,7 @@ from autopart.codegen.recompute import run_recomputed
 from autopart.codegen.split_backward import SplitBackward
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule
+from autopart.runtime.cuda_graphs import StageGraphs
 from autopart.runtime.issue_threads import IssueThreads, thread_orders
 from autopart.runtime.tracing import ActionRecorder
 
@@ -196,6 +197,8 @@ class LocalExecutor:
         self.recompute = frozenset(recompute)
         self.issue_threads = issue_threads
         self._threads = IssueThreads(intra_op_threads)
+        # training forwards (and their backwards) replayed as CUDA graphs when set
+        self.graphs: StageGraphs | None = None
         # made once and kept: PyTorch keeps a cuBLAS and a cuBLASLt workspace per stream
         # that runs matmuls, so streams made afresh every step would hold more after each step
         self._stream_set: _Streams | None = None
@@ -237,6 +240,8 @@ class LocalExecutor:
         # done[(kind, s, i)]: event after stage s produced its outputs ("F") or input grads ("G")
         done: dict[tuple[str, int, int], torch.cuda.Event | None] = {}
         self._streams, self._done, self._scale_loss = streams, done, scale_loss
+        if self.graphs is not None:
+            self.graphs.begin_step(training)
 
         def issue(action: Action) -> None:
             if recorder is None:
@@ -301,8 +306,12 @@ class LocalExecutor:
                 if action.kind == "B":
                     if st.roots:
                         torch.autograd.backward(st.roots, st.root_grads)
-                    self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)
-                                                      else None for a in st.inputs], grads)
+                    input_grads = [a.grad if isinstance(a, torch.Tensor) else None
+                                   for a in st.inputs]
+                    if self.graphs is not None and self.graphs.release(s, i):
+                        # a replay's input gradients are the graph's buffers: copy them out
+                        input_grads = [None if g is None else g.clone() for g in input_grads]
+                    self._send_input_grads(s, i, st, input_grads, grads)
                 elif action.kind == "I":
                     self._send_input_grads(s, i, st, self._input_grads(s, st), grads)
                 elif st.split is not None:  # W
@@ -324,6 +333,8 @@ class LocalExecutor:
         with streams.on(s), torch.set_grad_enabled(training):
             if training and s in self.recompute:
                 out = run_recomputed(self.stages[s], *args)
+            elif training and self.graphs is not None:
+                out = self.graphs.forward(s, i, args)
             else:
                 out = self.stages[s](*args)
         self._done[("F", s, i)] = streams.mark(s)

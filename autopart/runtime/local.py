@@ -16,6 +16,7 @@ from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.runtime._torch_private import incompatible_keys, version_counter
 from autopart.runtime.checkpoint_state import CheckpointState
+from autopart.runtime.cuda_graphs import StageGraphs
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.tracing import ActionRecorder
@@ -93,6 +94,7 @@ class PipelinedModule(Pipeline):
         self._executor = LocalExecutor(list(stages.runners), self.devices,  # type: ignore[arg-type]
                                        recompute=self._recompute, issue_threads=issue_threads)
         self._replica_versions: dict[str, int] = {}
+        self._cuda_graphs = False
 
     @property
     def issue_threads(self) -> int | None:
@@ -113,6 +115,33 @@ class PipelinedModule(Pipeline):
             raise PlanError(f"issue_threads={value} must be >= 1, or None for one thread per "
                             "rank")
         self._executor.issue_threads = value
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Replay each stage's training forward and backward as CUDA graphs (default False).
+
+        The first ``train_step`` after it is set runs eagerly and records the microbatch
+        shapes; the graphs are captured after it (one copy per microbatch the stage holds at
+        once) and replayed from the next step on
+        (:class:`autopart.runtime.cuda_graphs.StageGraphs`). A stage that cannot be graphed
+        (not CUDA, recompute, a split backward, a host sync or data-dependent shape in the
+        capture) runs eagerly and its reason is printed once and kept in
+        :attr:`cuda_graph_reasons`. Inference (``pipe(x)``) stays eager. Needs the weights
+        updated in place (optimizers do) and the same microbatch shape every step.
+        """
+        return self._cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, value: bool) -> None:
+        self._cuda_graphs = bool(value)
+        self._executor.graphs = None  # made (and captured) afresh by the next train_step
+
+    @property
+    def cuda_graph_reasons(self) -> dict[int, str]:
+        """Per stage that runs eagerly with ``cuda_graphs`` on, why (empty before the first
+        step; a negative key ``-1 - s`` is a call of stage ``s`` that ran eagerly)."""
+        graphs = self._executor.graphs
+        return {} if graphs is None else dict(graphs.reasons)
 
     # ---- tensors under original names ----------------------------------------------
     def _tensor(self, fqn: str) -> torch.Tensor:
@@ -311,6 +340,10 @@ class PipelinedModule(Pipeline):
                                   self.plan.stages_per_rank, recompute=self._recompute)
         rank_of = [st.rank for st in self.plan.stages]
         recorder = ActionRecorder(rank_of.__getitem__) if trace else None
+        if self._cuda_graphs and self._executor.graphs is None:
+            split = sorted({a.stage_index for acts in schedule for a in acts if a.kind == "I"})
+            self._executor.graphs = StageGraphs(self._executor.stages, self.devices,
+                                                recompute=self._recompute, split=split)
 
         def run() -> Any:
             if recorder is not None:
@@ -328,5 +361,8 @@ class PipelinedModule(Pipeline):
             result = run()
         if recorder is not None:
             self.last_trace = self._trace(recorder.events(), f"measured:{self.devices[0]}", m)
+        graphs = self._executor.graphs
+        if graphs is not None and not graphs.captured:
+            graphs.capture(result.max_live_activations)
         self._reduce_replica_grads()
         return torch.stack([loss for loss in result.losses if loss is not None]).sum()
