@@ -4,7 +4,9 @@ The same compiled pipeline (a GPT-2, one fixed plan: 1F1B, m microbatches, its s
 ``--devices``) runs training steps with ``pipe.issue_threads = 1`` (the caller's thread
 issues every stage's work) and ``pipe.issue_threads = None`` (a worker thread per rank,
 torchgpipe's scheme), alternating step by step so that drift in the machine's load hits both
-alike. Each round is the median of ``--steps`` steps per setting; ``--rounds`` rounds. The
+alike. On CUDA the same plan also runs with ``cuda_graphs=True`` (one eager step, then
+replays), with each issuing setting; on the CPU, one thread with one intra-op thread too.
+Each round is the median of ``--steps`` steps per setting; ``--rounds`` rounds. The
 losses of the two settings are compared every step (the same kernels on the same values).
 The load average is printed before and after (on a shared CPU it says how far to trust the
 figures).
@@ -64,13 +66,19 @@ def run(devices: list[str], big: bool, m: int, steps: int, rounds: int,
                             num_microbatches=m, schedule=schedule, num_stages=len(devices))
     compile_s = time.perf_counter() - t0
     caller = torch.get_num_threads()
-    # name -> (pipe.issue_threads, torch.set_num_threads of the caller during the step)
-    settings: dict[str, tuple[int | None, int]] = {
-        "one_thread": (1, caller), "thread_per_rank": (None, caller)}
+    # name -> (pipeline, pipe.issue_threads, torch.set_num_threads of the caller in the step)
+    settings: dict[str, tuple[Any, int | None, int]] = {
+        "one_thread": (pipe, 1, caller), "thread_per_rank": (pipe, None, caller)}
     if torch.device(devices[0]).type == "cpu" and caller > 1:
         # one thread with as many intra-op threads as each worker gets: which of the two
         # changes (overlap of stages, or smaller OpenMP teams) the difference comes from
-        settings["one_thread_1_intra_op"] = (1, max(1, caller // len(devices)))
+        settings["one_thread_1_intra_op"] = (pipe, 1, max(1, caller // len(devices)))
+    graphed = None
+    if torch.device(devices[0]).type == "cuda":  # the same plan, replayed as CUDA graphs
+        graphed = autopart.compile(copy.deepcopy(model), (tokens,), loss_fn=gpt2_loss,
+                                   devices=devices, plan=pipe.plan, cuda_graphs=True)
+        settings["graphs_one_thread"] = (graphed, 1, caller)
+        settings["graphs_thread_per_rank"] = (graphed, None, caller)
     times: dict[str, list[float]] = {name: [] for name in settings}
     medians: dict[str, list[float]] = {name: [] for name in settings}
     max_diff = 0.0
@@ -80,13 +88,13 @@ def run(devices: list[str], big: bool, m: int, steps: int, rounds: int,
         for i in range(steps + 1):  # one warm-up step per round
             losses = {}
             order = list(settings.items()) if i % 2 == 0 else list(settings.items())[::-1]
-            for name, (threads, intra_op) in order:
-                pipe.issue_threads = threads
-                pipe.zero_grad(set_to_none=True)
+            for name, (p, threads, intra_op) in order:
+                p.issue_threads = threads
+                p.zero_grad(set_to_none=True)
                 torch.set_num_threads(intra_op)
                 _sync(devices)
                 t = time.perf_counter()
-                losses[name] = float(pipe.train_step(tokens, target=tokens))
+                losses[name] = float(p.train_step(tokens, target=tokens))
                 _sync(devices)
                 torch.set_num_threads(caller)
                 if i > 0:
@@ -115,7 +123,10 @@ def run(devices: list[str], big: bool, m: int, steps: int, rounds: int,
         "medians_s": {k: round(statistics.median(v), 5) for k, v in times.items()},
         "threaded_over_one": round(per / one - 1, 4), "paired": round(paired - 1, 4),
         "round_medians_s": {k: [round(x, 5) for x in v] for k, v in medians.items()},
-        "max_abs_loss_diff": max_diff, "loadavg_before": load_before, "loadavg_after": load_after,
+        "max_abs_loss_diff": max_diff,
+        "cuda_graph_reasons": None if graphed is None else {
+            str(k): v for k, v in graphed.cuda_graph_reasons.items()},
+        "loadavg_before": load_before, "loadavg_after": load_after,
         "device_name": (torch.cuda.get_device_name(devices[0])
                         if torch.device(devices[0]).type == "cuda" else f"{os.cpu_count()}-core CPU"),
     }

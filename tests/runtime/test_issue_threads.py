@@ -188,3 +188,28 @@ def test_a_schedule_written_as_text_runs_on_threads() -> None:
         else:
             for a, b in zip(result.losses + grads, expected[0] + expected[1], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_compile_passes_the_threads_to_the_pipeline_and_prices_them() -> None:
+    import autopart
+    from autopart import CompileOptions
+    from autopart.runtime.description import describe
+
+    assert describe("local").issue_threads == 1
+    assert describe("local", issue_threads=None).issue_threads is None
+    with pytest.raises(PlanError, match="issue_threads=0 must be an int >= 1"):
+        CompileOptions(issue_threads=0)
+    with pytest.raises(PlanError, match="are for backend='local'"):
+        CompileOptions(issue_threads=2).check_backend("distributed")
+    with pytest.raises(PlanError, match="are for backend='local'"):
+        CompileOptions(cuda_graphs=True).check_backend("distributed")
+    model, args, target, loss_fn = mlp()
+    reference = copy.deepcopy(model)
+    _, profile = autopart.plan_model(model, args, loss_fn=loss_fn, devices=["cpu", "cpu"],
+                                     num_microbatches=2, schedule_kind="1f1b",
+                                     issue_threads=None)
+    assert profile.runtime.issue_threads is None  # the solver priced a thread per rank
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, devices=["cpu", "cpu"],
+                            num_microbatches=2, schedule_kind="1f1b", issue_threads=None)
+    assert pipe.issue_threads is None and not pipe.cuda_graphs
+    assert_train_step_matches(pipe, reference, args, target, loss_fn)
