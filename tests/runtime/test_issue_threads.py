@@ -65,6 +65,20 @@ def test_a_thread_per_rank_matches_the_plain_model_and_one_thread(
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=4e-5)
 
 
+def test_two_threads_for_four_ranks_match_the_plain_model() -> None:
+    """Ranks 0 and 2 on one worker, 1 and 3 on the other: each follows the one global order
+    restricted to its ranks, so neither waits on the other in a cycle."""
+    pipe, reference, args, target, loss_fn = _pipe(mlp, "1f1b", 4, 1, issue_threads=2)
+    assert pipe.issue_threads == 2
+    assert_train_step_matches(pipe, reference, args, target, loss_fn)
+    pipe.train_step(*args, target=target, trace=True)  # traced from the workers
+    schedule = build_schedule("1f1b", 4, 4)
+    for rank, acts in enumerate(schedule):  # each rank's slices: its actions, in its order
+        slices = sorted((e for e in pipe.last_trace.events if e.rank == rank
+                         and e.name not in ("wait", "loss")), key=lambda e: e.start_us)
+        assert [e.name for e in slices] == [str(a) for a in acts]
+
+
 def test_workers_run_under_the_callers_autocast_and_grad_scaler() -> None:
     """torch keeps autocast per thread: the workers take the caller's (bf16 on CPU), so the
     threaded step equals the one-thread step bit for bit in what autocast decides."""
