@@ -72,6 +72,8 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             or ``"memory"``), ``schedule_kind`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
             ``"zero_bubble"``, ``"zbv"``, ``"dualpipev"``; ``schedule=`` is accepted as its
             older name),
+            ``issue_threads`` (local: 1 host thread issues every stage, default; None: a
+            worker thread per rank), ``cuda_graphs`` (local: replay CUDA stages as graphs),
             ``stages_per_rank`` (v), ``recompute`` (True / False /
             None: per stage), ``fuse`` (``torch.compile`` each stage; compile time in
             ``pipe.timings_s["fuse_s"]`` covers wrapping, compilation runs on first call),
@@ -183,7 +185,8 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                recompute=options.recompute, training=training,
                                time_limit_s=options.time_limit_s,
                                optimizer_state_bytes_per_param_byte=_state_factor(model, options),
-                               backend="distributed" if distributed else "local")
+                               backend="distributed" if distributed else "local",
+                               issue_threads=options.issue_threads)
     return plan, profile.captured, profile.timings_s
 
 
@@ -246,8 +249,10 @@ def _local_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s
-    return PipelinedModule(model, stages, InputSignature.of(captured), loss_fn=loss_fn,
-                           timings_s=timings)
+    pipe = PipelinedModule(model, stages, InputSignature.of(captured), loss_fn=loss_fn,
+                           timings_s=timings, issue_threads=options.issue_threads)
+    pipe.cuda_graphs = options.cuda_graphs
+    return pipe
 
 
 def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

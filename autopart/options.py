@@ -124,6 +124,14 @@ class CompileOptions:
             every rank a pipeline rank, as before.
         dp: data-parallel replicas >= 1, or None; as ``tp``.
         zero_stage: ZeRO stage over dp, 0-3, or None; as ``tp``.
+        issue_threads: local only: host threads that issue the ranks' work, rank ``r`` on
+            thread ``r % issue_threads`` (default 1: the caller's thread issues every stage);
+            None: a worker thread per rank (torchgpipe's scheme; same numerics). Settable
+            later as ``pipe.issue_threads``. The distributed backend has a process, so a
+            thread, per rank.
+        cuda_graphs: local only: replay each CUDA stage's training forward and backward as
+            CUDA graphs after the first step (default False; a stage that cannot be graphed
+            runs eagerly and says why once; ``pipe.cuda_graphs``).
         layout_search: distributed only: ``True`` searches the (tp, pp, dp, ZeRO) layouts
             even with none of ``tp``, ``dp``, ``zero_stage`` given (all chosen); ``None``
             (default) searches them only when one is given.
@@ -150,6 +158,8 @@ class CompileOptions:
     dp: int | None = None
     zero_stage: int | None = None
     layout_search: bool | None = None
+    issue_threads: int | None = 1
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         optimizer_state_factor(self.optimizer, 1, 1)  # checks the name or figure
@@ -179,6 +189,11 @@ class CompileOptions:
         if self.devices is not None and not self.devices:
             raise PlanError("devices is empty; pass at least one device, e.g. "
                             "['cuda:0', 'cuda:1']")
+        if self.issue_threads is not None and (isinstance(self.issue_threads, bool) or not
+                                               isinstance(self.issue_threads, int)
+                                               or self.issue_threads < 1):
+            raise PlanError(f"issue_threads={self.issue_threads!r} must be an int >= 1, or None "
+                            "for one thread per rank")
         _positive_seconds("time_limit_s", self.time_limit_s, "default 10")
         _positive_seconds("step_timeout_s", self.step_timeout_s, "or None: 300 s",
                           optional=True)
@@ -214,7 +229,8 @@ class CompileOptions:
 
         Raises:
             PlanError: ``checkpoint``, ``mesh``, ``step_timeout_s`` or ``layout_search`` with
-                the local backend;
+                the local backend; ``issue_threads`` > 1 or ``cuda_graphs`` with the
+                distributed one (a rank is a process with its own thread);
                 ``devices`` with the distributed one (each rank runs on its own
                 ``LOCAL_RANK`` device).
         """
@@ -224,6 +240,11 @@ class CompileOptions:
                     raise PlanError(f"{name}= is for backend='distributed' (a torchrun launch); "
                                     f"the local backend got {name}={getattr(self, name)!r}. Drop "
                                     "it, or launch with torchrun")
+        elif (self.issue_threads or 1) > 1 or self.cuda_graphs:
+            raise PlanError(f"issue_threads={self.issue_threads}, cuda_graphs={self.cuda_graphs} "
+                            "are for backend='local' (one process issuing every stage); with "
+                            "backend='distributed' each rank is a process with its own thread. "
+                            "Drop them")
         elif self.devices is not None:
             raise PlanError(f"devices={list(self.devices)} cannot be honoured with backend="
                             "'distributed': each rank runs on its own device (cuda:LOCAL_RANK, or "

@@ -190,7 +190,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                stages_per_rank: int | None = None, recompute: bool | None = None,
                training: bool = True, time_limit_s: float = 10.0, loss_fn: Any = None,
                example_target: Any = None, cache: bool | None = None,
-               backend: str = "local", **solve_options: Any) -> tuple[Plan, Profile]:
+               backend: str = "local", issue_threads: int | None = 1,
+               **solve_options: Any) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``devices`` and solve for a plan ("profile once, solve several
     ways": ``profile.solve(schedule_kind="1f1b", ...)`` re-solves on the same costs).
 
@@ -216,6 +217,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         backend: the runtime the plan is for, ``"local"`` (default) or ``"distributed"``
             (:func:`autopart.runtime.description.describe`): whose backward split is timed,
             how it holds receive buffers, and its cost per transfer.
+        issue_threads: the local runtime's issuing threads the plan is priced for (default
+            1; None: one per rank, ``pipe.issue_threads``); ignored for ``"distributed"``.
         **solve_options: further :class:`autopart.solver.SolveOptions` fields
             (``memory_cap_bytes``, ``optimizer_state_bytes_per_param_byte``, ...).
 
@@ -242,6 +245,9 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                                 devices=device_names, num_microbatches=num_microbatches,
                                 training=training, split_cost=may_split, loss_fn=loss_fn,
                                 example_target=example_target, cache=cache, backend=backend)
+        if backend == "local" and issue_threads != profile.runtime.issue_threads:
+            profile = dataclasses.replace(profile, runtime=dataclasses.replace(
+                profile.runtime, issue_threads=issue_threads))
         t0 = time.perf_counter()
         with phase("solve"):
             plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed,

@@ -9,11 +9,13 @@ from autopart.runtime.split_engines import LocalSplit, TorchPipeliningSplit
 __all__ = ["describe"]
 
 
-def describe(backend: str) -> RuntimeDescription:
+def describe(backend: str, *, issue_threads: int | None = 1) -> RuntimeDescription:
     """The description of ``backend`` before anything is measured of it.
 
-    ``"local"``: one process runs every stage (the stream executor), one thread issues
-    every stage's work (``issue_threads=1``); a stage's receive
+    ``"local"``: one process runs every stage (the stream executor); ``issue_threads``
+    host threads issue the ranks' work (default 1: the caller's thread issues every stage,
+    ``pipe.issue_threads = 1``; None: a worker thread per rank,
+    :class:`autopart.runtime.issue_threads.IssueThreads`); a stage's receive
     buffers are allocated as values arrive; the backward is split with
     :class:`~autopart.runtime.split_engines.LocalSplit`.
     ``"distributed"``: each rank is a process (torch.distributed.pipelining's stages) with
@@ -22,11 +24,16 @@ def describe(backend: str) -> RuntimeDescription:
     outputs, and a cost per transfer timed by
     :func:`autopart.runtime.transfer_rank.time_steps`.
 
+    Args:
+        backend: ``"local"`` or ``"distributed"``.
+        issue_threads: the local runtime's issuing threads (ignored for ``"distributed"``).
+
     Raises:
-        PlanError: an unknown backend.
+        PlanError: an unknown backend, or ``issue_threads`` below 1.
     """
     if backend == "local":
-        return RuntimeDescription(name="local", issue_threads=1, split_engine=LocalSplit())
+        return RuntimeDescription(name="local", issue_threads=issue_threads,
+                                  split_engine=LocalSplit())
     if backend == "distributed":
         return RuntimeDescription(name="distributed", receive_buffers_per_microbatch=True,
                                   ranks_are_processes=True, issue_threads=None,

@@ -12,7 +12,9 @@ from torch import nn
 from autopart.codegen.recompute import run_recomputed
 from autopart.codegen.split_backward import SplitBackward
 from autopart.core.errors import PlanError
-from autopart.core.schedule import Action, Schedule, execution_order
+from autopart.core.schedule import Action, Schedule
+from autopart.runtime.cuda_graphs import StageGraphs
+from autopart.runtime.issue_threads import IssueThreads, thread_orders
 from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["LocalExecutor", "StepResult"]
@@ -156,24 +158,47 @@ class LocalExecutor:
     ``torch.utils.checkpoint`` (:func:`autopart.codegen.recompute.run_recomputed`): only its
     inputs are kept, the rest is recomputed in backward.
     A stage's state for a microbatch is dropped as soon as its last backward action ran.
-    Actions are issued in :func:`autopart.core.schedule.execution_order`; on CPU they run one
-    after another, on CUDA each stage has its own compute stream and copies go on a copy
-    stream, so stages overlap (see :class:`_Streams`).
+    With ``issue_threads=1`` actions are issued from the caller's thread in
+    :func:`autopart.core.schedule.execution_order`; on CPU they run one after another, on
+    CUDA each stage has its own compute stream and copies go on a copy stream, so stages
+    overlap on the device as far as one host thread issues them fast enough (see
+    :class:`_Streams`). With more threads (``None``: one per rank) each rank's actions are
+    issued from a worker thread of its own, in the rank's order, a stage's ``F`` waiting for
+    the previous stage's outputs and its ``B``/``I`` for the next stage's input gradients
+    (:class:`autopart.runtime.issue_threads.IssueThreads`, torchgpipe's worker per device): CPU
+    stages then run at the same time, CUDA stages are issued in parallel. The same kernels
+    run on the same values either way.
 
     Args:
         stages: stage modules; stage ``s`` takes the values stage ``s - 1`` returns.
         devices: device of each stage.
         recompute: indices of stages that recompute their forward in backward.
+        issue_threads: host threads that issue the ranks' actions, rank ``r`` on thread
+            ``r % issue_threads`` (default 1: the caller's thread issues every action);
+            None: one thread per rank.
+        intra_op_threads: with several issuing threads, ``torch.set_num_threads`` per worker
+            (default None: the caller's count divided among the workers, at least 1).
+
+    Raises:
+        PlanError: stages and devices differ in number, or ``issue_threads`` below 1.
     """
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device],
-                 recompute: Sequence[int] = ()) -> None:
+                 recompute: Sequence[int] = (), *, issue_threads: int | None = 1,
+                 intra_op_threads: int | None = None) -> None:
         if len(stages) != len(devices):
             raise PlanError(f"{len(stages)} stages but {len(devices)} devices; pass one device "
                             "per stage")
+        if issue_threads is not None and issue_threads < 1:
+            raise PlanError(f"issue_threads={issue_threads} must be >= 1, or None for one "
+                            "thread per rank")
         self.stages = list(stages)
         self.devices = list(devices)
         self.recompute = frozenset(recompute)
+        self.issue_threads = issue_threads
+        self._threads = IssueThreads(intra_op_threads)
+        # training forwards (and their backwards) replayed as CUDA graphs when set
+        self.graphs: StageGraphs | None = None
         # made once and kept: PyTorch keeps a cuBLAS and a cuBLASLt workspace per stream
         # that runs matmuls, so streams made afresh every step would hold more after each step
         self._stream_set: _Streams | None = None
@@ -215,21 +240,35 @@ class LocalExecutor:
         # done[(kind, s, i)]: event after stage s produced its outputs ("F") or input grads ("G")
         done: dict[tuple[str, int, int], torch.cuda.Event | None] = {}
         self._streams, self._done, self._scale_loss = streams, done, scale_loss
-        for action in execution_order(schedule, num_stages):
+        if self.graphs is not None:
+            self.graphs.begin_step(training)
+
+        def issue(action: Action) -> None:
             if recorder is None:
                 self._action(action, mb_inputs, state, grads, live, result, loss_closure)
-            else:
-                s = action.stage_index
-                rank = recorder.rank_of_stage(s)
-                with recorder.span(rank, str(action), streams.compute[s]):
-                    self._action(action, mb_inputs, state, grads, live, result, None)
-                if loss_closure is not None and action.kind == "F" and s == num_stages - 1:
-                    with recorder.span(rank, "loss", streams.compute[s], waits=False), \
-                            streams.on(s):
-                        i = action.mb_index
-                        result.losses[i] = loss_closure(i, state[(s, i)].outputs)
+                return
+            s = action.stage_index
+            rank = recorder.rank_of_stage(s)
+            with recorder.span(rank, str(action), streams.compute[s]):
+                self._action(action, mb_inputs, state, grads, live, result, None)
+            if loss_closure is not None and action.kind == "F" and s == num_stages - 1:
+                with recorder.span(rank, "loss", streams.compute[s], waits=False), \
+                        streams.on(s):
+                    i = action.mb_index
+                    result.losses[i] = loss_closure(i, state[(s, i)].outputs)
+
+        def after(action: Action) -> None:
             if on_action is not None:
                 on_action(action, list(live))
+
+        orders = thread_orders(schedule, num_stages, self.issue_threads)
+        if len(orders) <= 1:
+            for action in (orders[0] if orders else []):
+                issue(action)
+                after(action)
+        else:
+            present = frozenset(a for acts in schedule for a in acts)
+            self._threads.run(orders, num_stages, present, issue, after)
         streams.finish()
         result.losses = [None if loss is None else loss.detach() for loss in result.losses]
         return result
@@ -267,8 +306,12 @@ class LocalExecutor:
                 if action.kind == "B":
                     if st.roots:
                         torch.autograd.backward(st.roots, st.root_grads)
-                    self._send_input_grads(s, i, st, [a.grad if isinstance(a, torch.Tensor)
-                                                      else None for a in st.inputs], grads)
+                    input_grads = [a.grad if isinstance(a, torch.Tensor) else None
+                                   for a in st.inputs]
+                    if self.graphs is not None and self.graphs.release(s, i):
+                        # a replay's input gradients are the graph's buffers: copy them out
+                        input_grads = [None if g is None else g.clone() for g in input_grads]
+                    self._send_input_grads(s, i, st, input_grads, grads)
                 elif action.kind == "I":
                     self._send_input_grads(s, i, st, self._input_grads(s, st), grads)
                 elif st.split is not None:  # W
@@ -290,6 +333,8 @@ class LocalExecutor:
         with streams.on(s), torch.set_grad_enabled(training):
             if training and s in self.recompute:
                 out = run_recomputed(self.stages[s], *args)
+            elif training and self.graphs is not None:
+                out = self.graphs.forward(s, i, args)
             else:
                 out = self.stages[s](*args)
         self._done[("F", s, i)] = streams.mark(s)

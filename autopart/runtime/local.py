@@ -16,6 +16,7 @@ from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.runtime._torch_private import incompatible_keys, version_counter
 from autopart.runtime.checkpoint_state import CheckpointState
+from autopart.runtime.cuda_graphs import StageGraphs
 from autopart.runtime.executor import LocalExecutor
 from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.tracing import ActionRecorder
@@ -62,7 +63,8 @@ class PipelinedModule(Pipeline):
 
     def __init__(self, model: nn.Module, stages: BuiltStages, signature: InputSignature, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 timings_s: dict[str, float] | None = None) -> None:
+                 timings_s: dict[str, float] | None = None,
+                 issue_threads: int | None = 1) -> None:
         """Wrap ``stages`` (every stage built, see :func:`autopart.codegen.build_stages`).
 
         Args:
@@ -72,6 +74,11 @@ class PipelinedModule(Pipeline):
             signature: the inputs and outputs compiled for.
             loss_fn: ``(output, target) -> scalar``, or None for inference only.
             timings_s: seconds per compile phase, kept as ``timings_s``.
+            issue_threads: host threads that issue the stages' work (see
+                :attr:`issue_threads`; default 1).
+
+        Raises:
+            PlanError: ``issue_threads`` below 1.
         """
         super().__init__(stages, signature, loss_fn=loss_fn, timings_s=timings_s,
                          on_cpu=any(torch.device(d).type == "cpu" for d in stages.devices))
@@ -85,8 +92,56 @@ class PipelinedModule(Pipeline):
                         + list(model.named_buffers()) if fqn not in used}
         self._num_ranks = len(plan.ranks)
         self._executor = LocalExecutor(list(stages.runners), self.devices,  # type: ignore[arg-type]
-                                       recompute=self._recompute)
+                                       recompute=self._recompute, issue_threads=issue_threads)
         self._replica_versions: dict[str, int] = {}
+        self._cuda_graphs = False
+
+    @property
+    def issue_threads(self) -> int | None:
+        """Host threads that issue the ranks' actions: 1 (the caller's thread issues every
+        stage's work, in one global order), k (rank ``r`` on worker ``r % k``) or None (a
+        worker thread per rank: CPU stages run at the same time, CUDA stages are issued in
+        parallel; torchgpipe's scheme). Numerics are the same for every setting. Settable
+        between steps.
+
+        Raises:
+            PlanError: set below 1.
+        """
+        return self._executor.issue_threads
+
+    @issue_threads.setter
+    def issue_threads(self, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise PlanError(f"issue_threads={value} must be >= 1, or None for one thread per "
+                            "rank")
+        self._executor.issue_threads = value
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Replay each stage's training forward and backward as CUDA graphs (default False).
+
+        The first ``train_step`` after it is set runs eagerly and records the microbatch
+        shapes; the graphs are captured after it (one copy per microbatch the stage holds at
+        once) and replayed from the next step on
+        (:class:`autopart.runtime.cuda_graphs.StageGraphs`). A stage that cannot be graphed
+        (not CUDA, recompute, a split backward, a host sync or data-dependent shape in the
+        capture) runs eagerly and its reason is printed once and kept in
+        :attr:`cuda_graph_reasons`. Inference (``pipe(x)``) stays eager. Needs the weights
+        updated in place (optimizers do) and the same microbatch shape every step.
+        """
+        return self._cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, value: bool) -> None:
+        self._cuda_graphs = bool(value)
+        self._executor.graphs = None  # made (and captured) afresh by the next train_step
+
+    @property
+    def cuda_graph_reasons(self) -> dict[int, str]:
+        """Per stage that runs eagerly with ``cuda_graphs`` on, why (empty before the first
+        step; a negative key ``-1 - s`` is a call of stage ``s`` that ran eagerly)."""
+        graphs = self._executor.graphs
+        return {} if graphs is None else dict(graphs.reasons)
 
     # ---- tensors under original names ----------------------------------------------
     def _tensor(self, fqn: str) -> torch.Tensor:
@@ -285,6 +340,10 @@ class PipelinedModule(Pipeline):
                                   self.plan.stages_per_rank, recompute=self._recompute)
         rank_of = [st.rank for st in self.plan.stages]
         recorder = ActionRecorder(rank_of.__getitem__) if trace else None
+        if self._cuda_graphs and self._executor.graphs is None:
+            split = sorted({a.stage_index for acts in schedule for a in acts if a.kind == "I"})
+            self._executor.graphs = StageGraphs(self._executor.stages, self.devices,
+                                                recompute=self._recompute, split=split)
 
         def run() -> Any:
             if recorder is not None:
@@ -302,5 +361,8 @@ class PipelinedModule(Pipeline):
             result = run()
         if recorder is not None:
             self.last_trace = self._trace(recorder.events(), f"measured:{self.devices[0]}", m)
+        graphs = self._executor.graphs
+        if graphs is not None and not graphs.captured:
+            graphs.capture(result.max_live_activations)
         self._reduce_replica_grads()
         return torch.stack([loss for loss in result.losses if loss is not None]).sum()

@@ -4,9 +4,11 @@
 #   2. the CUDA tests (pytest -m requires_cuda: tests/gpu, tests/e2e's CUDA-stream matrix)
 #   3. where the peak memory goes, with and without CUDA_LAUNCH_BLOCKING: memory_breakdown.py
 #   4. the named-GPU model against the GPU itself: preset_vs_measured.py
+#   5. the local runtime issued from one thread, a thread per rank, and as CUDA graphs
+#      (4 stages of a small GPT-2 on cuda:0): issue_threads.py
 # Needs a Python with a CUDA build of torch and this package installed (`make setup
 # TORCH_SPEC='torch>=2.6'`, or PYTHON=python3 where the package is installed into it).
-# Writes 8 files into $OUT (default benchmarks/gpu/out): environment.txt, log.txt (everything
+# Writes 9 files into $OUT (default benchmarks/gpu/out): environment.txt, log.txt (everything
 # printed), cuda_tests.txt and each script's JSON / trace / PNG. Each step has its own time
 # limit, so one that hangs leaves the others their time.
 set -uo pipefail
@@ -34,4 +36,7 @@ for model in zoo-gpt2 fidelity-gpt2; do
 done
 echo "== preset_vs_measured.py" | tee -a "$LOG"
 timeout 120 "$PY" benchmarks/gpu/preset_vs_measured.py --out "$OUT" 2>&1 | quiet | tee -a "$LOG" | tail -12
+echo "== issue_threads.py" | tee -a "$LOG"
+timeout 75 "$PY" benchmarks/gpu/issue_threads.py --devices cuda:0,cuda:0,cuda:0,cuda:0 \
+  --microbatches 8 --steps 7 --rounds 2 --out "$OUT" 2>&1 | quiet | tee -a "$LOG" | tail -4
 date -u | tee -a "$OUT/environment.txt"
