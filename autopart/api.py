@@ -173,7 +173,8 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                recompute=options.recompute, training=training,
                                time_limit_s=options.time_limit_s,
                                optimizer_state_bytes_per_param_byte=_state_factor(model, options),
-                               backend="distributed" if distributed else "local")
+                               backend="distributed" if distributed else "local",
+                               fuse=options.fuse)
     return plan, profile.captured, profile.timings_s
 
 
