@@ -113,8 +113,10 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
     With ``fuse`` each segment runs as ``torch.compile`` of its module (Inductor's default
     mode, as :func:`autopart.codegen.stages.build_stages` wraps a stage with ``fuse=True``):
     the untimed warm-up then compiles it, forward and backward, and the times are those of
-    the compiled code (on this project's 2-core CPU, torch 2.13, about 4-8 s of compiling
-    per GPT-2 block; see benchmarks/fidelity/results_fuse.md).
+    the compiled code. Compiling costs time: the fidelity GPT-2's 8 calibration segments
+    (benchmarks/fidelity/run_fuse.py) took 85-95 s from an empty Inductor cache on this
+    project's 2-core CPU under a load average of 5-12 (torch 2.13); seconds once Inductor's
+    on-disk cache holds them.
 
     The model's parameters, ``.grad``, buffers and random state are left as they were.
 
