@@ -113,10 +113,10 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
     With ``fuse`` each segment runs as ``torch.compile`` of its module (Inductor's default
     mode, as :func:`autopart.codegen.stages.build_stages` wraps a stage with ``fuse=True``):
     the untimed warm-up then compiles it, forward and backward, and the times are those of
-    the compiled code. Compiling costs time: the fidelity GPT-2's 8 calibration segments
-    (benchmarks/fidelity/run_fuse.py) took 85-95 s from an empty Inductor cache on this
-    project's 2-core CPU under a load average of 5-12 (torch 2.13); seconds once Inductor's
-    on-disk cache holds them.
+    the compiled code. Compiling costs time: planning the fidelity GPT-2 at m = 8 with its 8
+    calibration segments compiled (benchmarks/fidelity/results_fuse.md) took 20 s more than
+    eagerly from an empty Inductor cache on this project's 2-core CPU at a load average of 2,
+    120-150 s more at 11-18 (torch 2.13); seconds once Inductor's on-disk cache holds them.
 
     The model's parameters, ``.grad``, buffers and random state are left as they were.
 
