@@ -186,7 +186,7 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                time_limit_s=options.time_limit_s,
                                optimizer_state_bytes_per_param_byte=_state_factor(model, options),
                                backend="distributed" if distributed else "local",
-                               issue_threads=options.issue_threads)
+                               issue_threads=options.issue_threads, fuse=options.fuse)
     return plan, profile.captured, profile.timings_s
 
 

@@ -102,7 +102,8 @@ class CompileOptions:
         stages_per_rank: v >= 1 (v > 1 needs ``interleaved_1f1b``; ``zbv`` and
             ``dualpipev`` run v = 2, rank r holding stages r and 2p - 1 - r).
         recompute: every stage (True), none (False), solver's choice (None).
-        fuse: compile each stage with ``torch.compile`` (both backends).
+        fuse: compile each stage with ``torch.compile`` (both backends); the plan is then
+            priced on compiled segments' times (``ProfileOptions.fuse``).
         backend: ``"local"`` or ``"distributed"``; ``None`` picks distributed inside an
             initialised process group of more than one rank.
         checkpoint: distributed only: a ``pipe.save`` directory the rank loads its weights

@@ -85,13 +85,14 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                   devices: list[str] | tuple[str, ...], num_microbatches: int | None = None,
                   training: bool = True, split_cost: bool = True, loss_fn: Any = None,
                   example_target: Any = None, cache: bool | None = None,
-                  low_batch: bool = True, backend: str = "local") -> Profile:
+                  low_batch: bool = True, backend: str = "local", fuse: bool = False) -> Profile:
     """Capture ``model`` and measure every node's cost on ``devices[0]``
     (:func:`autopart.profiler.session.profile_model`), for the runtime ``backend``
     (``"local"`` or ``"distributed"``, :func:`autopart.runtime.description.describe`); with
     two or more ``cpu`` ranks also the link between them and, for a runtime whose ranks are
     processes, its cost per transfer (:func:`host_figures`). Arguments as
-    :class:`autopart.profiler.session.ProfileOptions`; docs/design.md ("Cost model the solver
+    :class:`autopart.profiler.session.ProfileOptions` (``fuse``: price stages compiled with
+    ``torch.compile``, as ``compile(..., fuse=True)`` runs them); docs/design.md ("Cost model the solver
     optimises") says what each phase measures and caches.
 
     Raises:
@@ -108,7 +109,7 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         devices=tuple(devices), cut_positions=_cut_positions, num_microbatches=num_microbatches,
         training=training, split_cost=split_cost, loss_fn=loss_fn,
         example_target=example_target, cache=cache, low_batch=low_batch, runtime=runtime,
-        cpu_malloc=malloc)
+        cpu_malloc=malloc, fuse=fuse)
     with progress():  # one display for the model's phases and the link's
         measured = session.profile_model(model, args, dict(example_kwargs or {}), options)
         fields = {f.name: getattr(measured, f.name) for f in dataclasses.fields(measured)}
@@ -190,7 +191,7 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                stages_per_rank: int | None = None, recompute: bool | None = None,
                training: bool = True, time_limit_s: float = 10.0, loss_fn: Any = None,
                example_target: Any = None, cache: bool | None = None,
-               backend: str = "local", issue_threads: int | None = 1,
+               backend: str = "local", issue_threads: int | None = 1, fuse: bool = False,
                **solve_options: Any) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``devices`` and solve for a plan ("profile once, solve several
     ways": ``profile.solve(schedule_kind="1f1b", ...)`` re-solves on the same costs).
@@ -219,6 +220,9 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             how it holds receive buffers, and its cost per transfer.
         issue_threads: the local runtime's issuing threads the plan is priced for (default
             1; None: one per rank, ``pipe.issue_threads``); ignored for ``"distributed"``.
+        fuse: the stages will run compiled (``compile(..., fuse=True)``): the profile is
+            calibrated to compiled segments' times, so the plan prices compiled stages
+            (:class:`autopart.profiler.session.ProfileOptions`; default False).
         **solve_options: further :class:`autopart.solver.SolveOptions` fields
             (``memory_cap_bytes``, ``optimizer_state_bytes_per_param_byte``, ...).
 
@@ -244,7 +248,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
                                 devices=device_names, num_microbatches=num_microbatches,
                                 training=training, split_cost=may_split, loss_fn=loss_fn,
-                                example_target=example_target, cache=cache, backend=backend)
+                                example_target=example_target, cache=cache, backend=backend,
+                                fuse=fuse)
         if backend == "local" and issue_threads != profile.runtime.issue_threads:
             profile = dataclasses.replace(profile, runtime=dataclasses.replace(
                 profile.runtime, issue_threads=issue_threads))

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from autopart.profiler.session import Session
 
 __all__ = ["batch_points", "scaled_batch_points", "two_point_costs", "segment_calibrated",
-           "calibration_suffix", "calibration_cuts", "same_ops", "CALIBRATION_SEGMENTS"]
+           "calibration_suffix", "calibration_cuts", "same_ops", "CALIBRATION_SEGMENTS", "FUSED"]
 
 #: Segments a profile is calibrated in: their times in sequence, as stages run, set the
 #: shares of the profile's nodes in each.
@@ -27,6 +27,9 @@ CALIBRATION_SEGMENTS = 8
 
 #: How the two batch points are measured on top of the profile method (cache key).
 CALIBRATION = ",segment-calibrated-v2"
+
+#: What a calibration of compiled segments (``ProfileOptions.fuse``) adds to a cache key.
+FUSED = ",fused=torch.compile(inductor)"
 
 
 def batch_points(batch: int, candidates: tuple[int, ...] | None,
@@ -63,9 +66,11 @@ def scaled_batch_points(batch: int, candidates: tuple[int, ...] | None, num_rank
     return tuple(sorted(extra[:most]))
 
 
-def calibration_suffix(neighbours: int) -> str:
-    """What a segment calibration beside ``neighbours`` co-runners adds to a cache key."""
-    return CALIBRATION + (f",co-runners={neighbours}" if neighbours else "")
+def calibration_suffix(neighbours: int, fuse: bool = False) -> str:
+    """What a segment calibration beside ``neighbours`` co-runners, of compiled segments
+    with ``fuse``, adds to a cache key."""
+    return (CALIBRATION + (f",co-runners={neighbours}" if neighbours else "")
+            + (FUSED if fuse else ""))
 
 
 def calibration_cuts(session: Session, costs: CostGraph) -> tuple[int, ...]:
@@ -89,10 +94,13 @@ def segment_calibrated(session: Session, costs: CostGraph, captured: CapturedGra
                        flat: list[Any]) -> CostGraph:
     """``costs`` (``captured``'s profile on ``flat``) with each calibration segment's nodes
     scaled to the segment's forward and backward timed in sequence
-    (:func:`autopart.profiler.calibrate.segment_times`), beside the session's co-runners."""
+    (:func:`autopart.profiler.calibrate.segment_times`), beside the session's co-runners;
+    each segment compiled with ``torch.compile`` where the session fuses
+    (``ProfileOptions.fuse``), so that the node costs sum, segment by segment, to the
+    compiled code's times."""
     cuts = calibration_cuts(session, costs)
     with co_runners(corunner_step(captured, flat), session.neighbours):
-        times = segment_times(captured, flat, session.device, cuts)
+        times = segment_times(captured, flat, session.device, cuts, fuse=session.options.fuse)
     return calibrate_to_segments(costs, cuts, times)
 
 
@@ -110,7 +118,8 @@ def _segments_at(session: Session, m: int, cuts: tuple[int, ...],
     if same_as is not None and not same_ops(captured, same_as):
         return captured, None
     with co_runners(corunner_step(captured, flat), session.neighbours):
-        return captured, segment_times(captured, flat, session.device, cuts)
+        return captured, segment_times(captured, flat, session.device, cuts,
+                                       fuse=session.options.fuse)
 
 
 def two_point_costs(session: Session, points: tuple[int, int], unlossed: CostGraph,
@@ -139,7 +148,7 @@ def two_point_costs(session: Session, points: tuple[int, int], unlossed: CostGra
     batch = session.batch
     m_low, m_high = points
     low_captured, low_flat = session.capture_at(m_low)
-    calibration = calibration_suffix(session.neighbours)
+    calibration = calibration_suffix(session.neighbours, session.options.fuse)
 
     def measure_low() -> CostGraph:
         low = session.profile(low_captured, low_flat)

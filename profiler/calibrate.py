@@ -91,7 +91,7 @@ def segment_cuts(costs: CostGraph, positions: list[int] | tuple[int, ...],
 
 def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
                   positions: list[int] | tuple[int, ...], *, min_repeats: int = 3,
-                  budget_s: float = 1.0) -> list[tuple[float, float]]:
+                  budget_s: float = 1.0, fuse: bool = False) -> list[tuple[float, float]]:
     """Forward and backward time of each segment of the graph cut at ``positions``, run in
     sequence as the runtimes run stages, µs.
 
@@ -110,6 +110,14 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
     on CUDA a synchronize closes each timed part. With no positions the whole graph is one
     segment (:func:`whole_graph_times`).
 
+    With ``fuse`` each segment runs as ``torch.compile`` of its module (Inductor's default
+    mode, as :func:`autopart.codegen.stages.build_stages` wraps a stage with ``fuse=True``):
+    the untimed warm-up then compiles it, forward and backward, and the times are those of
+    the compiled code. Compiling costs time: planning the fidelity GPT-2 at m = 8 with its 8
+    calibration segments compiled (benchmarks/fidelity/results_fuse.md) took 20 s more than
+    eagerly from an empty Inductor cache on this project's 2-core CPU at a load average of 2,
+    120-150 s more at 11-18 (torch 2.13); seconds once Inductor's on-disk cache holds them.
+
     The model's parameters, ``.grad``, buffers and random state are left as they were.
 
     Args:
@@ -118,6 +126,7 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
         positions: ascending op-node positions to cut at (``len(positions) + 1`` segments).
         min_repeats: timed runs at least (default 3, >= 1).
         budget_s: seconds after which no run beyond ``min_repeats`` starts (default 1.0).
+        fuse: time each segment compiled with ``torch.compile`` (default False: eager).
 
     Returns:
         ``[(forward µs, backward µs)]`` per segment; a backward is 0 where nothing needs a
@@ -129,6 +138,8 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
     dev = torch.device(device)
     graphs = split_graph(captured, list(positions))
     stages, _ = build_stage_modules(captured, graphs, [dev] * len(graphs))
+    runners = [torch.compile(st) if fuse and st is not None else st  # type: ignore[misc]
+               for st in stages]
     buffers = list({id(b): b for st in stages if st is not None for b in st.buffers()}.values())
     saved_buffers = [b.detach().clone() for b in buffers]
     params = [[p for p in st.parameters() if p.requires_grad] if st is not None else []
@@ -145,7 +156,7 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
         fwd: list[float] = []
         kept: list[tuple[list[Any], tuple[Any, ...]]] = []  # (leaves, outputs) per segment
         args: list[Any] = inputs
-        for st in stages:
+        for st in runners:
             assert st is not None
             sync()
             t0 = time.perf_counter()

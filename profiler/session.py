@@ -7,6 +7,7 @@ import functools
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -79,6 +80,12 @@ class ProfileOptions:
             (``ranks_are_processes``: calibration beside co-runners).
         cpu_malloc: what the caller set of the CPU allocator before profiling (part of the
             cache key), or None.
+        fuse: the stages will run compiled (``torch.compile``, ``CompileOptions.fuse``):
+            every profile the solver reads is calibrated segment by segment to compiled
+            segments' times (:func:`autopart.profiler.batch_points.segment_calibrated`), at
+            the profiled microbatch when m is fixed or no batch points are timed, else at the
+            batch points (default False: eager segments, where calibrated at all). Part of
+            the cache key of every calibrated figure.
     """
 
     devices: tuple[str, ...]
@@ -92,6 +99,7 @@ class ProfileOptions:
     low_batch: bool = True
     runtime: RuntimeDescription = RuntimeDescription()
     cpu_malloc: str | None = None
+    fuse: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -256,22 +264,26 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     t0 = time.perf_counter()
     flat = captured.flatten_inputs(args, kwargs)
     ranks = len(options.devices)
+    points = batch_points(batch, candidates, ranks) if options.low_batch else None
     # m fixed, several ranks that are processes: the microbatch's profile is calibrated
-    # segment by segment as the two-point path calibrates its profiles
+    # segment by segment as the two-point path calibrates its profiles; and always when the
+    # stages run compiled, unless the batch points (calibrated) replace it
     calibrate_fixed = (m_fixed is not None and options.low_batch and options.training
                        and options.runtime.ranks_are_processes and ranks > 1)
+    calibrate = calibrate_fixed or (options.fuse and (m_fixed is not None or points is None))
     session.key = session.profile_key(captured, flat, session.method + (
-        calibration_suffix(session.neighbours) if calibrate_fixed else ""))
+        calibration_suffix(session.neighbours, options.fuse) if calibrate else ""))
 
     def measure() -> CostGraph:
         measured = session.profile(captured, flat)
-        if not calibrate_fixed:
+        if not calibrate:
             return measured
         try:
             with phase("calibration"):
                 return segment_calibrated(session, measured, captured, flat)
-        except PlanError:  # a segment the stage builder cannot cut: the per-node profile
-            return measured  # (as the two-point path falls back to one profile)
+        except PlanError as exc:  # a segment the stage builder cannot cut: the per-node
+            _warn_uncompiled(options.fuse, exc)  # profile (as the two-point path falls back)
+            return measured
 
     with phase("profile") as shown:
         costs = session.cached_costs(session.key, measure, "profile")
@@ -279,7 +291,6 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             shown.note("from cache")
     timings["profile_s"] = time.perf_counter() - t0
 
-    points = batch_points(batch, candidates, ranks) if options.low_batch else None
     smallest: tuple[CapturedGraph, list[Any], CostGraph] | None = None
     scaled: tuple[int, ...] = ()
     two_point: CostGraph | None = None
@@ -290,8 +301,8 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         try:
             with phase("calibration"):
                 two_point, smallest = two_point_costs(session, points, costs, scaled)
-        except PlanError:  # a batch-dependent graph: one point, scaled
-            pass
+        except PlanError as exc:  # a batch-dependent graph: one point, scaled
+            _warn_uncompiled(options.fuse, exc)
         timings["batch_points_s"] = time.perf_counter() - t0
     if two_point is not None:
         costs = two_point
@@ -382,6 +393,14 @@ def _split_piece(session: Session, m: int,
         dataclasses.replace(nd, saved_bytes=math.ceil(nd.saved_bytes * k))
         for nd in low_costs.nodes))
     return cap, flat, costs
+
+
+def _warn_uncompiled(fuse: bool, exc: PlanError) -> None:
+    """Warn, where the stages will run compiled, that the profile stays the eager one."""
+    if fuse:
+        warnings.warn(f"fuse=True: the profile could not be calibrated to compiled segments "
+                      f"({exc}); the plan is priced on eager node times, which may be slower "
+                      "or faster than the compiled stages", stacklevel=3)
 
 
 def _dtype_name(model: nn.Module) -> str:

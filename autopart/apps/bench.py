@@ -155,7 +155,8 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
              threads_per_rank: int = 1, trace: bool | Collection[str] = True,
              measure_memory: bool = True, untimed: Collection[str] = (),
              save_plan_to: str | os.PathLike[str] | None = None,
-             on_step: Callable[[int, int], None] | None = None) -> dict[str, ArmResult]:
+             on_step: Callable[[int, int], None] | None = None,
+             fuse: Collection[str] = ()) -> dict[str, ArmResult]:
     """Run every plan (and the unpartitioned model) on ``ranks`` local processes.
 
     Args:
@@ -175,6 +176,8 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
         save_plan_to: write the first plan there and every rank's stage sources beside it
             (``DistributedPipeline.save_plan``).
         on_step: called in this process as ``on_step(done, total)`` while steps run.
+        fuse: arms whose stages run compiled (``autopart.compile(..., fuse=True)``; the
+            first warm-up step compiles them).
 
     Returns:
         Arm name -> :class:`ArmResult`.
@@ -186,9 +189,10 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
 
     if not plans:
         raise UsageError("run_arms needs at least one plan")
-    unknown = sorted(set(untimed) - set(plans))
-    if unknown:
-        raise UsageError(f"untimed arms {unknown} are not among the plans {list(plans)}")
+    for what, named in (("untimed", untimed), ("fused", fuse)):
+        unknown = sorted(set(named) - set(plans))
+        if unknown:
+            raise UsageError(f"{what} arms {unknown} are not among the plans {list(plans)}")
     traced = list(plans) if trace is True else [] if trace is False else list(trace)
     for name, plan in plans.items():
         if plan.num_gpus != ranks:  # tp x pp x dp: a 3D plan's mesh spans them all
@@ -199,7 +203,7 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
         spec = {"workload": workload, "config": config or {}, "names": list(plans),
                 "steps": steps, "warmup": warmup, "single": single,
                 "threads": threads_per_rank, "trace": traced, "memory": measure_memory,
-                "untimed": sorted(untimed),
+                "untimed": sorted(untimed), "fuse": sorted(fuse),
                 "save": None if save_plan_to is None else str(Path(save_plan_to).resolve())}
         Path(work, "spec.json").write_text(json.dumps(spec))
         with socket.socket() as s:
@@ -255,7 +259,7 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
         plan = Plan.load(Path(work, f"plan_{i}.json"))
         first_m = first_m if i else plan.num_microbatches
         pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan,
-                                backend="distributed")
+                                backend="distributed", fuse=name in spec["fuse"])
         arms.append((name, pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-5)))
         if i == 0 and spec["save"]:
             pipe.save_plan(spec["save"])

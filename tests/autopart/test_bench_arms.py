@@ -32,3 +32,5 @@ def test_untimed_arms_must_be_plans() -> None:
                                   num_microbatches=2, schedule_kind="1f1b")
     with pytest.raises(UsageError, match=r"untimed arms \['nope'\] are not among the plans"):
         run_arms("hf:GPT2LMHeadModel", {"speed": plan}, ranks=2, untimed=["nope"])
+    with pytest.raises(UsageError, match=r"fused arms \['nope'\] are not among the plans"):
+        run_arms("hf:GPT2LMHeadModel", {"speed": plan}, ranks=2, fuse=["nope"])
