@@ -277,7 +277,8 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     replica's batch (``batch_size / dp``), pp ranks linked as placed, the per-GPU parameter
     state under ZeRO (:func:`state_multiplier`) and the memory cap less what ZeRO-3 holds
     gathered. The dp collectives of the rank with the most parameters are then added to the
-    step (not overlapped) and ZeRO-3's gathered bytes to every rank's peak. The baselines get
+    step (not overlapped; with more CPU ranks than cores, ``runtime.ranks_per_core`` times
+    longer: every rank runs them at once) and ZeRO-3's gathered bytes to every rank's peak. The baselines get
     the same ZeRO-3 bytes and the dp collectives of an even parameter split over the pp ranks
     (a lower bound on theirs), so they compare with the plan on one footing; the points of the
     time-memory frontier (the search's own candidates) get the plan's dp collectives.
@@ -300,15 +301,16 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                     state_bytes_per_param_byte=mult if options.training else None)
     plan = solve(sharded, _pipeline_cluster(device, tp, pp, dp, layout.topology), inner)
     extra = even = 0.0
+    shared = max(1.0, options.runtime.ranks_per_core)  # every rank reduces at once
     if options.training:
         rank_params = [sum(plan.stages[s].param_bytes for s in r.stage_indices)
                        for r in plan.ranks]
-        extra = _dp_cost(max(rank_params), largest, dp, zero, tp, layout).step_us(
+        extra = shared * _dp_cost(max(rank_params), largest, dp, zero, tp, layout).step_us(
             plan.num_microbatches)
         # any partition's fullest rank holds at least an even share: the baselines are
         # charged this (a lower bound on their dp collectives)
-        even = _dp_cost(-(-sum(rank_params) // len(rank_params)), largest, dp, zero, tp,
-                        layout).step_us(plan.num_microbatches)
+        even = shared * _dp_cost(-(-sum(rank_params) // len(rank_params)), largest, dp, zero,
+                                 tp, layout).step_us(plan.num_microbatches)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()
