@@ -130,3 +130,17 @@ def test_the_solver_prices_shared_cores(build) -> None:  # type: ignore[no-untyp
     assert len(shared.cuts) == 1 and shared.stages[0].predicted_fwd_us == pytest.approx(10.0)
     assert own.predicted_step_time_us == pytest.approx(90.1)
     assert shared.predicted_step_time_us == pytest.approx(120.2)
+
+
+def test_the_plans_lower_bound_counts_the_shared_cores(build) -> None:  # type: ignore[no-untyped-def]
+    # 4 nodes of F 10 + B 20 at 8 rows: 120 µs of work a step at any m, over 2 ranks 60;
+    # with 2 ranks per core 120, which the hand-worked plan above reaches
+    costs = build.chain(4)
+    opts = SolveOptions(batch_size=8, num_microbatches=2, schedule_kind="1f1b",
+                        stages_per_rank=1, time_limit_s=5)
+    own = solve(costs, build.cluster(2), opts)
+    shared = solve(costs, build.cluster(2), dataclasses.replace(
+        opts, runtime=RuntimeDescription(ranks_per_core=2.0)))
+    assert own.lower_bounds.step_time_us == pytest.approx(60.0)
+    assert shared.lower_bounds.step_time_us == pytest.approx(120.0)
+    assert shared.predicted_step_time_us >= shared.lower_bounds.step_time_us
