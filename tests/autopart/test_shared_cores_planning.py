@@ -11,6 +11,7 @@ from autopart import CompileOptions, PlanError
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.planning import cpu_ranks_per_core, layout_request
 from autopart.solver.data_parallel import data_parallel_cost
+from autopart.solver.layout_predict import predict_layout
 from autopart.solver.layout_search import solve_layout
 from tests.autopart.test_layout_planning import CPU, _options
 from tests.solver.test_layout_search import _gpt
@@ -84,3 +85,27 @@ def test_the_dp_collectives_run_on_the_shared_cores_too() -> None:
                     for s in r.stage_indices) for r in plan.ranks]
     assert ring > sum(busy)  # the collective dominates: the check below is not vacuous
     assert plan.predicted_step_time_us >= 2.0 * sum(busy) / len(busy) + 2.0 * ring
+
+
+@pytest.mark.parametrize("fixed", [{"dp": 2, "zero_stage": 0}, {"tp": 2, "dp": 1},
+                                   {"tp": 1, "dp": 1}])
+@pytest.mark.parametrize("rpc", [1.0, 2.0])
+def test_a_plan_priced_at_its_own_cuts_is_what_the_search_predicted(
+        fixed: dict[str, int], rpc: float) -> None:
+    costs = _gpt(4)
+    req = layout_request(CompileOptions(**fixed), 4, CPU)  # type: ignore[arg-type]
+    opts = _options(schedule_kind="1f1b", num_microbatches=4, runtime=_shared(rpc))
+    plan = solve_layout(costs, CPU, opts, req)
+    assert predict_layout(plan, costs, CPU, opts, req) == pytest.approx(
+        plan.predicted_step_time_us, abs=1e-2)
+    # the core-each plan priced on shared cores: no faster than 2 x its ranks' mean busy
+    own_opts = _options(schedule_kind="1f1b", num_microbatches=4, runtime=_shared(1.0))
+    own = solve_layout(costs, CPU, own_opts, req)
+    on_shared = predict_layout(own, costs, CPU, _options(
+        schedule_kind="1f1b", num_microbatches=4, runtime=_shared(2.0)), req)
+    busy = [4 * sum(own.stages[s].predicted_fwd_us + own.stages[s].predicted_bwd_us
+                    for s in r.stage_indices) for r in own.ranks]
+    assert on_shared >= 2.0 * sum(busy) / len(busy)
+    assert on_shared >= own.predicted_step_time_us
+    with pytest.raises(PlanError, match="is not the layout's 8 GPUs"):
+        predict_layout(plan, costs, CPU, opts, dataclasses.replace(req, num_gpus=8))
