@@ -10,7 +10,7 @@ import pytest
 from autopart import CompileOptions, PlanError
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.planning import cpu_ranks_per_core, layout_request
-from autopart.solver.data_parallel import data_parallel_cost
+from autopart.solver.collectives import all_reduce_us
 from autopart.solver.layout_predict import predict_layout
 from autopart.solver.layout_search import solve_layout
 from tests.autopart.test_layout_planning import CPU, _options
@@ -78,9 +78,7 @@ def test_the_dp_collectives_run_on_the_shared_cores_too() -> None:
     plan = solve_layout(costs, slow, _options(schedule_kind="1f1b", num_microbatches=4,
                                               runtime=_shared(2.0)), req)
     held = max(sum(plan.stages[s].param_bytes for s in r.stage_indices) for r in plan.ranks)
-    largest = max(nd.param_bytes for nd in costs.nodes)
-    ring = data_parallel_cost(held, largest, dp=2, zero_stage=0, bandwidth_bytes_per_s=2e6,
-                              latency_us=40.0).step_us(4)
+    ring = all_reduce_us(held, 2, 2e6, 40.0)  # ZeRO-0: the gradients' ring all-reduce
     busy = [4 * sum(plan.stages[s].predicted_fwd_us + plan.stages[s].predicted_bwd_us
                     for s in r.stage_indices) for r in plan.ranks]
     assert ring > sum(busy)  # the collective dominates: the check below is not vacuous
