@@ -41,7 +41,7 @@ from autopart.solver.predict import predict as predict_plan
 
 __all__ = ["Profile", "plan_model", "profile_model", "host_figures", "measure_host_figures",
            "host_ranks_topology", "layout_request", "plan_layout", "solve_world_layout",
-           "model_heads"]
+           "model_heads", "cpu_ranks_per_core"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,10 +118,36 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     return Profile(**fields)
 
 
+def cpu_ranks_per_core(num_ranks: int, cores: int | None = None) -> float:
+    """Rank processes per CPU core when ``num_ranks`` ranks of one torchrun host run on this
+    process's cores (``RuntimeDescription.ranks_per_core``): ``ranks / cores``, never below 1
+    (ranks that have a core each share none).
+
+    Args:
+        num_ranks: the world's ranks on this host (``$LOCAL_WORLD_SIZE`` under torchrun,
+            when it divides ``num_ranks``).
+        cores: the cores they may run on (default: this process's CPU affinity,
+            ``os.sched_getaffinity``, else ``os.cpu_count()``).
+
+    Raises:
+        PlanError: fewer than one rank or core.
+    """
+    if cores is None:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+    if num_ranks < 1 or cores < 1:
+        raise PlanError(f"{num_ranks} ranks on {cores} cores: both must be >= 1")
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", num_ranks))
+    if per_host < 1 or num_ranks % per_host:
+        per_host = num_ranks
+    return max(1.0, per_host / cores)
+
+
 def _with_host_figures(fields: dict[str, Any], cache: bool | None,
                        training: bool) -> dict[str, Any]:
     """The profile's ``host_link`` between CPU ranks, and its runtime with the cost per
-    transfer where the runtime's ranks are processes (:func:`host_figures`)."""
+    transfer where the runtime's ranks are processes (:func:`host_figures`) and the ranks per
+    core when they are more than the cores (:func:`cpu_ranks_per_core`)."""
     t0 = time.perf_counter()
     use_cache = cache_enabled() if cache is None else cache
     runtime = fields["runtime"]
@@ -132,6 +158,9 @@ def _with_host_figures(fields: dict[str, Any], cache: bool | None,
         else:
             link = host_link(use_cache)
     fields["timings_s"]["link_s"] = time.perf_counter() - t0
+    if runtime.ranks_are_processes:
+        runtime = dataclasses.replace(
+            runtime, ranks_per_core=cpu_ranks_per_core(len(fields["devices"])))
     return {"host_link": link, "runtime": runtime}
 
 

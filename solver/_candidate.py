@@ -125,7 +125,8 @@ def evaluate(model: CostModel, cands: CutCandidates | None, kind: str, p: int, v
     rank_of = stage_ranks(kind, p, v)
     terms = [stage_terms(model, kind, StageSpan(s, s_total, bounds[s], bounds[s + 1], rank_of[s],
                                                 p, rc[s], rank_of), m) for s in range(s_total)]
-    c = stage_costs(terms, [model.runtime.issue_thread_of(rank_of[s]) for s in range(s_total)])
+    c = stage_costs(terms, [model.runtime.issue_thread_of(rank_of[s]) for s in range(s_total)],
+                    model.runtime.ranks_per_core)
     k = in_flight(kind, p, m, v, training)
     sync = model.tied_sync_us(positions, p, rank_of)
     if training and kind in V_SCHEDULE_KINDS and m < 2 * p:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from autopart.core.schedule import build_schedule, in_flight_counts, stage_ranks
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
-from autopart.solver.simulate import StageCosts
+from autopart.solver.simulate import StageCosts, core_bound_us
 
 __all__ = ["in_flight", "objective_weights", "closed_form_step_us", "closed_form_host_bound_us"]
 
@@ -89,10 +89,17 @@ def closed_form_step_us(kind: str, num_ranks: int, num_microbatches: int,
     and small sends (tested); the solver replays its final candidates with the simulator.
 
     With host times (``c.has_host``), the step is at least
-    :func:`closed_form_host_bound_us`, as in the simulator.
+    :func:`closed_form_host_bound_us`, as in the simulator. With more CPU ranks than cores
+    (``c.ranks_per_core > 1``) it is at least the ranks' mean busy time times
+    ``ranks_per_core`` (:func:`autopart.solver.simulate.core_bound_us`); the simulator's
+    replay of shared cores, which the solver runs on its final candidates, can only be longer.
     """
     step = _schedule_step_us(kind, num_ranks, num_microbatches, stages_per_rank, c,
                              training=training)
+    if c.ranks_per_core > 1.0:
+        rank_of = stage_ranks(kind, num_ranks, stages_per_rank)
+        step = max(step, core_bound_us(busy_us(c, num_ranks, num_microbatches, training,
+                                               rank_of), c.ranks_per_core))
     if not c.has_host:
         return step
     return max(step, closed_form_host_bound_us(kind, num_ranks, num_microbatches,

@@ -37,11 +37,15 @@ def pareto(cands: Sequence[Candidate]) -> tuple[ParetoPoint, ...]:
 def lower_bounds(model: CostModel, plan: Plan, p: int) -> LowerBounds:
     """Physical bounds: all compute of a step spread over the ranks (their speeds counted), or
     with host times all host issue time spread over the issuing threads, whichever is
-    longer; and all parameter state spread over the ranks."""
+    longer (with more CPU ranks than cores, the compute spread over the ranks times
+    ``ranks_per_core``, :func:`autopart.solver.simulate.core_bound_us`); and all parameter
+    state spread over the ranks."""
     n = len(model.costs.nodes)
     m = plan.num_microbatches
     work = m * model.time_us(0, n, model.ratio(m))
     step_lb = work / sum(1.0 / model.speed(r) for r in range(p))
+    if model.runtime.ranks_per_core > 1.0:
+        step_lb = max(step_lb, model.runtime.ranks_per_core * work / p)
     if model.has_host_times:
         threads = len({model.runtime.issue_thread_of(r) for r in range(p)})
         step_lb = max(step_lb, m * model.host_time_us(0, n) / threads)

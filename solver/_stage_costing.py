@@ -92,9 +92,11 @@ class StageTerms:
     host_bwd_weight_us: float = 0.0
 
 
-def stage_costs(terms: Sequence[StageTerms], issue_thread: Sequence[int] = ()) -> StageCosts:
+def stage_costs(terms: Sequence[StageTerms], issue_thread: Sequence[int] = (),
+                ranks_per_core: float = 1.0) -> StageCosts:
     """The simulator's per-stage columns of ``terms``; ``issue_thread``: per stage, the host
-    thread that issues it (default: none given, each rank its own). The host columns are
+    thread that issues it (default: none given, each rank its own); ``ranks_per_core``: the
+    runtime's rank processes per CPU core (default 1.0, a core each). The host columns are
     left empty when every host time is 0 (a profile without host times)."""
     host = any(t.host_fwd_us or t.host_bwd_input_us or t.host_bwd_weight_us for t in terms)
     return StageCosts(
@@ -107,7 +109,7 @@ def stage_costs(terms: Sequence[StageTerms], issue_thread: Sequence[int] = ()) -
         host_fwd_us=[t.host_fwd_us for t in terms] if host else (),
         host_bwd_input_us=[t.host_bwd_input_us for t in terms] if host else (),
         host_bwd_weight_us=[t.host_bwd_weight_us for t in terms] if host else (),
-        issue_thread=tuple(issue_thread) if host else ())
+        issue_thread=tuple(issue_thread) if host else (), ranks_per_core=ranks_per_core)
 
 
 def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTerms:

@@ -284,8 +284,9 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     a GPU holds at its step's peak under ZeRO as the runtime runs it
     (:func:`held_state_multiplier`), so each rank's peak is state + activations + working
     sets. The dp collectives of the rank with the most parameters are then added to the step
-    (not overlapped); the baselines get those of an even parameter split over the pp ranks (a
-    lower bound on theirs), the time-memory frontier's points the plan's.
+    (not overlapped; with more CPU ranks than cores, ``runtime.ranks_per_core`` times longer:
+    every rank runs them at once); the baselines get those of an even parameter split over
+    the pp ranks (a lower bound on theirs), the time-memory frontier's points the plan's.
 
     Args:
         costs, device, options, layout: as for :func:`solve_layout`.
@@ -318,15 +319,16 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                        stages_per_rank=options.stages_per_rank or 1,
                        recompute=bool(options.recompute))
     extra = even = 0.0
+    shared = max(1.0, options.runtime.ranks_per_core)  # every rank reduces at once
     if options.training:
         rank_params = [sum(plan.stages[s].param_bytes for s in r.stage_indices)
                        for r in plan.ranks]
-        extra = _dp_cost(max(rank_params), dp, zero, tp, layout).step_us(
+        extra = shared * _dp_cost(max(rank_params), dp, zero, tp, layout).step_us(
             plan.num_microbatches)
         # any partition's fullest rank holds at least an even share: the baselines are
         # charged this (a lower bound on their dp collectives)
-        even = _dp_cost(-(-sum(rank_params) // len(rank_params)), dp, zero, tp,
-                        layout).step_us(plan.num_microbatches)
+        even = shared * _dp_cost(-(-sum(rank_params) // len(rank_params)), dp, zero, tp,
+                                 layout).step_us(plan.num_microbatches)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Schedule
 
-__all__ = ["StageCosts", "SimResult", "simulate", "rank_peaks", "host_bound_us"]
+__all__ = ["StageCosts", "SimResult", "simulate", "rank_peaks", "host_bound_us", "core_bound_us"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,9 @@ class StageCosts:
         issue_thread: per stage, the host thread that issues its actions; stages sharing
             one are bounded by the sum of their host times (:func:`host_bound_us`). Default:
             none given: each rank's stages share the rank's own thread.
+        ranks_per_core: rank processes per CPU core of the host
+            (``RuntimeDescription.ranks_per_core``; default 1.0: a core each, no bound);
+            above 1, a step is no shorter than :func:`core_bound_us`.
     """
 
     fwd_us: Sequence[float]
@@ -64,9 +67,12 @@ class StageCosts:
     host_bwd_input_us: Sequence[float] = ()
     host_bwd_weight_us: Sequence[float] = ()
     issue_thread: Sequence[int] = ()
+    ranks_per_core: float = 1.0
 
     def __post_init__(self) -> None:
         n = len(self.fwd_us)
+        if not self.ranks_per_core > 0.0:
+            raise PlanError(f"StageCosts.ranks_per_core={self.ranks_per_core} must be > 0")
         optional = ("split_held_bytes", "weight_grad_bytes", "kept_bytes")
         for name in optional:
             if not getattr(self, name):
@@ -105,6 +111,9 @@ class SimResult:
             includes the action's send); empty otherwise.
         host_bound_us: the busiest issuing thread's host time, µs (:func:`host_bound_us`;
             0.0 without host times); ``step_time_us`` is never below it.
+        core_bound_us: the ranks' busy time over the cores they share, µs
+            (:func:`core_bound_us`; 0.0 when every rank has a core); ``step_time_us`` is
+            never below it.
     """
 
     step_time_us: float
@@ -113,6 +122,7 @@ class SimResult:
     peak_memory_bytes: tuple[int, ...]
     timeline: tuple[tuple[int, int, str, int, float, float], ...] = ()
     host_bound_us: float = 0.0
+    core_bound_us: float = 0.0
 
 
 def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> SimResult:
@@ -129,7 +139,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
     (or ``W``) ends, plus ``backward_extra_bytes`` while a ``B``/``I`` runs, plus the
     ``kept_bytes`` of every ``B``/``I`` done. With host times, the step is at least the
     busiest issuing thread's host time (:func:`host_bound_us`): ranks issued by one thread
-    cannot run faster than it issues their actions.
+    cannot run faster than it issues their actions. With more CPU ranks than cores
+    (``costs.ranks_per_core > 1``), the step is at least :func:`core_bound_us`.
 
     Args:
         schedule: per-rank action lists; the stage count is ``len(costs.fwd_us)``.
@@ -178,6 +189,31 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
             plan.append((tuple(dep for dep in deps if dep in present), d))
         plans.append(plan)
 
+    if costs.ranks_per_core > 1.0:
+        free, busy, timeline = _replay_shared(schedule, lists, plans, costs.ranks_per_core,
+                                              record)
+    else:
+        free, busy, timeline = _replay(schedule, lists, plans, record)
+    step = max(free, default=0.0)
+    bound = host_bound_us(schedule, costs)
+    step = max(step, bound) if costs.has_host else step
+    shared = core_bound_us(busy, costs.ranks_per_core)
+    step = max(step, shared)
+    bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
+    return SimResult(step_time_us=step, bubble_fraction=min(max(bubble, 0.0), 1.0),
+                     busy_us=tuple(busy), peak_memory_bytes=rank_peaks(schedule, costs),
+                     timeline=tuple(timeline), host_bound_us=bound, core_bound_us=shared)
+
+
+_Act = tuple[int, str, int]
+_RankPlan = list[tuple[tuple[_Act, ...], float]]
+_Timeline = list[tuple[int, int, str, int, float, float]]
+
+
+def _replay(schedule: Schedule, lists: list[list[_Act]], plans: list[_RankPlan],
+            record: bool) -> tuple[list[float], list[float], _Timeline]:
+    """Every rank on a core of its own: per rank, when it is done and its busy time, µs."""
+    present = {a for acts in lists for a in acts}
     end: dict[tuple[int, str, int], float] = {}
     free = [0.0] * len(lists)
     busy = [0.0] * len(lists)
@@ -216,13 +252,90 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
             blocked = [str(acts[c]) for acts, c in zip(schedule, cursor, strict=True)
                        if c < len(acts)]
             raise PlanError(f"schedule deadlocks: every rank waits ({', '.join(blocked)} blocked)")
-    step = max(free, default=0.0)
-    bound = host_bound_us(schedule, costs)
-    step = max(step, bound) if costs.has_host else step
-    bubble = 1.0 - sum(busy) / len(busy) / step if step > 0 else 0.0
-    return SimResult(step_time_us=step, bubble_fraction=min(max(bubble, 0.0), 1.0),
-                     busy_us=tuple(busy), peak_memory_bytes=rank_peaks(schedule, costs),
-                     timeline=tuple(timeline), host_bound_us=bound)
+    return free, busy, timeline
+
+
+def _replay_shared(schedule: Schedule, lists: list[list[_Act]], plans: list[_RankPlan],
+                   ranks_per_core: float, record: bool
+                   ) -> tuple[list[float], list[float], _Timeline]:
+    """:func:`_replay` with ranks sharing cores (processor sharing, as Linux's fair scheduler
+    shares a core between runnable processes): while ``a`` of the ``p`` pipeline ranks run an
+    action, ``a * n / p`` of the host's ``n`` rank processes are runnable on ``n /
+    ranks_per_core`` cores, so each action progresses at ``min(1, p / (ranks_per_core *
+    a))`` µs of work per µs; a rank waiting on a dependency takes no core. Busy time is the
+    work done (the actions' own durations), not the stretched wall time."""
+    p = len(lists)
+    end: dict[_Act, float] = {}
+    cursor = [0] * p
+    running: list[list[float] | None] = [None] * p  # [start, work left, duration]
+    free = [0.0] * p
+    busy = [0.0] * p
+    timeline: _Timeline = []
+    now = 0.0
+    remaining = sum(len(acts) for acts in lists)
+    while remaining:
+        for r in range(p):  # start every action whose inputs have arrived
+            while running[r] is None and cursor[r] < len(lists[r]):
+                deps, d = plans[r][cursor[r]]
+                if any(dep not in end for dep in deps):
+                    break
+                if d > 0.0:
+                    running[r] = [now, d, d]
+                    break
+                end[lists[r][cursor[r]]] = now  # nothing to do: done at once
+                if record:
+                    timeline.append((r, *lists[r][cursor[r]], now, now))
+                cursor[r] += 1
+                remaining -= 1
+                free[r] = now
+        active = [r for r in range(p) if running[r] is not None]
+        if not active:
+            if not remaining:
+                break
+            blocked = [str(acts[c]) for acts, c in zip(schedule, cursor, strict=True)
+                       if c < len(acts)]
+            raise PlanError(f"schedule deadlocks: every rank waits ({', '.join(blocked)} blocked)")
+        rate = min(1.0, p / (ranks_per_core * len(active)))
+        step = min(running[r][1] for r in active) / rate  # type: ignore[index]
+        now += step
+        for r in active:
+            job = running[r]
+            assert job is not None
+            job[1] -= step * rate
+            if job[1] <= 1e-9 * max(job[2], 1.0):
+                act = lists[r][cursor[r]]
+                end[act] = now
+                if record:
+                    timeline.append((r, *act, job[0], now))
+                busy[r] += job[2]
+                free[r] = now
+                running[r] = None
+                cursor[r] += 1
+                remaining -= 1
+    return free, busy, timeline
+
+
+def core_bound_us(busy_us: Sequence[float], ranks_per_core: float) -> float:
+    """The shortest step CPU ranks sharing cores allow, µs: the pipeline ranks' mean busy
+    time times ``ranks_per_core``; 0.0 when ``ranks_per_core <= 1`` (a core each: no bound
+    beyond the schedule's).
+
+    ``n`` rank processes on ``c`` cores (``ranks_per_core = n / c``) each run one pipeline
+    rank's actions (a dp replica or a tp shard runs a copy of the same busy time), so the
+    host has ``n * mean(busy)`` of work and ``c`` cores to do it on:
+    ``step >= n * mean(busy) / c``. A rank waiting in the schedule's bubble leaves its core
+    to the others (gloo blocks, it does not spin), so the bound is on the total, not on each
+    rank's time stretched by ``n / c``.
+
+    Args:
+        busy_us: per pipeline rank, compute and send time of one step, µs.
+        ranks_per_core: rank processes per core (``RuntimeDescription.ranks_per_core``).
+
+    Example: 4 ranks on 2 cores, two pipeline ranks busy 30 and 20 ms: ``2 x 25 = 50`` ms.
+    """
+    if ranks_per_core <= 1.0 or not busy_us:
+        return 0.0
+    return ranks_per_core * sum(busy_us) / len(busy_us)
 
 
 def host_bound_us(schedule: Schedule, costs: StageCosts) -> float:

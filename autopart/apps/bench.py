@@ -260,7 +260,10 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
         first_m = first_m if i else plan.num_microbatches
         pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan,
                                 backend="distributed", fuse=name in spec["fuse"])
-        arms.append((name, pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-5)))
+        # a rank whose stages hold no parameter (a cut after the input's reshape) still
+        # steps: AdamW over one empty group, as torch refuses an empty parameter list
+        arms.append((name, pipe, torch.optim.AdamW([{"params": list(pipe.parameters())}],
+                                                   lr=1e-5)))
         if i == 0 and spec["save"]:
             pipe.save_plan(spec["save"])
     if spec["single"]:

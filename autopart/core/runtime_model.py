@@ -61,14 +61,22 @@ class RuntimeDescription:
             process per rank). The solver bounds a step below by the host issue times of
             the actions that share a thread, where the profile has them
             (``NodeCost.host_times``).
+        ranks_per_core: how many rank processes share each CPU core of a host, when there are
+            more ranks than cores (default 1.0: every rank computes on a core of its own, as
+            GPU ranks do; must be > 0, and values <= 1 change nothing). CPU ranks on ``c``
+            cores, ``n`` ranks: ``n / c``. Every rank of the world runs a copy of one pipeline
+            rank's actions (dp replicas, tp shards), so a step is no shorter than the
+            pipeline ranks' mean busy time times this figure
+            (:func:`autopart.solver.simulate.core_bound_us`); idle time in the schedule's
+            bubbles is shared for free.
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
 
     Raises:
-        PlanError: ``issue_threads`` below 1, a negative cost, or split points with a row
-            count <= 0, repeated rows or a negative cost (the message names the field and
-            the value).
+        PlanError: ``issue_threads`` below 1, ``ranks_per_core`` not above 0, a negative
+            cost, or split points with a row count <= 0, repeated rows or a negative cost
+            (the message names the field and the value).
     """
 
     name: str = "local"
@@ -79,6 +87,7 @@ class RuntimeDescription:
     ranks_are_processes: bool = False
     transfer_steps: str | None = None
     issue_threads: int | None = 1
+    ranks_per_core: float = 1.0
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +104,9 @@ class RuntimeDescription:
         if self.issue_threads is not None and self.issue_threads < 1:
             raise PlanError(f"issue_threads={self.issue_threads} must be >= 1, or None for one "
                             "thread per rank")
+        if not self.ranks_per_core > 0.0:
+            raise PlanError(f"ranks_per_core={self.ranks_per_core} must be > 0 (rank processes "
+                            "per CPU core; 1.0 when every rank has a core of its own)")
         if not self.transfer_overhead_us >= 0.0:
             raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
                             "transfer cannot cost less than its link time)")

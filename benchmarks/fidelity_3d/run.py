@@ -1,19 +1,24 @@
-"""Fidelity of 3D plans: predicted vs measured step time and peak memory on 4 gloo CPU ranks.
+"""Fidelity of 3D plans: predicted vs measured step time on 4 and 2 gloo CPU ranks.
 
 One profile of a GPT-2-like model (4 layers, n_embd 128, 4 heads, vocabulary 2048, global
 batch 16 x 64 tokens) is taken for 4 ``cpu`` ranks as ``autopart.compile`` takes it under
-torchrun (distributed backend, the host link measured and cached); on it the layout search
-(:func:`autopart.planning.solve_world_layout`, 1F1B) plans each arm with its degrees fixed:
-``pp2xdp2`` (tp 1, pp 2, dp 2, ZeRO-0), ``pp4`` (tp 1, pp 4, dp 1) and ``tp2xpp2`` (tp 2, pp 2,
-dp 1). Four gloo ranks with one thread each then build the arms that this build's runtime can
-run and run them alternately, step by step, in an order rotated each step
-(:func:`autopart.apps.bench.run_arms`: median of ``--steps`` timed ``train_step`` calls, slowest
-rank after a barrier, then one step with peak memory measured, AdamW's state held); the
-whole run is repeated ``--repeats`` times in fresh processes. Per arm: the prediction, the
-median over every timed step, each repeat's median and the spread (max - min of the timed
-steps over their median).
+torchrun (distributed backend, the host link measured and cached). Each arm's degrees are
+fixed and the layout search (:func:`autopart.planning.solve_world_layout`, 1F1B) plans it
+with every rank on a core of its own, which gives a real pipeline; that plan runs, and is
+priced again with the world's ranks per core (this process's CPU affinity:
+:func:`autopart.planning.cpu_ranks_per_core`) by
+:func:`autopart.solver.layout_predict.predict_layout`. On 4 ranks: ``pp2xdp2`` (tp 1, pp 2,
+dp 2, ZeRO-0), ``tp2xpp2`` (tp 2, pp 2, dp 1) and ``pp4``; on 2 ranks: ``tp2``, ``dp2`` and
+``pp2``. (On shared cores the search itself prefers other plans, e.g. an empty first stage:
+they are reported, not run.) Each world's arms run alternately, step by step, in an order
+rotated each step (:func:`autopart.apps.bench.run_arms`: ``--steps`` timed ``train_step``
+calls, slowest rank after a barrier, one traced step); the 4-rank and 2-rank runs alternate,
+and the whole is repeated ``--repeats`` times in fresh processes. Per arm: both predictions,
+the median over every timed step, each repeat's median, the spread (max - min of the timed
+steps over their median) and, from the traced steps, compute, reduce and wait per rank.
 
-    .venv/bin/python benchmarks/fidelity_3d/run.py [--steps 7] [--repeats 2] [--out DIR]
+    .venv/bin/python benchmarks/fidelity_3d/run.py [--steps 7] [--repeats 3] \
+        [--wait-load 4] [--out DIR]
 
 Writes ``results.json`` and ``results.md`` into ``--out`` (default: this folder).
 """
@@ -21,13 +26,14 @@ Writes ``results.json`` and ``results.md`` into ``--out`` (default: this folder)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
-import inspect
 import json
 import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,119 +42,175 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-WORLD = 4
 WORKLOAD = "hf:GPT2LMHeadModel"
 CONFIG = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 2048, "n_positions": 64,
           "batch": 16, "seq": 64}
-ARMS = {"pp2xdp2": {"tp": 1, "dp": 2, "zero_stage": 0}, "pp4": {"tp": 1, "dp": 1},
-        "tp2xpp2": {"tp": 2, "dp": 1, "zero_stage": 0}}
+#: world -> arm -> the degrees the layout search is held to
+ARMS: dict[int, dict[str, dict[str, int]]] = {
+    4: {"pp2xdp2": {"tp": 1, "dp": 2, "zero_stage": 0}, "tp2xpp2": {"tp": 2, "dp": 1},
+        "pp4": {"tp": 1, "dp": 1}},
+    2: {"tp2": {"tp": 2, "dp": 1}, "dp2": {"tp": 1, "dp": 2, "zero_stage": 0},
+        "pp2": {"tp": 1, "dp": 1}}}
 
 
-def _tp_runtime() -> bool:
-    """Whether this build's distributed runtime runs tensor-parallel stages."""
-    from autopart.runtime.distributed import DistributedPipeline
+def wait_for_load(limit: float, most_s: float = 300.0) -> float:
+    """Wait (at most ``most_s`` seconds) until the 1-minute load average is below ``limit``;
+    the load average then."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= limit and time.monotonic() - t0 < most_s:
+        time.sleep(10)
+    return os.getloadavg()[0]
 
-    return "tp_group" in inspect.signature(DistributedPipeline).parameters
 
-
-def plan_arms() -> tuple[dict[str, Any], dict[str, Any]]:
-    """Profile once for 4 CPU ranks; the plan of every arm, and the profile's facts."""
+def plan_arms() -> tuple[dict[int, dict[str, Any]], dict[str, dict[str, Any]], dict[str, Any]]:
+    """Profile once for 4 CPU ranks. Per world and arm: the plan the layout search makes with
+    every rank on a core of its own (a real pipeline: the arm that runs), and per arm its
+    predictions: ``core_each`` (that search's own), ``shared`` (the same plan priced with the
+    world's ranks per core, :func:`autopart.solver.layout_predict.predict_layout`) and what
+    the search on shared cores would choose instead (``shared_search``, its cuts and m)."""
     from autopart import CompileOptions
     from autopart.apps.bench import load_workload
-    from autopart.planning import model_heads, profile_model, solve_world_layout
+    from autopart.planning import (
+        cpu_ranks_per_core,
+        layout_request,
+        model_heads,
+        profile_model,
+        solve_world_layout,
+    )
+    from autopart.solver.layout_predict import predict_layout
 
     model, args, target, loss_fn = load_workload(WORKLOAD, dict(CONFIG))
-    profile = profile_model(model, args, devices=["cpu"] * WORLD, loss_fn=loss_fn,
+    profile = profile_model(model, args, devices=["cpu"] * 4, loss_fn=loss_fn,
                             example_target=target, backend="distributed")
-    plans = {name: solve_world_layout(profile, CompileOptions(schedule_kind="1f1b", **fixed),
-                                      WORLD, num_heads=model_heads(model))
-             for name, fixed in ARMS.items()}
+    heads = model_heads(model)
+    plans: dict[int, dict[str, Any]] = {}
+    preds: dict[str, dict[str, Any]] = {}
+    for world, arms in ARMS.items():
+        runtime = dataclasses.replace(profile.runtime, ranks_per_core=cpu_ranks_per_core(world))
+        shared = dataclasses.replace(profile, devices=("cpu",) * world, runtime=runtime)
+        alone = dataclasses.replace(shared, runtime=dataclasses.replace(runtime,
+                                                                       ranks_per_core=1.0))
+        spec = shared.cluster().devices[0]
+        plans[world] = {}
+        for name, fixed in arms.items():
+            opts = CompileOptions(schedule_kind="1f1b", **fixed)  # type: ignore[arg-type]
+            plan = solve_world_layout(alone, opts, world, num_heads=heads)
+            plans[world][name] = plan
+            chosen = solve_world_layout(shared, opts, world, num_heads=heads)
+            priced = predict_layout(plan, shared.costs, spec,
+                                    shared.options(schedule_kind="1f1b",
+                                                   optimizer_state_bytes_per_param_byte=2.0),
+                                    layout_request(opts, world, spec, heads))
+            preds[name] = {"core_each_s": plan.predicted_step_time_us / 1e6,
+                           "shared_s": priced / 1e6,
+                           "shared_search": {"step_s": chosen.predicted_step_time_us / 1e6,
+                                             "m": chosen.num_microbatches,
+                                             "cuts": [c.position for c in chosen.cuts]}}
     link = profile.host_link
     facts = {"cost_source": profile.costs.source,
              "link": None if link is None else {"latency_us": link.latency_us,
                                                 "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s},
-             "transfer_overhead_us": profile.runtime.transfer_overhead_us}
-    return plans, facts
+             "transfer_overhead_us": profile.runtime.transfer_overhead_us,
+             "ranks_per_core": {w: cpu_ranks_per_core(w) for w in ARMS}}
+    return plans, preds, facts
 
 
 def _spread(steps: list[float]) -> float:
     return (max(steps) - min(steps)) / statistics.median(steps) if steps else 0.0
 
 
+def trace_summary(trace: Any) -> dict[str, list[float]]:
+    """Per pipeline rank of a traced step: compute (F/B/I/W), reduce, wait and send/recv
+    time, ms."""
+    out: dict[str, list[float]] = {"compute": [], "reduce": [], "wait": [], "transfer": []}
+    if trace is None:
+        return out
+    for r in range(trace.num_ranks):
+        evs = trace.of_rank(r)
+        out["compute"].append(sum(e.duration_us for e in evs if e.action is not None) / 1e3)
+        for key, words in (("reduce", ("reduce",)), ("wait", ("wait",)),
+                           ("transfer", ("send", "recv"))):
+            out[key].append(sum(e.duration_us for e in evs if e.action is None
+                                and e.name.split()[0] in words) / 1e3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--wait-load", type=float, default=0.0,
+                        help="before profiling and each run, wait (up to 5 min) for the "
+                             "1-minute load average to fall below this (default: no wait)")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     opts = parser.parse_args()
     from autopart.apps.bench import run_arms
 
     torch.set_num_threads(1)
-    load_before = os.getloadavg()
-    plans, facts = plan_arms()
-    runnable = {n: p for n, p in plans.items() if p.tp == 1 or _tp_runtime()}
-    notes = {n: "not run: this build's distributed runtime has no tensor parallelism"
-             for n in plans if n not in runnable}
-    runs: list[dict[str, Any]] = []
-    while len(runs) < opts.repeats:
-        try:
-            runs.append(run_arms(WORKLOAD, runnable, ranks=WORLD, steps=opts.steps,
-                                 config=dict(CONFIG), single=False, trace=False))
-        except Exception as exc:  # a tp plan the runtime refuses fails every rank's compile
-            tp_arms = [n for n, p in runnable.items() if p.tp > 1 and n not in notes]
-            if runs or not tp_arms:
-                raise
-            said = [line for line in str(exc).splitlines() if "PlanError" in line]
-            for name in tp_arms:
-                notes[name] = f"not run: {said[-1] if said else exc}".replace("|", "/")
-                del runnable[name]
+    loads = [wait_for_load(opts.wait_load) if opts.wait_load else os.getloadavg()[0]]
+    plans, preds, facts = plan_arms()
+    runs: dict[int, list[dict[str, Any]]] = {w: [] for w in ARMS}
+    for _ in range(opts.repeats):
+        for world in ARMS:
+            if opts.wait_load:
+                wait_for_load(opts.wait_load)
+            loads.append(os.getloadavg()[0])
+            runs[world].append(run_arms(WORKLOAD, plans[world], ranks=world, steps=opts.steps,
+                                        config=dict(CONFIG), single=False, trace=True,
+                                        measure_memory=False))
+    loads.append(os.getloadavg()[0])
     rows = []
-    for name, plan in plans.items():
-        row: dict[str, Any] = {
-            "arm": name, "tp": plan.tp, "pp": len(plan.ranks), "dp": plan.dp,
-            "zero_stage": plan.zero_stage, "m": plan.num_microbatches,
-            "cuts": [c.position for c in plan.cuts],
-            "predicted_step_s": plan.predicted_step_time_us / 1e6,
-            "predicted_peak_bytes": [r.peak_memory_bytes for r in plan.ranks]}
-        if name not in runnable:
-            row["measured"] = None
-            row["note"] = notes[name]
-        else:
-            steps = [s for run in runs for s in run[name].steps_s]
+    for world, arms in plans.items():
+        for name, plan in arms.items():
+            got = runs[world]
+            steps = [s for run in got for s in run[name].steps_s]
             measured = statistics.median(steps)
-            row.update(measured_step_s=measured,
-                       repeat_medians_s=[statistics.median(run[name].steps_s) for run in runs],
-                       step_spread=_spread(steps), steps_s=steps,
-                       error=row["predicted_step_s"] / measured - 1,
-                       measured_peak_bytes=runs[-1][name].peak_bytes)
-        rows.append(row)
+            predicted = preds[name]["shared_s"]
+            rows.append({
+                "arm": name, "world": world, "tp": plan.tp, "pp": len(plan.ranks), "dp": plan.dp,
+                "zero_stage": plan.zero_stage, "m": plan.num_microbatches,
+                "cuts": [c.position for c in plan.cuts], "predicted_step_s": predicted,
+                "predicted_core_each_s": preds[name]["core_each_s"],
+                "shared_search": preds[name]["shared_search"], "measured_step_s": measured,
+                "repeat_medians_s": [statistics.median(run[name].steps_s) for run in got],
+                "step_spread": _spread(steps), "steps_s": steps,
+                "error": predicted / measured - 1,
+                "error_core_each": preds[name]["core_each_s"] / measured - 1,
+                "traced_ms": [trace_summary(run[name].trace) for run in got]})
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor()})",
-            "torch": torch.__version__, "world": WORLD, "threads_per_rank": 1,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+                       f"{len(os.sched_getaffinity(0))} usable",
+            "torch": torch.__version__, "threads_per_rank": 1,
             "workload": {"spec": WORKLOAD, **CONFIG}, "steps": opts.steps,
-            "repeats": opts.repeats, "load_average_before": load_before,
-            "load_average_after": os.getloadavg(), **facts}
+            "repeats": opts.repeats, "load_average_1min": loads, **facts}
     out = Path(opts.out)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    lines = [f"# fidelity_3d: {WORLD} gloo CPU ranks, {meta['date']}", "",
-             f"{meta['machine']}, torch {meta['torch']}, 1 thread per rank; load average "
-             f"{load_before[0]:.1f} before, {meta['load_average_after'][0]:.1f} after; "
-             f"{opts.repeats} runs x {opts.steps} timed steps per arm.", "",
-             "| arm | tp x pp x dp, ZeRO | m | predicted step | measured step (median) | "
-             "repeat medians | spread | error | peak predicted / measured (MiB, per pp rank) |",
-             "|---|---|---:|---:|---:|---|---:|---:|---|"]
+    lines = [f"# fidelity_3d: gloo CPU ranks, {meta['date']}", "",
+             f"{meta['machine']}, torch {meta['torch']}, 1 thread per rank; 1-minute load "
+             f"average {min(loads):.1f}-{max(loads):.1f} (before the profile, each run and "
+             f"after: {', '.join(f'{x:.1f}' for x in loads)}); {opts.repeats} runs x "
+             f"{opts.steps} timed steps per arm; ranks per core "
+             f"{facts['ranks_per_core']}.", "",
+             "| ranks | arm | tp x pp x dp | m | cuts | predicted | measured (median) "
+             "| repeat medians | spread | error | a core each (error) |",
+             "|---:|---|---|---:|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
-        layout = f"{r['tp']} x {r['pp']} x {r['dp']}, ZeRO-{r['zero_stage']}"
-        pred = "/".join(f"{b / 2**20:.1f}" for b in r["predicted_peak_bytes"])
-        if r.get("measured", True) is None:
-            lines.append(f"| {r['arm']} | {layout} | {r['m']} | {r['predicted_step_s']:.3f} s "
-                         f"| {r['note']} | | | | {pred} / - |")
-            continue
-        got = "/".join(f"{b / 2**20:.1f}" for b in r["measured_peak_bytes"])
         reps = ", ".join(f"{x:.3f}" for x in r["repeat_medians_s"])
-        lines.append(f"| {r['arm']} | {layout} | {r['m']} | {r['predicted_step_s']:.3f} s | "
+        lines.append(f"| {r['world']} | {r['arm']} | {r['tp']} x {r['pp']} x {r['dp']} | "
+                     f"{r['m']} | {r['cuts']} | {r['predicted_step_s']:.3f} s | "
                      f"{r['measured_step_s']:.3f} s | {reps} | {r['step_spread']:.0%} | "
-                     f"{r['error']:+.1%} | {pred} / {got} |")
+                     f"{r['error']:+.1%} | {r['predicted_core_each_s']:.3f} s "
+                     f"({r['error_core_each']:+.1%}) |")
+    lines += ["", "What the search on shared cores chooses instead (not run):", ""]
+    lines += [f"- {r['arm']}: m {r['shared_search']['m']}, cuts {r['shared_search']['cuts']}, "
+              f"predicted {r['shared_search']['step_s']:.3f} s" for r in rows]
+    lines += ["", "Traced step (last repeat), per pipeline rank, ms:", "",
+              "| arm | compute | reduce | wait | send/recv |", "|---|---|---|---|---|"]
+    for r in rows:
+        t = r["traced_ms"][-1]
+        lines.append(f"| {r['arm']} | " + " | ".join(
+            "/".join(f"{x:.1f}" for x in t[k]) for k in ("compute", "reduce", "wait",
+                                                          "transfer")) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
