@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,9 +15,14 @@ from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
 from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.profiler.timer import _MIN_WAIT_US, _device_wait
 
 __all__ = ["whole_graph_times", "calibrate_to_whole_graph", "segment_times",
            "calibrate_to_segments", "segment_cuts"]
+
+#: The longest device wait queued before a timed segment part, µs: a segment issues many
+#: ops (a microbatch of the H100 GPT-2 took 30-45 ms of host time, benchmarks/gpu/README.md).
+_MAX_SEGMENT_WAIT_US = 200_000.0
 
 
 def whole_graph_times(captured: CapturedGraph, flat_inputs: list[Any], device: str, *,
@@ -89,6 +94,43 @@ def segment_cuts(costs: CostGraph, positions: list[int] | tuple[int, ...],
     return tuple(sorted(q for q in chosen if 0 < q < len(costs.nodes)))
 
 
+class _SegmentClock:
+    """Times one part of a segment run: on CPU, ``time.perf_counter`` around it; on CUDA, a
+    pair of events on the current stream around it with the part queued behind a device
+    wait (:func:`autopart.profiler.timer._device_wait`) three times as long as the part's
+    host issue took the last time (200 µs to 200 ms), so the events span its kernels and not
+    the gaps in which the device waits for the host to launch them (the cost model's device
+    time; the host's issue time is the per-node profile's). A part's first call (the
+    untimed warm-up) waits the least. A synchronize follows each part, outside the timed
+    region, so the parts stay in sequence.
+
+    Args:
+        device: where the segments run.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.issued_us: dict[tuple[str, int], float] = {}  # last host issue time per part
+
+    def time(self, part: tuple[str, int], fn: Callable[[], Any]) -> tuple[float, Any]:
+        """``(µs, fn())``: the part's device time on CUDA, its wall time on CPU."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            out = fn()
+            return (time.perf_counter() - t0) * 1e6, out
+        wait = 3 * self.issued_us.get(part, 0.0)  # unknown (the warm-up): the least
+        _device_wait(self.device, min(max(wait, _MIN_WAIT_US), _MAX_SEGMENT_WAIT_US))
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        h0 = time.perf_counter()
+        out = fn()
+        self.issued_us[part] = (time.perf_counter() - h0) * 1e6
+        end.record()
+        torch.cuda.synchronize(self.device)
+        return float(start.elapsed_time(end)) * 1e3, out
+
+
 def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
                   positions: list[int] | tuple[int, ...], *, min_repeats: int = 3,
                   budget_s: float = 1.0, fuse: bool = False) -> list[tuple[float, float]]:
@@ -107,8 +149,10 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
     at 2 rows per microbatch measured 0.9-1.1 ms, 3 %, under the runtime's.) One untimed
     warm-up, then at least ``min_repeats`` timed runs and more while ``budget_s`` seconds
     have not gone by; per segment the medians are returned. ``time.perf_counter`` on CPU;
-    on CUDA a synchronize closes each timed part. With no positions the whole graph is one
-    segment (:func:`whole_graph_times`).
+    on CUDA the device time of each part (:class:`_SegmentClock`: CUDA events, the part
+    queued behind a device wait so that the host's launch gaps are left out, as the per-node
+    profile's device times are). With no positions the whole graph is one segment
+    (:func:`whole_graph_times`).
 
     With ``fuse`` each segment runs as ``torch.compile`` of its module (Inductor's default
     mode, as :func:`autopart.codegen.stages.build_stages` wraps a stage with ``fuse=True``):
@@ -148,22 +192,20 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
 
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+    clock = _SegmentClock(dev)
 
     def run() -> list[tuple[float, float]]:
         fwd: list[float] = []
         kept: list[tuple[list[Any], tuple[Any, ...]]] = []  # (leaves, outputs) per segment
         args: list[Any] = inputs
-        for st in runners:
+        for k, st in enumerate(runners):
             assert st is not None
-            sync()
-            t0 = time.perf_counter()
-            with torch.enable_grad():
-                out = st(*args)
-            sync()
-            fwd.append((time.perf_counter() - t0) * 1e6)
+
+            def forward(st: Any = st, args: list[Any] = args) -> Any:
+                with torch.enable_grad():
+                    return st(*args)
+            us, out = clock.time(("F", k), forward)
+            fwd.append(us)
             out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             kept.append((args, out))
             args = [o.detach().requires_grad_(o.requires_grad) if isinstance(o, torch.Tensor)
@@ -186,11 +228,8 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
             targets = wanted + params[k]
             grads_in = {}
             if roots and targets:
-                sync()
-                t0 = time.perf_counter()
-                torch.autograd.backward(roots, seeds, inputs=targets)
-                sync()
-                bwd[k] = (time.perf_counter() - t0) * 1e6
+                bwd[k], _ = clock.time(("B", k), lambda r=roots, g=seeds, t=targets:
+                                       torch.autograd.backward(r, g, inputs=t))
                 index = {id(x): i for i, x in enumerate(leaves)}
                 grads_in = {index[id(x)]: x.grad for x in wanted if x.grad is not None}
         return list(zip(fwd, bwd, strict=True))
