@@ -116,11 +116,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             loss = loss / dist.get_world_size(dp_group)
         if reference is not None and ref_opt is not None:
             ref_opt.zero_grad()
-            ref_loss = gpt2_loss(reference(tokens), tokens)
-            ref_loss.backward()
+            ref = gpt2_loss(reference(tokens), tokens)
+            ref.backward()
             ref_opt.step()
-            print(f"step {step}: loss {float(loss):.6f}, unpartitioned {float(ref_loss):.6f} "
-                  f"(diff {abs(float(loss) - float(ref_loss)):.1e}), {steps_s[-1]:.3f} s",
+            ref_loss = ref.item()
+            print(f"step {step}: loss {float(loss):.6f}, unpartitioned {ref_loss:.6f} "
+                  f"(diff {abs(float(loss) - ref_loss):.1e}), {steps_s[-1]:.3f} s",
                   flush=True)
     opt.zero_grad()
     pipe.train_step(batches[0], target=batches[0], measure_memory=True, optimizer=opt)
