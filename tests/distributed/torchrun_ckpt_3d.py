@@ -64,32 +64,29 @@ tp_pp = tp_plan("gpt2", captured, 2, 2, 8)  # tp 2 x pp 2, m = 2
 pp_dp = dataclasses.replace(tp_plan("gpt2", captured, 2, 2, 8), tp=1, sharded_parameters=(),
                             dp=2, zero_stage=3)  # 4 rows a replica, m = 2
 tp_dp = dataclasses.replace(tp_plan("gpt2", captured, 1, 1, 8), dp=2, zero_stage=1)
-# 1. tp 2 x pp 2: two steps, then a checkpoint with the optimizer
-pipe = autopart.compile(copy.deepcopy(model), (x0,), loss_fn=loss_fn, plan=tp_pp)
+dist.init_process_group("gloo")  # compile would, at its first call; the folder is needed first
 root = [tempfile.mkdtemp(prefix="ckpt3d-") if dist.get_rank() == 0 else None]
 dist.broadcast_object_list(root, src=0)
 ckpt = os.path.join(root[0], "ckpt")
-opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
-train(pipe, opt, range(0, 2), "tp2xpp2")
-pipe.save(ckpt, optimizer=opt, extra={"step": 2})
-pipe.close()
 
-# 2. pp 2 x dp 2 under ZeRO-3 (DTensor shards): resume, one step, a checkpoint
-pipe = autopart.compile(copy.deepcopy(model), (x0,), loss_fn=loss_fn, plan=pp_dp)
-opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
-autopart.load(ckpt, pipe, optimizer=opt)
-assert autopart.checkpoint_extra(ckpt) == {"step": 2}
-train(pipe, opt, range(2, 3), "pp2xdp2-zero3")
-pipe.save(ckpt, optimizer=opt, extra={"step": 3})
-pipe.close()
 
-# 3. tp 2 x dp 2 under ZeRO-1 (tp slices sharded again over dp): resume, two steps
-pipe = autopart.compile(copy.deepcopy(model), (x0,), loss_fn=loss_fn, plan=tp_dp)
-opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
-autopart.load(ckpt, pipe, optimizer=opt)
-assert autopart.checkpoint_extra(ckpt) == {"step": 3}
-train(pipe, opt, range(3, 5), "tp2xdp2-zero1")
-pipe.close()
+def run(plan, steps: range, label: str, *, resume: bool, save: bool) -> None:
+    """A pipeline of ``plan`` (resumed from the checkpoint, which must hold step
+    ``steps.start``), trained over ``steps``, then saved with its optimizer."""
+    pipe = autopart.compile(copy.deepcopy(model), (x0,), loss_fn=loss_fn, plan=plan)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+    if resume:
+        autopart.load(ckpt, pipe, optimizer=opt)
+        assert autopart.checkpoint_extra(ckpt) == {"step": steps.start}
+    train(pipe, opt, steps, label)
+    if save:
+        pipe.save(ckpt, optimizer=opt, extra={"step": steps.stop})
+    pipe.close()
+
+
+run(tp_pp, range(0, 2), "tp2xpp2", resume=False, save=True)  # 1. tp 2 x pp 2
+run(pp_dp, range(2, 3), "pp2xdp2-zero3", resume=True, save=True)  # 2. ZeRO-3 DTensor shards
+run(tp_dp, range(3, 5), "tp2xdp2-zero1", resume=True, save=False)  # 3. tp slices over dp
 
 # 4. the plain model (rank 0 alone): the ZeRO-3 checkpoint, then steps 4 and 5
 if dist.get_rank() == 0:

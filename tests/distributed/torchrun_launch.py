@@ -1,0 +1,35 @@
+"""Launch a test script under torchrun on CPU ranks (gloo) and hand back what it printed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["ROOT", "free_port", "torchrun"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(script: str, nproc: int, tmp_path: Path, *, timeout_s: float = 600,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (relative to the repository root) on ``nproc`` ranks, one thread each,
+    with the profile cache in ``tmp_path``; fails the test, with the output's tail, when the
+    launch does not exit 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "--max-restarts=0", str(ROOT / script)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path),
+                **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
