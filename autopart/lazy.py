@@ -233,8 +233,9 @@ class LazyPipeline:
             raise PlanError(
                 f"pipe.parameters() was called before the first step and gave the model's "
                 f"parameters, but the pipeline holds copies of {copied[:3]}"
-                f"{'...' if len(copied) > 3 else ''} on its stages' devices, which an optimizer "
-                "built then would not update. Build the optimizer after the first "
+                f"{'...' if len(copied) > 3 else ''} (on its stages' devices, or this rank's "
+                "tensor-parallel slices and ZeRO shards), which an optimizer built then would "
+                "not update. Build the optimizer after the first "
                 "pipe.train_step(...) (pipe.parameters() is then the pipeline's), move the "
                 "model to the device its stages run on first, or pass example_inputs= to "
                 "autopart.compile")
