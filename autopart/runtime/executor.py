@@ -14,7 +14,7 @@ from autopart.codegen.split_backward import SplitBackward
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule
 from autopart.runtime.cuda_graphs import StageGraphs
-from autopart.runtime.issue_threads import IssueThreads, thread_orders
+from autopart.runtime.issue_threads import IssueThreads, check_issue_threads, thread_orders
 from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["LocalExecutor", "StepResult"]
@@ -189,13 +189,10 @@ class LocalExecutor:
         if len(stages) != len(devices):
             raise PlanError(f"{len(stages)} stages but {len(devices)} devices; pass one device "
                             "per stage")
-        if issue_threads is not None and issue_threads < 1:
-            raise PlanError(f"issue_threads={issue_threads} must be >= 1, or None for one "
-                            "thread per rank")
         self.stages = list(stages)
         self.devices = list(devices)
         self.recompute = frozenset(recompute)
-        self.issue_threads = issue_threads
+        self.issue_threads = issue_threads  # checked by the property
         self._threads = IssueThreads(intra_op_threads)
         # training forwards (and their backwards) replayed as CUDA graphs when set
         self.graphs: StageGraphs | None = None
@@ -203,6 +200,22 @@ class LocalExecutor:
         # that runs matmuls, so streams made afresh every step would hold more after each step
         self._stream_set: _Streams | None = None
         self._scale_loss: ScaleLoss | None = None
+
+
+    @property
+    def issue_threads(self) -> int | None:
+        """Host threads that issue the ranks' actions (None: one per rank); settable between
+        steps.
+
+        Raises:
+            PlanError: set below 1.
+        """
+        return self._issue_threads
+
+    @issue_threads.setter
+    def issue_threads(self, value: int | None) -> None:
+        check_issue_threads(value)
+        self._issue_threads = value
 
     def run(self, schedule: Schedule, mb_inputs: list[list[Any]], *,
             loss_closure: LossClosure | None = None, on_action: ActionHook | None = None,

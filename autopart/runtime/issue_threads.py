@@ -12,7 +12,8 @@ import torch
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule, execution_order
 
-__all__ = ["DependencyBoard", "IssueThreads", "posted_key", "thread_orders", "waited_keys"]
+__all__ = ["DependencyBoard", "IssueThreads", "check_issue_threads", "posted_key", "thread_orders",
+           "waited_keys"]
 
 # ("F", s, i): stage s's outputs of microbatch i exist; ("G", s, i): stage s sent the input
 # gradients of microbatch i to stage s - 1 (by its B or its I)
@@ -51,6 +52,17 @@ def posted_key(action: Action) -> Key | None:
     return None
 
 
+def check_issue_threads(issue_threads: int | None) -> None:
+    """Refuse an issuing-thread count below 1.
+
+    Raises:
+        PlanError: ``issue_threads`` below 1 (None, one thread per rank, is valid).
+    """
+    if issue_threads is not None and issue_threads < 1:
+        raise PlanError(f"issue_threads={issue_threads} must be >= 1, or None for one thread "
+                        "per rank")
+
+
 def thread_orders(schedule: Schedule, num_stages: int,
                   issue_threads: int | None) -> list[list[Action]]:
     """Per issuing thread, the actions it issues, in order.
@@ -65,9 +77,7 @@ def thread_orders(schedule: Schedule, num_stages: int,
         PlanError: the schedule deadlocks (from ``execution_order``), or ``issue_threads``
             below 1.
     """
-    if issue_threads is not None and issue_threads < 1:
-        raise PlanError(f"issue_threads={issue_threads} must be >= 1, or None for one thread "
-                        "per rank")
+    check_issue_threads(issue_threads)
     order = execution_order(schedule, num_stages)
     rank_of = {a: r for r, acts in enumerate(schedule) for a in acts}
     k = len(schedule) if issue_threads is None else min(issue_threads, len(schedule))

@@ -111,10 +111,7 @@ class PipelinedModule(Pipeline):
 
     @issue_threads.setter
     def issue_threads(self, value: int | None) -> None:
-        if value is not None and value < 1:
-            raise PlanError(f"issue_threads={value} must be >= 1, or None for one thread per "
-                            "rank")
-        self._executor.issue_threads = value
+        self._executor.issue_threads = value  # the executor checks it
 
     @property
     def cuda_graphs(self) -> bool:
