@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
@@ -199,38 +199,6 @@ class DataSharding:
             if s in modules and isinstance(t, nn.Parameter) and out.get(fqn) is t:
                 out[fqn] = modules[s].get_parameter(fqn)
         return out
-
-    def full_state(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Detached tensors by FQN, DTensor shards gathered whole (``full_tensor``: collective
-        over the dp group, so every replica calls it)."""
-        return {fqn: (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-                for fqn, t in local.items()}
-
-    @staticmethod
-    def copy_in(state_dict: Mapping[str, Any], targets: Iterable[tuple[str, torch.Tensor]],
-                ) -> None:
-        """Copy full tensors of ``state_dict`` into ``targets`` (FQN, tensor), each DTensor
-        target receiving its own shard (split locally, no communication); keys not given are
-        skipped.
-
-        Raises:
-            PlanError: a value's shape differs from its tensor's (whole) shape.
-        """
-        with torch.no_grad():
-            for key, target in targets:
-                if key not in state_dict:
-                    continue
-                value = torch.as_tensor(state_dict[key])
-                if tuple(value.shape) != tuple(target.shape):
-                    raise PlanError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, the "
-                                    f"model's is {tuple(target.shape)}")
-                if isinstance(target, DTensor):
-                    value = distribute_tensor(value.to(target.device, target.dtype),
-                                              target.device_mesh, target.placements,
-                                              src_data_rank=None)
-                    local_tensor(target).copy_(value.to_local())
-                else:
-                    target.copy_(value)
 
     def grad_norm_power(self, local_power: torch.Tensor, inf: bool) -> None:
         """Add up (max for ``inf``) ``local_power``, this rank's ``sum |g| ** p`` (or

@@ -12,6 +12,7 @@ from autopart.core.plan import Plan
 from autopart.runtime._dist_sharding import DataSharding
 from autopart.runtime._dist_tensor_parallel import TensorParallelState
 from autopart.runtime.checkpoint_state import CheckpointState
+from autopart.runtime.pipeline import Pipeline
 
 __all__ = ["WholeTensors"]
 
@@ -90,11 +91,11 @@ class WholeTensors:
 
         Raises:
             PlanError: a value's shape differs from the model's
-                (:meth:`DataSharding.copy_in`).
+                (:meth:`Pipeline._copy_state_in`, which cuts a ZeRO shard's piece).
         """
         if self.tp is not None:
             state_dict = self.tp.local_state(state_dict)
-        self.sharding.copy_in(state_dict, targets)
+        Pipeline._copy_state_in(state_dict, targets)
 
     def checkpoint_state(self, owned: Iterable[str], params: dict[int, str], plan: Plan,
                          device: torch.device, load: Callable[[Mapping[str, Any]], Any],

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PlanError
@@ -126,19 +127,27 @@ class Pipeline(nn.Module):
     def _copy_state_in(state_dict: Mapping[str, Any],
                        targets: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``state_dict[key]`` into each ``(key, tensor)`` of ``targets`` whose key is
-        given (without autograd).
+        given (without autograd). A DTensor target (a ZeRO shard) receives its own piece of
+        the whole value, cut locally (``distribute_tensor(..., src_data_rank=None)``: no
+        communication).
 
         Raises:
-            PlanError: a value's shape differs from its tensor's.
+            PlanError: a value's shape differs from its tensor's (whole) shape.
         """
         with torch.no_grad():
             for key, target in targets:
                 if key not in state_dict:
                     continue
-                value = state_dict[key]
+                value = torch.as_tensor(state_dict[key])
                 if tuple(value.shape) != tuple(target.shape):
                     raise PlanError(f"state_dict[{key!r}] has shape {tuple(value.shape)}, the "
-                                    f"model's is {tuple(target.shape)}")
+                                    f"model's is {tuple(target.shape)}; pass the whole model's "
+                                    "tensor under that key")
+                if isinstance(target, DTensor):
+                    value = distribute_tensor(value.to(target.device, target.dtype),
+                                              target.device_mesh, target.placements,
+                                              src_data_rank=None).to_local()
+                    target = target.to_local()
                 target.copy_(value)
 
     @staticmethod
