@@ -30,6 +30,10 @@ def reduce_grads(local: dict[str, torch.Tensor],
         params: this rank's parameters.
         dp_group: the data-parallel group, or None.
         sharding: the rank's ZeRO sharding.
+
+    Raises:
+        RuntimeError: a collective failed (torch.distributed's error; ``train_step`` turns it
+            into ``PipelineFailure``).
     """
     for fqn, group in tied:
         p = local[fqn]
@@ -63,6 +67,9 @@ def grad_norm(owned: Iterable[tuple[str, torch.Tensor]], norm_type: float,
 
     Returns:
         The norm (0-dim float32 tensor).
+
+    Raises:
+        PipelineFailure: a rank died during the reductions (raised by ``guarded``).
     """
     p = float(norm_type)
     grads = [local_tensor(t.grad) for fqn, t in owned if t.grad is not None
