@@ -32,8 +32,7 @@ def reduce_grads(local: dict[str, torch.Tensor],
         sharding: the rank's ZeRO sharding.
 
     Raises:
-        RuntimeError: a collective failed (torch.distributed's error; ``train_step`` turns it
-            into ``PipelineFailure``).
+        RuntimeError: a collective failed or timed out (torch.distributed's error).
     """
     for fqn, group in tied:
         p = local[fqn]
