@@ -19,9 +19,10 @@ from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
 from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
 from autopart.devices import plan_devices
+from autopart.layout_planning import plan_layout
 from autopart.lazy import LazyPipeline, _say, plan_summary
 from autopart.options import CompileOptions, optimizer_state_factor, renamed_choices
-from autopart.planning import plan_layout, plan_model
+from autopart.planning import plan_model
 from autopart.runtime import launch
 from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
 from autopart.runtime.distributed import DistributedPipeline
@@ -261,7 +262,7 @@ def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     """One rank's share. Without a plan, global rank 0 profiles and solves (on a
     materialised model) and sends the plan to every rank as JSON, so all ranks follow one
     decision: with ``tp``, ``dp`` or ``zero_stage`` given, a (tp, pp, dp, ZeRO) layout of
-    the world's ranks (:func:`autopart.planning.plan_layout`, the example inputs
+    the world's ranks (:func:`autopart.layout_planning.plan_layout`, the example inputs
     being the global batch), else a pipeline over the ranks of the pp group (the world, or
     the mesh's ``pp`` dimension)."""
     loss_fn = loss[0]

@@ -121,7 +121,7 @@ class CompileOptions:
         tp: tensor-parallel degree >= 1. Distributed only (the local backend refuses tp,
             dp and zero_stage, :meth:`check_runtime`): giving any of the three makes rank 0
             search the (tp, pp, dp, ZeRO) layouts of the world's ranks with the others
-            free (:func:`autopart.planning.plan_layout`); none of them (default):
+            free (:func:`autopart.layout_planning.plan_layout`); none of them (default):
             every rank a pipeline rank, as before.
         dp: data-parallel replicas >= 1, or None; as ``tp``.
         zero_stage: ZeRO stage over dp, 0-3, or None; as ``tp``.

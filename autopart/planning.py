@@ -1,5 +1,5 @@
-"""plan_model and Profile: capture and profile once (the profiler), then solve (the solver);
-plan_layout: the same for the (tp, pp, dp, ZeRO) layouts of a torchrun world."""
+"""plan_model and Profile: capture and profile once (the profiler), then solve (the solver),
+with the measured costs of CPU ranks on this host (link, transfer, ranks per core)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopart.core.cluster import Cluster, DeviceSpec
+from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
-from autopart.core.topology import HostTopology
 from autopart.devices import cluster_for_devices, library_versions, resolve_devices
-from autopart.options import CompileOptions, renamed_choices
+from autopart.options import renamed_choices
 from autopart.profiler import session
 from autopart.profiler.cache import cache_enabled
 from autopart.profiler.links import SIZES as LINK_SIZES
@@ -36,12 +35,10 @@ from autopart.runtime.description import describe
 from autopart.runtime.host import tune_cpu_allocator
 from autopart.runtime.transfer_rank import workload as transfer_workload
 from autopart.solver import SolveOptions, find_candidates, solve
-from autopart.solver.layout_search import LayoutOptions, solve_layout
 from autopart.solver.predict import predict as predict_plan
 
 __all__ = ["Profile", "plan_model", "profile_model", "host_figures", "measure_host_figures",
-           "host_ranks_topology", "layout_request", "plan_layout", "solve_world_layout",
-           "model_heads", "cpu_ranks_per_core"]
+           "cpu_ranks_per_core"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -316,149 +313,3 @@ def _ranks_and_v(devices: list[str] | tuple[str, ...] | None, num_stages: int | 
     ranks = None if num_stages is None else num_stages // v
     names = resolve_devices(None, ranks)
     return names, (v if num_stages is not None or stages_per_rank is not None else None)
-
-
-#: Schedule kinds whose backward is split (I / W): the profile times the split only where
-#: the search may pick one of them.
-_SPLITTING = (None, "zero_bubble", "zbv", "dualpipev")
-
-
-def host_ranks_topology(num_ranks: int, device: DeviceSpec,
-                        ranks_per_host: int | None = None) -> HostTopology:
-    """The host of a torchrun launch as the layout search sees it: ``ranks_per_host`` ranks
-    (default all ``num_ranks``: one host) joined by ``device``'s own link, inside and
-    between hosts. For ``cpu`` ranks that link is the one measured between two gloo
-    processes on this host (:func:`autopart.planning.host_figures`, cached per machine,
-    reaching the solver through :meth:`autopart.planning.Profile.cluster`), so tp and dp
-    collectives are priced as ring collectives over what gloo measured here; no ring
-    efficiency is applied (``collective_efficiency`` 1.0: the figure is already gloo's own).
-    The measurement is point-to-point between two processes: a collective whose ring steps
-    contend for the same cores is not measured, and is a guess.
-
-    Args:
-        num_ranks: the world size.
-        device: the ranks' device spec (its ``link_*`` figures).
-        ranks_per_host: ranks on one host, dividing ``num_ranks``; default ``num_ranks``.
-    """
-    per_host = ranks_per_host or num_ranks
-    bw, lat = device.link_bandwidth_bytes_per_s, device.link_latency_us
-    return HostTopology(f"{per_host}x{device.name}", per_host, bw, bw, lat, lat,
-                        collective_efficiency=1.0,
-                        source=f"{device.name} ranks of one torchrun host; link: {device.source}")
-
-
-def model_heads(model: nn.Module) -> int | None:
-    """The attention heads a tp must divide: a Hugging Face config's
-    ``num_attention_heads`` (GPT-2's ``n_head``), else None (not checked)."""
-    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
-    return heads if isinstance(heads, int) else None
-
-
-def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
-                   num_heads: int | None = None) -> LayoutOptions:
-    """The layout search's request for ``world`` ranks of one host: ``options``' tp, dp and
-    ZeRO stage fixed where given, the rest searched.
-
-    Raises:
-        PlanError: a tp that does not divide the ranks or the heads, a bad ZeRO stage, or
-            fixed degrees whose product is not ``world``.
-    """
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if per_host < 1 or world % per_host:
-        per_host = world
-    return LayoutOptions(num_gpus=world, topology=host_ranks_topology(world, device, per_host),
-                         tp=options.tp, dp=options.dp, zero_stage=options.zero_stage,
-                         num_heads=num_heads)
-
-
-def _on_ranks(plan: Plan, device: str) -> Plan:
-    """``plan`` with every rank and stage on ``device`` (the search names its ranks
-    ``cuda:r`` whatever they are)."""
-    return dataclasses.replace(
-        plan, ranks=tuple(dataclasses.replace(r, device=device) for r in plan.ranks),
-        stages=tuple(dataclasses.replace(s, device=device) for s in plan.stages))
-
-
-def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                world: int, device: str, options: CompileOptions, loss_fn: Any = None,
-                example_target: Any = None, state_factor: float = 2.0,
-                ) -> tuple[Plan, Profile]:
-    """Profile ``model`` for the distributed runtime and choose its (tp, pp, dp, ZeRO)
-    layout and pipeline plan for ``world`` ranks (:func:`solve_layout`).
-
-    The example inputs are the global batch (what every rank passes; each replica runs
-    ``batch / dp`` rows). Costs are measured on ``device`` as :func:`autopart.plan_model`
-    measures them; with ``cpu`` ranks the link between them is measured (cached per
-    machine) and prices the pipeline's sends and the tp / dp collectives
-    (:func:`host_ranks_topology`). With m open, a replica's microbatch is one of the
-    profiled microbatch sizes (``LayoutOptions.microbatch_sizes``), never smaller.
-
-    Args:
-        model, args, kwargs: the model and its example inputs (global batch).
-        world: ranks to lay out (tp x pp x dp).
-        device: every rank's device kind, ``"cpu"`` or ``"cuda"``.
-        options: ``tp``, ``dp``, ``zero_stage`` (None: searched), ``num_microbatches``,
-            ``schedule_kind``, ``stages_per_rank``, ``recompute``, ``optimize``,
-            ``time_limit_s`` as :func:`autopart.compile` takes them.
-        loss_fn, example_target: the loss and a target of the global batch.
-        state_factor: optimizer state bytes per parameter byte.
-
-    Returns:
-        The plan (tp, dp, zero_stage set; its ranks the pp ranks on ``device``) and the
-        profile it was solved on.
-
-    Raises:
-        PlanError: inconsistent degrees, batch or choices (naming the values and the fix).
-        InfeasiblePlanError: no layout fits the memory.
-        TraceError, ProfileError: capture or profiling failed.
-    """
-    training = loss_fn is not None
-    devices = ["cpu"] * world if device == "cpu" else [f"cuda:{r}" for r in range(world)]
-    with progress():
-        profile = profile_model(model, args, example_kwargs=kwargs, devices=devices,
-                                num_microbatches=options.num_microbatches, training=training,
-                                split_cost=options.schedule_kind in _SPLITTING,
-                                loss_fn=loss_fn, example_target=example_target,
-                                backend="distributed")
-        t0 = time.perf_counter()
-        with phase("solve"):
-            plan = solve_world_layout(profile, options, world, num_heads=model_heads(model),
-                                      state_factor=state_factor)
-    profile.timings_s["solve_s"] = time.perf_counter() - t0
-    return plan, profile
-
-
-def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
-                       num_heads: int | None = None, state_factor: float = 2.0) -> Plan:
-    """The (tp, pp, dp, ZeRO) plan for ``world`` ranks on ``profile``'s costs (the layout half
-    of :func:`plan_layout`; "profile once, solve several ways").
-
-    Args:
-        profile: a profile of the global batch on ``world`` ranks' devices.
-        options: as :func:`plan_layout` reads them.
-        world: the ranks.
-        num_heads: the model's attention heads (a tp must divide them), or None.
-        state_factor: optimizer state bytes per parameter byte.
-
-    Raises:
-        PlanError, InfeasiblePlanError: as :func:`plan_layout`.
-    """
-    spec = profile.cluster().devices[0]
-    choices = {k: v for k, v in (("schedule_kind", options.schedule_kind),
-                                 ("stages_per_rank", options.stages_per_rank),
-                                 ("recompute", options.recompute),
-                                 ("num_microbatches", options.num_microbatches))
-               if v is not None}
-    solve_options = profile.options(optimize=options.optimize or "speed",
-                                    time_limit_s=options.time_limit_s,
-                                    optimizer_state_bytes_per_param_byte=state_factor,
-                                    **choices)
-    request = layout_request(options, world, spec, num_heads)
-    if profile.microbatch_candidates is not None and options.num_microbatches is None:
-        # a replica's microbatches no smaller than the smallest profiled one: below it the
-        # two-point costs extrapolate (and can go negative)
-        sizes = tuple(sorted({profile.batch_size // m for m in profile.microbatch_candidates}))
-        request = dataclasses.replace(request, microbatch_sizes=sizes)
-    plan = solve_layout(profile.costs, spec, solve_options, request)
-    on_cpu = all(d == "cpu" for d in profile.devices)
-    return _on_ranks(plan, "cpu") if on_cpu else plan

@@ -137,11 +137,11 @@ def _pingpong(rank: int, store: str, out: str, sizes: tuple[int, ...], repeats: 
 
 
 def run_rank_pair(module: str, args: Sequence[str], *, what: str, timeout_s: float,
-                  fix: str) -> Any:
-    """Run ``python -m MODULE RANK STORE OUT ARGS...`` for ranks 0 and 1 and return the JSON
-    that rank 0 wrote to ``OUT``.
+                  fix: str, ranks: int = 2) -> Any:
+    """Run ``python -m MODULE RANK STORE OUT ARGS...`` for ranks ``0 .. ranks - 1`` (default
+    0 and 1) and return the JSON that rank 0 wrote to ``OUT``.
 
-    Two fresh interpreters (they never import the caller's script, which spawned processes
+    Fresh interpreters (they never import the caller's script, which spawned processes
     would), one OpenMP thread each; ``STORE`` and ``OUT`` are files in a temporary directory,
     ``STORE`` for ``init_process_group("gloo", init_method="file://STORE")``.
 
@@ -155,7 +155,7 @@ def run_rank_pair(module: str, args: Sequence[str], *, what: str, timeout_s: flo
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([sys.executable, "-m", module, str(rank), store, out, *args],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-                 for rank in (0, 1)]
+                 for rank in range(ranks)]
         errors = []
         deadline = time.monotonic() + timeout_s
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopart.core.errors import PlanError
 from autopart.core.layout import check_zero_stage
 from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
 
@@ -112,7 +113,8 @@ class DataParallelCost:
 
 def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
                        bandwidth_bytes_per_s: float, latency_us: float,
-                       gradient_factor: float = 1.0) -> DataParallelCost:
+                       gradient_factor: float = 1.0,
+                       overhead_us: float = 0.0) -> DataParallelCost:
     """The collectives one rank pays over its dp group, as autopart's runtime runs them
     (``autopart/runtime/_dist_sharding.py``: FSDP2, one unit per stage).
 
@@ -134,18 +136,24 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
         bandwidth_bytes_per_s: the dp group's link (bus bandwidth), bytes/s.
         latency_us: one ring step, µs.
         gradient_factor: gradient bytes per parameter byte (1.0: same dtype).
+        overhead_us: what each collective costs beyond its ring steps, µs (default 0.0;
+            ``RuntimeDescription.collective_overhead_at``): charged once per all-reduce,
+            all-gather and reduce-scatter above.
 
     Raises:
         PlanError: a ZeRO stage outside 0-3, or bad link figures.
     """
     check_zero_stage(zero_stage)
+    if not overhead_us >= 0.0:
+        raise PlanError(f"overhead_us={overhead_us} must be >= 0 (µs per collective)")
     grads = param_bytes * gradient_factor
-    if zero_stage == 0:
-        return DataParallelCost(all_reduce_us(grads, dp, bandwidth_bytes_per_s, latency_us), 0.0)
-    gather = all_gather_us(param_bytes, dp, bandwidth_bytes_per_s, latency_us)
-    scatter = reduce_scatter_us(grads, dp, bandwidth_bytes_per_s, latency_us)
-    if dp == 1:
+    if dp == 1 or param_bytes == 0:
         return DataParallelCost(0.0, 0.0)
+    if zero_stage == 0:
+        return DataParallelCost(
+            all_reduce_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us, 0.0)
+    gather = all_gather_us(param_bytes, dp, bandwidth_bytes_per_s, latency_us) + overhead_us
+    scatter = reduce_scatter_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us
     if zero_stage == 1:
         return DataParallelCost(scatter + gather, 0.0)
     gathers = 1 if zero_stage == 2 else 2

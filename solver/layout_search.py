@@ -18,6 +18,7 @@ from autopart.core.layout import (
     divisors,
 )
 from autopart.core.plan import ParetoPoint, Plan, ShardedParameter
+from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.topology import HostTopology
 from autopart.solver.candidates import crossing_profile
 from autopart.solver.data_parallel import (
@@ -123,12 +124,15 @@ def _tp_choices(layout: LayoutOptions) -> list[int]:
     return out
 
 
-def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int,
-             layout: LayoutOptions) -> DataParallelCost:
+def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOptions,
+             runtime: RuntimeDescription) -> DataParallelCost:
+    """The dp collectives of one rank; each pays the runtime's fixed cost per collective
+    after no work (they follow one another after the flush)."""
     bw, lat = layout.topology.link(tp * dp)
     return data_parallel_cost(param_bytes, dp=dp, zero_stage=zero,
                               bandwidth_bytes_per_s=bw, latency_us=lat,
-                              gradient_factor=layout.gradient_factor)
+                              gradient_factor=layout.gradient_factor,
+                              overhead_us=runtime.collective_overhead_at(0.0))
 
 
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
@@ -152,7 +156,8 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
                 fixed += min(t, overhead_us)
     trainable = sum(b for p, b in sharded.param_sizes.items() if p in sharded.trainable)
     share = -(-trainable // pp)
-    dp_cost = _dp_cost(share, dp, zero, tp, layout) if options.training else None
+    dp_cost = (_dp_cost(share, dp, zero, tp, layout, options.runtime)
+               if options.training else None)
     link = _pipeline_cluster(device, tp, 2, dp, layout.topology)
     smallest = smallest_crossing if pp > 1 else 0
     sends = 2 if options.training else 1
@@ -200,7 +205,7 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
     out: list[LayoutCandidate] = []
     shape_seen = False
     for tp in _tp_choices(layout):
-        sharded = _sharded(costs, tp, device, layout, cache)
+        sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
         smallest = _smallest_crossing(sharded)
         for pp in divisors(n // tp) if n % tp == 0 else []:
             dp = n // (tp * pp)
@@ -248,13 +253,16 @@ def _replica_options(options: SolveOptions, layout: LayoutOptions, dp: int) -> S
 
 
 def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOptions,
+             runtime: RuntimeDescription,
              cache: dict[int, CostGraph] | None = None) -> CostGraph:
-    """One GPU's share at tp (memoised in ``cache``, one entry per tp, for one request)."""
+    """One GPU's share at tp (memoised in ``cache``, one entry per tp, for one request), its
+    collectives paying ``runtime``'s fixed cost per collective."""
     if cache is not None and tp in cache:
         return cache[tp]
     bw, lat = layout.topology.link(tp)
     out = shard_costs(costs, tp, bandwidth_bytes_per_s=bw, latency_us=lat,
-                      op_overhead_us=device.op_overhead_us)
+                      op_overhead_us=device.op_overhead_us,
+                      collective_overhead=runtime.collective_overhead_at)
     if cache is not None:
         cache[tp] = out
     return out
@@ -301,7 +309,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         PlanError: ``positions`` without a fixed schedule kind and m, or not fitting the ranks.
     """
     tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
-    sharded = _sharded(costs, tp, device, layout, cache)
+    sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
     mult = held_state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
                                  layout.gradient_factor)
     inner = replace(_replica_options(options, layout, dp),
@@ -323,12 +331,12 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     if options.training:
         rank_params = [sum(plan.stages[s].param_bytes for s in r.stage_indices)
                        for r in plan.ranks]
-        extra = shared * _dp_cost(max(rank_params), dp, zero, tp, layout).step_us(
-            plan.num_microbatches)
+        extra = shared * _dp_cost(max(rank_params), dp, zero, tp, layout,
+                                  options.runtime).step_us(plan.num_microbatches)
         # any partition's fullest rank holds at least an even share: the baselines are
         # charged this (a lower bound on their dp collectives)
         even = shared * _dp_cost(-(-sum(rank_params) // len(rank_params)), dp, zero, tp,
-                                 layout).step_us(plan.num_microbatches)
+                                 layout, options.runtime).step_us(plan.num_microbatches)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()

@@ -23,6 +23,7 @@ tp GPUs runs it whole and holds its parameters whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -270,7 +271,8 @@ def inside_pairs(split: TensorParallelSplit) -> frozenset[int]:
 
 
 def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, latency_us: float,
-                op_overhead_us: float, split: TensorParallelSplit | None = None) -> CostGraph:
+                op_overhead_us: float, split: TensorParallelSplit | None = None,
+                collective_overhead: Callable[[float], float] | None = None) -> CostGraph:
     """One tp GPU's share of ``costs``: the cost graph each GPU of a tp group runs.
 
     Split nodes (:attr:`TensorParallelSplit.sharded_nodes`): FLOPs, bytes accessed and the
@@ -293,11 +295,16 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     distinct replicated value entering split work that needs a gradient (Megatron's "f":
     the column nodes' input, shared by q/k/v or by gate/up; a vocab-parallel head's input;
     a floating operand from outside a pair that its nodes between read, such as a learned
-    table), charged to the first node reading it. A second profiled batch's times
-    (``low_times``) are split the same way but get no collective: the interpolation between
-    two profiled batches then undercounts them (3D plans are made from single-batch
-    analytical profiles). The loss's own time, folded into the last node's times by the
-    profiler, is divided with a split last node (the cost graph does not keep it apart).
+    table), charged to the first node reading it. Each collective also pays
+    ``collective_overhead(work)``, its fixed cost beyond the ring's steps
+    (``RuntimeDescription.collective_overhead_at``), where ``work`` is one GPU's split
+    forward and backward time per collective (the graph's time after splitting over the
+    collectives of one forward and backward). A second profiled batch's times
+    (``low_times``) are split the same way and get the same collectives, their bytes scaled
+    to that batch and their fixed cost at that batch's work, so that the line between the
+    two batches keeps each collective's fixed cost fixed. The loss's own time, folded into
+    the last node's times by the profiler, is divided with a split last node (the cost
+    graph does not keep it apart).
     tp = 1 returns ``costs`` itself.
 
     Args:
@@ -308,6 +315,8 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
         op_overhead_us: the fixed part of each op's time that splitting does not shrink, µs
             (``DeviceSpec.op_overhead_us`` for analytical profiles).
         split: the split to apply (default: :func:`find_tensor_parallel`).
+        collective_overhead: µs one collective costs beyond its ring steps after a GPU has
+            computed the given µs since the previous one (default: nothing).
 
     Raises:
         PlanError: tp < 1.
@@ -333,20 +342,49 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     for p in split.params:
         shrink[first[p]] += costs.param_sizes[p] - sizes[p]
 
-    def ar(nbytes: int) -> float:
-        return all_reduce_us(nbytes, tp, bandwidth_bytes_per_s, latency_us)
-
     bwd_extra = _copy_all_reduces(costs, split)
     heads = {i for i in split.vocab if nodes[i].op not in _EMBEDDING_OPS}
+    fwd_reduce = {i for i in split.sharded_nodes
+                  if i in rows or (i in split.vocab and nodes[i].op in _EMBEDDING_OPS)}
+    low_times = tuple(
+        (_split_time(trip[0], tp, op_overhead_us), _split_time(trip[1], tp, op_overhead_us),
+         _split_time(trip[2], tp, op_overhead_us)) if i in split.sharded_nodes else trip
+        for i, trip in enumerate(costs.low_times))
+
+    def split_times(i: int, nd: NodeCost) -> tuple[float, float, float]:
+        trip = (nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us)
+        return (tuple(_split_time(t, tp, op_overhead_us) for t in trip)  # type: ignore[return-value]
+                if i in split.sharded_nodes else trip)
+
+    # one GPU's work between two collectives, at the profiled batch and at the low one
+    count = len(fwd_reduce) + len(heads & split.sharded_nodes) + len(bwd_extra)
+    work = sum(sum(split_times(i, nd)) for i, nd in enumerate(nodes)) / max(count, 1)
+    low_work = sum(map(sum, low_times)) / max(count, 1)
+    fixed = collective_overhead(work) if collective_overhead else 0.0
+    low_fixed = collective_overhead(low_work) if collective_overhead else 0.0
+    low_ratio = costs.low_batch_size / costs.batch_size
+
+    def ar(nbytes: float, low: bool = False) -> float:
+        if low:
+            return all_reduce_us(nbytes * low_ratio, tp, bandwidth_bytes_per_s,
+                                 latency_us) + low_fixed
+        return all_reduce_us(nbytes, tp, bandwidth_bytes_per_s, latency_us) + fixed
+
+    def gather(nbytes: float, low: bool = False) -> float:
+        if low:
+            return all_gather_us(nbytes * low_ratio, tp, bandwidth_bytes_per_s,
+                                 latency_us) + low_fixed
+        return all_gather_us(nbytes, tp, bandwidth_bytes_per_s, latency_us) + fixed
+
     out: list[NodeCost] = []
+    low_out = list(low_times)
     for i, nd in enumerate(nodes):
         changes: dict[str, Any] = {"param_bytes": nd.param_bytes - shrink[i]}
+        low_fwd, low_bwd = 0.0, 0.0
         if i in split.sharded_nodes:
-            changes.update(
-                fwd_us=_split_time(nd.fwd_us, tp, op_overhead_us),
-                bwd_input_us=_split_time(nd.bwd_input_us, tp, op_overhead_us),
-                bwd_weight_us=_split_time(nd.bwd_weight_us, tp, op_overhead_us),
-                flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp)
+            fwd, bwd_in, bwd_w = split_times(i, nd)
+            changes.update(fwd_us=fwd, bwd_input_us=bwd_in, bwd_weight_us=bwd_w,
+                           flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp)
             if i not in heads:  # a head's backward starts from the whole logits' gradient
                 changes["backward_peak_bytes"] = nd.backward_peak_bytes // tp
             if i in cols or i in split.between:
@@ -359,23 +397,24 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
                                transient_bytes=nd.transient_bytes // tp)
                 if nd.saved_from is not None:
                     changes["saved_from"] = tuple((d, b // tp) for d, b in nd.saved_from)
-            extra = 0.0
-            if i in rows or (i in split.vocab and nd.op in _EMBEDDING_OPS):
-                extra = ar(nd.output_bytes)
+            if i in fwd_reduce:
+                changes["fwd_us"] += ar(nd.output_bytes)
+                low_fwd = ar(nd.output_bytes, low=True)
             elif i in heads:
                 # every GPU gathers the whole logits (its output stays whole) for the loss
-                extra = all_gather_us(nd.output_bytes, tp, bandwidth_bytes_per_s, latency_us)
+                changes["fwd_us"] += gather(nd.output_bytes)
+                low_fwd = gather(nd.output_bytes, low=True)
                 if costs.nodes[i].transient_bytes:  # training
                     changes["transient_bytes"] = _gather_working_set(nd, tp)
-            changes["fwd_us"] += extra
         if i in bwd_extra:
             changes["bwd_input_us"] = changes.get("bwd_input_us", nd.bwd_input_us) \
                 + ar(bwd_extra[i])
+            low_bwd = ar(bwd_extra[i], low=True)
+        if low_out and (low_fwd or low_bwd):
+            f, b_in, b_w = low_out[i]
+            low_out[i] = (f + low_fwd, b_in + low_bwd, b_w)
         out.append(replace(nd, **changes))
-    low_times = tuple(
-        (_split_time(trip[0], tp, op_overhead_us), _split_time(trip[1], tp, op_overhead_us),
-         _split_time(trip[2], tp, op_overhead_us)) if i in split.sharded_nodes else trip
-        for i, trip in enumerate(costs.low_times))
+    low_times = tuple(low_out)
     return replace(costs, nodes=tuple(out), param_sizes=sizes, param_numel=numel,
                    low_times=low_times,
                    source=f"{costs.source}+tp{tp}", no_cut=costs.no_cut | inside_pairs(split))

@@ -69,6 +69,19 @@ class RuntimeDescription:
             pipeline ranks' mean busy time times this figure
             (:func:`autopart.solver.simulate.core_bound_us`); idle time in the schedule's
             bubbles is shared for free.
+        collective_overhead_points: ``(work µs, µs per collective)`` pairs: what one collective
+            among ranks (a tp all-reduce or all-gather, a dp gradient reduction) costs beyond
+            its ring steps (:mod:`autopart.solver.collectives`), after a rank has computed
+            ``work`` µs since the previous one (default ``()``: nothing; GPU ranks, whose
+            NCCL ring steps carry their fixed cost). On CPU ranks of one host this is the
+            wait for the group's slowest rank and for the waiting process to be woken and
+            scheduled again, which grows with the work between collectives (a longer
+            computation is more often preempted) and with the ranks per core; it is
+            measured on the host at the world's ranks per core
+            (:func:`autopart.profiler.collective_probe.probe_collective_overhead`), in core
+            time (the measured time divided by ``ranks_per_core``, which the shared-core
+            replay stretches back). Read off the piecewise line through the points
+            (:meth:`collective_overhead_at`). Work must be >= 0 and distinct, costs >= 0.
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
@@ -88,11 +101,21 @@ class RuntimeDescription:
     transfer_steps: str | None = None
     issue_threads: int | None = 1
     ranks_per_core: float = 1.0
+    collective_overhead_points: tuple[tuple[float, float], ...] = ()
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split_backward_points",
                            tuple((r, us) for r, us in self.split_backward_points))
+        object.__setattr__(self, "collective_overhead_points",
+                           tuple(sorted((float(w), float(us))
+                                        for w, us in self.collective_overhead_points)))
+        work = [w for w, _ in self.collective_overhead_points]
+        if (any(not (w >= 0.0) for w in work) or len(set(work)) != len(work)
+                or any(not (us >= 0.0) for _, us in self.collective_overhead_points)):
+            raise PlanError(f"collective_overhead_points={self.collective_overhead_points} "
+                            "must be (work µs >= 0, µs per collective >= 0) pairs with "
+                            "distinct work")
         if not self.split_backward_us_per_node >= 0.0:
             raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
                             "must be >= 0 (splitting a backward cannot make it cheaper)")
@@ -110,6 +133,21 @@ class RuntimeDescription:
         if not self.transfer_overhead_us >= 0.0:
             raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
                             "transfer cannot cost less than its link time)")
+
+    def collective_overhead_at(self, work_us: float) -> float:
+        """What one collective costs beyond its ring steps after ``work_us`` µs of a rank's
+        computation, µs: 0.0 without :attr:`collective_overhead_points`; else the piecewise
+        line through them, held at the first and last points' costs beyond their work (a
+        measurement is not extrapolated)."""
+        pts = self.collective_overhead_points
+        if not pts:
+            return 0.0
+        if work_us <= pts[0][0]:
+            return pts[0][1]
+        for (w0, u0), (w1, u1) in zip(pts, pts[1:], strict=False):
+            if work_us <= w1:
+                return u0 + (u1 - u0) * (work_us - w0) / (w1 - w0)
+        return pts[-1][1]
 
     def issue_thread_of(self, rank: int) -> int:
         """The host thread that issues ``rank``'s actions (``rank`` itself with one per rank)."""

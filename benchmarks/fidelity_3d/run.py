@@ -62,22 +62,18 @@ def wait_for_load(limit: float, most_s: float = 300.0) -> float:
     return os.getloadavg()[0]
 
 
-def plan_arms() -> tuple[dict[int, dict[str, Any]], dict[str, dict[str, Any]], dict[str, Any]]:
-    """Profile once for 4 CPU ranks. Per world and arm: the plan the layout search makes with
-    every rank on a core of its own (a real pipeline: the arm that runs), and per arm its
-    predictions: ``core_each`` (that search's own), ``shared`` (the same plan priced with the
-    world's ranks per core, :func:`autopart.solver.layout_predict.predict_layout`) and what
-    the search on shared cores would choose instead (``shared_search``, its cuts and m)."""
+def plan_arms() -> tuple[Any, dict[int, dict[str, Any]], dict[str, dict[str, Any]],
+                        dict[str, Any]]:
+    """Profile once for 4 CPU ranks, and per world measure the collectives' fixed cost
+    (:func:`autopart.layout_planning.with_collective_overhead`). Per world and arm: the plan
+    the layout search makes with every rank on a core of its own (a real pipeline: the arm
+    that runs), and per arm what the search on shared cores would choose instead
+    (``shared_search``, its cuts and m). Returns the profile too, to price the plans again
+    before each run (:func:`price`)."""
     from autopart import CompileOptions
     from autopart.apps.bench import load_workload
-    from autopart.planning import (
-        cpu_ranks_per_core,
-        layout_request,
-        model_heads,
-        profile_model,
-        solve_world_layout,
-    )
-    from autopart.solver.layout_predict import predict_layout
+    from autopart.layout_planning import model_heads, solve_world_layout
+    from autopart.planning import profile_model
 
     model, args, target, loss_fn = load_workload(WORKLOAD, dict(CONFIG))
     profile = profile_model(model, args, devices=["cpu"] * 4, loss_fn=loss_fn,
@@ -86,33 +82,58 @@ def plan_arms() -> tuple[dict[int, dict[str, Any]], dict[str, dict[str, Any]], d
     plans: dict[int, dict[str, Any]] = {}
     preds: dict[str, dict[str, Any]] = {}
     for world, arms in ARMS.items():
-        runtime = dataclasses.replace(profile.runtime, ranks_per_core=cpu_ranks_per_core(world))
-        shared = dataclasses.replace(profile, devices=("cpu",) * world, runtime=runtime)
-        alone = dataclasses.replace(shared, runtime=dataclasses.replace(runtime,
+        shared = world_profile(profile, world)
+        alone = dataclasses.replace(shared, runtime=dataclasses.replace(shared.runtime,
                                                                        ranks_per_core=1.0))
-        spec = shared.cluster().devices[0]
         plans[world] = {}
         for name, fixed in arms.items():
             opts = CompileOptions(schedule_kind="1f1b", **fixed)  # type: ignore[arg-type]
             plan = solve_world_layout(alone, opts, world, num_heads=heads)
             plans[world][name] = plan
             chosen = solve_world_layout(shared, opts, world, num_heads=heads)
-            priced = predict_layout(plan, shared.costs, spec,
-                                    shared.options(schedule_kind="1f1b",
-                                                   optimizer_state_bytes_per_param_byte=2.0),
-                                    layout_request(opts, world, spec, heads))
             preds[name] = {"core_each_s": plan.predicted_step_time_us / 1e6,
-                           "shared_s": priced / 1e6,
                            "shared_search": {"step_s": chosen.predicted_step_time_us / 1e6,
                                              "m": chosen.num_microbatches,
                                              "cuts": [c.position for c in chosen.cuts]}}
     link = profile.host_link
-    facts = {"cost_source": profile.costs.source,
+    facts = {"cost_source": profile.costs.source, "num_heads": heads,
              "link": None if link is None else {"latency_us": link.latency_us,
                                                 "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s},
              "transfer_overhead_us": profile.runtime.transfer_overhead_us,
-             "ranks_per_core": {w: cpu_ranks_per_core(w) for w in ARMS}}
-    return plans, preds, facts
+             "ranks_per_core": {w: _per_core(w) for w in ARMS}}
+    return profile, plans, preds, facts
+
+
+def _per_core(world: int) -> float:
+    from autopart.planning import cpu_ranks_per_core
+
+    return cpu_ranks_per_core(world)
+
+
+def world_profile(profile: Any, world: int) -> Any:
+    """``profile`` for ``world`` CPU ranks of this host: their ranks per core, and the fixed
+    cost per collective measured now in ``world`` processes."""
+    from autopart.layout_planning import with_collective_overhead
+
+    runtime = dataclasses.replace(profile.runtime, ranks_per_core=_per_core(world))
+    shared = dataclasses.replace(profile, devices=("cpu",) * world, runtime=runtime)
+    return with_collective_overhead(shared, world)
+
+
+def price(shared: Any, plan: Any, world: int, fixed: dict[str, int], heads: int | None,
+          ) -> float:
+    """``plan``'s step on ``shared`` (a :func:`world_profile`), s
+    (:func:`autopart.solver.layout_predict.predict_layout`)."""
+    from autopart import CompileOptions
+    from autopart.layout_planning import layout_request
+    from autopart.solver.layout_predict import predict_layout
+
+    spec = shared.cluster().devices[0]
+    opts = CompileOptions(schedule_kind="1f1b", **fixed)  # type: ignore[arg-type]
+    return predict_layout(plan, shared.costs, spec,
+                          shared.options(schedule_kind="1f1b",
+                                         optimizer_state_bytes_per_param_byte=2.0),
+                          layout_request(opts, world, spec, heads)) / 1e6
 
 
 def _spread(steps: list[float]) -> float:
@@ -148,13 +169,20 @@ def main() -> None:
 
     torch.set_num_threads(1)
     loads = [wait_for_load(opts.wait_load) if opts.wait_load else os.getloadavg()[0]]
-    plans, preds, facts = plan_arms()
+    profile, plans, preds, facts = plan_arms()
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in ARMS}
+    priced: dict[str, list[float]] = {name: [] for arms in ARMS.values() for name in arms}
+    points: dict[int, list[Any]] = {w: [] for w in ARMS}
     for _ in range(opts.repeats):
         for world in ARMS:
             if opts.wait_load:
                 wait_for_load(opts.wait_load)
             loads.append(os.getloadavg()[0])
+            shared = world_profile(profile, world)  # measured just before the run
+            points[world].append(shared.runtime.collective_overhead_points)
+            for name, plan in plans[world].items():
+                priced[name].append(price(shared, plan, world, ARMS[world][name],
+                                          facts["num_heads"]))
             runs[world].append(run_arms(WORKLOAD, plans[world], ranks=world, steps=opts.steps,
                                         config=dict(CONFIG), single=False, trace=True,
                                         measure_memory=False))
@@ -165,18 +193,23 @@ def main() -> None:
             got = runs[world]
             steps = [s for run in got for s in run[name].steps_s]
             measured = statistics.median(steps)
-            predicted = preds[name]["shared_s"]
+            predicted = statistics.median(priced[name])
             rows.append({
                 "arm": name, "world": world, "tp": plan.tp, "pp": len(plan.ranks), "dp": plan.dp,
                 "zero_stage": plan.zero_stage, "m": plan.num_microbatches,
                 "cuts": [c.position for c in plan.cuts], "predicted_step_s": predicted,
+                "repeat_predictions_s": priced[name],
                 "predicted_core_each_s": preds[name]["core_each_s"],
                 "shared_search": preds[name]["shared_search"], "measured_step_s": measured,
                 "repeat_medians_s": [statistics.median(run[name].steps_s) for run in got],
+                "repeat_errors": [p / statistics.median(run[name].steps_s) - 1
+                                  for p, run in zip(priced[name], got, strict=True)],
                 "step_spread": _spread(steps), "steps_s": steps,
                 "error": predicted / measured - 1,
                 "error_core_each": preds[name]["core_each_s"] / measured - 1,
                 "traced_ms": [trace_summary(run[name].trace) for run in got]})
+    facts["collective_overhead_points"] = {w: [[list(p) for p in pts] for pts in got]
+                                           for w, got in points.items()}
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                        f"{len(os.sched_getaffinity(0))} usable",
@@ -192,15 +225,21 @@ def main() -> None:
              f"{opts.steps} timed steps per arm; ranks per core "
              f"{facts['ranks_per_core']}.", "",
              "| ranks | arm | tp x pp x dp | m | cuts | predicted | measured (median) "
-             "| repeat medians | spread | error | a core each (error) |",
-             "|---:|---|---|---:|---|---:|---:|---|---:|---:|---:|"]
+             "| repeat medians | repeat errors | spread | error | a core each (error) |",
+             "|---:|---|---|---:|---|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
         reps = ", ".join(f"{x:.3f}" for x in r["repeat_medians_s"])
+        errs = ", ".join(f"{x:+.0%}" for x in r["repeat_errors"])
         lines.append(f"| {r['world']} | {r['arm']} | {r['tp']} x {r['pp']} x {r['dp']} | "
                      f"{r['m']} | {r['cuts']} | {r['predicted_step_s']:.3f} s | "
-                     f"{r['measured_step_s']:.3f} s | {reps} | {r['step_spread']:.0%} | "
+                     f"{r['measured_step_s']:.3f} s | {reps} | {errs} | {r['step_spread']:.0%} | "
                      f"{r['error']:+.1%} | {r['predicted_core_each_s']:.3f} s "
                      f"({r['error_core_each']:+.1%}) |")
+    lines += ["", "Fixed cost per collective, (work µs, µs per collective) in core time, measured "
+              "before each run:", ""]
+    lines += [f"- {w} ranks: " + "; ".join(
+        ", ".join(f"({a:.0f}, {b:.0f})" for a, b in pts) for pts in got)
+        for w, got in points.items()]
     lines += ["", "What the search on shared cores chooses instead (not run):", ""]
     lines += [f"- {r['arm']}: m {r['shared_search']['m']}, cuts {r['shared_search']['cuts']}, "
               f"predicted {r['shared_search']['step_s']:.3f} s" for r in rows]

@@ -68,8 +68,9 @@ def predicted_peaks() -> tuple[int, dict[int, list[int]]]:
     """(the cut, ZeRO stage -> the plan's predicted peak per pp rank, bytes): the layout
     search's costing of the benchmark's hand plan on a profile of the distributed runtime,
     profiled at the global batch with microbatches of the rows each rank runs."""
+    from autopart.layout_planning import layout_request
     from autopart.options import CompileOptions
-    from autopart.planning import layout_request, profile_model
+    from autopart.planning import profile_model
     from autopart.solver.layout_search import evaluate_layout, layout_candidates
 
     x, y = _inputs()

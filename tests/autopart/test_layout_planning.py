@@ -12,7 +12,7 @@ import torch
 
 from autopart import CompileOptions, PlanError
 from autopart.core.cluster import PRESETS
-from autopart.planning import host_ranks_topology, layout_request, model_heads
+from autopart.layout_planning import host_ranks_topology, layout_request, model_heads
 from autopart.runtime.mesh import check_world, replica_share
 from autopart.solver import SolveOptions
 from autopart.solver.data_parallel import data_parallel_cost

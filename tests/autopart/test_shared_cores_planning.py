@@ -9,7 +9,8 @@ import pytest
 
 from autopart import CompileOptions, PlanError
 from autopart.core.runtime_model import RuntimeDescription
-from autopart.planning import cpu_ranks_per_core, layout_request
+from autopart.layout_planning import layout_request
+from autopart.planning import cpu_ranks_per_core
 from autopart.solver.collectives import all_reduce_us
 from autopart.solver.layout_predict import predict_layout
 from autopart.solver.layout_search import solve_layout

@@ -1,0 +1,157 @@
+"""What a collective among CPU ranks costs beyond its ring steps, measured on this host.
+
+A tensor-parallel stage computes a little, then all-reduces, again and again; a data-parallel
+replica reduces its gradients after the flush. Between gloo processes each such collective
+costs far more than its ring steps of point-to-point latency: the group's ranks arrive at
+different times (one was preempted, or shares its core with another rank) and a rank that
+waited must be woken and scheduled again. That cost grows with the work done since the last
+collective (a longer computation is more often preempted) and with the ranks per core, and it
+depends on the load of the host: it is measured when a plan is made, not cached.
+
+:func:`measure_collective_overhead` starts ``world`` gloo processes (as many as the plan's
+world, so that they share the host's cores as its ranks will), in groups of consecutive
+ranks (tp innermost). Each alternates two arms: ``k`` units of work followed by a
+functional-collective all-reduce within its group (as ``autopart::tp_reduce`` runs it), and
+the same work alone; per work size, the difference of the arms' medians is the collective's
+cost. Ranks that have a core each are pinned to it, as the distributed runtime pins them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from autopart.core.errors import ProfileError
+from autopart.core.jsonio import write_text_atomic
+from autopart.profiler.links import run_rank_pair
+
+__all__ = ["UNITS", "MESSAGE_BYTES", "measure_collective_overhead", "probe_points"]
+
+#: Work sizes timed, in units of one ``tanh((128 x 256) @ (256 x 256))`` (about 60 µs on one
+#: core of this project's CPU): from a layer's small op to a whole block.
+UNITS = (1, 4, 16, 48)
+#: The all-reduced message, bytes: small, so that its ring time is a few µs.
+MESSAGE_BYTES = 16 << 10
+_BLOCKS = 9
+_ITERS = 4
+
+
+def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
+                 units: Sequence[int] = UNITS) -> list[tuple[float, float]]:
+    """On every rank of an initialised gloo process group of ``world`` ranks: per work size,
+    ``(work µs, µs per collective)`` in core time (both divided by ``ranks_per_core``), the
+    medians over the ranks; every rank returns the same list.
+
+    Args:
+        rank, world: this rank and the world size.
+        group_size: ranks per all-reduce group, consecutive ranks (``world`` must be a
+            multiple).
+        ranks_per_core: rank processes per core of the host (>= 1).
+        units: work sizes timed, in units (:data:`UNITS`).
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    groups = [dist.new_group(list(range(s, s + group_size)))
+              for s in range(0, world, group_size)]
+    group = groups[rank // group_size]
+    gen = torch.Generator().manual_seed(rank)
+    w = torch.randn(256, 256, generator=gen) / 16
+    a = torch.randn(128, 256, generator=gen)
+    msg = torch.ones(MESSAGE_BYTES // 4)  # (MESSAGE_BYTES / 4,) float32
+
+    def work(k: int) -> torch.Tensor:
+        y = a
+        for _ in range(k):
+            y = torch.tanh(y @ w)
+        return y
+
+    def reduce() -> None:
+        funcol.wait_tensor(funcol.all_reduce(msg, "sum", group))
+
+    mine: list[tuple[float, float]] = []
+    for k in units:
+        for _ in range(3):
+            work(k)
+            reduce()
+        dist.barrier()
+        with_reduce, alone = [], []
+        for block in range(_BLOCKS):
+            for arm in ((0, 1) if block % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                for _ in range(_ITERS):
+                    work(k)
+                    if arm == 0:
+                        reduce()
+                (with_reduce if arm == 0 else alone).append(
+                    (time.perf_counter() - t0) / _ITERS * 1e6)
+            reduce()  # the arms of every rank start together
+        w_us, a_us = statistics.median(with_reduce), statistics.median(alone)
+        mine.append((a_us / ranks_per_core, max(w_us - a_us, 0.0) / ranks_per_core))
+    every: list[list[tuple[float, float]]] = [[] for _ in range(world)]
+    dist.all_gather_object(every, mine)
+    return [(statistics.median(r[i][0] for r in every), statistics.median(r[i][1] for r in every))
+            for i in range(len(units))]
+
+
+def measure_collective_overhead(world: int, *, group_size: int = 2,
+                                ranks_per_core: float = 1.0, ring_us: float = 0.0,
+                                timeout_s: float = 120.0) -> tuple[tuple[float, float], ...]:
+    """``(work µs, µs per collective)`` points for ``RuntimeDescription.
+    collective_overhead_points``: :func:`probe_points` run in ``world`` fresh gloo processes
+    on this host (about 2-5 s), minus ``ring_us`` (the ring steps of the probe's own
+    :data:`MESSAGE_BYTES` message as the cost model prices them, so they are not counted
+    twice), never below 0.
+
+    Args:
+        world: processes, as many as the plan's ranks on this host (>= 2).
+        group_size: ranks per group (default 2, the smallest tp; divides ``world``).
+        ranks_per_core: rank processes per core (``RuntimeDescription.ranks_per_core``).
+        ring_us: µs to take off each point's cost.
+        timeout_s: the processes are killed after this long.
+
+    Raises:
+        ProfileError: a bad world or group, or the processes failed or timed out.
+    """
+    if world < 2 or group_size < 2 or world % group_size:
+        raise ProfileError(f"a collective probe needs world >= 2 ranks in groups of >= 2 that "
+                           f"divide it, got world {world}, groups of {group_size}")
+    data = run_rank_pair("autopart.profiler.collective_probe",
+                         [str(world), str(group_size), repr(float(ranks_per_core))],
+                         what=f"timing gloo collectives in {world} processes",
+                         timeout_s=timeout_s, ranks=world,
+                         fix="check that the host allows local TCP connections")
+    return tuple((float(wk), max(float(us) - ring_us, 0.0)) for wk, us in data["points"])
+
+
+def _rank_main(rank: int, store: str, out: str, world: int, group_size: int,
+               ranks_per_core: float) -> None:
+    """One of :func:`measure_collective_overhead`'s processes; rank 0 writes
+    ``{"points": [[work_us, us], ...]}`` to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as each CPU rank runs
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cores and world <= len(cores):  # a core (or more) each: pinned, as the runtime does
+        share = len(cores) // world
+        os.sched_setaffinity(0, cores[rank * share:(rank + 1) * share])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    try:
+        points = probe_points(rank, world, group_size, ranks_per_core)
+        if rank == 0:
+            write_text_atomic(Path(out), json.dumps({"points": points}))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
+               float(sys.argv[6]))
