@@ -30,14 +30,17 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
     """``profile`` with its runtime's ``collective_overhead_points`` measured for ``world``
     CPU ranks of this host (:func:`autopart.profiler.collective_probe.
     measure_collective_overhead`: ``world`` gloo processes at the world's ranks per core,
-    :func:`autopart.planning.cpu_ranks_per_core`, about 2-7 s; not cached, since the figure
-    follows the host's load), the probe's own ring steps taken off as the solver prices them
-    on the profile's link. Unchanged for GPU ranks (NCCL's ring steps carry the fixed cost),
-    for one rank, and for a world of odd size. When the probe fails: a ``RuntimeWarning`` and
-    the profile unchanged.
+    :func:`autopart.planning.cpu_ranks_per_core`, about 3-15 s; not cached, since the figures
+    follow the host's load), the probe's own message taken off as the solver prices it on
+    the profile's link. Where the ranks share cores (more ranks than cores), its
+    ``transfer_wait_points`` too: a pipeline's transfers then wait for their receiver to be
+    scheduled, which the per-transfer cost (measured with a core per rank) does not hold.
+    Unchanged for GPU ranks (NCCL's ring steps carry the fixed cost), for one rank, and for
+    a world of odd size. When the probe fails: a ``RuntimeWarning`` and the profile
+    unchanged.
 
     Args:
-        profile: a profile for ``cpu`` ranks (its ``host_link`` prices the probe's ring).
+        profile: a profile for ``cpu`` ranks (its ``host_link`` prices the probe's message).
         world: the ranks of the torchrun world.
     """
     if world < 2 or world % 2 or any(d != "cpu" for d in profile.devices):
@@ -45,15 +48,19 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
     spec = profile.cluster().devices[0]
     ring = all_reduce_us(MESSAGE_BYTES, 2, spec.link_bandwidth_bytes_per_s,
                          spec.link_latency_us)
+    link = spec.link_latency_us + MESSAGE_BYTES / spec.link_bandwidth_bytes_per_s * 1e6
     per_core = cpu_ranks_per_core(world)
     try:
         with phase("collectives"):
-            points = measure_collective_overhead(world, ranks_per_core=per_core, ring_us=ring)
+            got = measure_collective_overhead(world, ranks_per_core=per_core, ring_us=ring,
+                                              link_us=link)
     except ProfileError as exc:
         warnings.warn(f"{exc}; planning with no fixed cost per collective", RuntimeWarning,
                       stacklevel=2)
         return profile
-    runtime = dataclasses.replace(profile.runtime, collective_overhead_points=points)
+    runtime = dataclasses.replace(
+        profile.runtime, collective_overhead_points=got.collective_points,
+        transfer_wait_points=got.transfer_points if per_core > 1.0 else ())
     return dataclasses.replace(profile, runtime=runtime)
 
 

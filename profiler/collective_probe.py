@@ -13,7 +13,10 @@ world, so that they share the host's cores as its ranks will), in groups of cons
 ranks (tp innermost). Each alternates two arms: ``k`` units of work followed by a
 functional-collective all-reduce within its group (as ``autopart::tp_reduce`` runs it), and
 the same work alone; per work size, the difference of the arms' medians is the collective's
-cost. Ranks that have a core each are pinned to it, as the distributed runtime pins them.
+cost. A third arm follows the work with a message each way between the two ranks of a pair
+(as a pipeline's neighbours exchange an activation and its gradient): half its difference is
+the cost of one transfer. Ranks that have a core each are pinned to it, as the distributed
+runtime pins them.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from autopart.core.errors import ProfileError
 from autopart.core.jsonio import write_text_atomic
 from autopart.profiler.links import run_rank_pair
 
-__all__ = ["UNITS", "MESSAGE_BYTES", "measure_collective_overhead", "probe_points"]
+__all__ = ["UNITS", "MESSAGE_BYTES", "ProbeFigures", "measure_collective_overhead",
+           "probe_points"]
 
 #: Work sizes timed, in units of one ``tanh((128 x 256) @ (256 x 256))`` (about 60 µs on one
 #: core of this project's CPU): from a layer's small op to a whole block.
@@ -41,11 +46,27 @@ _BLOCKS = 9
 _ITERS = 4
 
 
+@dataclass(frozen=True)
+class ProbeFigures:
+    """What :func:`measure_collective_overhead` measured, per work size, in core time.
+
+    Attributes:
+        collective_points: ``(work µs, µs per collective)``
+            (``RuntimeDescription.collective_overhead_points``).
+        transfer_points: ``(work µs, µs per transfer)``: one message between two ranks after
+            that work, beyond the link's time (``RuntimeDescription.transfer_wait_points``).
+    """
+
+    collective_points: tuple[tuple[float, float], ...]
+    transfer_points: tuple[tuple[float, float], ...]
+
+
 def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
-                 units: Sequence[int] = UNITS) -> list[tuple[float, float]]:
-    """On every rank of an initialised gloo process group of ``world`` ranks: per work size,
-    ``(work µs, µs per collective)`` in core time (both divided by ``ranks_per_core``), the
-    medians over the ranks; every rank returns the same list.
+                 units: Sequence[int] = UNITS) -> dict[str, list[tuple[float, float]]]:
+    """On every rank of an initialised gloo process group of ``world`` ranks (even): per work
+    size, ``(work µs, µs per collective)`` under ``"points"`` and ``(work µs, µs per
+    transfer)`` under ``"transfer_points"``, in core time (divided by ``ranks_per_core``),
+    the medians over the ranks; every rank returns the same.
 
     Args:
         rank, world: this rank and the world size.
@@ -75,45 +96,61 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
     def reduce() -> None:
         funcol.wait_tensor(funcol.all_reduce(msg, "sum", group))
 
-    mine: list[tuple[float, float]] = []
+    peer = rank ^ 1
+
+    def exchange() -> None:  # one message each way, the pair's even rank first
+        if rank % 2 == 0:
+            dist.send(msg, peer)
+            dist.recv(msg, peer)
+        else:
+            dist.recv(msg, peer)
+            dist.send(msg, peer)
+
+    arms = (reduce, None, exchange)
+    mine: list[tuple[float, float, float]] = []
     for k in units:
         for _ in range(3):
             work(k)
             reduce()
+            exchange()
         dist.barrier()
-        with_reduce, alone = [], []
+        times: list[list[float]] = [[], [], []]
         for block in range(_BLOCKS):
-            for arm in ((0, 1) if block % 2 == 0 else (1, 0)):
+            for arm in (block % 3, (block + 1) % 3, (block + 2) % 3):
                 t0 = time.perf_counter()
+                sync = arms[arm]
                 for _ in range(_ITERS):
                     work(k)
-                    if arm == 0:
-                        reduce()
-                (with_reduce if arm == 0 else alone).append(
-                    (time.perf_counter() - t0) / _ITERS * 1e6)
+                    if sync is not None:
+                        sync()
+                times[arm].append((time.perf_counter() - t0) / _ITERS * 1e6)
             reduce()  # the arms of every rank start together
-        w_us, a_us = statistics.median(with_reduce), statistics.median(alone)
-        mine.append((a_us / ranks_per_core, max(w_us - a_us, 0.0) / ranks_per_core))
-    every: list[list[tuple[float, float]]] = [[] for _ in range(world)]
+        r_us, a_us, x_us = (statistics.median(t) for t in times)
+        mine.append((a_us / ranks_per_core, max(r_us - a_us, 0.0) / ranks_per_core,
+                     max(x_us - a_us, 0.0) / 2 / ranks_per_core))
+    every: list[list[tuple[float, float, float]]] = [[] for _ in range(world)]
     dist.all_gather_object(every, mine)
-    return [(statistics.median(r[i][0] for r in every), statistics.median(r[i][1] for r in every))
-            for i in range(len(units))]
+    med = [tuple(statistics.median(r[i][j] for r in every) for j in range(3))
+           for i in range(len(units))]
+    return {"points": [(m[0], m[1]) for m in med],
+            "transfer_points": [(m[0], m[2]) for m in med]}
 
 
 def measure_collective_overhead(world: int, *, group_size: int = 2,
                                 ranks_per_core: float = 1.0, ring_us: float = 0.0,
-                                timeout_s: float = 120.0) -> tuple[tuple[float, float], ...]:
-    """``(work µs, µs per collective)`` points for ``RuntimeDescription.
-    collective_overhead_points``: :func:`probe_points` run in ``world`` fresh gloo processes
-    on this host (about 2-5 s), minus ``ring_us`` (the ring steps of the probe's own
-    :data:`MESSAGE_BYTES` message as the cost model prices them, so they are not counted
-    twice), never below 0.
+                                link_us: float = 0.0, timeout_s: float = 120.0,
+                                ) -> ProbeFigures:
+    """:func:`probe_points` run in ``world`` fresh gloo processes on this host (about 3-15 s,
+    most of it starting them), the probe's own :data:`MESSAGE_BYTES` message's time as the
+    cost model prices it taken off (``ring_us`` from each collective, ``link_us`` from each
+    transfer, so it is not counted twice), never below 0.
 
     Args:
         world: processes, as many as the plan's ranks on this host (>= 2).
         group_size: ranks per group (default 2, the smallest tp; divides ``world``).
         ranks_per_core: rank processes per core (``RuntimeDescription.ranks_per_core``).
-        ring_us: µs to take off each point's cost.
+        ring_us: µs to take off each collective's cost.
+        link_us: µs to take off each transfer's cost.
         timeout_s: the processes are killed after this long.
 
     Raises:
@@ -127,13 +164,15 @@ def measure_collective_overhead(world: int, *, group_size: int = 2,
                          what=f"timing gloo collectives in {world} processes",
                          timeout_s=timeout_s, ranks=world,
                          fix="check that the host allows local TCP connections")
-    return tuple((float(wk), max(float(us) - ring_us, 0.0)) for wk, us in data["points"])
+    return ProbeFigures(
+        tuple((float(wk), max(float(us) - ring_us, 0.0)) for wk, us in data["points"]),
+        tuple((float(wk), max(float(us) - link_us, 0.0)) for wk, us in data["transfer_points"]))
 
 
 def _rank_main(rank: int, store: str, out: str, world: int, group_size: int,
                ranks_per_core: float) -> None:
     """One of :func:`measure_collective_overhead`'s processes; rank 0 writes
-    ``{"points": [[work_us, us], ...]}`` to ``out``."""
+    ``{"points": [[work_us, us], ...], "transfer_points": [...]}`` to ``out``."""
     import torch
     import torch.distributed as dist
 
@@ -147,7 +186,7 @@ def _rank_main(rank: int, store: str, out: str, world: int, group_size: int,
     try:
         points = probe_points(rank, world, group_size, ranks_per_core)
         if rank == 0:
-            write_text_atomic(Path(out), json.dumps({"points": points}))
+            write_text_atomic(Path(out), json.dumps(points))
     finally:
         dist.destroy_process_group()
 

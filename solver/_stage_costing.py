@@ -170,18 +170,21 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
             fwd, bi, bw = max(fwd, host[0]), max(bi + bw, host[1] + host[2]), 0.0
             host = (host[0], host[1] + host[2], 0.0)
     # the runtime's own cost of each transfer between ranks an action posts or waits on
-    # (RuntimeDescription.transfer_overhead_us): F receives the stage's input and sends its
-    # output, B (or I) receives the output's gradient and sends the input's; a split's W
-    # neither. Two neighbouring stages on one rank (the bottom of a V) hand their values over
-    # in memory: no transfer
+    # (RuntimeDescription.transfer_overhead_us, or its transfer_wait_points): F receives the
+    # stage's input and sends its output, B (or I) receives the output's gradient and sends
+    # the input's; a split's W neither. Two neighbouring stages on one rank (the bottom of a
+    # V) hand their values over in memory: no transfer
     if span.num_ranks > 1:
         transfers = ((s > 0 and span.rank_of(s - 1) != span.rank)
                      + (s < span.count - 1 and span.rank_of(s + 1) != span.rank))
-        tax = model.runtime.transfer_overhead_us * transfers
-        fwd += tax
-        bi += tax if model.training else 0.0
+        # where ranks share cores a transfer also waits for its receiver to be scheduled,
+        # which grows with the action's work (RuntimeDescription.transfer_cost_at)
+        tax_f = model.runtime.transfer_cost_at(fwd) * transfers
+        tax_b = model.runtime.transfer_cost_at(bi) * transfers if model.training else 0.0
+        fwd += tax_f
+        bi += tax_b
         if model.has_host_times:
-            host = (host[0] + tax, host[1] + (tax if model.training else 0.0), host[2])
+            host = (host[0] + tax_f, host[1] + tax_b, host[2])
     return (fwd, bi, bw), host
 
 

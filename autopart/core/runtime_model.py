@@ -82,6 +82,13 @@ class RuntimeDescription:
             time (the measured time divided by ``ranks_per_core``, which the shared-core
             replay stretches back). Read off the piecewise line through the points
             (:meth:`collective_overhead_at`). Work must be >= 0 and distinct, costs >= 0.
+        transfer_wait_points: ``(work µs, µs per transfer)`` pairs: what one transfer between
+            rank processes costs beyond its link time after an action of ``work`` µs, where
+            that is more than ``transfer_overhead_us`` (default ``()``: nothing). Measured
+            beside the collectives' points (the same probe) where ranks share cores, since a
+            receiver woken by a message waits for a core another rank is using; the larger
+            of the two figures is charged (:meth:`transfer_cost_at`). Same rules as
+            ``collective_overhead_points``.
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
@@ -102,28 +109,20 @@ class RuntimeDescription:
     issue_threads: int | None = 1
     ranks_per_core: float = 1.0
     collective_overhead_points: tuple[tuple[float, float], ...] = ()
+    transfer_wait_points: tuple[tuple[float, float], ...] = ()
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split_backward_points",
                            tuple((r, us) for r, us in self.split_backward_points))
-        object.__setattr__(self, "collective_overhead_points",
-                           tuple(sorted((float(w), float(us))
-                                        for w, us in self.collective_overhead_points)))
-        work = [w for w, _ in self.collective_overhead_points]
-        if (any(not (w >= 0.0) for w in work) or len(set(work)) != len(work)
-                or any(not (us >= 0.0) for _, us in self.collective_overhead_points)):
-            raise PlanError(f"collective_overhead_points={self.collective_overhead_points} "
-                            "must be (work µs >= 0, µs per collective >= 0) pairs with "
-                            "distinct work")
-        if not self.split_backward_us_per_node >= 0.0:
-            raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
-                            "must be >= 0 (splitting a backward cannot make it cheaper)")
-        rows = [r for r, _ in self.split_backward_points]
-        if (any(not (r > 0) for r in rows) or len(set(rows)) != len(rows)
-                or any(not (us >= 0.0) for _, us in self.split_backward_points)):
-            raise PlanError(f"split_backward_points={self.split_backward_points} must be "
-                            "(rows > 0, µs per node >= 0) pairs with distinct rows")
+        for name in ("collective_overhead_points", "transfer_wait_points"):
+            points = tuple(sorted((float(w), float(us)) for w, us in getattr(self, name)))
+            object.__setattr__(self, name, points)
+            work = [w for w, _ in points]
+            if (any(not (w >= 0.0) for w in work) or len(set(work)) != len(work)
+                    or any(not (us >= 0.0) for _, us in points)):
+                raise PlanError(f"{name}={points} must be (work µs >= 0, µs >= 0) pairs with "
+                                "distinct work")
         if self.issue_threads is not None and self.issue_threads < 1:
             raise PlanError(f"issue_threads={self.issue_threads} must be >= 1, or None for one "
                             "thread per rank")
@@ -139,16 +138,28 @@ class RuntimeDescription:
         computation, µs: 0.0 without :attr:`collective_overhead_points`; else the piecewise
         line through them, held at the first and last points' costs beyond their work (a
         measurement is not extrapolated)."""
-        pts = self.collective_overhead_points
-        if not pts:
-            return 0.0
-        if work_us <= pts[0][0]:
-            return pts[0][1]
-        for (w0, u0), (w1, u1) in zip(pts, pts[1:], strict=False):
-            if work_us <= w1:
-                return u0 + (u1 - u0) * (work_us - w0) / (w1 - w0)
-        return pts[-1][1]
+        return _on_line(self.collective_overhead_points, work_us)
+
+    def transfer_cost_at(self, work_us: float) -> float:
+        """What the runtime spends on one transfer an action of ``work_us`` µs posts or waits
+        on, beside the link time, µs: the larger of :attr:`transfer_overhead_us` and
+        :attr:`transfer_wait_points` read as :meth:`collective_overhead_at` reads its
+        points."""
+        return max(self.transfer_overhead_us, _on_line(self.transfer_wait_points, work_us))
 
     def issue_thread_of(self, rank: int) -> int:
         """The host thread that issues ``rank``'s actions (``rank`` itself with one per rank)."""
         return rank if self.issue_threads is None else rank % self.issue_threads
+
+
+def _on_line(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The piecewise line through sorted ``(x, y)`` points at ``x``, held at the end points'
+    ``y`` beyond them; 0.0 without points."""
+    if not points:
+        return 0.0
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]

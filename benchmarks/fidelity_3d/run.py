@@ -179,7 +179,8 @@ def main() -> None:
                 wait_for_load(opts.wait_load)
             loads.append(os.getloadavg()[0])
             shared = world_profile(profile, world)  # measured just before the run
-            points[world].append(shared.runtime.collective_overhead_points)
+            points[world].append((shared.runtime.collective_overhead_points,
+                                  shared.runtime.transfer_wait_points))
             for name, plan in plans[world].items():
                 priced[name].append(price(shared, plan, world, ARMS[world][name],
                                           facts["num_heads"]))
@@ -208,8 +209,10 @@ def main() -> None:
                 "error": predicted / measured - 1,
                 "error_core_each": preds[name]["core_each_s"] / measured - 1,
                 "traced_ms": [trace_summary(run[name].trace) for run in got]})
-    facts["collective_overhead_points"] = {w: [[list(p) for p in pts] for pts in got]
+    facts["collective_overhead_points"] = {w: [[list(p) for p in pts[0]] for pts in got]
                                            for w, got in points.items()}
+    facts["transfer_wait_points"] = {w: [[list(p) for p in pts[1]] for pts in got]
+                                     for w, got in points.items()}
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                        f"{len(os.sched_getaffinity(0))} usable",
@@ -235,11 +238,12 @@ def main() -> None:
                      f"{r['measured_step_s']:.3f} s | {reps} | {errs} | {r['step_spread']:.0%} | "
                      f"{r['error']:+.1%} | {r['predicted_core_each_s']:.3f} s "
                      f"({r['error_core_each']:+.1%}) |")
-    lines += ["", "Fixed cost per collective, (work µs, µs per collective) in core time, measured "
-              "before each run:", ""]
-    lines += [f"- {w} ranks: " + "; ".join(
-        ", ".join(f"({a:.0f}, {b:.0f})" for a, b in pts) for pts in got)
-        for w, got in points.items()]
+    lines += ["", "Fixed cost per collective and (shared cores) per transfer, (work µs, µs) in "
+              "core time, measured before each run:", ""]
+    for k, what in enumerate(("collective", "transfer")):
+        lines += [f"- {w} ranks, per {what}: " + "; ".join(
+            ", ".join(f"({a:.0f}, {b:.0f})" for a, b in pts[k]) or "none" for pts in got)
+            for w, got in points.items()]
     lines += ["", "What the search on shared cores chooses instead (not run):", ""]
     lines += [f"- {r['arm']}: m {r['shared_search']['m']}, cuts {r['shared_search']['cuts']}, "
               f"predicted {r['shared_search']['step_s']:.3f} s" for r in rows]

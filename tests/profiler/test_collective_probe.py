@@ -13,15 +13,16 @@ from autopart import layout_planning
 from autopart.core.errors import ProfileError
 from autopart.planning import profile_model
 from autopart.profiler import collective_probe
-from autopart.profiler.collective_probe import UNITS, measure_collective_overhead
+from autopart.profiler.collective_probe import UNITS, ProbeFigures, measure_collective_overhead
 
 
 def test_two_gloo_processes_give_a_point_per_work_size() -> None:
-    points = measure_collective_overhead(2, ranks_per_core=1.0)
-    assert len(points) == len(UNITS)
-    works = [w for w, _ in points]
-    assert all(w > 0 for w in works) and all(us >= 0 for _, us in points)
-    assert works[-1] > works[0]  # 48 units of work take longer than one
+    got = measure_collective_overhead(2, ranks_per_core=1.0)
+    for points in (got.collective_points, got.transfer_points):
+        assert len(points) == len(UNITS)
+        works = [w for w, _ in points]
+        assert all(w > 0 for w in works) and all(us >= 0 for _, us in points)
+        assert works[-1] > works[0]  # 48 units of work take longer than one
 
 
 def test_the_probes_ring_steps_are_taken_off_never_below_zero(
@@ -30,11 +31,13 @@ def test_the_probes_ring_steps_are_taken_off_never_below_zero(
 
     def processes(module: str, args: list[str], **kw: object) -> dict[str, object]:
         calls.append((module, args, kw["ranks"]))
-        return {"points": [[100.0, 500.0], [900.0, 40.0]]}
+        return {"points": [[100.0, 500.0], [900.0, 40.0]],
+                "transfer_points": [[100.0, 300.0], [900.0, 20.0]]}
 
     monkeypatch.setattr(collective_probe, "run_rank_pair", processes)
-    got = measure_collective_overhead(4, ranks_per_core=2.0, ring_us=60.0)
-    assert got == ((100.0, 440.0), (900.0, 0.0))
+    got = measure_collective_overhead(4, ranks_per_core=2.0, ring_us=60.0, link_us=30.0)
+    assert got.collective_points == ((100.0, 440.0), (900.0, 0.0))
+    assert got.transfer_points == ((100.0, 270.0), (900.0, 0.0))
     assert calls == [("autopart.profiler.collective_probe", ["4", "2", "2.0"], 4)]
 
 
@@ -54,23 +57,31 @@ def test_a_profile_gets_the_points_and_a_failed_probe_warns(
     profile = _cpu_profile(2)
     seen: list[tuple[int, float, float]] = []
 
-    def fake(world: int, *, ranks_per_core: float, ring_us: float) -> tuple[tuple[float, float], ...]:
-        seen.append((world, ranks_per_core, ring_us))
-        return ((100.0, 900.0), (4000.0, 1200.0))
+    def fake(world: int, *, ranks_per_core: float, ring_us: float,
+             link_us: float) -> ProbeFigures:
+        seen.append((world, ranks_per_core, ring_us, link_us))
+        return ProbeFigures(((100.0, 900.0), (4000.0, 1200.0)), ((100.0, 700.0),))
 
     monkeypatch.setattr(layout_planning, "measure_collective_overhead", fake)
     monkeypatch.setattr(layout_planning, "cpu_ranks_per_core", lambda world: world / 2)
     got = layout_planning.with_collective_overhead(profile, 4)
     assert got.runtime.collective_overhead_points == ((100.0, 900.0), (4000.0, 1200.0))
     assert got.runtime.collective_overhead_at(2050.0) == pytest.approx(1050.0)
-    (world, per_core, ring), = seen
-    assert (world, per_core) == (4, 2.0) and ring > 0  # the 16 KiB message on the link
+    # 2 ranks per core: a transfer waits for its receiver too
+    assert got.runtime.transfer_wait_points == ((100.0, 700.0),)
+    assert got.runtime.transfer_cost_at(5.0) == max(700.0, profile.runtime.transfer_overhead_us)
+    (world, per_core, ring, link), = seen
+    assert (world, per_core) == (4, 2.0) and ring > link > 0  # the 16 KiB message
+    # a core each: the measured per-transfer cost stands
+    alone = layout_planning.with_collective_overhead(profile, 2)
+    assert alone.runtime.transfer_wait_points == () and alone.runtime.collective_overhead_points
+    seen.clear()
     # one rank, an odd world and GPU ranks are left alone, without a probe
     assert layout_planning.with_collective_overhead(profile, 1) is profile
     assert layout_planning.with_collective_overhead(profile, 3) is profile
     gpu = dataclasses.replace(profile, devices=("cuda:0", "cuda:1"))
     assert layout_planning.with_collective_overhead(gpu, 2) is gpu
-    assert len(seen) == 1
+    assert seen == []
 
     def broken(world: int, **_: float) -> tuple[tuple[float, float], ...]:
         raise ProfileError("timing gloo collectives in 2 processes failed: boom")

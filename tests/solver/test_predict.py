@@ -258,3 +258,25 @@ def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_micr
     assert second_w(16, split_backward_points=((4, 3.0), (8, 1.0))) == pytest.approx(
         plain[16] + 4 * 4.0)
     assert second_w(2, split_backward_points=((4, 3.0), (8, 1.0))) == pytest.approx(plain[2])
+
+
+def test_a_transfer_on_shared_cores_pays_the_wait_measured_after_its_actions_work(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # the same 2-stage plan as above: F and B of each stage compute 40 µs (the B's I column
+    # 40 µs as one whole backward) and have one transfer each
+    costs = build.chain(8, param_bytes=400)
+    cluster = build.cluster(2, link_bw=1e12)
+
+    def stage_costs(runtime: RuntimeDescription) -> Any:
+        opts = SolveOptions(batch_size=32, num_microbatches=4, runtime=runtime)
+        return predict(plan_at(costs, cluster, opts, (4,), kind="1f1b", num_microbatches=4),
+                       costs, cluster, opts).stage_costs
+
+    # the wait read at 40 µs of work on the line (0, 2) - (80, 10): 6 µs, above the 3 µs
+    c = stage_costs(RuntimeDescription(transfer_overhead_us=3.0,
+                                       transfer_wait_points=((0.0, 2.0), (80.0, 10.0))))
+    assert list(c.fwd_us) == [46.0, 46.0] and list(c.bwd_input_us) == [46.0, 46.0]
+    # below the per-transfer cost, the per-transfer cost stands
+    c = stage_costs(RuntimeDescription(transfer_overhead_us=3.0,
+                                       transfer_wait_points=((0.0, 1.0),)))
+    assert list(c.fwd_us) == [43.0, 43.0]
