@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from autopart.core.cluster import Cluster, DeviceSpec
 from autopart.core.costgraph import CostGraph
@@ -13,8 +13,6 @@ from autopart.core.layout import (
     ZERO_STAGES,
     check_degrees,
     check_global_batch,
-    check_tp,
-    check_zero_stage,
     divisors,
 )
 from autopart.core.plan import ParetoPoint, Plan, ShardedParameter
@@ -27,6 +25,7 @@ from autopart.solver.data_parallel import (
     held_state_multiplier,
     state_multiplier,
 )
+from autopart.solver.layout_options import LayoutCandidate, LayoutOptions
 from autopart.solver.options import SolveOptions
 from autopart.solver.predict import plan_at
 from autopart.solver.solve import solve
@@ -34,84 +33,6 @@ from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
 
 __all__ = ["LayoutOptions", "LayoutCandidate", "layout_candidates", "evaluate_layout",
            "solve_layout"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LayoutOptions:
-    """The 3D part of a request (keyword-only); ``None`` = the search chooses.
-
-    Attributes:
-        num_gpus: GPUs in the cluster (tp x pp x dp).
-        topology: hosts and links (:class:`autopart.core.topology.HostTopology`).
-        tp, pp, dp: fixed degrees, or None.
-        zero_stage: fixed ZeRO stage 0-3, or None (the search tries 0-3 where dp > 1).
-        num_heads: the model's attention heads (a tp must divide them); None = not checked.
-        gradient_factor: gradient bytes per parameter byte (1.0: gradients in the
-            parameters' dtype; 2.0: fp32 gradients of bf16 weights).
-        max_layouts: at most this many layouts get a screening solve (best bound first)
-            (default 64).
-        refine: how many of the best screened layouts are solved again with the request's
-            full pipeline search (default 2).
-        microbatch_sizes: rows per microbatch to search (Megatron-LM's ``micro-batch-size``):
-            each layout searches ``m = batch / dp / size`` for the sizes that divide a
-            replica's batch; None (default) = ``options``' microbatch counts.
-    """
-
-    num_gpus: int
-    topology: HostTopology
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    zero_stage: int | None = None
-    num_heads: int | None = None
-    gradient_factor: float = 1.0
-    max_layouts: int = 64
-    refine: int = 2
-    microbatch_sizes: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_gpus < 1:
-            raise PlanError(f"num_gpus={self.num_gpus} must be >= 1")
-        if self.zero_stage is not None:
-            check_zero_stage(self.zero_stage)
-        if self.tp is not None:
-            check_tp(self.tp, gpus_per_host=self.topology.gpus_per_host,
-                     num_heads=self.num_heads)
-        for name in ("pp", "dp"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise PlanError(f"{name}={value} must be >= 1 or None")
-        if self.tp and self.pp and self.dp:
-            check_degrees(self.tp, self.pp, self.dp, self.num_gpus)
-        if self.microbatch_sizes is not None and (not self.microbatch_sizes
-                                                  or min(self.microbatch_sizes) < 1):
-            raise PlanError(f"microbatch_sizes={self.microbatch_sizes} must be sizes >= 1 or None")
-        if self.gradient_factor <= 0 or self.max_layouts < 1 or self.refine < 0:
-            raise PlanError(f"gradient_factor={self.gradient_factor} must be > 0, "
-                            f"max_layouts={self.max_layouts} >= 1 and refine={self.refine} >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class LayoutCandidate:
-    """One (tp, pp, dp, zero) layout with its lower bounds.
-
-    Attributes:
-        tp, pp, dp, zero_stage: the degrees.
-        step_lb_us: no plan of this layout is faster: its compute and its smallest
-            stage-to-stage sends spread evenly over pp ranks (no bubble, no recompute) plus the
-            dp collectives of an even share of the parameters, µs.
-        state_lb_bytes: no rank of it holds less parameter state, bytes.
-        estimate_us: the bound with a 1F1B bubble, ``(m + pp - 1) / m`` on the compute: the
-            order layouts are screened in (not a bound), µs.
-    """
-
-    tp: int
-    pp: int
-    dp: int
-    zero_stage: int
-    step_lb_us: float
-    state_lb_bytes: int
-    estimate_us: float = 0.0
 
 
 def _tp_choices(layout: LayoutOptions) -> list[int]:
