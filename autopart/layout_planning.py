@@ -32,9 +32,10 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
     measure_collective_overhead`: ``world`` gloo processes at the world's ranks per core,
     :func:`autopart.planning.cpu_ranks_per_core`, about 3-15 s; not cached, since the figures
     follow the host's load), the probe's own message taken off as the solver prices it on
-    the profile's link. Where the ranks share cores (more ranks than cores), its
-    ``transfer_wait_points`` too: a pipeline's transfers then wait for their receiver to be
-    scheduled, which the per-transfer cost (measured with a core per rank) does not hold.
+    the profile's link; and its ``transfer_wait_points``, from the same processes: a
+    pipeline's transfer waits for its receiver to be scheduled again, the more so when ranks
+    share cores or other jobs load the host, which the per-transfer cost (measured once per
+    machine, a core per rank) does not hold; the larger of the two is charged.
     Unchanged for GPU ranks (NCCL's ring steps carry the fixed cost), for one rank, and for
     a world of odd size. When the probe fails: a ``RuntimeWarning`` and the profile
     unchanged.
@@ -60,7 +61,7 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
         return profile
     runtime = dataclasses.replace(
         profile.runtime, collective_overhead_points=got.collective_points,
-        transfer_wait_points=got.transfer_points if per_core > 1.0 else ())
+        transfer_wait_points=got.transfer_points)
     return dataclasses.replace(profile, runtime=runtime)
 
 

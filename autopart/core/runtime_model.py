@@ -85,10 +85,10 @@ class RuntimeDescription:
         transfer_wait_points: ``(work µs, µs per transfer)`` pairs: what one transfer between
             rank processes costs beyond its link time after an action of ``work`` µs, where
             that is more than ``transfer_overhead_us`` (default ``()``: nothing). Measured
-            beside the collectives' points (the same probe) where ranks share cores, since a
-            receiver woken by a message waits for a core another rank is using; the larger
-            of the two figures is charged (:meth:`transfer_cost_at`). Same rules as
-            ``collective_overhead_points``.
+            beside the collectives' points (the same probe, in the world's processes, at the
+            host's load): a receiver woken by a message waits for a core, longer when ranks
+            share cores or other jobs run; the larger of the two figures is charged
+            (:meth:`transfer_cost_at`). Same rules as ``collective_overhead_points``.
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.

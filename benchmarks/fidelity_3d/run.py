@@ -159,6 +159,21 @@ def trace_summary(trace: Any) -> dict[str, list[float]]:
     return out
 
 
+def action_means(trace: Any) -> dict[str, float]:
+    """Mean duration of each stage's forward and backward actions in a traced step
+    (``"0F"``, ``"0B"``, ...), ms."""
+    sums: dict[str, list[float]] = {}
+    if trace is None:
+        return {}
+    for r in range(trace.num_ranks):
+        for e in trace.of_rank(r):
+            if e.action is None:
+                continue
+            stage = e.name.rstrip("0123456789")  # "1F3" -> "1F"
+            sums.setdefault(stage, []).append(e.duration_us / 1e3)
+    return {k: statistics.mean(v) for k, v in sorted(sums.items())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=7)
@@ -211,7 +226,11 @@ def main() -> None:
                 "step_spread": _spread(steps), "steps_s": steps,
                 "error": predicted / measured - 1,
                 "error_core_each": preds[name]["core_each_s"] / measured - 1,
-                "traced_ms": [trace_summary(run[name].trace) for run in got]})
+                "traced_ms": [trace_summary(run[name].trace) for run in got],
+                "stage_predicted_ms": {f"{i}F": st.predicted_fwd_us / 1e3
+                                       for i, st in enumerate(plan.stages)}
+                | {f"{i}B": st.predicted_bwd_us / 1e3 for i, st in enumerate(plan.stages)},
+                "stage_traced_ms": [action_means(run[name].trace) for run in got]})
     facts["collective_overhead_points"] = {w: [[list(p) for p in pts[0]] for pts in got]
                                            for w, got in points.items()}
     facts["transfer_wait_points"] = {w: [[list(p) for p in pts[1]] for pts in got]
@@ -257,6 +276,13 @@ def main() -> None:
         lines.append(f"| {r['arm']} | " + " | ".join(
             "/".join(f"{x:.1f}" for x in t[k]) for k in ("compute", "reduce", "wait",
                                                           "transfer")) + " |")
+    lines += ["", "Per action (last repeat), mean traced vs the plan's own prediction (a core "
+              "each), ms:", ""]
+    for r in rows:
+        got = r["stage_traced_ms"][-1]
+        lines.append(f"- {r['arm']}: " + ", ".join(
+            f"{k} {got.get(k, float('nan')):.1f}/{v:.1f}"
+            for k, v in sorted(r["stage_predicted_ms"].items())))
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
