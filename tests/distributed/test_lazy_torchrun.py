@@ -4,28 +4,13 @@ step and the other rank waits for its plan; a second sequence length is built on
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.distributed.torchrun_launch import torchrun
 
 
 def test_lazy_compile_as_written_trains_under_torchrun(tmp_path: Path) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                f"--master-port={_free_port()}", "--max-restarts=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([*torchrun, str(ROOT / "tests/distributed/torchrun_lazy.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun("tests/distributed/torchrun_lazy.py", 2, tmp_path, timeout_s=500)
     for rank in (0, 1):
         for step, seq in enumerate([8, 16, 8]):
             assert f"rank {rank} step {step} seq {seq} ok loss" in proc.stdout, proc.stdout

@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.distributed.torchrun_launch import ROOT, free_port, torchrun
 
 
 def test_mesh_groups_on_8_ranks(tmp_path: Path) -> None:
@@ -28,7 +21,7 @@ def test_mesh_groups_on_8_ranks(tmp_path: Path) -> None:
         import torch.multiprocessing as mp
         from tests.distributed.mesh_worker import mesh_layout
         if __name__ == "__main__":
-            mp.spawn(mesh_layout, args=({world}, {_free_port()}, {str(tmp_path)!r}),
+            mp.spawn(mesh_layout, args=({world}, {free_port()}, {str(tmp_path)!r}),
                      nprocs={world}, join=True)
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
@@ -54,12 +47,7 @@ def test_mesh_groups_on_8_ranks(tmp_path: Path) -> None:
 
 
 def test_compile_replays_and_chooses_a_pp2_dp2_plan_under_torchrun(tmp_path: Path) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
-                f"--master-port={_free_port()}", "--max-restarts=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([*torchrun, str(ROOT / "tests/distributed/torchrun_3d.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun("tests/distributed/torchrun_3d.py", 4, tmp_path, timeout_s=500)
     for rank in range(4):
         for label in ("replay", "chosen"):
             assert f"rank {rank} {label} ok loss" in proc.stdout, proc.stdout

@@ -21,12 +21,13 @@ def free_port() -> int:
 
 
 def torchrun(script: str, nproc: int, tmp_path: Path, *, timeout_s: float = 600,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` (relative to the repository root) on ``nproc`` ranks, one thread each,
-    with the profile cache in ``tmp_path``; fails the test, with the output's tail, when the
-    launch does not exit 0."""
+             env: dict[str, str] | None = None,
+             args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (relative to the repository root) with ``args`` on ``nproc`` ranks, one
+    thread each, with the profile cache in ``tmp_path``; fails the test, with the output's
+    tail, when the launch does not exit 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "--max-restarts=0", str(ROOT / script)]
+           f"--master-port={free_port()}", "--max-restarts=0", str(ROOT / script), *(args or [])]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path),
                 **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
