@@ -3,7 +3,7 @@
 One profile of a GPT-2-like model (4 layers, n_embd 128, 4 heads, vocabulary 2048, global
 batch 16 x 64 tokens) is taken for 4 ``cpu`` ranks as ``autopart.compile`` takes it under
 torchrun (distributed backend, the host link measured and cached). Each arm's degrees are
-fixed and the layout search (:func:`autopart.planning.solve_world_layout`, 1F1B) plans it
+fixed and the layout search (:func:`autopart.layout_planning.solve_world_layout`, 1F1B) plans it
 with every rank on a core of its own, which gives a real pipeline; that plan runs, and is
 priced again with the world's ranks per core (this process's CPU affinity:
 :func:`autopart.planning.cpu_ranks_per_core`) by
