@@ -7,7 +7,7 @@ import datetime
 import json
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,12 +16,13 @@ import torch.distributed as dist
 from autopart.core.errors import PipelineFailure
 from autopart.core.plan import Plan
 from autopart.core.trace import TraceEvent
-from autopart.runtime._torch_private import default_store
+from autopart.runtime._torch_private import default_store, set_group_timeout
 from autopart.runtime.heartbeat import Heartbeat
 from autopart.runtime.host import affinity_enabled, core_share
 
 __all__ = ["StoreGather", "broadcast_outputs", "cpu_share", "pipelines_of", "timed_group",
-           "tied_groups", "step_failure", "average_over", "BUCKET_BYTES"]
+           "tied_groups", "mesh_coordinates", "time_out_groups", "step_failure", "average_over",
+           "BUCKET_BYTES"]
 
 #: Gradients are averaged over data-parallel replicas in buckets of at most this many bytes
 #: (DDP's default ``bucket_cap_mb=25``): one all-reduce per bucket, close to the one ring
@@ -75,6 +76,31 @@ def timed_group(pipelines: list[tuple[int, ...]], mine: list[int],
     timeout = datetime.timedelta(seconds=timeout_s)
     made = [dist.new_group(list(pipeline), timeout=timeout) for pipeline in pipelines]
     return made[pipelines.index(tuple(mine))]
+
+
+def mesh_coordinates(pp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
+                     tp_group: dist.ProcessGroup | None) -> dict[int, tuple[int, int, int]]:
+    """Every global rank's ``(pp, dp, tp)`` coordinates: its index in its pipeline (the world
+    when ``pp_group`` is None), in its data-parallel and its tensor-parallel group (0 where
+    there is none). Collective over the world (one ``all_gather_object``)."""
+    mine = (dist.get_rank(pp_group), *(dist.get_rank(g) if g is not None else 0
+                                       for g in (dp_group, tp_group)))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {r: (int(c[0]), int(c[1]), int(c[2])) for r, c in enumerate(every)}
+
+
+def time_out_groups(groups: list[dist.ProcessGroup | None], timeout_s: float) -> None:
+    """Make the collectives of ``groups`` (the pipeline's data- and tensor-parallel groups;
+    None entries skipped) time out after ``timeout_s``, as the pipeline's own sends and
+    receives do (:func:`timed_group`): a gradient all-reduce, an FSDP2 gather or a
+    tensor-parallel all-reduce waiting for a rank that hangs then fails the step within the
+    step timeout, where the groups a ``DeviceMesh`` makes would wait 30 minutes (gloo's
+    default). The groups are changed in place (a user's mesh's too): their stage graphs and
+    FSDP2's mesh address them by name, so they cannot be swapped for timed copies."""
+    for group in groups:
+        if group is not None:
+            set_group_timeout(group, timeout_s)
 
 
 def tied_groups(placement: Any, plan: Plan, pipelines: list[tuple[int, ...]], mine: list[int],
@@ -162,39 +188,48 @@ class StoreGather:
         return [int(blob) for blob in self.gather_bytes(str(int(value)).encode())]
 
 
-def step_failure(exc: Exception, heartbeat: Heartbeat, plan: Plan, p2p_ranks: list[int],
-                 pp_rank: int, step_timeout_s: float) -> PipelineFailure:
+def step_failure(exc: Exception, heartbeat: Heartbeat, plan: Plan,
+                 coords: Mapping[int, tuple[int, int, int]], rank: int,
+                 step_timeout_s: float) -> PipelineFailure:
     """The error a failed step raises: which rank died or hangs, and in which action.
 
-    A hung rank (inside one action for at least half the step timeout while this rank's
-    send or receive timed out) is told to exit.
+    Any rank of the world is named, a tensor- or data-parallel peer as much as a pipeline
+    neighbour, by its global rank, its ``(pp, dp, tp)`` coordinates and the stages it runs
+    (``rank 3 (pp 1, dp 0, tp 1; stages [1])``). A hung rank (inside one action, not
+    waiting in a collective, for at least half the step timeout while this rank's
+    operation timed out: :meth:`Heartbeat.diagnose`) is told to exit.
 
     Args:
         exc: what this rank's step raised.
         heartbeat: the pipeline's heartbeat (who is alive, who hangs where).
-        plan: the plan (which stages each rank runs).
-        p2p_ranks: the pipeline's global ranks, in pipeline-rank order.
-        pp_rank: this rank's pipeline rank.
+        plan: the plan (which stages each pipeline rank runs).
+        coords: global rank -> ``(pp, dp, tp)`` of every rank of the world
+            (:func:`mesh_coordinates`).
+        rank: this process's global rank.
         step_timeout_s: the step timeout.
     """
     dead, hung = heartbeat.diagnose(hung_after_s=step_timeout_s / 2)
-    pp_of = {g: r for r, g in enumerate(p2p_ranks)}
     stages_of = {r: [st.stage_index for st in plan.stages if st.rank == r]
                  for r in range(len(plan.ranks))}
+
+    def name(g: int) -> str:
+        if g not in coords:
+            return f"rank {g}"
+        pp, dp, tp = coords[g]
+        return f"rank {g} (pp {pp}, dp {dp}, tp {tp}; stages {stages_of.get(pp, '?')})"
+
     text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    who = [f"rank {g} (stages {stages_of.get(pp_of.get(g, -1), '?')}) died or stopped "
-           "responding" for g in dead]
+    who = [f"{name(g)} died or stopped responding" for g in dead]
     for g, (action, stuck_s) in sorted(hung.items()):
         reason = (f"it hangs in action {action} (no progress for {stuck_s:.0f} s, step "
                   f"timeout {step_timeout_s:g} s)")
         told = ("it was told to exit" if heartbeat.tell_to_exit(g, reason)
                 else "telling it to exit was not acknowledged")
-        who.append(f"rank {g} (stages {stages_of.get(pp_of.get(g, -1), '?')}) hangs in "
-                   f"action {action} (no progress for {stuck_s:.0f} s; {told})")
+        who.append(f"{name(g)} hangs in action {action} (no progress for {stuck_s:.0f} s; "
+                   f"{told})")
     if not who:
-        return PipelineFailure(f"pipeline step failed on rank {pp_rank} (stages "
-                               f"{stages_of[pp_rank]}): {text}")
-    return PipelineFailure(f"pipeline step failed on rank {pp_rank}: {'; '.join(who)} "
+        return PipelineFailure(f"pipeline step failed on {name(rank)}: {text}")
+    return PipelineFailure(f"pipeline step failed on {name(rank)}: {'; '.join(who)} "
                            f"({text}); restart the job (from the last checkpoint) once the "
                            "rank is healthy")
 

@@ -8,6 +8,7 @@ checks that no other runtime module touches a private torch name.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRun
 from autopart.core.schedule import Schedule
 
 __all__ = ["ScheduleRuntime", "ZeroIndexStage", "default_store", "found_non_finite",
-           "incompatible_keys", "new_schedule_runtime", "receive_buffers",
+           "incompatible_keys", "new_schedule_runtime", "receive_buffers", "set_group_timeout",
            "split_stage_backward", "version_counter"]
 
 #: torch's runtime for a schedule given as action lists (public schedules build their own
@@ -118,6 +119,14 @@ def default_store() -> dist.Store:
     """The rendezvous store of the default process group (``_get_default_store``: torch has
     no public getter; torch 2.6 - 2.13)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout_s: float) -> None:
+    """Make ``group``'s operations (gloo's collectives, NCCL's watchdog) time out after
+    ``timeout_s`` seconds from now on (``distributed_c10d._set_pg_timeout``: a group's timeout
+    is otherwise fixed when it is made, and a ``DeviceMesh`` makes its groups with the
+    backend's default, 30 minutes for gloo; torch 2.6 - 2.13)."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
 
 
 def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:

@@ -22,9 +22,11 @@ from autopart.runtime._dist_comm import (
     StoreGather,
     broadcast_outputs,
     cpu_share,
+    mesh_coordinates,
     pipelines_of,
     step_failure,
     tied_groups,
+    time_out_groups,
     timed_group,
 )
 from autopart.runtime._dist_grads import grad_norm, reduce_grads
@@ -101,10 +103,12 @@ class DistributedPipeline(Pipeline):
             parameters are then this rank's shards, ``state_dict`` gathers full tensors
             (:mod:`autopart.runtime._dist_tensor_parallel`).
         timings_s: seconds per compile phase, kept as ``timings_s``.
-        step_timeout_s: a send or receive of the pipeline that waits this long fails the
-            step (default 300 s): every rank then raises :class:`PipelineFailure` naming the
-            rank that died or hangs and the action it hangs in, and a hung rank is told to
-            exit (its heartbeat thread ends the process; see
+        step_timeout_s: a send or receive of the pipeline, or a collective of its tp or dp
+            group (whose timeout is set to this: :func:`~autopart.runtime._dist_comm.
+            time_out_groups`), that waits this long fails the step (default 300 s): every
+            rank then raises :class:`PipelineFailure` naming the rank that died or hangs (its
+            global rank, (pp, dp, tp) and stages) and the action it hangs in, and a hung
+            rank is told to exit (its heartbeat thread ends the process; see
             :class:`autopart.runtime.heartbeat.Heartbeat`).
 
     Raises:
@@ -145,6 +149,8 @@ class DistributedPipeline(Pipeline):
                 self._local.setdefault(fqn, t)
         self.step_timeout_s = step_timeout_s
         pipelines, mine = pipelines_of(pp_group)
+        self._coords = mesh_coordinates(pp_group, dp_group, tp_group)  # names failed ranks
+        time_out_groups([dp_group, tp_group], step_timeout_s)
         self._p2p_group = timed_group(pipelines, mine, step_timeout_s)
         self._tied_groups = tied_groups(placement, plan, pipelines, mine, self.pp_rank,
                                         self._local, step_timeout_s)
@@ -273,8 +279,7 @@ class DistributedPipeline(Pipeline):
 
     def _failure(self, exc: Exception) -> PipelineFailure:
         """The error a failed step raises (:func:`autopart.runtime._dist_comm.step_failure`)."""
-        return step_failure(exc, self._heartbeat, self.plan,
-                            dist.get_process_group_ranks(self._p2p_group), self.pp_rank,
+        return step_failure(exc, self._heartbeat, self.plan, self._coords, dist.get_rank(),
                             self.step_timeout_s)
 
     def train_step(self, *args: Any, target: Any = None, trace: bool = False,
@@ -369,7 +374,7 @@ class DistributedPipeline(Pipeline):
                                              group=self._p2p_group))
         with (contextlib.nullcontext() if recorder is None
               else recorder.span(self.pp_rank, "reduce", waits=False)):
-            self.reduce_grads()
+            self._guarded(self.reduce_grads)  # a dead or hung replica: PipelineFailure
             if scaled is not None:  # every rank's scaler skips when one overflowed
                 for group in (self._p2p_group, self._sharding.dp_group):  # ZeRO: shards differ
                     if group is not None:

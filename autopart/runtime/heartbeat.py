@@ -12,10 +12,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import FrameType
 
 import torch.distributed as dist
 
-__all__ = ["Heartbeat", "RankState", "DEFAULT_STEP_TIMEOUT_S", "HUNG_EXIT_CODE"]
+__all__ = ["Heartbeat", "RankState", "DEFAULT_STEP_TIMEOUT_S", "HUNG_EXIT_CODE", "in_collective"]
 
 DEFAULT_STEP_TIMEOUT_S = 300.0
 HUNG_EXIT_CODE = 75  # what a rank told it hangs exits with (EX_TEMPFAIL)
@@ -30,11 +31,15 @@ class RankState:
         action: the schedule action its main thread is computing (``"1F3"``), ``""`` when it
             is between actions (sending, receiving, waiting).
         since: wall time it entered ``action`` (or left the last one), seconds.
+        waiting: its main thread was waiting in a collective (:func:`in_collective`) when it
+            published this: a tensor-parallel all-reduce or an FSDP gather inside an action
+            waits for its peers, it does not hang.
     """
 
     stamp: float
     action: str
     since: float
+    waiting: bool = False
 
 
 class Heartbeat:
@@ -44,7 +49,10 @@ class Heartbeat:
     publishes ``autopart/state/<rank>`` in the rendezvous store every ``period_s``: a time
     stamp (the process lives), the action being computed and since when (it progresses).
     A thread that beats says nothing about the main thread, so a hang is read from the
-    action, not the stamp: a rank inside one action for longer than the step timeout hangs.
+    action, not the stamp: a rank inside one action for longer than the step timeout hangs,
+    unless its main thread waits in a collective there (a tensor-parallel all-reduce or a
+    ZeRO gather for a peer that hangs: :func:`in_collective`, read at each beat), which
+    makes it a victim of the hang rather than its cause.
 
     After a step fails, :meth:`diagnose` names the ranks that died (stale stamp) or hang
     (stuck in an action), and :meth:`tell_to_exit` asks a hung rank's own heartbeat thread
@@ -69,6 +77,7 @@ class Heartbeat:
         self.store, self.rank, self.world, self.period_s = store, rank, world, period_s
         self.hung_after_s = hung_after_s
         self._action, self._since = "", time.time()
+        self._marker = threading.get_ident()  # the thread that marks actions
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="autopart-heartbeat", daemon=True)
         self._thread.start()
@@ -77,6 +86,7 @@ class Heartbeat:
     @contextlib.contextmanager
     def action(self, text: str) -> Iterator[None]:
         """Mark the main thread as computing ``text`` (e.g. ``"1F3"``) while inside."""
+        self._marker = threading.get_ident()
         self._action, self._since = text, time.time()
         try:
             yield
@@ -86,7 +96,10 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
-                state = {"stamp": time.time(), "action": self._action, "since": self._since}
+                waiting = bool(self._action) and in_collective(
+                    sys._current_frames().get(self._marker))
+                state = {"stamp": time.time(), "action": self._action, "since": self._since,
+                         "waiting": waiting}
                 self.store.set(f"autopart/state/{self.rank}", json.dumps(state))
                 if self.store.check([f"autopart/exit/{self.rank}"]):
                     reason = self.store.get(f"autopart/exit/{self.rank}").decode()
@@ -106,7 +119,8 @@ class Heartbeat:
         try:
             self.store.wait([f"autopart/state/{rank}"], _timedelta(0.2))
             raw = json.loads(self.store.get(f"autopart/state/{rank}").decode())
-            return RankState(float(raw["stamp"]), str(raw["action"]), float(raw["since"]))
+            return RankState(float(raw["stamp"]), str(raw["action"]), float(raw["since"]),
+                             bool(raw.get("waiting", False)))
         except Exception:
             return None
 
@@ -123,7 +137,9 @@ class Heartbeat:
 
         Returns:
             The dead ranks (stamp older than four periods, or none), and per hung rank its
-            action and how long it has been in it, seconds.
+            action and how long it has been in it, seconds: a rank inside one action for
+            longer than ``hung_after_s`` and not waiting in a collective there, or one that
+            another rank told to exit (it hung) and that has exited since.
         """
         deadline = time.time() + within_s
         while True:
@@ -132,13 +148,23 @@ class Heartbeat:
                 if r == self.rank:
                     continue
                 st = self.state(r)
-                if st is None or now - st.stamp > 4 * self.period_s:
-                    dead.append(r)
-                elif st.action and now - st.since > hung_after_s:
+                fresh = st is not None and now - st.stamp <= 4 * self.period_s
+                if st is not None and st.action and (
+                        (fresh and not st.waiting and now - st.since > hung_after_s)
+                        or (not fresh and self._exited(r))):
                     hung[r] = (st.action, now - st.since)
+                elif not fresh:
+                    dead.append(r)
             if dead or hung or time.time() >= deadline:
                 return dead, hung
             time.sleep(self.period_s)
+
+    def _exited(self, rank: int) -> bool:
+        """Whether ``rank``'s heartbeat said it exits because it was told to (it hung)."""
+        try:
+            return bool(self.store.check([f"autopart/exited/{rank}"]))
+        except Exception:
+            return False
 
     def tell_to_exit(self, rank: int, reason: str, wait_s: float = 5.0) -> bool:
         """Ask ``rank``'s heartbeat thread to end its process (it hangs), and wait up to
@@ -157,6 +183,27 @@ class Heartbeat:
         atexit.unregister(self.stop)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+
+
+def in_collective(frame: FrameType | None) -> bool:
+    """Whether a thread whose innermost Python frame is ``frame`` waits in a collective: that
+    frame is torch.distributed's (a c10d call and its ``wait``, FSDP2's gathers and
+    reduce-scatters) or calls a functional collective op (``torch.ops._c10d_functional``:
+    the tensor-parallel all-reduces and gathers of :mod:`autopart.codegen`'s stages). A
+    thread blocked in C code is seen at the Python frame that called it
+    (``sys._current_frames``), so a stage computing (an aten op) or stalled in Python does
+    not count. On CUDA, NCCL collectives return at once and a backward's run on autograd's
+    device threads, so there this sees a collective only while a gloo one or a wait blocks
+    the thread."""
+    if frame is None:
+        return False
+    module = str(frame.f_globals.get("__name__", ""))
+    if module.startswith("torch.distributed") and not module.startswith(
+            "torch.distributed.pipelining"):
+        return True
+    if module == "torch._ops":  # a torch.ops call: which op (OpOverload[Packet].__call__)
+        return str(frame.f_locals.get("self", "")).startswith("_c10d_functional.")
+    return False
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:

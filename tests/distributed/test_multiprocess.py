@@ -81,7 +81,7 @@ def test_a_killed_rank_makes_the_others_exit_naming_it(kind: str, v: int) -> Non
     assert procs[0].returncode != 0
     assert "PipelineFailure" in survivor_err, survivor_err[-3000:]
     stages = "[1]" if v == 1 else "[1, 3]"
-    assert f"rank 1 (stages {stages}) died or stopped responding" in survivor_err, \
+    assert f"rank 1 (pp 1, dp 0, tp 0; stages {stages}) died or stopped responding" in survivor_err, \
         survivor_err[-3000:]
     assert elapsed < 240, f"took {elapsed:.0f} s with a {timeout_s} s timeout"  # not minutes
 
@@ -154,7 +154,7 @@ def test_a_hung_rank_is_named_by_the_others_and_told_to_exit(kind: str, v: int) 
     assert procs[0].returncode == 0, healthy_err[-3000:]
     line = next(x for x in healthy_err.splitlines() if "PipelineFailure" in x or "after " in x)
     stages = "[1]" if v == 1 else "[1, 3]"
-    assert f"rank 1 (stages {stages}) hangs in action " in line, line
+    assert f"rank 1 (pp 1, dp 0, tp 0; stages {stages}) hangs in action " in line, line
     assert "it was told to exit" in line, line
     elapsed = float(line.split("after ")[1].split(" s:")[0])
     assert elapsed < step_timeout_s + 30, line  # named within the timeout + 30 s (busy CI)
