@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopart.core.plan import Plan
+
 ROWS, WIDTH = 64, 1024  # one collective's tensor: 256 KiB of float32
 REPEATS = 30
 
@@ -86,7 +88,7 @@ CONFIG = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 2048, "n_positi
           "batch": 8, "seq": 32}
 
 
-def _tp2_plan():  # type: ignore[no-untyped-def]
+def _tp2_plan() -> Plan:
     """tp = 2 on 2 ranks (pp = dp = 1), 1F1B over 2 microbatches: the layout search's costing
     of that fixed layout (no cut searched) on a profile for the distributed runtime."""
     from autopart.apps.bench import load_workload
