@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -18,10 +19,58 @@ __all__ = ["tp_copy", "tp_gather", "tp_reduce"]
 # activation and the same gradient of it), hence these three.
 
 
+#: The longest :func:`_await_release` waits for a communication thread to let go of a
+#: collective's tensors, seconds; past it the op returns (the tensors stay correct; only who
+#: frees them last, and so what the CPU memory meter sees, is then left to chance).
+_RELEASE_TIMEOUT_S = 1.0
+
+
+def _use_counts(tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
+    """Per tensor, the references to it (``Tensor._use_count``: a handle on the same tensor,
+    as gloo's work keeps its inputs) and to its storage (its views, as the work keeps the
+    chunks of an all-gather's output)."""
+    return [(t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+            for t in tensors]
+
+
+def _await_release(tensors: tuple[torch.Tensor, ...], before: list[tuple[int, int]]) -> None:
+    """Wait until no more references hold ``tensors``' storages than ``before`` (counted
+    before the collective was issued): the process group's worker thread let go of them.
+
+    Gloo runs a collective on its own worker thread and marks it complete (``wait_tensor``
+    returns) before that thread drops the work that holds the collective's tensors
+    (``ProcessGroupGloo::runLoop``). Were the caller then to drop a tensor first (the
+    gathered parts after their concatenation, the head's logits slice once sent), the last
+    reference, and the free, would fall to gloo's thread, which torch's profiler does not
+    record: :func:`autopart.core.memory.allocated_peak_bytes` would count the block as held
+    for the rest of the step, and which tp rank lost that race decided its measured peak
+    (up to the whole logits and their slice over). Waiting here keeps every free on the
+    calling thread, in program order. CUDA tensors are not waited for (their meter reads
+    the caching allocator's own counters).
+
+    No public torch API tells whether a communication thread still holds a tensor; the two
+    reference counts (``Tensor._use_count``, ``torch._C._storage_Use_Count``, private) were
+    read against torch 2.6 and 2.13. The wait is usually none or microseconds (gloo's
+    thread drops the work right after completing it); it gives up after
+    :data:`_RELEASE_TIMEOUT_S`.
+    """
+    if not tensors or tensors[0].device.type != "cpu":
+        return
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    while any(n[0] > b[0] or n[1] > b[1]
+              for n, b in zip(_use_counts(tensors), before, strict=True)):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0)  # let gloo's worker thread run
+
+
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
-    reduced: torch.Tensor = torch.ops._c10d_functional.wait_tensor(out)
-    return reduced
+    out = x.clone(memory_format=torch.contiguous_format)  # the functional all_reduce's copy
+    before = _use_counts((out,))
+    torch.ops._c10d_functional.all_reduce_(out, "sum", group_name)
+    torch.ops._c10d_functional.wait_tensor(out)  # returns ``out``
+    _await_release((out,), before)
+    return out
 
 
 @torch.library.custom_op("autopart::tp_copy", mutates_args=())
@@ -72,8 +121,12 @@ def tp_gather(x: torch.Tensor, dim: int, rank: int, size: int, group_name: str) 
     """All-gather of each tp rank's slice of ``dim`` (rank order) forward; backward keeps this
     rank's slice of the gradient (every tp rank holds the same gradient of the gathered,
     replicated tensor). Gathers a vocab-parallel head's logits before the user's loss."""
-    parts = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), size, group_name)
-    parts = torch.ops._c10d_functional.wait_tensor(parts)
+    src = x.contiguous()
+    parts = src.new_empty((size * src.shape[0], *src.shape[1:]))  # (size * x.shape[0], ...)
+    before = _use_counts((src, parts))
+    torch.ops._c10d_functional.all_gather_into_tensor_out(src, size, group_name, out=parts)
+    torch.ops._c10d_functional.wait_tensor(parts)  # returns ``parts``
+    _await_release((src, parts), before)
     return torch.cat(parts.chunk(size, 0), dim)
 
 
