@@ -123,6 +123,14 @@ class RuntimeDescription:
                     or any(not (us >= 0.0) for _, us in points)):
                 raise PlanError(f"{name}={points} must be (work µs >= 0, µs >= 0) pairs with "
                                 "distinct work")
+        if not self.split_backward_us_per_node >= 0.0:
+            raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
+                            "must be >= 0 (splitting a backward cannot make it cheaper)")
+        rows = [r for r, _ in self.split_backward_points]
+        if (any(not (r > 0) for r in rows) or len(set(rows)) != len(rows)
+                or any(not (us >= 0.0) for _, us in self.split_backward_points)):
+            raise PlanError(f"split_backward_points={self.split_backward_points} must be "
+                            "(rows > 0, µs per node >= 0) pairs with distinct rows")
         if self.issue_threads is not None and self.issue_threads < 1:
             raise PlanError(f"issue_threads={self.issue_threads} must be >= 1, or None for one "
                             "thread per rank")
