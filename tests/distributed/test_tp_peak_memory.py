@@ -92,8 +92,9 @@ def _tp2_plan() -> Plan:
     """tp = 2 on 2 ranks (pp = dp = 1), 1F1B over 2 microbatches: the layout search's costing
     of that fixed layout (no cut searched) on a profile for the distributed runtime."""
     from autopart.apps.bench import load_workload
+    from autopart.layout_planning import layout_request, model_heads
     from autopart.options import CompileOptions
-    from autopart.planning import layout_request, model_heads, profile_model
+    from autopart.planning import profile_model
     from autopart.solver.layout_search import evaluate_layout, layout_candidates
 
     model, args, target, loss_fn = load_workload(WORKLOAD, dict(CONFIG))
