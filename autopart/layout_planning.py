@@ -35,7 +35,8 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
     the profile's link; and its ``transfer_wait_points``, from the same processes: a
     pipeline's transfer waits for its receiver to be scheduled again, the more so when ranks
     share cores or other jobs load the host, which the per-transfer cost (measured once per
-    machine, a core per rank) does not hold; the larger of the two is charged.
+    machine, a core per rank) does not hold; the larger of the two is charged; and its
+    ``collective_bandwidth_bytes_per_s``, the bandwidth gloo's all-reduce reaches.
     Unchanged for GPU ranks (NCCL's ring steps carry the fixed cost), for one rank, and for
     a world of odd size. When the probe fails: a ``RuntimeWarning`` and the profile
     unchanged.
@@ -61,7 +62,8 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
         return profile
     runtime = dataclasses.replace(
         profile.runtime, collective_overhead_points=got.collective_points,
-        transfer_wait_points=got.transfer_points)
+        transfer_wait_points=got.transfer_points,
+        collective_bandwidth_bytes_per_s=got.bandwidth_bytes_per_s)
     return dataclasses.replace(profile, runtime=runtime)
 
 
@@ -71,14 +73,17 @@ _SPLITTING = (None, "zero_bubble", "zbv", "dualpipev")
 
 
 def host_ranks_topology(num_ranks: int, device: DeviceSpec,
-                        ranks_per_host: int | None = None) -> HostTopology:
+                        ranks_per_host: int | None = None,
+                        collective_bandwidth_bytes_per_s: float = 0.0) -> HostTopology:
     """The host of a torchrun launch as the layout search sees it: ``ranks_per_host`` ranks
     (default all ``num_ranks``: one host) joined by ``device``'s own link, inside and
     between hosts. For ``cpu`` ranks that link is the one measured between two gloo
     processes on this host (:func:`autopart.planning.host_figures`, cached per machine,
-    reaching the solver through :meth:`autopart.planning.Profile.cluster`), so tp and dp
-    collectives are priced as ring collectives over what gloo measured here; no ring
-    efficiency is applied (``collective_efficiency`` 1.0: the figure is already gloo's own).
+    reaching the solver through :meth:`autopart.planning.Profile.cluster`): it prices the
+    pipeline's sends. tp and dp collectives are priced as ring collectives at
+    ``collective_bandwidth_bytes_per_s`` where it was measured (the runtime's
+    ``RuntimeDescription.collective_bandwidth_bytes_per_s``, as the efficiency
+    ``collective_efficiency`` = it over the link's, at most 1), else at the link's own.
     What a collective costs beyond its ring steps (ranks arriving late, waiting ranks woken
     on shared cores) is the runtime's ``collective_overhead_points``
     (:func:`with_collective_overhead`).
@@ -87,11 +92,15 @@ def host_ranks_topology(num_ranks: int, device: DeviceSpec,
         num_ranks: the world size.
         device: the ranks' device spec (its ``link_*`` figures).
         ranks_per_host: ranks on one host, dividing ``num_ranks``; default ``num_ranks``.
+        collective_bandwidth_bytes_per_s: the collectives' measured bus bandwidth, bytes/s
+            (default 0.0: none measured).
     """
     per_host = ranks_per_host or num_ranks
     bw, lat = device.link_bandwidth_bytes_per_s, device.link_latency_us
+    efficiency = (min(1.0, collective_bandwidth_bytes_per_s / bw)
+                  if collective_bandwidth_bytes_per_s > 0 else 1.0)
     return HostTopology(f"{per_host}x{device.name}", per_host, bw, bw, lat, lat,
-                        collective_efficiency=1.0,
+                        collective_efficiency=efficiency,
                         source=f"{device.name} ranks of one torchrun host; link: {device.source}")
 
 
@@ -103,9 +112,11 @@ def model_heads(model: nn.Module) -> int | None:
 
 
 def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
-                   num_heads: int | None = None) -> LayoutOptions:
+                   num_heads: int | None = None,
+                   collective_bandwidth_bytes_per_s: float = 0.0) -> LayoutOptions:
     """The layout search's request for ``world`` ranks of one host: ``options``' tp, dp and
-    ZeRO stage fixed where given, the rest searched.
+    ZeRO stage fixed where given, the rest searched; collectives at
+    ``collective_bandwidth_bytes_per_s`` where measured (:func:`host_ranks_topology`).
 
     Raises:
         PlanError: a tp that does not divide the ranks or the heads, a bad ZeRO stage, or
@@ -114,9 +125,9 @@ def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if per_host < 1 or world % per_host:
         per_host = world
-    return LayoutOptions(num_gpus=world, topology=host_ranks_topology(world, device, per_host),
-                         tp=options.tp, dp=options.dp, zero_stage=options.zero_stage,
-                         num_heads=num_heads)
+    topology = host_ranks_topology(world, device, per_host, collective_bandwidth_bytes_per_s)
+    return LayoutOptions(num_gpus=world, topology=topology, tp=options.tp, dp=options.dp,
+                         zero_stage=options.zero_stage, num_heads=num_heads)
 
 
 def _on_ranks(plan: Plan, device: str) -> Plan:
@@ -203,7 +214,8 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
                                     time_limit_s=options.time_limit_s,
                                     optimizer_state_bytes_per_param_byte=state_factor,
                                     **choices)
-    request = layout_request(options, world, spec, num_heads)
+    request = layout_request(options, world, spec, num_heads,
+                             profile.runtime.collective_bandwidth_bytes_per_s)
     if profile.microbatch_candidates is not None and options.num_microbatches is None:
         # a replica's microbatches no smaller than the smallest profiled one: below it the
         # two-point costs extrapolate (and can go negative)

@@ -29,12 +29,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from autopart.core.errors import ProfileError
 from autopart.core.jsonio import write_text_atomic
 from autopart.profiler.links import run_rank_pair
 
-__all__ = ["UNITS", "MESSAGE_BYTES", "ProbeFigures", "measure_collective_overhead",
+__all__ = ["UNITS", "MESSAGE_BYTES", "LARGE_BYTES", "ProbeFigures", "measure_collective_overhead",
            "probe_points"]
 
 #: Work sizes timed, in units of one ``tanh((128 x 256) @ (256 x 256))`` (about 60 µs on one
@@ -42,6 +43,9 @@ __all__ = ["UNITS", "MESSAGE_BYTES", "ProbeFigures", "measure_collective_overhea
 UNITS = (1, 4, 16, 48)
 #: The all-reduced message, bytes: small, so that its ring time is a few µs.
 MESSAGE_BYTES = 16 << 10
+#: The large message whose all-reduce, beside the small one's, gives the bandwidth gloo's
+#: collectives reach, bytes.
+LARGE_BYTES = 2 << 20
 _BLOCKS = 9
 _ITERS = 4
 
@@ -55,18 +59,24 @@ class ProbeFigures:
             (``RuntimeDescription.collective_overhead_points``).
         transfer_points: ``(work µs, µs per transfer)``: one message between two ranks after
             that work, beyond the link's time (``RuntimeDescription.transfer_wait_points``).
+        bandwidth_bytes_per_s: the bus bandwidth of an all-reduce (``2 (g - 1) / g`` times
+            its bytes over its time, as :func:`autopart.solver.collectives.all_reduce_us`
+            prices it), from a :data:`LARGE_BYTES` and a :data:`MESSAGE_BYTES` all-reduce
+            after the least work (``RuntimeDescription.collective_bandwidth_bytes_per_s``).
     """
 
     collective_points: tuple[tuple[float, float], ...]
     transfer_points: tuple[tuple[float, float], ...]
+    bandwidth_bytes_per_s: float
 
 
 def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
-                 units: Sequence[int] = UNITS) -> dict[str, list[tuple[float, float]]]:
+                 units: Sequence[int] = UNITS) -> dict[str, Any]:
     """On every rank of an initialised gloo process group of ``world`` ranks (even): per work
     size, ``(work µs, µs per collective)`` under ``"points"`` and ``(work µs, µs per
     transfer)`` under ``"transfer_points"``, in core time (divided by ``ranks_per_core``),
-    the medians over the ranks; every rank returns the same.
+    and the all-reduce's bus bandwidth in core time under ``"bandwidth_bytes_per_s"``
+    (:class:`ProbeFigures`), the medians over the ranks; every rank returns the same.
 
     Args:
         rank, world: this rank and the world size.
@@ -86,6 +96,7 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
     w = torch.randn(256, 256, generator=gen) / 16
     a = torch.randn(128, 256, generator=gen)
     msg = torch.ones(MESSAGE_BYTES // 4)  # (MESSAGE_BYTES / 4,) float32
+    large = torch.ones(LARGE_BYTES // 4)
 
     def work(k: int) -> torch.Tensor:
         y = a
@@ -128,12 +139,26 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
         r_us, a_us, x_us = (statistics.median(t) for t in times)
         mine.append((a_us / ranks_per_core, max(r_us - a_us, 0.0) / ranks_per_core,
                      max(x_us - a_us, 0.0) / 2 / ranks_per_core))
-    every: list[list[tuple[float, float, float]]] = [[] for _ in range(world)]
-    dist.all_gather_object(every, mine)
-    med = [tuple(statistics.median(r[i][j] for r in every) for j in range(3))
+    # the bandwidth: a large all-reduce against the small one, after the least work
+    sizes: list[list[float]] = [[], []]
+    for block in range(_BLOCKS):
+        for arm in ((0, 1) if block % 2 == 0 else (1, 0)):
+            buf = msg if arm == 0 else large
+            t0 = time.perf_counter()
+            for _ in range(_ITERS):
+                work(units[0])
+                funcol.wait_tensor(funcol.all_reduce(buf, "sum", group))
+            sizes[arm].append((time.perf_counter() - t0) / _ITERS * 1e6)
+    extra_us = max(statistics.median(sizes[1]) - statistics.median(sizes[0]), 1e-3)
+    ring_bytes = 2 * (group_size - 1) / group_size * (LARGE_BYTES - MESSAGE_BYTES)
+    bandwidth = ring_bytes / (extra_us / ranks_per_core) * 1e6
+    every: list[tuple[list[tuple[float, float, float]], float]] = [([], 0.0)] * world
+    dist.all_gather_object(every, (mine, bandwidth))
+    med = [tuple(statistics.median(r[0][i][j] for r in every) for j in range(3))
            for i in range(len(units))]
     return {"points": [(m[0], m[1]) for m in med],
-            "transfer_points": [(m[0], m[2]) for m in med]}
+            "transfer_points": [(m[0], m[2]) for m in med],
+            "bandwidth_bytes_per_s": statistics.median(r[1] for r in every)}
 
 
 def measure_collective_overhead(world: int, *, group_size: int = 2,
@@ -166,13 +191,15 @@ def measure_collective_overhead(world: int, *, group_size: int = 2,
                          fix="check that the host allows local TCP connections")
     return ProbeFigures(
         tuple((float(wk), max(float(us) - ring_us, 0.0)) for wk, us in data["points"]),
-        tuple((float(wk), max(float(us) - link_us, 0.0)) for wk, us in data["transfer_points"]))
+        tuple((float(wk), max(float(us) - link_us, 0.0)) for wk, us in data["transfer_points"]),
+        float(data["bandwidth_bytes_per_s"]))
 
 
 def _rank_main(rank: int, store: str, out: str, world: int, group_size: int,
                ranks_per_core: float) -> None:
     """One of :func:`measure_collective_overhead`'s processes; rank 0 writes
-    ``{"points": [[work_us, us], ...], "transfer_points": [...]}`` to ``out``."""
+    ``{"points": [[work_us, us], ...], "transfer_points": [...], "bandwidth_bytes_per_s": x}``
+    to ``out``."""
     import torch
     import torch.distributed as dist
 

@@ -89,6 +89,11 @@ class RuntimeDescription:
             host's load): a receiver woken by a message waits for a core, longer when ranks
             share cores or other jobs run; the larger of the two figures is charged
             (:meth:`transfer_cost_at`). Same rules as ``collective_overhead_points``.
+        collective_bandwidth_bytes_per_s: the bus bandwidth the runtime's collectives reach
+            between ranks of a host, bytes/s (default 0.0: unmeasured, the link's own; must
+            be >= 0). Measured by the same probe for gloo, whose all-reduce runs far below
+            the point-to-point link (it reduces and copies on the CPU); the layout search
+            prices tp and dp collectives with it (``HostTopology.collective_efficiency``).
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
@@ -110,6 +115,7 @@ class RuntimeDescription:
     ranks_per_core: float = 1.0
     collective_overhead_points: tuple[tuple[float, float], ...] = ()
     transfer_wait_points: tuple[tuple[float, float], ...] = ()
+    collective_bandwidth_bytes_per_s: float = 0.0
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +143,10 @@ class RuntimeDescription:
         if not self.ranks_per_core > 0.0:
             raise PlanError(f"ranks_per_core={self.ranks_per_core} must be > 0 (rank processes "
                             "per CPU core; 1.0 when every rank has a core of its own)")
+        if not self.collective_bandwidth_bytes_per_s >= 0.0:
+            raise PlanError(f"collective_bandwidth_bytes_per_s="
+                            f"{self.collective_bandwidth_bytes_per_s} must be >= 0 (0: the "
+                            "link's own)")
         if not self.transfer_overhead_us >= 0.0:
             raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
                             "transfer cannot cost less than its link time)")

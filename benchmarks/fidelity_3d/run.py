@@ -136,7 +136,8 @@ def price(shared: Any, plan: Any, world: int, fixed: dict[str, int], heads: int 
     return predict_layout(plan, shared.costs, spec,
                           shared.options(schedule_kind="1f1b",
                                          optimizer_state_bytes_per_param_byte=2.0),
-                          layout_request(opts, world, spec, heads)) / 1e6
+                          layout_request(opts, world, spec, heads,
+                                         shared.runtime.collective_bandwidth_bytes_per_s)) / 1e6
 
 
 def _spread(steps: list[float]) -> float:
@@ -198,7 +199,8 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             shared = world_profile(profile, world)  # measured just before the run
             points[world].append((shared.runtime.collective_overhead_points,
-                                  shared.runtime.transfer_wait_points))
+                                  shared.runtime.transfer_wait_points,
+                                  shared.runtime.collective_bandwidth_bytes_per_s))
             for name, plan in plans[world].items():
                 priced[name].append(price(shared, plan, world, ARMS[world][name],
                                           facts["num_heads"]))
@@ -235,6 +237,8 @@ def main() -> None:
                                            for w, got in points.items()}
     facts["transfer_wait_points"] = {w: [[list(p) for p in pts[1]] for pts in got]
                                      for w, got in points.items()}
+    facts["collective_bandwidth_bytes_per_s"] = {w: [pts[2] for pts in got]
+                                                 for w, got in points.items()}
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                        f"{len(os.sched_getaffinity(0))} usable",
@@ -262,6 +266,8 @@ def main() -> None:
                      f"({r['error_core_each']:+.1%}) |")
     lines += ["", "Fixed cost per collective and (shared cores) per transfer, (work µs, µs) in "
               "core time, measured before each run:", ""]
+    lines += [f"- {w} ranks, all-reduce bus bandwidth: "
+              + ", ".join(f"{pts[2] / 1e9:.2f} GB/s" for pts in got) for w, got in points.items()]
     for k, what in enumerate(("collective", "transfer")):
         lines += [f"- {w} ranks, per {what}: " + "; ".join(
             ", ".join(f"({a:.0f}, {b:.0f})" for a, b in pts[k]) or "none" for pts in got)

@@ -11,6 +11,7 @@ from torch import nn
 
 from autopart import layout_planning
 from autopart.core.errors import ProfileError
+from autopart.options import CompileOptions
 from autopart.planning import profile_model
 from autopart.profiler import collective_probe
 from autopart.profiler.collective_probe import UNITS, ProbeFigures, measure_collective_overhead
@@ -23,6 +24,7 @@ def test_two_gloo_processes_give_a_point_per_work_size() -> None:
         works = [w for w, _ in points]
         assert all(w > 0 for w in works) and all(us >= 0 for _, us in points)
         assert works[-1] > works[0]  # 48 units of work take longer than one
+    assert got.bandwidth_bytes_per_s > 0
 
 
 def test_the_probes_ring_steps_are_taken_off_never_below_zero(
@@ -32,12 +34,14 @@ def test_the_probes_ring_steps_are_taken_off_never_below_zero(
     def processes(module: str, args: list[str], **kw: object) -> dict[str, object]:
         calls.append((module, args, kw["ranks"]))
         return {"points": [[100.0, 500.0], [900.0, 40.0]],
-                "transfer_points": [[100.0, 300.0], [900.0, 20.0]]}
+                "transfer_points": [[100.0, 300.0], [900.0, 20.0]],
+                "bandwidth_bytes_per_s": 2.5e9}
 
     monkeypatch.setattr(collective_probe, "run_rank_pair", processes)
     got = measure_collective_overhead(4, ranks_per_core=2.0, ring_us=60.0, link_us=30.0)
     assert got.collective_points == ((100.0, 440.0), (900.0, 0.0))
     assert got.transfer_points == ((100.0, 270.0), (900.0, 0.0))
+    assert got.bandwidth_bytes_per_s == 2.5e9
     assert calls == [("autopart.profiler.collective_probe", ["4", "2", "2.0"], 4)]
 
 
@@ -60,7 +64,7 @@ def test_a_profile_gets_the_points_and_a_failed_probe_warns(
     def fake(world: int, *, ranks_per_core: float, ring_us: float,
              link_us: float) -> ProbeFigures:
         seen.append((world, ranks_per_core, ring_us, link_us))
-        return ProbeFigures(((100.0, 900.0), (4000.0, 1200.0)), ((100.0, 700.0),))
+        return ProbeFigures(((100.0, 900.0), (4000.0, 1200.0)), ((100.0, 700.0),), 1.5e9)
 
     monkeypatch.setattr(layout_planning, "measure_collective_overhead", fake)
     monkeypatch.setattr(layout_planning, "cpu_ranks_per_core", lambda world: world / 2)
@@ -69,6 +73,15 @@ def test_a_profile_gets_the_points_and_a_failed_probe_warns(
     assert got.runtime.collective_overhead_at(2050.0) == pytest.approx(1050.0)
     assert got.runtime.transfer_wait_points == ((100.0, 700.0),)
     assert got.runtime.transfer_cost_at(5.0) == max(700.0, profile.runtime.transfer_overhead_us)
+    assert got.runtime.collective_bandwidth_bytes_per_s == 1.5e9
+    # the layout search's tp and dp collectives run at it, the pipeline's sends at the link
+    spec = got.cluster().devices[0]
+    topo = layout_planning.layout_request(CompileOptions(tp=2), 4, spec, None,
+                                          1.5e9).topology
+    assert topo.link(2)[0] == pytest.approx(1.5e9)
+    assert topo.intra_host_bandwidth_bytes_per_s == spec.link_bandwidth_bytes_per_s
+    unmeasured = layout_planning.layout_request(CompileOptions(tp=2), 4, spec).topology
+    assert unmeasured.link(2)[0] == spec.link_bandwidth_bytes_per_s
     (world, per_core, ring, link), = seen
     assert (world, per_core) == (4, 2.0) and ring > link > 0  # the 16 KiB message
     seen.clear()
