@@ -40,14 +40,16 @@ __all__ = ["UNITS", "MESSAGE_BYTES", "LARGE_BYTES", "ProbeFigures", "measure_col
 
 #: Work sizes timed, in units of one ``tanh((128 x 256) @ (256 x 256))`` (about 60 µs on one
 #: core of this project's CPU): from a layer's small op to a whole block.
-UNITS = (1, 4, 16, 48)
+UNITS = (1, 6, 40)
 #: The all-reduced message, bytes: small, so that its ring time is a few µs.
 MESSAGE_BYTES = 16 << 10
 #: The large message whose all-reduce, beside the small one's, gives the bandwidth gloo's
 #: collectives reach, bytes.
 LARGE_BYTES = 2 << 20
-_BLOCKS = 9
+_BLOCKS = 15
 _ITERS = 4
+#: Blocks of the bandwidth's two arms (each a few ms).
+_BANDWIDTH_BLOCKS = 31
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
                      max(x_us - a_us, 0.0) / 2 / ranks_per_core))
     # the bandwidth: a large all-reduce against the small one, after the least work
     sizes: list[list[float]] = [[], []]
-    for block in range(_BLOCKS):
+    for block in range(_BANDWIDTH_BLOCKS):
         for arm in ((0, 1) if block % 2 == 0 else (1, 0)):
             buf = msg if arm == 0 else large
             t0 = time.perf_counter()
