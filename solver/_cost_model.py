@@ -238,7 +238,11 @@ class CostModel(MemoryModel):
         Each such parameter of ``b`` bytes, held by ``k`` ranks, is summed with one
         all-reduce (the runtimes' ``reduce_grads``): a ring's ``2 (k - 1) / k * b`` bytes
         each way per rank, charged as a send and a receive one after the other over the
-        slowest link between those ranks (:meth:`autopart.core.cluster.Cluster.transfer_us`).
+        slowest link between those ranks (:meth:`autopart.core.cluster.Cluster.transfer_us`),
+        plus the runtime's fixed cost of a collective after no work
+        (``RuntimeDescription.collective_overhead_at(0)``); on ranks that share cores the
+        whole is ``ranks_per_core`` times longer (every rank reduces at once, as the layout
+        search charges the dp collectives).
 
         Args:
             positions: the cut positions (``p * v - 1``, ascending).
@@ -257,7 +261,8 @@ class CostModel(MemoryModel):
             nbytes = int(math.ceil(2 * (k - 1) / k * self.costs.param_sizes[param]))
             total += 2 * max(self.cluster.transfer_us(nbytes, a, b)
                              for a, b in itertools.pairwise(ranks))
-        return total
+            total += self.runtime.collective_overhead_at(0.0)
+        return total * max(1.0, self.runtime.ranks_per_core)
 
     @classmethod
     def for_options(cls, costs: CostGraph, cluster: Cluster, options: SolveOptions,
