@@ -36,7 +36,8 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
     pipeline's transfer waits for its receiver to be scheduled again, the more so when ranks
     share cores or other jobs load the host, which the per-transfer cost (measured once per
     machine, a core per rank) does not hold; the larger of the two is charged; and its
-    ``collective_bandwidth_bytes_per_s``, the bandwidth gloo's all-reduce reaches.
+    ``collective_bandwidth_bytes_per_s``, the bandwidth gloo's all-reduce reaches, and its
+    ``bucket_copy_bytes_per_s``, how fast a dp reduction packs its gradients.
     Unchanged for GPU ranks (NCCL's ring steps carry the fixed cost), for one rank, and for
     a world of odd size. When the probe fails: a ``RuntimeWarning`` and the profile
     unchanged.
@@ -63,7 +64,8 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
     runtime = dataclasses.replace(
         profile.runtime, collective_overhead_points=got.collective_points,
         transfer_wait_points=got.transfer_points,
-        collective_bandwidth_bytes_per_s=got.bandwidth_bytes_per_s)
+        collective_bandwidth_bytes_per_s=got.bandwidth_bytes_per_s,
+        bucket_copy_bytes_per_s=got.bucket_copy_bytes_per_s)
     return dataclasses.replace(profile, runtime=runtime)
 
 

@@ -114,7 +114,8 @@ class DataParallelCost:
 def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
                        bandwidth_bytes_per_s: float, latency_us: float,
                        gradient_factor: float = 1.0,
-                       overhead_us: float = 0.0) -> DataParallelCost:
+                       overhead_us: float = 0.0,
+                       bucket_copy_bytes_per_s: float = 0.0) -> DataParallelCost:
     """The collectives one rank pays over its dp group, as autopart's runtime runs them
     (``autopart/runtime/_dist_sharding.py``: FSDP2, one unit per stage).
 
@@ -139,6 +140,9 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
         overhead_us: what each collective costs beyond its ring steps, µs (default 0.0;
             ``RuntimeDescription.collective_overhead_at``): charged once per all-reduce,
             all-gather and reduce-scatter above.
+        bucket_copy_bytes_per_s: stage 0's packing of the gradients into its bucket and back,
+            gradient bytes per second (default 0.0: not charged;
+            ``RuntimeDescription.bucket_copy_bytes_per_s``).
 
     Raises:
         PlanError: a ZeRO stage outside 0-3, or bad link figures.
@@ -150,8 +154,10 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
     if dp == 1 or param_bytes == 0:
         return DataParallelCost(0.0, 0.0)
     if zero_stage == 0:
+        pack = grads / bucket_copy_bytes_per_s * 1e6 if bucket_copy_bytes_per_s > 0 else 0.0
         return DataParallelCost(
-            all_reduce_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us, 0.0)
+            all_reduce_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us + pack,
+            0.0)
     gather = all_gather_us(param_bytes, dp, bandwidth_bytes_per_s, latency_us) + overhead_us
     scatter = reduce_scatter_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us
     if zero_stage == 1:

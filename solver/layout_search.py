@@ -48,12 +48,14 @@ def _tp_choices(layout: LayoutOptions) -> list[int]:
 def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOptions,
              runtime: RuntimeDescription) -> DataParallelCost:
     """The dp collectives of one rank; each pays the runtime's fixed cost per collective
-    after no work (they follow one another after the flush)."""
+    after no work (they follow one another after the flush), and ZeRO-0 its bucket's
+    copies."""
     bw, lat = layout.topology.link(tp * dp)
     return data_parallel_cost(param_bytes, dp=dp, zero_stage=zero,
                               bandwidth_bytes_per_s=bw, latency_us=lat,
                               gradient_factor=layout.gradient_factor,
-                              overhead_us=runtime.collective_overhead_at(0.0))
+                              overhead_us=runtime.collective_overhead_at(0.0),
+                              bucket_copy_bytes_per_s=runtime.bucket_copy_bytes_per_s)
 
 
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],

@@ -85,3 +85,17 @@ def test_dp_collectives_pay_the_fixed_cost_each() -> None:
                               bandwidth_bytes_per_s=1e9, latency_us=0.0).step_us(4) == 0.0
     with pytest.raises(PlanError, match="overhead_us"):
         data_parallel_cost(4000, zero_stage=0, overhead_us=-1.0, **kw)
+
+
+def test_zero0_pays_its_buckets_copies() -> None:
+    kw = {"dp": 2, "bandwidth_bytes_per_s": 1e9, "latency_us": 0.0}
+    plain = data_parallel_cost(4000, zero_stage=0, **kw)
+    packed = data_parallel_cost(4000, zero_stage=0, bucket_copy_bytes_per_s=2e9, **kw)
+    assert packed.per_step_us - plain.per_step_us == pytest.approx(2.0)  # 4000 B at 2 GB/s
+    # FSDP2's own copies are not charged (not measured); one replica packs nothing
+    assert data_parallel_cost(4000, zero_stage=1, bucket_copy_bytes_per_s=2e9, **kw) == \
+        data_parallel_cost(4000, zero_stage=1, **kw)
+    assert data_parallel_cost(4000, zero_stage=0, bucket_copy_bytes_per_s=2e9, dp=1,
+                              bandwidth_bytes_per_s=1e9, latency_us=0.0).per_step_us == 0.0
+    with pytest.raises(PlanError, match="bucket_copy_bytes_per_s"):
+        RuntimeDescription(bucket_copy_bytes_per_s=-1.0)
