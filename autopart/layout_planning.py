@@ -37,7 +37,7 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
     share cores or other jobs load the host, which the per-transfer cost (measured once per
     machine, a core per rank) does not hold; the larger of the two is charged; and its
     ``collective_bandwidth_bytes_per_s``, the bandwidth gloo's all-reduce reaches, and its
-    ``bucket_copy_bytes_per_s``, how fast a dp reduction packs its gradients.
+    ``copy_bytes_per_s``, how fast the runtime copies around its collectives.
     Unchanged for GPU ranks (NCCL's ring steps carry the fixed cost), for one rank, and for
     a world of odd size. When the probe fails: a ``RuntimeWarning`` and the profile
     unchanged.
@@ -65,7 +65,7 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
         profile.runtime, collective_overhead_points=got.collective_points,
         transfer_wait_points=got.transfer_points,
         collective_bandwidth_bytes_per_s=got.bandwidth_bytes_per_s,
-        bucket_copy_bytes_per_s=got.bucket_copy_bytes_per_s)
+        copy_bytes_per_s=got.copy_bytes_per_s)
     return dataclasses.replace(profile, runtime=runtime)
 
 

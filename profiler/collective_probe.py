@@ -65,16 +65,16 @@ class ProbeFigures:
             its bytes over its time, as :func:`autopart.solver.collectives.all_reduce_us`
             prices it), from a :data:`LARGE_BYTES` and a :data:`MESSAGE_BYTES` all-reduce
             after the least work (``RuntimeDescription.collective_bandwidth_bytes_per_s``).
-        bucket_copy_bytes_per_s: gradient bytes per second packed into one flat bucket and
-            back as a data-parallel reduction does around its all-reduce (``torch.cat`` of
-            the gradients, the division by the replicas, a copy back into each), from
-            :data:`LARGE_BYTES` in 32 tensors (``RuntimeDescription.bucket_copy_bytes_per_s``).
+        copy_bytes_per_s: bytes per second of one copy, from a data-parallel reduction's
+            three passes (``torch.cat`` of 32 gradients into one flat bucket, the division by
+            the replicas, a copy back into each) over :data:`LARGE_BYTES`
+            (``RuntimeDescription.copy_bytes_per_s``).
     """
 
     collective_points: tuple[tuple[float, float], ...]
     transfer_points: tuple[tuple[float, float], ...]
     bandwidth_bytes_per_s: float
-    bucket_copy_bytes_per_s: float
+    copy_bytes_per_s: float
 
 
 def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
@@ -171,7 +171,7 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         copies.append((time.perf_counter() - t0) * 1e6)
-    copy_rate = LARGE_BYTES / (max(statistics.median(copies), 1e-3) / ranks_per_core) * 1e6
+    copy_rate = 3 * LARGE_BYTES / (max(statistics.median(copies), 1e-3) / ranks_per_core) * 1e6
     every: list[tuple[list[tuple[float, float, float]], float, float]] = [([], 0.0, 0.0)] * world
     dist.all_gather_object(every, (mine, bandwidth, copy_rate))
     med = [tuple(statistics.median(r[0][i][j] for r in every) for j in range(3))
@@ -179,7 +179,7 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
     return {"points": [(m[0], m[1]) for m in med],
             "transfer_points": [(m[0], m[2]) for m in med],
             "bandwidth_bytes_per_s": statistics.median(r[1] for r in every),
-            "bucket_copy_bytes_per_s": statistics.median(r[2] for r in every)}
+            "copy_bytes_per_s": statistics.median(r[2] for r in every)}
 
 
 def measure_collective_overhead(world: int, *, group_size: int = 2,
@@ -213,14 +213,14 @@ def measure_collective_overhead(world: int, *, group_size: int = 2,
     return ProbeFigures(
         tuple((float(wk), max(float(us) - ring_us, 0.0)) for wk, us in data["points"]),
         tuple((float(wk), max(float(us) - link_us, 0.0)) for wk, us in data["transfer_points"]),
-        float(data["bandwidth_bytes_per_s"]), float(data["bucket_copy_bytes_per_s"]))
+        float(data["bandwidth_bytes_per_s"]), float(data["copy_bytes_per_s"]))
 
 
 def _rank_main(rank: int, store: str, out: str, world: int, group_size: int,
                ranks_per_core: float) -> None:
     """One of :func:`measure_collective_overhead`'s processes; rank 0 writes
     ``{"points": [[work_us, us], ...], "transfer_points": [...], "bandwidth_bytes_per_s": x,
-    "bucket_copy_bytes_per_s": y}`` to ``out``."""
+    "copy_bytes_per_s": y}`` to ``out``."""
     import torch
     import torch.distributed as dist
 

@@ -115,7 +115,7 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
                        bandwidth_bytes_per_s: float, latency_us: float,
                        gradient_factor: float = 1.0,
                        overhead_us: float = 0.0,
-                       bucket_copy_bytes_per_s: float = 0.0) -> DataParallelCost:
+                       copy_bytes_per_s: float = 0.0) -> DataParallelCost:
     """The collectives one rank pays over its dp group, as autopart's runtime runs them
     (``autopart/runtime/_dist_sharding.py``: FSDP2, one unit per stage).
 
@@ -140,9 +140,9 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
         overhead_us: what each collective costs beyond its ring steps, µs (default 0.0;
             ``RuntimeDescription.collective_overhead_at``): charged once per all-reduce,
             all-gather and reduce-scatter above.
-        bucket_copy_bytes_per_s: stage 0's packing of the gradients into its bucket and back,
-            gradient bytes per second (default 0.0: not charged;
-            ``RuntimeDescription.bucket_copy_bytes_per_s``).
+        copy_bytes_per_s: stage 0 packs the gradients into its bucket, divides and copies
+            them back: three copies of them at this rate, bytes/s (default 0.0: not charged;
+            ``RuntimeDescription.copy_bytes_per_s``).
 
     Raises:
         PlanError: a ZeRO stage outside 0-3, or bad link figures.
@@ -154,7 +154,7 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
     if dp == 1 or param_bytes == 0:
         return DataParallelCost(0.0, 0.0)
     if zero_stage == 0:
-        pack = grads / bucket_copy_bytes_per_s * 1e6 if bucket_copy_bytes_per_s > 0 else 0.0
+        pack = 3 * grads / copy_bytes_per_s * 1e6 if copy_bytes_per_s > 0 else 0.0
         return DataParallelCost(
             all_reduce_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us + pack,
             0.0)

@@ -55,7 +55,7 @@ def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOption
                               bandwidth_bytes_per_s=bw, latency_us=lat,
                               gradient_factor=layout.gradient_factor,
                               overhead_us=runtime.collective_overhead_at(0.0),
-                              bucket_copy_bytes_per_s=runtime.bucket_copy_bytes_per_s)
+                              copy_bytes_per_s=runtime.copy_bytes_per_s)
 
 
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
@@ -185,7 +185,8 @@ def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOption
     bw, lat = layout.topology.link(tp)
     out = shard_costs(costs, tp, bandwidth_bytes_per_s=bw, latency_us=lat,
                       op_overhead_us=device.op_overhead_us,
-                      collective_overhead=runtime.collective_overhead_at)
+                      collective_overhead=runtime.collective_overhead_at,
+                      copy_bytes_per_s=runtime.copy_bytes_per_s)
     if cache is not None:
         cache[tp] = out
     return out

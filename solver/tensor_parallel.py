@@ -272,7 +272,8 @@ def inside_pairs(split: TensorParallelSplit) -> frozenset[int]:
 
 def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, latency_us: float,
                 op_overhead_us: float, split: TensorParallelSplit | None = None,
-                collective_overhead: Callable[[float], float] | None = None) -> CostGraph:
+                collective_overhead: Callable[[float], float] | None = None,
+                copy_bytes_per_s: float = 0.0) -> CostGraph:
     """One tp GPU's share of ``costs``: the cost graph each GPU of a tp group runs.
 
     Split nodes (:attr:`TensorParallelSplit.sharded_nodes`): FLOPs, bytes accessed and the
@@ -302,7 +303,8 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     collectives of one forward and backward). A second profiled batch's times
     (``low_times``) are split the same way and get the same collectives, their bytes scaled
     to that batch and their fixed cost at that batch's work, so that the line between the
-    two batches keeps each collective's fixed cost fixed. The loss's own time, folded into
+    two batches keeps each collective's fixed cost fixed. The tp ops' own copies are charged
+    at ``copy_bytes_per_s`` where given. The loss's own time, folded into
     the last node's times by the profiler, is divided with a split last node (the cost
     graph does not keep it apart).
     tp = 1 returns ``costs`` itself.
@@ -317,6 +319,11 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
         split: the split to apply (default: :func:`find_tensor_parallel`).
         collective_overhead: µs one collective costs beyond its ring steps after a GPU has
             computed the given µs since the previous one (default: nothing).
+        copy_bytes_per_s: the rate of the tp ops' own copies, bytes/s (default 0.0: not
+            charged; ``RuntimeDescription.copy_bytes_per_s``): each all-reduce clones its
+            tensor, Megatron's "f" clones its input in forward, and the head's gather
+            concatenates the whole logits and, in backward, copies out this GPU's slice of
+            their gradient (``autopart/codegen/_tp_ops.py``).
 
     Raises:
         PlanError: tp < 1.
@@ -364,17 +371,22 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     low_fixed = collective_overhead(low_work) if collective_overhead else 0.0
     low_ratio = costs.low_batch_size / costs.batch_size
 
-    def ar(nbytes: float, low: bool = False) -> float:
+    def copy(nbytes: float, low: bool = False) -> float:
+        if copy_bytes_per_s <= 0:
+            return 0.0
+        return nbytes * (low_ratio if low else 1.0) / copy_bytes_per_s * 1e6
+
+    def ar(nbytes: float, low: bool = False) -> float:  # the op clones what it all-reduces
         if low:
             return all_reduce_us(nbytes * low_ratio, tp, bandwidth_bytes_per_s,
-                                 latency_us) + low_fixed
-        return all_reduce_us(nbytes, tp, bandwidth_bytes_per_s, latency_us) + fixed
+                                 latency_us) + low_fixed + copy(nbytes, low)
+        return all_reduce_us(nbytes, tp, bandwidth_bytes_per_s, latency_us) + fixed + copy(nbytes)
 
-    def gather(nbytes: float, low: bool = False) -> float:
+    def gather(nbytes: float, low: bool = False) -> float:  # and concatenates the parts
         if low:
             return all_gather_us(nbytes * low_ratio, tp, bandwidth_bytes_per_s,
-                                 latency_us) + low_fixed
-        return all_gather_us(nbytes, tp, bandwidth_bytes_per_s, latency_us) + fixed
+                                 latency_us) + low_fixed + copy(nbytes, low)
+        return all_gather_us(nbytes, tp, bandwidth_bytes_per_s, latency_us) + fixed + copy(nbytes)
 
     out: list[NodeCost] = []
     low_out = list(low_times)
@@ -401,15 +413,20 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
                 changes["fwd_us"] += ar(nd.output_bytes)
                 low_fwd = ar(nd.output_bytes, low=True)
             elif i in heads:
-                # every GPU gathers the whole logits (its output stays whole) for the loss
+                # every GPU gathers the whole logits (its output stays whole) for the loss;
+                # its backward copies out this GPU's slice of their gradient
                 changes["fwd_us"] += gather(nd.output_bytes)
                 low_fwd = gather(nd.output_bytes, low=True)
+                changes["bwd_input_us"] += copy(nd.output_bytes / tp)
+                low_bwd = copy(nd.output_bytes / tp, low=True)
                 if costs.nodes[i].transient_bytes:  # training
                     changes["transient_bytes"] = _gather_working_set(nd, tp)
-        if i in bwd_extra:
+        if i in bwd_extra:  # "f": a clone of the input in forward, an all-reduce backward
+            changes["fwd_us"] = changes.get("fwd_us", nd.fwd_us) + copy(bwd_extra[i])
+            low_fwd += copy(bwd_extra[i], low=True)
             changes["bwd_input_us"] = changes.get("bwd_input_us", nd.bwd_input_us) \
                 + ar(bwd_extra[i])
-            low_bwd = ar(bwd_extra[i], low=True)
+            low_bwd += ar(bwd_extra[i], low=True)
         if low_out and (low_fwd or low_bwd):
             f, b_in, b_w = low_out[i]
             low_out[i] = (f + low_fwd, b_in + low_bwd, b_w)

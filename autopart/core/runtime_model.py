@@ -94,12 +94,13 @@ class RuntimeDescription:
             be >= 0). Measured by the same probe for gloo, whose all-reduce runs far below
             the point-to-point link (it reduces and copies on the CPU); the layout search
             prices tp and dp collectives with it (``HostTopology.collective_efficiency``).
-        bucket_copy_bytes_per_s: how fast a data-parallel reduction packs the gradients into
-            its flat bucket and back (``torch.cat``, the division by the replicas, a copy
-            back into each gradient, as ``runtime/_dist_comm.average_over`` does around its
-            all-reduce), gradient bytes per second (default 0.0: not charged; must be >= 0).
-            Measured by the same probe on CPU ranks, where these copies cost about as much
-            as the all-reduce's ring; charged once per ZeRO-0 step.
+        copy_bytes_per_s: how fast the runtime copies the tensors it moves around its
+            collectives, bytes per second of one copy (default 0.0: not charged; must be
+            >= 0): a data-parallel reduction packs the gradients into one flat bucket, divides
+            it and copies it back (``runtime/_dist_comm.average_over``: three passes), and the
+            tp ops clone each all-reduced tensor and concatenate the gathered logits
+            (``codegen/_tp_ops.py``). Measured by the same probe on CPU ranks, where these
+            copies cost about as much as the collectives' rings.
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
@@ -122,7 +123,7 @@ class RuntimeDescription:
     collective_overhead_points: tuple[tuple[float, float], ...] = ()
     transfer_wait_points: tuple[tuple[float, float], ...] = ()
     collective_bandwidth_bytes_per_s: float = 0.0
-    bucket_copy_bytes_per_s: float = 0.0
+    copy_bytes_per_s: float = 0.0
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,7 +151,7 @@ class RuntimeDescription:
         if not self.ranks_per_core > 0.0:
             raise PlanError(f"ranks_per_core={self.ranks_per_core} must be > 0 (rank processes "
                             "per CPU core; 1.0 when every rank has a core of its own)")
-        for name in ("collective_bandwidth_bytes_per_s", "bucket_copy_bytes_per_s"):
+        for name in ("collective_bandwidth_bytes_per_s", "copy_bytes_per_s"):
             if not getattr(self, name) >= 0.0:
                 raise PlanError(f"{name}={getattr(self, name)} must be >= 0 (0: not measured)")
         if not self.transfer_overhead_us >= 0.0:

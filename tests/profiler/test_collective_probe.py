@@ -24,7 +24,7 @@ def test_two_gloo_processes_give_a_point_per_work_size() -> None:
         works = [w for w, _ in points]
         assert all(w > 0 for w in works) and all(us >= 0 for _, us in points)
         assert works[-1] > works[0]  # 40 units of work take longer than one
-    assert got.bandwidth_bytes_per_s > 0 and got.bucket_copy_bytes_per_s > 0
+    assert got.bandwidth_bytes_per_s > 0 and got.copy_bytes_per_s > 0
 
 
 def test_the_probes_ring_steps_are_taken_off_never_below_zero(
@@ -35,13 +35,13 @@ def test_the_probes_ring_steps_are_taken_off_never_below_zero(
         calls.append((module, args, kw["ranks"]))
         return {"points": [[100.0, 500.0], [900.0, 40.0]],
                 "transfer_points": [[100.0, 300.0], [900.0, 20.0]],
-                "bandwidth_bytes_per_s": 2.5e9, "bucket_copy_bytes_per_s": 3e9}
+                "bandwidth_bytes_per_s": 2.5e9, "copy_bytes_per_s": 3e9}
 
     monkeypatch.setattr(collective_probe, "run_rank_pair", processes)
     got = measure_collective_overhead(4, ranks_per_core=2.0, ring_us=60.0, link_us=30.0)
     assert got.collective_points == ((100.0, 440.0), (900.0, 0.0))
     assert got.transfer_points == ((100.0, 270.0), (900.0, 0.0))
-    assert (got.bandwidth_bytes_per_s, got.bucket_copy_bytes_per_s) == (2.5e9, 3e9)
+    assert (got.bandwidth_bytes_per_s, got.copy_bytes_per_s) == (2.5e9, 3e9)
     assert calls == [("autopart.profiler.collective_probe", ["4", "2", "2.0"], 4)]
 
 
@@ -75,7 +75,7 @@ def test_a_profile_gets_the_points_and_a_failed_probe_warns(
     assert got.runtime.transfer_wait_points == ((100.0, 700.0),)
     assert got.runtime.transfer_cost_at(5.0) == max(700.0, profile.runtime.transfer_overhead_us)
     assert got.runtime.collective_bandwidth_bytes_per_s == 1.5e9
-    assert got.runtime.bucket_copy_bytes_per_s == 4e9
+    assert got.runtime.copy_bytes_per_s == 4e9
     # the layout search's tp and dp collectives run at it, the pipeline's sends at the link
     spec = got.cluster().devices[0]
     topo = layout_planning.layout_request(CompileOptions(tp=2), 4, spec, None,

@@ -90,12 +90,30 @@ def test_dp_collectives_pay_the_fixed_cost_each() -> None:
 def test_zero0_pays_its_buckets_copies() -> None:
     kw = {"dp": 2, "bandwidth_bytes_per_s": 1e9, "latency_us": 0.0}
     plain = data_parallel_cost(4000, zero_stage=0, **kw)
-    packed = data_parallel_cost(4000, zero_stage=0, bucket_copy_bytes_per_s=2e9, **kw)
-    assert packed.per_step_us - plain.per_step_us == pytest.approx(2.0)  # 4000 B at 2 GB/s
+    packed = data_parallel_cost(4000, zero_stage=0, copy_bytes_per_s=2e9, **kw)
+    # pack, divide, copy back: 3 x 4000 B at 2 GB/s
+    assert packed.per_step_us - plain.per_step_us == pytest.approx(6.0)
     # FSDP2's own copies are not charged (not measured); one replica packs nothing
-    assert data_parallel_cost(4000, zero_stage=1, bucket_copy_bytes_per_s=2e9, **kw) == \
+    assert data_parallel_cost(4000, zero_stage=1, copy_bytes_per_s=2e9, **kw) == \
         data_parallel_cost(4000, zero_stage=1, **kw)
-    assert data_parallel_cost(4000, zero_stage=0, bucket_copy_bytes_per_s=2e9, dp=1,
+    assert data_parallel_cost(4000, zero_stage=0, copy_bytes_per_s=2e9, dp=1,
                               bandwidth_bytes_per_s=1e9, latency_us=0.0).per_step_us == 0.0
-    with pytest.raises(PlanError, match="bucket_copy_bytes_per_s"):
-        RuntimeDescription(bucket_copy_bytes_per_s=-1.0)
+    with pytest.raises(PlanError, match="copy_bytes_per_s"):
+        RuntimeDescription(copy_bytes_per_s=-1.0)
+
+
+def test_the_tp_ops_own_copies_are_charged_at_the_copy_rate() -> None:
+    costs = _block()
+    kw = {"bandwidth_bytes_per_s": 1e9, "latency_us": 1.0, "op_overhead_us": 5.0}
+    plain = shard_costs(costs, 4, **kw)
+    copied = shard_costs(costs, 4, copy_bytes_per_s=1e9, **kw)  # 1000 bytes: 1 µs
+    extra = {a.name: (b.fwd_us - a.fwd_us, b.bwd_input_us - a.bwd_input_us)
+             for a, b in zip(plain.nodes, copied.nodes, strict=True)}
+    # qkv: "f" clones ln's 4000-byte output in forward; its backward all-reduce clones the
+    # gradient. proj: the forward all-reduce's clone. head: the gathered 8000-byte logits'
+    # concatenation and its input's "f" clone in forward; backward, its 2000-byte slice of
+    # the logits' gradient and the all-reduce's clone of its input's gradient
+    assert extra["qkv"] == pytest.approx((4.0, 4.0))
+    assert extra["proj"] == pytest.approx((4.0, 0.0))
+    assert extra["head"] == pytest.approx((12.0, 6.0))
+    assert extra["ln"] == extra["attn"] == extra["add"] == (0.0, 0.0)
