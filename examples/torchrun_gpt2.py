@@ -49,7 +49,8 @@ def main() -> None:
         plan = pipe.plan
         print(f"plan: {plan.num_stages} stages, {plan.schedule_kind}, m={plan.num_microbatches}, "
               f"cuts at {[c.position for c in plan.cuts]}", flush=True)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+    # one parameter group, which may be empty (a rank whose stages hold no parameter)
+    opt = torch.optim.AdamW([{"params": list(pipe.parameters())}], lr=1e-4)
     steps_s = []
     for step in range(args.steps):
         opt.zero_grad()

@@ -99,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"{plan.schedule_kind}, cuts at {[c.position for c in plan.cuts]}", flush=True)
         if args.save_plan:
             plan.save(args.save_plan)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    # one parameter group, which may be empty: a rank whose only stage holds no parameter
+    # (an embedding's reshape) still steps, and torch refuses an empty parameter list
+    opt = torch.optim.AdamW([{"params": list(pipe.parameters())}], lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3) if reference else None
     steps_s = []
     for step, tokens in enumerate(batches):
