@@ -10,7 +10,6 @@ import sys
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 #: what a killed victim exits with (no clean-up, no goodbye)
@@ -54,13 +53,9 @@ def fails(rank: int, world: int, port: int, layout: str, victim: int, how: str,
     exiting (rank 0 serves the store the others diagnose through)."""
     sys.path.insert(0, os.getcwd())
     import autopart
+    from tests.distributed.worker import _setup
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    # the default group's set-up is not what is timed
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    _setup(rank, world, port, 600)  # the default group's set-up is not what is timed
     pipe, args, target = _pipeline(layout, world, step_timeout_s)
     pipe.train_step(*args, target=target)
     if rank == victim:
