@@ -48,10 +48,11 @@ def with_collective_overhead(profile: Profile, world: int) -> Profile:
     """
     if world < 2 or world % 2 or any(d != "cpu" for d in profile.devices):
         return profile
-    spec = profile.cluster().devices[0]
+    cluster = profile.cluster()
+    spec = cluster.devices[0]
     ring = all_reduce_us(MESSAGE_BYTES, 2, spec.link_bandwidth_bytes_per_s,
                          spec.link_latency_us)
-    link = spec.link_latency_us + MESSAGE_BYTES / spec.link_bandwidth_bytes_per_s * 1e6
+    link = cluster.transfer_us(MESSAGE_BYTES, 0, 1)
     per_core = cpu_ranks_per_core(world)
     try:
         with phase("collectives"):

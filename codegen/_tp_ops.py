@@ -25,15 +25,19 @@ __all__ = ["tp_copy", "tp_gather", "tp_reduce"]
 _RELEASE_TIMEOUT_S = 1.0
 
 
-def _use_counts(tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
+def _use_counts(tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, int]] | None:
     """Per tensor, the references to it (``Tensor._use_count``: a handle on the same tensor,
     as gloo's work keeps its inputs) and to its storage (its views, as the work keeps the
-    chunks of an all-gather's output)."""
+    chunks of an all-gather's output); None when :func:`_await_release` will not wait (not
+    CPU tensors, or torch's profiler not recording), so nothing is counted then."""
+    if tensors[0].device.type != "cpu" or not torch.autograd._profiler_enabled():
+        return None
     return [(t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata))
             for t in tensors]
 
 
-def _await_release(tensors: tuple[torch.Tensor, ...], before: list[tuple[int, int]]) -> None:
+def _await_release(tensors: tuple[torch.Tensor, ...],
+                   before: list[tuple[int, int]] | None) -> None:
     """Wait until no more references hold ``tensors``' storages than ``before`` (counted
     before the collective was issued): the process group's worker thread let go of them.
 
@@ -57,11 +61,11 @@ def _await_release(tensors: tuple[torch.Tensor, ...], before: list[tuple[int, in
     92 and 93 ms, two runs each). It sleeps 50 µs between looks (timer slack) and gives up
     after :data:`_RELEASE_TIMEOUT_S`.
     """
-    if not tensors or tensors[0].device.type != "cpu" or not torch.autograd._profiler_enabled():
+    if before is None:  # see _use_counts
         return
     deadline = time.monotonic() + _RELEASE_TIMEOUT_S
     while any(n[0] > b[0] or n[1] > b[1]
-              for n, b in zip(_use_counts(tensors), before, strict=True)):
+              for n, b in zip(_use_counts(tensors) or before, before, strict=True)):
         if time.monotonic() > deadline:
             return
         time.sleep(50e-6)  # gloo's worker thread runs meanwhile

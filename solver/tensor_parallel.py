@@ -353,19 +353,19 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     heads = {i for i in split.vocab if nodes[i].op not in _EMBEDDING_OPS}
     fwd_reduce = {i for i in split.sharded_nodes
                   if i in rows or (i in split.vocab and nodes[i].op in _EMBEDDING_OPS)}
-    low_times = tuple(
-        (_split_time(trip[0], tp, op_overhead_us), _split_time(trip[1], tp, op_overhead_us),
-         _split_time(trip[2], tp, op_overhead_us)) if i in split.sharded_nodes else trip
-        for i, trip in enumerate(costs.low_times))
 
-    def split_times(i: int, nd: NodeCost) -> tuple[float, float, float]:
-        trip = (nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us)
-        return (tuple(_split_time(t, tp, op_overhead_us) for t in trip)  # type: ignore[return-value]
-                if i in split.sharded_nodes else trip)
+    def split_times(i: int, trip: tuple[float, float, float]) -> tuple[float, float, float]:
+        if i not in split.sharded_nodes:
+            return trip
+        return (_split_time(trip[0], tp, op_overhead_us), _split_time(trip[1], tp, op_overhead_us),
+                _split_time(trip[2], tp, op_overhead_us))
 
+    times = [split_times(i, (nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us))
+             for i, nd in enumerate(nodes)]
+    low_times = tuple(split_times(i, trip) for i, trip in enumerate(costs.low_times))
     # one GPU's work between two collectives, at the profiled batch and at the low one
     count = len(fwd_reduce) + len(heads & split.sharded_nodes) + len(bwd_extra)
-    work = sum(sum(split_times(i, nd)) for i, nd in enumerate(nodes)) / max(count, 1)
+    work = sum(map(sum, times)) / max(count, 1)
     low_work = sum(map(sum, low_times)) / max(count, 1)
     fixed = collective_overhead(work) if collective_overhead else 0.0
     low_fixed = collective_overhead(low_work) if collective_overhead else 0.0
@@ -377,16 +377,14 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
         return nbytes * (low_ratio if low else 1.0) / copy_bytes_per_s * 1e6
 
     def ar(nbytes: float, low: bool = False) -> float:  # the op clones what it all-reduces
-        if low:
-            return all_reduce_us(nbytes * low_ratio, tp, bandwidth_bytes_per_s,
-                                 latency_us) + low_fixed + copy(nbytes, low)
-        return all_reduce_us(nbytes, tp, bandwidth_bytes_per_s, latency_us) + fixed + copy(nbytes)
+        ratio, extra = (low_ratio, low_fixed) if low else (1.0, fixed)
+        return (all_reduce_us(nbytes * ratio, tp, bandwidth_bytes_per_s, latency_us) + extra
+                + copy(nbytes, low))
 
     def gather(nbytes: float, low: bool = False) -> float:  # and concatenates the parts
-        if low:
-            return all_gather_us(nbytes * low_ratio, tp, bandwidth_bytes_per_s,
-                                 latency_us) + low_fixed + copy(nbytes, low)
-        return all_gather_us(nbytes, tp, bandwidth_bytes_per_s, latency_us) + fixed + copy(nbytes)
+        ratio, extra = (low_ratio, low_fixed) if low else (1.0, fixed)
+        return (all_gather_us(nbytes * ratio, tp, bandwidth_bytes_per_s, latency_us) + extra
+                + copy(nbytes, low))
 
     out: list[NodeCost] = []
     low_out = list(low_times)
@@ -394,7 +392,7 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
         changes: dict[str, Any] = {"param_bytes": nd.param_bytes - shrink[i]}
         low_fwd, low_bwd = 0.0, 0.0
         if i in split.sharded_nodes:
-            fwd, bwd_in, bwd_w = split_times(i, nd)
+            fwd, bwd_in, bwd_w = times[i]
             changes.update(fwd_us=fwd, bwd_input_us=bwd_in, bwd_weight_us=bwd_w,
                            flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp)
             if i not in heads:  # a head's backward starts from the whole logits' gradient
