@@ -79,14 +79,21 @@ def timed_group(pipelines: list[tuple[int, ...]], mine: list[int],
 
 
 def mesh_coordinates(pp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
-                     tp_group: dist.ProcessGroup | None) -> dict[int, tuple[int, int, int]]:
+                     tp_group: dist.ProcessGroup | None,
+                     timeout_s: float) -> dict[int, tuple[int, int, int]]:
     """Every global rank's ``(pp, dp, tp)`` coordinates: its index in its pipeline (the world
     when ``pp_group`` is None), in its data-parallel and its tensor-parallel group (0 where
-    there is none). Collective over the world (one ``all_gather_object``)."""
+    there is none). Collective over the world, through the rendezvous store
+    (:class:`StoreGather`, not a gloo all-gather; waits at most ``timeout_s`` seconds).
+
+    Raises:
+        RuntimeError: a rank did not take part within ``timeout_s`` (the store's error).
+    """
     mine = (dist.get_rank(pp_group), *(dist.get_rank(g) if g is not None else 0
                                        for g in (dp_group, tp_group)))
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    gather = StoreGather(list(range(dist.get_world_size())), dist.get_rank(), timeout_s,
+                         lambda exchange: exchange())
+    every = [json.loads(blob) for blob in gather.gather_bytes(json.dumps(mine).encode())]
     return {r: (int(c[0]), int(c[1]), int(c[2])) for r, c in enumerate(every)}
 
 

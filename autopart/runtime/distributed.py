@@ -149,7 +149,7 @@ class DistributedPipeline(Pipeline):
                 self._local.setdefault(fqn, t)
         self.step_timeout_s = step_timeout_s
         pipelines, mine = pipelines_of(pp_group)
-        self._coords = mesh_coordinates(pp_group, dp_group, tp_group)  # names failed ranks
+        self._coords = mesh_coordinates(pp_group, dp_group, tp_group, step_timeout_s)
         time_out_groups([dp_group, tp_group], step_timeout_s)
         self._p2p_group = timed_group(pipelines, mine, step_timeout_s)
         self._tied_groups = tied_groups(placement, plan, pipelines, mine, self.pp_rank,
