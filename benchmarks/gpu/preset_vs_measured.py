@@ -11,7 +11,7 @@ of node times (modeled and measured) x m against a timed eager forward + backwar
 microbatches (median of ``--steps``), which says how far node-by-node sums are from a real
 step on this device (launch gaps, caching allocator, overlap). Not run in CI.
 
-    python benchmarks/gpu/preset_vs_measured.py [--preset h100-sxm] [--out benchmarks/gpu/out]
+    python benchmarks/gpu/preset_vs_measured.py [--preset h200] [--out benchmarks/gpu/out]
     python benchmarks/gpu/preset_vs_measured.py --device cpu --small   # checks the script
 """
 
@@ -59,7 +59,9 @@ def totals(costs) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="h100-sxm")
+    parser.add_argument("--preset", default=None,
+                        help="the named GPU to model (default: the one matching the device's "
+                             "name, h200 on an H200, else h100-sxm)")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--small", action="store_true", help="a 2-layer model, for checking")
     parser.add_argument("--m", type=int, default=8, help="microbatches per step")
@@ -81,7 +83,9 @@ def main() -> None:
     chunks = list(zip(args[0].chunk(opts.m), target.chunk(opts.m), strict=True))
     captured = capture(model, mb_args, {})
     flat = captured.flatten_inputs(mb_args, {})
-    spec = device_preset(opts.preset)
+    preset = opts.preset or ("h200" if torch.cuda.is_available()
+                             and "H200" in torch.cuda.get_device_name(opts.device) else "h100-sxm")
+    spec = device_preset(preset)
     modeled = profile_analytical(captured, None, spec)
     t0 = time.perf_counter()
     measured = profile_graph(captured, flat, device=dev)
