@@ -99,9 +99,11 @@ def segment_calibrated(session: Session, costs: CostGraph, captured: CapturedGra
     (``ProfileOptions.fuse``), so that the node costs sum, segment by segment, to the
     compiled code's times."""
     cuts = calibration_cuts(session, costs)
+    host: list[tuple[float, float]] = []
     with co_runners(corunner_step(captured, flat), session.neighbours):
-        times = segment_times(captured, flat, session.device, cuts, fuse=session.options.fuse)
-    return calibrate_to_segments(costs, cuts, times)
+        times = segment_times(captured, flat, session.device, cuts, fuse=session.options.fuse,
+                              host=host)
+    return calibrate_to_segments(costs, cuts, times, host)
 
 
 def _segments_at(session: Session, m: int, cuts: tuple[int, ...],
@@ -178,7 +180,7 @@ def two_point_costs(session: Session, points: tuple[int, int], unlossed: CostGra
         unlossed = with_loss_cost(unlossed, loss_full)
         low = with_loss_cost(low, loss_low)
         high = with_loss_cost(high, loss_high)
-    line = through_two_batches(unlossed, low, high)
+    line = with_host_times_of(through_two_batches(unlossed, low, high), low)
     scales = []
     for m in scaled:
         rows = batch // m
@@ -192,6 +194,21 @@ def two_point_costs(session: Session, points: tuple[int, int], unlossed: CostGra
                                      loss_m))
     return (dataclasses.replace(line, batch_scales=tuple(scales)),
             (low_captured, low_flat, low))
+
+
+def with_host_times_of(costs: CostGraph, source: CostGraph) -> CostGraph:
+    """``costs`` with each node's host issue times taken from ``source``'s node of the same
+    name (a node ``source`` lacks keeps its own); ``costs`` as it is when either has no host
+    times. A call's issue time does not grow with its tensors, so the line through two
+    batches takes the smallest microbatch's, which :func:`segment_calibrated` scaled to its
+    segments' issue times."""
+    if not (costs.has_host_times and source.has_host_times):
+        return costs
+    by_name = {n.name: n for n in source.nodes}
+    return dataclasses.replace(costs, nodes=tuple(
+        dataclasses.replace(n, host_fwd_us=s.host_fwd_us, host_bwd_input_us=s.host_bwd_input_us,
+                            host_bwd_weight_us=s.host_bwd_weight_us)
+        if (s := by_name.get(n.name)) is not None else n for n in costs.nodes))
 
 
 def _high_point_values(session: Session, m_high: int, cuts: tuple[int, ...],

@@ -111,6 +111,7 @@ class _SegmentClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.issued_us: dict[tuple[str, int], float] = {}  # last host issue time per part
+        self.last_issue_us = 0.0  # the host issue time of the last part timed (CUDA)
 
     def time(self, part: tuple[str, int], fn: Callable[[], Any]) -> tuple[float, Any]:
         """``(µs, fn())``: the part's device time on CUDA, its wall time on CPU."""
@@ -125,7 +126,7 @@ class _SegmentClock:
         start.record()
         h0 = time.perf_counter()
         out = fn()
-        self.issued_us[part] = (time.perf_counter() - h0) * 1e6
+        self.issued_us[part] = self.last_issue_us = (time.perf_counter() - h0) * 1e6
         end.record()
         torch.cuda.synchronize(self.device)
         return float(start.elapsed_time(end)) * 1e3, out
@@ -133,7 +134,8 @@ class _SegmentClock:
 
 def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
                   positions: list[int] | tuple[int, ...], *, min_repeats: int = 3,
-                  budget_s: float = 1.0, fuse: bool = False) -> list[tuple[float, float]]:
+                  budget_s: float = 1.0, fuse: bool = False,
+                  host: list[tuple[float, float]] | None = None) -> list[tuple[float, float]]:
     """Forward and backward time of each segment of the graph cut at ``positions``, run in
     sequence as the runtimes run stages, µs.
 
@@ -171,6 +173,10 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
         min_repeats: timed runs at least (default 3, >= 1).
         budget_s: seconds after which no run beyond ``min_repeats`` starts (default 1.0).
         fuse: time each segment compiled with ``torch.compile`` (default False: eager).
+        host: on CUDA, a list to which each segment's median host issue times
+            ``(forward µs, backward µs)`` are appended: ``time.perf_counter`` around the
+            part's call, which returns once its kernels are queued (the device is held by
+            the wait queued before it); left empty on CPU, where the host runs the ops.
 
     Returns:
         ``[(forward µs, backward µs)]`` per segment; a backward is 0 where nothing needs a
@@ -194,8 +200,12 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
 
     clock = _SegmentClock(dev)
 
+    issue: list[tuple[float, float]] = []  # the last run's host issue times per segment
+
     def run() -> list[tuple[float, float]]:
         fwd: list[float] = []
+        fwd_issue: list[float] = []
+        bwd_issue = [0.0] * len(stages)
         kept: list[tuple[list[Any], tuple[Any, ...]]] = []  # (leaves, outputs) per segment
         args: list[Any] = inputs
         for k, st in enumerate(runners):
@@ -206,6 +216,7 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
                     return st(*args)
             us, out = clock.time(("F", k), forward)
             fwd.append(us)
+            fwd_issue.append(clock.last_issue_us)
             out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             kept.append((args, out))
             args = [o.detach().requires_grad_(o.requires_grad) if isinstance(o, torch.Tensor)
@@ -230,8 +241,10 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
             if roots and targets:
                 bwd[k], _ = clock.time(("B", k), lambda r=roots, g=seeds, t=targets:
                                        torch.autograd.backward(r, g, inputs=t))
+                bwd_issue[k] = clock.last_issue_us
                 index = {id(x): i for i, x in enumerate(leaves)}
                 grads_in = {index[id(x)]: x.grad for x in wanted if x.grad is not None}
+        issue[:] = list(zip(fwd_issue, bwd_issue, strict=True))
         return list(zip(fwd, bwd, strict=True))
 
     trainable = list({id(p): p for group in params for p in group}.values())
@@ -241,9 +254,14 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
             p.grad = torch.zeros_like(p)
         run()  # warm-up: allocator, first-call dispatch
         runs: list[list[tuple[float, float]]] = []
+        issues: list[list[tuple[float, float]]] = []
         start = time.perf_counter()
         while len(runs) < min_repeats or time.perf_counter() - start < budget_s:
             runs.append(run())
+            issues.append(list(issue))
+        if host is not None and dev.type == "cuda":
+            host.extend((statistics.median(r[k][0] for r in issues),
+                         statistics.median(r[k][1] for r in issues)) for k in range(len(stages)))
         return [(statistics.median(r[k][0] for r in runs), statistics.median(r[k][1] for r in runs))
                 for k in range(len(stages))]
     finally:
@@ -258,14 +276,45 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
 
 
 def calibrate_to_segments(costs: CostGraph, positions: list[int] | tuple[int, ...],
-                          times: list[tuple[float, float]]) -> CostGraph:
+                          times: list[tuple[float, float]],
+                          host: list[tuple[float, float]] | None = None) -> CostGraph:
     """``costs`` with each segment's nodes (cut at ``positions``) rescaled as
     :func:`calibrate_to_whole_graph` rescales the whole graph, to that segment's measured
-    ``(forward µs, backward µs)`` in ``times`` (:func:`segment_times`)."""
+    ``(forward µs, backward µs)`` in ``times`` (:func:`segment_times`); with ``host`` (the
+    segments' host issue times, ``segment_times(host=...)``) and host times on the nodes,
+    their host issue times too, the same way (:func:`_rescaled_host`)."""
     bounds = [0, *positions, len(costs.nodes)]
     if len(times) != len(bounds) - 1:
         raise ValueError(f"{len(times)} segment times for {len(bounds) - 1} segments")
+    if host and len(host) != len(times):
+        raise ValueError(f"{len(host)} segment host times for {len(times)} segments")
     nodes: list[Any] = []
-    for (a, z), (fwd_us, bwd_us) in zip(itertools.pairwise(bounds), times, strict=True):
-        nodes.extend(_rescaled(costs.nodes[a:z], fwd_us, bwd_us))
+    for k, ((a, z), (fwd_us, bwd_us)) in enumerate(zip(itertools.pairwise(bounds), times,
+                                                       strict=True)):
+        part = _rescaled(costs.nodes[a:z], fwd_us, bwd_us)
+        if host and costs.has_host_times:
+            part = _rescaled_host(part, *host[k])
+        nodes.extend(part)
     return dataclasses.replace(costs, nodes=tuple(nodes))
+
+
+def _rescaled_host(nodes: Sequence[NodeCost], fwd_us: float, bwd_us: float,
+                   ) -> tuple[NodeCost, ...]:
+    """``nodes`` with their host issue times scaled so that the forward ones sum to
+    ``fwd_us`` and both backward parts to ``bwd_us`` (a zero sum or target leaves that side
+    as it was).
+
+    The per-node profile times each op's call alone and each backward part as a
+    ``torch.autograd.grad`` call of its own, floored at the op's forward issue time; a
+    stage's backward is one engine call that issues every node's kernels from C++. Measured
+    on one H200 (torch 2.11, ``benchmarks/gpu/README.md``): the per-node host times of a
+    12 x 768 GPT-2 summed to 48.5 ms per microbatch, while 4 stages at m = 16 ran at 26.7 ms
+    per microbatch in all, device time included."""
+    total_f = sum(n.host_fwd_us or 0.0 for n in nodes)
+    total_b = sum((n.host_bwd_input_us or 0.0) + (n.host_bwd_weight_us or 0.0) for n in nodes)
+    rf = fwd_us / total_f if total_f > 0 and fwd_us > 0 else 1.0
+    rb = bwd_us / total_b if total_b > 0 and bwd_us > 0 else 1.0
+    return tuple(dataclasses.replace(
+        n, host_fwd_us=(n.host_fwd_us or 0.0) * rf,
+        host_bwd_input_us=(n.host_bwd_input_us or 0.0) * rb,
+        host_bwd_weight_us=(n.host_bwd_weight_us or 0.0) * rb) for n in nodes)

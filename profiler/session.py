@@ -265,11 +265,13 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     flat = captured.flatten_inputs(args, kwargs)
     ranks = len(options.devices)
     points = batch_points(batch, candidates, ranks) if options.low_batch else None
-    # m fixed, several ranks that are processes: the microbatch's profile is calibrated
-    # segment by segment as the two-point path calibrates its profiles; and always when the
-    # stages run compiled, unless the batch points (calibrated) replace it
+    # m fixed, several ranks that are processes or a CUDA device (whose host issue times are
+    # scaled to the segments' as well): the microbatch's profile is calibrated segment by
+    # segment as the two-point path calibrates its profiles; and always when the stages run
+    # compiled, unless the batch points (calibrated) replace it
+    on_cuda = torch.device(session.device).type == "cuda"
     calibrate_fixed = (m_fixed is not None and options.low_batch and options.training
-                       and options.runtime.ranks_are_processes and ranks > 1)
+                       and (options.runtime.ranks_are_processes or on_cuda) and ranks > 1)
     calibrate = calibrate_fixed or (options.fuse and (m_fixed is not None or points is None))
     session.key = session.profile_key(captured, flat, session.method + (
         calibration_suffix(session.neighbours, options.fuse) if calibrate else ""))

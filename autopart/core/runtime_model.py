@@ -61,10 +61,13 @@ class RuntimeDescription:
             process per rank). The solver bounds a step below by the host issue times of
             the actions that share a thread, where the profile has them
             (``NodeCost.host_times``).
-        ranks_per_core: how many rank processes share each CPU core of a host, when there are
-            more ranks than cores (default 1.0: every rank computes on a core of its own, as
-            GPU ranks do; must be > 0, and values <= 1 change nothing). CPU ranks on ``c``
-            cores, ``n`` ranks: ``n / c``. Every rank of the world runs a copy of one pipeline
+        ranks_per_core: how many ranks share each unit that computes: a CPU core of a host,
+            when there are more rank processes than cores, or a device that several of the
+            one-process runtime's stages name (default 1.0: every rank computes on a core or
+            GPU of its own; must be > 0, and values <= 1 change nothing). CPU ranks on ``c``
+            cores, ``n`` ranks: ``n / c`` (:func:`autopart.planning.cpu_ranks_per_core`); the
+            local runtime's ranks: ranks per distinct device
+            (:func:`autopart.planning.ranks_per_device`). Every rank of the world runs a copy of one pipeline
             rank's actions (dp replicas, tp shards), so a step is no shorter than the
             pipeline ranks' mean busy time times this figure
             (:func:`autopart.solver.simulate.core_bound_us`); idle time in the schedule's

@@ -205,6 +205,8 @@ def main() -> None:
                      "over_plain": measured / plain[plan.num_microbatches] - 1,
                      "step_error": plan.predicted_step_time_us / 1e6 / measured - 1,
                      "predicted_peak_bytes_device": sum(r.peak_memory_bytes for r in plan.ranks),
+                     "predicted_rank_peaks_bytes": [r.peak_memory_bytes for r in plan.ranks],
+                     "stage_nodes": [s.num_nodes for s in plan.stages],
                      "measured_peak_bytes_device": pipe.last_peak_memory_bytes.by_device[dev]})
         if name == "solver":
             pipe.last_trace.save(out / "trace_solver.json")
@@ -214,7 +216,8 @@ def main() -> None:
     report = {"device": device_name(dev), "torch": torch.__version__,
               "cuda": torch.version.cuda, "python": platform.python_version(),
               "fake_host_us": opts.fake_host_us, "profile": sums, "plain_step_s": plain,
-              "rows": rows}
+              "ranks_per_device": profile.runtime.ranks_per_core, "rows": rows,
+              "nodes": node_table(profile.costs)}
     (out / "fidelity_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
     for r in rows:
         print(f"{r['plan']:>16}: predicted {r['predicted_step_s']:.4f} s (without the host "
@@ -224,6 +227,15 @@ def main() -> None:
               f"{r['over_plain']:+.1%}); peak predicted "
               f"{r['predicted_peak_bytes_device'] / 2**30:.2f} GiB, measured "
               f"{r['measured_peak_bytes_device'] / 2**30:.2f} GiB")
+
+
+def node_table(costs: Any) -> dict[str, Any]:
+    """The profile's per-node times as columns (µs; host columns None without host times),
+    so that a run's cost model can be re-examined without the GPU."""
+    cols = ("name", "op", "fwd_us", "bwd_input_us", "bwd_weight_us", "host_fwd_us",
+            "host_bwd_input_us", "host_bwd_weight_us")
+    return {"batch_size": costs.batch_size,
+            **{c: [getattr(n, c) for n in costs.nodes] for c in cols}}
 
 
 def print_host_figures(sums: dict[str, Any], host: dict[str, dict[str, Any]],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from torch import nn
 from autopart.core.capture import capture
 from autopart.planning import profile_model
 from autopart.profiler import profile_graph
-from autopart.profiler.batch_points import batch_points, scaled_batch_points
+from autopart.profiler.batch_points import batch_points, scaled_batch_points, with_host_times_of
 from autopart.profiler.calibrate import (
     calibrate_to_segments,
     calibrate_to_whole_graph,
@@ -181,3 +182,56 @@ def test_segment_calibration_scales_each_segment_to_its_own_times() -> None:
     assert [nd.saved_bytes for nd in scaled.nodes] == [nd.saved_bytes for nd in costs.nodes]
     with pytest.raises(ValueError, match="1 segment times for 2 segments"):
         calibrate_to_segments(costs, cuts, [(1.0, 1.0)])
+
+
+def _with_host(costs, f: float, i: float, w: float):  # type: ignore[no-untyped-def]
+    return dataclasses.replace(costs, nodes=tuple(
+        dataclasses.replace(nd, host_fwd_us=f * (k + 1), host_bwd_input_us=i * (k + 1),
+                            host_bwd_weight_us=w * (k + 1)) for k, nd in enumerate(costs.nodes)))
+
+
+def test_segment_calibration_scales_host_issue_times_to_the_segments_issue() -> None:
+    model, x = _deep(4)
+    captured = capture(model, (x,))
+    flat = captured.flatten_inputs((x,), {})
+    costs = _with_host(profile_graph(captured, flat), 10.0, 6.0, 4.0)
+    n = len(costs.nodes)
+    cuts = (n // 2,)
+    times = [(100.0, 300.0), (50.0, 70.0)]
+    scaled = calibrate_to_segments(costs, cuts, times, [(40.0, 90.0), (20.0, 0.0)])
+    first, second = scaled.nodes[:n // 2], scaled.nodes[n // 2:]
+    assert sum(nd.host_fwd_us for nd in first) == pytest.approx(40.0)
+    assert sum(nd.host_bwd_input_us + nd.host_bwd_weight_us for nd in first) == pytest.approx(90.0)
+    assert sum(nd.host_fwd_us for nd in second) == pytest.approx(20.0)
+    # a zero target (nothing measured) leaves that side as the profile had it
+    assert [nd.host_bwd_input_us for nd in second] == [nd.host_bwd_input_us
+                                                       for nd in costs.nodes[n // 2:]]
+    # I and W keep their shares; device times are the same as without host times
+    assert first[1].host_bwd_input_us / first[1].host_bwd_weight_us == pytest.approx(6.0 / 4.0)
+    assert [nd.fwd_us for nd in scaled.nodes] == [
+        nd.fwd_us for nd in calibrate_to_segments(costs, cuts, times).nodes]
+    # without host times on the nodes, segment host times change nothing
+    plain = profile_graph(captured, flat)
+    assert not calibrate_to_segments(plain, cuts, times, [(1.0, 1.0)] * 2).has_host_times
+    with pytest.raises(ValueError, match="1 segment host times for 2 segments"):
+        calibrate_to_segments(costs, cuts, times, [(1.0, 1.0)])
+
+
+def test_segment_times_give_no_host_times_on_the_cpu() -> None:
+    model, x = _deep(2)
+    captured = capture(model, (x,))
+    flat = captured.flatten_inputs((x,), {})
+    host: list[tuple[float, float]] = []
+    times = segment_times(captured, flat, "cpu", (), min_repeats=1, budget_s=0.0, host=host)
+    assert len(times) == 1 and host == []
+
+
+def test_the_two_batch_line_takes_the_smallest_microbatchs_host_times() -> None:
+    model, x = _deep(2)
+    captured = capture(model, (x,))
+    costs = profile_graph(captured, captured.flatten_inputs((x,), {}))
+    full, low = _with_host(costs, 50.0, 30.0, 20.0), _with_host(costs, 5.0, 3.0, 2.0)
+    line = with_host_times_of(full, low)
+    assert [nd.host_times for nd in line.nodes] == [nd.host_times for nd in low.nodes]
+    assert [nd.fwd_us for nd in line.nodes] == [nd.fwd_us for nd in full.nodes]
+    assert with_host_times_of(costs, low) is costs  # no host times there: as it was

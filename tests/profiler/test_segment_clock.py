@@ -57,3 +57,12 @@ def test_long_issues_are_capped_and_the_cpu_takes_wall_time(fake: _Fake) -> None
     cpu = calibrate._SegmentClock(torch.device("cpu"))
     us, _ = cpu.time(("F", 0), _part(fake, 3e-3, 0.0))
     assert us == pytest.approx(3_000.0) and cpu.issued_us == {}
+
+
+def test_the_clock_keeps_the_last_parts_issue_time(fake: _Fake) -> None:
+    clock = calibrate._SegmentClock(torch.device("cuda:0"))
+    clock.time(("F", 0), _part(fake, 4e-3, 1.0))
+    assert clock.last_issue_us == pytest.approx(4_000.0)
+    clock.time(("B", 0), _part(fake, 9e-3, 1.0))
+    assert clock.last_issue_us == pytest.approx(9_000.0)
+    assert clock.issued_us[("F", 0)] == pytest.approx(4_000.0)
