@@ -18,8 +18,8 @@ from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.progress import phase, progress
+from autopart.core.runtime_model import RuntimeDescription
 from autopart.devices import cluster_for_devices, library_versions, resolve_devices
 from autopart.options import renamed_choices
 from autopart.profiler import session
