@@ -59,7 +59,15 @@ class Profile(session.ModelProfile):
             batch_size=self.batch_size, num_microbatches=self.num_microbatches,
             microbatch_candidates=self.microbatch_candidates, training=self.training,
             library_versions=library_versions(), runtime=self.runtime)
-        if choices.get("num_microbatches") is not None:  # one m of the profiled candidates
+        m = choices.get("num_microbatches")
+        if m is not None:  # one m of the profiled candidates
+            if self.microbatch_candidates and m not in self.microbatch_candidates:
+                raise PlanError(
+                    f"num_microbatches={m} is not one this profile priced: it timed the "
+                    f"microbatches of m in {list(self.microbatch_candidates)} (the batch of "
+                    f"{self.batch_size} split into microbatches of at least 2 rows); choose "
+                    f"one of them, or profile with num_microbatches={m} fixed "
+                    f"(plan_model(..., num_microbatches={m})) to time that microbatch")
             base["microbatch_candidates"] = None
         return SolveOptions(**{**base, **choices})
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
@@ -16,7 +16,7 @@ from autopart.solver._cost_model import CostModel
 from autopart.solver._plan_build import build_plan
 from autopart.solver.baselines import baseline_partitions
 from autopart.solver.options import SolveOptions
-from autopart.solver.simulate import StageCosts, simulate
+from autopart.solver.simulate import StageCosts, device_peaks, simulate
 
 __all__ = ["Prediction", "predict", "plan_at", "baseline_plan"]
 
@@ -36,6 +36,12 @@ class Prediction:
             undercuts (0.0 when the profile has no host times;
             :func:`autopart.solver.simulate.host_bound_us`). The trace's slices do not show
             that wait.
+        device_peak_bytes: per device that several of the one-process runtime's ranks name
+            (stages of the local runtime on one GPU), the most those ranks hold at once on
+            the replayed times, bytes (:func:`autopart.solver.simulate.device_peaks`; at
+            most the sum of their
+            ``peak_memory_bytes``); a device with one rank is absent (its rank's peak is
+            the device's).
     """
 
     step_time_us: float
@@ -43,6 +49,7 @@ class Prediction:
     stage_costs: StageCosts
     trace: Trace
     host_bound_us: float = 0.0
+    device_peak_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Prediction:
@@ -97,9 +104,18 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
             "step_time_us": round(step, 3)}
     if c.has_host:
         meta["host_bound_us"] = round(res.host_bound_us, 3)
+    on: dict[str, list[int]] = {}
+    for r in plan.ranks:
+        on.setdefault(r.device, []).append(r.rank)
+    shared = ({d: g for d, g in on.items() if len(g) > 1}
+              if not options.runtime.ranks_are_processes else {})  # a process each: its own
+    by_device = dict(zip(shared, device_peaks(sched, c, res.timeline, list(shared.values())),
+                         strict=True))
+    if by_device:
+        meta["device_peak_bytes"] = by_device
     return Prediction(step_time_us=step, peak_memory_bytes=res.peak_memory_bytes,
                       stage_costs=c, trace=Trace(tuple(events), "predicted", meta),
-                      host_bound_us=res.host_bound_us)
+                      host_bound_us=res.host_bound_us, device_peak_bytes=by_device)
 
 
 def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,

@@ -204,7 +204,9 @@ def main() -> None:
                      "plain_step_same_m_s": plain[plan.num_microbatches],
                      "over_plain": measured / plain[plan.num_microbatches] - 1,
                      "step_error": plan.predicted_step_time_us / 1e6 / measured - 1,
-                     "predicted_peak_bytes_device": sum(r.peak_memory_bytes for r in plan.ranks),
+                     "predicted_peak_bytes_device": pred.device_peak_bytes.get(
+                         dev, sum(r.peak_memory_bytes for r in plan.ranks)),
+                     "predicted_peak_sum_bytes": sum(r.peak_memory_bytes for r in plan.ranks),
                      "predicted_rank_peaks_bytes": [r.peak_memory_bytes for r in plan.ranks],
                      "stage_nodes": [s.num_nodes for s in plan.stages],
                      "measured_peak_bytes_device": pipe.last_peak_memory_bytes.by_device[dev]})

@@ -50,3 +50,18 @@ def test_local_stages_on_one_device_are_priced_at_their_summed_work(kind: str) -
     own = profile.solve(schedule_kind=kind, stages_per_rank=1,
                         runtime=dataclasses.replace(profile.runtime, ranks_per_core=1.0))
     assert own.predicted_step_time_us < plan.predicted_step_time_us
+
+
+def test_the_prediction_gives_the_shared_devices_peak() -> None:
+    from autopart.trace import predict
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    profile = profile_model(_Mlp(), (x,), devices=["cpu", "cpu", "cpu"], num_microbatches=4,
+                            cache=False)
+    plan = profile.solve(schedule_kind="1f1b", stages_per_rank=1)
+    pred = predict(profile, plan)
+    assert set(pred.device_peak_bytes) == {"cpu"}
+    assert (max(pred.peak_memory_bytes) <= pred.device_peak_bytes["cpu"]
+            <= sum(pred.peak_memory_bytes))
+    assert pred.trace.metadata["device_peak_bytes"] == pred.device_peak_bytes

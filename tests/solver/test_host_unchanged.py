@@ -4,10 +4,15 @@
 profiled on the CPU (torch 2.13.0+cpu). ``data/cpu_gpt2_plans.json`` holds the plans that the
 solver of commit e3ac8a6, from before host issue times existed, made of it under
 :func:`golden_plans` (solver wall time and library versions left out). Regenerate both only
-when a change to the CPU cost model is meant, with that commit's code::
+when a change to the CPU cost model is meant::
 
-    cd <checkout at that commit> && PYTHONPATH=<this checkout> .venv/bin/python -c \
+    PYTHONPATH=. .venv/bin/python -c \
         "from tests.solver.test_host_unchanged import write_golden; write_golden()"
+
+Regenerated once since, on 2026-11-27, when the one-process runtime's replica of a tied
+parameter stopped being charged optimizer state (``solver/_memory_model.state_of``): only
+the ``local`` cases changed (their peaks, and the memory-optimised zero-bubble plan); the
+``distributed`` cases are still e3ac8a6's, byte for byte.
 """
 
 from __future__ import annotations
