@@ -65,3 +65,15 @@ def test_the_prediction_gives_the_shared_devices_peak() -> None:
     assert (max(pred.peak_memory_bytes) <= pred.device_peak_bytes["cpu"]
             <= sum(pred.peak_memory_bytes))
     assert pred.trace.metadata["device_peak_bytes"] == pred.device_peak_bytes
+
+
+def test_a_microbatch_count_the_profile_did_not_price_is_refused() -> None:
+    from autopart import PlanError
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    profile = profile_model(_Mlp(), (x,), devices=["cpu", "cpu"], cache=False)
+    assert 16 not in profile.microbatch_candidates  # 1 row each: not timed
+    with pytest.raises(PlanError, match=r"num_microbatches=16 is not one this profile priced"):
+        profile.solve(schedule_kind="1f1b", num_microbatches=16)
+    assert profile.solve(schedule_kind="1f1b", num_microbatches=8).num_microbatches == 8
