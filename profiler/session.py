@@ -28,7 +28,14 @@ from autopart.profiler.batch_points import (
     segment_calibrated,
     two_point_costs,
 )
-from autopart.profiler.cache import cache_enabled, cached_profile, load_measure, profile_key, store_measure
+from autopart.profiler.cache import (
+    cache_enabled,
+    cached_profile,
+    load_measure,
+    machine_busy,
+    profile_key,
+    store_measure,
+)
 from autopart.profiler.corunners import available as corunners_available
 from autopart.profiler.links import LinkFigures
 from autopart.profiler.loss_cost import (
@@ -171,6 +178,7 @@ class Session:
         self.method = PROFILE_METHOD + (",cpu-malloc=kept" if options.cpu_malloc else "") + (
             ",host-issue" if torch.device(self.device).type == "cuda" else "")  # host times
         self.key: dict[str, Any] = {}
+        self._warned_busy = False
 
     def profile(self, captured: CapturedGraph, flat: list[Any]) -> CostGraph:
         """``captured``'s per-node profile on the session's device
@@ -209,8 +217,20 @@ class Session:
         return load_measure(self.key, name) if self.use_cache else None
 
     def store(self, name: str, value: float) -> None:
-        if self.use_cache:
-            store_measure(self.key, name, value)
+        """Cache ``name = value`` on the full batch's profile, unless the cache is off or,
+        on a CPU, the machine is oversubscribed now (:func:`machine_busy`): as a profile
+        measured then is not cached, neither is a timing (a batch point's segment times
+        cached under a load average of 4 on this project's 2 CPUs later priced a 4 x 256
+        GPT-2's m = 4 plans 3.5x their measured step)."""
+        if not self.use_cache:
+            return
+        if torch.device(self.device).type == "cpu" and (busy := machine_busy()) is not None:
+            if not self._warned_busy:
+                warnings.warn(f"timed while the machine was busy ({busy}): these figures are "
+                              "used but not cached", RuntimeWarning, stacklevel=2)
+                self._warned_busy = True
+            return
+        store_measure(self.key, name, value)
 
     def loss_at(self, cap: CapturedGraph, m: int | None) -> LossCost | None:
         """The loss's cost at the batch ``cap`` was captured at (``m`` microbatches; None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -82,6 +83,7 @@ def test_the_microbatches_measured_beside_the_two_points() -> None:
 def test_profile_model_measures_the_other_pipeline_microbatches_segment_by_segment(
         tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
+    _quiet(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
                             for _ in range(4)])
@@ -99,6 +101,40 @@ def test_profile_model_measures_the_other_pipeline_microbatches_segment_by_segme
     assert "scaled_batch_times" in again.from_cache
     assert again.costs.batch_scales == prof.costs.batch_scales
     assert all(p.grad is None for p in model.parameters())
+
+
+def _quiet(monkeypatch, session_busy: str | None = None) -> None:  # type: ignore[no-untyped-def]
+    """The machine taken as quiet for the profile cache (whatever its load now), and for
+    the numbers the session caches on a profile as ``session_busy`` says."""
+    import autopart.profiler.cache as cache_mod
+    import autopart.profiler.session as session_mod
+
+    monkeypatch.setattr(cache_mod, "machine_busy", lambda: None)
+    monkeypatch.setattr(session_mod, "machine_busy", lambda: session_busy)
+
+
+@pytest.mark.parametrize("busy", [None, "load average 9.0 on 2 CPUs"])
+def test_timings_taken_on_a_busy_machine_are_not_cached(tmp_path, monkeypatch,
+                                                        busy: str | None) -> None:
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
+    _quiet(monkeypatch, session_busy=busy)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                            for _ in range(2)])
+    x = torch.randn(16, 16)
+    kw = {"devices": ["cpu", "cpu"], "loss_fn": nn.functional.mse_loss, "example_target": x,
+          "split_cost": False, "cache": True}
+    if busy:
+        with pytest.warns(RuntimeWarning, match="used but not cached"):
+            profile_model(model, (x,), **kw)
+    else:
+        profile_model(model, (x,), **kw)
+    cached = [json.loads(f.read_text()) for f in tmp_path.glob("profile-*.json")]
+    measures = [k for d in cached for k in d.get("measures", {})]
+    # the profiles are cached either way; the larger batch point's segment times only
+    # when they were timed on a quiet machine
+    assert cached
+    assert any(k.startswith("segment0_fwd_us@") for k in measures) == (busy is None)
 
 
 def test_profile_model_reads_node_times_off_two_microbatches() -> None:
