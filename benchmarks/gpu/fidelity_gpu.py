@@ -195,6 +195,7 @@ def main() -> None:
     for name, (pipe, opt) in arms.items():
         opt.zero_grad()
         pipe.train_step(*args, target=target, trace=True)
+        traced = pipe.last_trace
         opt.zero_grad()
         pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
         plan = plans[name]
@@ -209,11 +210,10 @@ def main() -> None:
                      "predicted_peak_sum_bytes": sum(r.peak_memory_bytes for r in plan.ranks),
                      "predicted_rank_peaks_bytes": [r.peak_memory_bytes for r in plan.ranks],
                      "stage_nodes": [s.num_nodes for s in plan.stages],
+                     "traced_actions": action_errors(traced, pred.stage_costs),
                      "measured_peak_bytes_device": pipe.last_peak_memory_bytes.by_device[dev]})
         if name == "solver":
-            pipe.last_trace.save(out / "trace_solver.json")
-            gantt(out / "timeline_gpu.png", [("predicted", pred.trace),
-                                             ("measured", pipe.last_trace)],
+            gantt(out / "timeline_gpu.png", [("predicted", pred.trace), ("measured", traced)],
                   title=f"one {device_name(dev)}, 4 stages, solver's plan")
     report = {"device": device_name(dev), "torch": torch.__version__,
               "cuda": torch.version.cuda, "python": platform.python_version(),
@@ -222,6 +222,12 @@ def main() -> None:
               "nodes": node_table(profile.costs)}
     (out / "fidelity_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
     for r in rows:
+        acts = r["traced_actions"]
+        if acts["actions"]:
+            print(f"{r['plan']:>16}: traced actions against their prediction: median "
+                  f"|error| {acts['median_abs_error']:.1%}, worst {acts['worst_abs_error']:.1%}; "
+                  + ", ".join(f"{k} {v:+.0%}"
+                              for k, v in acts["median_error_by_stage_kind"].items()))
         print(f"{r['plan']:>16}: predicted {r['predicted_step_s']:.4f} s (without the host "
               f"bound {r['predicted_without_host_s']:.4f} s), measured "
               f"{r['measured_step_s']:.4f} s ({r['step_error']:+.1%}; plain model at m = "
@@ -229,6 +235,36 @@ def main() -> None:
               f"{r['over_plain']:+.1%}); peak predicted "
               f"{r['predicted_peak_bytes_device'] / 2**30:.2f} GiB, measured "
               f"{r['measured_peak_bytes_device'] / 2**30:.2f} GiB")
+
+
+def action_errors(measured: Any, costs: Any) -> dict[str, Any]:
+    """Each compute action of a traced step (``"1F3"``: stage 1's forward of microbatch 3)
+    against what the cost model charges that action alone (``Prediction.stage_costs``: F its
+    forward, B both backward parts, I and W each part; sends not included), not against its
+    slice in the predicted trace, which the replay stretches where stages share a device:
+    ``measured / predicted - 1`` per action, their median and worst absolute value, and per
+    stage and kind (``"1F"``) the median error."""
+    charged = {"F": costs.fwd_us, "I": costs.bwd_input_us, "W": costs.bwd_weight_us,
+               "B": [i + w for i, w in zip(costs.bwd_input_us, costs.bwd_weight_us,
+                                           strict=True)]}
+    errors: dict[str, float] = {}
+    for e in measured.events:
+        if e.action is None:
+            continue
+        kind = e.name.rstrip("0123456789")  # "1F3" -> "1F"
+        stage, letter = int(kind[:-1]), kind[-1]
+        want = charged[letter][stage]
+        if want > 0:
+            errors[e.name] = e.duration_us / want - 1
+    by_kind: dict[str, list[float]] = {}
+    for name, err in errors.items():
+        by_kind.setdefault(name.rstrip("0123456789"), []).append(err)
+    size = [abs(v) for v in errors.values()]
+    return {"actions": len(errors),
+            "median_abs_error": statistics.median(size) if size else None,
+            "worst_abs_error": max(size) if size else None,
+            "median_error_by_stage_kind": {k: statistics.median(v)
+                                           for k, v in sorted(by_kind.items())}}
 
 
 def node_table(costs: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@
 #      (4 stages of a small GPT-2 on cuda:0): issue_threads.py
 # Needs a Python with a CUDA build of torch and this package installed (`make setup
 # TORCH_SPEC='torch>=2.6'`, or PYTHON=python3 where the package is installed into it).
-# Writes 9 files into $OUT (default benchmarks/gpu/out): environment.txt, log.txt (everything
+# Writes 8 files into $OUT (default benchmarks/gpu/out; the device tool returns at most 8): environment.txt, log.txt (everything
 # printed), cuda_tests.txt and each script's JSON / trace / PNG. Each step has its own time
 # limit, so one that hangs leaves the others their time.
 set -uo pipefail
