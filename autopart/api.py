@@ -187,7 +187,8 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                time_limit_s=options.time_limit_s,
                                optimizer_state_bytes_per_param_byte=_state_factor(model, options),
                                backend="distributed" if distributed else "local",
-                               issue_threads=options.issue_threads, fuse=options.fuse)
+                               issue_threads=options.issue_threads, fuse=options.fuse,
+                               cuda_graphs=options.cuda_graphs and not distributed)
     return plan, profile.captured, profile.timings_s
 
 

@@ -132,7 +132,8 @@ class CompileOptions:
             thread, per rank.
         cuda_graphs: local only: replay each CUDA stage's training forward and backward as
             CUDA graphs after the first step (default False; a stage that cannot be graphed
-            runs eagerly and says why once; ``pipe.cuda_graphs``).
+            runs eagerly and says why once; ``pipe.cuda_graphs``). The plan is priced for it:
+            no host issue time on graphed actions (``RuntimeDescription.cuda_graphs``).
         layout_search: distributed only: ``True`` searches the (tp, pp, dp, ZeRO) layouts
             even with none of ``tp``, ``dp``, ``zero_stage`` given (all chosen); ``None``
             (default) searches them only when one is given.

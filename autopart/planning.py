@@ -252,7 +252,7 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                training: bool = True, time_limit_s: float = 10.0, loss_fn: Any = None,
                example_target: Any = None, cache: bool | None = None,
                backend: str = "local", issue_threads: int | None = 1, fuse: bool = False,
-               **solve_options: Any) -> tuple[Plan, Profile]:
+               cuda_graphs: bool = False, **solve_options: Any) -> tuple[Plan, Profile]:
     """Profile ``model`` on ``devices`` and solve for a plan ("profile once, solve several
     ways": ``profile.solve(schedule_kind="1f1b", ...)`` re-solves on the same costs).
 
@@ -283,6 +283,10 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         fuse: the stages will run compiled (``compile(..., fuse=True)``): the profile is
             calibrated to compiled segments' times, so the plan prices compiled stages
             (:class:`autopart.profiler.session.ProfileOptions`; default False).
+        cuda_graphs: the local runtime will replay the CUDA stages as graphs
+            (``compile(..., cuda_graphs=True)``): the plan charges their actions no host issue
+            time (``RuntimeDescription.cuda_graphs``; default False); ignored for
+            ``"distributed"``.
         **solve_options: further :class:`autopart.solver.SolveOptions` fields
             (``memory_cap_bytes``, ``optimizer_state_bytes_per_param_byte``, ...).
 
@@ -310,9 +314,10 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                                 training=training, split_cost=may_split, loss_fn=loss_fn,
                                 example_target=example_target, cache=cache, backend=backend,
                                 fuse=fuse)
-        if backend == "local" and issue_threads != profile.runtime.issue_threads:
+        if backend == "local" and (issue_threads, cuda_graphs) != (
+                profile.runtime.issue_threads, profile.runtime.cuda_graphs):
             profile = dataclasses.replace(profile, runtime=dataclasses.replace(
-                profile.runtime, issue_threads=issue_threads))
+                profile.runtime, issue_threads=issue_threads, cuda_graphs=cuda_graphs))
         t0 = time.perf_counter()
         with phase("solve"):
             plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed,

@@ -151,8 +151,10 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
 
     Each action costs the slower of its device time and its host's issue time, where the
     profile has host times (``CostModel.has_host_times``; else the host columns are 0 and
-    the actions cost their device time, as before host times existed). The runtime's cost
-    per transfer is host work: it is added to both columns.
+    the actions cost their device time, as before host times existed). A stage the runtime
+    replays as CUDA graphs (``RuntimeDescription.cuda_graphs``; not one that recomputes or
+    splits its backward, which run eagerly) has no host column: one launch issues a whole
+    action. The runtime's cost per transfer is host work: it is added to both columns.
     """
     a, z, s = span.start, span.stop, span.index
     f = model.speed(span.rank)
@@ -161,7 +163,9 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
     fwd, bi, bw = _actions(kind, span, *(model.part_us(part, a, z, ratio) * f
                                          for part in _PARTS), split_us * f)
     host = (0.0, 0.0, 0.0)
-    if model.has_host_times:
+    graphed = (model.runtime.cuda_graphs and not span.recompute
+               and not splits_backward(kind, span.recompute))
+    if model.has_host_times and not graphed:  # a graph replay issues its kernels at once
         host = _actions(kind, span, *(model.host_part_us(part, a, z) for part in _PARTS),
                         split_us)
         if splits_backward(kind, span.recompute):  # I and W are actions of their own

@@ -61,6 +61,15 @@ class RuntimeDescription:
             process per rank). The solver bounds a step below by the host issue times of
             the actions that share a thread, where the profile has them
             (``NodeCost.host_times``).
+        cuda_graphs: the local runtime replays each CUDA stage's forward and backward as
+            CUDA graphs (``CompileOptions.cuda_graphs``; default False). The solver then
+            charges no host issue time to those actions (one graph launch issues all of an
+            action's kernels), except for stages that recompute or split their backward,
+            which the runtime runs eagerly (:func:`autopart.runtime.cuda_graphs.graph_refusal`).
+            Measured on one H200 (torch 2.11, ``benchmarks/gpu/README.md``): 4 graphed
+            stages of a small GPT-2 at 1F1B m = 8 stepped in 0.039 s, against 0.112 s issued
+            eagerly from one thread. A capture that fails at run time falls back to eager
+            issue, which this does not foresee.
         ranks_per_core: how many ranks share each unit that computes: a CPU core of a host,
             when there are more rank processes than cores, or a device that several of the
             one-process runtime's stages name (default 1.0: every rank computes on a core or
@@ -122,6 +131,7 @@ class RuntimeDescription:
     ranks_are_processes: bool = False
     transfer_steps: str | None = None
     issue_threads: int | None = 1
+    cuda_graphs: bool = False
     ranks_per_core: float = 1.0
     collective_overhead_points: tuple[tuple[float, float], ...] = ()
     transfer_wait_points: tuple[tuple[float, float], ...] = ()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -62,8 +63,10 @@ def run(devices: list[str], big: bool, m: int, steps: int, rounds: int,
     model = GPT2LMHeadModel(config).to(devices[0]).train()
     tokens = torch.randint(0, vocab, (batch, seq), device=devices[0])  # (batch, seq)
     t0 = time.perf_counter()
-    pipe = autopart.compile(copy.deepcopy(model), (tokens,), loss_fn=gpt2_loss, devices=devices,
-                            num_microbatches=m, schedule=schedule, num_stages=len(devices))
+    plan, profile = autopart.plan_model(copy.deepcopy(model), (tokens,), loss_fn=gpt2_loss,
+                                        example_target=tokens, devices=devices,
+                                        num_microbatches=m, schedule_kind=schedule)
+    pipe = autopart.compile(copy.deepcopy(model), (tokens,), loss_fn=gpt2_loss, plan=plan)
     compile_s = time.perf_counter() - t0
     caller = torch.get_num_threads()
     # name -> (pipeline, pipe.issue_threads, torch.set_num_threads of the caller in the step)
@@ -79,6 +82,16 @@ def run(devices: list[str], big: bool, m: int, steps: int, rounds: int,
                                    devices=devices, plan=pipe.plan, cuda_graphs=True)
         settings["graphs_one_thread"] = (graphed, 1, caller)
         settings["graphs_thread_per_rank"] = (graphed, None, caller)
+    # what the cost model predicts for each setting: the same plan priced for its issuing
+    # threads and for graphs (RuntimeDescription.issue_threads, .cuda_graphs)
+    from autopart.trace import predict
+
+    predicted = {}
+    for name, (_, threads, _) in settings.items():
+        runtime = dataclasses.replace(profile.runtime, issue_threads=threads,
+                                      cuda_graphs=name.startswith("graphs"))
+        predicted[name] = predict(dataclasses.replace(profile, runtime=runtime),
+                                  plan).step_time_us / 1e6
     times: dict[str, list[float]] = {name: [] for name in settings}
     medians: dict[str, list[float]] = {name: [] for name in settings}
     max_diff = 0.0
@@ -114,6 +127,8 @@ def run(devices: list[str], big: bool, m: int, steps: int, rounds: int,
           + "".join(f"{k} {statistics.median(v):.4f} s; " for k, v in times.items()
                     if k not in ("one_thread", "thread_per_rank"))
           + f"max |loss diff| {max_diff:.1e}; load {load_before[0]:.1f} -> {load_after[0]:.1f}")
+    print("predicted: " + ", ".join(
+        f"{k} {v:.4f} s ({v / statistics.median(times[k]) - 1:+.1%})" for k, v in predicted.items()))
     return {
         "devices": devices, "schedule": schedule, "num_microbatches": m,
         "model": {"layers": layers, "hidden": hidden, "vocab": vocab, "batch": batch, "seq": seq},
@@ -121,6 +136,7 @@ def run(devices: list[str], big: bool, m: int, steps: int, rounds: int,
         "cuts": [c.position for c in pipe.plan.cuts], "compile_s": round(compile_s, 1),
         "one_thread_s": round(one, 5), "thread_per_rank_s": round(per, 5),
         "medians_s": {k: round(statistics.median(v), 5) for k, v in times.items()},
+        "predicted_s": {k: round(v, 5) for k, v in predicted.items()},
         "threaded_over_one": round(per / one - 1, 4), "paired": round(paired - 1, 4),
         "round_medians_s": {k: [round(x, 5) for x in v] for k, v in medians.items()},
         "max_abs_loss_diff": max_diff,

@@ -77,3 +77,17 @@ def test_a_microbatch_count_the_profile_did_not_price_is_refused() -> None:
     with pytest.raises(PlanError, match=r"num_microbatches=16 is not one this profile priced"):
         profile.solve(schedule_kind="1f1b", num_microbatches=16)
     assert profile.solve(schedule_kind="1f1b", num_microbatches=8).num_microbatches == 8
+
+
+def test_plan_model_prices_cuda_graphs_when_asked() -> None:
+    from autopart.planning import plan_model
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    _, eager = plan_model(_Mlp(), (x,), devices=["cpu", "cpu"], num_microbatches=4, cache=False)
+    _, graphs = plan_model(_Mlp(), (x,), devices=["cpu", "cpu"], num_microbatches=4,
+                           cache=False, cuda_graphs=True)
+    assert (eager.runtime.cuda_graphs, graphs.runtime.cuda_graphs) == (False, True)
+    _, dist = plan_model(_Mlp(), (x,), devices=["cpu", "cpu"], num_microbatches=4,
+                         cache=False, cuda_graphs=True, backend="distributed")
+    assert not dist.runtime.cuda_graphs  # the distributed runtime does not graph

@@ -191,3 +191,24 @@ def test_a_split_backward_prices_i_and_w_each_at_its_slower_side(build) -> None:
     assert list(c.bwd_input_us) == pytest.approx([0.0, 20.0])
     assert list(c.bwd_weight_us) == pytest.approx([52.0, 50.0])
     assert list(c.host_bwd_weight_us) == pytest.approx([52.0, 50.0])
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_graphed_stages_are_priced_on_device_time_and_split_ones_keep_their_host_time(
+        build, m: int) -> None:  # type: ignore[no-untyped-def]
+    # the hand-worked case above, its stages replayed as CUDA graphs: no host column, so
+    # F 20 and B 40 on the device alone and no one-thread bound: (m + 1) x 60
+    costs = dataclasses.replace(_with_host(build.chain(4), 30.0, 5.0, 5.0), batch_size=8 // m)
+    cluster = build.cluster(2, link_bw=1e18)
+    graphs = dataclasses.replace(ONE_THREAD, cuda_graphs=True)
+    opts = dataclasses.replace(_opts(graphs, m), batch_size=8 // m * m)
+    plan = plan_at(costs, cluster, opts, [2], kind="1f1b", num_microbatches=m)
+    pred = predict(plan, costs, cluster, opts)
+    assert pred.host_bound_us == 0.0 and not pred.stage_costs.has_host
+    assert pred.step_time_us == pytest.approx((m + 1) * 60.0)
+    eager = predict(plan, costs, cluster, dataclasses.replace(opts, runtime=ONE_THREAD))
+    assert eager.step_time_us == pytest.approx(m * 160.0)  # the one thread's host time
+    # zero-bubble splits the backward, which the runtime does not graph: host times stay
+    zb_opts = dataclasses.replace(opts, schedule_kind="zero_bubble")
+    zb = plan_at(costs, cluster, zb_opts, [2], kind="zero_bubble", num_microbatches=m)
+    assert predict(zb, costs, cluster, zb_opts).host_bound_us > 0.0
