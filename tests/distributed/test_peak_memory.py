@@ -40,8 +40,10 @@ def test_predicted_peaks_bound_a_real_steps_from_above_within_15_percent(kind: s
     assert nodes[attention[0]].strided_output_bytes > 0
     cuts = sorted({attention[0] + 1, adds[len(adds) // 2] + 1, attention[-1] + 1}
                   if v == 2 else {attention[1] + 1})
-    # torch's stages hold one receive buffer per microbatch (the distributed runtime's policy)
-    held = dataclasses.replace(profile.runtime, receive_buffers_per_microbatch=True)
+    # the distributed runtime runs it: torch's stages hold one receive buffer per microbatch,
+    # and each rank is a process whose optimizer steps its own copy of a tied parameter
+    held = dataclasses.replace(profile.runtime, receive_buffers_per_microbatch=True,
+                               ranks_are_processes=True, ranks_per_core=1.0)
     opts = profile.options(schedule_kind=kind, stages_per_rank=v, num_microbatches=4,
                            runtime=held)
     plan = plan_at(profile.costs, profile.cluster(), opts, cuts, kind=kind,
