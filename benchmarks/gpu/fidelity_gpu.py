@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 GRID = [("gpipe", 4), ("1f1b", 4), ("1f1b", 8), ("1f1b", 16), ("zero_bubble", 8)]
+#: on CUDA, also run as CUDA graphs (``compile(..., cuda_graphs=True)``) and priced so
+#: (``RuntimeDescription.cuda_graphs``): the plan the host bounds most
+GRAPHED = [("1f1b", 16)]
 
 
 def workload(device: str = "cuda:0", small: bool = False) -> tuple[Any, ...]:
@@ -96,13 +99,15 @@ def plain_step_s(model: Any, args: tuple[Any, ...], target: Any, loss_fn: Any, m
     return statistics.median(times)
 
 
-def host_rows(profile: Any, plans: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per plan: predicted step with the host bound, without it, and the bound, s."""
+def host_rows(profiles: dict[str, Any], plans: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per plan (priced on its own profile in ``profiles``): predicted step with the host
+    bound, without it, and the bound, s."""
     from autopart.trace import predict
 
-    device_only = dataclasses.replace(profile, costs=with_host_times(profile.costs, None))
     rows = []
     for name, plan in plans.items():
+        profile = profiles[name]
+        device_only = dataclasses.replace(profile, costs=with_host_times(profile.costs, None))
         pred = predict(profile, plan)
         rows.append({"plan": name, "schedule": plan.schedule_kind,
                      "num_microbatches": plan.num_microbatches,
@@ -164,8 +169,17 @@ def main() -> None:
     for kind, m in GRID:
         plans[f"{kind} m{m}"] = profile.solve(schedule_kind=kind, stages_per_rank=1,
                                               num_microbatches=m)
+    profile_of = dict.fromkeys(plans, profile)
+    if torch.device(dev).type == "cuda":  # the host-bound m = 16 plan replayed as CUDA graphs
+        graphed = dataclasses.replace(profile, runtime=dataclasses.replace(
+            profile.runtime, cuda_graphs=True))
+        for kind, m in GRAPHED:
+            name = f"{kind} m{m} graphs"
+            plans[name] = graphed.solve(schedule_kind=kind, stages_per_rank=1,
+                                        num_microbatches=m)
+            profile_of[name] = graphed
     sums = profile_sums(profile, model, args, target, loss_fn, opts.steps, dev)
-    host = {r["plan"]: r for r in host_rows(profile, plans)}
+    host = {r["plan"]: r for r in host_rows(profile_of, plans)}
     plain = {m: plain_step_s(model, args, target, loss_fn, m, args[0].shape[0], opts.steps, dev)
              for m in sorted({p.num_microbatches for p in plans.values()})}
     print_host_figures(sums, host, plain)
@@ -176,7 +190,8 @@ def main() -> None:
         return
     arms = {}
     for name, plan in plans.items():
-        pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan)
+        pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan,
+                                cuda_graphs=name.endswith(" graphs"))
         arms[name] = (pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-5))
     times: dict[str, list[float]] = {n: [] for n in arms}
     names = list(arms)
@@ -199,7 +214,7 @@ def main() -> None:
         opt.zero_grad()
         pipe.train_step(*args, target=target, measure_memory=True, optimizer=opt)
         plan = plans[name]
-        pred = predict(profile, plan)
+        pred = predict(profile_of[name], plan)
         measured = statistics.median(times[name])
         rows.append({**host[name], "measured_step_s": measured,
                      "plain_step_same_m_s": plain[plan.num_microbatches],
@@ -211,6 +226,8 @@ def main() -> None:
                      "predicted_rank_peaks_bytes": [r.peak_memory_bytes for r in plan.ranks],
                      "stage_nodes": [s.num_nodes for s in plan.stages],
                      "traced_actions": action_errors(traced, pred.stage_costs),
+                     "cuda_graph_reasons": ({str(k): v for k, v in pipe.cuda_graph_reasons.items()}
+                                            if name.endswith(" graphs") else None),
                      "measured_peak_bytes_device": pipe.last_peak_memory_bytes.by_device[dev]})
         if name == "solver":
             gantt(out / "timeline_gpu.png", [("predicted", pred.trace), ("measured", traced)],
