@@ -11,6 +11,8 @@ import sys
 
 import torch.distributed as dist
 
+from tests.distributed.rank_exit import end_rank
+
 
 def _plan(pp: int, tp: int, dp: int):  # type: ignore[no-untyped-def]
     """A plan of ``pp`` one-stage ranks and the given tp and dp; nothing but the layout is
@@ -66,4 +68,4 @@ def mesh_layout(rank: int, world: int, port: int, result_dir: str) -> None:
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
-    dist.destroy_process_group()
+    end_rank()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopart.core.plan import Plan
+from tests.distributed.rank_exit import end_rank
 
 ROWS, WIDTH = 64, 1024  # one collective's tensor: 256 KiB of float32
 REPEATS = 30
@@ -62,7 +63,7 @@ def _collective_peaks(rank: int, world: int, port: int, out: dict[int, tuple[int
     _, many = allocated_peak_bytes(lambda: [once() for _ in range(REPEATS)],
                                    torch.device("cpu"))
     out[rank] = (one, many)
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_tp_collectives_leave_no_buffer_for_gloos_thread_to_free() -> None:
@@ -135,8 +136,7 @@ def _step_peaks(rank: int, world: int, port: int, plan_path: str,
     peak = pipe.last_peak_memory_bytes
     assert peak is not None
     out[rank] = peak.by_device["cpu"]  # this tp rank's own figure
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def test_tp2_predicted_peak_is_never_under_either_tp_ranks_measured_one(

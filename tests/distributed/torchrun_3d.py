@@ -15,6 +15,7 @@ import torch.distributed as dist  # noqa: E402
 
 import autopart  # noqa: E402
 from autopart.core.capture import capture  # noqa: E402
+from tests.distributed.rank_exit import end_rank  # noqa: E402
 from tests.plans import even_positions, manual_plan  # noqa: E402
 from tests.zoo import ZOO  # noqa: E402
 
@@ -63,4 +64,4 @@ pipe = autopart.compile(model, (x,), loss_fn=loss_fn, example_target=y, tp=1, dp
                         num_microbatches=2, schedule_kind="1f1b", time_limit_s=2.0)
 check(pipe, "chosen")
 pipe.close()
-dist.destroy_process_group()
+end_rank()

@@ -16,6 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 import autopart  # noqa: E402
 from autopart.core.capture import capture  # noqa: E402
+from tests.distributed.rank_exit import end_rank  # noqa: E402
 from tests.distributed.tp_worker import tiny, tp_plan  # noqa: E402
 
 torch.set_num_threads(1)
@@ -59,4 +60,4 @@ for zero in (1, 3):
     print(f"rank {dist.get_rank()} zero{zero} ok loss {float(loss) / 2:.6f} "
           f"tensors {len(got)}", flush=True)
     pipe.close()
-dist.destroy_process_group()
+end_rank()

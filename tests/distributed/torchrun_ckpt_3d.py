@@ -16,6 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 import autopart  # noqa: E402
 from autopart.core.capture import capture  # noqa: E402
+from tests.distributed.rank_exit import end_rank  # noqa: E402
 from tests.distributed.tp_worker import tiny, tp_plan  # noqa: E402
 
 torch.set_num_threads(1)
@@ -102,4 +103,4 @@ if dist.get_rank() == 0:
         assert abs(float(loss) - curve[k]) <= 1e-5 * abs(curve[k]) + 4e-5, (k, float(loss))
         print(f"rank 0 plain step {k} ok loss {float(loss):.6f}", flush=True)
 dist.barrier()
-dist.destroy_process_group()
+end_rank()

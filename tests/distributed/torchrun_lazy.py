@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import autopart  # noqa: E402
 from autopart.apps.demo import gpt2_loss as loss_fn  # noqa: E402
+from tests.distributed.rank_exit import end_rank  # noqa: E402
 
 torch.set_num_threads(1)
 torch.manual_seed(0)  # every rank builds the same weights
@@ -45,4 +46,4 @@ for step, seq in enumerate([8, 16, 8]):
           f"params {len(held)}", flush=True)
 assert type(pipe.pipeline).__name__ == "DistributedPipeline" and len(pipe.pipelines) == 2
 pipe.close()
-dist.destroy_process_group()
+end_rank()

@@ -12,6 +12,7 @@ import torch.distributed as dist  # noqa: E402
 
 import autopart  # noqa: E402
 from autopart.core.errors import PlanError  # noqa: E402
+from tests.distributed.rank_exit import end_rank  # noqa: E402
 from tests.distributed.tp_worker import tiny  # noqa: E402
 
 torch.set_num_threads(1)
@@ -31,4 +32,4 @@ assert shapes["transformer.h.0.attn.c_attn.weight"] == (32, 48), shapes  # 96 / 
 loss = pipe.train_step(x, target=y)
 opt.step()
 print(f"rank {dist.get_rank()} lazy tp ok loss {float(loss):.6f}", flush=True)
-dist.destroy_process_group()
+end_rank()

@@ -9,6 +9,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import autopart  # noqa: E402
+from tests.distributed.rank_exit import end_rank  # noqa: E402
 from tests.zoo import mlp  # noqa: E402
 
 torch.set_num_threads(1)
@@ -23,4 +24,4 @@ loss = pipe.train_step(*args, target=target)
 torch.testing.assert_close(loss, loss_fn(reference(*args), target).detach(), rtol=1e-5, atol=4e-5)
 print(f"rank {dist.get_rank()} ok loss {float(loss):.6f}", flush=True)
 pipe.close()
-dist.destroy_process_group()
+end_rank()

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.distributed.rank_exit import end_rank
+
 #: the layer every tp x pp test cuts before (a cut inside a column/row pair is refused)
 SECOND_LAYER = {"gpt2": "transformer.h.1", "llama": "model.layers.1",
                 "bert": "bert.encoder.layer.1"}
@@ -176,4 +178,4 @@ def tp_numerics(rank: int, world: int, port: int, result_dir: str) -> None:
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(problems, f)
     dist.barrier()
-    dist.destroy_process_group()
+    end_rank()

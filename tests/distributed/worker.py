@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.distributed.rank_exit import end_rank
+
 
 def _setup(rank: int, world: int, port: int, timeout_s: float) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -84,8 +86,7 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
         problems.append(f"output: {str(exc).splitlines()[0]}")
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"params {len(names)}", *problems]) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def _compare(pipe: Any, loss: torch.Tensor, ref_loss: torch.Tensor,
@@ -125,8 +126,7 @@ def from_meta(rank: int, world: int, port: int, ckpt: str, plan_path: str, resul
     problems += _compare(pipe, loss, ref_loss, reference)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([" ".join(sorted(mine)), *problems]) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
@@ -158,8 +158,7 @@ def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
     problems = _compare(pipe, loss, ref_loss, reference)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"params {len(list(pipe.named_parameters()))}", *problems]) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def _mlp_pipeline(world: int, kind: str, v: int, **compile_kwargs: Any) -> tuple[Any, ...]:
@@ -214,8 +213,7 @@ def fused(rank: int, world: int, port: int, result_dir: str) -> None:
     names = [n for n, _ in pipe.named_parameters()]
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"params {len(names)}", *problems]) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def hangs(rank: int, world: int, port: int, victim: int, kind: str, v: int,
@@ -274,11 +272,7 @@ def traced(rank: int, world: int, port: int, kind: str, v: int, result_dir: str)
     # leave together, as autopart.apps.bench's workers do, and skip the interpreter's C++
     # teardown, which is not what this test is about.
     dist.barrier()
-    pipe.close()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank(pipe)
 
 
 def _clip_checks(pipe: Any, reference: torch.nn.Module, max_norm: float,
@@ -341,8 +335,7 @@ def clip_norm(rank: int, world: int, port: int, model_name: str, norm_type: floa
     problems = _clip_checks(pipe, reference, float(ref_norm) / 10, norm_type)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"params {len(list(pipe.named_parameters()))}", *problems]) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def _gpt2_pipeline(world: int, positions_of: Any = None) -> tuple[Any, ...]:
@@ -382,8 +375,7 @@ def ckpt_train(rank: int, world: int, port: int, root: str, result_dir: str,
     if rank == 0:
         with open(os.path.join(result_dir, "losses.txt"), "w") as f:
             f.write(" ".join(repr(x) for x in losses) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def ckpt_resume(rank: int, world: int, port: int, root: str, result_dir: str) -> None:
@@ -409,8 +401,7 @@ def ckpt_resume(rank: int, world: int, port: int, root: str, result_dir: str) ->
     if rank == 0:
         with open(os.path.join(result_dir, "losses.txt"), "w") as f:
             f.write(" ".join(repr(x) for x in losses) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def mixed_precision(rank: int, world: int, port: int, mode: str, result_dir: str) -> None:
@@ -425,8 +416,7 @@ def mixed_precision(rank: int, world: int, port: int, mode: str, result_dir: str
     report = precision.compare(pipe, reference, args, target, loss_fn, mode)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write(report + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def run_everyone(fn: Any, world: int, *args: Any) -> None:
@@ -470,8 +460,7 @@ def integer_cut(rank: int, world: int, port: int, kind: str, v: int, result_dir:
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"cut {first}: {crossing_names(captured, [first])[0]}",
                            *problems]) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 class _Reused(torch.nn.Module):
@@ -523,8 +512,7 @@ def reused_output(rank: int, world: int, port: int, kind: str, result_dir: str) 
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"cuts {cuts}: {crossing_names(captured, cuts)}",
                            *problems]) + "\n")
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def pinned(rank: int, world: int, port: int, result_dir: str) -> None:
@@ -546,5 +534,4 @@ def pinned(rank: int, world: int, port: int, result_dir: str) -> None:
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"cpu_cores": pipe.cpu_cores, "before": before, "during": during,
                    "after": after}, f)
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.distributed.rank_exit import end_rank
+
 BATCH, SEQ, VOCAB = 8, 8, 128
 
 
@@ -255,7 +257,7 @@ def numerics(rank: int, world: int, port: int, cases: list[tuple[Any, ...]],
             problems += _check_model(case[1], case[0], mesh, case[2], case[3])
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join(["done", *problems]) + "\n")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _setup(rank: int, world: int, port: int) -> None:

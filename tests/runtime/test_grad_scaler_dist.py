@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.distributed.rank_exit import end_rank
+
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = 2.0 ** 8
 TOL = {"rtol": 1e-5, "atol": 4e-5}
@@ -94,8 +96,7 @@ def worker(rank: int, world: int, port: int, result_dir: str) -> None:
         except AssertionError as exc:
             problems.append(f"{name} after the step: {str(exc).splitlines()[0]}")
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def fp16_worker(rank: int, world: int, port: int, result_dir: str) -> None:
@@ -139,8 +140,7 @@ def fp16_worker(rank: int, world: int, port: int, result_dir: str) -> None:
     if scaler.get_scale() != ref_scaler.get_scale():
         problems.append(f"scale {scaler.get_scale()} vs {ref_scaler.get_scale()}")
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"problems": problems}))
-    pipe.close()
-    dist.destroy_process_group()
+    end_rank(pipe)
 
 
 def _free_port() -> int:
