@@ -138,14 +138,17 @@ def ranks_per_device(devices: list[str] | tuple[str, ...], runtime: RuntimeDescr
     of a 12 x 768 GPT-2 at m = 2 took 0.152 s, the plain model's step at the same
     microbatching, while a replay with a device per rank predicted 0.102 s. The local
     runtime's ``cpu`` ranks are stages issued by the process's threads onto the same cores.
-    ``"cuda"`` is ``"cuda:0"``.
+
+    Args:
+        devices: one device string per rank (``"cuda"`` counts as ``"cuda:0"``).
+        runtime: the runtime the plan is for.
+
+    Returns:
+        Ranks per distinct device (>= 1.0; 1.0 for no devices).
     """
     if runtime.ranks_are_processes or not devices:
         return 1.0
-    names = set()
-    for d in devices:
-        dev = torch.device(d)
-        names.add(f"{dev.type}:{dev.index or 0}")
+    names = {f"{dev.type}:{dev.index or 0}" for dev in map(torch.device, devices)}
     return len(devices) / len(names)
 
 

@@ -8,7 +8,13 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from autopart.core.capture import CapturedGraph
-from autopart.core.costgraph import CostGraph, segment_scales, through_two_batches, time_on_line
+from autopart.core.costgraph import (
+    HOST_FIELDS,
+    CostGraph,
+    segment_scales,
+    through_two_batches,
+    time_on_line,
+)
 from autopart.core.errors import PlanError
 from autopart.profiler.calibrate import calibrate_to_segments, segment_cuts, segment_times
 from autopart.profiler.corunners import co_runners
@@ -206,8 +212,7 @@ def with_host_times_of(costs: CostGraph, source: CostGraph) -> CostGraph:
         return costs
     by_name = {n.name: n for n in source.nodes}
     return dataclasses.replace(costs, nodes=tuple(
-        dataclasses.replace(n, host_fwd_us=s.host_fwd_us, host_bwd_input_us=s.host_bwd_input_us,
-                            host_bwd_weight_us=s.host_bwd_weight_us)
+        dataclasses.replace(n, **{f: getattr(s, f) for f in HOST_FIELDS})
         if (s := by_name.get(n.name)) is not None else n for n in costs.nodes))
 
 

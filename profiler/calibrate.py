@@ -14,7 +14,7 @@ import torch
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
 from autopart.core.capture import CapturedGraph
-from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.costgraph import HOST_FIELDS, CostGraph, NodeCost
 from autopart.profiler.timer import _MIN_WAIT_US, _device_wait
 
 __all__ = ["whole_graph_times", "calibrate_to_whole_graph", "segment_times",
@@ -66,15 +66,24 @@ def calibrate_to_whole_graph(costs: CostGraph, fwd_us: float, bwd_us: float) -> 
     return dataclasses.replace(costs, nodes=_rescaled(costs.nodes, fwd_us, bwd_us))
 
 
-def _rescaled(nodes: Sequence[NodeCost], fwd_us: float, bwd_us: float) -> tuple[NodeCost, ...]:
-    """``nodes`` with forward times scaled to sum to ``fwd_us`` and both backward parts to
-    ``bwd_us`` (a zero sum or target leaves that side as it was)."""
-    total_f = sum(n.fwd_us for n in nodes)
-    total_b = sum(n.bwd_us for n in nodes)
+def _rescaled(nodes: Sequence[NodeCost], fwd_us: float, bwd_us: float,
+              fields: tuple[str, str, str] = ("fwd_us", "bwd_input_us", "bwd_weight_us"),
+              ) -> tuple[NodeCost, ...]:
+    """``nodes`` with their forward ``fields[0]`` scaled to sum to ``fwd_us`` µs and both
+    backward parts (``fields[1:]``) to ``bwd_us`` µs (a zero sum or target leaves that side
+    as it was; a missing host time counts as 0). ``fields``: the device times (default) or
+    the host issue times (:data:`autopart.core.costgraph.HOST_FIELDS`)."""
+    f, i, w = fields
+
+    def get(n: NodeCost, name: str) -> float:
+        return getattr(n, name) or 0.0
+
+    total_f = sum(get(n, f) for n in nodes)
+    total_b = sum(get(n, i) + get(n, w) for n in nodes)
     rf = fwd_us / total_f if total_f > 0 and fwd_us > 0 else 1.0
     rb = bwd_us / total_b if total_b > 0 and bwd_us > 0 else 1.0
-    return tuple(dataclasses.replace(n, fwd_us=n.fwd_us * rf, bwd_input_us=n.bwd_input_us * rb,
-                                     bwd_weight_us=n.bwd_weight_us * rb) for n in nodes)
+    return tuple(dataclasses.replace(n, **{f: get(n, f) * rf, i: get(n, i) * rb,
+                                           w: get(n, w) * rb}) for n in nodes)
 
 
 def segment_cuts(costs: CostGraph, positions: list[int] | tuple[int, ...],
@@ -200,9 +209,9 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
 
     clock = _SegmentClock(dev)
 
-    issue: list[tuple[float, float]] = []  # the last run's host issue times per segment
-
-    def run() -> list[tuple[float, float]]:
+    def run() -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """One forward and backward of every segment: per segment ``(fwd µs, bwd µs)``,
+        and its host issue times the same way (the clock's; 0.0 off CUDA)."""
         fwd: list[float] = []
         fwd_issue: list[float] = []
         bwd_issue = [0.0] * len(stages)
@@ -244,8 +253,7 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
                 bwd_issue[k] = clock.last_issue_us
                 index = {id(x): i for i, x in enumerate(leaves)}
                 grads_in = {index[id(x)]: x.grad for x in wanted if x.grad is not None}
-        issue[:] = list(zip(fwd_issue, bwd_issue, strict=True))
-        return list(zip(fwd, bwd, strict=True))
+        return list(zip(fwd, bwd, strict=True)), list(zip(fwd_issue, bwd_issue, strict=True))
 
     trainable = list({id(p): p for group in params for p in group}.values())
     saved_grads = [p.grad for p in trainable]
@@ -257,8 +265,9 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
         issues: list[list[tuple[float, float]]] = []
         start = time.perf_counter()
         while len(runs) < min_repeats or time.perf_counter() - start < budget_s:
-            runs.append(run())
-            issues.append(list(issue))
+            times, issued = run()
+            runs.append(times)
+            issues.append(issued)
         if host is not None and dev.type == "cuda":
             host.extend((statistics.median(r[k][0] for r in issues),
                          statistics.median(r[k][1] for r in issues)) for k in range(len(stages)))
@@ -282,7 +291,18 @@ def calibrate_to_segments(costs: CostGraph, positions: list[int] | tuple[int, ..
     :func:`calibrate_to_whole_graph` rescales the whole graph, to that segment's measured
     ``(forward µs, backward µs)`` in ``times`` (:func:`segment_times`); with ``host`` (the
     segments' host issue times, ``segment_times(host=...)``) and host times on the nodes,
-    their host issue times too, the same way (:func:`_rescaled_host`)."""
+    their host issue times too, the same way.
+
+    The per-node profile times each op's call alone and each backward part as a
+    ``torch.autograd.grad`` call of its own, floored at the op's forward issue time; a
+    stage's backward is one engine call that issues every node's kernels from C++. Measured
+    on one H200 (torch 2.11, ``benchmarks/gpu/README.md``): the per-node host times of a
+    12 x 768 GPT-2 summed to 48.5 ms per microbatch, while 4 stages at m = 16 ran at 26.7 ms
+    per microbatch in all, device time included.
+
+    Raises:
+        ValueError: ``times`` (or a non-empty ``host``) does not have one entry per segment.
+    """
     bounds = [0, *positions, len(costs.nodes)]
     if len(times) != len(bounds) - 1:
         raise ValueError(f"{len(times)} segment times for {len(bounds) - 1} segments")
@@ -293,28 +313,6 @@ def calibrate_to_segments(costs: CostGraph, positions: list[int] | tuple[int, ..
                                                        strict=True)):
         part = _rescaled(costs.nodes[a:z], fwd_us, bwd_us)
         if host and costs.has_host_times:
-            part = _rescaled_host(part, *host[k])
+            part = _rescaled(part, *host[k], fields=HOST_FIELDS)
         nodes.extend(part)
     return dataclasses.replace(costs, nodes=tuple(nodes))
-
-
-def _rescaled_host(nodes: Sequence[NodeCost], fwd_us: float, bwd_us: float,
-                   ) -> tuple[NodeCost, ...]:
-    """``nodes`` with their host issue times scaled so that the forward ones sum to
-    ``fwd_us`` and both backward parts to ``bwd_us`` (a zero sum or target leaves that side
-    as it was).
-
-    The per-node profile times each op's call alone and each backward part as a
-    ``torch.autograd.grad`` call of its own, floored at the op's forward issue time; a
-    stage's backward is one engine call that issues every node's kernels from C++. Measured
-    on one H200 (torch 2.11, ``benchmarks/gpu/README.md``): the per-node host times of a
-    12 x 768 GPT-2 summed to 48.5 ms per microbatch, while 4 stages at m = 16 ran at 26.7 ms
-    per microbatch in all, device time included."""
-    total_f = sum(n.host_fwd_us or 0.0 for n in nodes)
-    total_b = sum((n.host_bwd_input_us or 0.0) + (n.host_bwd_weight_us or 0.0) for n in nodes)
-    rf = fwd_us / total_f if total_f > 0 and fwd_us > 0 else 1.0
-    rb = bwd_us / total_b if total_b > 0 and bwd_us > 0 else 1.0
-    return tuple(dataclasses.replace(
-        n, host_fwd_us=(n.host_fwd_us or 0.0) * rf,
-        host_bwd_input_us=(n.host_bwd_input_us or 0.0) * rb,
-        host_bwd_weight_us=(n.host_bwd_weight_us or 0.0) * rb) for n in nodes)

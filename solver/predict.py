@@ -39,9 +39,8 @@ class Prediction:
         device_peak_bytes: per device that several of the one-process runtime's ranks name
             (stages of the local runtime on one GPU), the most those ranks hold at once on
             the replayed times, bytes (:func:`autopart.solver.simulate.device_peaks`; at
-            most the sum of their
-            ``peak_memory_bytes``); a device with one rank is absent (its rank's peak is
-            the device's).
+            most the sum of their ``peak_memory_bytes``); a device with one rank is absent
+            (its rank's peak is the device's).
     """
 
     step_time_us: float

@@ -12,7 +12,7 @@ from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
 
 __all__ = ["NodeCost", "CostGraph", "BatchScale", "COSTGRAPH_SCHEMA_VERSION",
-           "through_two_batches", "time_on_line", "segment_scales"]
+           "through_two_batches", "time_on_line", "segment_scales", "HOST_FIELDS"]
 
 COSTGRAPH_SCHEMA_VERSION = 1
 
@@ -94,7 +94,7 @@ class NodeCost:
                      "backward_peak_bytes", "strided_output_bytes"):
             if getattr(self, attr) < 0:
                 raise PlanError(f"node {self.name!r}: {attr} must be >= 0, got {getattr(self, attr)}")
-        host = [getattr(self, a) for a in _HOST_FIELDS]
+        host = [getattr(self, a) for a in HOST_FIELDS]
         if any(h is not None for h in host) and not all(h is not None and h >= 0 for h in host):
             raise PlanError(f"node {self.name!r}: host times {host} must all be >= 0 µs or all "
                             "None (not measured); re-profile the model")
@@ -118,7 +118,7 @@ class NodeCost:
 
 
 #: NodeCost's optional host issue times, µs (None: not measured).
-_HOST_FIELDS = ("host_fwd_us", "host_bwd_input_us", "host_bwd_weight_us")
+HOST_FIELDS = ("host_fwd_us", "host_bwd_input_us", "host_bwd_weight_us")
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +339,7 @@ class CostGraph:
         else:  # none: left out, as in files from before it
             del d["no_cut"]
         for node in d["nodes"]:  # not measured: left out, as in files from before them
-            for key in [k for k in _HOST_FIELDS if node[k] is None]:
+            for key in [k for k in HOST_FIELDS if node[k] is None]:
                 del node[key]
         return d
 

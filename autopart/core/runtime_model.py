@@ -76,8 +76,9 @@ class RuntimeDescription:
             GPU of its own; must be > 0, and values <= 1 change nothing). CPU ranks on ``c``
             cores, ``n`` ranks: ``n / c`` (:func:`autopart.planning.cpu_ranks_per_core`); the
             local runtime's ranks: ranks per distinct device
-            (:func:`autopart.planning.ranks_per_device`). Every rank of the world runs a copy of one pipeline
-            rank's actions (dp replicas, tp shards), so a step is no shorter than the
+            (:func:`autopart.planning.ranks_per_device`). Every rank of the world runs a
+            copy of one pipeline rank's actions (dp replicas, tp shards), so a step is no
+            shorter than the
             pipeline ranks' mean busy time times this figure
             (:func:`autopart.solver.simulate.core_bound_us`); idle time in the schedule's
             bubbles is shared for free.
