@@ -247,8 +247,11 @@ class DistributedPipeline(Pipeline):
         actions = (forward_schedule(self.pp_size, m, v, kind=kind)
                    if not training and kind in V_SCHEDULE_KINDS
                    else build_schedule(kind, self.pp_size, m, v, recompute=self._recompute))
+        # gloo ranks post their receives at the start of the step (receives_first_order)
+        gloo = dist.get_backend(self._p2p_group) == "gloo"
         return new_schedule_runtime(self.pipeline_stages, m, actions,
-                                    self.loss_of_flat if training else None)
+                                    self.loss_of_flat if training else None,
+                                    receives_first=gloo)
 
     def loss_of_flat(self, out: Any, target: Any) -> torch.Tensor:
         """``loss_fn`` on the last stage's flat output (a tensor or a tuple of them), as

@@ -246,6 +246,7 @@ def main() -> None:
             "workload": {"spec": WORKLOAD, **CONFIG}, "steps": opts.steps,
             "repeats": opts.repeats, "load_average_1min": loads, **facts}
     out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [f"# fidelity_3d: gloo CPU ranks, {meta['date']}", "",
              f"{meta['machine']}, torch {meta['torch']}, 1 thread per rank; 1-minute load "
