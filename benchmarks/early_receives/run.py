@@ -106,9 +106,8 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
 
 def run_world(world: int, plans: dict[str, Any], steps: int) -> dict[str, Any]:
     """Every plan of ``plans`` in both orders on ``world`` spawned gloo processes."""
-    import torch.multiprocessing as mp
-
     import run as fidelity  # benchmarks/fidelity_3d/run.py
+    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="autopart-receives-") as work:
         for name, plan in plans.items():
