@@ -13,9 +13,10 @@ world, so that they share the host's cores as its ranks will), in groups of cons
 ranks (tp innermost). Each alternates two arms: ``k`` units of work followed by a
 functional-collective all-reduce within its group (as ``autopart::tp_reduce`` runs it), and
 the same work alone; per work size, the difference of the arms' medians is the collective's
-cost. A third arm follows the work with a message each way between the two ranks of a pair
-(as a pipeline's neighbours exchange an activation and its gradient): half its difference is
-the cost of one transfer. Ranks that have a core each are pinned to it, as the distributed
+cost. A third arm posts a receive from the pair's other rank before the work, as the
+distributed runtime posts a step's receives first on gloo, then sends it a message and waits
+for both (a pipeline's neighbours exchange an activation and its gradient): half its
+difference is the cost of one transfer. Ranks that have a core each are pinned to it, as the distributed
 runtime pins them.
 """
 
@@ -115,32 +116,35 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
         funcol.wait_tensor(funcol.all_reduce(msg, "sum", group))
 
     peer = rank ^ 1
+    inbox = torch.empty_like(msg)
 
-    def exchange() -> None:  # one message each way, the pair's even rank first
-        if rank % 2 == 0:
-            dist.send(msg, peer)
-            dist.recv(msg, peer)
-        else:
-            dist.recv(msg, peer)
-            dist.send(msg, peer)
+    def posted() -> Any:  # the runtime posts a step's receives before it computes
+        return dist.irecv(inbox, peer)
 
-    arms = (reduce, None, exchange)
+    def exchange(receive: Any) -> None:  # then sends after the work and waits for both
+        send = dist.isend(msg, peer)
+        receive.wait()
+        send.wait()
+
     mine: list[tuple[float, float, float]] = []
     for k in units:
         for _ in range(3):
+            receive = posted()
             work(k)
             reduce()
-            exchange()
+            exchange(receive)
         dist.barrier()
         times: list[list[float]] = [[], [], []]
         for block in range(_BLOCKS):
             for arm in (block % 3, (block + 1) % 3, (block + 2) % 3):
                 t0 = time.perf_counter()
-                sync = arms[arm]
                 for _ in range(_ITERS):
+                    receive = posted() if arm == 2 else None
                     work(k)
-                    if sync is not None:
-                        sync()
+                    if arm == 0:
+                        reduce()
+                    elif receive is not None:
+                        exchange(receive)
                 times[arm].append((time.perf_counter() - t0) / _ITERS * 1e6)
             reduce()  # the arms of every rank start together
         r_us, a_us, x_us = (statistics.median(t) for t in times)
