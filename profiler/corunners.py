@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch
 
 from autopart.core.capture import CapturedGraph
 
-__all__ = ["co_runners", "available", "model_step"]
+__all__ = ["co_runners", "available", "model_step", "time_sharing_factor"]
 
 
 def available() -> bool:
@@ -88,3 +90,43 @@ def co_runners(work: Callable[[], None], count: int) -> Iterator[int]:
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
+
+
+def time_sharing_factor(work: Callable[[], None], world: int, cores: int, *,
+                        calls: int = 9, rounds: int = 2) -> float:
+    """How much more CPU time ``work()`` takes when ``world`` processes share ``cores`` cores
+    than with a core each (``RuntimeDescription.time_sharing_factor``): its median CPU time
+    (``time.thread_time``, one thread) beside ``world - 1`` copies of this process running it
+    (:func:`co_runners`) over the median beside ``cores - 1``, the two alternated
+    ``rounds`` times, ``calls`` calls each; never below 1.0. 1.0 when ``world <= cores``
+    or where co-runners cannot be made (:func:`available`).
+
+    Two processes time-sliced on one core each find the core's caches filled by the other
+    after every switch; the wall time doubles whatever the work, the CPU time grows with how
+    much the work leans on what the other evicted (12 % for a small GPT-2's forward and
+    backward, 0 % for a chain of matmuls on this project's 2-core CPU:
+    ``benchmarks/fidelity_3d/time_slicing.py``).
+
+    Raises:
+        ValueError: ``cores`` < 1 or ``calls`` < 1.
+    """
+    if cores < 1 or calls < 1:
+        raise ValueError(f"cores={cores} and calls={calls} must be >= 1")
+    if world <= cores or not available():
+        return 1.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each CPU rank runs
+    times: dict[int, list[float]] = {cores - 1: [], world - 1: []}
+    try:
+        for _ in range(rounds):
+            for neighbours, got in times.items():
+                with co_runners(work, neighbours):
+                    work()  # the copies start; this one warms up
+                    for _ in range(calls):
+                        t0 = time.thread_time()
+                        work()
+                        got.append(time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    alone = statistics.median(times[cores - 1])
+    return max(1.0, statistics.median(times[world - 1]) / alone) if alone > 0 else 1.0

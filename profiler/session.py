@@ -37,6 +37,8 @@ from autopart.profiler.cache import (
     store_measure,
 )
 from autopart.profiler.corunners import available as corunners_available
+from autopart.profiler.corunners import model_step as corunner_step
+from autopart.profiler.corunners import time_sharing_factor
 from autopart.profiler.links import LinkFigures
 from autopart.profiler.loss_cost import (
     LossCost,
@@ -58,6 +60,9 @@ PROFILE_METHOD = ("measured:profile_graph(warmup=1,repeats=3,long_call_us=50000,
 
 #: The split's per-node cost's name in the cache, with the revision of its measurement.
 SPLIT_OVERHEAD = "split_backward_us_per_node:flushed-mad-v6"
+#: The cache entry of the model's time-sharing factor (CPU time beside co-runners sharing
+#: each core over a core each; :func:`autopart.profiler.corunners.time_sharing_factor`).
+TIME_SHARING = "time_sharing_factor:thread-time-v1"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -342,6 +347,17 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             runtime = _with_split_cost(session, runtime, captured, flat, costs, points, scaled,
                                        smallest)
         timings["split_cost_s"] = time.perf_counter() - t0
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    if (options.runtime.ranks_are_processes and options.training and ranks > cores
+            and torch.device(session.device).type == "cpu" and corunners_available()):
+        # more CPU rank processes than cores: what time-slicing costs the model's compute
+        t0 = time.perf_counter()
+        with phase("time sharing"):
+            at = (captured, flat) if smallest is None else smallest[:2]
+            runtime = dataclasses.replace(runtime, time_sharing_factor=_time_sharing_cached(
+                session, *at, ranks, cores))
+        timings["time_sharing_s"] = time.perf_counter() - t0
     return ModelProfile(captured=captured, costs=costs, devices=tuple(options.devices),
                         batch_size=batch, num_microbatches=m_fixed,
                         microbatch_candidates=candidates, training=options.training,
@@ -394,6 +410,24 @@ def _split_cost_cached(session: Session, name: str,
                                          cast(SplitEngine, runtime.split_engine))
     session.store(name, us)
     return float(us)
+
+
+def _time_sharing_cached(session: Session, captured: CapturedGraph, flat: list[Any],
+                         ranks: int, cores: int) -> float:
+    """The model's ``RuntimeDescription.time_sharing_factor`` for ``ranks`` CPU rank
+    processes on ``cores`` cores: read from the cache, else measured on one forward and
+    backward of ``captured`` (:func:`autopart.profiler.corunners.time_sharing_factor`) and
+    stored (not while the machine is oversubscribed: :meth:`Session.store`)."""
+    rows = next((int(t.shape[0]) for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0),
+                0)
+    name = f"{TIME_SHARING}@{rows}:{ranks}on{cores}"
+    cached = session.load(name)
+    if cached is not None:
+        session.hits.add("time_sharing")
+        return max(1.0, float(cached))
+    factor = time_sharing_factor(corunner_step(captured, flat), ranks, cores)
+    session.store(name, factor)
+    return factor
 
 
 def _split_piece(session: Session, m: int,

@@ -277,9 +277,13 @@ class CostModel(MemoryModel):
                    runtime=options.runtime)
 
     def speed(self, rank: int) -> float:
-        """Time multiplier of ``rank`` against the profiled device: peak FLOP/s of rank 0 over
-        that of ``rank`` (1.0 on a uniform cluster)."""
-        return self.cluster.devices[0].peak_flops / self.cluster.devices[rank].peak_flops
+        """Time multiplier of ``rank``'s compute against the profiled device: peak FLOP/s of
+        rank 0 over that of ``rank`` (1.0 on a uniform cluster), times the runtime's
+        ``time_sharing_factor`` where rank processes share cores (``ranks_per_core`` > 1:
+        each computes slower after the others ran on its core)."""
+        shared = (self.runtime.time_sharing_factor if self.runtime.ranks_per_core > 1.0
+                  else 1.0)
+        return shared * self.cluster.devices[0].peak_flops / self.cluster.devices[rank].peak_flops
 
     # ---- chain data for the partition solvers --------------------------------------
     def chain_time(self, cands: CutCandidates, m: int) -> tuple[list[int], list[int], list[int]]:

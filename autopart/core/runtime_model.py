@@ -114,14 +114,27 @@ class RuntimeDescription:
             tp ops clone each all-reduced tensor and concatenate the gathered logits
             (``codegen/_tp_ops.py``). Measured by the same probe on CPU ranks, where these
             copies cost about as much as the collectives' rings.
+        time_sharing_factor: how much more CPU time a rank's computation takes when rank
+            processes share cores (``ranks_per_core`` > 1) than with a core to itself
+            (default 1.0: none; must be >= 1). Two processes time-sliced on one core each
+            find the core's caches and branch predictors filled by the other after every
+            switch: on this project's 2-core CPU (AMD EPYC, torch 2.13.0+cpu, one thread per
+            process) a GPT-2-like model's forward and backward on 2 x 64 tokens took 12 %
+            more CPU time with four processes on the 2 cores than with two, while a chain of
+            256 x 256 matmuls took 0 % more (``benchmarks/fidelity_3d/time_slicing.py``). The
+            profiler measures it on the model (:func:`autopart.profiler.corunners.
+            time_sharing_factor`) for CPU ranks that are processes and outnumber the cores;
+            the solver multiplies every action's compute by it while ``ranks_per_core`` > 1,
+            and never otherwise.
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
 
     Raises:
-        PlanError: ``issue_threads`` below 1, ``ranks_per_core`` not above 0, a negative
-            cost, or split points with a row count <= 0, repeated rows or a negative cost
-            (the message names the field and the value).
+        PlanError: ``issue_threads`` below 1, ``ranks_per_core`` not above 0,
+            ``time_sharing_factor`` below 1, a negative cost, or split points with a row
+            count <= 0, repeated rows or a negative cost (the message names the field and
+            the value).
     """
 
     name: str = "local"
@@ -138,6 +151,7 @@ class RuntimeDescription:
     transfer_wait_points: tuple[tuple[float, float], ...] = ()
     collective_bandwidth_bytes_per_s: float = 0.0
     copy_bytes_per_s: float = 0.0
+    time_sharing_factor: float = 1.0
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +182,9 @@ class RuntimeDescription:
         for name in ("collective_bandwidth_bytes_per_s", "copy_bytes_per_s"):
             if not getattr(self, name) >= 0.0:
                 raise PlanError(f"{name}={getattr(self, name)} must be >= 0 (0: not measured)")
+        if not self.time_sharing_factor >= 1.0:
+            raise PlanError(f"time_sharing_factor={self.time_sharing_factor} must be >= 1 "
+                            "(sharing a core does not make a rank's computation cheaper)")
         if not self.transfer_overhead_us >= 0.0:
             raise PlanError(f"transfer_overhead_us={self.transfer_overhead_us} must be >= 0 (a "
                             "transfer cannot cost less than its link time)")

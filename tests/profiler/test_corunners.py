@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from autopart.core.capture import capture
+from autopart.profiler import corunners
 from autopart.profiler.corunners import available, co_runners, model_step
 
 pytestmark = pytest.mark.skipif(not available(), reason="co-runners need os.fork on Linux")
@@ -58,3 +60,47 @@ def test_model_step_runs_a_forward_and_backward_of_the_captured_graph() -> None:
     step = model_step(captured, captured.flatten_inputs((x,), {}))
     step()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_time_sharing_factor_is_cpu_time_beside_the_world_over_a_core_each(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # each call of the work "takes" the CPU time the patched clock hands out: 10 ms beside
+    # cores - 1 = 1 copy, 12 ms beside world - 1 = 3 copies -> 1.2
+    running: list[int] = []
+
+    @contextlib.contextmanager
+    def fake_co_runners(work, count):  # type: ignore[no-untyped-def]
+        running.append(count)
+        yield count
+
+    ticks = iter(range(10_000))
+
+    def clock() -> float:  # successive calls: start, end, start, end, ...
+        i = next(ticks)
+        per_call = 0.012 if running[-1] == 3 else 0.010
+        return (i // 2) * 1.0 + (i % 2) * per_call
+
+    monkeypatch.setattr(corunners, "co_runners", fake_co_runners)
+    monkeypatch.setattr(corunners, "available", lambda: True)
+    monkeypatch.setattr(corunners.time, "thread_time", clock)
+    got = corunners.time_sharing_factor(lambda: None, world=4, cores=2, calls=5, rounds=2)
+    assert got == pytest.approx(1.2)
+    assert running == [1, 3, 1, 3]  # alternated, a core each first
+
+
+def test_time_sharing_factor_is_one_with_a_core_each_and_never_below_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert corunners.time_sharing_factor(lambda: None, world=2, cores=2) == 1.0
+    with pytest.raises(ValueError, match="cores=0"):
+        corunners.time_sharing_factor(lambda: None, world=2, cores=0)
+
+    @contextlib.contextmanager
+    def none(work, count):  # type: ignore[no-untyped-def]
+        yield count
+
+    monkeypatch.setattr(corunners, "co_runners", none)
+    monkeypatch.setattr(corunners, "available", lambda: True)
+    # a faster call beside more copies (noise) is not a speed-up: clipped to 1.0
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(corunners.time, "thread_time", lambda: float(next(ticks)))
+    assert corunners.time_sharing_factor(lambda: None, world=3, cores=2, calls=3) == 1.0

@@ -144,3 +144,25 @@ def test_the_plans_lower_bound_counts_the_shared_cores(build) -> None:  # type: 
     assert own.lower_bounds.step_time_us == pytest.approx(60.0)
     assert shared.lower_bounds.step_time_us == pytest.approx(120.0)
     assert shared.predicted_step_time_us >= shared.lower_bounds.step_time_us
+
+
+def test_time_sharing_slows_compute_only_on_shared_cores(build) -> None:  # type: ignore[no-untyped-def]
+    # the hand-worked plan above (even cut, 2 ranks on 2 per core: 120 µs + 0.2 µs of sends)
+    # with every action's compute 1.5x longer: 180 + the same sends; with a core each the
+    # factor changes nothing (90.1 as above)
+    costs = build.chain(4)
+    opts = SolveOptions(batch_size=8, num_microbatches=2, schedule_kind="1f1b",
+                        stages_per_rank=1, time_limit_s=5)
+    slowed = RuntimeDescription(name="distributed", issue_threads=None, ranks_per_core=2.0,
+                                time_sharing_factor=1.5)
+    shared = solve(costs, build.cluster(2), dataclasses.replace(opts, runtime=slowed))
+    assert shared.stages[0].predicted_fwd_us == pytest.approx(15.0)
+    assert shared.predicted_step_time_us == pytest.approx(180.2)
+    own = solve(costs, build.cluster(2), dataclasses.replace(
+        opts, runtime=dataclasses.replace(slowed, ranks_per_core=1.0)))
+    assert own.predicted_step_time_us == pytest.approx(90.1)
+
+
+def test_a_time_sharing_factor_below_one_is_refused() -> None:
+    with pytest.raises(PlanError, match="time_sharing_factor=0.9 must be >= 1"):
+        RuntimeDescription(time_sharing_factor=0.9)
