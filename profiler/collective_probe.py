@@ -126,16 +126,18 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
         receive.wait()
         send.wait()
 
-    mine: list[tuple[float, float, float]] = []
     for k in units:
         for _ in range(3):
             receive = posted()
             work(k)
             reduce()
             exchange(receive)
-        dist.barrier()
-        times: list[list[float]] = [[], [], []]
-        for block in range(_BLOCKS):
+    dist.barrier()
+    # every work size in every block, so that each is timed across the whole probe (the
+    # scheduler's placement of the processes on the cores shifts as it runs)
+    timed: dict[int, list[list[float]]] = {k: [[], [], []] for k in units}
+    for block in range(_BLOCKS):
+        for k in units:
             for arm in (block % 3, (block + 1) % 3, (block + 2) % 3):
                 t0 = time.perf_counter()
                 for _ in range(_ITERS):
@@ -145,8 +147,11 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
                         reduce()
                     elif receive is not None:
                         exchange(receive)
-                times[arm].append((time.perf_counter() - t0) / _ITERS * 1e6)
+                timed[k][arm].append((time.perf_counter() - t0) / _ITERS * 1e6)
             reduce()  # the arms of every rank start together
+    mine: list[tuple[float, float, float]] = []
+    for k in units:
+        times = timed[k]
         r_us, a_us, x_us = (statistics.median(t) for t in times)
         mine.append((a_us / ranks_per_core, max(r_us - a_us, 0.0) / ranks_per_core,
                      max(x_us - a_us, 0.0) / 2 / ranks_per_core))
