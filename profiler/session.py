@@ -417,7 +417,8 @@ def _time_sharing_cached(session: Session, captured: CapturedGraph, flat: list[A
     """The model's ``RuntimeDescription.time_sharing_factor`` for ``ranks`` CPU rank
     processes on ``cores`` cores: read from the cache, else measured on one forward and
     backward of ``captured`` (:func:`autopart.profiler.corunners.time_sharing_factor`) and
-    stored (not while the machine is oversubscribed: :meth:`Session.store`)."""
+    stored (not while the machine is oversubscribed: :meth:`Session.store`). The model's
+    gradients, buffers and random state are left as they were."""
     rows = next((int(t.shape[0]) for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0),
                 0)
     name = f"{TIME_SHARING}@{rows}:{ranks}on{cores}"
@@ -425,7 +426,25 @@ def _time_sharing_cached(session: Session, captured: CapturedGraph, flat: list[A
     if cached is not None:
         session.hits.add("time_sharing")
         return max(1.0, float(cached))
-    factor = time_sharing_factor(corunner_step(captured, flat), ranks, cores)
+    # the timed forward and backward run on the model's own tensors (the captured graph holds
+    # them): .grad is written (in place where one is held), BatchNorm statistics move and
+    # the random state advances; time on fresh gradients, then put all of it back, as the
+    # segment calibration leaves the model
+    gm = captured.graph_module
+    held = [(p, p.grad) for p in gm.parameters()]
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    rng = torch.random.get_rng_state()
+    for p, _ in held:
+        p.grad = None
+    try:
+        factor = time_sharing_factor(corunner_step(captured, flat), ranks, cores)
+    finally:
+        for p, grad in held:
+            p.grad = grad
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.random.set_rng_state(rng)
     session.store(name, factor)
     return factor
 

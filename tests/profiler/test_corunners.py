@@ -104,3 +104,44 @@ def test_time_sharing_factor_is_one_with_a_core_each_and_never_below_one(
     ticks = iter(range(10_000))
     monkeypatch.setattr(corunners.time, "thread_time", lambda: float(next(ticks)))
     assert corunners.time_sharing_factor(lambda: None, world=3, cores=2, calls=3) == 1.0
+
+
+def test_measuring_the_time_sharing_factor_leaves_the_models_gradients_as_they_were(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the measurement runs the model's forward and backward in this process; under torchrun
+    # the profiling rank then builds its stages from the same parameters, whose gradients a
+    # step must start from (a pp 2 x dp 2 test's tied embedding came out wrong without this)
+    from autopart.profiler import session as session_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    captured = capture(model, (x,))
+    model[0].weight.grad = torch.ones(8, 8)  # a gradient the caller holds stays as it was
+    stats = model[1].running_mean.clone()
+    rng = torch.random.get_rng_state()
+
+    def run_once(work, world, cores):  # type: ignore[no-untyped-def]
+        work()
+        return 1.25
+
+    class Store:
+        hits: set[str] = set()
+        stored: dict[str, float] = {}
+
+        def load(self, name: str) -> float | None:
+            return None
+
+        def store(self, name: str, value: float) -> None:
+            self.stored[name] = value
+
+    monkeypatch.setattr(session_module, "time_sharing_factor", run_once)
+    store = Store()
+    got = session_module._time_sharing_cached(
+        store, captured, captured.flatten_inputs((x,), {}), 4, 2)  # type: ignore[arg-type]
+    assert got == 1.25 and list(store.stored.values()) == [1.25]
+    assert torch.equal(model[0].weight.grad, torch.ones(8, 8))
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "0.weight")
+    assert torch.equal(model[1].running_mean, stats)
+    assert torch.equal(torch.random.get_rng_state(), rng)
