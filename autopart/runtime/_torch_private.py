@@ -32,7 +32,7 @@ ScheduleRuntime = _PipelineScheduleRuntime
 def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
                          schedule: Schedule,
                          loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                         receives_first: bool = False) -> _PipelineScheduleRuntime:
+                         ) -> _PipelineScheduleRuntime:
     """torch's schedule runtime over ``stages`` running ``schedule`` (one action list per
     pipeline rank), with the sends and receives torch inserts between the actions.
 
@@ -47,10 +47,8 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
     steal_bwd_input"). Gradients are
     not scaled by torch (``scale_grads=False``): the caller divides by m once per step.
     Torch 2.13 lowers with ``_prepare_schedule_with_comms``; older releases (2.6) named it
-    ``_load_actions``.
-
-    ``receives_first`` (default False) then posts each rank's receives at the start of the
-    step (:func:`receives_first_order`), for gloo ranks; see there.
+    ``_load_actions``. The distributed runtime reorders the lowered actions of gloo ranks
+    with :func:`receives_first_order`.
     """
     runtime = _PipelineScheduleRuntime(  # type: ignore[no-untyped-call]
         list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -66,10 +64,6 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
         if lower is None:
             lower = runtime._load_actions  # type: ignore[attr-defined]
         lower(runtime.pipeline_order)
-    if receives_first:
-        runtime.pipeline_order_with_comms = {
-            rank: receives_first_order(actions)
-            for rank, actions in runtime.pipeline_order_with_comms.items()}
     return runtime
 
 

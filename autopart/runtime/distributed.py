@@ -40,6 +40,7 @@ from autopart.runtime._torch_private import (
     incompatible_keys,
     new_schedule_runtime,
     receive_buffers,
+    receives_first_order,
 )
 from autopart.runtime.checkpoint_state import CheckpointState
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
@@ -87,6 +88,12 @@ class DistributedPipeline(Pipeline):
             order (for driving them with torch's own schedules).
         timings_s: seconds per compile phase.
         cpu_cores: the cores this CPU rank's steps run on, or None (not pinned).
+        receives_first: post every receive of a step when it starts (default True on gloo,
+            False otherwise), instead of just before the action that needs it, as torch's
+            schedule runtime does (:func:`autopart.runtime._torch_private.
+            receives_first_order`): gloo holds a send until its receive is posted. Set
+            between steps, on every rank alike; True on NCCL raises ``PlanError`` at the
+            next step.
 
     Args:
         model: the model (its tensors may be on ``meta`` when ``stages`` were built from
@@ -179,6 +186,10 @@ class DistributedPipeline(Pipeline):
         # the stages' shape inference and buffer set-up (a P2P exchange). Only one is kept
         # because the stages hold the buffers of whichever runtime set them up last.
         self._runtime: tuple[tuple[int, bool], ScheduleRuntime] | None = None
+        # torch's lowered actions and the same with the receives first, per built runtime
+        self._orders: dict[bool, dict[int, list[Any]]] = {}
+        self._gloo = dist.get_backend(self._p2p_group) == "gloo"
+        self.receives_first = self._gloo  # see the class docstring
         self._recorder: ActionRecorder | None = None
         self._scaled_losses: ScaledLosses | None = None  # during a step with a grad_scaler
 
@@ -232,8 +243,18 @@ class DistributedPipeline(Pipeline):
     # ---- running ---------------------------------------------------------------------
     def _schedule(self, m: int, training: bool) -> ScheduleRuntime:
         if self._runtime is None or self._runtime[0] != (m, training):
-            self._runtime = ((m, training), self._new_runtime(m, training))
-        return self._runtime[1]
+            runtime = self._new_runtime(m, training)
+            lowered = runtime.pipeline_order_with_comms
+            self._orders = {False: lowered,
+                            True: {r: receives_first_order(a) for r, a in lowered.items()}}
+            self._runtime = ((m, training), runtime)
+        if self.receives_first and not self._gloo:
+            raise PlanError("receives_first=True is for gloo ranks only: NCCL runs receives in "
+                            "stream order, so one posted first can hold back the sends queued "
+                            "behind it; set pipe.receives_first = False")
+        runtime = self._runtime[1]
+        runtime.pipeline_order_with_comms = self._orders[bool(self.receives_first)]
+        return runtime
 
     def _new_runtime(self, m: int, training: bool) -> ScheduleRuntime:
         # gradients are divided by m once per step in train_step, not by each stage: torch
@@ -247,11 +268,8 @@ class DistributedPipeline(Pipeline):
         actions = (forward_schedule(self.pp_size, m, v, kind=kind)
                    if not training and kind in V_SCHEDULE_KINDS
                    else build_schedule(kind, self.pp_size, m, v, recompute=self._recompute))
-        # gloo ranks post their receives at the start of the step (receives_first_order)
-        gloo = dist.get_backend(self._p2p_group) == "gloo"
         return new_schedule_runtime(self.pipeline_stages, m, actions,
-                                    self.loss_of_flat if training else None,
-                                    receives_first=gloo)
+                                    self.loss_of_flat if training else None)
 
     def loss_of_flat(self, out: Any, target: Any) -> torch.Tensor:
         """``loss_fn`` on the last stage's flat output (a tensor or a tuple of them), as

@@ -2,8 +2,8 @@
 
 torch's schedule runtime posts each receive just before the action that needs it; the
 distributed runtime on gloo posts them all when the step starts
-(:func:`autopart.runtime._torch_private.receives_first_order`). Both orders run the same
-compiled pipelines here, step by step in alternation: the plans of
+(``DistributedPipeline.receives_first``, True on gloo). Both orders run the same compiled
+pipelines here (the attribute set before each step), step by step in alternation: the plans of
 ``benchmarks/fidelity_3d`` (a GPT-2-like model, 4 layers, n_embd 128, vocabulary 2048,
 global batch 16 x 64; the profile cached there is reused) -- ``pp2xdp2``, ``tp2xpp2`` and
 ``pp4`` on 4 ranks (two per core of this 2-core machine) and ``pp2`` on 2 ranks (a core
@@ -46,10 +46,8 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
     import torch.distributed as dist
 
     import autopart
-    import autopart.runtime.distributed as runtime_module
     from autopart.apps.bench import load_workload
     from autopart.core.plan import Plan
-    from autopart.runtime._torch_private import new_schedule_runtime, receives_first_order
     from autopart.runtime.host import tune_cpu_allocator
 
     spec = json.loads(Path(work, "spec.json").read_text())
@@ -58,34 +56,19 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    orders: dict[int, dict[str, Any]] = {}
-
-    def lowered(*args: Any, **kwargs: Any) -> Any:
-        """The runtime's schedule with torch's order, keeping both orders to swap in."""
-        kwargs["receives_first"] = False
-        runtime = new_schedule_runtime(*args, **kwargs)
-        torch_order = runtime.pipeline_order_with_comms
-        orders[id(runtime)] = {
-            "torch": torch_order,
-            "receives_first": {r: receives_first_order(a) for r, a in torch_order.items()}}
-        return runtime
-
-    runtime_module.new_schedule_runtime = lowered  # type: ignore[attr-defined]
     model, args, target, loss_fn = load_workload(spec["workload"], spec["config"])
     arms = []
     for name in spec["names"]:
         plan = Plan.load(Path(work, f"{name}.json"))
         pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
-        runtime = pipe._schedule(plan.num_microbatches, training=True)
-        arms.extend((name, order, pipe, runtime, orders[id(runtime)][order])
-                    for order in ORDERS)
+        arms.extend((name, order, pipe) for order in ORDERS)
     steps: dict[str, dict[str, list[float]]] = {n: {o: [] for o in ORDERS} for n in spec["names"]}
     losses: dict[str, dict[str, list[float]]] = {n: {o: [] for o in ORDERS}
                                                  for n in spec["names"]}
     for i in range(WARMUP + spec["steps"]):
         for k in range(len(arms)):
-            name, order, pipe, runtime, actions = arms[(i + k) % len(arms)]
-            runtime.pipeline_order_with_comms = actions
+            name, order, pipe = arms[(i + k) % len(arms)]
+            pipe.receives_first = order == "receives_first"  # the same on every rank
             dist.barrier()
             t0 = time.perf_counter()
             loss = pipe.train_step(*args, target=target)
@@ -96,7 +79,7 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
             if i >= WARMUP:
                 steps[name][order].append(float(elapsed))
                 losses[name][order].append(float(loss))
-    for _, _, pipe, _, _ in arms[::2]:
+    for _, _, pipe in arms[::2]:
         pipe.close()
     if rank == 0:
         Path(work, "result.json").write_text(json.dumps({"steps": steps, "losses": losses}))
