@@ -372,6 +372,51 @@ def fidelity(results: Path, figures: Path) -> list[str]:
     return lines + [""]
 
 
+def fidelity_3d(results: Path) -> list[str]:
+    """Markdown lines for ``fidelity_3d``: 3D plans on gloo CPU ranks, predicted against
+    measured, per arm."""
+    d = _load(results / "fidelity_3d" / "results.json")
+    if d is None:
+        return ["## fidelity_3d", "", "No recorded results.", ""]
+    m = d["meta"]
+    loads = m["load_average_1min"]
+    lines = ["## fidelity_3d: 3D plans on gloo CPU ranks, predicted vs measured step", "",
+             f"{m['machine']}; torch {m['torch']}; {m['threads_per_rank']} thread per rank; "
+             f"{m['repeats']} runs x {m['steps']} timed steps per arm, arms alternated; "
+             f"1-minute load average {min(loads):.1f}-{max(loads):.1f}; recorded {m['date']}. "
+             "The 4-rank arms share the 2 cores; the prediction is the median of the "
+             "repeats' (each priced just before its run).", "",
+             "| ranks | arm | tp x pp x dp | m | predicted s | measured s | error | "
+             "repeats' errors |", "|---:|---|---|---:|---:|---:|---:|---|"]
+    for r in d["rows"]:
+        errors = ", ".join(f"{e:+.0%}" for e in r["repeat_errors"])
+        lines.append(f"| {r['world']} | {r['arm']} | {r['tp']} x {r['pp']} x {r['dp']} | "
+                     f"{r['m']} | {r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
+                     f"{r['error']:+.1%} | {errors} |")
+    return lines + [""]
+
+
+def early_receives(results: Path) -> list[str]:
+    """Markdown lines for ``early_receives``: gloo ranks' receives posted first against
+    torch's placement, alternated on the same pipelines."""
+    d = _load(results / "early_receives" / "results.json")
+    if d is None:
+        return ["## early_receives", "", "No recorded results.", ""]
+    m = d["meta"]
+    lines = ["## early_receives: receives posted when the step starts, against torch's "
+             "placement", "",
+             f"{m['machine']}; Python {m['python']}, torch {m['torch']}; {m['repeats']} runs "
+             f"x {m['steps']} timed steps per arm and order, alternated; recorded "
+             f"{m['date']}.", "",
+             "| ranks | arm | torch's order s | receives first s | ratio | same losses |",
+             "|---:|---|---:|---:|---:|---|"]
+    for r in d["rows"]:
+        med = r["median_s"]
+        lines.append(f"| {r['ranks']} | {r['arm']} | {med['torch']:.4f} | "
+                     f"{med['receives_first']:.4f} | {r['ratio']:.3f} | {r['same_losses']} |")
+    return lines + [""]
+
+
 def gpu(results: Path, figures: Path) -> list[str]:
     """Markdown lines for ``gpu`` (``run_all.sh``'s recorded run) and the executor overhead on
     that GPU: predicted against measured for stages sharing one GPU."""
@@ -445,6 +490,8 @@ def write_report(results: Path, out: Path) -> Path:
     lines += plan_quality(results, figures)
     lines += solver_scale(results)
     lines += fidelity(results, figures)
+    lines += fidelity_3d(results)
+    lines += early_receives(results)
     lines += gpu(results, figures)
     lines += zoo(results)
     from autopart.core.jsonio import write_text_atomic

@@ -44,6 +44,14 @@ def test_report_quotes_the_recorded_results(tmp_path: Path) -> None:
         assert "No recorded results (`benchmarks/pipeline_cpu/peers.py`)" in text
         text = text.replace("No recorded results (`benchmarks/pipeline_cpu/peers.py`)", "")
     assert "No recorded results" not in text
+    f3d = json.loads((BENCHMARKS / "fidelity_3d" / "results.json").read_text())
+    for r in f3d["rows"]:
+        assert (f"| {r['world']} | {r['arm']} | {r['tp']} x {r['pp']} x {r['dp']} | {r['m']} | "
+                f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
+                f"{r['error']:+.1%} |") in text
+    early = json.loads((BENCHMARKS / "early_receives" / "results.json").read_text())
+    for r in early["rows"]:
+        assert f"| {r['ranks']} | {r['arm']} | {r['median_s']['torch']:.4f} |" in text
 
 
 def test_report_lists_missing_results_and_names_a_broken_file(tmp_path: Path) -> None:
@@ -52,8 +60,9 @@ def test_report_lists_missing_results_and_names_a_broken_file(tmp_path: Path) ->
     (results / "solver_scale").mkdir(parents=True)
     shutil.copy(BENCHMARKS / "solver_scale" / "results.json", results / "solver_scale")
     text = report.write_report(results, tmp_path / "REPORT.md").read_text()
-    # pipeline_cpu, peers, executor_overhead, plan_quality, fidelity, gpu, zoo
-    assert text.count("No recorded results") == 7
+    # pipeline_cpu, peers, executor_overhead, plan_quality, fidelity, fidelity_3d,
+    # early_receives, gpu, zoo
+    assert text.count("No recorded results") == 9
     assert "solver_scale: a 175B-parameter plan" in text
 
     (results / "plan_quality").mkdir()
