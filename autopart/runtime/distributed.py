@@ -15,9 +15,8 @@ from torch import nn
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.memory import PeakMemory, device_key
-from autopart.core.schedule import build_schedule, forward_schedule, splits_backward
+from autopart.core.schedule import splits_backward
 from autopart.core.signature import InputSignature, call_loss, require_loss
-from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.runtime._dist_comm import (
     StoreGather,
     broadcast_outputs,
@@ -31,6 +30,7 @@ from autopart.runtime._dist_comm import (
 )
 from autopart.runtime._dist_grads import grad_norm, reduce_grads
 from autopart.runtime._dist_scaling import ScaledLosses, agree_on_overflow
+from autopart.runtime._dist_schedule import StepSchedules
 from autopart.runtime._dist_sharding import DataSharding
 from autopart.runtime._dist_stages import P2PStage
 from autopart.runtime._dist_state import WholeTensors
@@ -38,9 +38,7 @@ from autopart.runtime._dist_tensor_parallel import tensor_parallel_state
 from autopart.runtime._torch_private import (
     ScheduleRuntime,
     incompatible_keys,
-    new_schedule_runtime,
     receive_buffers,
-    receives_first_order,
 )
 from autopart.runtime.checkpoint_state import CheckpointState
 from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
@@ -182,14 +180,10 @@ class DistributedPipeline(Pipeline):
             self._sharding.new_stage(self._heartbeat, submods[s], s, plan.num_stages, device,
                                      group=self._p2p_group)
             for s in self.local_stages]
-        # The last runtime built, kept while steps keep its (m, training): a new runtime re-runs
-        # the stages' shape inference and buffer set-up (a P2P exchange). Only one is kept
-        # because the stages hold the buffers of whichever runtime set them up last.
-        self._runtime: tuple[tuple[int, bool], ScheduleRuntime] | None = None
-        # torch's lowered actions and the same with the receives first, per built runtime
-        self._orders: dict[bool, dict[int, list[Any]]] = {}
-        self._gloo = dist.get_backend(self._p2p_group) == "gloo"
-        self.receives_first = self._gloo  # see the class docstring
+        self._schedules = StepSchedules(self.pipeline_stages, plan, self.pp_size,
+                                        self._recompute, self.loss_of_flat,
+                                        gloo=dist.get_backend(self._p2p_group) == "gloo")
+        self.receives_first = self._schedules.gloo  # see the class docstring
         self._recorder: ActionRecorder | None = None
         self._scaled_losses: ScaledLosses | None = None  # during a step with a grad_scaler
 
@@ -242,34 +236,7 @@ class DistributedPipeline(Pipeline):
 
     # ---- running ---------------------------------------------------------------------
     def _schedule(self, m: int, training: bool) -> ScheduleRuntime:
-        if self._runtime is None or self._runtime[0] != (m, training):
-            runtime = self._new_runtime(m, training)
-            lowered = runtime.pipeline_order_with_comms
-            self._orders = {False: lowered,
-                            True: {r: receives_first_order(a) for r, a in lowered.items()}}
-            self._runtime = ((m, training), runtime)
-        if self.receives_first and not self._gloo:
-            raise PlanError("receives_first=True is for gloo ranks only: NCCL runs receives in "
-                            "stream order, so one posted first can hold back the sends queued "
-                            "behind it; set pipe.receives_first = False")
-        runtime = self._runtime[1]
-        runtime.pipeline_order_with_comms = self._orders[bool(self.receives_first)]
-        return runtime
-
-    def _new_runtime(self, m: int, training: bool) -> ScheduleRuntime:
-        # gradients are divided by m once per step in train_step, not by each stage: torch
-        # divides every stage's parameters, so a tensor two local stages share (a tied one)
-        # would be divided twice
-        kind, v = self.plan.schedule_kind, self.plan.stages_per_rank
-        # the V schedules' inference runs their stages' forwards only (torch 2.13's runtime
-        # cannot run a V training schedule in eval, and DualPipe-V's needs m >= 2p, which an
-        # inference batch need not have); the other kinds hand torch their training
-        # schedule, whose backwards its eval skips
-        actions = (forward_schedule(self.pp_size, m, v, kind=kind)
-                   if not training and kind in V_SCHEDULE_KINDS
-                   else build_schedule(kind, self.pp_size, m, v, recompute=self._recompute))
-        return new_schedule_runtime(self.pipeline_stages, m, actions,
-                                    self.loss_of_flat if training else None)
+        return self._schedules.runtime(m, training, bool(self.receives_first))
 
     def loss_of_flat(self, out: Any, target: Any) -> torch.Tensor:
         """``loss_fn`` on the last stage's flat output (a tensor or a tuple of them), as
