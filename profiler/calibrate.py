@@ -15,6 +15,7 @@ from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
 from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import HOST_FIELDS, CostGraph, NodeCost
+from autopart.profiler._state import kept_state
 from autopart.profiler.timer import _MIN_WAIT_US, _device_wait
 
 __all__ = ["whole_graph_times", "calibrate_to_whole_graph", "segment_times",
@@ -199,12 +200,9 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
     stages, _ = build_stage_modules(captured, graphs, [dev] * len(graphs))
     runners = [torch.compile(st) if fuse and st is not None else st  # type: ignore[misc]
                for st in stages]
-    buffers = list({id(b): b for st in stages if st is not None for b in st.buffers()}.values())
-    saved_buffers = [b.detach().clone() for b in buffers]
+    buffers = [b for st in stages if st is not None for b in st.buffers()]
     params = [[p for p in st.parameters() if p.requires_grad] if st is not None else []
               for st in stages]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     inputs = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
 
     clock = _SegmentClock(dev)
@@ -256,8 +254,7 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
         return list(zip(fwd, bwd, strict=True)), list(zip(fwd_issue, bwd_issue, strict=True))
 
     trainable = list({id(p): p for group in params for p in group}.values())
-    saved_grads = [p.grad for p in trainable]
-    try:
+    with kept_state(trainable, buffers):
         for p in trainable:  # as a step's later microbatches find them
             p.grad = torch.zeros_like(p)
         run()  # warm-up: allocator, first-call dispatch
@@ -273,15 +270,6 @@ def segment_times(captured: CapturedGraph, flat_inputs: list[Any], device: str,
                          statistics.median(r[k][1] for r in issues)) for k in range(len(stages)))
         return [(statistics.median(r[k][0] for r in runs), statistics.median(r[k][1] for r in runs))
                 for k in range(len(stages))]
-    finally:
-        for p, g in zip(trainable, saved_grads, strict=True):
-            p.grad = g
-        with torch.no_grad():
-            for b, data in zip(buffers, saved_buffers, strict=True):
-                b.copy_(data)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def calibrate_to_segments(costs: CostGraph, positions: list[int] | tuple[int, ...],

@@ -20,6 +20,7 @@ from autopart.core.errors import PlanError
 from autopart.core.progress import phase
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
+from autopart.profiler._state import kept_state
 from autopart.profiler.batch_points import (
     batch_points,
     calibration_suffix,
@@ -419,32 +420,19 @@ def _time_sharing_cached(session: Session, captured: CapturedGraph, flat: list[A
     backward of ``captured`` (:func:`autopart.profiler.corunners.time_sharing_factor`) and
     stored (not while the machine is oversubscribed: :meth:`Session.store`). The model's
     gradients, buffers and random state are left as they were."""
-    rows = next((int(t.shape[0]) for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0),
-                0)
-    name = f"{TIME_SHARING}@{rows}:{ranks}on{cores}"
+    name = f"{TIME_SHARING}@{batch_size(tuple(flat), {})}:{ranks}on{cores}"
     cached = session.load(name)
     if cached is not None:
         session.hits.add("time_sharing")
         return max(1.0, float(cached))
     # the timed forward and backward run on the model's own tensors (the captured graph holds
-    # them): .grad is written (in place where one is held), BatchNorm statistics move and
-    # the random state advances; time on fresh gradients, then put all of it back, as the
-    # segment calibration leaves the model
+    # them): timed on fresh gradients (a held one would be accumulated into in place), and
+    # the model left as it was
     gm = captured.graph_module
-    held = [(p, p.grad) for p in gm.parameters()]
-    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-    rng = torch.random.get_rng_state()
-    for p, _ in held:
-        p.grad = None
-    try:
+    with kept_state(gm.parameters(), gm.buffers()):
+        for p in gm.parameters():
+            p.grad = None
         factor = time_sharing_factor(corunner_step(captured, flat), ranks, cores)
-    finally:
-        for p, grad in held:
-            p.grad = grad
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.random.set_rng_state(rng)
     session.store(name, factor)
     return factor
 

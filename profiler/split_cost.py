@@ -13,6 +13,7 @@ from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
 from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
+from autopart.profiler._state import kept_state
 from autopart.profiler.timer import spread, time_samples
 
 __all__ = ["SplitEngine", "measure_split_backward_overhead", "piece_cuts", "overhead_of",
@@ -189,13 +190,7 @@ def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGra
     first, middle = stages[0], stages[1]
     assert first is not None and middle is not None
     # a training forward may update buffers (BatchNorm statistics); backward writes .grad
-    buffers = list({id(b): b for st in (first, middle) for b in st.buffers()}.values())
-    saved_buffers = [b.detach().clone() for b in buffers]
-    all_params = list(middle.parameters())
-    saved_grads = [p.grad for p in all_params]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
+    with kept_state(middle.parameters(), [b for st in (first, middle) for b in st.buffers()]):
         # with grad, so that what needs a gradient is known (a BatchNorm's running statistics
         # crossing the cut do not); the runtime makes exactly those leaves that need one
         with torch.enable_grad():
@@ -247,12 +242,3 @@ def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGra
                                             or time.perf_counter() - t0 >= budget_s):
                 break
         return pairs
-    finally:
-        with torch.no_grad():
-            for b, data in zip(buffers, saved_buffers, strict=True):
-                b.copy_(data)
-        for p, grad in zip(all_params, saved_grads, strict=True):
-            p.grad = grad
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
