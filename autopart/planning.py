@@ -24,6 +24,7 @@ from autopart.devices import cluster_for_devices, library_versions, resolve_devi
 from autopart.options import renamed_choices
 from autopart.profiler import session
 from autopart.profiler.cache import cache_enabled
+from autopart.profiler.corunners import usable_cores
 from autopart.profiler.links import SIZES as LINK_SIZES
 from autopart.profiler.links import LinkFigures, fit_link, host_link
 from autopart.profiler.transfer_overhead import (
@@ -167,8 +168,7 @@ def cpu_ranks_per_core(num_ranks: int, cores: int | None = None) -> float:
         PlanError: fewer than one rank or core.
     """
     if cores is None:
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
+        cores = usable_cores()
     if num_ranks < 1 or cores < 1:
         raise PlanError(f"{num_ranks} ranks on {cores} cores: both must be >= 1")
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", num_ranks))

@@ -28,7 +28,15 @@ import torch
 
 from autopart.core.capture import CapturedGraph
 
-__all__ = ["co_runners", "available", "model_step", "time_sharing_factor"]
+__all__ = ["co_runners", "available", "model_step", "time_sharing_factor", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (``os.sched_getaffinity``), else
+    ``os.cpu_count()``, at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def available() -> bool:

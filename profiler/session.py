@@ -39,7 +39,7 @@ from autopart.profiler.cache import (
 )
 from autopart.profiler.corunners import available as corunners_available
 from autopart.profiler.corunners import model_step as corunner_step
-from autopart.profiler.corunners import time_sharing_factor
+from autopart.profiler.corunners import time_sharing_factor, usable_cores
 from autopart.profiler.links import LinkFigures
 from autopart.profiler.loss_cost import (
     LossCost,
@@ -348,8 +348,7 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             runtime = _with_split_cost(session, runtime, captured, flat, costs, points, scaled,
                                        smallest)
         timings["split_cost_s"] = time.perf_counter() - t0
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else os.cpu_count() or 1)
+    cores = usable_cores()
     if (options.runtime.ranks_are_processes and options.training and ranks > cores
             and torch.device(session.device).type == "cpu" and corunners_available()):
         # more CPU rank processes than cores: what time-slicing costs the model's compute
