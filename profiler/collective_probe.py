@@ -16,7 +16,8 @@ the same work alone; per work size, the difference of the arms' medians is the c
 cost. A third arm posts a receive from the pair's other rank before the work, as the
 distributed runtime posts a step's receives first on gloo, then sends it a message and waits
 for both (a pipeline's neighbours exchange an activation and its gradient): half its
-difference is the cost of one transfer. Ranks that have a core each are pinned to it, as the distributed
+difference is the cost of one transfer. Every work size is timed in every block, so each
+spans the whole probe. Ranks that have a core each are pinned to it, as the distributed
 runtime pins them.
 """
 
@@ -151,8 +152,7 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
             reduce()  # the arms of every rank start together
     mine: list[tuple[float, float, float]] = []
     for k in units:
-        times = timed[k]
-        r_us, a_us, x_us = (statistics.median(t) for t in times)
+        r_us, a_us, x_us = (statistics.median(t) for t in timed[k])
         mine.append((a_us / ranks_per_core, max(r_us - a_us, 0.0) / ranks_per_core,
                      max(x_us - a_us, 0.0) / 2 / ranks_per_core))
     # the bandwidth: a large all-reduce against the small one, after the least work

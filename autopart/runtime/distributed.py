@@ -75,9 +75,9 @@ class DistributedPipeline(Pipeline):
     its replicas (under the plan's ZeRO stage 1-3, FSDP2 shards each stage over the
     data-parallel group instead and reduce-scatters the mean gradient into DTensor shards:
     :mod:`autopart.runtime._dist_sharding`); with a ``grad_scaler``, the ranks then agree on
-    whether the step overflowed (see :meth:`train_step`). The loss (mean over microbatches) is broadcast
-    from the last stage's rank, so ``train_step`` returns it on every rank; ``pipe(x)`` returns the output on
-    every rank the same way.
+    whether the step overflowed (see :meth:`train_step`). The loss (mean over microbatches)
+    is broadcast from the last stage's rank, so ``train_step`` returns it on every rank;
+    ``pipe(x)`` returns the output on every rank the same way.
 
     Attributes:
         plan: the plan.
