@@ -15,14 +15,14 @@ from autopart.core.version import __version__
 _LAZY = {
     "compile": ("autopart.api", "compile"),
     "load": ("autopart.api", "load"),
-    "checkpoint_extra": ("autopart.runtime.checkpoint", "checkpoint_extra"),
+    "checkpoint_extra": ("autopart.runtime.checkpoint.save_load", "checkpoint_extra"),
     "plan_model": ("autopart.planning", "plan_model"),
     "Profile": ("autopart.planning", "Profile"),
     "CompileOptions": ("autopart.options", "CompileOptions"),
     "Pipeline": ("autopart.runtime.pipeline", "Pipeline"),
     "LazyPipeline": ("autopart.lazy", "LazyPipeline"),
-    "PipelinedModule": ("autopart.runtime.local", "PipelinedModule"),
-    "DistributedPipeline": ("autopart.runtime.distributed", "DistributedPipeline"),
+    "PipelinedModule": ("autopart.runtime.local.module", "PipelinedModule"),
+    "DistributedPipeline": ("autopart.runtime.distributed.pipeline", "DistributedPipeline"),
     "Plan": ("autopart.core.plan", "Plan"),
     **{name: ("autopart.core.errors", name) for name in (
         "AutopartError", "TraceError", "ProfileError", "PlanError", "InfeasiblePlanError",

@@ -1,35 +1,26 @@
-"""autopart.compile and autopart.load: plan (or replay), build the stages, hand them to a runtime."""
+"""autopart.compile and autopart.load: the public front of the compile path
+(:mod:`autopart.steps`: plan, capture, build) and of checkpoints."""
 
 from __future__ import annotations
 
+import functools
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.codegen import TensorParallelRank, build_stages
-from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.core.progress import phase, progress
-from autopart.core.signature import InputSignature, batch_size, microbatch_inputs
-from autopart.devices import plan_devices
-from autopart.layout_planning import plan_layout
 from autopart.lazy import LazyPipeline, _say, plan_summary
-from autopart.options import CompileOptions, optimizer_state_factor, renamed_choices
-from autopart.planning import plan_model
-from autopart.runtime import launch
-from autopart.runtime.checkpoint import checkpoint_plan, checkpoint_tensors, load_checkpoint
-from autopart.runtime.distributed import DistributedPipeline
-from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S
-from autopart.runtime.local import PipelinedModule
-from autopart.runtime.mesh import mesh_groups, replica_share
+from autopart.options import CompileOptions, renamed_choices
+from autopart.runtime.checkpoint.save_load import checkpoint_plan, load_checkpoint
+from autopart.runtime.distributed import launch
 from autopart.runtime.pipeline import Pipeline
+from autopart.steps.build_step import build_pipeline
+from autopart.steps.compile_steps import compile_steps
 
 __all__ = ["compile", "load"]
 
@@ -82,12 +73,12 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             rank of a ``torchrun`` launch and builds only its own stages; default
             distributed inside an initialised process group of more than one rank; under
             ``torchrun`` with no group yet one is initialised first, gloo on CPU and NCCL
-            on GPU, see :func:`autopart.runtime.launch.init_from_env`, unless
+            on GPU, see :func:`autopart.runtime.distributed.launch.init_from_env`, unless
             ``backend="local"``), ``checkpoint`` (distributed: a ``pipe.save`` directory
             each rank loads its own weights from, so a ``meta`` model never materialises
             whole; without it a meta model's modules this rank needs are initialised),
             ``mesh`` (distributed: a ``DeviceMesh`` with dims ``("pp", "dp")`` or ``("pp",
-            "dp", "tp")``; default: built from the plan, :mod:`autopart.runtime.mesh`),
+            "dp", "tp")``; default: built from the plan, :mod:`autopart.runtime.distributed.mesh`),
             ``tp``, ``dp``, ``zero_stage`` (distributed: any of them given, or
             ``layout_search=True``, makes rank 0 choose the (tp, pp, dp, ZeRO) layout of the
             world's ranks with those fixed, the example inputs being the global batch; a
@@ -110,18 +101,7 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             does not match this model.
         InfeasiblePlanError: no partition fits the devices' memory.
     """
-    if options is not None and choices:
-        raise PlanError(f"pass the choices either as options= or as keywords, not both (got "
-                        f"options and {sorted(choices)})")
-    if options is None:
-        choices = renamed_choices(choices)
-        if "devices" in choices and choices["devices"] is not None:
-            choices["devices"] = tuple(str(d) for d in choices["devices"])
-        try:
-            options = CompileOptions(**choices)
-        except TypeError as exc:
-            raise PlanError(f"compile() got an unknown argument ({exc}); the choices are the "
-                            "fields of autopart.CompileOptions") from None
+    options = _options(options, choices)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     if options.backend != "local":
@@ -140,224 +120,50 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
             raise PlanError("example_target= goes with example_inputs=; without example inputs "
                             "compile plans at the first train_step and measures the loss with "
                             "its target")
-        return _lazy(model, loss_fn, the_plan, options, backend)
-    loss = (loss_fn, example_target)
-    with progress():  # the phases on stderr (autopart.core.progress)
-        if backend == "distributed":
-            pipe = _compile_distributed(model, args, kwargs, loss, the_plan, options)
-            if the_plan is None and pipe.plan.num_gpus > len(pipe.plan.ranks):  # a 3D layout
-                _say(f"planned a layout for {pipe.plan.num_gpus} ranks: "
-                     f"{plan_summary(pipe.plan)}")
-            return pipe
-        return _compile_local(model, args, kwargs, loss, the_plan, options)
-
-
-def _lazy(model: nn.Module, loss_fn: LossFn | None, plan: Plan | None,
-          options: CompileOptions, backend: str) -> LazyPipeline:
-    """The pipeline that plans (or replays ``plan``) at its first call, on that batch."""
-    distributed = backend == "distributed"
-
-    def first_build(args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> Pipeline:
-        compile_at = _compile_distributed if distributed else _compile_local
-        with progress():  # the phases on stderr (autopart.core.progress)
-            return compile_at(model, args, kwargs, (loss_fn, target), plan, options)
-
-    def rebuild(captured: CapturedGraph, the_plan: Plan,
-                tensor_of: Callable[[str], torch.Tensor], cuts_by_name: bool) -> Pipeline:
-        build = _distributed_pipeline if distributed else _local_pipeline
-        return build(model, captured, the_plan, loss_fn, options, {}, tensor_of=tensor_of,
-                     cuts_by_name=cuts_by_name)
-
-    return LazyPipeline(model, backend=backend, first_build=first_build, rebuild=rebuild)
-
-
-def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-           loss: tuple[LossFn | None, Any], options: CompileOptions,
-           devices: tuple[str, ...] | None, *, distributed: bool = False,
-           ) -> tuple[Plan, CapturedGraph, dict[str, float]]:
-    loss_fn, example_target = loss
-    training = loss_fn is not None
-    plan, profile = plan_model(model, args, example_kwargs=kwargs, devices=devices,
-                               loss_fn=loss_fn, example_target=example_target,
-                               num_stages=options.num_stages,
-                               num_microbatches=options.num_microbatches,
-                               optimize=options.optimize or "speed", schedule_kind=options.schedule_kind,
-                               stages_per_rank=options.stages_per_rank,
-                               recompute=options.recompute, training=training,
-                               time_limit_s=options.time_limit_s,
-                               optimizer_state_bytes_per_param_byte=_state_factor(model, options),
-                               backend="distributed" if distributed else "local",
-                               issue_threads=options.issue_threads, fuse=options.fuse,
-                               cuda_graphs=options.cuda_graphs and not distributed)
-    return plan, profile.captured, profile.timings_s
-
-
-def _state_factor(model: nn.Module, options: CompileOptions) -> float:
-    """Optimizer state bytes per parameter byte for ``options.optimizer`` on this model's
-    trainable parameters (their dtypes)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return optimizer_state_factor(options.optimizer, sum(p.numel() * p.element_size()
-                                                         for p in trainable),
-                                  sum(p.numel() for p in trainable))
-
-
-def _capture_for(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Plan,
-                 profiled: CapturedGraph | None, timings: dict[str, float]) -> CapturedGraph:
-    """The model captured at the plan's microbatch size (the profile's capture when it is)."""
-    batch = batch_size(args, kwargs)
-    replica = plan.batch_size // plan.dp  # a 3D plan's batch is global, over dp replicas
-    if batch not in (plan.batch_size, replica):
-        also = f" (or one replica's {replica})" if plan.dp > 1 else ""
-        raise PlanError(f"the plan was made for batch {plan.batch_size}{also}, the example "
-                        f"inputs have batch {batch}; pass example inputs of the planned batch "
-                        "or re-plan")
-    args, kwargs, _ = replica_share(plan, 0, args, kwargs)  # any replica's rows will do
-    if profiled is not None and profiled.batch_size == replica // plan.num_microbatches:
-        return profiled
-    t0 = time.perf_counter()
-    mb_args, mb_kwargs = microbatch_inputs(args, kwargs, plan.num_microbatches)
-    if launch.on_meta(model):
-        mb_args, mb_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
-                                                  (mb_args, mb_kwargs))
-    with phase("capture"):
-        captured = capture(model, mb_args, mb_kwargs)
-    timings["capture_s"] = timings.get("capture_s", 0.0) + time.perf_counter() - t0
-    return captured
-
-
-def _compile_local(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   loss: tuple[LossFn | None, Any], plan: Plan | None,
-                   options: CompileOptions) -> PipelinedModule:
-    profiled: CapturedGraph | None = None
-    timings: dict[str, float] = {}
-    if plan is None:
-        plan, profiled, timings = _solve(model, args, kwargs, loss, options,
-                                         options.devices)
-    captured = _capture_for(model, args, kwargs, plan, profiled, timings)
-    return _local_pipeline(model, captured, plan, loss[0], options, timings)
-
-
-def _local_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
-                    loss_fn: LossFn | None, options: CompileOptions, timings: dict[str, float],
-                    *, tensor_of: Callable[[str], torch.Tensor] | None = None,
-                    cuts_by_name: bool = False) -> PipelinedModule:
-    """Build every stage of ``plan`` from ``captured`` (weights from ``tensor_of`` when
-    given, see :func:`autopart.codegen.build_stages`) and wrap them for one process."""
-    devices = plan_devices(plan, options.devices)
-    t0 = time.perf_counter()
-    with phase("codegen"):
-        stages = build_stages(captured, plan, devices, fuse=options.fuse, tensor_of=tensor_of,
-                              cuts_by_name=cuts_by_name)
-    timings["codegen_s"] = time.perf_counter() - t0
-    if options.fuse:
-        timings["fuse_s"] = stages.fuse_s
-    pipe = PipelinedModule(model, stages, InputSignature.of(captured), loss_fn=loss_fn,
-                           timings_s=timings, issue_threads=options.issue_threads)
-    pipe.cuda_graphs = options.cuda_graphs
+        return LazyPipeline(model, backend=backend, first_build=functools.partial(
+            _first_build, model, loss_fn, the_plan, options, backend),
+            rebuild=functools.partial(_rebuild, model, loss_fn, options, backend))
+    pipe = compile_steps(model, args, kwargs, (loss_fn, example_target), the_plan, options,
+                         backend)
+    if the_plan is None and pipe.plan.num_gpus > len(pipe.plan.ranks):  # a 3D layout
+        _say(f"planned a layout for {pipe.plan.num_gpus} ranks: {plan_summary(pipe.plan)}")
     return pipe
 
 
-def _compile_distributed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                         loss: tuple[LossFn | None, Any], plan: Plan | None,
-                         options: CompileOptions) -> DistributedPipeline:
-    """One rank's share. Without a plan, global rank 0 profiles and solves (on a
-    materialised model) and sends the plan to every rank as JSON, so all ranks follow one
-    decision: with ``tp``, ``dp`` or ``zero_stage`` given, a (tp, pp, dp, ZeRO) layout of
-    the world's ranks (:func:`autopart.layout_planning.plan_layout`, the example inputs
-    being the global batch), else a pipeline over the ranks of the pp group (the world, or
-    the mesh's ``pp`` dimension)."""
-    loss_fn = loss[0]
-    launch.require_process_group()
-    mesh = options.mesh
-    three_d = options.layout_search or any(v is not None for v in (options.tp, options.dp,
-                                                                   options.zero_stage))
-    device = launch.rank_device()
-    timings: dict[str, float] = {}
-    if plan is None and three_d:
-        _check_layout_request(options)
-        mine = None
-        if dist.get_rank() == 0:
-            _refuse_meta(model)
-            mine, profile = plan_layout(model, args, kwargs, world=dist.get_world_size(),
-                                        device=device.type, options=options, loss_fn=loss_fn,
-                                        example_target=loss[1],
-                                        state_factor=_state_factor(model, options))
-            timings = profile.timings_s
-        plan = launch.broadcast_plan(mine)  # from global rank 0 to every rank
-    elif plan is None:
-        pp_size = dist.get_world_size(mesh.get_group("pp") if mesh is not None else None)
-        if options.num_stages is not None and options.num_stages % pp_size:
-            raise PlanError(f"num_stages={options.num_stages} is not a multiple of the "
-                            f"{pp_size} pipeline ranks; pass num_stages = ranks x stages_per_rank")
-        mine = None
-        if dist.get_rank() == 0:
-            _refuse_meta(model)
-            names = (["cpu"] * pp_size if device.type == "cpu"
-                     else [f"cuda:{i}" for i in range(pp_size)])
-            mine, _, timings = _solve(model, args, kwargs, loss, options,
-                                      tuple(names), distributed=True)
-        plan = launch.broadcast_plan(mine)  # from global rank 0 to every rank
-    mesh_groups(plan, mesh)  # the world or the mesh fits the plan's layout (PlanError if not)
-    captured = _capture_for(model, args, kwargs, plan, None, timings)
-    return _distributed_pipeline(model, captured, plan, loss_fn, options, timings)
-
-
-def _check_layout_request(options: CompileOptions) -> None:
-    """Refuse choices the layout search does not take.
+def _options(options: CompileOptions | None, choices: dict[str, Any]) -> CompileOptions:
+    """The compile's choices as one :class:`CompileOptions` (given, or from keywords).
 
     Raises:
-        PlanError: ``mesh`` (autopart builds the mesh from the plan it chooses) or
-            ``num_stages`` (the search chooses pp; fix it through tp and dp).
+        PlanError: both given, or a keyword that is not a field of ``CompileOptions``.
     """
-    if options.mesh is not None:
-        raise PlanError("mesh= with tp=/dp=/zero_stage=: autopart builds the (pp, dp, tp) mesh "
-                        "from the layout it chooses; drop mesh=, or drop tp=/dp=/zero_stage= "
-                        "to plan a pipeline on your mesh")
-    if options.num_stages is not None:
-        raise PlanError(f"num_stages={options.num_stages} with tp=/dp=/zero_stage=: the layout "
-                        "search chooses pp; fix it through tp= and dp= (pp = ranks / (tp x dp)) "
-                        "and stages_per_rank=")
+    if options is not None and choices:
+        raise PlanError(f"pass the choices either as options= or as keywords, not both (got "
+                        f"options and {sorted(choices)})")
+    if options is not None:
+        return options
+    choices = renamed_choices(choices)
+    if "devices" in choices and choices["devices"] is not None:
+        choices["devices"] = tuple(str(d) for d in choices["devices"])
+    try:
+        return CompileOptions(**choices)
+    except TypeError as exc:
+        raise PlanError(f"compile() got an unknown argument ({exc}); the choices are the "
+                        "fields of autopart.CompileOptions") from None
 
 
-def _refuse_meta(model: nn.Module) -> None:
-    if launch.on_meta(model):
-        raise PlanError("a meta-device model cannot be profiled here; plan it first "
-                        "(autopart.plan_model on a materialised copy, or `autopart "
-                        "plan`) and pass plan=")
+def _first_build(model: nn.Module, loss_fn: LossFn | None, plan: Plan | None,
+                 options: CompileOptions, backend: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], target: Any) -> Pipeline:
+    """A lazy pipeline's first build: the compile path on its first batch."""
+    return compile_steps(model, args, kwargs, (loss_fn, target), plan, options, backend)
 
 
-def _distributed_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
-                          loss_fn: LossFn | None, options: CompileOptions,
-                          timings: dict[str, float], *,
-                          tensor_of: Callable[[str], torch.Tensor] | None = None,
-                          cuts_by_name: bool = False) -> DistributedPipeline:
-    """Build this rank's stages of ``plan`` from ``captured`` (weights from ``tensor_of``
-    when given, else the checkpoint option, else the model's, materialised from ``meta``
-    where it is there) and wrap them as this rank's pipeline, on the groups of the plan's
-    (pp, dp, tp) mesh (:func:`autopart.runtime.mesh.mesh_groups`; the tp group is passed
-    where tp > 1, the runtime reads ``plan.zero_stage`` with the dp group)."""
-    groups = mesh_groups(plan, options.mesh)
-    tp = TensorParallelRank.of_group(groups.tp_group) if groups.tp_group is not None else None
-    pp_rank = dist.get_rank(groups.pp_group)
-    device = launch.rank_device()
-    meta = launch.on_meta(model)  # codegen points the capture's meta literals at device
-    if tensor_of is None and options.checkpoint is not None:
-        tensor_of = checkpoint_tensors(options.checkpoint)
-    elif tensor_of is None and meta:
-        tensor_of = launch.materialise(model, device)
-    t0 = time.perf_counter()
-    with phase("codegen"):
-        stages = build_stages(captured, plan, [device] * groups.pp, ranks={pp_rank},
-                              tensor_of=tensor_of, fuse=options.fuse,
-                              cuts_by_name=meta or cuts_by_name, tp=tp)
-    timings["codegen_s"] = time.perf_counter() - t0
-    if options.fuse:
-        timings["fuse_s"] = stages.fuse_s
-    return DistributedPipeline(model, stages, InputSignature.of(captured), device,
-                               loss_fn=loss_fn, pp_group=groups.pp_group,
-                               dp_group=groups.dp_group, tp_group=groups.tp_group,
-                               timings_s=timings,
-                               step_timeout_s=options.step_timeout_s or DEFAULT_STEP_TIMEOUT_S)
+def _rebuild(model: nn.Module, loss_fn: LossFn | None, options: CompileOptions, backend: str,
+             captured: Any, plan: Plan, tensor_of: Callable[[str], torch.Tensor],
+             cuts_by_name: bool) -> Pipeline:
+    """A lazy pipeline's build at a new shape: the plan's stages from another capture."""
+    return build_pipeline(model, captured, plan, loss_fn, options, backend, {},
+                          tensor_of=tensor_of, cuts_by_name=cuts_by_name)
 
 
 def load(directory: str | os.PathLike[str], model: nn.Module | LazyPipeline,

@@ -6,68 +6,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from typing import Any
 
 from torch import nn
 
 from autopart.core.cluster import DeviceSpec
-from autopart.core.errors import ProfileError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
 from autopart.core.topology import HostTopology
 from autopart.options import CompileOptions
-from autopart.planning import Profile, cpu_ranks_per_core, profile_model
-from autopart.profiler.collective_probe import MESSAGE_BYTES, measure_collective_overhead
-from autopart.solver.collectives import all_reduce_us
+from autopart.planning import Profile, profile_model
 from autopart.solver.layout_search import LayoutOptions, solve_layout
 
 __all__ = ["plan_layout", "solve_world_layout", "layout_request", "host_ranks_topology",
-           "model_heads", "with_collective_overhead"]
-
-
-def with_collective_overhead(profile: Profile, world: int) -> Profile:
-    """``profile`` with its runtime's ``collective_overhead_points`` measured for ``world``
-    CPU ranks of this host (:func:`autopart.profiler.collective_probe.
-    measure_collective_overhead`: ``world`` gloo processes at the world's ranks per core,
-    :func:`autopart.planning.cpu_ranks_per_core`, about 3-15 s; not cached, since the figures
-    follow the host's load), the probe's own message taken off as the solver prices it on
-    the profile's link; and its ``transfer_wait_points``, from the same processes: a
-    pipeline's transfer waits for its receiver to be scheduled again, the more so when ranks
-    share cores or other jobs load the host, which the per-transfer cost (measured once per
-    machine, a core per rank) does not hold; the larger of the two is charged; and its
-    ``collective_bandwidth_bytes_per_s``, the bandwidth gloo's all-reduce reaches, and its
-    ``copy_bytes_per_s``, how fast the runtime copies around its collectives.
-    Unchanged for GPU ranks (NCCL's ring steps carry the fixed cost), for one rank, and for
-    a world of odd size. When the probe fails: a ``RuntimeWarning`` and the profile
-    unchanged.
-
-    Args:
-        profile: a profile for ``cpu`` ranks (its ``host_link`` prices the probe's message).
-        world: the ranks of the torchrun world.
-    """
-    if world < 2 or world % 2 or any(d != "cpu" for d in profile.devices):
-        return profile
-    cluster = profile.cluster()
-    spec = cluster.devices[0]
-    ring = all_reduce_us(MESSAGE_BYTES, 2, spec.link_bandwidth_bytes_per_s,
-                         spec.link_latency_us)
-    link = cluster.transfer_us(MESSAGE_BYTES, 0, 1)
-    per_core = cpu_ranks_per_core(world)
-    try:
-        with phase("collectives"):
-            got = measure_collective_overhead(world, ranks_per_core=per_core, ring_us=ring,
-                                              link_us=link)
-    except ProfileError as exc:
-        warnings.warn(f"{exc}; planning with no fixed cost per collective", RuntimeWarning,
-                      stacklevel=2)
-        return profile
-    runtime = dataclasses.replace(
-        profile.runtime, collective_overhead_points=got.collective_points,
-        transfer_wait_points=got.transfer_points,
-        collective_bandwidth_bytes_per_s=got.bandwidth_bytes_per_s,
-        copy_bytes_per_s=got.copy_bytes_per_s)
-    return dataclasses.replace(profile, runtime=runtime)
+           "model_heads"]
 
 
 #: Schedule kinds whose backward is split (I / W): the profile times the split only where
@@ -133,14 +85,6 @@ def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
                          zero_stage=options.zero_stage, num_heads=num_heads)
 
 
-def _on_ranks(plan: Plan, device: str) -> Plan:
-    """``plan`` with every rank and stage on ``device`` (the search names its ranks
-    ``cuda:r`` whatever they are)."""
-    return dataclasses.replace(
-        plan, ranks=tuple(dataclasses.replace(r, device=device) for r in plan.ranks),
-        stages=tuple(dataclasses.replace(s, device=device) for s in plan.stages))
-
-
 def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                 world: int, device: str, options: CompileOptions, loss_fn: Any = None,
                 example_target: Any = None, state_factor: float = 2.0,
@@ -153,8 +97,9 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     measures them; with ``cpu`` ranks the link between them is measured (cached per
     machine) and prices the pipeline's sends and the tp / dp collectives
     (:func:`host_ranks_topology`), and each collective's fixed cost is measured in
-    ``world`` processes (:func:`with_collective_overhead`). With m open, a replica's microbatch is one of the
-    profiled microbatch sizes (``LayoutOptions.microbatch_sizes``), never smaller.
+    ``world`` processes (:func:`autopart.planning.with_collective_overhead`). With m open, a
+    replica's microbatch is one of the profiled microbatch sizes
+    (``LayoutOptions.microbatch_sizes``), never smaller.
 
     Args:
         model, args, kwargs: the model and its example inputs (global batch).
@@ -175,15 +120,14 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         InfeasiblePlanError: no layout fits the memory.
         TraceError, ProfileError: capture or profiling failed.
     """
-    training = loss_fn is not None
     devices = ["cpu"] * world if device == "cpu" else [f"cuda:{r}" for r in range(world)]
     with progress():
         profile = profile_model(model, args, example_kwargs=kwargs, devices=devices,
-                                num_microbatches=options.num_microbatches, training=training,
+                                num_microbatches=options.num_microbatches,
+                                training=loss_fn is not None,
                                 split_cost=options.schedule_kind in _SPLITTING,
                                 loss_fn=loss_fn, example_target=example_target,
-                                backend="distributed")
-        profile = with_collective_overhead(profile, world)
+                                backend="distributed", collectives=True)
         t0 = time.perf_counter()
         with phase("solve"):
             plan = solve_world_layout(profile, options, world, num_heads=model_heads(model),
@@ -207,7 +151,6 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
     Raises:
         PlanError, InfeasiblePlanError: as :func:`plan_layout`.
     """
-    spec = profile.cluster().devices[0]
     choices = {k: v for k, v in (("schedule_kind", options.schedule_kind),
                                  ("stages_per_rank", options.stages_per_rank),
                                  ("recompute", options.recompute),
@@ -217,6 +160,7 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
                                     time_limit_s=options.time_limit_s,
                                     optimizer_state_bytes_per_param_byte=state_factor,
                                     **choices)
+    spec = profile.cluster().devices[0]
     request = layout_request(options, world, spec, num_heads,
                              profile.runtime.collective_bandwidth_bytes_per_s)
     if profile.microbatch_candidates is not None and options.num_microbatches is None:
@@ -225,5 +169,9 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
         sizes = tuple(sorted({profile.batch_size // m for m in profile.microbatch_candidates}))
         request = dataclasses.replace(request, microbatch_sizes=sizes)
     plan = solve_layout(profile.costs, spec, solve_options, request)
-    on_cpu = all(d == "cpu" for d in profile.devices)
-    return _on_ranks(plan, "cpu") if on_cpu else plan
+    if any(d != "cpu" for d in profile.devices):
+        return plan
+    # the search names its ranks cuda:r whatever they are
+    return dataclasses.replace(
+        plan, ranks=tuple(dataclasses.replace(r, device="cpu") for r in plan.ranks),
+        stages=tuple(dataclasses.replace(s, device="cpu") for s in plan.stages))

@@ -17,9 +17,9 @@ from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.signature import batch_size, microbatch_inputs
-from autopart.runtime import launch
-from autopart.runtime.distributed import DistributedPipeline
-from autopart.runtime.local import PipelinedModule
+from autopart.runtime.distributed import launch
+from autopart.runtime.distributed.pipeline import DistributedPipeline
+from autopart.runtime.local.module import PipelinedModule
 from autopart.runtime.pipeline import Pipeline
 
 __all__ = ["LazyPipeline", "input_key", "plan_summary", "MANY_SHAPES"]

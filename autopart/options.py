@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopart.core.errors import PlanError
 from autopart.core.layout import check_zero_stage
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
 from autopart.core.runtime_model import BACKENDS
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["CompileOptions", "renamed_choices", "OPTIMIZER_STATE_TENSORS", "optimizer_state_factor"]
 
@@ -110,7 +113,7 @@ class CompileOptions:
             from.
         mesh: distributed only: a ``DeviceMesh`` with dims ``("pp", "dp")`` or ``("pp",
             "dp", "tp")``; None (default): built from the plan's layout
-            (:func:`autopart.runtime.mesh.mesh_groups`).
+            (:func:`autopart.runtime.distributed.mesh.mesh_groups`).
         time_limit_s: CP-SAT wall-clock limit per solve, seconds, > 0 (default 10).
         step_timeout_s: distributed only: a pipeline send or receive that waits this long
             fails the step, naming the rank that died or hangs (default 300 s).
@@ -200,10 +203,18 @@ class CompileOptions:
         _positive_seconds("step_timeout_s", self.step_timeout_s, "or None: 300 s",
                           optional=True)
 
+    def state_factor(self, model: nn.Module) -> float:
+        """Optimizer state bytes per parameter byte for :attr:`optimizer` on ``model``'s
+        trainable parameters, in their dtypes (:func:`optimizer_state_factor`)."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return optimizer_state_factor(self.optimizer,
+                                      sum(p.numel() * p.element_size() for p in trainable),
+                                      sum(p.numel() for p in trainable))
+
     def check_runtime(self, plan: Plan | None = None, backend: str = "local") -> None:
         """Refuse a tensor- or data-parallel layout where it cannot run: the local backend
         (one process) has no tensor-parallel or data-parallel ranks. The distributed backend
-        runs any layout (its (pp, dp, tp) mesh: :mod:`autopart.runtime.mesh`).
+        runs any layout (its (pp, dp, tp) mesh: :mod:`autopart.runtime.distributed.mesh`).
 
         Args:
             plan: a replayed plan, or None.

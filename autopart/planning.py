@@ -9,6 +9,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
-from autopart.core.errors import PlanError
+from autopart.core.errors import PlanError, ProfileError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
 from autopart.core.runtime_model import RuntimeDescription
@@ -24,6 +25,7 @@ from autopart.devices import cluster_for_devices, library_versions, resolve_devi
 from autopart.options import renamed_choices
 from autopart.profiler import session
 from autopart.profiler.cache import cache_enabled
+from autopart.profiler.collective_probe import MESSAGE_BYTES, measure_collective_overhead
 from autopart.profiler.corunners import usable_cores
 from autopart.profiler.links import SIZES as LINK_SIZES
 from autopart.profiler.links import LinkFigures, fit_link, host_link
@@ -34,13 +36,14 @@ from autopart.profiler.transfer_overhead import (
 )
 from autopart.profiler.transfer_overhead import host_figures as cached_host_figures
 from autopart.runtime.description import describe
+from autopart.runtime.distributed.transfer_rank import workload as transfer_workload
 from autopart.runtime.host import tune_cpu_allocator
-from autopart.runtime.transfer_rank import workload as transfer_workload
 from autopart.solver import SolveOptions, find_candidates, solve
+from autopart.solver.collectives import all_reduce_us
 from autopart.solver.predict import predict as predict_plan
 
 __all__ = ["Profile", "plan_model", "profile_model", "host_figures", "measure_host_figures",
-           "cpu_ranks_per_core", "ranks_per_device"]
+           "cpu_ranks_per_core", "ranks_per_device", "with_collective_overhead"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,14 +95,17 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                   devices: list[str] | tuple[str, ...], num_microbatches: int | None = None,
                   training: bool = True, split_cost: bool = True, loss_fn: Any = None,
                   example_target: Any = None, cache: bool | None = None,
-                  low_batch: bool = True, backend: str = "local", fuse: bool = False) -> Profile:
+                  low_batch: bool = True, backend: str = "local", fuse: bool = False,
+                  collectives: bool = False) -> Profile:
     """Capture ``model`` and measure every node's cost on ``devices[0]``
     (:func:`autopart.profiler.session.profile_model`), for the runtime ``backend``
     (``"local"`` or ``"distributed"``, :func:`autopart.runtime.description.describe`); with
     two or more ``cpu`` ranks also the link between them and, for a runtime whose ranks are
     processes, its cost per transfer (:func:`host_figures`). Arguments as
     :class:`autopart.profiler.session.ProfileOptions` (``fuse``: price stages compiled with
-    ``torch.compile``, as ``compile(..., fuse=True)`` runs them); docs/design.md ("Cost model the solver
+    ``torch.compile``, as ``compile(..., fuse=True)`` runs them; ``collectives``: for a
+    world of ``len(devices)`` CPU rank processes whose layout is searched, also the cost of
+    their collectives, :func:`with_collective_overhead`); docs/design.md ("Cost model the solver
     optimises") says what each phase measures and caches.
 
     Raises:
@@ -125,7 +131,8 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     shared = ranks_per_device(devices, fields["runtime"])
     if shared > fields["runtime"].ranks_per_core:
         fields["runtime"] = dataclasses.replace(fields["runtime"], ranks_per_core=shared)
-    return Profile(**fields)
+    profile = Profile(**fields)
+    return with_collective_overhead(profile, len(devices)) if collectives else profile
 
 
 def ranks_per_device(devices: list[str] | tuple[str, ...], runtime: RuntimeDescription) -> float:
@@ -198,10 +205,54 @@ def _with_host_figures(fields: dict[str, Any], cache: bool | None,
     return {"host_link": link, "runtime": runtime}
 
 
+def with_collective_overhead(profile: Profile, world: int) -> Profile:
+    """``profile`` with its runtime's ``collective_overhead_points`` measured for ``world``
+    CPU ranks of this host (:func:`autopart.profiler.collective_probe.
+    measure_collective_overhead`: ``world`` gloo processes at the world's ranks per core,
+    :func:`cpu_ranks_per_core`, about 3-15 s; not cached, since the figures
+    follow the host's load), the probe's own message taken off as the solver prices it on
+    the profile's link; and its ``transfer_wait_points``, from the same processes: a
+    pipeline's transfer waits for its receiver to be scheduled again, the more so when ranks
+    share cores or other jobs load the host, which the per-transfer cost (measured once per
+    machine, a core per rank) does not hold; the larger of the two is charged; and its
+    ``collective_bandwidth_bytes_per_s``, the bandwidth gloo's all-reduce reaches, and its
+    ``copy_bytes_per_s``, how fast the runtime copies around its collectives.
+    Unchanged for GPU ranks (NCCL's ring steps carry the fixed cost), for one rank, and for
+    a world of odd size. When the probe fails: a ``RuntimeWarning`` and the profile
+    unchanged.
+
+    Args:
+        profile: a profile for ``cpu`` ranks (its ``host_link`` prices the probe's message).
+        world: the ranks of the torchrun world.
+    """
+    if world < 2 or world % 2 or any(d != "cpu" for d in profile.devices):
+        return profile
+    cluster = profile.cluster()
+    spec = cluster.devices[0]
+    ring = all_reduce_us(MESSAGE_BYTES, 2, spec.link_bandwidth_bytes_per_s,
+                         spec.link_latency_us)
+    link = cluster.transfer_us(MESSAGE_BYTES, 0, 1)
+    per_core = cpu_ranks_per_core(world)
+    try:
+        with phase("collectives"):
+            got = measure_collective_overhead(world, ranks_per_core=per_core, ring_us=ring,
+                                              link_us=link)
+    except ProfileError as exc:
+        warnings.warn(f"{exc}; planning with no fixed cost per collective", RuntimeWarning,
+                      stacklevel=2)
+        return profile
+    runtime = dataclasses.replace(
+        profile.runtime, collective_overhead_points=got.collective_points,
+        transfer_wait_points=got.transfer_points,
+        collective_bandwidth_bytes_per_s=got.bandwidth_bytes_per_s,
+        copy_bytes_per_s=got.copy_bytes_per_s)
+    return dataclasses.replace(profile, runtime=runtime)
+
+
 def measure_host_figures(use_cache: bool = True) -> tuple[LinkFigures, float]:
     """The link between two gloo processes on this host and the distributed runtime's cost per
     transfer between them, measured in one pair of processes (about 5 s): the 1F1B plan of
-    :func:`autopart.runtime.transfer_rank.workload` (negligible compute) with
+    :func:`autopart.runtime.distributed.transfer_rank.workload` (negligible compute) with
     :data:`autopart.profiler.transfer_overhead.MICROBATCHES` microbatches on two ``cpu`` ranks
     is run for its median step; the cost per transfer is the one at which the cost model's
     replay of that plan, with the link measured there, takes that step

@@ -36,7 +36,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopart
 from autopart.core.jsonio import write_text_atomic
-from autopart.runtime.checkpoint import checkpoint_plan
+from autopart.runtime.checkpoint.save_load import checkpoint_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 # Dense bf16 tensor-core peak, FLOP/s: NVIDIA H100 SXM5 and H200 datasheets (989.4 TFLOPS),

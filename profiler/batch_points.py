@@ -7,14 +7,9 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
+from autopart.core.batch_lines import segment_scales, through_two_batches, time_on_line
 from autopart.core.capture import CapturedGraph
-from autopart.core.costgraph import (
-    HOST_FIELDS,
-    CostGraph,
-    segment_scales,
-    through_two_batches,
-    time_on_line,
-)
+from autopart.core.costgraph import HOST_FIELDS, CostGraph
 from autopart.core.errors import PlanError
 from autopart.profiler.calibrate import calibrate_to_segments, segment_cuts, segment_times
 from autopart.profiler.corunners import co_runners
@@ -22,7 +17,7 @@ from autopart.profiler.corunners import model_step as corunner_step
 from autopart.profiler.loss_cost import LossCost, loss_tag, with_loss_cost
 
 if TYPE_CHECKING:
-    from autopart.profiler.session import Session
+    from autopart.profiler.profile_state import Session
 
 __all__ = ["batch_points", "scaled_batch_points", "two_point_costs", "segment_calibrated",
            "calibration_suffix", "calibration_cuts", "same_ops", "CALIBRATION_SEGMENTS", "FUSED"]
@@ -141,7 +136,7 @@ def two_point_costs(session: Session, points: tuple[int, int], unlossed: CostGra
     profile. The loss is measured at both microbatches: the line through them gives its time
     at the full batch, and its bytes there are the larger microbatch's, scaled. Each node's
     time at another microbatch is read off the line through its two points
-    (:func:`autopart.core.costgraph.through_two_batches`), except at ``scaled``
+    (:func:`autopart.core.batch_lines.through_two_batches`), except at ``scaled``
     (:func:`scaled_batch_points`), whose segments are timed the same way and give the line a
     :class:`~autopart.core.costgraph.BatchScale` each. With co-runners in the session the
     segments are timed while they run the model at the same microbatch, as the host's other

@@ -73,7 +73,7 @@ def run_transfer_ranks(steps_entry: str, plan_path: str, *, timeout_s: float = 3
     through :func:`autopart.profiler.links.run_rank_pair`) time the link between them
     (:func:`autopart.profiler.links.one_way_times` at :data:`autopart.profiler.links.SIZES`),
     then call the runtime's ``steps_entry`` (``"module:function"``, e.g.
-    ``autopart.runtime.transfer_rank:time_steps``: ``function(rank, plan_path) -> [s, ...]``,
+    ``autopart.runtime.distributed.transfer_rank:time_steps``: ``function(rank, plan_path) -> [s, ...]``,
     each step the slower rank's) on the plan at ``plan_path``. The runtime is named, not
     imported: the profiler runs it across a process boundary.
 

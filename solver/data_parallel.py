@@ -47,7 +47,7 @@ def held_state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
 
     :func:`state_multiplier` is what the ZeRO paper's runtime holds at rest. autopart runs
     ZeRO 1-3 with FSDP2, one ``fully_shard`` unit per stage (a stage is one flat FX graph;
-    ``autopart/runtime/_dist_sharding.py``), so during a stage's backward the rank holds,
+    ``autopart/runtime/distributed/_sharding.py``), so during a stage's backward the rank holds,
     beside its shards (weights ``1 / dp``, optimizer state ``k / dp`` and, at ZeRO 2-3, whose
     gradients are reduce-scattered after every microbatch, gradients ``g / dp``):
 
@@ -117,7 +117,7 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
                        overhead_us: float = 0.0,
                        copy_bytes_per_s: float = 0.0) -> DataParallelCost:
     """The collectives one rank pays over its dp group, as autopart's runtime runs them
-    (``autopart/runtime/_dist_sharding.py``: FSDP2, one unit per stage).
+    (``autopart/runtime/distributed/_sharding.py``: FSDP2, one unit per stage).
 
     - stage 0: ring all-reduce of the gradients (``g x param_bytes``) once per step.
     - stage 1: one all-gather of the parameters (before the stage's first action) and one

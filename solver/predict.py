@@ -16,7 +16,8 @@ from autopart.solver._cost_model import CostModel
 from autopart.solver._plan_build import build_plan
 from autopart.solver.baselines import baseline_partitions
 from autopart.solver.options import SolveOptions
-from autopart.solver.simulate import StageCosts, device_peaks, simulate
+from autopart.solver.simulate import StageCosts, simulate
+from autopart.solver.simulate_memory import device_peaks
 
 __all__ = ["Prediction", "predict", "plan_at", "baseline_plan"]
 
@@ -38,7 +39,7 @@ class Prediction:
             that wait.
         device_peak_bytes: per device that several of the one-process runtime's ranks name
             (stages of the local runtime on one GPU), the most those ranks hold at once on
-            the replayed times, bytes (:func:`autopart.solver.simulate.device_peaks`; at
+            the replayed times, bytes (:func:`autopart.solver.simulate_memory.device_peaks`; at
             most the sum of their ``peak_memory_bytes``); a device with one rank is absent
             (its rank's peak is the device's).
     """

@@ -24,4 +24,4 @@ def _own_profile_cache(tmp_path_factory: pytest.TempPathFactory,
     # the machine's load is not what tests check: profiles measured while the test run
     # itself loads the machine are cached as on a quiet one (test_cache covers the rule)
     monkeypatch.setattr("autopart.profiler.cache.machine_busy", lambda: None)
-    monkeypatch.setattr("autopart.profiler.session.machine_busy", lambda: None)  # its numbers
+    monkeypatch.setattr("autopart.profiler.profile_state.machine_busy", lambda: None)  # its numbers

@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import reprlib
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
+from autopart.core.layout import layout_problem
+from autopart.core.plan_records import (
+    BaselineReport,
+    Cut,
+    LowerBounds,
+    ParetoPoint,
+    RankPlan,
+    ShardedParameter,
+    SolverReport,
+    StagePlan,
+    build_record,
+    check_fields,
+    listed,
+    record_kwargs,
+    unique_keys,
+)
 from autopart.core.plan_rules import (
     FIX,
     OPTIMIZE_TARGETS,
@@ -18,156 +33,14 @@ from autopart.core.plan_rules import (
     READABLE_SCHEMA_VERSIONS,
     SCHEDULE_KINDS,
     SHARD_STYLES,
-    check_plan_invariants,
 )
+from autopart.core.schedule import check_microbatches, stage_ranks
+from autopart.core.v_schedules import V_SCHEDULE_KINDS
 
 __all__ = ["Cut", "StagePlan", "RankPlan", "SolverReport", "BaselineReport", "ParetoPoint",
            "LowerBounds", "ShardedParameter", "Plan",
            "PLAN_SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "SCHEDULE_KINDS",
-           "OPTIMIZE_TARGETS", "SHARD_STYLES"]
-
-
-
-@dataclass(frozen=True, slots=True)
-class Cut:
-    """A chosen cut: between op node ``position - 1`` (``after_node``) and ``position`` (``before_node``).
-
-    Positions index the CostGraph's op nodes in topological order.
-    ``crossing_bytes`` sizes the tensors crossing it, per microbatch.
-    """
-
-    position: int
-    after_node: str
-    before_node: str
-    crossing_bytes: int
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-@dataclass(frozen=True, slots=True)
-class StagePlan:
-    """One pipeline stage: a contiguous run of op nodes, and what it is predicted to cost.
-
-    Times are per microbatch, µs; memory in bytes.
-    """
-
-    stage_index: int
-    rank: int
-    device: str
-    first_node: str
-    last_node: str
-    num_nodes: int
-    module_range: tuple[str, str]
-    num_parameters: int
-    param_bytes: int
-    predicted_fwd_us: float
-    predicted_bwd_us: float
-    predicted_comm_us: float
-    predicted_peak_memory_bytes: int
-    recompute: bool = False
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-@dataclass(frozen=True, slots=True)
-class RankPlan:
-    """One rank (device) and its predicted peak memory, bytes."""
-
-    rank: int
-    device: str
-    stage_indices: tuple[int, ...]
-    peak_memory_bytes: int
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-@dataclass(frozen=True, slots=True)
-class SolverReport:
-    """What the solver said: CP-SAT status, objective and best bound (µs), relative gap, wall time (s)."""
-
-    status: str
-    objective: float
-    bound: float
-    gap: float
-    wall_s: float
-    name: str = "cp-sat"
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-@dataclass(frozen=True, slots=True)
-class BaselineReport:
-    """A baseline partitioner's result on the same costs.
-
-    ``recompute`` is true when the baseline's cuts only fit the memory caps with every stage
-    recomputing its forward (activation checkpointing on throughout, as its users would set
-    it); ``fits`` says whether its peak fits the caps even so.
-    """
-
-    name: str
-    predicted_step_time_us: float
-    peak_memory_bytes: int
-    recompute: bool = False
-    fits: bool = True
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-@dataclass(frozen=True, slots=True)
-class ParetoPoint:
-    """One non-dominated (step time µs, largest rank peak memory bytes) point the search saw."""
-
-    predicted_step_time_us: float
-    peak_memory_bytes: int
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-@dataclass(frozen=True, slots=True)
-class LowerBounds:
-    """Physical lower bounds the plan is certified against, and its ratio to them.
-
-    Attributes:
-        step_time_us: total compute of one step spread evenly over the ranks, µs (no bubble,
-            no communication): no plan can be faster.
-        peak_memory_bytes: total parameter state spread evenly over the ranks, bytes: no plan's
-            largest rank can hold less.
-        step_time_ratio: predicted step time / ``step_time_us`` (>= 1).
-        peak_memory_ratio: largest rank peak / ``peak_memory_bytes`` (>= 1).
-    """
-
-    step_time_us: float
-    peak_memory_bytes: int
-    step_time_ratio: float
-    peak_memory_ratio: float
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-@dataclass(frozen=True, slots=True)
-class ShardedParameter:
-    """A parameter tensor parallelism splits over the tp GPUs of a group (absent: replicated).
-
-    ``style``: ``"column"`` (split by output feature; a column-parallel linear's weight and
-    bias), ``"row"`` (split by input feature; a row-parallel linear's weight) or ``"vocab"``
-    (split by vocabulary row; the token embedding and the head that shares it).
-    """
-
-    name: str
-    style: str
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        if self.style not in SHARD_STYLES:
-            raise PlanError(f"invalid plan: sharded parameter {self.name!r} has style "
-                            f"{self.style!r}; expected one of {SHARD_STYLES}")
+           "OPTIMIZE_TARGETS", "SHARD_STYLES", "check_plan_invariants"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,13 +107,13 @@ class Plan:
 
     def __post_init__(self) -> None:
         """Check every field's type, then the plan as a whole
-        (:func:`autopart.core.plan_rules.check_plan_invariants`).
+        (:func:`check_plan_invariants`).
 
         Raises:
             PlanError: the first field or invariant that does not hold, with its value and
                 the fix.
         """
-        _check_fields(self, "")
+        check_fields(self, "")
         check_plan_invariants(self)
 
     @property
@@ -268,16 +141,16 @@ class Plan:
                 fields disagree with each other; the message names the field, the value and
                 the fix.
         """
-        kwargs = _kwargs(cls, d, "")
+        kwargs = record_kwargs(cls, d, "")
         for name, kind in (("cuts", Cut), ("stages", StagePlan), ("ranks", RankPlan),
                            ("baselines", BaselineReport), ("pareto", ParetoPoint),
                            ("sharded_parameters", ShardedParameter)):
             if name in kwargs:
-                items = _listed(kwargs[name], name)
-                kwargs[name] = tuple(_build(kind, x, f"{name}[{i}]") for i, x in enumerate(items))
-        kwargs["solver"] = _build(SolverReport, kwargs["solver"], "solver")
+                items = listed(kwargs[name], name)
+                kwargs[name] = tuple(build_record(kind, x, f"{name}[{i}]") for i, x in enumerate(items))
+        kwargs["solver"] = build_record(SolverReport, kwargs["solver"], "solver")
         if kwargs.get("lower_bounds") is not None:
-            kwargs["lower_bounds"] = _build(LowerBounds, kwargs["lower_bounds"], "lower_bounds")
+            kwargs["lower_bounds"] = build_record(LowerBounds, kwargs["lower_bounds"], "lower_bounds")
         return cls(**kwargs)
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -301,7 +174,7 @@ class Plan:
             raise PlanError(f"{path}: cannot read a plan file there ({exc.strerror or exc}); "
                             f"{fix}") from None
         try:
-            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
         except UnicodeDecodeError as exc:
             raise PlanError(f"{path}: not a JSON plan file (not UTF-8 text: byte {exc.start}); "
                             f"{fix}") from None
@@ -316,111 +189,83 @@ class Plan:
             raise PlanError(f"{path}: {exc}") from None
 
 
-_TUPLE_FIELDS = {"module_range", "stage_indices"}
-#: What each field annotation admits: (test, description for the message).
-_KINDS: dict[str, tuple[Any, str]] = {
-    "int": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (not a bool or a fraction)"),
-    "float": (lambda v: _is_number(v), "a finite number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "tuple[str, str]": (lambda v: isinstance(v, tuple) and len(v) == 2
-                        and all(isinstance(x, str) for x in v), "a list of two strings"),
-    "tuple[int, ...]": (lambda v: isinstance(v, tuple) and all(_is_int(x) and x >= 0 for x in v),
-                        "a list of integers >= 0"),
-    "dict[str, str]": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and
-                                                             isinstance(x, str)
-                                                             for k, x in v.items()),
-                       "an object of strings (package -> version)"),
-    "SolverReport": (lambda v: isinstance(v, SolverReport), "a solver report object"),
-    "LowerBounds | None": (lambda v: v is None or isinstance(v, LowerBounds),
-                           "a lower-bounds object or null"),
-    "tuple[Cut, ...]": (lambda v: _tuple_of(v, Cut), "a list of cuts"),
-    "tuple[StagePlan, ...]": (lambda v: _tuple_of(v, StagePlan), "a list of stages"),
-    "tuple[RankPlan, ...]": (lambda v: _tuple_of(v, RankPlan), "a list of ranks"),
-    "tuple[BaselineReport, ...]": (lambda v: _tuple_of(v, BaselineReport), "a list of baselines"),
-    "tuple[ParetoPoint, ...]": (lambda v: _tuple_of(v, ParetoPoint), "a list of Pareto points"),
-    "tuple[ShardedParameter, ...]": (lambda v: _tuple_of(v, ShardedParameter),
-                                     "a list of sharded parameters"),
-}
+def check_plan_invariants(plan: Plan) -> None:
+    """The cross-field invariants the runtimes rely on: a readable schema, a consistent
+    (tp, dp, ZeRO) layout, known kinds, m dividing the batch per replica, stages placed as
+    the schedule kind places them (:func:`autopart.core.schedule.stage_ranks`), S - 1
+    ascending cuts, a bubble fraction in [0, 1].
 
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return False
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:  # an integer beyond float's range
-        return False
-
-
-def _tuple_of(v: Any, cls: type) -> bool:
-    return isinstance(v, tuple) and all(isinstance(x, cls) for x in v)
-
-
-def _show(value: Any) -> str:
-    return reprlib.repr(value)
-
-
-def _check_fields(obj: Any, where: str | None = None) -> None:
-    """Every field of a plan dataclass holds what its annotation says (no coercion).
-
-    ``where`` prefixes the field's name in the message (default: the class name).
+    Raises:
+        PlanError: ``"invalid plan: ..."`` naming the field, its value and the fix.
     """
-    _check_values(type(obj), {f.name: getattr(obj, f.name) for f in fields(obj)},
-                  f"{type(obj).__name__}." if where is None else where)
+    def bad(msg: str) -> PlanError:
+        return PlanError(f"invalid plan: {msg}")
 
-
-def _check_values(cls: type, values: dict[str, Any], where: str) -> None:
-    for f in fields(cls):
-        if f.name not in values:
-            continue
-        value = values[f.name]
-        test, desc = _KINDS[str(f.type)]
-        if not test(value):
-            raise PlanError(f"invalid plan: {where}{f.name}={_show(value)} must be {desc}; {FIX}")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads`` hook: a key given twice is refused (JSON would keep the last silently)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise PlanError(f"invalid plan: key {key!r} appears twice in one object; keep one")
-        out[key] = value
-    return out
-
-
-def _listed(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list | tuple):
-        raise PlanError(f"invalid plan: {where}={_show(value)} must be a list; {FIX}")
-    return list(value)
-
-
-def _kwargs(cls: type, d: Any, where: str) -> dict[str, Any]:
-    """``d``'s fields as keyword arguments of ``cls``: unknown and missing keys refused."""
-    what = where or "plan"
-    if not isinstance(d, dict):
-        raise PlanError(f"invalid plan: {what} must be a JSON object, got {type(d).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = set(d) - known
-    if unknown:
-        raise PlanError(f"invalid plan: unknown {what} field(s) {sorted(unknown)}; "
-                        f"known: {sorted(known)}")
-    required = [f.name for f in fields(cls)
-                if f.default is MISSING and f.default_factory is MISSING]
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise PlanError(f"invalid plan: missing field {missing[0]!r}"
-                        f"{f' in {where}' if where else ''}; {FIX}")
-    return {k: tuple(v) if k in _TUPLE_FIELDS and isinstance(v, list) else v
-            for k, v in d.items()}
-
-
-def _build(cls: type, d: Any, where: str) -> Any:
-    kwargs = _kwargs(cls, d, where)
-    _check_values(cls, kwargs, f"{where}.")
-    return cls(**kwargs)
+    if plan.schema_version not in READABLE_SCHEMA_VERSIONS:
+        raise bad(f"schema_version {plan.schema_version} is not supported (this autopart "
+                  f"reads {READABLE_SCHEMA_VERSIONS}); re-plan with this version")
+    problem = layout_problem(plan.tp, plan.dp, plan.zero_stage, plan.schema_version,
+                             [p.name for p in plan.sharded_parameters])
+    if problem:
+        raise bad(problem)
+    for name in ("graph_fingerprint", "cluster_fingerprint", "cost_source"):
+        if not getattr(plan, name).strip():
+            raise bad(f"{name} is empty; a plan names what it was made for: {FIX}")
+    if plan.optimize not in OPTIMIZE_TARGETS:
+        raise bad(f"optimize={plan.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
+    if plan.schedule_kind not in SCHEDULE_KINDS:
+        raise bad(f"schedule_kind={plan.schedule_kind!r}; expected one of {SCHEDULE_KINDS}")
+    m, batch, v, p = plan.num_microbatches, plan.batch_size, plan.stages_per_rank, len(plan.ranks)
+    if batch < 1 or m < 1 or batch % m:
+        raise bad(f"num_microbatches={m} must be >= 1 and divide batch_size={batch}; "
+                  "choose a divisor of the batch")
+    if batch % (m * plan.dp):
+        raise bad(f"num_microbatches={m} x dp={plan.dp} must divide batch_size={batch} (the "
+                  "global batch); choose m dividing the batch per replica")
+    kind = plan.schedule_kind
+    if kind in V_SCHEDULE_KINDS and v != 2:
+        raise bad(f"stages_per_rank={v} with schedule_kind={kind!r}: the V schedules run "
+                  "exactly 2 stages per rank; set stages_per_rank to 2")
+    if v < 1 or (v > 1 and kind not in ("interleaved_1f1b", *V_SCHEDULE_KINDS)):
+        raise bad(f"stages_per_rank={v} with schedule_kind={kind!r}: only "
+                  "'interleaved_1f1b' and the V schedules (v = 2) run more than one stage per "
+                  "rank (v >= 1); set stages_per_rank to 1 or the schedule to "
+                  "'interleaved_1f1b'")
+    if p < 1 or len(plan.stages) != p * v:
+        raise bad(f"{len(plan.stages)} stages on {p} ranks with stages_per_rank={v}; the "
+                  f"number of stages must be ranks x stages_per_rank = {p * v}")
+    try:
+        check_microbatches(kind, p, m)
+    except PlanError as exc:
+        raise bad(str(exc)) from None
+    num_stages = len(plan.stages)
+    rank_of = stage_ranks(kind, p, v)
+    how = "in a V: rank r runs stages r and 2p - 1 - r" if kind in V_SCHEDULE_KINDS \
+        else f"stage s on rank s % {p}"
+    for r, rank in enumerate(plan.ranks):
+        want = tuple(s for s in range(num_stages) if rank_of[s] == r)
+        if rank.rank != r or rank.stage_indices != want:
+            raise bad(f"ranks[{r}] has rank={rank.rank}, stage_indices={list(rank.stage_indices)}; "
+                      f"rank {r} of {p} runs stages {list(want)} ({kind}: {how})")
+    for i, st in enumerate(plan.stages):
+        if st.stage_index != i:
+            raise bad(f"stages[{i}] has stage_index {st.stage_index}; stages are listed in "
+                      f"order 0..{num_stages - 1}")
+        if st.rank != rank_of[i]:
+            raise bad(f"stage {i} is on rank {st.rank}, but the plan has {p} ranks and "
+                      f"{kind} places it on rank {rank_of[i]} ({how})")
+        if st.device != plan.ranks[st.rank].device:
+            raise bad(f"stage {i} names device {st.device!r}, its rank {st.rank} names "
+                      f"{plan.ranks[st.rank].device!r}; make them agree")
+    if len(plan.cuts) != num_stages - 1:
+        raise bad(f"{num_stages} stages but {len(plan.cuts)} cuts; S stages need S - 1 cuts")
+    positions = [c.position for c in plan.cuts]
+    ascending = all(a < b for a, b in zip(positions, positions[1:], strict=False))
+    if not ascending or any(q < 1 for q in positions):
+        raise bad(f"cut positions {reprlib.repr(positions)} must be >= 1 and strictly ascending")
+    for i, cut in enumerate(plan.cuts):
+        if not cut.after_node or not cut.before_node:
+            raise bad(f"cuts[{i}] names no node on one side ({cut.after_node!r} | "
+                      f"{cut.before_node!r}); {FIX}")
+    if not 0.0 <= plan.bubble_fraction <= 1.0:
+        raise bad(f"bubble_fraction={plan.bubble_fraction} is outside [0, 1]")

@@ -65,7 +65,7 @@ class RuntimeDescription:
             CUDA graphs (``CompileOptions.cuda_graphs``; default False). The solver then
             charges no host issue time to those actions (one graph launch issues all of an
             action's kernels), except for stages that recompute or split their backward,
-            which the runtime runs eagerly (:func:`autopart.runtime.cuda_graphs.graph_refusal`).
+            which the runtime runs eagerly (:func:`autopart.runtime.local.cuda_graphs.graph_refusal`).
             Measured on one H200 (torch 2.11, ``benchmarks/gpu/README.md``): 4 graphed
             stages of a small GPT-2 at 1F1B m = 8 stepped in 0.039 s, against 0.112 s issued
             eagerly from one thread. A capture that fails at run time falls back to eager

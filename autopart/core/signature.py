@@ -12,8 +12,10 @@ import torch.utils._pytree as pytree
 from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
 from autopart.core.microbatch import merge_leaves, split_leaves, split_tree
+from autopart.core.plan import Plan
 
-__all__ = ["InputSignature", "batch_size", "microbatch_inputs", "require_loss", "call_loss"]
+__all__ = ["InputSignature", "batch_size", "replica_share", "microbatch_inputs", "require_loss",
+           "call_loss"]
 
 
 def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -27,6 +29,37 @@ def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
             return int(leaf.shape[0])
     raise PlanError("no tensor input with a batch dimension; pass at least one tensor whose "
                     "dim 0 is the batch")
+
+
+def replica_share(plan: Plan, dp_rank: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  target: Any = None) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """This replica's rows of a global batch.
+
+    With a plan made for dp > 1 replicas and inputs whose batch (dim 0 of the first batched
+    input) is the plan's global ``batch_size`` B, replica ``dp_rank`` keeps rows
+    ``[dp_rank * B / dp, (dp_rank + 1) * B / dp)`` of every input and target tensor of
+    leading size B. Anything else (the replica's own share already, a pp-only plan) is
+    returned as it is.
+
+    Args:
+        plan: the plan.
+        dp_rank: this rank's replica index, 0 .. plan.dp - 1.
+        args, kwargs: the inputs.
+        target: the target, or None.
+
+    Returns:
+        ``(args, kwargs, target)`` of this replica.
+    """
+    if plan.dp == 1 or batch_size(args, kwargs) != plan.batch_size:
+        return args, kwargs, target
+    per = plan.batch_size // plan.dp
+    rows = slice(dp_rank * per, (dp_rank + 1) * per)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t[rows] if t.dim() > 0 and t.shape[0] == plan.batch_size else t
+
+    out = pytree.tree_map_only(torch.Tensor, cut, (args, kwargs, target))
+    return tuple(out[0]), dict(out[1]), out[2]
 
 
 def microbatch_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatches: int,

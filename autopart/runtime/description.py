@@ -15,14 +15,14 @@ def describe(backend: str, *, issue_threads: int | None = 1) -> RuntimeDescripti
     ``"local"``: one process runs every stage (the stream executor); ``issue_threads``
     host threads issue the ranks' work (default 1: the caller's thread issues every stage,
     ``pipe.issue_threads = 1``; None: a worker thread per rank,
-    :class:`autopart.runtime.issue_threads.IssueThreads`); a stage's receive
+    :class:`autopart.runtime.local.issue_threads.IssueThreads`); a stage's receive
     buffers are allocated as values arrive; the backward is split with
     :class:`~autopart.runtime.split_engines.LocalSplit`.
     ``"distributed"``: each rank is a process (torch.distributed.pipelining's stages) with
     its own issuing thread (``issue_threads=None``): one
     receive buffer per microbatch for the whole step, torch's backward split on copies of the
     outputs, and a cost per transfer timed by
-    :func:`autopart.runtime.transfer_rank.time_steps`.
+    :func:`autopart.runtime.distributed.transfer_rank.time_steps`.
 
     Args:
         backend: ``"local"`` or ``"distributed"``.
@@ -38,5 +38,5 @@ def describe(backend: str, *, issue_threads: int | None = 1) -> RuntimeDescripti
         return RuntimeDescription(name="distributed", receive_buffers_per_microbatch=True,
                                   ranks_are_processes=True, issue_threads=None,
                                   split_engine=TorchPipeliningSplit(),
-                                  transfer_steps="autopart.runtime.transfer_rank:time_steps")
+                                  transfer_steps="autopart.runtime.distributed.transfer_rank:time_steps")
     raise PlanError(f"backend={backend!r}; expected one of {BACKENDS}")

@@ -8,9 +8,11 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-__all__ = ["tune_cpu_allocator", "MALLOC_ENV", "AFFINITY_ENV", "core_share", "pin_threads",
+__all__ = ["tune_cpu_allocator", "on_rank_cores", "MALLOC_ENV", "AFFINITY_ENV", "core_share", "pin_threads",
            "thread_affinity", "affinity_enabled", "on_cores"]
 
 #: Set to ``0``/``off``/``no``/``false`` to leave the C allocator as it is.
@@ -155,3 +157,26 @@ def on_cores(cores: Sequence[int] | None) -> Iterator[None]:
         yield
     finally:
         pin_threads(before)
+
+
+@contextlib.contextmanager
+def on_rank_cores(rank: Any) -> Iterator[None]:
+    """Every thread of this process on ``rank.cpu_cores`` meanwhile (when set), then back on
+    the cores each had (:func:`on_cores`): what runs between steps (the optimizer, a
+    profile, processes started from this one) is left as it was. Where the OS refuses, this
+    warns once, sets ``rank.cpu_cores`` to None (later steps run unpinned) and runs the body.
+
+    Args:
+        rank: a pipeline rank: its ``cpu_cores`` (a tuple of core ids, or None) and its
+            ``pp_rank`` (for the warning).
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(on_cores(rank.cpu_cores))
+        except OSError as exc:  # e.g. a core the cgroup took away since
+            warnings.warn(f"rank {rank.pp_rank}: could not pin its threads to cores "
+                          f"{list(rank.cpu_cores or ())} ({exc}); its steps run unpinned "
+                          "(set AUTOPART_CPU_AFFINITY=0 to skip trying)", RuntimeWarning,
+                          stacklevel=3)
+            rank.cpu_cores = None
+        yield

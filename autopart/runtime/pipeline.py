@@ -18,8 +18,8 @@ from autopart.core.memory import PeakMemory, measure_peak_bytes, optimizer_tenso
 from autopart.core.plan import Plan
 from autopart.core.signature import InputSignature
 from autopart.core.trace import Trace, TraceEvent
-from autopart.runtime.checkpoint import PendingSave, save_checkpoint
-from autopart.runtime.checkpoint_state import CheckpointState
+from autopart.runtime.checkpoint.save_load import PendingSave, save_checkpoint
+from autopart.runtime.checkpoint.state import CheckpointState
 from autopart.runtime.host import tune_cpu_allocator
 
 __all__ = ["Pipeline"]
@@ -118,7 +118,7 @@ class Pipeline(nn.Module):
              extra: dict[str, Any] | None = None, async_save: bool = False,
              keep: int = 1) -> Path | PendingSave:
         """Checkpoint model and optimizer state (DCP) and the plan atomically; on every rank
-        of a distributed pipeline. See :func:`autopart.runtime.checkpoint.save_checkpoint`."""
+        of a distributed pipeline. See :func:`autopart.runtime.checkpoint.save_load.save_checkpoint`."""
         return save_checkpoint(self, directory, optimizer=optimizer, extra=extra,
                                async_save=async_save, keep=keep)
 

@@ -68,7 +68,7 @@ def wait_for_load(limit: float, most_s: float = 300.0) -> float:
 def plan_arms() -> tuple[Any, dict[int, dict[str, Any]], dict[str, dict[str, Any]],
                         dict[str, Any]]:
     """Profile once for 4 CPU ranks, and per world measure the collectives' fixed cost
-    (:func:`autopart.layout_planning.with_collective_overhead`). Per world and arm: the plan
+    (:func:`autopart.planning.with_collective_overhead`). Per world and arm: the plan
     the layout search makes with every rank on a core of its own (a real pipeline: the arm
     that runs), and per arm what the search on shared cores would choose instead
     (``shared_search``, its cuts and m). Returns the profile too, to price the plans again

@@ -96,7 +96,7 @@ def _one(zero: int, mesh: Any, cut: int, repeats: int) -> dict[str, Any]:
     from autopart.core.capture import capture, op_nodes
     from autopart.core.memory import optimizer_tensors, resident_bytes
     from autopart.core.signature import InputSignature
-    from autopart.runtime.distributed import DistributedPipeline
+    from autopart.runtime.distributed.pipeline import DistributedPipeline
     from autopart.solver.data_parallel import state_multiplier
     from tests.plans import manual_plan
 

@@ -247,7 +247,7 @@ def main() -> None:
     import transformers
 
     import autopart.codegen  # noqa: F401  (imported once, before the forks)
-    import autopart.runtime.distributed  # noqa: F401
+    import autopart.runtime.distributed.pipeline  # noqa: F401
     from autopart.core.jsonio import write_text_atomic
 
     wanted = a.only or [t for types in CI_SUBSET.values() for t in types]

@@ -12,8 +12,9 @@ import torch
 
 from autopart import CompileOptions, PlanError
 from autopart.core.cluster import PRESETS
+from autopart.core.signature import replica_share
 from autopart.layout_planning import host_ranks_topology, layout_request, model_heads
-from autopart.runtime.mesh import check_world, replica_share
+from autopart.runtime.distributed.mesh import check_world
 from autopart.solver import SolveOptions
 from autopart.solver.data_parallel import data_parallel_cost
 from autopart.solver.layout_search import solve_layout

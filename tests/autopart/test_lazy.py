@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import autopart
-import autopart.api as api
 import autopart.lazy as lazy
-import autopart.profiler.session as session
+import autopart.profiler.profile_state as profile_state
+import autopart.steps.plan_step as plan_step
 from autopart.apps.demo import gpt2_loss
 from autopart.core.capture import capture
 from tests.plans import even_positions, manual_plan
@@ -93,8 +93,8 @@ def _train_alternating(pipe: Any, reference: nn.Module, loss_fn: Any,
 
 def test_gpt2_as_written_plans_at_the_first_step_and_trains_two_lengths_in_alternation(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    profiled = _counting(monkeypatch, session, "profile_graph")
-    solved = _counting(monkeypatch, api, "plan_model")
+    profiled = _counting(monkeypatch, profile_state, "profile_graph")
+    solved = _counting(monkeypatch, plan_step, "plan_model")
     recaptured = _counting(monkeypatch, lazy, "capture")
     model = _gpt2()
     reference = copy.deepcopy(model)
@@ -128,7 +128,7 @@ def test_gpt2_as_written_plans_at_the_first_step_and_trains_two_lengths_in_alter
 
 def test_bert_on_a_replayed_plan_trains_two_lengths_in_alternation(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    profiled = _counting(monkeypatch, session, "profile_graph")
+    profiled = _counting(monkeypatch, profile_state, "profile_graph")
     model = _bert()
     reference = copy.deepcopy(model)
     captured = capture(model, (_tokens(0, 16)[:2],), {})  # the microbatch: 4 rows / m=2

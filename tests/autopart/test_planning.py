@@ -11,6 +11,7 @@ from torch import nn
 
 import autopart
 import autopart.planning as planning
+import autopart.profiler.profile_state as profile_state
 import autopart.profiler.session as session
 from autopart.profiler.batch_points import batch_points, scaled_batch_points
 from tests.zoo import mlp
@@ -22,15 +23,17 @@ def _unclocked(plan: autopart.Plan) -> autopart.Plan:
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count the calls of ``autopart.profiler.session.<name>`` (still calling it)."""
+    """Count the calls of ``<name>`` where profiling calls it (still calling it):
+    ``autopart.profiler.session`` or the session's state, ``profile_state``."""
     calls: list[int] = []
-    real = getattr(session, name)
+    module = session if hasattr(session, name) else profile_state
+    real = getattr(module, name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(session, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 

@@ -163,7 +163,7 @@ def _run(world: dict[str, Any], plan: Plan) -> None:
 
 def test_mutated_plans_are_refused_or_run_correctly(world: dict[str, Any], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autopart.api, "capture", _cached_capture)
+    monkeypatch.setattr("autopart.steps.capture_step.capture", _cached_capture)
     path = tmp_path / "plan.json"
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

@@ -42,7 +42,7 @@ def mesh_layout(rank: int, world: int, port: int, result_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopart.core.errors import PlanError
-    from autopart.runtime.mesh import build_mesh, mesh_groups
+    from autopart.runtime.distributed.mesh import build_mesh, mesh_groups
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

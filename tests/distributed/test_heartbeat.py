@@ -17,7 +17,7 @@ def test_a_process_that_never_stops_its_heartbeat_still_exits_cleanly() -> None:
         import datetime, sys, time
         sys.path.insert(0, {str(ROOT)!r})
         import torch.distributed as dist
-        from autopart.runtime.heartbeat import Heartbeat
+        from autopart.runtime.distributed.heartbeat import Heartbeat
         store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
         beats = [Heartbeat(store, 0, 1, period_s=0.0) for _ in range(4)]
         time.sleep(0.2)
@@ -43,7 +43,7 @@ def test_a_rank_waiting_in_a_collective_is_not_hung_and_one_told_to_exit_still_i
 
     import torch.distributed as dist
 
-    from autopart.runtime.heartbeat import Heartbeat
+    from autopart.runtime.distributed.heartbeat import Heartbeat
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
     now = time.time()
@@ -67,7 +67,7 @@ def test_in_collective_reads_where_a_blocked_thread_is() -> None:
     import threading
     import time
 
-    from autopart.runtime.heartbeat import in_collective
+    from autopart.runtime.distributed.heartbeat import in_collective
 
     class Op:  # what torch._ops' __call__ runs as ``self``: an op named by its str
         def __init__(self, name: str) -> None:

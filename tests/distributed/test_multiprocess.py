@@ -247,7 +247,7 @@ def test_a_torchrun_script_that_never_calls_init_process_group_runs() -> None:
 def test_an_explicit_group_wins_and_partial_torchrun_variables_are_named(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import autopart
-    from autopart.runtime import launch
+    from autopart.runtime.distributed import launch
 
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

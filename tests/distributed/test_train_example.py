@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from autopart.runtime.checkpoint import checkpoint_extra
+from autopart.runtime.checkpoint.save_load import checkpoint_extra
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["--steps", "20", "--ckpt-every", "5", "--batch-size", "8", "--seq-len", "32",

@@ -115,7 +115,7 @@ def tp_numerics(rank: int, world: int, port: int, result_dir: str) -> None:
     from autopart.codegen import TensorParallelRank, build_stages
     from autopart.core.capture import capture
     from autopart.core.signature import InputSignature
-    from autopart.runtime.distributed import DistributedPipeline
+    from autopart.runtime.distributed.pipeline import DistributedPipeline
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

@@ -67,7 +67,7 @@ def _pipeline(name: str, zero: int, mesh: Any, kind: str = "1f1b", v: int = 1, *
     from autopart.codegen import build_stages
     from autopart.core.capture import capture
     from autopart.core.signature import InputSignature
-    from autopart.runtime.distributed import DistributedPipeline
+    from autopart.runtime.distributed.pipeline import DistributedPipeline
     from tests.plans import even_positions, manual_plan
 
     reference = tiny(name)

@@ -107,7 +107,7 @@ def _quiet(monkeypatch, session_busy: str | None = None) -> None:  # type: ignor
     """The machine taken as quiet for the profile cache (whatever its load now), and for
     the numbers the session caches on a profile as ``session_busy`` says."""
     import autopart.profiler.cache as cache_mod
-    import autopart.profiler.session as session_mod
+    import autopart.profiler.profile_state as session_mod
 
     monkeypatch.setattr(cache_mod, "machine_busy", lambda: None)
     monkeypatch.setattr(session_mod, "machine_busy", lambda: session_busy)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopart import layout_planning
+from autopart import layout_planning, planning
 from autopart.core.errors import ProfileError
 from autopart.options import CompileOptions
 from autopart.planning import profile_model
@@ -67,9 +67,9 @@ def test_a_profile_gets_the_points_and_a_failed_probe_warns(
         return ProbeFigures(((100.0, 900.0), (4000.0, 1200.0)), ((100.0, 700.0),), 1.5e9,
                             4e9)
 
-    monkeypatch.setattr(layout_planning, "measure_collective_overhead", fake)
-    monkeypatch.setattr(layout_planning, "cpu_ranks_per_core", lambda world: world / 2)
-    got = layout_planning.with_collective_overhead(profile, 4)
+    monkeypatch.setattr(planning, "measure_collective_overhead", fake)
+    monkeypatch.setattr(planning, "cpu_ranks_per_core", lambda world: world / 2)
+    got = planning.with_collective_overhead(profile, 4)
     assert got.runtime.collective_overhead_points == ((100.0, 900.0), (4000.0, 1200.0))
     assert got.runtime.collective_overhead_at(2050.0) == pytest.approx(1050.0)
     assert got.runtime.transfer_wait_points == ((100.0, 700.0),)
@@ -88,16 +88,16 @@ def test_a_profile_gets_the_points_and_a_failed_probe_warns(
     assert (world, per_core) == (4, 2.0) and ring > link > 0  # the 16 KiB message
     seen.clear()
     # one rank, an odd world and GPU ranks are left alone, without a probe
-    assert layout_planning.with_collective_overhead(profile, 1) is profile
-    assert layout_planning.with_collective_overhead(profile, 3) is profile
+    assert planning.with_collective_overhead(profile, 1) is profile
+    assert planning.with_collective_overhead(profile, 3) is profile
     gpu = dataclasses.replace(profile, devices=("cuda:0", "cuda:1"))
-    assert layout_planning.with_collective_overhead(gpu, 2) is gpu
+    assert planning.with_collective_overhead(gpu, 2) is gpu
     assert seen == []
 
     def broken(world: int, **_: float) -> tuple[tuple[float, float], ...]:
         raise ProfileError("timing gloo collectives in 2 processes failed: boom")
 
-    monkeypatch.setattr(layout_planning, "measure_collective_overhead", broken)
+    monkeypatch.setattr(planning, "measure_collective_overhead", broken)
     with pytest.warns(RuntimeWarning, match="no fixed cost per collective"):
-        assert layout_planning.with_collective_overhead(profile, 2) is profile
+        assert planning.with_collective_overhead(profile, 2) is profile
 

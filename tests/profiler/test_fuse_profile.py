@@ -117,7 +117,7 @@ def test_compile_passes_fuse_to_the_profile(monkeypatch: pytest.MonkeyPatch) -> 
         seen.update(kwargs)
         raise Seen
 
-    monkeypatch.setattr("autopart.api.plan_model", record)
+    monkeypatch.setattr("autopart.steps.plan_step.plan_model", record)
     model, x = _mlp()
     for fuse in (True, False):
         with pytest.raises(Seen):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autopart
-import autopart.runtime.checkpoint as ckpt
+import autopart.runtime.checkpoint.save_load as ckpt
 from autopart.core.errors import CheckpointError
 from tests import training
 from tests.zoo import gpt2, mlp

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autopart.core.capture import capture
-from autopart.runtime.cuda_graphs import StageGraphs, graph_refusal
+from autopart.runtime.local.cuda_graphs import StageGraphs, graph_refusal
 from tests.numerics import assert_train_step_matches
 from tests.plans import even_positions, local_pipeline, manual_plan
 from tests.zoo import mlp
@@ -62,7 +62,7 @@ def test_the_replay_bookkeeping_on_cpu_with_capture_stood_in(
     graph copies: captured after the first step, one copy per microbatch in flight, every
     F finds a free copy, every B gives it back, numerics unchanged, on one thread and on a
     thread per rank. The replay itself is tests/gpu/test_cuda_graphs.py's."""
-    import autopart.runtime.cuda_graphs as cg
+    import autopart.runtime.local.cuda_graphs as cg
 
     captures: list[int] = []
 

@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopart.runtime._dist_stages import P2PStage
+from autopart.runtime.distributed._stages import P2PStage
 
 
 class _PassesAMaskOn(nn.Module):

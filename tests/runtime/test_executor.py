@@ -9,7 +9,7 @@ import autopart
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, build_schedule, in_flight_counts
-from autopart.runtime.executor import LocalExecutor
+from autopart.runtime.local.executor import LocalExecutor
 from tests.numerics import assert_train_step_matches
 from tests.plans import even_positions, local_pipeline, manual_plan
 from tests.zoo import mlp

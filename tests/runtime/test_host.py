@@ -132,7 +132,7 @@ def test_a_rank_the_os_will_not_pin_warns_and_runs_unpinned(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    import autopart.runtime.distributed as distributed
+    import autopart.runtime.distributed.pipeline as distributed
 
     def refuse(cores: object) -> None:
         if not isinstance(cores, dict):

@@ -13,8 +13,8 @@ from torch import nn
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, build_schedule, from_csv
-from autopart.runtime.executor import LocalExecutor
-from autopart.runtime.issue_threads import thread_orders
+from autopart.runtime.local.executor import LocalExecutor
+from autopart.runtime.local.issue_threads import thread_orders
 from tests.numerics import assert_train_step_matches
 from tests.plans import even_positions, local_pipeline, manual_plan
 from tests.zoo import gpt2, mlp

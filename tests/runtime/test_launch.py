@@ -4,7 +4,7 @@ import torch
 
 from autopart.codegen import build_stages
 from autopart.core.capture import capture
-from autopart.runtime import launch
+from autopart.runtime.distributed import launch
 from tests.plans import even_positions, manual_plan
 from tests.zoo import ZOO
 

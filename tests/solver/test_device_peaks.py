@@ -7,7 +7,8 @@ import pytest
 
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, build_schedule
-from autopart.solver.simulate import StageCosts, device_peaks, rank_peaks, simulate
+from autopart.solver.simulate import StageCosts, rank_peaks, simulate
+from autopart.solver.simulate_memory import device_peaks
 
 
 def _costs(p: int, static: int = 100, saved: int = 10, extra: int = 50,

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from autopart.core.costgraph import BatchScale, CostGraph, segment_scales, through_two_batches
+from autopart.core.batch_lines import segment_scales, through_two_batches
+from autopart.core.costgraph import BatchScale, CostGraph
 from autopart.core.errors import PlanError
 from autopart.solver._cost_model import CostModel
 from tests.solver.oracles.stage_estimate import stage_estimates

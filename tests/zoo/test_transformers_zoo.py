@@ -28,7 +28,7 @@ def _entries() -> dict[tuple[str, str], Entry]:
 def _one_profile_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """Profile with one timed call per node and no warm-up: the test checks the partition's
     numerics, not its timings."""
-    import autopart.profiler.session as planning
+    import autopart.profiler.profile_state as planning
     from autopart.profiler import profile_graph
 
     monkeypatch.setattr(planning, "profile_graph",

@@ -4,7 +4,6 @@ torch.distributed.pipelining's runtime (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,8 +15,14 @@ from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.memory import PeakMemory, device_key
 from autopart.core.schedule import splits_backward
-from autopart.core.signature import InputSignature, call_loss, require_loss
-from autopart.runtime._dist_comm import (
+from autopart.core.signature import InputSignature, call_loss, replica_share, require_loss
+from autopart.runtime._torch_private import (
+    ScheduleRuntime,
+    incompatible_keys,
+    receive_buffers,
+)
+from autopart.runtime.checkpoint.state import CheckpointState
+from autopart.runtime.distributed._comm import (
     StoreGather,
     broadcast_outputs,
     cpu_share,
@@ -28,22 +33,20 @@ from autopart.runtime._dist_comm import (
     time_out_groups,
     timed_group,
 )
-from autopart.runtime._dist_grads import grad_norm, reduce_grads
-from autopart.runtime._dist_scaling import ScaledLosses, agree_on_overflow
-from autopart.runtime._dist_schedule import StepSchedules
-from autopart.runtime._dist_sharding import DataSharding
-from autopart.runtime._dist_stages import P2PStage
-from autopart.runtime._dist_state import WholeTensors
-from autopart.runtime._dist_tensor_parallel import tensor_parallel_state
-from autopart.runtime._torch_private import (
-    ScheduleRuntime,
-    incompatible_keys,
-    receive_buffers,
+from autopart.runtime.distributed._grads import (
+    grad_norm,
+    mean_over_microbatches,
+    reduce_grads,
+    step_loss,
 )
-from autopart.runtime.checkpoint_state import CheckpointState
-from autopart.runtime.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
-from autopart.runtime.host import on_cores
-from autopart.runtime.mesh import replica_share
+from autopart.runtime.distributed._scaling import ScaledLosses, agree_on_overflow
+from autopart.runtime.distributed._schedule import StepSchedules
+from autopart.runtime.distributed._sharding import DataSharding
+from autopart.runtime.distributed._stages import P2PStage
+from autopart.runtime.distributed._state import WholeTensors
+from autopart.runtime.distributed._tensor_parallel import tensor_parallel_state
+from autopart.runtime.distributed.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
+from autopart.runtime.host import on_rank_cores
 from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.tracing import ActionRecorder
 
@@ -61,23 +64,13 @@ class DistributedPipeline(Pipeline):
     ranks from the actions (the V schedules' two stages per rank included) and hands the
     values between two neighbouring stages of one rank over in memory.
 
-    During a step (``train_step``, ``forward``), CPU ranks that share a host run on
-    disjoint, contiguous shares of the cores the host lets them use
-    (:func:`autopart.runtime.host.core_share`; every thread of the process, gloo's
-    included), and get the cores they had back after it: unpinned, the OS runs a rank's
-    gloo receive thread beside the other rank's compute, and posting a receive on the
-    busier rank waits for that thread. Turned off by
-    ``$AUTOPART_CPU_AFFINITY=0``, with fewer cores than ranks on the host, and where the
-    ranks were already allowed different cores (a user's own pinning).
-
-    After the step: gradients of a tied parameter held by several ranks are summed across
-    them (all-reduce), and with a data-parallel group every gradient is averaged across
-    its replicas (under the plan's ZeRO stage 1-3, FSDP2 shards each stage over the
-    data-parallel group instead and reduce-scatters the mean gradient into DTensor shards:
-    :mod:`autopart.runtime._dist_sharding`); with a ``grad_scaler``, the ranks then agree on
-    whether the step overflowed (see :meth:`train_step`). The loss (mean over microbatches)
-    is broadcast from the last stage's rank, so ``train_step`` returns it on every rank;
-    ``pipe(x)`` returns the output on every rank the same way.
+    During a step, CPU ranks that share a host run on disjoint, contiguous shares of its
+    cores (:func:`autopart.runtime.host.core_share`, every thread of the process): unpinned,
+    the OS runs a rank's gloo receive thread beside the other rank's compute. Off with
+    ``$AUTOPART_CPU_AFFINITY=0``, fewer cores than ranks, or ranks already pinned apart.
+    After the step, gradients are reduced (:meth:`reduce_grads`: tied sums, dp means or
+    ZeRO's reduce-scatter, :mod:`autopart.runtime.distributed._sharding`) and the loss and
+    ``pipe(x)``'s output are broadcast from the last stage's rank to every rank.
 
     Attributes:
         plan: the plan.
@@ -106,20 +99,20 @@ class DistributedPipeline(Pipeline):
         tp_group: process group of this rank's tensor-parallel peers (needed when the
             plan's tp > 1; ``stages`` built with ``tp=TensorParallelRank.of_group(it)``):
             parameters are then this rank's shards, ``state_dict`` gathers full tensors
-            (:mod:`autopart.runtime._dist_tensor_parallel`).
+            (:mod:`autopart.runtime.distributed._tensor_parallel`).
         timings_s: seconds per compile phase, kept as ``timings_s``.
         step_timeout_s: a send or receive of the pipeline, or a collective of its tp or dp
-            group (whose timeout is set to this: :func:`~autopart.runtime._dist_comm.
+            group (whose timeout is set to this: :func:`~autopart.runtime.distributed._comm.
             time_out_groups`), that waits this long fails the step (default 300 s): every
             rank then raises :class:`PipelineFailure` naming the rank that died or hangs (its
             global rank, (pp, dp, tp) and stages) and the action it hangs in, and a hung
             rank is told to exit (its heartbeat thread ends the process; see
-            :class:`autopart.runtime.heartbeat.Heartbeat`).
+            :class:`autopart.runtime.distributed.heartbeat.Heartbeat`).
 
     Raises:
         PlanError: the pipeline group's size differs from the plan's rank count; a ZeRO
             stage the groups or the placement cannot run
-            (:class:`autopart.runtime._dist_sharding.DataSharding`).
+            (:class:`autopart.runtime.distributed._sharding.DataSharding`).
     """
 
     def __init__(self, model: nn.Module, stages: BuiltStages, signature: InputSignature,
@@ -155,13 +148,13 @@ class DistributedPipeline(Pipeline):
         self.step_timeout_s = step_timeout_s
         pipelines, mine = pipelines_of(pp_group)
         self._coords = mesh_coordinates(pp_group, dp_group, tp_group, step_timeout_s)
-        time_out_groups([dp_group, tp_group], step_timeout_s)
         self._p2p_group = timed_group(pipelines, mine, step_timeout_s)
         self._tied_groups = tied_groups(placement, plan, pipelines, mine, self.pp_rank,
                                         self._local, step_timeout_s)
+        self._gather = StoreGather(mine, self.pp_rank, step_timeout_s, self._guarded)
+        time_out_groups([dp_group, tp_group], step_timeout_s)
         self._last_rank = plan.stages[-1].rank
         self._first_rank = plan.stages[0].rank
-        self._gather = StoreGather(mine, self.pp_rank, step_timeout_s, self._guarded)
         self._heartbeat = Heartbeat(self._gather.store, dist.get_rank(), dist.get_world_size(),
                                     hung_after_s=step_timeout_s)
         submods = {s: P2PStage(stages.modules[s], stages.runners[s], plan.stages[s].recompute,
@@ -175,11 +168,11 @@ class DistributedPipeline(Pipeline):
         whole_shapes = {f: tuple(t.shape) for f, t in [
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False)]}
-        self._whole = WholeTensors(self._local, whole_shapes, self._sharding, self._tp)
         self.pipeline_stages = [
             self._sharding.new_stage(self._heartbeat, submods[s], s, plan.num_stages, device,
                                      group=self._p2p_group)
             for s in self.local_stages]
+        self._whole = WholeTensors(self._local, whole_shapes, self._sharding, self._tp)
         self._schedules = StepSchedules(self.pipeline_stages, plan, self.pp_size,
                                         self._recompute, self.loss_of_flat,
                                         gloo=dist.get_backend(self._p2p_group) == "gloo")
@@ -187,22 +180,10 @@ class DistributedPipeline(Pipeline):
         self._recorder: ActionRecorder | None = None
         self._scaled_losses: ScaledLosses | None = None  # during a step with a grad_scaler
 
-    @contextlib.contextmanager
-    def _on_own_cores(self) -> Iterator[None]:
-        """Every thread of this process on :attr:`cpu_cores` meanwhile (when set), then back
-        on the cores each had (:func:`autopart.runtime.host.on_cores`): what runs between
-        steps (the optimizer, a profile, processes started from this one) is left as it
-        was. Where the OS refuses, this warns once and later steps run unpinned."""
-        with contextlib.ExitStack() as stack:
-            try:
-                stack.enter_context(on_cores(self.cpu_cores))
-            except OSError as exc:  # e.g. a core the cgroup took away since
-                warnings.warn(f"rank {self.pp_rank}: could not pin its threads to cores "
-                              f"{list(self.cpu_cores or ())} ({exc}); its steps run unpinned "
-                              "(set AUTOPART_CPU_AFFINITY=0 to skip trying)", RuntimeWarning,
-                              stacklevel=3)
-                self.cpu_cores = None
-            yield
+    def _on_own_cores(self) -> contextlib.AbstractContextManager[None]:
+        """Every thread of this process on :attr:`cpu_cores` meanwhile
+        (:func:`autopart.runtime.host.on_rank_cores`)."""
+        return on_rank_cores(self)
 
     # ---- parameters -----------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -266,7 +247,7 @@ class DistributedPipeline(Pipeline):
             raise self._failure(exc) from exc
 
     def _failure(self, exc: Exception) -> PipelineFailure:
-        """The error a failed step raises (:func:`autopart.runtime._dist_comm.step_failure`)."""
+        """The error a failed step raises (:func:`autopart.runtime.distributed._comm.step_failure`)."""
         return step_failure(exc, self._heartbeat, self.plan, self._coords, dist.get_rank(),
                             self.step_timeout_s)
 
@@ -285,7 +266,7 @@ class DistributedPipeline(Pipeline):
         alike), then runs torch's AMP recipe (``scaler.unscale_(opt)`` and
         ``pipe.clip_grad_norm_`` if wanted, ``scaler.step(opt)``, ``scaler.update()``); a
         step that overflowed on any rank is skipped on every rank, whose scales stay equal
-        (:func:`autopart.runtime._dist_scaling.agree_on_overflow`).
+        (:func:`autopart.runtime.distributed._scaling.agree_on_overflow`).
 
         Args:
             trace: record every action of every rank of this pipeline into ``last_trace``
@@ -349,17 +330,9 @@ class DistributedPipeline(Pipeline):
         finally:
             self._set_recorder(None)
             self._scaled_losses = None
-        # the mean over microbatches (the loss_fn averages within one), as torch's scale_grads
-        for p in {id(p): p for mod in self.stages for p in mod.parameters()}.values():
-            if p.grad is not None:
-                p.grad.div_(m)
-        if scaled is not None:  # the losses torch kept are the scaled ones
-            losses = scaled.unscaled(losses)
-        # float32 on every rank: the broadcast needs one dtype (a bf16 model's loss is bf16)
-        loss = (torch.stack([x.detach() for x in losses]).mean().float() if losses
-                else torch.zeros((), device=self.device))
-        self._guarded(lambda: dist.broadcast(loss, src=self._global(self._last_rank),
-                                             group=self._p2p_group))
+        mean_over_microbatches(self.stages, m)
+        loss = step_loss(losses if scaled is None else scaled.unscaled(losses), self.device,
+                         self._global(self._last_rank), self._p2p_group, self._guarded)
         with (contextlib.nullcontext() if recorder is None
               else recorder.span(self.pp_rank, "reduce", waits=False)):
             self._guarded(self.reduce_grads)  # a dead or hung replica: PipelineFailure
@@ -442,7 +415,7 @@ class DistributedPipeline(Pipeline):
                        ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """A plan made for dp > 1 replicas takes the global batch (every rank passes the same)
         or this replica's share; the global one is cut to this replica's rows
-        (:func:`autopart.runtime.mesh.replica_share`)."""
+        (:func:`autopart.core.signature.replica_share`)."""
         dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
         return replica_share(self.plan, dp_rank, args, kwargs, target)
 
@@ -468,7 +441,7 @@ class DistributedPipeline(Pipeline):
     def checkpoint_state(self) -> CheckpointState:
         """This rank writes the tensors it owns and loads every tensor it holds; saving and
         loading are collective when the world has several ranks. Under tp > 1 or ZeRO 1-3
-        both go through whole tensors (:class:`autopart.runtime._dist_state.WholeTensors`), so
+        both go through whole tensors (:class:`autopart.runtime.distributed._state.WholeTensors`), so
         a checkpoint loads into any (tp, pp, dp, ZeRO) layout and into the plain model."""
         params = {id(p): f for f, p in self.named_parameters()}
         if self._whole.split:

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from autopart.core.errors import CheckpointError
 from autopart.core.jsonio import dumps, fsync_dir, write_text_atomic
 from autopart.core.plan import Plan
-from autopart.runtime._checkpoint_files import (
+from autopart.runtime.checkpoint._dcp_files import SafeReader, read_metadata, safetensors_weights
+from autopart.runtime.checkpoint._files import (
     CHECKPOINT_FORMAT,
     LATEST,
     MANIFEST,
@@ -36,9 +37,8 @@ from autopart.runtime._checkpoint_files import (
     sha256,
     verified_manifest,
 )
-from autopart.runtime._checkpoint_optim import optimizer_buffers, optimizer_state, restore_optimizer
-from autopart.runtime._dcp_files import SafeReader, read_metadata, safetensors_weights
-from autopart.runtime.checkpoint_state import Checkpointable, CheckpointState
+from autopart.runtime.checkpoint._optim import optimizer_buffers, optimizer_state, restore_optimizer
+from autopart.runtime.checkpoint.state import Checkpointable, CheckpointState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_extra", "checkpoint_plan",
            "checkpoint_tensors", "current_checkpoint", "PendingSave", "CHECKPOINT_FORMAT"]

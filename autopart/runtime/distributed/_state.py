@@ -9,9 +9,9 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopart.core.plan import Plan
-from autopart.runtime._dist_sharding import DataSharding
-from autopart.runtime._dist_tensor_parallel import TensorParallelState
-from autopart.runtime.checkpoint_state import CheckpointState
+from autopart.runtime.checkpoint.state import CheckpointState
+from autopart.runtime.distributed._sharding import DataSharding
+from autopart.runtime.distributed._tensor_parallel import TensorParallelState
 from autopart.runtime.pipeline import Pipeline
 
 __all__ = ["WholeTensors"]

@@ -15,7 +15,7 @@ __all__ = ["CheckpointState", "Checkpointable"]
 
 @dataclass(frozen=True)
 class CheckpointState:
-    """One process's share of a model, as :mod:`autopart.runtime.checkpoint` sees it.
+    """One process's share of a model, as :mod:`autopart.runtime.checkpoint.save_load` sees it.
 
     Attributes:
         writes: canonical FQN -> tensor this process saves (each tensor once over all ranks,

@@ -15,9 +15,9 @@ from autopart.core.memory import PeakMemory, device_key
 from autopart.core.schedule import build_schedule, forward_schedule
 from autopart.core.signature import InputSignature, call_loss, require_loss
 from autopart.runtime._torch_private import incompatible_keys, version_counter
-from autopart.runtime.checkpoint_state import CheckpointState
-from autopart.runtime.cuda_graphs import StageGraphs
-from autopart.runtime.executor import LocalExecutor
+from autopart.runtime.checkpoint.state import CheckpointState
+from autopart.runtime.local.cuda_graphs import StageGraphs
+from autopart.runtime.local.executor import LocalExecutor
 from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.tracing import ActionRecorder
 
@@ -120,7 +120,7 @@ class PipelinedModule(Pipeline):
         The first ``train_step`` after it is set runs eagerly and records the microbatch
         shapes; the graphs are captured after it (one copy per microbatch the stage holds at
         once) and replayed from the next step on
-        (:class:`autopart.runtime.cuda_graphs.StageGraphs`). A stage that cannot be graphed
+        (:class:`autopart.runtime.local.cuda_graphs.StageGraphs`). A stage that cannot be graphed
         (not CUDA, recompute, a split backward, a host sync or data-dependent shape in the
         capture) runs eagerly and its reason is printed once and kept in
         :attr:`cuda_graph_reasons`. Inference (``pipe(x)``) stays eager. Needs the weights

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.core.signature import batch_size
 
-__all__ = ["MESH_DIMS", "MeshGroups", "check_world", "build_mesh", "mesh_groups", "replica_share"]
+__all__ = ["MESH_DIMS", "MeshGroups", "check_world", "build_mesh", "mesh_groups"]
 
 #: The dimension names, outermost first: tp innermost, so a tp group's ranks are adjacent
 #: (inside one host, as Megatron-LM places them; torchtitan's mesh uses the same order).
@@ -135,34 +132,3 @@ def mesh_groups(plan: Plan, mesh: DeviceMesh | None = None) -> MeshGroups:
                             "with the plan's sizes, or leave mesh= out to let autopart build it")
     return MeshGroups(mesh, mesh.get_group("pp"), _group(mesh, "dp"), _group(mesh, "tp"),
                       pp, sizes["dp"], tp)
-
-
-def replica_share(plan: Plan, dp_rank: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  target: Any = None) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-    """This replica's rows of a global batch.
-
-    With a plan made for dp > 1 replicas and inputs whose batch (dim 0 of the first batched
-    input) is the plan's global ``batch_size`` B, replica ``dp_rank`` keeps rows
-    ``[dp_rank * B / dp, (dp_rank + 1) * B / dp)`` of every input and target tensor of
-    leading size B. Anything else (the replica's own share already, a pp-only plan) is
-    returned as it is.
-
-    Args:
-        plan: the plan.
-        dp_rank: this rank's replica index, 0 .. plan.dp - 1.
-        args, kwargs: the inputs.
-        target: the target, or None.
-
-    Returns:
-        ``(args, kwargs, target)`` of this replica.
-    """
-    if plan.dp == 1 or batch_size(args, kwargs) != plan.batch_size:
-        return args, kwargs, target
-    per = plan.batch_size // plan.dp
-    rows = slice(dp_rank * per, (dp_rank + 1) * per)
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        return t[rows] if t.dim() > 0 and t.shape[0] == plan.batch_size else t
-
-    out = pytree.tree_map_only(torch.Tensor, cut, (args, kwargs, target))
-    return tuple(out[0]), dict(out[1]), out[2]

@@ -13,8 +13,8 @@ from autopart.codegen.recompute import run_recomputed
 from autopart.codegen.split_backward import SplitBackward
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule
-from autopart.runtime.cuda_graphs import StageGraphs
-from autopart.runtime.issue_threads import IssueThreads, check_issue_threads, thread_orders
+from autopart.runtime.local.cuda_graphs import StageGraphs
+from autopart.runtime.local.issue_threads import IssueThreads, check_issue_threads, thread_orders
 from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["LocalExecutor", "StepResult"]
@@ -165,7 +165,7 @@ class LocalExecutor:
     :class:`_Streams`). With more threads (``None``: one per rank) each rank's actions are
     issued from a worker thread of its own, in the rank's order, a stage's ``F`` waiting for
     the previous stage's outputs and its ``B``/``I`` for the next stage's input gradients
-    (:class:`autopart.runtime.issue_threads.IssueThreads`, torchgpipe's worker per device): CPU
+    (:class:`autopart.runtime.local.issue_threads.IssueThreads`, torchgpipe's worker per device): CPU
     stages then run at the same time, CUDA stages are issued in parallel. The same kernels
     run on the same values either way.
 

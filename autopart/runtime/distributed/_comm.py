@@ -17,7 +17,7 @@ from autopart.core.errors import PipelineFailure
 from autopart.core.plan import Plan
 from autopart.core.trace import TraceEvent
 from autopart.runtime._torch_private import default_store, set_group_timeout
-from autopart.runtime.heartbeat import Heartbeat
+from autopart.runtime.distributed.heartbeat import Heartbeat
 from autopart.runtime.host import affinity_enabled, core_share
 
 __all__ = ["StoreGather", "broadcast_outputs", "cpu_share", "pipelines_of", "timed_group",

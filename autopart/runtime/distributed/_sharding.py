@@ -6,7 +6,7 @@ How the plan's ZeRO stage maps onto FSDP2 and torch's pipelining runtime (torch 
 ``PipelineStage`` runs):
 
 - ``fully_shard`` goes on the ``PipelineStage``'s submodule, the
-  :class:`autopart.runtime._dist_stages.P2PStage` of each local stage, so that torch's
+  :class:`autopart.runtime.distributed._stages.P2PStage` of each local stage, so that torch's
   FSDP-aware stage logic fires (``isinstance(stage.submod, FSDPModule)``): the runtime
   all-gathers a stage's parameters (``UNSHARD``) before its first action and reshards it
   when it leaves the window of active stages; every microbatch's backward runs with
@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.runtime._dist_stages import TracedStage
+from autopart.runtime.distributed._stages import TracedStage
 
 __all__ = ["DataSharding", "ShardedStage", "local_tensor"]
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from autopart.codegen.recompute import run_recomputed
 from autopart.runtime._torch_private import ZeroIndexStage
-from autopart.runtime.heartbeat import Heartbeat
+from autopart.runtime.distributed.heartbeat import Heartbeat
 from autopart.runtime.tracing import ActionRecorder
 
 __all__ = ["P2PStage", "TracedStage", "restride"]

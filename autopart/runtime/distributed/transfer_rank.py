@@ -13,7 +13,7 @@ from autopart.codegen import build_stages
 from autopart.core.capture import capture
 from autopart.core.plan import Plan
 from autopart.core.signature import InputSignature, microbatch_inputs
-from autopart.runtime.distributed import DistributedPipeline
+from autopart.runtime.distributed.pipeline import DistributedPipeline
 from autopart.runtime.host import tune_cpu_allocator
 
 __all__ = ["workload", "time_steps", "WARMUP", "STEPS"]

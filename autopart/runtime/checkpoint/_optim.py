@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from autopart.core.errors import CheckpointError
-from autopart.runtime._checkpoint_files import OPT
-from autopart.runtime.checkpoint_state import CheckpointState
+from autopart.runtime.checkpoint._files import OPT
+from autopart.runtime.checkpoint.state import CheckpointState
 
 __all__ = ["optimizer_state", "optimizer_buffers", "restore_optimizer"]
 

@@ -4,7 +4,6 @@ device, and its weights when the model was built on ``meta``."""
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -14,10 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.core.errors import PlanError
-from autopart.core.jsonio import dumps
-from autopart.core.plan import Plan
 
-__all__ = ["init_from_env", "require_process_group", "broadcast_plan", "rank_device", "on_meta",
+__all__ = ["init_from_env", "require_process_group", "rank_device", "on_meta",
            "materialise"]
 
 
@@ -117,15 +114,3 @@ def materialise(model: nn.Module, device: torch.device) -> Callable[[str], torch
             return model.get_buffer(fqn)
 
     return tensor_of
-
-
-def broadcast_plan(plan: Plan | None, src: int = 0, group: dist.ProcessGroup | None = None) -> Plan:
-    """Send ``src``'s plan to every rank as JSON bytes (validated on receipt, never pickled)."""
-    payload = dumps(plan.to_dict()).encode() if plan is not None else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, src=src, group=group)
-    data = torch.zeros(int(size.item()), dtype=torch.uint8)
-    if plan is not None:
-        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(data, src=src, group=group)
-    return Plan.from_dict(json.loads(bytes(data.tolist()).decode()))

@@ -1,4 +1,5 @@
-"""A pipeline rank's gradients after a step: tied sums, dp means, and the whole model's norm."""
+"""A pipeline rank's results after a step: the loss on every rank, gradients (microbatch
+means, tied sums, dp means) and the whole model's gradient norm."""
 
 from __future__ import annotations
 
@@ -7,12 +8,45 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from autopart.runtime._dist_comm import average_over
-from autopart.runtime._dist_sharding import DataSharding, local_tensor
-from autopart.runtime._dist_tensor_parallel import TensorParallelState
+from autopart.runtime.distributed._comm import average_over
+from autopart.runtime.distributed._sharding import DataSharding, local_tensor
+from autopart.runtime.distributed._tensor_parallel import TensorParallelState
 
-__all__ = ["reduce_grads", "grad_norm"]
+__all__ = ["step_loss", "mean_over_microbatches", "reduce_grads", "grad_norm"]
+
+
+def step_loss(losses: list[torch.Tensor], device: torch.device, last_rank: int,
+              group: dist.ProcessGroup | None, guarded: Callable[[Callable[[], Any]], Any],
+              ) -> torch.Tensor:
+    """The step's loss on every rank of the pipeline: the mean of the microbatches' losses
+    (``loss_fn`` averages within one), broadcast from the last stage's rank.
+
+    Args:
+        losses: each microbatch's unscaled loss (0-dim), on the last stage's rank; ``[]``
+            elsewhere.
+        device: this rank's device.
+        last_rank: the last stage's global rank.
+        group: the pipeline's process group (None: the world).
+        guarded: runs a collective, turning a failure into ``PipelineFailure``.
+
+    Returns:
+        A 0-dim float32 tensor (one dtype on every rank for the broadcast; a bf16 model's
+        loss is bf16).
+    """
+    loss = (torch.stack([x.detach() for x in losses]).mean().float() if losses
+            else torch.zeros((), device=device))
+    guarded(lambda: dist.broadcast(loss, src=last_rank, group=group))
+    return loss
+
+
+def mean_over_microbatches(stages: Iterable[nn.Module], m: int) -> None:
+    """Divide the gradients the step accumulated over ``m`` microbatches by ``m`` (the
+    gradient of the mean loss, as torch's ``scale_grads`` does)."""
+    for p in {id(p): p for mod in stages for p in mod.parameters()}.values():
+        if p.grad is not None:
+            p.grad.div_(m)
 
 
 def reduce_grads(local: dict[str, torch.Tensor],

@@ -1,0 +1,96 @@
+"""StageCosts: what the schedule simulator replays, per stage (times, memory) and per link."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopart.core.errors import PlanError
+
+__all__ = ["StageCosts"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Per-microbatch costs of every stage, as the simulator charges them.
+
+    All lists have one entry per stage (``S = p * v``). Times in µs, memory in bytes.
+
+    Attributes:
+        fwd_us: forward compute of stage s.
+        bwd_input_us: input-gradient compute (``I``), recompute's extra forward included.
+        bwd_weight_us: weight-gradient compute (``W``); a full ``B`` costs ``I + W``.
+        send_fwd_us: time stage s spends sending its output to stage s + 1 (0 for the last).
+        send_bwd_us: time stage s spends sending its input gradient to s - 1 (0 for the first).
+        static_bytes: parameter state and other memory held for the whole step.
+        saved_bytes: memory one microbatch keeps from its forward until its backward ends
+            (the stage input only, when the stage recomputes).
+        backward_extra_bytes: memory live only while one backward of the stage runs (the
+            recomputed activations plus the transient working set).
+        split_held_bytes: memory one microbatch holds from its ``I`` until its ``W`` on
+            top of ``saved_bytes``: the gradients ``W`` restarts autograd from (those of
+            the outputs of the ops that read a trainable parameter; ZB-H1 only, Qi et al.
+            2024). Default: none.
+        weight_grad_bytes: memory live while one ``W`` of the stage runs: the parameter
+            gradients its autograd calls return before they are added to ``.grad``, and
+            their working set (ZB-H1 only). Default: none.
+        kept_bytes: memory each ``B`` (or ``I``) of the stage leaves held until the step
+            ends: with torch.distributed.pipelining, the output the microbatch sent (held
+            by its forward's saved set or the stage's cache until then, then by the send,
+            which the schedule waits on at the step's end) and the input gradient it sent
+            (in the receive buffer's ``.grad`` until the next step). Default: none.
+        host_fwd_us, host_bwd_input_us, host_bwd_weight_us: the host's issue time of the
+            stage's ``F``, ``I`` (a full ``B`` issues ``I + W``) and ``W``, µs; the device
+            columns above already cost each action at the slower of its two sides. Default:
+            none (the host runs the ops itself, as on the CPU: no host bound).
+        issue_thread: per stage, the host thread that issues its actions; stages sharing
+            one are bounded by the sum of their host times (:func:`host_bound_us`). Default:
+            none given: each rank's stages share the rank's own thread.
+        ranks_per_core: rank processes per CPU core of the host
+            (``RuntimeDescription.ranks_per_core``; default 1.0: a core each, no bound);
+            above 1, a step is no shorter than :func:`core_bound_us`.
+    """
+
+    fwd_us: Sequence[float]
+    bwd_input_us: Sequence[float]
+    bwd_weight_us: Sequence[float]
+    send_fwd_us: Sequence[float]
+    send_bwd_us: Sequence[float]
+    static_bytes: Sequence[int]
+    saved_bytes: Sequence[int]
+    backward_extra_bytes: Sequence[int]
+    split_held_bytes: Sequence[int] = ()
+    weight_grad_bytes: Sequence[int] = ()
+    kept_bytes: Sequence[int] = ()
+    host_fwd_us: Sequence[float] = ()
+    host_bwd_input_us: Sequence[float] = ()
+    host_bwd_weight_us: Sequence[float] = ()
+    issue_thread: Sequence[int] = ()
+    ranks_per_core: float = 1.0
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd_us)
+        if not self.ranks_per_core > 0.0:
+            raise PlanError(f"StageCosts.ranks_per_core={self.ranks_per_core} must be > 0")
+        optional = ("split_held_bytes", "weight_grad_bytes", "kept_bytes")
+        for name in optional:
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0,) * n)
+        for name in ("bwd_input_us", "bwd_weight_us", "send_fwd_us", "send_bwd_us",
+                     "static_bytes", "saved_bytes", "backward_extra_bytes", *optional):
+            if len(getattr(self, name)) != n:
+                raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
+                                f"fwd_us has {n}; give one per stage")
+        for name in ("host_fwd_us", "host_bwd_input_us", "host_bwd_weight_us", "issue_thread"):
+            if len(getattr(self, name)) not in (0, n):
+                raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
+                                f"fwd_us has {n}; give one per stage or none")
+        if len({len(self.host_fwd_us), len(self.host_bwd_input_us),
+                len(self.host_bwd_weight_us)}) > 1:
+            raise PlanError("StageCosts: give the three host columns (host_fwd_us, "
+                            "host_bwd_input_us, host_bwd_weight_us) together or none of them")
+
+    @property
+    def has_host(self) -> bool:
+        """Whether the host's issue times are given (then :func:`host_bound_us` applies)."""
+        return bool(self.host_fwd_us)
