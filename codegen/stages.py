@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -19,7 +20,7 @@ from autopart.core.capture import CapturedGraph, op_nodes
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 
-__all__ = ["BuiltStages", "build_stages", "check_plan_matches", "stage_source"]
+__all__ = ["BuiltStages", "build_stages", "check_plan_matches", "plan_for_graph", "stage_source"]
 
 _EVAL_KEY = re.compile(r"<eval_with_key>\.\d+")
 
@@ -134,6 +135,32 @@ def check_plan_matches(plan: Plan, captured: CapturedGraph, *, by_name: bool = F
                             "autopart.plan_model on the meta model with an analytical profile)")
         positions.append(found[0])
     return positions
+
+
+def plan_for_graph(plan: Plan, captured: CapturedGraph) -> Plan:
+    """``plan`` made for ``captured``: another capture of the same model (e.g. at another
+    microbatch size, where ``torch.export`` drops a no-op ``expand`` of a 1-row batch and
+    renumbers the ops of its kind), its cuts found by their neighbouring node names
+    (:func:`check_plan_matches` with ``by_name``), its fingerprint and each stage's first
+    and last node and node count read from ``captured``. The plan itself unchanged when it
+    was made for this graph.
+
+    Raises:
+        PlanError: a cut whose neighbouring nodes are not (uniquely) in ``captured``.
+    """
+    if plan.graph_fingerprint == captured.fingerprint:
+        return plan
+    positions = check_plan_matches(plan, captured, by_name=True)
+    names = [n.name for n in op_nodes(captured.graph_module.graph)]
+    bounds = [0, *positions, len(names)]
+    cuts = tuple(dataclasses.replace(c, position=k, after_node=names[k - 1], before_node=names[k])
+                 for c, k in zip(plan.cuts, positions, strict=True))
+    stages = tuple(dataclasses.replace(st, first_node=names[bounds[i]],
+                                       last_node=names[bounds[i + 1] - 1],
+                                       num_nodes=bounds[i + 1] - bounds[i])
+                   for i, st in enumerate(plan.stages))
+    return dataclasses.replace(plan, graph_fingerprint=captured.fingerprint, cuts=cuts,
+                               stages=stages)
 
 
 def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | torch.device], *,

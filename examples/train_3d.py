@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     pipe = autopart.compile(model, (batches[0],), loss_fn=gpt2_loss, example_target=batches[0],
                             plan=args.plan, num_microbatches=args.num_microbatches,
                             **({} if args.plan else {**layout, "layout_search": True}))
-    plan, dp_group = pipe.plan, pipe.dp_group
+    plan = pipe.plan
     if rank0:
         print(f"plan: tp {plan.tp} x pp {len(plan.ranks)} x dp {plan.dp}, ZeRO-{plan.zero_stage};"
               f" {plan.num_stages} stages, m={plan.num_microbatches} per replica, "
@@ -108,14 +108,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         opt.zero_grad()
         dist.barrier()
         t0 = time.perf_counter()
-        loss = pipe.train_step(tokens, target=tokens)  # this replica's rows and loss
+        loss = pipe.train_step(tokens, target=tokens)  # this replica's rows; the batch's loss
         elapsed = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends on its slowest rank
         steps_s.append(float(elapsed))
         opt.step()
-        if dp_group is not None:  # the global batch's loss: the mean of the replicas'
-            dist.all_reduce(loss, group=dp_group)
-            loss = loss / dist.get_world_size(dp_group)
         if reference is not None and ref_opt is not None:
             ref_opt.zero_grad()
             ref = gpt2_loss(reference(tokens), tokens)

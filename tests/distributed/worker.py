@@ -152,10 +152,9 @@ def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
     pipe = autopart.compile(model, my_args, loss_fn=loss_fn, plan=plan, backend="distributed",
                             mesh=mesh)
     loss = pipe.train_step(*my_args, target=my_target)
-    ref_loss = loss_fn(reference(*my_args), my_target)  # this replica's loss
-    full = loss_fn(reference(*args), target)             # full-batch gradients
-    full.backward()
-    problems = _compare(pipe, loss, ref_loss, reference)
+    full = loss_fn(reference(*args), target)  # the global batch's loss, on every rank
+    full.backward()                           # and its gradients
+    problems = _compare(pipe, loss, full, reference)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"params {len(list(pipe.named_parameters()))}", *problems]) + "\n")
     end_rank(pipe)

@@ -138,8 +138,8 @@ def _check_model(name: str, zero: int, mesh: Any, kind: str, v: int) -> list[str
         problems.append(f"{tag}: reduce-scatter calls per stage {reduces}, expected {want}")
     if set(sharded_after_fwd) != {zero == 3}:
         problems.append(f"{tag}: parameters sharded after forward {sharded_after_fwd}")
-    ref_mine = _lm_loss(reference(*my_args), my_target)  # this replica's loss
-    _close(f"{tag} loss", loss, ref_mine.detach(), problems)
+    ref_loss = _lm_loss(reference(*args), target)  # the global batch's, on every rank
+    _close(f"{tag} loss", loss, ref_loss.detach(), problems)
     reference.zero_grad()
     _lm_loss(reference(*args), target).backward()  # the global batch's gradients
     ref_params = dict(reference.named_parameters())

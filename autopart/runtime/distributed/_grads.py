@@ -18,10 +18,13 @@ __all__ = ["step_loss", "mean_over_microbatches", "reduce_grads", "grad_norm"]
 
 
 def step_loss(losses: list[torch.Tensor], device: torch.device, last_rank: int,
-              group: dist.ProcessGroup | None, guarded: Callable[[Callable[[], Any]], Any],
-              ) -> torch.Tensor:
-    """The step's loss on every rank of the pipeline: the mean of the microbatches' losses
-    (``loss_fn`` averages within one), broadcast from the last stage's rank.
+              group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
+              guarded: Callable[[Callable[[], Any]], Any]) -> torch.Tensor:
+    """The global batch's loss on every rank: the mean of the microbatches' losses
+    (``loss_fn`` averages within one), broadcast from the last stage's rank over the
+    pipeline, then averaged over the data-parallel replicas (one scalar all-reduce; each
+    replica runs as many rows, so the mean of their means is the batch's), as Megatron-LM
+    and torchtitan log it.
 
     Args:
         losses: each microbatch's unscaled loss (0-dim), on the last stage's rank; ``[]``
@@ -29,15 +32,19 @@ def step_loss(losses: list[torch.Tensor], device: torch.device, last_rank: int,
         device: this rank's device.
         last_rank: the last stage's global rank.
         group: the pipeline's process group (None: the world).
+        dp_group: this rank's data-parallel replicas, or None (dp = 1).
         guarded: runs a collective, turning a failure into ``PipelineFailure``.
 
     Returns:
-        A 0-dim float32 tensor (one dtype on every rank for the broadcast; a bf16 model's
-        loss is bf16).
+        A 0-dim float32 tensor, the same on every rank of the world (one dtype everywhere
+        for the collectives; a bf16 model's loss is bf16).
     """
     loss = (torch.stack([x.detach() for x in losses]).mean().float() if losses
             else torch.zeros((), device=device))
     guarded(lambda: dist.broadcast(loss, src=last_rank, group=group))
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        guarded(lambda: dist.all_reduce(loss, group=dp_group))
+        loss /= dist.get_world_size(dp_group)
     return loss
 
 

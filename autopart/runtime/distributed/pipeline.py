@@ -255,12 +255,15 @@ class DistributedPipeline(Pipeline):
                    measure_memory: bool = False, optimizer: torch.optim.Optimizer | None = None,
                    grad_scaler: torch.amp.GradScaler | None = None,
                    **kwargs: Any) -> torch.Tensor:
-        """Every microbatch forward and backward; returns the mean loss on every rank.
+        """Every microbatch forward and backward; returns the global batch's mean loss on
+        every rank.
 
         Inputs are needed on the first stage's rank, ``target`` on the last stage's rank
         (passing them everywhere is fine). Gradients accumulate in ``.grad``. With a plan
         of dp > 1 replicas, pass the global batch (each replica keeps its own rows) or the
-        replica's share; the loss returned is the replica's, gradients are averaged over dp.
+        replica's share; either way the loss returned is the global batch's (the replicas'
+        mean losses averaged over dp, one scalar all-reduce), and gradients are averaged
+        over dp.
 
         fp16 with loss scaling: every rank passes its own ``torch.amp.GradScaler`` (built
         alike), then runs torch's AMP recipe (``scaler.unscale_(opt)`` and
@@ -332,7 +335,8 @@ class DistributedPipeline(Pipeline):
             self._scaled_losses = None
         mean_over_microbatches(self.stages, m)
         loss = step_loss(losses if scaled is None else scaled.unscaled(losses), self.device,
-                         self._global(self._last_rank), self._p2p_group, self._guarded)
+                         self._global(self._last_rank), self._p2p_group, self.dp_group,
+                         self._guarded)
         with (contextlib.nullcontext() if recorder is None
               else recorder.span(self.pp_rank, "reduce", waits=False)):
             self._guarded(self.reduce_grads)  # a dead or hung replica: PipelineFailure
