@@ -10,12 +10,9 @@ from typing import Any
 
 from torch import nn
 
-from autopart.codegen import plan_for_graph
-from autopart.core.capture import capture
 from autopart.core.cluster import DeviceSpec
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
-from autopart.core.signature import microbatch_inputs
 from autopart.core.topology import HostTopology
 from autopart.options import CompileOptions
 from autopart.planning import Profile, profile_model
@@ -116,9 +113,7 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     Returns:
         The plan (tp, dp, zero_stage set; its ranks the pp ranks on ``device``) and the
-        profile it was solved on. The plan is made for the graph of one replica's
-        microbatch (:func:`autopart.codegen.plan_for_graph`), which the runtime captures,
-        and the profile then holds that capture.
+        profile it was solved on.
 
     Raises:
         PlanError: inconsistent degrees, batch or choices (naming the values and the fix).
@@ -137,17 +132,7 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         with phase("solve"):
             plan = solve_world_layout(profile, options, world, num_heads=model_heads(model),
                                       state_factor=state_factor)
-        profile.timings_s["solve_s"] = time.perf_counter() - t0
-        rows = plan.batch_size // (plan.dp * plan.num_microbatches)
-        if profile.captured.batch_size != rows:
-            # the graph a replica's microbatch runs: at 1 row torch.export drops no-op expands
-            t0 = time.perf_counter()
-            with phase("capture"):
-                captured = capture(model, *microbatch_inputs(args, kwargs,
-                                                             plan.batch_size // rows))
-            profile.timings_s["capture_s"] += time.perf_counter() - t0
-            plan = plan_for_graph(plan, captured)
-            profile = dataclasses.replace(profile, captured=captured)
+    profile.timings_s["solve_s"] = time.perf_counter() - t0
     return plan, profile
 
 

@@ -1,4 +1,5 @@
-"""The capture step: the model captured at the plan's microbatch size (the plan's graph)."""
+"""The capture step: the model captured at the plan's microbatch size, and the plan made for
+that graph."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from autopart.codegen import plan_for_graph
 from autopart.core.capture import CapturedGraph, capture
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
@@ -20,9 +22,15 @@ __all__ = ["capture_for_plan"]
 
 def capture_for_plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      plan: Plan, profiled: CapturedGraph | None,
-                     timings: dict[str, float]) -> CapturedGraph:
+                     timings: dict[str, float]) -> tuple[Plan, CapturedGraph]:
     """``model`` captured on one microbatch of the plan: the profile's own capture when it
     was taken at that size, else a new one (on ``meta`` tensors for a ``meta`` model).
+
+    A graph captured at one row is not the one captured at any other batch size:
+    ``torch.export`` specialises size-1 dimensions (GPT-2 drops its position ``expand`` and
+    renumbers its kind). A plan profiled at more rows whose replicas run one row each (a 3D
+    plan's global batch split over dp and m) is moved onto the one-row graph by node name
+    (:func:`autopart.codegen.plan_for_graph`); every rank does the same on the same graph.
 
     Args:
         model: the model.
@@ -34,10 +42,12 @@ def capture_for_plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         timings: seconds per phase; ``capture_s`` grows by this capture's time.
 
     Returns:
-        The captured graph of one microbatch of one replica.
+        ``(plan, captured)``: the plan for the graph of one microbatch of one replica, and
+        that graph.
 
     Raises:
-        PlanError: the inputs' batch is neither the plan's nor one replica's share of it.
+        PlanError: the inputs' batch is neither the plan's nor one replica's share of it; at
+            one row, a cut of the plan not found by name in the one-row graph.
         TraceError: the model cannot be captured.
     """
     batch = batch_size(args, kwargs)
@@ -48,8 +58,9 @@ def capture_for_plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                         f"inputs have batch {batch}; pass example inputs of the planned batch "
                         "or re-plan")
     args, kwargs, _ = replica_share(plan, 0, args, kwargs)  # any replica's rows will do
-    if profiled is not None and profiled.batch_size == replica // plan.num_microbatches:
-        return profiled
+    rows = replica // plan.num_microbatches
+    if profiled is not None and profiled.batch_size == rows:
+        return plan, profiled
     t0 = time.perf_counter()
     mb_args, mb_kwargs = microbatch_inputs(args, kwargs, plan.num_microbatches)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
@@ -58,4 +69,6 @@ def capture_for_plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     with phase("capture"):
         captured = capture(model, mb_args, mb_kwargs)
     timings["capture_s"] = timings.get("capture_s", 0.0) + time.perf_counter() - t0
-    return captured
+    if rows == 1 and captured.fingerprint != plan.graph_fingerprint:
+        plan = plan_for_graph(plan, captured)
+    return plan, captured

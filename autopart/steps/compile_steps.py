@@ -21,7 +21,8 @@ def compile_steps(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
                   plan: Plan | None, options: CompileOptions, backend: str) -> Pipeline:
     """What :func:`autopart.compile` does once it has example inputs: choose the plan
     (:func:`autopart.steps.plan_step.choose_plan`), capture ``model`` at its microbatch
-    (:func:`autopart.steps.capture_step.capture_for_plan`), build the stages and wrap them in
+    (:func:`autopart.steps.capture_step.capture_for_plan`; at one row the plan moves onto
+    that graph), build the stages and wrap them in
     the ``backend``'s runtime (:func:`autopart.steps.build_step.build_pipeline`). The phases
     show on stderr (:mod:`autopart.core.progress`); their seconds land in the pipeline's
     ``timings_s``.
@@ -42,5 +43,5 @@ def compile_steps(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     with progress():
         chosen, profiled = choose_plan(model, args, kwargs, loss, plan, options, backend,
                                        timings)
-        captured = capture_for_plan(model, args, kwargs, chosen, profiled, timings)
+        chosen, captured = capture_for_plan(model, args, kwargs, chosen, profiled, timings)
         return build_pipeline(model, captured, chosen, loss[0], options, backend, timings)

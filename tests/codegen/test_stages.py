@@ -106,3 +106,33 @@ def test_batchnorm_trains_across_stages_like_the_same_microbatching_by_hand() ->
     buffers = dict(pipe.named_buffers())
     for name, b in reference.named_buffers():
         torch.testing.assert_close(buffers[name], b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_plan_moves_onto_the_one_row_graph_of_the_same_model() -> None:
+    """At one row torch.export drops GPT-2's no-op position expand and renumbers the other
+    expands: the two-row plan's cuts are found by name there, and the plan then names that
+    graph (fingerprint, cut positions, each stage's first and last node and node count)."""
+    import dataclasses
+
+    from autopart.codegen import check_plan_matches, plan_for_graph
+    from autopart.core.capture import op_nodes
+
+    model, (x,), _, _ = ZOO["gpt2"]()
+    two, one = capture(model, (x[:2],)), capture(model, (x[:1],))
+    assert two.fingerprint != one.fingerprint
+    plan = manual_plan(two, even_positions(two, 3), 4, 8)
+    assert plan_for_graph(plan, two) is plan  # made for this graph: unchanged
+    with pytest.raises(PlanError, match="the plan was made for graph"):
+        check_plan_matches(plan, one)
+    moved = plan_for_graph(plan, one)
+    assert moved.graph_fingerprint == one.fingerprint
+    names = [n.name for n in op_nodes(one.graph_module.graph)]
+    assert check_plan_matches(moved, one) == [c.position for c in moved.cuts]
+    assert [c.after_node for c in moved.cuts] == [c.after_node for c in plan.cuts]
+    assert sum(st.num_nodes for st in moved.stages) == len(names)
+    assert [st.first_node for st in moved.stages] == [names[0]] + [
+        c.before_node for c in moved.cuts]
+    stranger = dataclasses.replace(plan, cuts=tuple(
+        dataclasses.replace(c, after_node="nowhere_1") for c in plan.cuts))
+    with pytest.raises(PlanError, match="not in this capture"):
+        plan_for_graph(stranger, one)
