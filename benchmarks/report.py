@@ -10,6 +10,7 @@ nothing itself) and writes ``REPORT.md`` plus PNG figures beside it:
 - ``plan_quality``: predicted step time of the four baseline partitioners over autopart's,
   per model and rank count (analytical H100 costs);
 - ``solver_scale``: the GPT-3-175B-shaped solve onto 64 ranks;
+- ``layout_scale``: ``autopart plan``'s layout search for 7B-1T GPTs on 1024-8192 H100s;
 - ``zoo``: transformers' architectures through autopart, counts per family;
 - ``pipeline_cpu/results_peers.json`` (``peers.py``): peers, measured: autopart against
   DeepSpeed's pipeline engine, torch's schedules and the hand split, per workload.
@@ -332,6 +333,25 @@ def solver_scale(results: Path) -> list[str]:
     return lines + [""]
 
 
+def layout_scale(results: Path) -> list[str]:
+    """Markdown lines for ``layout_scale``: each plan's wall time, twice, and its layout."""
+    d = _load(results / "layout_scale" / "results.json")
+    if d is None:
+        return ["## layout_scale", "", "No recorded results.", ""]
+    rows = d["rows"]
+    worst = max(w for r in rows for w in r["plan_s"])
+    lines = ["## layout_scale: `autopart plan` at 1024-8192 H100s", "",
+             f"{d['machine']}. Slowest plan {worst:.1f} s (target: under 60 s); identical plan "
+             f"JSON twice on every row: {all(r['same_json'] for r in rows)}.", "",
+             "| shape | GPUs | plan s (2 runs) | tp | pp | dp | ZeRO | schedule | m | "
+             "predicted step s |", "|---|---:|---|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['gpus']} | {r['plan_s'][0]} / {r['plan_s'][1]} | "
+                     f"{r['tp']} | {r['pp']} | {r['dp']} | {r['zero_stage']} | "
+                     f"{r['schedule_kind']} | {r['num_microbatches']} | {r['step_s']:.3f} |")
+    return lines + [""]
+
+
 def fidelity(results: Path, figures: Path) -> list[str]:
     """Markdown lines for ``fidelity``: predicted against measured, per plan, and the
     timeline figure the benchmark drew."""
@@ -489,6 +509,7 @@ def write_report(results: Path, out: Path) -> Path:
     lines += executor_overhead(results)
     lines += plan_quality(results, figures)
     lines += solver_scale(results)
+    lines += layout_scale(results)
     lines += fidelity(results, figures)
     lines += fidelity_3d(results)
     lines += early_receives(results)

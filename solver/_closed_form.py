@@ -165,8 +165,10 @@ def busy_us(c: StageCosts, num_ranks: int, num_microbatches: int,
            + ((c.bwd_input_us[s] + c.bwd_weight_us[s] + c.send_bwd_us[s]) if training else 0.0)
            for s in range(len(c.fwd_us))]
     owner = rank_of or [s % num_ranks for s in range(len(per))]
-    return [num_microbatches * sum(x for s, x in enumerate(per) if owner[s] == r)
-            for r in range(num_ranks)]
+    busy = [0.0] * num_ranks
+    for s, x in enumerate(per):  # in stage order, as a sum per rank adds them
+        busy[owner[s]] += x
+    return [num_microbatches * b for b in busy]
 
 
 def closed_form_peaks(c: StageCosts, in_flight_per_stage: Sequence[int],
@@ -174,9 +176,8 @@ def closed_form_peaks(c: StageCosts, in_flight_per_stage: Sequence[int],
     """Per rank: static + sum over its stages of in-flight x saved, + the largest backward
     extra (``rank_of``: stage -> rank, default ``s % p``)."""
     owner = rank_of or [s % num_ranks for s in range(len(c.fwd_us))]
-    out = []
-    for r in range(num_ranks):
-        stages = [s for s in range(len(c.fwd_us)) if owner[s] == r]
-        out.append(sum(c.static_bytes[s] + in_flight_per_stage[s] * c.saved_bytes[s] for s in stages)
-                   + max(c.backward_extra_bytes[s] for s in stages))
-    return out
+    stages_of: list[list[int]] = [[] for _ in range(num_ranks)]
+    for s, r in enumerate(owner):  # one pass over the stages, not one per rank
+        stages_of[r].append(s)
+    return [sum(c.static_bytes[s] + in_flight_per_stage[s] * c.saved_bytes[s] for s in stages)
+            + max(c.backward_extra_bytes[s] for s in stages) for stages in stages_of]

@@ -296,6 +296,10 @@ def _memory_error(st: Setup) -> InfeasiblePlanError:
     cap on these devices, and a device count checked by solving (or that none fits, with the
     cap that would on the most devices the graph allows)."""
     model, caps, p = st.model, st.caps, st.p
+    if not st.options.explain_infeasible:
+        return InfeasiblePlanError(f"no partition onto {p} ranks fits the memory cap of "
+                                   f"{min(caps)} bytes ({min(caps) / _GIB:.3f} GiB); solve with "
+                                   "explain_infeasible=True for the smallest peak and what fits")
     least = _least_peak(st)
     if least is None:  # pragma: no cover - a chain always has some answer without caps
         return InfeasiblePlanError("no partition fits the memory cap")

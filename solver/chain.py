@@ -243,15 +243,21 @@ class ChainProblem:
             out.append(sum(state[a:b]) + cin + cout + held)
         return out
 
+    def per_rank(self, per_stage: Sequence[int]) -> list[int]:
+        """Each rank's sum of ``per_stage`` over the stages it runs (one pass over them)."""
+        out = [0] * self.num_ranks
+        for s, x in enumerate(per_stage):
+            out[self.rank_of(s)] += x
+        return out
+
     def rank_memory(self, cuts: Sequence[int], recompute: Sequence[bool]) -> list[int]:
         """Memory of every rank: the sum over its stages, bytes."""
-        mem = self.stage_memory(cuts, recompute)
-        return [sum(mem[s] for s in self.stages_on(r)) for r in range(self.num_ranks)]
+        return self.per_rank(self.stage_memory(cuts, recompute))
 
     def time_objective(self, cuts: Sequence[int], recompute: Sequence[bool]) -> int:
         """``w_stage * max t + w_rank * max rank load + w_sum * sum t - hidden W``."""
         t = self.stage_times(cuts, recompute)
-        loads = [sum(t[s] for s in self.stages_on(r)) for r in range(self.num_ranks)]
+        loads = self.per_rank(t)
         return (self.w_stage * max(t) + self.w_rank * max(loads) + self.w_sum * sum(t)
                 - self.hidden_weight(cuts, recompute))
 

@@ -28,6 +28,12 @@ class LayoutOptions:
             (default 64).
         refine: how many of the best screened layouts are solved again with the request's
             full pipeline search (default 2).
+        cpsat_budget: CP-SAT deterministic time each refined layout's pipeline search may
+            spend, shared evenly by the (kind, v, m) subproblems it refines (at most
+            ``SolveOptions.max_cpsat_solves``), each also at most the request's
+            ``deterministic_time`` (default 4.0: 0.5 each for 8; on this project's 2-core
+            CPU one unit took about 1.2 s). Deterministic, so a search gives the same plan
+            twice; it keeps a search of thousands of GPUs under a minute.
         microbatch_sizes: rows per microbatch to search (Megatron-LM's ``micro-batch-size``):
             each layout searches ``m = batch / dp / size`` for the sizes that divide a
             replica's batch; None (default) = ``options``' microbatch counts.
@@ -43,6 +49,7 @@ class LayoutOptions:
     gradient_factor: float = 1.0
     max_layouts: int = 64
     refine: int = 2
+    cpsat_budget: float = 4.0
     microbatch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -62,9 +69,11 @@ class LayoutOptions:
         if self.microbatch_sizes is not None and (not self.microbatch_sizes
                                                   or min(self.microbatch_sizes) < 1):
             raise PlanError(f"microbatch_sizes={self.microbatch_sizes} must be sizes >= 1 or None")
-        if self.gradient_factor <= 0 or self.max_layouts < 1 or self.refine < 0:
+        if self.gradient_factor <= 0 or self.max_layouts < 1 or self.refine < 0 \
+                or not self.cpsat_budget > 0:
             raise PlanError(f"gradient_factor={self.gradient_factor} must be > 0, "
-                            f"max_layouts={self.max_layouts} >= 1 and refine={self.refine} >= 0")
+                            f"max_layouts={self.max_layouts} >= 1, refine={self.refine} >= 0 "
+                            f"and cpsat_budget={self.cpsat_budget} > 0")
 
 
 @dataclass(frozen=True, slots=True)

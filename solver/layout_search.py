@@ -292,8 +292,9 @@ def _screen_options(options: SolveOptions) -> SolveOptions:
     fixes them."""
     if options.schedule_kind is None and options.training and options.num_stages is None:
         return replace(options, max_cpsat_solves=0, max_simulated=1, schedule_kind="1f1b",
-                       stages_per_rank=1, baselines=False)
-    return replace(options, max_cpsat_solves=0, max_simulated=1, baselines=False)
+                       stages_per_rank=1, baselines=False, explain_infeasible=False)
+    return replace(options, max_cpsat_solves=0, max_simulated=1, baselines=False,
+                   explain_infeasible=False)
 
 
 def _key(plan: Plan, optimize: str) -> tuple[float, ...]:
@@ -319,8 +320,9 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     smaller than the best peak), the others get a screening pipeline solve
     (:func:`evaluate_layout` with :func:`_screen_options`: exact DP seeds, one replay, 1F1B
     unless the request fixes the schedule) until ``layout.max_layouts`` were screened. The
-    ``layout.refine`` best screened layouts are then solved with ``options`` as given, and
-    the best of every plan seen is returned. Deterministic:
+    ``layout.refine`` best screened layouts are then solved with ``options`` as given but
+    for CP-SAT's deterministic time (``layout.cpsat_budget`` per layout), and the best of
+    every plan seen is returned. Deterministic:
     equal inputs give equal plans but for ``solver.wall_s``. The plan's ``solver.objective`` is
     its step time and ``solver.bound`` the smallest step-time bound of any layout whose
     parameter state fits (no plan of any layout is faster), ``solver.gap`` their relative
@@ -376,9 +378,13 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         if _better(plan, best, options.optimize):
             best = plan
     ranked = sorted(screened, key=lambda pc: _key(pc[0], options.optimize))
+    # this search says what fits; each refined layout's CP-SAT work within its budget
+    per_solve = layout.cpsat_budget / max(1, options.max_cpsat_solves)
+    full = replace(options, explain_infeasible=False,
+                   deterministic_time=min(options.deterministic_time, per_solve))
     for _, cand in ranked[:layout.refine]:
         try:
-            plan = evaluate_layout(costs, device, options, layout, cand, cache)
+            plan = evaluate_layout(costs, device, full, layout, cand, cache)
         except InfeasiblePlanError:
             continue
         if _better(plan, best, options.optimize):

@@ -62,6 +62,11 @@ class SolveOptions:
         baselines: evaluate the baseline partitioners on the same costs, report them in the
             plan and take a faster fitting one (default True); False skips them (the 3D
             layout search screens layouts without them).
+        explain_infeasible: when nothing fits the memory cap, say what would (the smallest
+            peak any configuration reaches, and a device count that fits, each found by
+            solving again; default True). False raises at once, naming the cap: the 3D
+            layout search, which keeps a line per layout and explains at the layout level,
+            spent minutes here on thousands of GPUs.
         crossing_factor, window, max_candidates: see
             :func:`autopart.solver.candidates.find_candidates`.
     """
@@ -86,6 +91,7 @@ class SolveOptions:
     library_versions: dict[str, str] = field(default_factory=dict)
     runtime: RuntimeDescription = RuntimeDescription()
     baselines: bool = True
+    explain_infeasible: bool = True
     crossing_factor: float = 2.0
     window: int = 32
     max_candidates: int = 128

@@ -41,6 +41,11 @@ class SimResult:
     core_bound_us: float = 0.0
 
 
+_Act = tuple[int, str, int]
+_RankPlan = list[tuple[tuple[int, ...], float]]
+_Timeline = list[tuple[int, int, str, int, float, float]]
+
+
 def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> SimResult:
     """Replay ``schedule`` (one action list per rank, e.g. from
     :func:`autopart.core.schedule.build_schedule`) and time it.
@@ -71,45 +76,55 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
         PlanError: an action names a stage outside the costs, or the schedule deadlocks.
     """
     num_stages = len(costs.fwd_us)
-    # Actions as plain (stage, kind, microbatch) tuples: hashing them is much cheaper than
-    # hashing Action dataclasses, which matters for replays of 10^5 actions.
+    # Actions as plain (stage, kind, microbatch) tuples, each numbered once: the replay reads
+    # and writes end times by number (a list), which matters for replays of 10^5 actions.
     lists = [[(a.stage_index, a.kind, a.mb_index) for a in acts] for acts in schedule]
-    present = {a for acts in lists for a in acts}
+    index: dict[_Act, int] = {}
     for acts in lists:
         for a in acts:
             if a[0] >= num_stages:
                 raise PlanError(f"action {a[0]}{a[1]}{a[2]} names stage {a[0]}, but the costs "
                                 f"cover {num_stages} stages")
+            index.setdefault(a, len(index))
     fwd = [costs.fwd_us[s] + costs.send_fwd_us[s] for s in range(num_stages)]
     bwd_w = list(costs.bwd_weight_us)
     bwd_i = [costs.bwd_input_us[s] + costs.send_bwd_us[s] for s in range(num_stages)]
     bwd_b = [bwd_i[s] + bwd_w[s] for s in range(num_stages)]
 
-    # Per rank, each action's present dependencies and duration, in the rank's order.
-    plans: list[list[tuple[tuple[tuple[int, str, int], ...], float]]] = []
+    # Per rank, each action's number, its present dependencies' numbers and its duration, in
+    # the rank's order.
+    ids = [[index[a] for a in acts] for acts in lists]
+    plans: list[_RankPlan] = []
+    get = index.get
+    last = num_stages - 1
     for acts in lists:
-        plan = []
-        for a in acts:
-            s, kind, i = a
+        plan: _RankPlan = []
+        for s, kind, i in acts:
             if kind == "F":
-                deps: tuple[tuple[int, str, int], ...] = ((s - 1, "F", i),) if s > 0 else ()
+                dep = get((s - 1, "F", i)) if s > 0 else None
+                deps: tuple[int, ...] = () if dep is None else (dep,)
                 d = fwd[s]
             elif kind == "W":
-                deps, d = ((s, "I", i),), bwd_w[s]
+                dep = get((s, "I", i))
+                deps, d = () if dep is None else (dep,), bwd_w[s]
             else:
-                deps = ((s, "F", i),)
-                if s < num_stages - 1:
-                    nxt = (s + 1, "B", i)
-                    deps += (nxt if nxt in present else (s + 1, "I", i),)
+                own = get((s, "F", i))
+                deps = () if own is None else (own,)
+                if s < last:
+                    nxt = get((s + 1, "B", i))
+                    if nxt is None:
+                        nxt = get((s + 1, "I", i))
+                    if nxt is not None:
+                        deps += (nxt,)
                 d = bwd_b[s] if kind == "B" else bwd_i[s]
-            plan.append((tuple(dep for dep in deps if dep in present), d))
+            plan.append((deps, d))
         plans.append(plan)
 
     if costs.ranks_per_core > 1.0:
-        free, busy, timeline = _replay_shared(schedule, lists, plans, costs.ranks_per_core,
-                                              record)
+        free, busy, timeline = _replay_shared(schedule, lists, ids, plans, len(index),
+                                              costs.ranks_per_core, record)
     else:
-        free, busy, timeline = _replay(schedule, lists, plans, record)
+        free, busy, timeline = _replay(schedule, lists, ids, plans, len(index), record)
     step = max(free, default=0.0)
     bound = host_bound_us(schedule, costs)
     step = max(step, bound) if costs.has_host else step
@@ -121,39 +136,35 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
                      timeline=tuple(timeline), host_bound_us=bound, core_bound_us=shared)
 
 
-_Act = tuple[int, str, int]
-_RankPlan = list[tuple[tuple[_Act, ...], float]]
-_Timeline = list[tuple[int, int, str, int, float, float]]
-
-
-def _replay(schedule: Schedule, lists: list[list[_Act]], plans: list[_RankPlan],
+def _replay(schedule: Schedule, lists: list[list[_Act]], ids: list[list[int]],
+            plans: list[_RankPlan], num_actions: int,
             record: bool) -> tuple[list[float], list[float], _Timeline]:
-    """Every rank on a core of its own: per rank, when it is done and its busy time, µs."""
-    present = {a for acts in lists for a in acts}
-    end: dict[tuple[int, str, int], float] = {}
+    """Every rank on a core of its own: per rank, when it is done and its busy time, µs
+    (``ids``: each action's number, ``plans``: its dependencies' numbers and duration)."""
+    end = [-1.0] * num_actions  # end time by action number; < 0: not run yet
     free = [0.0] * len(lists)
     busy = [0.0] * len(lists)
     cursor = [0] * len(lists)
     timeline: list[tuple[int, int, str, int, float, float]] = []
-    remaining = len(present)
+    remaining = num_actions
     while remaining:
         progressed = False
         for r, acts in enumerate(lists):
-            plan, c, n = plans[r], cursor[r], len(acts)
+            plan, mine, c, n = plans[r], ids[r], cursor[r], len(acts)
             f = free[r]
             while c < n:
                 deps, d = plan[c]
                 t = 0.0
                 for dep in deps:
-                    e = end.get(dep)
-                    if e is None:
+                    e = end[dep]
+                    if e < 0.0:
                         break
                     if e > t:
                         t = e
                 else:
                     start = t if t > f else f
                     f = start + d
-                    end[acts[c]] = f
+                    end[mine[c]] = f
                     if record:
                         timeline.append((r, *acts[c], start, f))
                     busy[r] += d
@@ -171,9 +182,9 @@ def _replay(schedule: Schedule, lists: list[list[_Act]], plans: list[_RankPlan],
     return free, busy, timeline
 
 
-def _replay_shared(schedule: Schedule, lists: list[list[_Act]], plans: list[_RankPlan],
-                   ranks_per_core: float, record: bool
-                   ) -> tuple[list[float], list[float], _Timeline]:
+def _replay_shared(schedule: Schedule, lists: list[list[_Act]], ids: list[list[int]],
+                   plans: list[_RankPlan], num_actions: int, ranks_per_core: float,
+                   record: bool) -> tuple[list[float], list[float], _Timeline]:
     """:func:`_replay` with ranks sharing cores (processor sharing, as Linux's fair scheduler
     shares a core between runnable processes): while ``a`` of the ``p`` pipeline ranks run an
     action, ``a * n / p`` of the host's ``n`` rank processes are runnable on ``n /
@@ -181,7 +192,7 @@ def _replay_shared(schedule: Schedule, lists: list[list[_Act]], plans: list[_Ran
     a))`` µs of work per µs; a rank waiting on a dependency takes no core. Busy time is the
     work done (the actions' own durations), not the stretched wall time."""
     p = len(lists)
-    end: dict[_Act, float] = {}
+    end = [-1.0] * num_actions  # end time by action number; < 0: not run yet
     cursor = [0] * p
     running: list[list[float] | None] = [None] * p  # [start, work left, duration]
     free = [0.0] * p
@@ -193,12 +204,12 @@ def _replay_shared(schedule: Schedule, lists: list[list[_Act]], plans: list[_Ran
         for r in range(p):  # start every action whose inputs have arrived
             while running[r] is None and cursor[r] < len(lists[r]):
                 deps, d = plans[r][cursor[r]]
-                if any(dep not in end for dep in deps):
+                if any(end[dep] < 0.0 for dep in deps):
                     break
                 if d > 0.0:
                     running[r] = [now, d, d]
                     break
-                end[lists[r][cursor[r]]] = now  # nothing to do: done at once
+                end[ids[r][cursor[r]]] = now  # nothing to do: done at once
                 if record:
                     timeline.append((r, *lists[r][cursor[r]], now, now))
                 cursor[r] += 1
@@ -220,7 +231,7 @@ def _replay_shared(schedule: Schedule, lists: list[list[_Act]], plans: list[_Ran
             job[1] -= step * rate
             if job[1] <= 1e-9 * max(job[2], 1.0):
                 act = lists[r][cursor[r]]
-                end[act] = now
+                end[ids[r][cursor[r]]] = now
                 if record:
                     timeline.append((r, *act, job[0], now))
                 busy[r] += job[2]

@@ -123,6 +123,17 @@ def test_tiny_cap_is_infeasible(build: Any) -> None:
               SolveOptions(num_stages=4, batch_size=16, memory_cap_bytes=1000))
 
 
+def test_an_unexplained_infeasible_cap_names_the_cap_and_how_to_get_the_diagnosis(
+        build: Any) -> None:
+    """The layout search's setting: refused at once, without solving again for what fits."""
+    with pytest.raises(InfeasiblePlanError,
+                       match=r"^no partition onto 4 ranks fits the memory cap of 1000 bytes "
+                             r"\(0\.000 GiB\); solve with explain_infeasible=True"):
+        solve(build.chain(8, param_bytes=400), build.cluster(4),
+              SolveOptions(num_stages=4, batch_size=16, memory_cap_bytes=1000,
+                           explain_infeasible=False))
+
+
 def test_memory_mode_never_uses_more_memory(build: Any) -> None:
     g = mixed_graph(build)
     for s in (2, 3, 4):
