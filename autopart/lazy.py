@@ -13,11 +13,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopart.core.capture import CapturedGraph, capture
+from autopart.core.capture import CapturedGraph, capture, on_meta
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.signature import batch_size, microbatch_inputs
-from autopart.runtime.distributed import launch
 from autopart.runtime.distributed.pipeline import DistributedPipeline
 from autopart.runtime.local.module import PipelinedModule
 from autopart.runtime.pipeline import Pipeline
@@ -200,7 +199,7 @@ class LazyPipeline:
             raise PlanError(f"batch of {batch} is not a multiple of the microbatch size {mb} "
                             "this pipeline was planned for; pass such a batch")
         mb_args, mb_kwargs = microbatch_inputs(args, kwargs, batch // mb)
-        if launch.on_meta(self.model):
+        if on_meta(self.model):
             mb_args, mb_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
                                                       (mb_args, mb_kwargs))
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopart.core.capture import CapturedGraph, capture
+from autopart.core.capture import CapturedGraph, capture, on_meta
 from autopart.core.costgraph import CostGraph
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.signature import InputSignature, microbatch_inputs
@@ -156,7 +156,7 @@ class Session:
         self.hits: set[str] = set()
         self.captures: dict[int, tuple[CapturedGraph, list[Any]]] = {}
         self.dtype = _dtype_name(model)
-        self.on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        self.on_meta = on_meta(model)
         self.measured_loss = (options.training and options.loss_fn is not None
                               and options.example_target is not None and not self.on_meta)
         cpu_ranks = all(torch.device(d).type == "cpu" for d in options.devices)

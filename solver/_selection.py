@@ -299,7 +299,8 @@ def _memory_error(st: Setup) -> InfeasiblePlanError:
     if not st.options.explain_infeasible:
         return InfeasiblePlanError(f"no partition onto {p} ranks fits the memory cap of "
                                    f"{min(caps)} bytes ({min(caps) / _GIB:.3f} GiB); solve with "
-                                   "explain_infeasible=True for the smallest peak and what fits")
+                                   "explain_infeasible=True for the smallest peak and what fits, "
+                                   "or raise the cap, use more devices or allow recompute")
     least = _least_peak(st)
     if least is None:  # pragma: no cover - a chain always has some answer without caps
         return InfeasiblePlanError("no partition fits the memory cap")

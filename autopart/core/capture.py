@@ -35,7 +35,13 @@ from autopart.core.capturedgraph import (
 from autopart.core.errors import TraceError
 
 __all__ = ["CapturedGraph", "capture", "graph_fingerprint", "op_nodes", "node_module_path",
-           "node_source"]
+           "node_source", "on_meta"]
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the ``meta`` device (such a model
+    is captured on meta tensors and can be profiled only analytically)."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def _leading_dim(leaves: list[Any]) -> int:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.codegen import TensorParallelRank, build_stages
-from autopart.core.capture import CapturedGraph
+from autopart.core.capture import CapturedGraph, on_meta
 from autopart.core.plan import Plan
 from autopart.core.progress import phase
 from autopart.core.signature import InputSignature
@@ -76,7 +76,7 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
         devices, ranks = [device] * groups.pp, {dist.get_rank(groups.pp_group)}
         tp = (TensorParallelRank.of_group(groups.tp_group) if groups.tp_group is not None
               else None)
-        meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        meta = on_meta(model)
         cuts_by_name = cuts_by_name or meta  # codegen points the meta literals at device
         if tensor_of is None and options.checkpoint is not None:
             tensor_of = checkpoint_tensors(options.checkpoint)

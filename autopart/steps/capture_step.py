@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopart.codegen import plan_for_graph
-from autopart.core.capture import CapturedGraph, capture
+from autopart.core.capture import CapturedGraph, capture, on_meta
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase
@@ -63,7 +63,7 @@ def capture_for_plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         return plan, profiled
     t0 = time.perf_counter()
     mb_args, mb_kwargs = microbatch_inputs(args, kwargs, plan.num_microbatches)
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+    if on_meta(model):
         mb_args, mb_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),
                                                   (mb_args, mb_kwargs))
     with phase("capture"):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.core.capture import CapturedGraph
+from autopart.core.capture import CapturedGraph, on_meta
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps
 from autopart.core.plan import Plan
@@ -112,7 +112,7 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss
     """
     loss_fn, example_target = loss
     state_factor = options.state_factor(model)
-    if world is not None and any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+    if world is not None and on_meta(model):
         raise PlanError("a meta-device model cannot be profiled here; plan it first "
                         "(autopart.plan_model on a materialised copy, or `autopart "
                         "plan`) and pass plan=")

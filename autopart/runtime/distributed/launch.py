@@ -14,8 +14,7 @@ from torch import nn
 
 from autopart.core.errors import PlanError
 
-__all__ = ["init_from_env", "require_process_group", "rank_device", "on_meta",
-           "materialise"]
+__all__ = ["init_from_env", "require_process_group", "rank_device", "materialise"]
 
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -79,11 +78,6 @@ def rank_device() -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
-
-
-def on_meta(model: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``model`` is on the ``meta`` device."""
-    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
 
 def materialise(model: nn.Module, device: torch.device) -> Callable[[str], torch.Tensor]:
