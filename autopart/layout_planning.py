@@ -82,7 +82,8 @@ def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
         per_host = world
     topology = host_ranks_topology(world, device, per_host, collective_bandwidth_bytes_per_s)
     return LayoutOptions(num_gpus=world, topology=topology, tp=options.tp, dp=options.dp,
-                         zero_stage=options.zero_stage, num_heads=num_heads)
+                         zero_stage=options.zero_stage, num_heads=num_heads,
+                         overlap_grad_reduce=options.overlap_grad_reduce)
 
 
 def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,

@@ -140,6 +140,10 @@ class CompileOptions:
         layout_search: distributed only: ``True`` searches the (tp, pp, dp, ZeRO) layouts
             even with none of ``tp``, ``dp``, ``zero_stage`` given (all chosen); ``None``
             (default) searches them only when one is given.
+        overlap_grad_reduce: distributed, layout search only: ZeRO-0 plans all-reduce
+            gradients over dp in buckets during each stage's last backward, priced so
+            (default True, as Megatron-LM's ``--overlap-grad-reduce`` and DDP run); False:
+            after the pipeline flush. The plan records it; a replayed plan runs as it says.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -163,6 +167,7 @@ class CompileOptions:
     dp: int | None = None
     zero_stage: int | None = None
     layout_search: bool | None = None
+    overlap_grad_reduce: bool = True
     issue_threads: int | None = 1
     cuda_graphs: bool = False
 

@@ -202,6 +202,8 @@ def _with_host_figures(fields: dict[str, Any], cache: bool | None,
     if runtime.ranks_are_processes:
         runtime = dataclasses.replace(
             runtime, ranks_per_core=cpu_ranks_per_core(len(fields["devices"])))
+    # gloo's collectives reduce and copy on the CPU ranks' own cores
+    runtime = dataclasses.replace(runtime, collectives_share_compute=True)
     return {"host_link": link, "runtime": runtime}
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autopart.core.errors import PlanError
 from autopart.core.layout import check_zero_stage
 from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
 
-__all__ = ["state_multiplier", "held_state_multiplier", "DataParallelCost", "data_parallel_cost"]
+__all__ = ["state_multiplier", "held_state_multiplier", "DataParallelCost", "data_parallel_cost",
+           "bucket_sizes", "overlapped_reduction_us"]
 
 
 def state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
@@ -164,3 +167,90 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
         return DataParallelCost(scatter + gather, 0.0)
     gathers = 1 if zero_stage == 2 else 2
     return DataParallelCost(0.0, gathers * gather + scatter)
+
+
+def bucket_sizes(elements: int, bucket_elements: int) -> list[int]:
+    """A stage's gradient elements as the runtime packs them: ``ceil(elements /
+    bucket_elements)`` buckets, all full but the last, elements (``[]`` for none)."""
+    if elements <= 0:
+        return []
+    full, rest = divmod(elements, bucket_elements)
+    return [bucket_elements] * full + ([rest] if rest else [])
+
+
+def overlapped_reduction_us(stage_grad_bytes: Sequence[int], stage_elements: Sequence[int],
+                            stage_rank: Sequence[int], bwd_us: Sequence[float],
+                            bucket_us: Callable[[float], float], *, split_backward: bool,
+                            bucket_elements: int) -> float:
+    """What ZeRO-0's overlapped gradient all-reduce adds to a pipeline step, µs: the part
+    that ends after the last action of the schedule, on the rank where that part is largest.
+
+    As the runtime runs it (``autopart/runtime/distributed/_grad_buckets.py``, Megatron-LM's
+    ``--overlap-grad-reduce``, DDP's buckets): each stage's gradients are packed into buckets
+    of ``bucket_elements`` (:func:`autopart.core.layout.grad_bucket_elements`), a bucket is
+    all-reduced as soon as its gradients are final during the stage's last backward of the
+    step, and one rank's buckets go over its dp link one after another, in the order they are
+    ready. Modelled:
+
+    - the step's tail is the last microbatch's backward running through the stages from the
+      last to the first (what 1F1B, interleaved 1F1B, GPipe and the V schedules end with):
+      stage 0's last backward ends when the schedule does (time 0 here), and stage s's last
+      backward ends where stage s - 1's begins, ``-(bwd_0 + ... + bwd_{s-1})``. Sends are not
+      counted in that spacing (the real tail is longer: the overlap is under-, never
+      over-stated);
+    - during a full backward, a stage's gradients become final at an even rate, the last
+      layer's first: bucket k (cumulative elements ``c_k`` of the stage's ``E``) is ready at
+      ``start + bwd * c_k / E``;
+    - with a split backward (ZB-H1, ZB-V, DualPipe-V) torch adds the weight gradients up
+      outside autograd's hooks, so the buckets launch after the stage's last ``W``, which
+      these schedules run at their very end: every bucket is ready at time 0 (nothing
+      overlapped);
+    - a rank's buckets run one at a time: each starts when it is ready and the previous one
+      is done, and takes ``bucket_us(bytes)``.
+
+    The compute a collective shares the device with is not slowed (NCCL's reductions run on
+    their own SMs); a runtime whose collectives run on the ranks' own compute (CPU ranks)
+    hides nothing, which the caller prices as the serialized reduction instead
+    (``RuntimeDescription.collectives_share_compute``).
+
+    Args:
+        stage_grad_bytes: per stage, the gradient bytes its rank all-reduces over dp.
+        stage_elements: per stage, those gradients' elements.
+        stage_rank: per stage, its pipeline rank.
+        bwd_us: per stage, one microbatch's backward (``I + W``), µs.
+        bucket_us: one bucket's all-reduce over dp by its bytes, its packing included, µs.
+        split_backward: the schedule splits backwards into ``I`` and ``W``.
+        bucket_elements: a bucket's largest size, elements (>= 1).
+
+    Returns:
+        The largest over ranks of ``max(0, when its last bucket is done)``, µs.
+
+    Raises:
+        PlanError: the per-stage sequences differ in length, or ``bucket_elements`` < 1.
+    """
+    n = len(stage_grad_bytes)
+    if len(stage_elements) != n or len(stage_rank) != n or len(bwd_us) != n:
+        raise PlanError(f"overlapped_reduction_us: {n} stages of gradient bytes, "
+                        f"{len(stage_elements)} of elements, {len(stage_rank)} ranks and "
+                        f"{len(bwd_us)} backward times; give one per stage")
+    if bucket_elements < 1:
+        raise PlanError(f"bucket_elements={bucket_elements} must be >= 1")
+    ready: dict[int, list[tuple[float, float]]] = {}
+    end = 0.0
+    for s in range(n):
+        start = end - bwd_us[s]
+        total = stage_elements[s]
+        per_element = stage_grad_bytes[s] / total if total > 0 else 0.0
+        done = 0
+        for b in bucket_sizes(total, bucket_elements):
+            done += b
+            at = 0.0 if split_backward else start + bwd_us[s] * done / total
+            ready.setdefault(stage_rank[s], []).append((at, b * per_element))
+        end = start
+    worst = 0.0
+    for buckets in ready.values():
+        t = -math.inf
+        for at, nbytes in sorted(buckets, key=lambda x: x[0]):
+            t = max(t, at) + bucket_us(nbytes)
+        worst = max(worst, t)
+    return worst

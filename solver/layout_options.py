@@ -37,6 +37,13 @@ class LayoutOptions:
         microbatch_sizes: rows per microbatch to search (Megatron-LM's ``micro-batch-size``):
             each layout searches ``m = batch / dp / size`` for the sizes that divide a
             replica's batch; None (default) = ``options``' microbatch counts.
+        overlap_grad_reduce: ZeRO-0 layouts all-reduce gradients in buckets during each
+            stage's last backward, priced on the schedule's tail
+            (:func:`autopart.solver.data_parallel.overlapped_reduction_us`) and recorded in
+            the plan for the runtime (default True, as Megatron-LM's
+            ``--overlap-grad-reduce``, DDP and torchtitan run). False: after the pipeline
+            flush, none of it overlapped (Megatron-LM's SC'21 runtime, as
+            ``benchmarks/megatron_table`` checks it).
     """
 
     num_gpus: int
@@ -51,6 +58,7 @@ class LayoutOptions:
     refine: int = 2
     cpsat_budget: float = 4.0
     microbatch_sizes: tuple[int, ...] | None = None
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:

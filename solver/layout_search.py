@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from autopart.core.cluster import Cluster, DeviceSpec
@@ -14,15 +15,19 @@ from autopart.core.layout import (
     check_degrees,
     check_global_batch,
     divisors,
+    grad_bucket_elements,
 )
 from autopart.core.plan import ParetoPoint, Plan, ShardedParameter
 from autopart.core.runtime_model import RuntimeDescription
+from autopart.core.schedule import splits_backward
 from autopart.core.topology import HostTopology
 from autopart.solver.candidates import crossing_profile
+from autopart.solver.collectives import all_reduce_us
 from autopart.solver.data_parallel import (
     DataParallelCost,
     data_parallel_cost,
     held_state_multiplier,
+    overlapped_reduction_us,
     state_multiplier,
 )
 from autopart.solver.layout_options import LayoutCandidate, LayoutOptions
@@ -58,6 +63,41 @@ def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOption
                               copy_bytes_per_s=runtime.copy_bytes_per_s)
 
 
+def _bucket_us(dp: int, tp: int, layout: LayoutOptions,
+               runtime: RuntimeDescription) -> Callable[[float], float]:
+    """One ZeRO-0 bucket's all-reduce over dp, µs by gradient bytes: the ring, the fixed cost
+    per collective and the bucket's three copies (pack, divide, copy back)."""
+    bw, lat = layout.topology.link(tp * dp)
+    overhead = runtime.collective_overhead_at(0.0)
+    copy = runtime.copy_bytes_per_s
+
+    def bucket_us(nbytes: float) -> float:
+        pack = 3 * nbytes / copy * 1e6 if copy > 0 else 0.0
+        return all_reduce_us(nbytes, dp, bw, lat) + overhead + pack
+
+    return bucket_us
+
+
+def _overlapped_dp_us(plan: Plan, dp: int, tp: int, layout: LayoutOptions,
+                      runtime: RuntimeDescription) -> tuple[float, float]:
+    """ZeRO-0's gradient all-reduce overlapped with each stage's last backward
+    (:func:`overlapped_reduction_us` on the plan's stage times), µs; and the baselines'
+    lower bound: one bucket of an even share of the parameters, which no partition's rank 0
+    (whose last backward ends the step) can hide."""
+    grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
+
+    bucket_us = _bucket_us(dp, tp, layout, runtime)
+    cap = grad_bucket_elements(dp)
+    exposed = overlapped_reduction_us(grad_bytes, [st.num_parameters for st in plan.stages],
+                                      [st.rank for st in plan.stages],
+                                      [st.predicted_bwd_us for st in plan.stages], bucket_us,
+                                      split_backward=splits_backward(plan.schedule_kind, False),
+                                      bucket_elements=cap)
+    per_rank = -(-sum(st.num_parameters for st in plan.stages) // len(plan.ranks))
+    per_element = sum(grad_bytes) / max(1, sum(st.num_parameters for st in plan.stages))
+    return exposed, bucket_us(min(per_rank, cap) * per_element)
+
+
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
             options: SolveOptions, layout: LayoutOptions, device: DeviceSpec,
             smallest_crossing: int) -> LayoutCandidate:
@@ -67,7 +107,9 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     microbatch, L: the batch-proportional times of the replica's whole batch, C: the
     forward and backward sends over pp - 1 cuts of the smallest crossing, each charged to a
     stage's time as the pipeline cost model does), plus the dp collectives of an even share
-    of the parameters; the bound is the smallest over the allowed m."""
+    of the parameters (none where ZeRO-0's reduction is overlapped and hides under compute;
+    the estimate then charges one bucket of it); the bound is the smallest over the allowed
+    m."""
     overhead_us = device.op_overhead_us
     rows = options.batch_size / dp / sharded.batch_size
     fixed = linear = 0.0
@@ -81,6 +123,14 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     share = -(-trainable // pp)
     dp_cost = (_dp_cost(share, dp, zero, tp, layout, options.runtime)
                if options.training else None)
+    hidden = (options.training and layout.overlap_grad_reduce and zero == 0 and dp > 1
+              and not options.runtime.collectives_share_compute)
+    if hidden:  # overlapped: none of it is surely exposed; one bucket estimated
+        elements = sum(n for p, n in sharded.param_numel.items() if p in sharded.trainable)
+        per_element = trainable / elements if elements else 0.0
+        tail = _bucket_us(dp, tp, layout, options.runtime)(
+            min(-(-elements // pp), grad_bucket_elements(dp)) * per_element
+            * layout.gradient_factor)
     link = _pipeline_cluster(device, tp, 2, dp, layout.topology)
     smallest = smallest_crossing if pp > 1 else 0
     sends = 2 if options.training else 1
@@ -93,8 +143,8 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     for m in counts:
         dp_us = dp_cost.step_us(m) if dp_cost else 0.0
         work = (m * fixed + linear + m * send_us(m)) / pp
-        lb = min(lb, max(work, fixed + linear / m) + dp_us)
-        est = min(est, work * (m + pp - 1) / m + dp_us)
+        lb = min(lb, max(work, fixed + linear / m) + (0.0 if hidden else dp_us))
+        est = min(est, work * (m + pp - 1) / m + (tail if hidden else dp_us))
     mult = (state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
                              layout.gradient_factor) if options.training else 1.0)
     frozen = sum(b for p, b in sharded.param_sizes.items() if p not in sharded.trainable)
@@ -215,10 +265,17 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     replica's batch (``batch_size / dp``), pp ranks linked as placed, and the parameter state
     a GPU holds at its step's peak under ZeRO as the runtime runs it
     (:func:`held_state_multiplier`), so each rank's peak is state + activations + working
-    sets. The dp collectives of the rank with the most parameters are then added to the step
-    (not overlapped; with more CPU ranks than cores, ``runtime.ranks_per_core`` times longer:
-    every rank runs them at once); the baselines get those of an even parameter split over
-    the pp ranks (a lower bound on theirs), the time-memory frontier's points the plan's.
+    sets. The dp collectives are then added to the step. ZeRO-0 with
+    ``layout.overlap_grad_reduce`` (the default) on a runtime whose collectives do not share
+    the ranks' compute: what the buckets launched during each stage's last backward leave
+    after the schedule's end (:func:`autopart.solver.data_parallel.overlapped_reduction_us`),
+    the baselines one bucket of an even share (a lower bound on theirs); the plan then says
+    ``overlap_grad_reduce``. Otherwise (ZeRO 1-3, the SC'21 pricing, or CPU ranks, where the
+    overlapped reduction costs its whole time, measured): those of the rank with the most
+    parameters, after the flush (with more CPU ranks than cores, ``runtime.ranks_per_core``
+    times longer: every rank runs them at once), the baselines those of an even parameter
+    split over the pp ranks (a lower bound on theirs). The time-memory frontier's points get
+    the plan's.
 
     Args:
         costs, device, options, layout: as for :func:`solve_layout`.
@@ -252,15 +309,19 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                        recompute=bool(options.recompute))
     extra = even = 0.0
     shared = max(1.0, options.runtime.ranks_per_core)  # every rank reduces at once
+    overlap = layout.overlap_grad_reduce and zero == 0 and dp > 1 and options.training
     if options.training:
         rank_params = [sum(plan.stages[s].param_bytes for s in r.stage_indices)
                        for r in plan.ranks]
-        extra = shared * _dp_cost(max(rank_params), dp, zero, tp, layout,
-                                  options.runtime).step_us(plan.num_microbatches)
-        # any partition's fullest rank holds at least an even share: the baselines are
-        # charged this (a lower bound on their dp collectives)
-        even = shared * _dp_cost(-(-sum(rank_params) // len(rank_params)), dp, zero, tp,
-                                 layout, options.runtime).step_us(plan.num_microbatches)
+        if overlap and not options.runtime.collectives_share_compute:
+            extra, even = _overlapped_dp_us(plan, dp, tp, layout, options.runtime)
+        else:
+            extra = shared * _dp_cost(max(rank_params), dp, zero, tp, layout,
+                                      options.runtime).step_us(plan.num_microbatches)
+            # any partition's fullest rank holds at least an even share: the baselines are
+            # charged this (a lower bound on their dp collectives)
+            even = shared * _dp_cost(-(-sum(rank_params) // len(rank_params)), dp, zero, tp,
+                                     layout, options.runtime).step_us(plan.num_microbatches)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()
@@ -279,6 +340,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     return replace(
         plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
         baselines=baselines, pareto=pareto, sharded_parameters=sharded_params,
+        overlap_grad_reduce=overlap,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
         if step > 0 else plan.bubble_fraction,

@@ -96,7 +96,8 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
 
 
 def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int | None,
-              dp: int | None, zero_stage: int | None, heads: int | None) -> Any:
+              dp: int | None, zero_stage: int | None, heads: int | None,
+              overlap_grad_reduce: bool = True) -> Any:
     """The (tp, pp, dp, ZeRO) search over the cluster's GPUs, hosts as the preset ships them."""
     from autopart.core.topology import topology_for_device
     from autopart.solver.layout_search import LayoutOptions, solve_layout
@@ -105,7 +106,8 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
     topology = topology_for_device(spec.name, spec.link_bandwidth_bytes_per_s,
                                    spec.link_latency_us)
     layout = LayoutOptions(num_gpus=cluster.num_ranks, topology=topology, tp=tp, pp=pp, dp=dp,
-                           zero_stage=zero_stage, num_heads=heads)
+                           zero_stage=zero_stage, num_heads=heads,
+                           overlap_grad_reduce=overlap_grad_reduce)
     return solve_layout(costs, spec, options, layout)
 
 
@@ -161,6 +163,10 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                                                "(3D; default: searched)"),
          heads: int | None = typer.Option(None, "--heads", help="the model's attention heads, "
                                           "which tp must divide (3D)"),
+         overlap_grad_reduce: bool = typer.Option(
+             True, "--overlap-grad-reduce/--no-overlap-grad-reduce",
+             help="ZeRO-0's dp gradient all-reduce in buckets during each stage's last "
+                  "backward (default), or after the pipeline flush (3D)"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.
 
@@ -194,7 +200,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                 search_3d = fixed or _ships_in_hosts(the_cluster)
             if search_3d:
                 result = _solve_3d(costs, the_cluster, options, tp=tp, pp=pp, dp=dp,
-                                   zero_stage=zero_stage, heads=heads)
+                                   zero_stage=zero_stage, heads=heads,
+                                   overlap_grad_reduce=overlap_grad_reduce)
             else:
                 result = solve(costs, the_cluster, options)
         result.save(out)

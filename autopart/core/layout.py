@@ -7,10 +7,26 @@ from dataclasses import dataclass
 from autopart.core.errors import PlanError
 
 __all__ = ["ParallelLayout", "ZERO_STAGES", "divisors", "nearest", "check_zero_stage",
-           "check_tp", "check_degrees", "check_global_batch", "layout_problem"]
+           "check_tp", "check_degrees", "check_global_batch", "layout_problem",
+           "grad_bucket_elements"]
 
 #: ZeRO stages: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP).
 ZERO_STAGES = (0, 1, 2, 3)
+
+def grad_bucket_elements(dp: int) -> int:
+    """How many gradient elements one bucket of ZeRO-0's overlapped data-parallel all-reduce
+    holds at most: Megatron-Core's default, ``max(40e6, 1e6 x dp)``
+    (``DistributedDataParallelConfig.bucket_size``: "larger DP sizes need larger buckets to
+    ensure collectives do not become latency-bound"). The runtime packs its buckets so
+    (``autopart/runtime/distributed/_grad_buckets.py``) and the cost model prices them so
+    (:func:`autopart.solver.data_parallel.overlapped_reduction_us`).
+
+    Raises:
+        PlanError: ``dp`` < 1.
+    """
+    if dp < 1:
+        raise PlanError(f"dp={dp} must be >= 1")
+    return max(40_000_000, 1_000_000 * dp)
 
 
 def divisors(n: int) -> list[int]:

@@ -77,6 +77,11 @@ class Plan:
         sharded_parameters: the parameters tp splits and how (empty when tp = 1).
         model_flops: FLOPs of one training step of the whole model at ``batch_size``
             (forward + backward, recompute excluded), 0 when not recorded.
+        overlap_grad_reduce: ZeRO-0's data-parallel gradient all-reduce runs in buckets
+            launched during each stage's last backward of the step (Megatron-LM's
+            ``--overlap-grad-reduce``), and the step time prices it so; False (the default,
+            and what plans written before it load as): after the pipeline flush. Only with
+            dp > 1 and zero_stage 0.
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
@@ -103,6 +108,7 @@ class Plan:
     zero_stage: int = 0
     sharded_parameters: tuple[ShardedParameter, ...] = ()
     model_flops: int = 0
+    overlap_grad_reduce: bool = False
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -208,6 +214,10 @@ def check_plan_invariants(plan: Plan) -> None:
                              [p.name for p in plan.sharded_parameters])
     if problem:
         raise bad(problem)
+    if plan.overlap_grad_reduce and (plan.dp < 2 or plan.zero_stage != 0):
+        raise bad(f"overlap_grad_reduce=True with dp={plan.dp} and zero_stage="
+                  f"{plan.zero_stage}: it overlaps ZeRO-0's gradient all-reduce over dp >= 2 "
+                  "replicas; set it False")
     for name in ("graph_fingerprint", "cluster_fingerprint", "cost_source"):
         if not getattr(plan, name).strip():
             raise bad(f"{name} is empty; a plan names what it was made for: {FIX}")

@@ -126,6 +126,14 @@ class RuntimeDescription:
             time_sharing_factor`) for CPU ranks that are processes and outnumber the cores;
             the solver multiplies every action's compute by it while ``ranks_per_core`` > 1,
             and never otherwise.
+        collectives_share_compute: the runtime's collectives run on the ranks' own compute
+            units (default False: NCCL reduces on SMs of its own beside the compute). True
+            for gloo CPU ranks, whose reductions, copies and socket transfers take the
+            rank's cores: measured on this project's 2-core CPU (torch 2.13.0+cpu, a
+            GPT-2-like model of 7.6M parameters, dp 2), ZeRO-0's gradient all-reduce
+            overlapped with the backward left the step where it was (134.1 against 134.6 ms;
+            the backward's compute grew by what the reduction's wait shrank). The solver
+            then prices an overlapped reduction as the serialized one.
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
@@ -152,6 +160,7 @@ class RuntimeDescription:
     collective_bandwidth_bytes_per_s: float = 0.0
     copy_bytes_per_s: float = 0.0
     time_sharing_factor: float = 1.0
+    collectives_share_compute: bool = False
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -143,7 +143,7 @@ def run_row(row: Row, costs: Any, *, own: bool) -> dict[str, Any]:
                             stages_per_rank=None if row.pp > 1 else 1)
     meg_layout = LayoutOptions(num_gpus=row.gpus, topology=topo, tp=row.tp, pp=row.pp, dp=dp,
                                zero_stage=0, num_heads=row.heads, microbatch_sizes=(1,),
-                               refine=1)
+                               refine=1, overlap_grad_reduce=False)  # SC'21: after the flush
     t0 = time.perf_counter()
     meg = solve_layout(costs, device, meg_opts, meg_layout)
     out["megatron_config"] = _summary(meg, row, time.perf_counter() - t0)

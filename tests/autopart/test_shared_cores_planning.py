@@ -34,8 +34,9 @@ def test_ranks_per_core_is_ranks_over_cores_never_below_one(
 
 
 def _shared(ranks_per_core: float) -> RuntimeDescription:
+    # CPU ranks: gloo's collectives run on their cores (as autopart.planning describes them)
     return RuntimeDescription(name="distributed", issue_threads=None,
-                              ranks_per_core=ranks_per_core)
+                              ranks_per_core=ranks_per_core, collectives_share_compute=True)
 
 
 @pytest.mark.parametrize("fixed", [{"dp": 2, "zero_stage": 0}, {"tp": 2, "dp": 1}])

@@ -1,6 +1,7 @@
 """Run under torchrun (4 ranks): one and two rows per microbatch on every replica, for every
-layout the distributed runtime runs on 4 ranks: pp 2 x dp 2 with ZeRO 0-3, tp 2 x pp 2,
-tp 2 x dp 2 (hand-made plans, replayed), and a pp 2 x dp 2 ZeRO-1 plan rank 0 chooses with
+layout the distributed runtime runs on 4 ranks: pp 2 x dp 2 with ZeRO 0-3 and with ZeRO-0's
+overlapped gradient reduction, tp 2 x pp 2, tp 2 x dp 2 with and without it, ZB-V with it
+(hand-made plans, replayed), and a pp 2 x dp 2 ZeRO-1 plan rank 0 chooses with
 m = 4 (a 1-row microbatch per replica, where torch.export drops a no-op expand and the
 graph differs from the profiled one). Every rank passes the global batch; the loss returned
 is the global batch's on every rank, and after one SGD step of learning rate 1 the whole
@@ -76,10 +77,23 @@ for rows in (1, 2):
             manual_plan(captured, even_positions(captured, 2), BATCH // 2 // rows, BATCH,
                         schedule_kind="1f1b"), dp=2, zero_stage=zero)
         run(f"pp2xdp2 zero{zero} rows{rows}", lambda plan=pp_dp: replay(plan))
+    # ZeRO-0 with the dp all-reduce overlapped with each stage's last backward
+    overlap = dataclasses.replace(pp_dp, zero_stage=0, overlap_grad_reduce=True)
+    run(f"pp2xdp2 overlap rows{rows}", lambda plan=overlap: replay(plan))
     tp_pp = tp_plan("gpt2", captured, 2, BATCH // rows, BATCH)
     run(f"tp2xpp2 rows{rows}", lambda plan=tp_pp: replay(plan))
     tp_dp = dataclasses.replace(tp_plan("gpt2", captured, 1, BATCH // 2 // rows, BATCH), dp=2)
     run(f"tp2xdp2 rows{rows}", lambda plan=tp_dp: replay(plan))
+    tp_dp_overlap = dataclasses.replace(tp_dp, overlap_grad_reduce=True)
+    run(f"tp2xdp2 overlap rows{rows}", lambda plan=tp_dp_overlap: replay(plan))
+
+# ZB-V with overlap: split backwards (buckets launched after each stage's last W) and GPT-2's
+# tied embedding on both of rank 0's stages (left to the after-the-step reduction)
+zbv = dataclasses.replace(
+    manual_plan(capture(model, (x[:1],)), even_positions(capture(model, (x[:1],)), 4), 4, BATCH,
+                schedule_kind="zbv", stages_per_rank=2),
+    dp=2, overlap_grad_reduce=True)
+run("zbv overlap rows1", lambda: replay(zbv))
 
 # chosen by rank 0: pp 2 x dp 2 fixed through dp=2, m = 4 -> one row per microbatch
 run("chosen rows1", lambda: autopart.compile(

@@ -13,6 +13,7 @@ from torch import nn
 
 from autopart.codegen.recompute import run_recomputed
 from autopart.runtime._torch_private import ZeroIndexStage
+from autopart.runtime.distributed._grad_buckets import GradBuckets
 from autopart.runtime.distributed.heartbeat import Heartbeat
 from autopart.runtime.tracing import ActionRecorder
 
@@ -112,6 +113,8 @@ class TracedStage(ZeroIndexStage):
         self._heartbeat = heartbeat
         self.recorder: ActionRecorder | None = None  # set for one traced step
         self.track = 0  # this rank's pipeline rank: the trace's track
+        # ZeRO-0's overlapped dp reduction, started at the stage's last backward
+        self.grad_buckets: GradBuckets | None = None
 
     @contextlib.contextmanager
     def _action(self, name: str) -> Iterator[None]:
@@ -128,10 +131,27 @@ class TracedStage(ZeroIndexStage):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        kind = "B" if kwargs.get("full_backward", True) else "I"
-        with self._action(f"{self.stage_index}{kind}{bwd_chunk_id}"):
+        full = kwargs.get("full_backward", True)
+        kind = "B" if full else "I"
+        with self._action(f"{self.stage_index}{kind}{bwd_chunk_id}"), \
+                self._last_backward(full and kwargs.get("last_backward", False)):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with self._action(f"{self.stage_index}W{bwd_chunk_id}"):
+        with self._action(f"{self.stage_index}W{bwd_chunk_id}"), \
+                self._last_backward(kwargs.get("last_backward", False)):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _last_backward(self, last: bool) -> Iterator[None]:
+        """Around the step's last ``B`` (or ``W``) of this stage, which torch's schedule
+        runtime marks ``last_backward``: the overlapped gradient reduction's buckets launch
+        as their gradients become final, and the rest when it is done
+        (:class:`autopart.runtime.distributed._grad_buckets.GradBuckets`)."""
+        buckets = self.grad_buckets if last else None
+        if buckets is None:
+            yield
+            return
+        buckets.start(self.stage_index)
+        yield
+        buckets.launch_rest(self.stage_index)

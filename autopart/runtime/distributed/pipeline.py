@@ -33,6 +33,7 @@ from autopart.runtime.distributed._comm import (
     time_out_groups,
     timed_group,
 )
+from autopart.runtime.distributed._grad_buckets import overlapped_reduction
 from autopart.runtime.distributed._grads import (
     grad_norm,
     mean_over_microbatches,
@@ -172,6 +173,10 @@ class DistributedPipeline(Pipeline):
             self._sharding.new_stage(self._heartbeat, submods[s], s, plan.num_stages, device,
                                      group=self._p2p_group)
             for s in self.local_stages]
+        # ZeRO-0 with the plan's overlap: dp buckets launched in each stage's last backward
+        self._grad_buckets = overlapped_reduction(plan, dp_group, self._sharding.sharded, submods)
+        for st in self.pipeline_stages:
+            st.grad_buckets = self._grad_buckets
         self._whole = WholeTensors(self._local, whole_shapes, self._sharding, self._tp)
         self._schedules = StepSchedules(self.pipeline_stages, plan, self.pp_size,
                                         self._recompute, self.loss_of_flat,
@@ -333,12 +338,14 @@ class DistributedPipeline(Pipeline):
         finally:
             self._set_recorder(None)
             self._scaled_losses = None
-        mean_over_microbatches(self.stages, m)
         loss = step_loss(losses if scaled is None else scaled.unscaled(losses), self.device,
                          self._global(self._last_rank), self._p2p_group, self.dp_group,
                          self._guarded)
         with (contextlib.nullcontext() if recorder is None
               else recorder.span(self.pp_rank, "reduce", waits=False)):
+            if self._grad_buckets is not None:  # the overlapped reduction's exposed tail
+                self._guarded(self._grad_buckets.finish)
+            mean_over_microbatches(self.stages, m)
             self._guarded(self.reduce_grads)  # a dead or hung replica: PipelineFailure
             if scaled is not None:  # every rank's scaler skips when one overflowed
                 for group in (self._p2p_group, self._sharding.dp_group):  # ZeRO: shards differ
@@ -365,8 +372,10 @@ class DistributedPipeline(Pipeline):
     def reduce_grads(self) -> None:
         """Sum tied parameters' gradients across the ranks holding them, then average every
         gradient across data-parallel replicas (``train_step`` calls it after the step)."""
-        reduce_grads(self._local, self._tied_groups, self.parameters(), self.dp_group,
-                     self._sharding)
+        params = list(self.parameters())
+        if self._grad_buckets is not None:  # averaged during the step already
+            params = self._grad_buckets.uncovered(params)
+        reduce_grads(self._local, self._tied_groups, params, self.dp_group, self._sharding)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
