@@ -181,9 +181,9 @@ def bucket_sizes(elements: int, bucket_elements: int) -> list[int]:
 def overlapped_reduction_us(stage_grad_bytes: Sequence[int], stage_elements: Sequence[int],
                             stage_rank: Sequence[int], bwd_us: Sequence[float],
                             bucket_us: Callable[[float], float], *, split_backward: bool,
-                            bucket_elements: int) -> float:
-    """What ZeRO-0's overlapped gradient all-reduce adds to a pipeline step, µs: the part
-    that ends after the last action of the schedule, on the rank where that part is largest.
+                            bucket_elements: int) -> tuple[float, ...]:
+    """What ZeRO-0's overlapped gradient all-reduce adds to a pipeline step on each rank, µs:
+    the part that ends after the last action of the schedule.
 
     As the runtime runs it (``autopart/runtime/distributed/_grad_buckets.py``, Megatron-LM's
     ``--overlap-grad-reduce``, DDP's buckets): each stage's gradients are packed into buckets
@@ -223,7 +223,8 @@ def overlapped_reduction_us(stage_grad_bytes: Sequence[int], stage_elements: Seq
         bucket_elements: a bucket's largest size, elements (>= 1).
 
     Returns:
-        The largest over ranks of ``max(0, when its last bucket is done)``, µs.
+        Per pipeline rank (``0 .. max(stage_rank)``), ``max(0, when its last bucket is
+        done)``, µs; the step grows by the largest.
 
     Raises:
         PlanError: the per-stage sequences differ in length, or ``bucket_elements`` < 1.
@@ -247,10 +248,10 @@ def overlapped_reduction_us(stage_grad_bytes: Sequence[int], stage_elements: Seq
             at = 0.0 if split_backward else start + bwd_us[s] * done / total
             ready.setdefault(stage_rank[s], []).append((at, b * per_element))
         end = start
-    worst = 0.0
-    for buckets in ready.values():
+    tails = [0.0] * (max(stage_rank, default=-1) + 1)
+    for rank, buckets in ready.items():
         t = -math.inf
         for at, nbytes in sorted(buckets, key=lambda x: x[0]):
             t = max(t, at) + bucket_us(nbytes)
-        worst = max(worst, t)
-    return worst
+        tails[rank] = max(0.0, t)
+    return tuple(tails)

@@ -37,7 +37,7 @@ from autopart.solver.solve import solve
 from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
 
 __all__ = ["LayoutOptions", "LayoutCandidate", "layout_candidates", "evaluate_layout",
-           "solve_layout"]
+           "solve_layout", "dp_exposed_us"]
 
 
 def _tp_choices(layout: LayoutOptions) -> list[int]:
@@ -78,24 +78,58 @@ def _bucket_us(dp: int, tp: int, layout: LayoutOptions,
     return bucket_us
 
 
-def _overlapped_dp_us(plan: Plan, dp: int, tp: int, layout: LayoutOptions,
-                      runtime: RuntimeDescription) -> tuple[float, float]:
-    """ZeRO-0's gradient all-reduce overlapped with each stage's last backward
-    (:func:`overlapped_reduction_us` on the plan's stage times), µs; and the baselines'
-    lower bound: one bucket of an even share of the parameters, which no partition's rank 0
-    (whose last backward ends the step) can hide."""
-    grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
+def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription
+                  ) -> tuple[float, ...]:
+    """Per pipeline rank of ``plan`` (a training plan of the layout search), how long its dp
+    collectives run after its schedule's last action, µs; the step grows by the largest.
 
-    bucket_us = _bucket_us(dp, tp, layout, runtime)
-    cap = grad_bucket_elements(dp)
-    exposed = overlapped_reduction_us(grad_bytes, [st.num_parameters for st in plan.stages],
-                                      [st.rank for st in plan.stages],
-                                      [st.predicted_bwd_us for st in plan.stages], bucket_us,
-                                      split_backward=splits_backward(plan.schedule_kind, False),
-                                      bucket_elements=cap)
-    per_rank = -(-sum(st.num_parameters for st in plan.stages) // len(plan.ranks))
-    per_element = sum(grad_bytes) / max(1, sum(st.num_parameters for st in plan.stages))
-    return exposed, bucket_us(min(per_rank, cap) * per_element)
+    ZeRO-0 with ``plan.overlap_grad_reduce`` on a runtime whose collectives do not share the
+    ranks' compute: the tail of the buckets launched during each stage's last backward
+    (:func:`autopart.solver.data_parallel.overlapped_reduction_us` on the plan's stage
+    times). Otherwise the whole of them after the flush (:func:`data_parallel_cost` of the
+    rank's parameters, over its m microbatches for ZeRO 2-3), ``runtime.ranks_per_core``
+    times longer where CPU ranks outnumber the cores (every rank runs them at once).
+    """
+    return _dp_exposed(plan, (plan.tp, plan.dp, plan.zero_stage, plan.overlap_grad_reduce),
+                       layout, runtime)
+
+
+def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
+                runtime: RuntimeDescription) -> tuple[float, ...]:
+    """:func:`dp_exposed_us` of a replica's pipeline plan at ``(tp, dp, zero, overlap)``."""
+    tp, dp, zero, overlap = degrees
+    if dp == 1:
+        return (0.0,) * len(plan.ranks)
+    if overlap and not runtime.collectives_share_compute:
+        grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
+        return overlapped_reduction_us(
+            grad_bytes, [st.num_parameters for st in plan.stages],
+            [st.rank for st in plan.stages], [st.predicted_bwd_us for st in plan.stages],
+            _bucket_us(dp, tp, layout, runtime),
+            split_backward=splits_backward(plan.schedule_kind, False),
+            bucket_elements=grad_bucket_elements(dp))
+    shared = max(1.0, runtime.ranks_per_core)
+    return tuple(shared * _dp_cost(sum(plan.stages[s].param_bytes for s in r.stage_indices),
+                                   dp, zero, tp, layout, runtime).step_us(plan.num_microbatches)
+                 for r in plan.ranks)
+
+
+def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
+                     runtime: RuntimeDescription) -> float:
+    """A lower bound on what any partition of ``plan``'s layout pays for its dp collectives,
+    µs: those of an even parameter split over the pp ranks (any partition's fullest rank
+    holds at least that); overlapped, one bucket of it, which the rank whose last backward
+    ends the step cannot hide."""
+    tp, dp, zero, overlap = degrees
+    total = sum(st.param_bytes for st in plan.stages)
+    share = -(-total // len(plan.ranks))
+    if overlap and not runtime.collectives_share_compute:
+        elements = sum(st.num_parameters for st in plan.stages)
+        per_element = total * layout.gradient_factor / max(1, elements)
+        return _bucket_us(dp, tp, layout, runtime)(
+            min(-(-elements // len(plan.ranks)), grad_bucket_elements(dp)) * per_element)
+    return (max(1.0, runtime.ranks_per_core)
+            * _dp_cost(share, dp, zero, tp, layout, runtime).step_us(plan.num_microbatches))
 
 
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
@@ -308,20 +342,11 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                        stages_per_rank=options.stages_per_rank or 1,
                        recompute=bool(options.recompute))
     extra = even = 0.0
-    shared = max(1.0, options.runtime.ranks_per_core)  # every rank reduces at once
     overlap = layout.overlap_grad_reduce and zero == 0 and dp > 1 and options.training
-    if options.training:
-        rank_params = [sum(plan.stages[s].param_bytes for s in r.stage_indices)
-                       for r in plan.ranks]
-        if overlap and not options.runtime.collectives_share_compute:
-            extra, even = _overlapped_dp_us(plan, dp, tp, layout, options.runtime)
-        else:
-            extra = shared * _dp_cost(max(rank_params), dp, zero, tp, layout,
-                                      options.runtime).step_us(plan.num_microbatches)
-            # any partition's fullest rank holds at least an even share: the baselines are
-            # charged this (a lower bound on their dp collectives)
-            even = shared * _dp_cost(-(-sum(rank_params) // len(rank_params)), dp, zero, tp,
-                                     layout, options.runtime).step_us(plan.num_microbatches)
+    if options.training and dp > 1:
+        degrees = (tp, dp, zero, overlap)
+        extra = max(_dp_exposed(plan, degrees, layout, options.runtime))
+        even = _baselines_dp_us(plan, degrees, layout, options.runtime)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()

@@ -42,17 +42,17 @@ def test_one_stage_hides_all_but_what_outruns_its_backward() -> None:
     # 115 -> 145, i.e. 45 µs after the schedule's end
     got = overlapped_reduction_us([160], [40], [0], [100.0], _flat(30 / 40), split_backward=False,
                                   bucket_elements=10)
-    assert got == pytest.approx(45.0)
+    assert got == pytest.approx((45.0,))
     # buckets faster than the backward: only the last one's time is exposed
     got = overlapped_reduction_us([160], [40], [0], [100.0], _flat(5 / 40), split_backward=False,
                                   bucket_elements=10)
-    assert got == pytest.approx(5.0)
+    assert got == pytest.approx((5.0,))
 
 
 def test_a_split_backward_exposes_the_whole_reduction() -> None:
     got = overlapped_reduction_us([160], [40], [0], [100.0], _flat(5 / 40), split_backward=True,
                                   bucket_elements=10)
-    assert got == pytest.approx(20.0)
+    assert got == pytest.approx((20.0,))
 
 
 def test_later_stages_finish_earlier_and_hide_behind_the_drain() -> None:
@@ -61,12 +61,12 @@ def test_later_stages_finish_earlier_and_hide_behind_the_drain() -> None:
     got = overlapped_reduction_us([40, 160], [10, 40], [0, 1], [100.0, 100.0],
                                   lambda b: 10.0 if b < 100 else 150.0, split_backward=False,
                                   bucket_elements=40)
-    assert got == pytest.approx(50.0)
+    assert got == pytest.approx((10.0, 50.0))
     # two stages of one rank (interleaved): one link, buckets in the order they are ready:
     # stage 1's at -100 runs to +50, then stage 0's (ready at 0) to +200
     got = overlapped_reduction_us([160, 160], [40, 40], [0, 0], [100.0, 100.0],
                                   _flat(150 / 160), split_backward=False, bucket_elements=40)
-    assert got == pytest.approx(200.0)
+    assert got == pytest.approx((200.0,))
 
 
 def test_mismatched_lengths_are_refused() -> None:
