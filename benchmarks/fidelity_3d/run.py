@@ -116,7 +116,7 @@ def _per_core(world: int) -> float:
 def world_profile(profile: Any, world: int) -> Any:
     """``profile`` for ``world`` CPU ranks of this host: their ranks per core, and the fixed
     cost per collective measured now in ``world`` processes."""
-    from autopart.layout_planning import with_collective_overhead
+    from autopart.planning import with_collective_overhead
 
     runtime = dataclasses.replace(profile.runtime, ranks_per_core=_per_core(world))
     shared = dataclasses.replace(profile, devices=("cpu",) * world, runtime=runtime)
