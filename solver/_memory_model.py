@@ -81,6 +81,9 @@ class MemoryModel:
         self._bwd_peak = ([two_point_line(float(nd.backward_peak_bytes), float(lo), b0, b1)
                            for nd, lo in zip(costs.nodes, costs.low_backward_peaks, strict=True)]
                           if training and b1 and costs.low_backward_peaks else [])
+        # ratio -> each node's working set (transient_bytes of one node), computed once per
+        # microbatch size: a layout search asks for thousands of stage spans at a few sizes
+        self._node_needs: dict[float, list[int]] = {}
 
     # ---- scaling -------------------------------------------------------------------
     def ratio(self, m: int) -> float:
@@ -216,21 +219,25 @@ class MemoryModel:
         - otherwise its gradients (scaled) plus the new gradients of the trainable
           parameters it reads (not scaled: they live beside ``.grad`` until added to it).
         """
-        nodes = self.costs.nodes
-        out = 0
-        for i in range(start, stop):
-            nd = nodes[i]
-            output = self.scale_bytes(nd.output_bytes, ratio)
-            need = output
-            if self.training:
-                grads = self.scale_bytes(nd.transient_bytes, ratio)
-                if self._bwd_peak and nd.backward_peak_bytes:
-                    fixed, linear = self._bwd_peak[i]
-                    need = max(need, grads, int(math.ceil(fixed + linear * ratio)) + output)
-                else:
-                    need = max(need, grads + self._new_grad[i])
-            out = max(out, need)
-        return out
+        needs = self._node_needs.get(ratio)
+        if needs is None:
+            needs = self._node_needs[ratio] = [self._node_need(i, ratio)
+                                               for i in range(len(self.costs.nodes))]
+        return max(needs[start:stop], default=0)
+
+    def _node_need(self, i: int, ratio: float) -> int:
+        """Node ``i``'s working set at ``ratio`` (:meth:`transient_bytes` of it alone)."""
+        nd = self.costs.nodes[i]
+        output = self.scale_bytes(nd.output_bytes, ratio)
+        need = output
+        if self.training:
+            grads = self.scale_bytes(nd.transient_bytes, ratio)
+            if self._bwd_peak and nd.backward_peak_bytes:
+                fixed, linear = self._bwd_peak[i]
+                need = max(need, grads, int(math.ceil(fixed + linear * ratio)) + output)
+            else:
+                need = max(need, grads + self._new_grad[i])
+        return need
 
     def whole_backward_bytes(self, start: int, stop: int, ratio: float) -> int:
         """Most a backward of nodes ``start .. stop - 1`` run as one autograd call that returns
