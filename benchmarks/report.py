@@ -11,6 +11,8 @@ nothing itself) and writes ``REPORT.md`` plus PNG figures beside it:
   per model and rank count (analytical H100 costs);
 - ``solver_scale``: the GPT-3-175B-shaped solve onto 64 ranks;
 - ``layout_scale``: ``autopart plan``'s layout search for 7B-1T GPTs on 1024-8192 H100s;
+- ``overlap_cpu``: ZeRO-0's overlapped gradient all-reduce against the flushed one on gloo
+  CPU ranks;
 - ``zoo``: transformers' architectures through autopart, counts per family;
 - ``pipeline_cpu/results_peers.json`` (``peers.py``): peers, measured: autopart against
   DeepSpeed's pipeline engine, torch's schedules and the hand split, per workload.
@@ -416,6 +418,31 @@ def fidelity_3d(results: Path) -> list[str]:
     return lines + [""]
 
 
+def overlap_cpu(results: Path) -> list[str]:
+    """Markdown lines for ``overlap_cpu``: ZeRO-0's overlapped gradient all-reduce against the
+    flushed one on gloo CPU ranks, predicted and measured, and the dp communication exposed
+    per rank."""
+    d = _load(results / "overlap_cpu" / "results.json")
+    if d is None:
+        return ["## overlap_cpu", "", "No recorded results.", ""]
+    m = d["meta"]
+    loads = m["load_average_1min"]
+    lines = ["## overlap_cpu: ZeRO-0's gradient all-reduce overlapped vs after the flush", "",
+             f"{m['machine']}; torch {m['torch']}; {m['threads_per_rank']} thread per rank; "
+             f"{m['parameters'] / 1e6:.2f}M parameters; {m['repeats']} runs x {m['steps']} "
+             "timed steps per arm, arms alternated; 1-minute load average "
+             f"{min(loads):.1f}-{max(loads):.1f}; recorded {m['date']}. CPU ranks price the "
+             "overlap as the flush (gloo reduces on the rank's own core).", "",
+             "| ranks | arm | predicted s | measured s | error | dp exposed per rank, "
+             "predicted ms | traced reduce ms |", "|---:|---|---:|---:|---:|---|---|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['world']} | {r['arm']} | {r['predicted_step_s']:.3f} | "
+                     f"{r['measured_step_s']:.3f} | {r['error']:+.1%} | "
+                     + " / ".join(f"{x:.1f}" for x in r["predicted_exposed_ms"]) + " | "
+                     + " / ".join(f"{x:.1f}" for x in r["traced_reduce_median_ms"]) + " |")
+    return lines + [""]
+
+
 def early_receives(results: Path) -> list[str]:
     """Markdown lines for ``early_receives``: gloo ranks' receives posted first against
     torch's placement, alternated on the same pipelines."""
@@ -512,6 +539,7 @@ def write_report(results: Path, out: Path) -> Path:
     lines += layout_scale(results)
     lines += fidelity(results, figures)
     lines += fidelity_3d(results)
+    lines += overlap_cpu(results)
     lines += early_receives(results)
     lines += gpu(results, figures)
     lines += zoo(results)

@@ -126,16 +126,18 @@ def subproblems(st: Setup) -> list[Subproblem]:
         PlanError: interleaving is the only kind asked for and no m is a multiple of p.
     """
     p = st.p
-    subs: list[Subproblem] = []
+    grid = [(kind, v, m) for kind, v in st.configs for m in st.counts
+            if runs_microbatches(kind, p, m)]
+    problems = {key: chain_problem(st, *key) for key in grid}
     seeds: dict[ChainProblem, ChainAnswer | None] = {}
-    for kind, v in st.configs:
-        for m in st.counts:
-            if not runs_microbatches(kind, p, m):
-                continue
-            prob = chain_problem(st, kind, v, m)
-            if prob not in seeds:
-                seeds[prob] = _seed(prob, st.cands, st.options.hint, st.costs)
-            subs.append(Subproblem(kind, v, m, prob, seeds[prob]))
+    # seeded count by count (a pure function of the problem, so the order changes nothing
+    # but speed): the kinds of one m share the DP's K x K tables (chain_dp._LAST_ARRAYS)
+    for key in sorted(grid, key=lambda k: k[2]):
+        prob = problems[key]
+        if prob not in seeds:
+            seeds[prob] = _seed(prob, st.cands, st.options.hint, st.costs)
+    subs = [Subproblem(kind, v, m, problems[kind, v, m], seeds[problems[kind, v, m]])
+            for kind, v, m in grid]
     if not subs:
         kinds = sorted({kind for kind, _ in st.configs})
         if kinds == ["interleaved_1f1b"]:
