@@ -84,7 +84,11 @@ def layout_table(plan: Plan) -> Table:
     peak = max(r.peak_memory_bytes for r in plan.ranks)
     rows = [("tensor parallel (tp)", str(plan.tp)), ("pipeline ranks (pp)", str(len(plan.ranks))),
             ("data parallel (dp)", str(plan.dp)),
-            ("ZeRO stage", f"{plan.zero_stage} ({zero})"), ("GPUs", str(plan.num_gpus)),
+            ("ZeRO stage", f"{plan.zero_stage} ({zero})"),
+            ("dp gradient reduction", "none" if plan.dp == 1 else
+             "overlapped with the last backward" if plan.overlap_grad_reduce
+             else "after the schedule"),
+            ("GPUs", str(plan.num_gpus)),
             ("global batch / microbatches per replica",
              f"{plan.batch_size} / {plan.num_microbatches}"),
             ("sharded parameters", str(len(plan.sharded_parameters))),

@@ -81,3 +81,17 @@ def test_show_prints_the_layout_of_a_3d_plan(profile: Path, tmp_path: Path) -> N
     code, text = invoke("show", str(out))
     assert code == 0, text
     assert "parallel layout (per GPU)" in text and "data parallel (dp)" in text
+
+
+def test_the_overlap_switch_reaches_the_plan_and_the_summary(profile: Path,
+                                                             tmp_path: Path) -> None:
+    # ZeRO-0 over dp 2: overlapped by default, after the schedule with the switch off
+    for flag, want in ((None, True), ("--no-overlap-grad-reduce", False)):
+        out = tmp_path / f"{want}.json"
+        code, text = invoke("plan", str(profile), "--cluster", "a100-80gb:8", "--tp", "2",
+                            "--pp", "2", "--dp", "2", "--zero-stage", "0", "--batch-size", "16",
+                            "--time-limit", "2", "--out", str(out), *([flag] if flag else []))
+        assert code == 0, text
+        plan = Plan.load(out)
+        assert plan.overlap_grad_reduce is want
+        assert ("overlapped with the last backward" if want else "after the schedule") in text
