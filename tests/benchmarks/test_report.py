@@ -61,8 +61,8 @@ def test_report_lists_missing_results_and_names_a_broken_file(tmp_path: Path) ->
     shutil.copy(BENCHMARKS / "solver_scale" / "results.json", results / "solver_scale")
     text = report.write_report(results, tmp_path / "REPORT.md").read_text()
     # pipeline_cpu, peers, executor_overhead, plan_quality, layout_scale, fidelity,
-    # fidelity_3d, early_receives, gpu, zoo
-    assert text.count("No recorded results") == 10
+    # fidelity_3d, overlap_cpu, early_receives, gpu, zoo
+    assert text.count("No recorded results") == 11
     assert "solver_scale: a 175B-parameter plan" in text
 
     (results / "plan_quality").mkdir()
