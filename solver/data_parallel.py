@@ -11,7 +11,7 @@ from autopart.core.layout import check_zero_stage
 from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
 
 __all__ = ["state_multiplier", "held_state_multiplier", "DataParallelCost", "data_parallel_cost",
-           "bucket_sizes", "overlapped_reduction_us"]
+           "gradient_all_reduce_us", "bucket_sizes", "overlapped_reduction_us"]
 
 
 def state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
@@ -157,16 +157,32 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
     if dp == 1 or param_bytes == 0:
         return DataParallelCost(0.0, 0.0)
     if zero_stage == 0:
-        pack = 3 * grads / copy_bytes_per_s * 1e6 if copy_bytes_per_s > 0 else 0.0
-        return DataParallelCost(
-            all_reduce_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us + pack,
-            0.0)
+        return DataParallelCost(gradient_all_reduce_us(grads, dp, bandwidth_bytes_per_s,
+                                                       latency_us, overhead_us,
+                                                       copy_bytes_per_s), 0.0)
     gather = all_gather_us(param_bytes, dp, bandwidth_bytes_per_s, latency_us) + overhead_us
     scatter = reduce_scatter_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us
     if zero_stage == 1:
         return DataParallelCost(scatter + gather, 0.0)
     gathers = 1 if zero_stage == 2 else 2
     return DataParallelCost(0.0, gathers * gather + scatter)
+
+
+def gradient_all_reduce_us(grad_bytes: float, dp: int, bandwidth_bytes_per_s: float,
+                           latency_us: float, overhead_us: float = 0.0,
+                           copy_bytes_per_s: float = 0.0) -> float:
+    """ZeRO-0's all-reduce of one flat bucket of ``grad_bytes`` gradient bytes over ``dp``
+    ranks, µs: the ring (:func:`autopart.solver.collectives.all_reduce_us`), the runtime's
+    fixed cost per collective (``overhead_us``) and the bucket's three copies at
+    ``copy_bytes_per_s`` (pack, divide, copy back; 0.0: not charged). The whole of a rank's
+    gradients after the flush (:func:`data_parallel_cost`) or one bucket of the overlapped
+    reduction (:func:`overlapped_reduction_us`).
+
+    Raises:
+        PlanError: bad link figures (:func:`autopart.solver.collectives.all_reduce_us`).
+    """
+    pack = 3 * grad_bytes / copy_bytes_per_s * 1e6 if copy_bytes_per_s > 0 else 0.0
+    return all_reduce_us(grad_bytes, dp, bandwidth_bytes_per_s, latency_us) + overhead_us + pack
 
 
 def bucket_sizes(elements: int, bucket_elements: int) -> list[int]:

@@ -22,10 +22,10 @@ from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.schedule import splits_backward
 from autopart.core.topology import HostTopology
 from autopart.solver.candidates import crossing_profile
-from autopart.solver.collectives import all_reduce_us
 from autopart.solver.data_parallel import (
     DataParallelCost,
     data_parallel_cost,
+    gradient_all_reduce_us,
     held_state_multiplier,
     overlapped_reduction_us,
     state_multiplier,
@@ -65,17 +65,30 @@ def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOption
 
 def _bucket_us(dp: int, tp: int, layout: LayoutOptions,
                runtime: RuntimeDescription) -> Callable[[float], float]:
-    """One ZeRO-0 bucket's all-reduce over dp, µs by gradient bytes: the ring, the fixed cost
-    per collective and the bucket's three copies (pack, divide, copy back)."""
+    """One ZeRO-0 bucket's all-reduce over dp on the layout's link, µs by gradient bytes
+    (:func:`gradient_all_reduce_us` with the runtime's fixed cost and copy rate)."""
     bw, lat = layout.topology.link(tp * dp)
-    overhead = runtime.collective_overhead_at(0.0)
-    copy = runtime.copy_bytes_per_s
+    overhead, copy = runtime.collective_overhead_at(0.0), runtime.copy_bytes_per_s
+    return lambda nbytes: gradient_all_reduce_us(nbytes, dp, bw, lat, overhead, copy)
 
-    def bucket_us(nbytes: float) -> float:
-        pack = 3 * nbytes / copy * 1e6 if copy > 0 else 0.0
-        return all_reduce_us(nbytes, dp, bw, lat) + overhead + pack
 
-    return bucket_us
+def _hides_reduction(layout: LayoutOptions, zero: int, dp: int,
+                     options: SolveOptions) -> tuple[bool, bool]:
+    """Whether a layout's plan overlaps ZeRO-0's gradient all-reduce (the plan's
+    ``overlap_grad_reduce``), and whether that hides any of it (not where the runtime's
+    collectives run on the ranks' own compute: CPU ranks)."""
+    overlap = layout.overlap_grad_reduce and zero == 0 and dp > 1 and options.training
+    return overlap, overlap and not options.runtime.collectives_share_compute
+
+
+def _even_bucket_us(grad_bytes: float, elements: int, pp: int, dp: int, tp: int,
+                    layout: LayoutOptions, runtime: RuntimeDescription) -> float:
+    """The last bucket of an even share of ``elements`` gradient elements (``grad_bytes``
+    in all) over pp ranks, µs: what the rank whose last backward ends the step leaves
+    exposed at least, whatever the partition."""
+    per_element = grad_bytes / elements if elements else 0.0
+    return _bucket_us(dp, tp, layout, runtime)(
+        min(-(-elements // pp), grad_bucket_elements(dp)) * per_element)
 
 
 def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription
@@ -124,10 +137,9 @@ def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: La
     total = sum(st.param_bytes for st in plan.stages)
     share = -(-total // len(plan.ranks))
     if overlap and not runtime.collectives_share_compute:
-        elements = sum(st.num_parameters for st in plan.stages)
-        per_element = total * layout.gradient_factor / max(1, elements)
-        return _bucket_us(dp, tp, layout, runtime)(
-            min(-(-elements // len(plan.ranks)), grad_bucket_elements(dp)) * per_element)
+        return _even_bucket_us(total * layout.gradient_factor,
+                               sum(st.num_parameters for st in plan.stages), len(plan.ranks),
+                               dp, tp, layout, runtime)
     return (max(1.0, runtime.ranks_per_core)
             * _dp_cost(share, dp, zero, tp, layout, runtime).step_us(plan.num_microbatches))
 
@@ -157,14 +169,12 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     share = -(-trainable // pp)
     dp_cost = (_dp_cost(share, dp, zero, tp, layout, options.runtime)
                if options.training else None)
-    hidden = (options.training and layout.overlap_grad_reduce and zero == 0 and dp > 1
-              and not options.runtime.collectives_share_compute)
+    _, hidden = _hides_reduction(layout, zero, dp, options)
     if hidden:  # overlapped: none of it is surely exposed; one bucket estimated
-        elements = sum(n for p, n in sharded.param_numel.items() if p in sharded.trainable)
-        per_element = trainable / elements if elements else 0.0
-        tail = _bucket_us(dp, tp, layout, options.runtime)(
-            min(-(-elements // pp), grad_bucket_elements(dp)) * per_element
-            * layout.gradient_factor)
+        tail = _even_bucket_us(trainable * layout.gradient_factor,
+                               sum(n for p, n in sharded.param_numel.items()
+                                   if p in sharded.trainable), pp, dp, tp, layout,
+                               options.runtime)
     link = _pipeline_cluster(device, tp, 2, dp, layout.topology)
     smallest = smallest_crossing if pp > 1 else 0
     sends = 2 if options.training else 1
@@ -342,7 +352,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                        stages_per_rank=options.stages_per_rank or 1,
                        recompute=bool(options.recompute))
     extra = even = 0.0
-    overlap = layout.overlap_grad_reduce and zero == 0 and dp > 1 and options.training
+    overlap, _ = _hides_reduction(layout, zero, dp, options)
     if options.training and dp > 1:
         degrees = (tp, dp, zero, overlap)
         extra = max(_dp_exposed(plan, degrees, layout, options.runtime))

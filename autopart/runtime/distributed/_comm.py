@@ -22,7 +22,7 @@ from autopart.runtime.host import affinity_enabled, core_share
 
 __all__ = ["StoreGather", "broadcast_outputs", "cpu_share", "pipelines_of", "timed_group",
            "tied_groups", "mesh_coordinates", "time_out_groups", "step_failure", "average_over",
-           "BUCKET_BYTES"]
+           "BUCKET_BYTES", "mean_into"]
 
 #: Gradients are averaged over data-parallel replicas in buckets of at most this many bytes
 #: (DDP's default ``bucket_cap_mb=25``): one all-reduce per bucket, close to the one ring
@@ -241,6 +241,25 @@ def step_failure(exc: Exception, heartbeat: Heartbeat, plan: Plan,
                            "rank is healthy")
 
 
+def mean_into(flat: torch.Tensor, targets: list[tuple[int, torch.Tensor | None]],
+              size: int) -> None:
+    """Divide ``flat``, the sum over ``size`` ranks of tensors packed end to end (shape
+    ``(total elements,)``), by ``size`` in place and copy each piece into its tensor.
+
+    Args:
+        flat: the all-reduced bucket.
+        targets: per packed piece, in packing order, its element count and the tensor to
+            write into (None: the piece is skipped, e.g. zeros packed for a missing ``.grad``).
+        size: the group's ranks.
+    """
+    flat.div_(size)
+    offset = 0
+    for n, t in targets:
+        if t is not None:
+            t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
 def average_over(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Replace each tensor by its mean over ``group``'s ranks, in place: tensors of one dtype
     and device are packed into buckets of up to :data:`BUCKET_BYTES` (in the order given,
@@ -256,11 +275,7 @@ def average_over(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     def flush(bucket: list[torch.Tensor]) -> None:
         flat = torch.cat([t.reshape(-1) for t in bucket])  # (total elements,)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(size)
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        mean_into(flat, [(t.numel(), t) for t in bucket], size)
         bucket.clear()
 
     for t in tensors:

@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.core.plan import Plan
 from autopart.core.layout import grad_bucket_elements
+from autopart.core.plan import Plan
+from autopart.runtime.distributed._comm import mean_into
 
 __all__ = ["GradBuckets", "overlapped_reduction"]
 
@@ -70,17 +71,16 @@ class GradBuckets:
         self._group = group
         self._size = dist.get_world_size(group)
         cap = grad_bucket_elements(self._size) if bucket_elements is None else bucket_elements
-        holders: dict[int, int] = {}
+        holders: dict[int, int] = {}  # parameter id -> local stages holding it
         for mod in modules.values():
-            for p in {id(p): p for p in mod.parameters()}.values():
+            for p in mod.parameters():
                 holders[id(p)] = holders.get(id(p), 0) + 1
         self._buckets: dict[int, list[_Bucket]] = {}
         self._next: dict[int, int] = {}  # stage -> index of its next bucket to launch
         self._armed: set[int] = set()
         self.covered: set[int] = set()
         for s, mod in modules.items():
-            params = [p for p in {id(p): p for p in mod.parameters()}.values()
-                      if p.requires_grad and holders[id(p)] == 1]
+            params = [p for p in mod.parameters() if p.requires_grad and holders[id(p)] == 1]
             buckets = self._pack(list(reversed(params)), cap)
             self._buckets[s] = buckets
             for b in buckets:
@@ -162,13 +162,7 @@ class GradBuckets:
                 b.work = b.flat = None
                 work.wait()
                 assert flat is not None
-                flat.div_(self._size)
-                offset = 0
-                for p in b.params:
-                    n = p.numel()
-                    if p.grad is not None:
-                        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                    offset += n
+                mean_into(flat, [(p.numel(), p.grad) for p in b.params], self._size)
 
     def uncovered(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``params`` this object does not reduce."""

@@ -372,7 +372,7 @@ class DistributedPipeline(Pipeline):
     def reduce_grads(self) -> None:
         """Sum tied parameters' gradients across the ranks holding them, then average every
         gradient across data-parallel replicas (``train_step`` calls it after the step)."""
-        params = list(self.parameters())
+        params: list[torch.Tensor] = list(self.parameters())
         if self._grad_buckets is not None:  # averaged during the step already
             params = self._grad_buckets.uncovered(params)
         reduce_grads(self._local, self._tied_groups, params, self.dp_group, self._sharding)
