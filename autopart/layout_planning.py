@@ -83,7 +83,8 @@ def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
     topology = host_ranks_topology(world, device, per_host, collective_bandwidth_bytes_per_s)
     return LayoutOptions(num_gpus=world, topology=topology, tp=options.tp, dp=options.dp,
                          zero_stage=options.zero_stage, num_heads=num_heads,
-                         overlap_grad_reduce=options.overlap_grad_reduce)
+                         overlap_grad_reduce=options.overlap_grad_reduce,
+                         zero_layer_units=options.zero_layer_units and not options.fuse)
 
 
 def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,

@@ -144,6 +144,10 @@ class CompileOptions:
             gradients over dp in buckets during each stage's last backward, priced so
             (default True, as Megatron-LM's ``--overlap-grad-reduce`` and DDP run); False:
             after the pipeline flush. The plan records it; a replayed plan runs as it says.
+        zero_layer_units: distributed, layout search only: ZeRO 2-3 plans shard each layer
+            of a stage as its own FSDP unit (default True; not with ``fuse=True``, whose
+            compiled stage is one unit), so a stage is never gathered whole; False: one
+            unit per stage. The plan records it (``Plan.zero_layer_units``).
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -168,6 +172,7 @@ class CompileOptions:
     zero_stage: int | None = None
     layout_search: bool | None = None
     overlap_grad_reduce: bool = True
+    zero_layer_units: bool = True
     issue_threads: int | None = 1
     cuda_graphs: bool = False
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,22 +9,9 @@ import torch
 import torch.fx as fx
 
 from autopart.core.capture import node_module_path, op_nodes
+from autopart.core.costgraph import path_pattern
 
 __all__ = ["BlockInstance", "find_blocks", "repeated_blocks", "path_pattern"]
-
-_INDEX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
-def path_pattern(module_path: str) -> tuple[str, int] | None:
-    """Split a module path at its first integer component.
-
-    ``"model.layers.3.mlp.act_fn"`` -> ``("model.layers", 3)``; a path without one -> None.
-    """
-    m = _INDEX.match(module_path)
-    if m is None:
-        return None
-    return m.group(1), int(m.group(2))
-
 
 @dataclass(frozen=True)
 class BlockInstance:

@@ -72,9 +72,11 @@ class CostModel(MemoryModel):
 
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
                  state_factor: float,
-                 runtime: RuntimeDescription = _FREE_RUNTIME) -> None:
+                 runtime: RuntimeDescription = _FREE_RUNTIME,
+                 layer_unit_factors: tuple[float, float, float, float] | None = None) -> None:
         super().__init__(costs, batch_size=batch_size, training=training,
-                         state_factor=state_factor, runtime=runtime)
+                         state_factor=state_factor, runtime=runtime,
+                         layer_unit_factors=layer_unit_factors)
         self._split_points = tuple(sorted(runtime.split_backward_points))
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
         self.cluster = cluster
@@ -274,7 +276,7 @@ class CostModel(MemoryModel):
                    state_factor=(options.optimizer_state_bytes_per_param_byte
                                  if options.state_bytes_per_param_byte is None
                                  else options.state_bytes_per_param_byte - 2.0),
-                   runtime=options.runtime)
+                   runtime=options.runtime, layer_unit_factors=options.layer_unit_factors)
 
     def speed(self, rank: int) -> float:
         """Time multiplier of ``rank``'s compute against the profiled device: peak FLOP/s of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from autopart.core.costgraph import CostGraph
+from autopart.core.costgraph import CostGraph, layer_of_path
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.solver.candidates import _values, crossing_profile, crossing_sums
 
@@ -33,11 +33,16 @@ class MemoryModel:
             trainable parameter then holds ``(2 + state_factor) x`` its bytes (weight,
             gradient, state); buffers, and every parameter when not training, hold 1x.
         runtime: the runtime's buffers (:meth:`held_parts`).
+        layer_unit_factors: ZeRO 2-3 with one FSDP unit per layer: what a stage holds
+            gathered beyond ``state_factor``'s state (``SolveOptions.layer_unit_factors``,
+            :meth:`state_of`); None: nothing.
     """
 
     def __init__(self, costs: CostGraph, *, batch_size: int, training: bool,
-                 state_factor: float, runtime: RuntimeDescription) -> None:
+                 state_factor: float, runtime: RuntimeDescription,
+                 layer_unit_factors: tuple[float, float, float, float] | None = None) -> None:
         self.costs = costs
+        self._layer_units = layer_unit_factors if training else None
         self.runtime = runtime
         self.batch_size = batch_size
         self.training = training
@@ -63,6 +68,14 @@ class MemoryModel:
         self.state_bytes = {
             p: int(math.ceil(nbytes * mult)) if p in costs.trainable else nbytes
             for p, nbytes in costs.param_sizes.items()}
+        # ZeRO 2-3 layer units: trainable parameter -> its layer (None: the root unit)
+        self._layer_of = {p: layer_of_path(p) for p in costs.trainable}
+        if self._layer_units is not None:
+            a, b, _, _ = self._layer_units
+            for p in costs.trainable:
+                if p in self.state_bytes:
+                    extra = a + (b if self._layer_of[p] is None else 0.0)
+                    self.state_bytes[p] += int(math.ceil(costs.param_sizes[p] * extra))
         self._first_state = [0] * (len(costs.nodes) + 1)  # prefix sums of first-use state bytes
         per_node = [0] * len(costs.nodes)
         for p, i in first_use.items():
@@ -197,12 +210,31 @@ class MemoryModel:
         replica holds its weight and gradient (``codegen/params.build_stage_modules``,
         ``pipe.parameters()``). Measured on this project's CPU (torch 2.13): a 4 x 256 GPT-2
         with vocabulary 8192 in 2 local stages had the tied ``wte`` on both, 7.39 M
-        elements in the stages against the model's 5.29 M, AdamW stepping 5.29 M."""
+        elements in the stages against the model's 5.29 M, AdamW stepping 5.29 M.
+
+        With layer units (ZeRO 2-3, ``layer_unit_factors`` ``(a, b, c, d)``), the state adds
+        ``a x`` the stage's trainable parameter bytes and ``b x`` those outside every layer
+        (``R``; :func:`autopart.core.costgraph.layer_of_path` of the parameter's FQN), both
+        in ``state_bytes`` (so per-segment sums and totals see them), and here ``c x`` its
+        largest layer's trainable bytes (``L``) and ``d x max(R, L)``, which are not sums
+        over segments: the chain problem's per-segment state leaves them out (its memory
+        rows are a relaxation there; the plan's stages and peaks are costed here)."""
         params = sorted({p for nd in self.costs.nodes[start:stop] for p in nd.params})
         local_replica = self.training and not self.runtime.ranks_are_processes
-        return (sum(2 * self.costs.param_sizes[p]
+        state = sum(2 * self.costs.param_sizes[p]
                     if local_replica and p in self.costs.trainable
-                    and self._first_use[p] < start else self.state_bytes[p] for p in params),
+                    and self._first_use[p] < start else self.state_bytes[p] for p in params)
+        if self._layer_units is not None:
+            layers: dict[str | None, int] = {}
+            for p in params:
+                if p in self._layer_of:
+                    key = self._layer_of[p]
+                    layers[key] = layers.get(key, 0) + self.costs.param_sizes[p]
+            root = layers.pop(None, 0)
+            largest = max(layers.values(), default=0)
+            _, _, c, d = self._layer_units
+            state += int(math.ceil(c * largest + d * max(root, largest)))
+        return (state,
                 sum(self.costs.param_sizes[p] for p in params),
                 sum(self.costs.param_numel[p] for p in params if p in self.costs.trainable))
 

@@ -11,7 +11,8 @@ from autopart.core.layout import check_zero_stage
 from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
 
 __all__ = ["state_multiplier", "held_state_multiplier", "DataParallelCost", "data_parallel_cost",
-           "gradient_all_reduce_us", "bucket_sizes", "overlapped_reduction_us"]
+           "gradient_all_reduce_us", "bucket_sizes", "overlapped_reduction_us",
+           "sharded_state_multiplier", "layer_unit_factors"]
 
 
 def state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
@@ -92,6 +93,55 @@ def held_state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
     if zero_stage == 1:
         return (1.0 + k) / dp + 1.0 + g + max(1.0, g)
     return (1.0 + g + k) / dp + 1.0 + g + 1.0 + g
+
+
+def sharded_state_multiplier(dp: int, optimizer_factor: float,
+                             gradient_factor: float = 1.0) -> float:
+    """Bytes a rank holds at rest per byte of a trainable parameter of its stages when ZeRO
+    2-3 run one FSDP unit per layer (``Plan.zero_layer_units``): its shards of the weights,
+    gradients and optimizer state, ``(1 + g + k) / dp``; what the layers gathered during the
+    step add is :func:`layer_unit_factors`'s.
+    """
+    return (1.0 + gradient_factor + optimizer_factor) / dp
+
+
+def layer_unit_factors(zero_stage: int, gradient_factor: float = 1.0,
+                       ) -> tuple[float, float, float, float]:
+    """What a stage holds gathered at its peak beyond its shards when ZeRO 2-3 shard each
+    layer as its own FSDP unit (``autopart/runtime/distributed/_sharding.py``), as
+    ``(a, b, c, d)``: ``a`` bytes per byte of the stage's trainable parameters, ``b`` per byte
+    of those outside every layer (``R``: the root unit, embeddings, final norm, head), ``c``
+    per byte of its largest layer (``L``), ``d`` per byte of the larger of the two
+    (``max(R, L)``).
+
+    As the runtime runs it (torch 2.13's FSDP2), with ``g`` gradient bytes per parameter byte:
+
+    - the root unit stays gathered from its pre-forward to its post-forward and from its
+      pre-backward to its post-backward at the stage's end, beside its unsharded gradients
+      (``(1 + g) R``);
+    - ZeRO-3 (``reshard_after_forward``): one layer runs gathered with its unsharded
+      gradients while the next layer's all-gather is prefetched (``(2 + g) L``); ZeRO-2 keeps
+      every layer gathered from its forward to its backward (``1 x`` the stage, root
+      included) and one layer's unsharded gradients (``g L``) beside the root's (``g R``);
+    - FSDP2 keeps the last all-gather's output and the last reduce-scatter's input until the
+      next one of its kind (``all_gather_state``, ``reduce_scatter_states`` in
+      ``_fsdp_param_group.py``): one unit's each, at most the larger unit's
+      (``(1 + g) max(R, L)``).
+
+    So ZeRO-3: ``(0, 1 + g, 2 + g, 1 + g)``; ZeRO-2: ``(1, g, g, 1 + g)``. Against one unit
+    per stage (:func:`held_state_multiplier`: ``2 (1 + g)`` per byte of the stage) ZeRO-3
+    holds less as soon as a stage has two layers; float32 AdamW (``g = 1``):
+    ``2 R + 3 L + 2 max(R, L)`` against ``4 (R + n L)``.
+
+    Raises:
+        PlanError: a ZeRO stage other than 2 or 3.
+    """
+    if zero_stage not in (2, 3):
+        raise PlanError(f"zero_stage={zero_stage}: layer units are for ZeRO 2-3")
+    g = gradient_factor
+    if zero_stage == 3:
+        return 0.0, 1.0 + g, 2.0 + g, 1.0 + g
+    return 1.0, g, g, 1.0 + g
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,12 @@ class LayoutOptions:
             ``--overlap-grad-reduce``, DDP and torchtitan run). False: after the pipeline
             flush, none of it overlapped (Megatron-LM's SC'21 runtime, as
             ``benchmarks/megatron_table`` checks it).
+        zero_layer_units: ZeRO 2-3 layouts shard each layer of a stage as its own FSDP unit
+            (default True, as torchtitan runs FSDP2 per transformer block), priced with the
+            layers gathered one at a time (:func:`autopart.solver.data_parallel.
+            layer_unit_factors`) and recorded in the plan (``Plan.zero_layer_units``); a
+            plan whose schedule splits its backwards runs one unit per stage and is priced
+            so. False: one unit per stage everywhere.
     """
 
     num_gpus: int
@@ -59,6 +65,7 @@ class LayoutOptions:
     cpsat_budget: float = 4.0
     microbatch_sizes: tuple[int, ...] | None = None
     overlap_grad_reduce: bool = True
+    zero_layer_units: bool = True
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:

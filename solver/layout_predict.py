@@ -24,7 +24,8 @@ def predict_layout(plan: Plan, costs: CostGraph, device: DeviceSpec, options: So
     The pipeline of one replica is costed at the plan's cuts (``evaluate_layout``'s
     ``positions``: :func:`autopart.solver.predict.plan_at`, then the simulator's replay), and
     the dp collectives are added as the search adds them, overlapped or after the flush as
-    the plan's ``overlap_grad_reduce`` says.
+    the plan's ``overlap_grad_reduce`` says, with ZeRO's units as its ``zero_layer_units``
+    says.
 
     Args:
         plan: a plan of the layout search (its tp, dp, zero_stage, cuts, m, schedule).
@@ -52,7 +53,8 @@ def predict_layout(plan: Plan, costs: CostGraph, device: DeviceSpec, options: So
                     stages_per_rank=plan.stages_per_rank,
                     recompute=recompute.pop() if len(recompute) == 1 else None)
     cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0)
-    layout = replace(layout, overlap_grad_reduce=plan.overlap_grad_reduce)  # as the plan runs
+    layout = replace(layout, overlap_grad_reduce=plan.overlap_grad_reduce,  # as the plan runs
+                     zero_layer_units=plan.zero_layer_units)
     return evaluate_layout(costs, device, fixed, layout, cand,
                            positions=tuple(c.position for c in plan.cuts)
                            ).predicted_step_time_us

@@ -27,7 +27,9 @@ from autopart.solver.data_parallel import (
     data_parallel_cost,
     gradient_all_reduce_us,
     held_state_multiplier,
+    layer_unit_factors,
     overlapped_reduction_us,
+    sharded_state_multiplier,
     state_multiplier,
 )
 from autopart.solver.layout_options import LayoutCandidate, LayoutOptions
@@ -255,6 +257,23 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
     return out
 
 
+def _state_options(options: SolveOptions, layout: LayoutOptions, dp: int, zero: int,
+                   units: bool) -> SolveOptions:
+    """A replica's options (:func:`_replica_options`) with the parameter state a GPU holds
+    at its step's peak under ZeRO as the runtime runs it: one FSDP unit per stage
+    (:func:`held_state_multiplier`), or with ``units`` (ZeRO 2-3, ``Plan.zero_layer_units``)
+    the shards and the layers gathered one at a time (:func:`sharded_state_multiplier`,
+    :func:`layer_unit_factors`)."""
+    out = _replica_options(options, layout, dp)
+    if not options.training:
+        return replace(out, state_bytes_per_param_byte=None)
+    k, g = options.optimizer_state_bytes_per_param_byte, layout.gradient_factor
+    if units:
+        return replace(out, state_bytes_per_param_byte=sharded_state_multiplier(dp, k, g),
+                       layer_unit_factors=layer_unit_factors(zero, g))
+    return replace(out, state_bytes_per_param_byte=held_state_multiplier(zero, dp, k, g))
+
+
 def _replica_options(options: SolveOptions, layout: LayoutOptions, dp: int) -> SolveOptions:
     """``options`` for one replica: its batch, and the microbatch counts of
     ``layout.microbatch_sizes`` (PlanError when none divides the replica's batch)."""
@@ -335,13 +354,18 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     """
     tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
     sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
-    mult = held_state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
-                                 layout.gradient_factor)
-    inner = replace(_replica_options(options, layout, dp),
-                    state_bytes_per_param_byte=mult if options.training else None)
+    units = (layout.zero_layer_units and zero >= 2 and dp > 1 and options.training
+             and not (options.schedule_kind is not None
+                      and splits_backward(options.schedule_kind, False)))
+    inner = _state_options(options, layout, dp, zero, units)
     cluster = _pipeline_cluster(device, tp, pp, dp, layout.topology)
     if positions is None:
         plan = solve(sharded, cluster, inner)
+        if units and splits_backward(plan.schedule_kind, False):
+            # a split backward runs one unit per stage (the runtime gathers the stage from
+            # its I to its last W): price that instead
+            units = False
+            plan = solve(sharded, cluster, _state_options(options, layout, dp, zero, False))
     elif options.schedule_kind is None or options.num_microbatches is None:
         raise PlanError("evaluate_layout(positions=...) costs a fixed plan: set the options' "
                         f"schedule_kind ({options.schedule_kind!r}) and num_microbatches "
@@ -375,7 +399,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     return replace(
         plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
         baselines=baselines, pareto=pareto, sharded_parameters=sharded_params,
-        overlap_grad_reduce=overlap,
+        overlap_grad_reduce=overlap, zero_layer_units=units,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
         if step > 0 else plan.bubble_fraction,

@@ -43,6 +43,12 @@ class SolveOptions:
             layout search passes what the runtime holds at a step's peak,
             :func:`autopart.solver.data_parallel.held_state_multiplier`); ``None`` (default) =
             ``2 + optimizer_state_bytes_per_param_byte``. Must be > 0.
+        layer_unit_factors: ZeRO 2-3 with one FSDP unit per layer (``Plan.zero_layer_units``):
+            per stage, bytes held gathered at its peak beyond ``state_bytes_per_param_byte``
+            times its trainable parameter bytes, as ``(a, b, c, d)`` per byte of those
+            parameters, of those outside every layer (``R``), of its largest layer (``L``)
+            and of ``max(R, L)`` (:func:`autopart.solver.data_parallel.layer_unit_factors`);
+            ``None`` (default): nothing beyond. Each must be >= 0.
         time_limit_s: CP-SAT wall-clock limit per solve, seconds (a safety net; the search
             is bounded by ``deterministic_time`` so that it is reproducible).
         deterministic_time: CP-SAT deterministic time limit per solve (default 2.0).
@@ -83,6 +89,7 @@ class SolveOptions:
     memory_cap_bytes: int | None = None
     optimizer_state_bytes_per_param_byte: float = 2.0
     state_bytes_per_param_byte: float | None = None
+    layer_unit_factors: tuple[float, float, float, float] | None = None
     time_limit_s: float = 10.0
     deterministic_time: float = 2.0
     max_cpsat_solves: int = 8
@@ -119,6 +126,10 @@ class SolveOptions:
         if self.state_bytes_per_param_byte is not None and self.state_bytes_per_param_byte <= 0:
             raise PlanError(f"state_bytes_per_param_byte={self.state_bytes_per_param_byte} must "
                             "be > 0 or None")
+        if self.layer_unit_factors is not None and (
+                len(self.layer_unit_factors) != 4 or min(self.layer_unit_factors) < 0):
+            raise PlanError(f"layer_unit_factors={self.layer_unit_factors} must be four "
+                            "factors >= 0 (stage, root, largest layer, larger unit) or None")
         if (self.optimizer_state_bytes_per_param_byte < 0 or self.time_limit_s <= 0
                 or self.deterministic_time <= 0 or self.max_cpsat_solves < 0
                 or self.max_simulated < 1):

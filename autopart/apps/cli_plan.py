@@ -97,7 +97,7 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
 
 def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int | None,
               dp: int | None, zero_stage: int | None, heads: int | None,
-              overlap_grad_reduce: bool = True) -> Any:
+              overlap_grad_reduce: bool = True, zero_layer_units: bool = True) -> Any:
     """The (tp, pp, dp, ZeRO) search over the cluster's GPUs, hosts as the preset ships them."""
     from autopart.core.topology import topology_for_device
     from autopart.solver.layout_search import LayoutOptions, solve_layout
@@ -107,7 +107,8 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
                                    spec.link_latency_us)
     layout = LayoutOptions(num_gpus=cluster.num_ranks, topology=topology, tp=tp, pp=pp, dp=dp,
                            zero_stage=zero_stage, num_heads=heads,
-                           overlap_grad_reduce=overlap_grad_reduce)
+                           overlap_grad_reduce=overlap_grad_reduce,
+                           zero_layer_units=zero_layer_units)
     return solve_layout(costs, spec, options, layout)
 
 
@@ -167,6 +168,10 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
              True, "--overlap-grad-reduce/--no-overlap-grad-reduce",
              help="ZeRO-0's dp gradient all-reduce in buckets during each stage's last "
                   "backward (default), or after the pipeline flush (3D)"),
+         zero_layer_units: bool = typer.Option(
+             True, "--zero-layer-units/--no-zero-layer-units",
+             help="ZeRO 2-3 shard and gather each layer as its own FSDP unit (default), or "
+                  "each stage whole (3D)"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.
 
@@ -201,7 +206,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
             if search_3d:
                 result = _solve_3d(costs, the_cluster, options, tp=tp, pp=pp, dp=dp,
                                    zero_stage=zero_stage, heads=heads,
-                                   overlap_grad_reduce=overlap_grad_reduce)
+                                   overlap_grad_reduce=overlap_grad_reduce,
+                                   zero_layer_units=zero_layer_units)
             else:
                 result = solve(costs, the_cluster, options)
         result.save(out)

@@ -5,15 +5,41 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopart.core.errors import PlanError
 from autopart.core.jsonio import dumps, write_text_atomic
 
-__all__ = ["NodeCost", "CostGraph", "BatchScale", "COSTGRAPH_SCHEMA_VERSION", "HOST_FIELDS"]
+__all__ = ["NodeCost", "CostGraph", "BatchScale", "COSTGRAPH_SCHEMA_VERSION", "HOST_FIELDS",
+           "path_pattern", "layer_of_path"]
 
 COSTGRAPH_SCHEMA_VERSION = 1
+
+
+_INDEX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def path_pattern(module_path: str) -> tuple[str, int] | None:
+    """Split a module path at its first integer component: the layer of a stack it is in.
+
+    ``"model.layers.3.mlp.act_fn"`` -> ``("model.layers", 3)``; a path without one -> None.
+    """
+    m = _INDEX.match(module_path)
+    if m is None:
+        return None
+    return m.group(1), int(m.group(2))
+
+
+def layer_of_path(path: str) -> str | None:
+    """The layer a module path (or a parameter's FQN) is in: ``"<stack>.<i>"``
+    (``"model.layers.3"`` for ``"model.layers.3.mlp.up_proj.weight"``), or None outside
+    every stack (embeddings, final norm, head)."""
+    found = path_pattern(path)
+    return None if found is None else f"{found[0]}.{found[1]}"
+
+
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from autopart.core.plan_rules import (
     SCHEDULE_KINDS,
     SHARD_STYLES,
 )
-from autopart.core.schedule import check_microbatches, stage_ranks
+from autopart.core.schedule import check_microbatches, splits_backward, stage_ranks
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
 
 __all__ = ["Cut", "StagePlan", "RankPlan", "SolverReport", "BaselineReport", "ParetoPoint",
@@ -82,6 +82,13 @@ class Plan:
             ``--overlap-grad-reduce``), and the step time prices it so; False (the default,
             and what plans written before it load as): after the pipeline flush. Only with
             dp > 1 and zero_stage 0.
+        zero_layer_units: ZeRO 2-3 shard each layer of a stage (the ops under
+            ``<stack>.<i>``, e.g. ``model.layers.3``) as its own FSDP unit, gathered for its
+            forward and its backward with the next layer's gather prefetched, so a stage is
+            never gathered whole (torchtitan's one ``fully_shard`` per block); the memory
+            model charges the gathered layers, not the stage. False (the default, and what
+            plans written before it load as): one unit per stage. Only with dp > 1, zero_stage
+            2 or 3 and a schedule whose backwards do not split (``I``/``W``).
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
@@ -109,6 +116,7 @@ class Plan:
     sharded_parameters: tuple[ShardedParameter, ...] = ()
     model_flops: int = 0
     overlap_grad_reduce: bool = False
+    zero_layer_units: bool = False
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -218,6 +226,12 @@ def check_plan_invariants(plan: Plan) -> None:
         raise bad(f"overlap_grad_reduce=True with dp={plan.dp} and zero_stage="
                   f"{plan.zero_stage}: it overlaps ZeRO-0's gradient all-reduce over dp >= 2 "
                   "replicas; set it False")
+    if plan.zero_layer_units and (plan.dp < 2 or plan.zero_stage < 2
+                                  or splits_backward(plan.schedule_kind, False)):
+        raise bad(f"zero_layer_units=True with dp={plan.dp}, zero_stage={plan.zero_stage} and "
+                  f"schedule_kind={plan.schedule_kind!r}: per-layer FSDP units are for ZeRO 2-3 "
+                  "over dp >= 2 replicas on a schedule whose backwards do not split; set it "
+                  "False")
     for name in ("graph_fingerprint", "cluster_fingerprint", "cost_source"):
         if not getattr(plan, name).strip():
             raise bad(f"{name} is empty; a plan names what it was made for: {FIX}")

@@ -61,7 +61,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pipeline(name: str, zero: int, mesh: Any, kind: str = "1f1b", v: int = 1, *,
-              dp_group: bool = True, plan_dp: int = 2) -> tuple[Any, ...]:
+              dp_group: bool = True, plan_dp: int = 2, layers: bool = False,
+              recompute: bool = False) -> tuple[Any, ...]:
     """This rank's pipeline of a hand-made pp2 x dp2 plan (m = 2, global batch 8), built as
     ``autopart.compile`` builds it; returns (pipe, reference, my_args, my_target, args, target)."""
     from autopart.codegen import build_stages
@@ -82,7 +83,10 @@ def _pipeline(name: str, zero: int, mesh: Any, kind: str = "1f1b", v: int = 1, *
     captured = capture(model, tuple(a[: part // m] for a in my_args))
     plan = manual_plan(captured, even_positions(captured, 2 * v), m, BATCH, schedule_kind=kind,
                        stages_per_rank=v)
-    plan = dataclasses.replace(plan, dp=plan_dp, zero_stage=zero)
+    plan = dataclasses.replace(plan, dp=plan_dp, zero_stage=zero, zero_layer_units=layers)
+    if recompute:
+        plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, recompute=True)
+                                                      for st in plan.stages))
     pp_group, dp = mesh.get_group("pp"), mesh.get_group("dp") if dp_group else None
     device = torch.device("cpu")
     stages = build_stages(captured, plan, [device] * 2, ranks={dist.get_rank(pp_group)})
@@ -111,15 +115,22 @@ def _watch(pipe: Any) -> tuple[list[int], list[bool]]:
     return reduces, after_fwd
 
 
-def _check_model(name: str, zero: int, mesh: Any, kind: str, v: int) -> list[str]:
-    """One step, the gradients, clip_grad_norm_, one AdamW step, state_dict round trip."""
+def _check_model(name: str, zero: int, mesh: Any, kind: str, v: int, layers: bool = False,
+                 recompute: bool = False) -> list[str]:
+    """One step, the gradients, clip_grad_norm_, one AdamW step, state_dict round trip;
+    ``layers``: one FSDP unit per layer (``Plan.zero_layer_units``), ``recompute``: every
+    stage recomputes its forward."""
     from torch.distributed.tensor import DTensor
 
     from autopart.core.schedule import splits_backward
 
-    pipe, reference, my_args, my_target, args, target = _pipeline(name, zero, mesh, kind, v)
+    pipe, reference, my_args, my_target, args, target = _pipeline(
+        name, zero, mesh, kind, v, layers=layers, recompute=recompute)
     problems: list[str] = []
-    tag = f"{name} ZeRO-{zero} {kind} v{v}"
+    tag = f"{name} ZeRO-{zero} {kind} v{v}{' per layer' if layers else ''}"
+    units = pipe._sharding.units
+    if layers and not any(units.values()):
+        problems.append(f"{tag}: layer units {units}")
     params = dict(pipe.named_parameters())
     if not params:
         problems.append(f"{tag}: no parameters")
@@ -134,6 +145,8 @@ def _check_model(name: str, zero: int, mesh: Any, kind: str, v: int) -> list[str
     # then REDUCE_GRAD's, which finds nothing left; ZeRO-3 alone reshards after forward
     # (a split backward's microbatches whose W comes after another's I reduce together)
     want = {1} if zero == 1 else {3} if not splits_backward(kind, False) else {2, 3}
+    if layers:  # each unit reduces in its own backward; REDUCE_GRAD finds no FSDP stage
+        want = {1}
     if not reduces or not set(reduces) <= want:
         problems.append(f"{tag}: reduce-scatter calls per stage {reduces}, expected {want}")
     if set(sharded_after_fwd) != {zero == 3}:
@@ -239,7 +252,7 @@ def _check_refusals(mesh: Any) -> list[str]:
 
 def numerics(rank: int, world: int, port: int, cases: list[tuple[Any, ...]],
              result_dir: str) -> None:
-    """Each case on one pp2 x dp2 mesh: ``(zero, model, kind, v)`` checks numerics, ``
+    """Each case on one pp2 x dp2 mesh: ``(zero, model, kind, v[, layers[, recompute]])`` checks numerics, ``
     ("scaled", zero, model)`` the grad scaler, ``("refusals",)`` the errors; writes this
     rank's problems."""
     sys.path.insert(0, os.getcwd())
@@ -254,7 +267,7 @@ def numerics(rank: int, world: int, port: int, cases: list[tuple[Any, ...]],
         elif case[0] == "refusals":
             problems += _check_refusals(mesh)
         else:
-            problems += _check_model(case[1], case[0], mesh, case[2], case[3])
+            problems += _check_model(case[1], case[0], mesh, case[2], case[3], *case[4:])
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join(["done", *problems]) + "\n")
     end_rank()

@@ -124,18 +124,36 @@ def test_memory_per_gpu_under_each_zero_stage_is_the_hand_count() -> None:
     trainable = sum(costs.param_sizes.values())  # 2 x (64 + 24064 + 8064) + 32000 = 96384
     assert trainable == 96_384
     options = _options(num_microbatches=1, schedule_kind="1f1b", recompute=False)
-    peaks = {}
-    for zero in (0, 1, 2, 3):
-        layout = _layout(4, tp=1, pp=1, dp=4, zero_stage=zero)
+    peaks, units = {}, {}
+    for zero, layer_units in ((0, True), (1, True), (2, False), (3, False), (2, True),
+                              (3, True)):
+        layout = _layout(4, tp=1, pp=1, dp=4, zero_stage=zero, zero_layer_units=layer_units)
         cand = layout_candidates(costs, DEV, options, layout)[0]
         plan = evaluate_layout(costs, DEV, options, layout, cand)
-        peaks[zero] = plan.ranks[0].peak_memory_bytes
+        (units if layer_units and zero >= 2 else peaks)[zero] = plan.ranks[0].peak_memory_bytes
+        assert plan.zero_layer_units == (layer_units and zero >= 2)
     # AdamW (2x state), dp = 4, held at the step's peak per parameter byte (one stage, one
     # FSDP unit): ZeRO-0 1 + 1 + 2 = 4; ZeRO-1 shards (1 + 2) / 4 + gathered 1 + unsharded
     # gradients 1 + one kept collective buffer 1 = 3.75; ZeRO-2 and -3 the sharded gradients
     # 1 / 4 too and two kept buffers: 1 + 3 + 1 = 5
     assert peaks[0] - peaks[1] == trainable * (4 - 3.75)
     assert peaks[2] - peaks[0] == peaks[3] - peaks[0] == trainable * (5 - 4)
+    # one unit per layer (h.0, h.1: 32,192 bytes each) and the root (head.w, 32,000): shards
+    # (1 + 1 + 2) / 4 = 1 x, then ZeRO-3 2 R + 3 L + 2 max(R, L), ZeRO-2 the stage again +
+    # R + L + 2 max(R, L)
+    root, layer = 32_000, 32_192
+    assert units[3] - peaks[0] == trainable * (1 - 4) + 2 * root + 5 * layer
+    assert units[2] - peaks[0] == trainable * (2 - 4) + root + 3 * layer
+    # with a third layer the whole-stage gather holds 4 x (R + 3 L) where units hold
+    # 2 R + 5 L
+    costs3 = _gpt(3)
+    by_units = {}
+    for layer_units in (False, True):
+        layout = _layout(4, tp=1, pp=1, dp=4, zero_stage=3, zero_layer_units=layer_units)
+        cand = layout_candidates(costs3, DEV, options, layout)[0]
+        by_units[layer_units] = evaluate_layout(costs3, DEV, options, layout,
+                                                cand).ranks[0].peak_memory_bytes
+    assert by_units[False] - by_units[True] == 2 * root + 7 * layer
 
 
 def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
@@ -145,8 +163,9 @@ def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
     options = _options(batch=8, num_microbatches=2, schedule_kind="1f1b", recompute=False)
     held = (32_192, 64_192)
     peaks, steps = {}, {}
-    for zero in (0, 1, 2, 3):
-        layout = _layout(4, tp=1, pp=2, dp=2, zero_stage=zero)
+    for zero in (0, 1, 2, 3, "3 units"):
+        layout = _layout(4, tp=1, pp=2, dp=2, zero_stage=3 if zero == "3 units" else zero,
+                         zero_layer_units=zero == "3 units")
         cand = next(c for c in layout_candidates(costs, DEV, options, layout) if c.pp == 2)
         plan = evaluate_layout(costs, DEV, options, layout, cand, positions=(5,))
         assert [c.position for c in plan.cuts] == [5] and plan.num_microbatches == 2
@@ -159,6 +178,11 @@ def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
     for r in (0, 1):
         assert peaks[1][r] - peaks[0][r] == held[r] // 2
         assert peaks[2][r] - peaks[0][r] == peaks[3][r] - peaks[0][r] == 2 * held[r]
+    # per-layer units: shards 2x, then 2 R + 3 L + 2 max(R, L) (rank 0: one layer, no root;
+    # rank 1: one layer and the head)
+    assert peaks["3 units"][0] - peaks[0][0] == -2 * held[0] + 5 * 32_192
+    assert peaks["3 units"][1] - peaks[0][1] == -2 * held[1] + 2 * 32_000 + 5 * 32_192
+    assert steps["3 units"] == steps[3]
     # the dp collectives of the fuller rank (64,192 bytes) on the dp link: ZeRO-1 one
     # all-gather and one reduce-scatter per step, ZeRO-2 one of each per microbatch (m = 2),
     # ZeRO-3 two all-gathers and a reduce-scatter per microbatch
@@ -235,3 +259,28 @@ def test_microbatch_sizes_set_m_per_layout() -> None:
     assert plan.num_microbatches in (2, 4) and plan.dp == 4
     with pytest.raises(PlanError, match=r"microbatch_sizes=\(\) must be sizes >= 1"):
         _layout(microbatch_sizes=())
+
+
+def test_layer_units_are_recorded_only_where_the_runtime_runs_them() -> None:
+    costs = _gpt(3)
+    fixed = _options(schedule_kind="1f1b", num_microbatches=2)
+    plan = solve_layout(costs, DEV, fixed, _layout(4, tp=1, pp=2, dp=2, zero_stage=3))
+    assert plan.zero_layer_units and plan.schedule_kind == "1f1b"
+    whole = solve_layout(costs, DEV, fixed, _layout(4, tp=1, pp=2, dp=2, zero_stage=3,
+                                                    zero_layer_units=False))
+    assert not whole.zero_layer_units
+    assert max(r.peak_memory_bytes for r in plan.ranks) < max(
+        r.peak_memory_bytes for r in whole.ranks)
+    # a schedule that splits its backwards gathers the stage from I to W: one unit per stage
+    zb = solve_layout(costs, DEV, replace(fixed, schedule_kind="zero_bubble"),
+                      _layout(4, tp=1, pp=2, dp=2, zero_stage=3))
+    assert not zb.zero_layer_units
+    for zero in (0, 1):
+        assert not solve_layout(costs, DEV, fixed, _layout(
+            4, tp=1, pp=2, dp=2, zero_stage=zero)).zero_layer_units
+    with pytest.raises(PlanError, match=r"zero_layer_units=True with dp=2, zero_stage=3 and "
+                                        r"schedule_kind='zero_bubble'"):
+        replace(zb, zero_layer_units=True)
+    d = plan.to_dict()
+    del d["zero_layer_units"]  # a plan written before the field loads as one unit per stage
+    assert type(plan).from_dict(d).zero_layer_units is False

@@ -29,6 +29,21 @@ How the plan's ZeRO stage maps onto FSDP2 and torch's pipelining runtime (torch 
   Split backwards (``I`` then ``W``) keep a stage gathered from its ``I`` to its last
   pending ``W`` (see :class:`ShardedStage`).
 
+With ``plan.zero_layer_units`` (ZeRO 2-3, backwards that do not split), each layer of a stage
+is a unit of its own, as torchtitan shards a model per transformer block:
+:func:`autopart.codegen.fsdp_units.group_layers` moves a layer's ops into a submodule at its
+path, ``fully_shard`` goes on every layer and then on the stage's graph module (the root: the
+embeddings, final norm and head), each unit prefetching the next one's all-gather in the
+forward and the previous one's in the backward (``set_modules_to_forward_prefetch`` /
+``set_modules_to_backward_prefetch``), and ZeRO-3's root reshards after its forward too (FSDP2
+keeps a root gathered by default). The ``PipelineStage``'s submodule itself is then not an
+FSDP module, so torch's stage treats it as a plain module: no ``UNSHARD`` of the whole stage
+before its first action, and every microbatch's backward reduce-scatters and reshards each
+unit as FSDP2 does outside a pipeline (gradient sync on, ``reshard_after_backward``), the
+root's post-backward callback waiting for the reduce-scatters before the backward returns. A
+stage is never gathered whole: at most the root and two layers (the running one and the
+prefetched one), each layer's unsharded gradients freed at its reduce-scatter.
+
 FSDP2 reduce-scatters the mean over the replicas (``fully_shard``'s default), so gradients
 end as today's ZeRO-0 all-reduce leaves them: the mean over the global batch. Tensors a
 plan shares between stages of one rank cannot be sharded twice (a ``PlanError`` says so);
@@ -38,6 +53,7 @@ rank (same dp mesh, same shape), so their local shards are summed across the ran
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -49,9 +65,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from autopart.codegen.fsdp_units import group_layers
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.runtime.distributed._stages import TracedStage
+from autopart.runtime.distributed._stages import P2PStage, TracedStage
 
 __all__ = ["DataSharding", "ShardedStage", "local_tensor"]
 
@@ -135,7 +152,9 @@ class DataSharding:
     def __init__(self, plan: Plan, dp_group: dist.ProcessGroup | None, device: torch.device,
                  placement: Any, parameters: Iterable[str]) -> None:
         self.zero_stage = plan.zero_stage
+        self.layer_units = plan.zero_layer_units
         self.mesh: DeviceMesh | None = None
+        self.units: dict[int, list[str]] = {}  # stage -> its layers sharded as units
         if self.zero_stage == 0:
             return
         size = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -168,8 +187,8 @@ class DataSharding:
 
     def new_stage(self, *args: Any, **kwargs: Any) -> TracedStage:
         """This rank's ``PipelineStage`` of one stage (``TracedStage``'s arguments): a
-        :class:`ShardedStage` for ZeRO-2/3, else a ``TracedStage``."""
-        if self.sharded and self.zero_stage >= 2:
+        :class:`ShardedStage` for ZeRO-2/3 with one unit per stage, else a ``TracedStage``."""
+        if self.sharded and self.zero_stage >= 2 and not self.layer_units:
             return ShardedStage(*args, reshard_after_forward=self.zero_stage == 3, **kwargs)
         return TracedStage(*args, **kwargs)
 
@@ -186,8 +205,34 @@ class DataSharding:
         # its outputs, and copies those that torch's split backward detaches in place.
         warnings.filterwarnings("ignore", category=UserWarning,
                                 message=r"FSDP2-wrapped module \(FSDPP2PStage\) returned a view")
-        for submod in submods.values():
-            fully_shard(submod, mesh=self.mesh, reshard_after_forward=self.zero_stage == 3)
+        for s, submod in submods.items():
+            if self.layer_units:
+                self.units[s] = self._shard_layers(submod)
+            else:
+                fully_shard(submod, mesh=self.mesh, reshard_after_forward=self.zero_stage == 3)
+
+    def _shard_layers(self, submod: nn.Module) -> list[str]:
+        """One FSDP unit per layer of the stage, then its graph module as the root (see the
+        module docstring); the layers' paths."""
+        if not isinstance(submod, P2PStage) or submod.runner is not submod.stage:
+            raise PlanError("zero_layer_units=True shards the layers of a stage's own graph "
+                            "module; a torch.compile'd stage (fuse=True) is one unit: compile "
+                            "with fuse=False, or use a plan with zero_layer_units=False")
+        stage = submod.stage
+        paths = group_layers(stage)
+        units = [stage.get_submodule(p) for p in paths]
+        after_forward = self.zero_stage == 3
+        for unit in units:
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=after_forward)
+        root = fully_shard(stage, mesh=self.mesh, reshard_after_forward=after_forward)
+        if after_forward:
+            root.set_reshard_after_forward(True, recurse=False)
+        chain = [root, *units]
+        for unit, following in itertools.pairwise(chain):
+            unit.set_modules_to_forward_prefetch([following])
+        for previous, unit in itertools.pairwise(units):
+            unit.set_modules_to_backward_prefetch([previous])
+        return paths
 
     @staticmethod
     def refreshed(local: Mapping[str, torch.Tensor], modules: Mapping[int, nn.Module],

@@ -56,6 +56,11 @@ class P2PStage(nn.Module):
             else:
                 self._layouts.append(None)
 
+    @property
+    def runner(self) -> nn.Module:
+        """What the forward calls: ``stage`` itself, or ``torch.compile`` of it."""
+        return self._run[0]
+
     def forward(self, *args: Any) -> Any:
         restored = []
         for arg, layout in zip(args, self._layouts, strict=True):
