@@ -39,7 +39,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-BATCH, SEQ, VOCAB, M = 8, 64, 4096, 2
+BATCH, SEQ, VOCAB, M, LAYERS = 8, 64, 4096, 2, 8
+# (ZeRO stage, one FSDP unit per layer): whole-stage units for 0-3, then per-layer for 2-3
+ARMS = ((0, False), (1, False), (2, False), (3, False), (2, True), (3, True))
 
 
 def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,7 @@ def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=VOCAB,
+    return GPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=256, n_head=4, vocab_size=VOCAB,
                                       n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0, use_cache=False, bos_token_id=0,
                                       eos_token_id=0))
@@ -82,16 +84,18 @@ def predicted_peaks() -> tuple[int, dict[int, list[int]]]:
     options = profile.options(schedule_kind="1f1b", num_microbatches=M, stages_per_rank=1,
                               recompute=False, optimizer_state_bytes_per_param_byte=2.0)
     out = {}
-    for zero in (0, 1, 2, 3):
-        layout = layout_request(CompileOptions(tp=1, dp=2, zero_stage=zero), 4, spec)
+    for zero, units in ARMS:
+        layout = layout_request(CompileOptions(tp=1, dp=2, zero_stage=zero,
+                                               zero_layer_units=units), 4, spec)
         cand = next(c for c in layout_candidates(profile.costs, spec, options, layout)
                     if c.pp == 2)
         plan = evaluate_layout(profile.costs, spec, options, layout, cand, positions=(cut,))
-        out[zero] = [r.peak_memory_bytes for r in plan.ranks]
+        assert plan.zero_layer_units == units
+        out[f"{zero}{' per layer' if units else ''}"] = [r.peak_memory_bytes for r in plan.ranks]
     return cut, out
 
 
-def _one(zero: int, mesh: Any, cut: int, repeats: int) -> dict[str, Any]:
+def _one(zero: int, units: bool, mesh: Any, cut: int, repeats: int) -> dict[str, Any]:
     from autopart.codegen import build_stages
     from autopart.core.capture import capture, op_nodes
     from autopart.core.memory import optimizer_tensors, resident_bytes
@@ -107,7 +111,7 @@ def _one(zero: int, mesh: Any, cut: int, repeats: int) -> dict[str, Any]:
     captured = capture(copy.deepcopy(model), (x[mine][: part // M],))
     assert cut == len(op_nodes(captured.graph_module.graph)) // 2, "profile and capture differ"
     plan = manual_plan(captured, [cut], M, BATCH, schedule_kind="1f1b")
-    plan = dataclasses.replace(plan, dp=2, zero_stage=zero)
+    plan = dataclasses.replace(plan, dp=2, zero_stage=zero, zero_layer_units=units)
     pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
     cpu = torch.device("cpu")
     stages = build_stages(captured, plan, [cpu, cpu], ranks={dist.get_rank(pp)})
@@ -131,7 +135,8 @@ def _one(zero: int, mesh: Any, cut: int, repeats: int) -> dict[str, Any]:
     state = [int(state_multiplier(zero, 2, 2.0, 1.0) * h)
              for h in _gather_ints(held, pp)]
     pipe.close()
-    return {"zero_stage": zero, "param_bytes_by_rank": _gather_ints(held, pp),
+    return {"zero_stage": zero, "arm": f"{zero}{' per layer' if units else ''}",
+            "param_bytes_by_rank": _gather_ints(held, pp),
             "predicted_state_bytes_by_rank": state,
             "held_between_steps_bytes_by_rank": _gather_ints(between, pp),
             "measured_peak_bytes_by_rank": [max(col) for col in zip(*runs, strict=True)],
@@ -154,7 +159,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, cut: int, repeats: in
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    rows = [_one(zero, mesh, cut, repeats) for zero in (0, 1, 2, 3)]
+    rows = [_one(zero, units, mesh, cut, repeats) for zero, units in ARMS]
     if rank == 0:
         Path(out_dir, "rows.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -171,7 +176,7 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
                 row["held_between_steps_bytes_by_rank"], row["predicted_peak_bytes_by_rank"],
                 row["measured_min_peak_bytes_by_rank"], row["measured_peak_bytes_by_rank"],
                 strict=True)):
-            lines.append(f"| {row['zero_stage']} | {r} | {held / mib:.1f} | {state / mib:.1f} | "
+            lines.append(f"| {row['arm']} | {r} | {held / mib:.1f} | {state / mib:.1f} | "
                          f"{rest / mib:.1f} | {want / mib:.1f} | {lo / mib:.1f}-{hi / mib:.1f} "
                          f"| {want / hi:.2f} |")
     return "\n".join(lines) + "\n"
@@ -191,11 +196,11 @@ def main() -> None:
         mp.spawn(worker, args=(4, port, out, cut, args.repeats), nprocs=4, join=True)
         rows = json.loads(Path(out, "rows.json").read_text())
     for row in rows:
-        row["predicted_peak_bytes_by_rank"] = predicted[row["zero_stage"]]
+        row["predicted_peak_bytes_by_rank"] = predicted[row["arm"]]
     load = os.getloadavg()
     meta = {"machine": os.uname().nodename, "torch": torch.__version__, "cpus": os.cpu_count(),
             "load_average_1_5_15": [round(v, 1) for v in load], "repeats": args.repeats,
-            "model": f"GPT-2 4 layers, n_embd 256, vocab {VOCAB}, seq {SEQ}, global batch "
+            "model": f"GPT-2 {LAYERS} layers, n_embd 256, vocab {VOCAB}, seq {SEQ}, global batch "
                      f"{BATCH}, m {M}, 1F1B, pp2 x dp2, float32, AdamW"}
     (HERE / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (HERE / "results.md").write_text(
