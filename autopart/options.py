@@ -144,7 +144,7 @@ class CompileOptions:
             gradients over dp in buckets during each stage's last backward, priced so
             (default True, as Megatron-LM's ``--overlap-grad-reduce`` and DDP run); False:
             after the pipeline flush. The plan records it; a replayed plan runs as it says.
-        zero_layer_units: distributed, layout search only: ZeRO 2-3 plans shard each layer
+        zero_layer_units: distributed, layout search only: ZeRO 1-3 plans shard each layer
             of a stage as its own FSDP unit (default True; not with ``fuse=True``, whose
             compiled stage is one unit), so a stage is never gathered whole; False: one
             unit per stage. The plan records it (``Plan.zero_layer_units``).

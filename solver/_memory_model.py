@@ -33,7 +33,7 @@ class MemoryModel:
             trainable parameter then holds ``(2 + state_factor) x`` its bytes (weight,
             gradient, state); buffers, and every parameter when not training, hold 1x.
         runtime: the runtime's buffers (:meth:`held_parts`).
-        layer_unit_factors: ZeRO 2-3 with one FSDP unit per layer: what a stage holds
+        layer_unit_factors: ZeRO 1-3 with one FSDP unit per layer: what a stage holds
             gathered beyond ``state_factor``'s state (``SolveOptions.layer_unit_factors``,
             :meth:`state_of`); None: nothing.
     """
@@ -68,7 +68,7 @@ class MemoryModel:
         self.state_bytes = {
             p: int(math.ceil(nbytes * mult)) if p in costs.trainable else nbytes
             for p, nbytes in costs.param_sizes.items()}
-        # ZeRO 2-3 layer units: trainable parameter -> its layer (None: the root unit)
+        # ZeRO 1-3 layer units: trainable parameter -> its layer (None: the root unit)
         self._layer_of = {p: layer_of_path(p) for p in costs.trainable}
         if self._layer_units is not None:
             a, b, _, _ = self._layer_units
@@ -212,7 +212,7 @@ class MemoryModel:
         with vocabulary 8192 in 2 local stages had the tied ``wte`` on both, 7.39 M
         elements in the stages against the model's 5.29 M, AdamW stepping 5.29 M.
 
-        With layer units (ZeRO 2-3, ``layer_unit_factors`` ``(a, b, c, d)``), the state adds
+        With layer units (ZeRO 1-3, ``layer_unit_factors`` ``(a, b, c, d)``), the state adds
         ``a x`` the stage's trainable parameter bytes and ``b x`` those outside every layer
         (``R``; :func:`autopart.core.costgraph.layer_of_path` of the parameter's FQN), both
         in ``state_bytes`` (so per-segment sums and totals see them), and here ``c x`` its

@@ -98,7 +98,7 @@ def held_state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
 def sharded_state_multiplier(dp: int, optimizer_factor: float,
                              gradient_factor: float = 1.0) -> float:
     """Bytes a rank holds at rest per byte of a trainable parameter of its stages when ZeRO
-    2-3 run one FSDP unit per layer (``Plan.zero_layer_units``): its shards of the weights,
+    1-3 run one FSDP unit per layer (``Plan.zero_layer_units``): its shards of the weights,
     gradients and optimizer state, ``(1 + g + k) / dp``; what the layers gathered during the
     step add is :func:`layer_unit_factors`'s.
     """
@@ -107,7 +107,7 @@ def sharded_state_multiplier(dp: int, optimizer_factor: float,
 
 def layer_unit_factors(zero_stage: int, gradient_factor: float = 1.0,
                        ) -> tuple[float, float, float, float]:
-    """What a stage holds gathered at its peak beyond its shards when ZeRO 2-3 shard each
+    """What a stage holds gathered at its peak beyond its shards when ZeRO 1-3 shard each
     layer as its own FSDP unit (``autopart/runtime/distributed/_sharding.py``), as
     ``(a, b, c, d)``: ``a`` bytes per byte of the stage's trainable parameters, ``b`` per byte
     of those outside every layer (``R``: the root unit, embeddings, final norm, head), ``c``
@@ -123,25 +123,31 @@ def layer_unit_factors(zero_stage: int, gradient_factor: float = 1.0,
       gradients while the next layer's all-gather is prefetched (``(2 + g) L``); ZeRO-2 keeps
       every layer gathered from its forward to its backward (``1 x`` the stage, root
       included) and one layer's unsharded gradients (``g L``) beside the root's (``g R``);
+      ZeRO-1 keeps every layer gathered and its gradients unsharded from the step's first
+      forward to its last backward (``(1 + g) x`` the stage);
     - FSDP2 keeps the last all-gather's output and the last reduce-scatter's input until the
       next one of its kind (``all_gather_state``, ``reduce_scatter_states`` in
       ``_fsdp_param_group.py``): one unit's each, at most the larger unit's
       (``(1 + g) max(R, L)``).
 
-    So ZeRO-3: ``(0, 1 + g, 2 + g, 1 + g)``; ZeRO-2: ``(1, g, g, 1 + g)``. Against one unit
+    So ZeRO-3: ``(0, 1 + g, 2 + g, 1 + g)``; ZeRO-2: ``(1, g, g, 1 + g)``; ZeRO-1:
+    ``(1 + g, 0, 0, 1 + g)`` (against :func:`held_state_multiplier`'s whole-stage buffers,
+    ``max(1, g)`` x the stage, one unit's). Against one unit
     per stage (:func:`held_state_multiplier`: ``2 (1 + g)`` per byte of the stage) ZeRO-3
     holds less as soon as a stage has two layers; float32 AdamW (``g = 1``):
     ``2 R + 3 L + 2 max(R, L)`` against ``4 (R + n L)``.
 
     Raises:
-        PlanError: a ZeRO stage other than 2 or 3.
+        PlanError: a ZeRO stage other than 1, 2 or 3.
     """
-    if zero_stage not in (2, 3):
-        raise PlanError(f"zero_stage={zero_stage}: layer units are for ZeRO 2-3")
+    if zero_stage not in (1, 2, 3):
+        raise PlanError(f"zero_stage={zero_stage}: layer units are for ZeRO 1-3")
     g = gradient_factor
     if zero_stage == 3:
         return 0.0, 1.0 + g, 2.0 + g, 1.0 + g
-    return 1.0, g, g, 1.0 + g
+    if zero_stage == 2:
+        return 1.0, g, g, 1.0 + g
+    return 1.0 + g, 0.0, 0.0, 1.0 + g
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ class LayoutOptions:
             ``--overlap-grad-reduce``, DDP and torchtitan run). False: after the pipeline
             flush, none of it overlapped (Megatron-LM's SC'21 runtime, as
             ``benchmarks/megatron_table`` checks it).
-        zero_layer_units: ZeRO 2-3 layouts shard each layer of a stage as its own FSDP unit
+        zero_layer_units: ZeRO 1-3 layouts shard each layer of a stage as its own FSDP unit
             (default True, as torchtitan runs FSDP2 per transformer block), priced with the
             layers gathered one at a time (:func:`autopart.solver.data_parallel.
             layer_unit_factors`) and recorded in the plan (``Plan.zero_layer_units``); a

@@ -261,7 +261,7 @@ def _state_options(options: SolveOptions, layout: LayoutOptions, dp: int, zero: 
                    units: bool) -> SolveOptions:
     """A replica's options (:func:`_replica_options`) with the parameter state a GPU holds
     at its step's peak under ZeRO as the runtime runs it: one FSDP unit per stage
-    (:func:`held_state_multiplier`), or with ``units`` (ZeRO 2-3, ``Plan.zero_layer_units``)
+    (:func:`held_state_multiplier`), or with ``units`` (ZeRO 1-3, ``Plan.zero_layer_units``)
     the shards and the layers gathered one at a time (:func:`sharded_state_multiplier`,
     :func:`layer_unit_factors`)."""
     out = _replica_options(options, layout, dp)
@@ -354,7 +354,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     """
     tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
     sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
-    units = (layout.zero_layer_units and zero >= 2 and dp > 1 and options.training
+    units = (layout.zero_layer_units and zero >= 1 and dp > 1 and options.training
              and not (options.schedule_kind is not None
                       and splits_backward(options.schedule_kind, False)))
     inner = _state_options(options, layout, dp, zero, units)

@@ -43,7 +43,7 @@ class SolveOptions:
             layout search passes what the runtime holds at a step's peak,
             :func:`autopart.solver.data_parallel.held_state_multiplier`); ``None`` (default) =
             ``2 + optimizer_state_bytes_per_param_byte``. Must be > 0.
-        layer_unit_factors: ZeRO 2-3 with one FSDP unit per layer (``Plan.zero_layer_units``):
+        layer_unit_factors: ZeRO 1-3 with one FSDP unit per layer (``Plan.zero_layer_units``):
             per stage, bytes held gathered at its peak beyond ``state_bytes_per_param_byte``
             times its trainable parameter bytes, as ``(a, b, c, d)`` per byte of those
             parameters, of those outside every layer (``R``), of its largest layer (``L``)

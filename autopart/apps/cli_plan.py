@@ -170,7 +170,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                   "backward (default), or after the pipeline flush (3D)"),
          zero_layer_units: bool = typer.Option(
              True, "--zero-layer-units/--no-zero-layer-units",
-             help="ZeRO 2-3 shard and gather each layer as its own FSDP unit (default), or "
+             help="ZeRO 1-3 shard and gather each layer as its own FSDP unit (default), or "
                   "each stage whole (3D)"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.

@@ -82,13 +82,15 @@ class Plan:
             ``--overlap-grad-reduce``), and the step time prices it so; False (the default,
             and what plans written before it load as): after the pipeline flush. Only with
             dp > 1 and zero_stage 0.
-        zero_layer_units: ZeRO 2-3 shard each layer of a stage (the ops under
-            ``<stack>.<i>``, e.g. ``model.layers.3``) as its own FSDP unit, gathered for its
-            forward and its backward with the next layer's gather prefetched, so a stage is
-            never gathered whole (torchtitan's one ``fully_shard`` per block); the memory
-            model charges the gathered layers, not the stage. False (the default, and what
-            plans written before it load as): one unit per stage. Only with dp > 1, zero_stage
-            2 or 3 and a schedule whose backwards do not split (``I``/``W``).
+        zero_layer_units: ZeRO 1-3 shard each layer of a stage (the ops under
+            ``<stack>.<i>``, e.g. ``model.layers.3``) as its own FSDP unit (torchtitan's one
+            ``fully_shard`` per block), gathered with the next layer's gather prefetched:
+            ZeRO-3 for each forward and backward, so a stage is never gathered whole;
+            ZeRO-2 from its forward to its backward; ZeRO-1 from the step's first forward to
+            its last backward, where each layer reduce-scatters as its gradients become
+            final. The memory model charges the gathered layers. False (the default, and
+            what plans written before it load as): one unit per stage. Only with dp > 1,
+            zero_stage 1-3 and a schedule whose backwards do not split (``I``/``W``).
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
@@ -226,10 +228,10 @@ def check_plan_invariants(plan: Plan) -> None:
         raise bad(f"overlap_grad_reduce=True with dp={plan.dp} and zero_stage="
                   f"{plan.zero_stage}: it overlaps ZeRO-0's gradient all-reduce over dp >= 2 "
                   "replicas; set it False")
-    if plan.zero_layer_units and (plan.dp < 2 or plan.zero_stage < 2
+    if plan.zero_layer_units and (plan.dp < 2 or plan.zero_stage < 1
                                   or splits_backward(plan.schedule_kind, False)):
         raise bad(f"zero_layer_units=True with dp={plan.dp}, zero_stage={plan.zero_stage} and "
-                  f"schedule_kind={plan.schedule_kind!r}: per-layer FSDP units are for ZeRO 2-3 "
+                  f"schedule_kind={plan.schedule_kind!r}: per-layer FSDP units are for ZeRO 1-3 "
                   "over dp >= 2 replicas on a schedule whose backwards do not split; set it "
                   "False")
     for name in ("graph_fingerprint", "cluster_fingerprint", "cost_source"):

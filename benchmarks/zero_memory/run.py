@@ -40,8 +40,8 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 BATCH, SEQ, VOCAB, M, LAYERS = 8, 64, 4096, 2, 8
-# (ZeRO stage, one FSDP unit per layer): whole-stage units for 0-3, then per-layer for 2-3
-ARMS = ((0, False), (1, False), (2, False), (3, False), (2, True), (3, True))
+# (ZeRO stage, one FSDP unit per layer): whole-stage units for 0-3, then per-layer for 1-3
+ARMS = ((0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True))
 
 
 def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:

@@ -44,12 +44,14 @@ def test_zero_1_2_3_gradients_clip_and_step_equal_the_plain_models() -> None:
     # after forward for ZeRO-3 only; clip_grad_norm_ (the norm and the clipped gradients);
     # one AdamW step on pipe.parameters(); state_dict whole under the original FQNs;
     # load_state_dict back
-    # one FSDP unit per layer (Plan.zero_layer_units): ZeRO-3 on GPT-2 (tied wte on both
-    # pp ranks), Llama with every stage recomputing, BERT; ZeRO-2 on GPT-2
+    # one FSDP unit per layer (Plan.zero_layer_units), each unit's reduce-scatters counted:
+    # ZeRO-3 on GPT-2 (tied wte on both pp ranks), Llama with every stage recomputing, BERT;
+    # ZeRO-2 on GPT-2; ZeRO-1 on GPT-2 and on interleaved Llama (two stages per rank)
     cases = [(1, "gpt2", "1f1b", 1), (1, "llama", "1f1b", 1), (1, "bert", "1f1b", 1),
              (3, "gpt2", "1f1b", 1), (3, "llama", "1f1b", 1), (3, "bert", "1f1b", 1),
              (3, "gpt2", "1f1b", 1, True), (3, "llama", "1f1b", 1, True, True),
-             (3, "bert", "1f1b", 1, True), (2, "gpt2", "1f1b", 1, True)]
+             (3, "bert", "1f1b", 1, True), (2, "gpt2", "1f1b", 1, True),
+             (1, "gpt2", "1f1b", 1, True), (1, "llama", "interleaved_1f1b", 2, True)]
     for name, lines in _run(cases).items():
         assert lines[0] == "done", lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"

@@ -140,7 +140,25 @@ def _check_model(name: str, zero: int, mesh: Any, kind: str, v: int, layers: boo
     out = pipe(*my_args)  # inference: every rank gets the output
     _close(f"{tag} output", out.logits, reference(*my_args).logits, problems)
     reduces, sharded_after_fwd = _watch(pipe)
-    loss = pipe.train_step(*my_args, target=my_target)
+    scatters: list[int] = []
+    inner_rs = dist.reduce_scatter_single
+    dist.reduce_scatter_single = lambda *a, **k: scatters.append(1) or inner_rs(*a, **k)
+    try:
+        loss = pipe.train_step(*my_args, target=my_target)
+    finally:
+        dist.reduce_scatter_single = inner_rs
+    if layers:
+        # one reduce-scatter per unit holding parameters: per step at ZeRO-1 (the stage's
+        # last backward), per microbatch (m = 2) at ZeRO 2-3
+        holding = 0
+        for st in pipe.pipeline_stages:
+            root, paths = st.submod.stage, units.get(st.stage_index, [])
+            own = [n for n, _ in root.named_parameters()
+                   if not any(n.startswith(p + ".") for p in paths)]
+            holding += len(paths) + bool(own)
+        want_rs = holding * (1 if zero == 1 else 2)
+        if len(scatters) != want_rs:
+            problems.append(f"{tag}: {len(scatters)} reduce-scatters, expected {want_rs}")
     # ZeRO-1: one reduce-scatter per stage and step; 2 and 3: one per microbatch (m = 2),
     # then REDUCE_GRAD's, which finds nothing left; ZeRO-3 alone reshards after forward
     # (a split backward's microbatches whose W comes after another's I reduce together)

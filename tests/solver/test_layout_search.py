@@ -125,13 +125,13 @@ def test_memory_per_gpu_under_each_zero_stage_is_the_hand_count() -> None:
     assert trainable == 96_384
     options = _options(num_microbatches=1, schedule_kind="1f1b", recompute=False)
     peaks, units = {}, {}
-    for zero, layer_units in ((0, True), (1, True), (2, False), (3, False), (2, True),
-                              (3, True)):
+    for zero, layer_units in ((0, True), (1, False), (2, False), (3, False), (1, True),
+                              (2, True), (3, True)):
         layout = _layout(4, tp=1, pp=1, dp=4, zero_stage=zero, zero_layer_units=layer_units)
         cand = layout_candidates(costs, DEV, options, layout)[0]
         plan = evaluate_layout(costs, DEV, options, layout, cand)
-        (units if layer_units and zero >= 2 else peaks)[zero] = plan.ranks[0].peak_memory_bytes
-        assert plan.zero_layer_units == (layer_units and zero >= 2)
+        (units if layer_units and zero else peaks)[zero] = plan.ranks[0].peak_memory_bytes
+        assert plan.zero_layer_units == (layer_units and zero >= 1)
     # AdamW (2x state), dp = 4, held at the step's peak per parameter byte (one stage, one
     # FSDP unit): ZeRO-0 1 + 1 + 2 = 4; ZeRO-1 shards (1 + 2) / 4 + gathered 1 + unsharded
     # gradients 1 + one kept collective buffer 1 = 3.75; ZeRO-2 and -3 the sharded gradients
@@ -140,8 +140,9 @@ def test_memory_per_gpu_under_each_zero_stage_is_the_hand_count() -> None:
     assert peaks[2] - peaks[0] == peaks[3] - peaks[0] == trainable * (5 - 4)
     # one unit per layer (h.0, h.1: 32,192 bytes each) and the root (head.w, 32,000): shards
     # (1 + 1 + 2) / 4 = 1 x, then ZeRO-3 2 R + 3 L + 2 max(R, L), ZeRO-2 the stage again +
-    # R + L + 2 max(R, L)
+    # R + L + 2 max(R, L), ZeRO-1 the stage and its gradients + 2 max(R, L)
     root, layer = 32_000, 32_192
+    assert units[1] - peaks[0] == trainable * (3 - 4) + 2 * layer
     assert units[3] - peaks[0] == trainable * (1 - 4) + 2 * root + 5 * layer
     assert units[2] - peaks[0] == trainable * (2 - 4) + root + 3 * layer
     # with a third layer the whole-stage gather holds 4 x (R + 3 L) where units hold
@@ -275,9 +276,10 @@ def test_layer_units_are_recorded_only_where_the_runtime_runs_them() -> None:
     zb = solve_layout(costs, DEV, replace(fixed, schedule_kind="zero_bubble"),
                       _layout(4, tp=1, pp=2, dp=2, zero_stage=3))
     assert not zb.zero_layer_units
-    for zero in (0, 1):
-        assert not solve_layout(costs, DEV, fixed, _layout(
-            4, tp=1, pp=2, dp=2, zero_stage=zero)).zero_layer_units
+    assert not solve_layout(costs, DEV, fixed, _layout(
+        4, tp=1, pp=2, dp=2, zero_stage=0)).zero_layer_units
+    assert solve_layout(costs, DEV, fixed, _layout(
+        4, tp=1, pp=2, dp=2, zero_stage=1)).zero_layer_units
     with pytest.raises(PlanError, match=r"zero_layer_units=True with dp=2, zero_stage=3 and "
                                         r"schedule_kind='zero_bubble'"):
         replace(zb, zero_layer_units=True)

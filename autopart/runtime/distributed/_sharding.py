@@ -29,7 +29,7 @@ How the plan's ZeRO stage maps onto FSDP2 and torch's pipelining runtime (torch 
   Split backwards (``I`` then ``W``) keep a stage gathered from its ``I`` to its last
   pending ``W`` (see :class:`ShardedStage`).
 
-With ``plan.zero_layer_units`` (ZeRO 2-3, backwards that do not split), each layer of a stage
+With ``plan.zero_layer_units`` (backwards that do not split), each layer of a stage
 is a unit of its own, as torchtitan shards a model per transformer block:
 :func:`autopart.codegen.fsdp_units.group_layers` moves a layer's ops into a submodule at its
 path, ``fully_shard`` goes on every layer and then on the stage's graph module (the root: the
@@ -40,9 +40,13 @@ keeps a root gathered by default). The ``PipelineStage``'s submodule itself is t
 FSDP module, so torch's stage treats it as a plain module: no ``UNSHARD`` of the whole stage
 before its first action, and every microbatch's backward reduce-scatters and reshards each
 unit as FSDP2 does outside a pipeline (gradient sync on, ``reshard_after_backward``), the
-root's post-backward callback waiting for the reduce-scatters before the backward returns. A
-stage is never gathered whole: at most the root and two layers (the running one and the
-prefetched one), each layer's unsharded gradients freed at its reduce-scatter.
+root's post-backward callback waiting for the reduce-scatters before the backward returns. At
+ZeRO-3 a stage is never gathered whole: at most the root and two layers (the running one and
+the prefetched one), each layer's unsharded gradients freed at its reduce-scatter. ZeRO-1
+(:class:`AccumulatingStage`) keeps each layer gathered from its first forward to the step's
+last backward and reduce-scatters it there, layer by layer during that backward; the next
+step's first forward gathers the updated shards layer by layer, the next layer's all-gather
+prefetched: whole parameters during the step, optimizer state on the shards.
 
 FSDP2 reduce-scatters the mean over the replicas (``fully_shard``'s default), so gradients
 end as today's ZeRO-0 all-reduce leaves them: the mean over the global batch. Tensors a
@@ -70,7 +74,7 @@ from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.runtime.distributed._stages import P2PStage, TracedStage
 
-__all__ = ["DataSharding", "ShardedStage", "local_tensor"]
+__all__ = ["AccumulatingStage", "DataSharding", "ShardedStage", "local_tensor"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +130,32 @@ class ShardedStage(TracedStage):
         self._pending_weight -= 1
         self._reduce_now()
         return out
+
+
+class AccumulatingStage(TracedStage):
+    """ZeRO-1 with one FSDP unit per layer (``plan.zero_layer_units``): gradients accumulate
+    unsharded over the step's microbatches and each layer reduce-scatters in the stage's
+    last backward, as its gradients become final (Megatron-LM's distributed optimizer with
+    ``--overlap-grad-reduce``), and parameters stay gathered from their first forward to that
+    backward: before every backward the stage's FSDP root (recursively) is told whether it
+    is the step's last one for this stage (torch's ``last_backward``):
+    ``set_requires_gradient_sync``, ``set_reshard_after_backward`` and
+    ``set_is_last_backward`` follow it.
+
+    Args:
+        *args: ``TracedStage``'s; its submodule is a :class:`P2PStage` whose ``stage`` is
+            the FSDP root.
+        **kwargs: ``TracedStage``'s.
+    """
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        root = self.submod.stage
+        if isinstance(root, FSDPModule):
+            last = bool(kwargs.get("last_backward", False))
+            root.set_requires_gradient_sync(last)
+            root.set_reshard_after_backward(last)
+            root.set_is_last_backward(last)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 class DataSharding:
@@ -187,7 +217,11 @@ class DataSharding:
 
     def new_stage(self, *args: Any, **kwargs: Any) -> TracedStage:
         """This rank's ``PipelineStage`` of one stage (``TracedStage``'s arguments): a
-        :class:`ShardedStage` for ZeRO-2/3 with one unit per stage, else a ``TracedStage``."""
+        :class:`ShardedStage` for ZeRO-2/3 with one unit per stage, an
+        :class:`AccumulatingStage` for ZeRO-1 with one unit per layer, else a
+        ``TracedStage``."""
+        if self.sharded and self.zero_stage == 1 and self.layer_units:
+            return AccumulatingStage(*args, **kwargs)
         if self.sharded and self.zero_stage >= 2 and not self.layer_units:
             return ShardedStage(*args, reshard_after_forward=self.zero_stage == 3, **kwargs)
         return TracedStage(*args, **kwargs)
