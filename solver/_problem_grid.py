@@ -131,7 +131,7 @@ def subproblems(st: Setup) -> list[Subproblem]:
     problems = {key: chain_problem(st, *key) for key in grid}
     seeds: dict[ChainProblem, ChainAnswer | None] = {}
     # seeded count by count (a pure function of the problem, so the order changes nothing
-    # but speed): the kinds of one m share the DP's K x K tables (chain_dp._LAST_ARRAYS)
+    # but speed): the kinds of one m share the DP's band tables (chain_dp._LAST_ARRAYS)
     for key in sorted(grid, key=lambda k: k[2]):
         prob = problems[key]
         if prob not in seeds:

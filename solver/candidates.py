@@ -7,6 +7,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError, PlanError
@@ -78,8 +79,34 @@ class CutCandidates:
     fallback: bool = False
 
 
+#: What :func:`_values`, :func:`crossing_profile` and :func:`_set_hashes` made of a cost graph,
+#: by (function, graph identity); each entry holds its graph, so its id is not reused while
+#: cached (CostGraph is frozen). The layout search asks for the same few (one per tp degree)
+#: hundreds of times; the oldest entry goes first.
+_BY_GRAPH: dict[tuple[str, int], tuple[CostGraph, Any]] = {}
+_BY_GRAPH_SIZE = 12
+
+
+def _per_graph(what: str, costs: CostGraph, make: Callable[[CostGraph], Any]) -> Any:
+    """``make(costs)``, computed once per graph object while it stays in :data:`_BY_GRAPH`."""
+    key = (what, id(costs))
+    hit = _BY_GRAPH.get(key)
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    value = make(costs)
+    while len(_BY_GRAPH) >= _BY_GRAPH_SIZE:
+        del _BY_GRAPH[next(iter(_BY_GRAPH))]
+    _BY_GRAPH[key] = (costs, value)
+    return value
+
+
 def _values(costs: CostGraph) -> list[_Value]:
-    """Every graph input and node output with its production index and last use, O(n + edges)."""
+    """Every graph input and node output with its production index and last use, O(n + edges)
+    once per graph (:func:`_per_graph`; the list is shared: read it, do not change it)."""
+    return _per_graph("values", costs, _make_values)  # type: ignore[no-any-return]
+
+
+def _make_values(costs: CostGraph) -> list[_Value]:
     n = len(costs.nodes)
     index: dict[str, int] = {name: -1 for name in costs.graph_inputs}
     last: dict[str, int] = {}
@@ -109,9 +136,14 @@ def crossing_profile(costs: CostGraph) -> tuple[list[int], list[bool]]:
         costs: the cost graph.
 
     Returns:
-        ``(crossing_bytes, valid)``, each of length ``n + 1``; bytes per microbatch of the
-        profiled batch.
+        ``(crossing_bytes, valid)``, each of length ``n + 1`` (new lists; computed once per
+        graph, :func:`_per_graph`); bytes per microbatch of the profiled batch.
     """
+    crossing, valid = _per_graph("profile", costs, _make_profile)
+    return list(crossing), list(valid)
+
+
+def _make_profile(costs: CostGraph) -> tuple[list[int], list[bool]]:
     values = _values(costs)
     crossing = crossing_sums(costs, values, lambda v: v.nbytes)
     bad = crossing_sums(costs, values, lambda v: 0 if v.is_tensor else 1)
@@ -151,7 +183,12 @@ def crossing_values(costs: CostGraph, position: int) -> tuple[str, ...]:
 
 
 def _set_hashes(costs: CostGraph) -> list[int]:
-    """XOR of a 64-bit mix of each crossing value's index, per position (a crossing-set hash)."""
+    """XOR of a 64-bit mix of each crossing value's index, per position (a crossing-set hash);
+    once per graph (:func:`_per_graph`; the list is shared: read it, do not change it)."""
+    return _per_graph("hashes", costs, _make_set_hashes)  # type: ignore[no-any-return]
+
+
+def _make_set_hashes(costs: CostGraph) -> list[int]:
     n = len(costs.nodes)
     diff = [0] * (n + 2)
     for idx, v in enumerate(_values(costs)):

@@ -1,17 +1,22 @@
 """Exact dynamic programs over a ChainProblem: the min-max seed, the least largest stage time,
 and the least stage-time sum under a horizon on every stage's time.
 
-All three run the same layered DP over "stage s ends at segment j" in O(K^2 S) numpy element
-operations; they differ in what a stage is worth and how stages combine (max or sum). With one
-stage per rank (``stages_per_rank == 1``) every stage's memory check is exact, so the DPs are
-exact; with more stages per rank :func:`chain_min_max` relaxes it (each stage within its whole
-rank's cap) and stays a lower bound, and :func:`chain_dp_hint` tightens it (each stage within
-``cap / v``) and stays feasible.
+All three run the same layered DP over "stage s ends at segment j"; they differ in what a stage
+is worth and how stages combine (max or sum). A stage spans at most ``W`` segments
+(:func:`_window`: ``K - S + 1``, as every other stage takes one at least, and fewer where the
+parameter state of more already exceeds the largest cap), so the tables hold ``(K + 1) x W``
+entries, one row per end segment, and the DP takes O(K W S) numpy element operations instead of
+O(K^2 S); a DP stops as soon as no stage end is reachable. With one stage per rank
+(``stages_per_rank == 1``) every stage's memory check is exact, so the DPs are exact; with more
+stages per rank :func:`chain_min_max` relaxes it (each stage within its whole rank's cap) and
+stays a lower bound, and :func:`chain_dp_hint` tightens it (each stage within ``cap / v``) and
+stays feasible.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,11 +31,12 @@ _BIG = np.int64(2**61)
 
 @dataclass(frozen=True, slots=True)
 class _Options:
-    """A stage's two options (0: keep activations, 1: recompute) over segment ranges.
+    """A stage's two options (0: keep activations, 1: recompute) over a band of spans.
 
-    Each array is indexed ``[i - rows.start, j - cols.start]`` for the stage holding segments
-    ``i .. j - 1``: ``time`` its ``t_s``, ``mem`` its memory, ``fits`` the option is allowed
-    (mode, valid range, memory within the stage's cap), ``hidden`` the W time it takes off.
+    Each array is indexed ``[j - rows.start, e]`` for the stage holding segments
+    ``first[j, e] .. j - 1`` (:class:`_Tables`): ``time`` its ``t_s``, ``mem`` its memory,
+    ``fits`` the option is allowed (mode, valid range, memory within the stage's cap),
+    ``hidden`` the W time it takes off.
     """
 
     time: tuple[np.ndarray, np.ndarray]
@@ -40,11 +46,22 @@ class _Options:
 
 
 #: The attributes of :class:`_Tables` that depend only on :func:`_arrays_key`.
-_ARRAY_NAMES = ("in_b", "base_mem", "act", "act_kept", "valid", "times", "modes")
-#: The last tables' arrays and their key: the (kind, v) subproblems of one microbatch count
-#: share them (the layout search seeds them count by count), and each holds several
-#: K x K arrays (tens of MB at thousands of segments), so only one set is kept.
-_LAST_ARRAYS: list[tuple[tuple[object, ...], dict[str, object]]] = []
+_ARRAY_NAMES = ("first", "in_b", "base_mem", "act", "act_kept", "valid", "times", "modes")
+#: The last tables' arrays, their band width and their key: the (kind, v) subproblems of one
+#: microbatch count share them (the layout search seeds them count by count; a narrower band
+#: is the last columns of a wider one), and each holds several (K + 1) x width arrays, so only
+#: one set is kept.
+_LAST_ARRAYS: list[tuple[tuple[object, ...], int, dict[str, Any]]] = []
+
+
+def _narrowed(arrays: dict[str, Any], drop: int) -> dict[str, Any]:
+    """The band ``arrays`` (:data:`_ARRAY_NAMES`) without their first ``drop`` columns: the
+    band ``drop`` narrower, as each row's starts are its columns' in ascending order."""
+    if drop == 0:
+        return arrays
+    out = {name: a[:, drop:] if isinstance(a, np.ndarray) else a for name, a in arrays.items()}
+    out["times"] = {r: tuple(a[:, drop:] for a in ts) for r, ts in arrays["times"].items()}
+    return out
 
 
 def _arrays_key(problem: ChainProblem) -> tuple[object, ...]:
@@ -60,8 +77,32 @@ def _arrays_key(problem: ChainProblem) -> tuple[object, ...]:
             problem.seg_split)
 
 
+def _window(problem: ChainProblem, cap_divisor: int) -> int:
+    """The most segments a stage can span in any answer that passes the per-stage caps.
+
+    ``K - S + 1`` (every other stage takes one segment at least), lowered where a span's
+    parameter state alone exceeds the largest rank cap divided by ``cap_divisor`` (a stage's
+    memory in either option is at least its state: every other term is >= 0), never below 1.
+    """
+    k = problem.num_segments
+    width = k - problem.num_stages + 1
+    if problem.rank_caps is not None and problem.seg_state is not None and width > 1:
+        cap = max(problem.rank_caps) // cap_divisor
+        pre = np.concatenate([np.zeros(1, dtype=np.int64),
+                              np.cumsum(np.array(problem.seg_state, dtype=np.int64))])
+        # for each end j, the first start i whose span's state fits: pre[j] - pre[i] <= cap
+        lowest = np.searchsorted(pre, pre[1:] - cap, side="left")
+        width = min(width, max(int(np.max(np.arange(1, k + 1) - lowest)), 1))
+    return width
+
+
 class _Tables:
-    """Prefix sums of one chain problem and each stage's options over (first, end) segments.
+    """Prefix sums of one chain problem and each stage's options over a band of spans.
+
+    Every array has shape ``(K + 1, width)``: row ``j`` is the end segment (the stage holds
+    segments ``i .. j - 1``), column ``e`` the start ``i = j - width + e`` (``first[j, e]``,
+    clipped to 0; ``valid`` says whether ``0 <= i < j``). Spans longer than ``width`` are left
+    out: no answer that passes the caps has one (:func:`_window`).
 
     Args:
         problem: the chain problem.
@@ -73,36 +114,39 @@ class _Tables:
     def __init__(self, problem: ChainProblem, cap_divisor: int) -> None:
         self.problem = problem
         self.cap_divisor = cap_divisor
+        self.width = _window(problem, cap_divisor)
         key = _arrays_key(problem)
-        if _LAST_ARRAYS and _LAST_ARRAYS[0][0] == key:
-            self.__dict__.update(_LAST_ARRAYS[0][1])
+        if _LAST_ARRAYS and _LAST_ARRAYS[0][0] == key and _LAST_ARRAYS[0][1] >= self.width:
+            _, wide, arrays = _LAST_ARRAYS[0]
+            self.__dict__.update(_narrowed(arrays, wide - self.width))
             return
         self._build(problem)
-        _LAST_ARRAYS[:] = [(key, {name: self.__dict__[name] for name in _ARRAY_NAMES})]
+        _LAST_ARRAYS[:] = [(key, self.width, {name: self.__dict__[name] for name in _ARRAY_NAMES})]
 
     def _build(self, problem: ChainProblem) -> None:
-        k = problem.num_segments
+        k, w = problem.num_segments, self.width
         zero = np.zeros(1, dtype=np.int64)
+        ends = np.arange(k + 1, dtype=np.int64)[:, None]
+        starts = ends - w + np.arange(w, dtype=np.int64)[None, :]
+        self.valid = starts >= 0        # and starts < ends by construction
+        self.first = np.maximum(starts, 0)
 
         def prefix(values: list[int] | tuple[int, ...]) -> np.ndarray:
             return np.concatenate([zero, np.cumsum(np.array(values, dtype=np.int64))])
 
-        def span(pre: np.ndarray) -> np.ndarray:  # [i, j] = sum of segments i .. j - 1
-            return pre[None, :] - pre[:k, None]
+        def span(pre: np.ndarray) -> np.ndarray:  # [j, e] = sum of segments first[j, e] .. j - 1
+            return pre[:, None] - pre[self.first]
 
         cross = list(problem.cut_bytes or [0] * (k - 1))
-        # Stage of segments i .. j - 1: rows i = 0..K-1, columns j = 0..K.
-        self.in_b = np.array([problem.first_in_bytes, *cross], dtype=np.int64)      # by i
-        out_b = np.array([0, *cross, problem.last_out_bytes], dtype=np.int64)       # by j
-        self.base_mem = (span(prefix(problem.seg_state or [0] * k)) + self.in_b[:, None]
-                         + out_b[None, :])
+        self.in_b = np.array([problem.first_in_bytes, *cross], dtype=np.int64)[self.first]  # by i
+        out_b = np.array([0, *cross, problem.last_out_bytes], dtype=np.int64)[:, None]  # by j
+        self.base_mem = span(prefix(problem.seg_state or [0] * k)) + self.in_b + out_b
         self.act = span(prefix(problem.seg_saved or [0] * k))
         # held per microbatch in flight without recompute: the saved set, and the outputs
         # where the cost model holds them (ChainProblem.outputs_held)
-        self.act_kept = self.act + out_b[None, :] * problem.outputs_held
-        self.valid = np.arange(k + 1)[None, :] > np.arange(k)[:, None]
-        cin = np.array([0, *problem.cut_in], dtype=np.int64)
-        cout = np.array([0, *problem.cut_out, 0], dtype=np.int64)
+        self.act_kept = self.act + out_b * problem.outputs_held
+        cin = np.array([0, *problem.cut_in], dtype=np.int64)[self.first]
+        cout = np.array([0, *problem.cut_out, 0], dtype=np.int64)[:, None]
         # per rank (ranks of equal speed share): times without and with recompute, W, and
         # what a split backward adds
         Times = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -111,7 +155,7 @@ class _Tables:
         for r in sorted({problem.rank_of(s) for s in range(problem.num_stages)}):
             f = 1.0 if problem.speed is None else problem.speed[r]
             if f not in by_speed:
-                t0 = span(prefix(problem.seg_time_on(r))) + cin[:k, None] + cout[None, :]
+                t0 = span(prefix(problem.seg_time_on(r))) + cin + cout
                 by_speed[f] = (t0, t0 + span(prefix(problem.seg_fwd_on(r))),
                                span(prefix(problem.seg_bwd_weight_on(r))),
                                span(prefix(problem.seg_split_on(r))))
@@ -119,15 +163,15 @@ class _Tables:
         self.modes = {"none": (True, False), "all": (False, True),
                       "auto": (True, True)}[problem.recompute]
 
-    def stage(self, s: int, rows: slice, cols: slice) -> _Options:
-        """Stage ``s``'s options over first segments ``rows`` and end segments ``cols``."""
+    def stage(self, s: int, rows: slice) -> _Options:
+        """Stage ``s``'s options over the end segments ``rows`` (every start in the band)."""
         prob = self.problem
         kk = prob.in_flight_of(s)
-        bm, ac, ok = self.base_mem[rows, cols], self.act[rows, cols], self.valid[rows, cols]
-        mem0 = bm + kk * self.act_kept[rows, cols]
-        mem1 = bm + kk * self.in_b[rows, None] + ac
+        bm, ac, ok = self.base_mem[rows], self.act[rows], self.valid[rows]
+        mem0 = bm + kk * self.act_kept[rows]
+        mem1 = bm + kk * self.in_b[rows] + ac
         r = prob.rank_of(s)
-        t0, t1, w, split = (a[rows, cols] for a in self.times[r])
+        t0, t1, w, split = (a[rows] for a in self.times[r])
         # the stages whose backward splits pay what the split adds (ChainProblem.seg_split)
         if prob.hides_weight(s, False):
             t0 = t0 + split
@@ -159,12 +203,13 @@ def _layered_dp(tables: _Tables, value: str, combine: str,
     best[0] = 0
     args: list[np.ndarray] = []
     flags: list[np.ndarray] = []
-    # Stage s (0-based) can only start at segment i in [s, K - (S - s)] and end before j in
-    # [s + 1, K - (S - s - 1)] (every stage takes one segment at least).
+    # Stage s (0-based) ends before j in [s + 1, K - (S - s - 1)] (every stage takes one
+    # segment at least); it starts where stage s - 1 ended (best is _BIG elsewhere).
     for s in range(s_total):
-        i0, i1 = s, k - (s_total - s) + 1
         j0, j1 = s + 1, k - (s_total - s - 1) + 1
-        opt = tables.stage(s, slice(i0, i1), slice(j0, j1))
+        rows = slice(j0, j1)
+        opt = tables.stage(s, rows)
+        first = tables.first[rows]
         vals = []
         for o in (0, 1):
             ok = opt.fits[o] if horizon is None else opt.fits[o] & (opt.time[o] <= horizon)
@@ -173,20 +218,22 @@ def _layered_dp(tables: _Tables, value: str, combine: str,
             vals.append(np.where(ok, v, _BIG))
         use1 = vals[1] < vals[0]
         val = np.minimum(vals[0], vals[1])
-        prev = best[i0:i1]
+        prev = best[first]
         if combine == "max":
-            cand = np.maximum(prev[:, None], val)
+            cand = np.maximum(prev, val)
         else:
-            cand = np.minimum(prev[:, None] + val, _BIG)
-        cand[prev >= _BIG, :] = _BIG
-        cols = np.arange(j1 - j0)
-        arg_w = np.argmin(cand, axis=0)
+            cand = np.minimum(prev + val, _BIG)
+        cand[prev >= _BIG] = _BIG
+        at = np.arange(j1 - j0)
+        arg_e = np.argmin(cand, axis=1)  # the first minimum: the smallest start
         best = np.full(k + 1, _BIG, dtype=np.int64)
-        best[j0:j1] = cand[arg_w, cols]
+        best[j0:j1] = cand[at, arg_e]
+        if not (best < _BIG).any():
+            return int(_BIG), None  # no stage s ends anywhere: nothing passes
         arg = np.zeros(k + 1, dtype=np.int64)
-        arg[j0:j1] = arg_w + i0
+        arg[j0:j1] = first[at, arg_e]
         flag = np.zeros(k + 1, dtype=bool)
-        flag[j0:j1] = use1[arg_w, cols]
+        flag[j0:j1] = use1[at, arg_e]
         args.append(arg)
         flags.append(flag)
     if best[k] >= _BIG:
@@ -212,7 +259,8 @@ def chain_dp_hint(problem: ChainProblem) -> ChainAnswer | None:
     ``"memory"``), ignoring the rank-load and sum terms of the objective. Each stage recomputes
     only when it must to fit (``"auto"``). Memory is checked per stage against its rank's cap
     divided by ``stages_per_rank``, which is exact for one stage per rank and conservative
-    otherwise. Vectorised with numpy: O(K^2 S) element operations.
+    otherwise. Vectorised with numpy: O(K W S) element operations (``W`` the band width,
+    at most ``K - S + 1``).
 
     Returns:
         The DP's cuts and recompute flags with ``problem.objective`` of them, or None when no

@@ -274,51 +274,80 @@ def simulate_1f1b(num_ranks: int, num_microbatches: int, costs: StageCosts
     fwd = [costs.fwd_us[s] + costs.send_fwd_us[s] for s in range(p)]
     bwd = [costs.bwd_input_us[s] + costs.send_bwd_us[s] + costs.bwd_weight_us[s]
            for s in range(p)]
-    f_end = [-1.0] * (p * m)  # stage s, microbatch i at s * m + i; < 0: not run yet
-    b_end = [-1.0] * (p * m)
+    # end times, < 0: not run yet. F of stage s, microbatch i at (s + 1) * m + i, with a
+    # stage -1 whose forwards are done at 0; B of stage s at s * m + i, with a stage p whose
+    # backwards are done at 0 (the first stage's inputs and the last's gradients are there)
+    f_end = [0.0] * m + [-1.0] * (p * m)
+    b_end = [-1.0] * (p * m) + [0.0] * m
     warm = [min(p - 1 - s, m) for s in range(p)]
     cursor = [0] * p
     free = [0.0] * p
     n = 2 * m
     remaining = p * n
     busy = [0.0] * p  # summed in each rank's order, as simulate() sums it
+    # Every end time is one max and one sum of the same operands whatever the order ranks
+    # are visited in, so sweeps alternate: down the ranks (forwards flow on in one sweep),
+    # then up them (backwards flow back); each rank runs its phases' actions in a loop each.
+    orders = (range(p), range(p - 1, -1, -1))
+    sweep = 0
     while remaining:
         progressed = False
-        for s in range(p):
-            c, f, w = cursor[s], free[s], warm[s]
-            base, up, down = s * m, (s - 1) * m, (s + 1) * m
-            while c < n:
-                if c < w:
-                    is_f, i = True, c
-                elif c < w + 2 * (m - w):
-                    k, odd = divmod(c - w, 2)
-                    is_f, i = (False, k) if odd else (True, w + k)
-                else:
-                    is_f, i = False, c - w - (m - w)
-                if is_f:
-                    t = f_end[up + i] if s > 0 else 0.0
+        for s in orders[sweep & 1]:
+            c = c0 = cursor[s]
+            if c == n:
+                continue
+            f, w, b = free[s], warm[s], busy[s]
+            fs, bs = fwd[s], bwd[s]
+            own_f, up_f = (s + 1) * m, s * m        # f_end of stage s, of stage s - 1
+            own_b, down_b = s * m, (s + 1) * m      # b_end of stage s, of stage s + 1
+            cool = n - w  # warm-up: c < w; pairs (F, B): w <= c < 2m - w; then backwards
+            while c < w:  # warm-up: F of microbatch c
+                t = f_end[up_f + c]
+                if t < 0.0:
+                    break
+                f = (t if t > f else f) + fs
+                f_end[own_f + c] = f
+                b += fs
+                c += 1
+            while w <= c < cool:  # F of microbatch w + k (k even), B of k (k odd)
+                k = c - w
+                if k & 1:
+                    i = k >> 1
+                    t = b_end[down_b + i]
                     if t < 0.0:
                         break
-                    start = t if t > f else f
-                    f = start + fwd[s]
-                    f_end[base + i] = f
-                    busy[s] += fwd[s]
-                else:
-                    t = b_end[down + i] if s < p - 1 else 0.0
-                    if t < 0.0:
-                        break
-                    own = f_end[base + i]  # earlier on this rank: always done
+                    own = f_end[own_f + i]  # earlier on this rank: always done
                     if own > t:
                         t = own
-                    start = t if t > f else f
-                    f = start + bwd[s]
-                    b_end[base + i] = f
-                    busy[s] += bwd[s]
+                    f = (t if t > f else f) + bs
+                    b_end[own_b + i] = f
+                    b += bs
+                else:
+                    i = own_f + w + (k >> 1)
+                    t = f_end[i - m]
+                    if t < 0.0:
+                        break
+                    f = (t if t > f else f) + fs
+                    f_end[i] = f
+                    b += fs
                 c += 1
-            if c != cursor[s]:
-                remaining -= c - cursor[s]
-                cursor[s], free[s] = c, f
+            while cool <= c < n:  # cool-down: B of microbatch c - m
+                i = c - m
+                t = b_end[down_b + i]
+                if t < 0.0:
+                    break
+                own = f_end[own_f + i]
+                if own > t:
+                    t = own
+                f = (t if t > f else f) + bs
+                b_end[own_b + i] = f
+                b += bs
+                c += 1
+            if c != c0:
+                remaining -= c - c0
+                cursor[s], free[s], busy[s] = c, f, b
                 progressed = True
+        sweep += 1
         if not progressed:  # cannot happen for 1F1B; kept as simulate's guard
             raise PlanError("schedule deadlocks: every rank waits (1F1B replay)")
     return max(free, default=0.0), tuple(busy)

@@ -64,6 +64,7 @@ def golden_plans(costs: CostGraph) -> dict[str, Any]:
         d.pop("library_versions")
         # a plan field added since (False here: no dp), not a cost-model change
         assert d.pop("overlap_grad_reduce") is False
+        assert d.pop("zero_layer_units") is False
         out[f"{ranks}/{rt_name}/{optimize}/{kind}"] = d
     return out
 
