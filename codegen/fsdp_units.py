@@ -53,19 +53,34 @@ def _runs(graph: fx.Graph) -> list[tuple[str, list[fx.Node]]]:
     return [(k, nodes) for k, nodes in runs if k]
 
 
-def _writes_attribute(node: fx.Node) -> bool:
-    """Whether the op writes a ``get_attr`` tensor in place (a buffer update, which the
-    stage's recompute must find at the top of its graph)."""
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose values the op writes in place (its schema's mutable arguments)."""
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None:
-        return False
+        return []
+    out = []
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         src = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if isinstance(src, fx.Node) and src.op == "get_attr":
-            return True
-    return False
+        if isinstance(src, fx.Node):
+            out.append(src)
+    return out
+
+
+def _writes_attribute(node: fx.Node) -> bool:
+    """Whether the op writes a ``get_attr`` tensor in place (a buffer update, which the
+    stage's recompute must find at the top of its graph)."""
+    return any(src.op == "get_attr" for src in _written(node))
+
+
+def _output_written_after(nodes: list[fx.Node]) -> bool:
+    """Whether an op after the run writes one of the run's values in place: FSDP2 hooks a
+    unit's outputs for its backward, and an in-place op on one (a view, often) would drop
+    that hook."""
+    inside = set(nodes)
+    return any(n in inside for node in nodes for user in node.users if user not in inside
+               for n in _written(user))
 
 
 def _own_attributes(gm: fx.GraphModule, path: str, run: set[fx.Node]) -> list[fx.Node] | None:
@@ -132,10 +147,11 @@ def group_layers(gm: fx.GraphModule) -> list[str]:
     """Move each layer of ``gm`` (a stage module) into a submodule at its path, in place.
 
     A layer is grouped when its ops are one run of consecutive op nodes, the tensors under
-    its path are read by that run alone and are all the module at that path holds, and none
-    of its ops updates a tensor in place (a buffer write stays visible to the stage's
-    recompute). Others stay inline; the stage computes the same either way (the moved ops
-    run in the same order on the same tensors).
+    its path are read by that run alone and are all the module at that path holds, none of
+    its ops updates a tensor in place (a buffer write stays visible to the stage's
+    recompute) and no later op writes one of its outputs in place (which would drop the
+    backward hook FSDP2 puts on a unit's outputs). Others stay inline; the stage computes
+    the same either way (the moved ops run in the same order on the same tensors).
 
     Args:
         gm: a stage's ``fx.GraphModule`` whose ``get_attr`` targets are FQNs.
@@ -151,7 +167,8 @@ def group_layers(gm: fx.GraphModule) -> list[str]:
     for key, _ in runs:
         seen[key] = seen.get(key, 0) + 1
     for key, nodes in runs:
-        if seen[key] != 1 or any(_writes_attribute(n) for n in nodes):
+        if (seen[key] != 1 or any(_writes_attribute(n) for n in nodes)
+                or _output_written_after(nodes)):
             continue
         attrs = _own_attributes(gm, key, set(nodes))
         if attrs is None:

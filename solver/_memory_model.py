@@ -200,6 +200,22 @@ class MemoryModel:
                 held += nd.output_bytes
         return self.scale_bytes(held, ratio)
 
+    def layer_units_bound_bytes(self) -> int:
+        """The most :meth:`state_of`'s largest-layer terms add to any one stage, bytes:
+        ``c x`` the model's largest layer and ``d x`` the larger of it and every parameter
+        outside the layers (0 without layer units). The chain problem takes it off each
+        stage's cap, so its per-segment sums stay an upper bound on what the plan's stages
+        are costed at."""
+        if self._layer_units is None:
+            return 0
+        layers: dict[str | None, int] = {}
+        for p, key in self._layer_of.items():
+            layers[key] = layers.get(key, 0) + self.costs.param_sizes.get(p, 0)
+        root = layers.pop(None, 0)
+        largest = max(layers.values(), default=0)
+        _, _, c, d = self._layer_units
+        return int(math.ceil(c * largest + d * max(root, largest)))
+
     def state_of(self, start: int, stop: int) -> tuple[int, int, int]:
         """(state bytes, parameter bytes, trainable elements) of every parameter read by
         nodes ``start .. stop - 1`` (a tied parameter counts on every stage reading it).
@@ -217,8 +233,8 @@ class MemoryModel:
         (``R``; :func:`autopart.core.costgraph.layer_of_path` of the parameter's FQN), both
         in ``state_bytes`` (so per-segment sums and totals see them), and here ``c x`` its
         largest layer's trainable bytes (``L``) and ``d x max(R, L)``, which are not sums
-        over segments: the chain problem's per-segment state leaves them out (its memory
-        rows are a relaxation there; the plan's stages and peaks are costed here)."""
+        over segments: the chain problem charges each stage their bound instead
+        (:meth:`layer_units_bound_bytes`)."""
         params = sorted({p for nd in self.costs.nodes[start:stop] for p in nd.params})
         local_replica = self.training and not self.runtime.ranks_are_processes
         state = sum(2 * self.costs.param_sizes[p]

@@ -161,7 +161,9 @@ def runs_microbatches(kind: str, p: int, m: int) -> bool:
 
 def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
     """The chain problem of (kind, v, m): segment times and memory at the microbatch size,
-    sends, caps less the largest transient, and the kind's closed-form objective weights."""
+    sends, caps less the largest transient (and ZeRO layer units' bound per stage,
+    :meth:`MemoryModel.layer_units_bound_bytes`), and the kind's closed-form objective
+    weights."""
     model, cands, options, p = st.model, st.cands, st.options, st.p
     ratio = model.ratio(m)
     seg_t, out_t, in_t = model.chain_time(cands, m)
@@ -187,7 +189,9 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
              else 0 for s in cands.segments]
     cut_b = [model.scale_bytes(c, ratio) for c in cands.crossing_bytes]
     n = len(model.costs.nodes)
-    transient = model.max_transient_bytes(ratio)
+    # the largest single-node working set, and ZeRO layer units' gathered layers per stage
+    # (their bound: not a sum over segments)
+    transient = model.max_transient_bytes(ratio) + v * model.layer_units_bound_bytes()
     w_stage, w_rank, w_sum = objective_weights(kind, p, m, v)
     speed = tuple(model.speed(r) for r in range(p))
     return ChainProblem(

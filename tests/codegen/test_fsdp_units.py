@@ -108,3 +108,23 @@ def test_layers_sharing_a_tensor_or_writing_a_buffer_stay_inline() -> None:
     # layer 0's weight is read outside its run, layer 2 writes a buffer: layer 1 alone moves
     assert group_layers(gm) == ["layers.1"]
     torch.testing.assert_close(gm(x), want)
+
+
+def test_a_layer_whose_output_a_later_op_writes_in_place_stays_inline() -> None:
+    # FSDP2 hooks a unit's outputs for its backward; an in-place write on one would drop it
+    x = torch.randn(4, 8)
+    gm = _stage(_TwoLayers(), x)
+    layer_out = [n for n in gm.graph.nodes if layer_of(n) == "layers.0"][-1]
+    with gm.graph.inserting_after(layer_out):
+        gm.graph.call_function(torch.ops.aten.mul_.Tensor, (layer_out, 1.0))
+    gm.recompile()
+    assert group_layers(gm) == ["layers.1"]
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](torch.relu(self.layers[0](h)))

@@ -239,6 +239,11 @@ class DataSharding:
         # its outputs, and copies those that torch's split backward detaches in place.
         warnings.filterwarnings("ignore", category=UserWarning,
                                 message=r"FSDP2-wrapped module \(FSDPP2PStage\) returned a view")
+        # Layer units and their stage root return views too; the captured graph is
+        # functional, and group_layers leaves inline a layer whose output a later op writes
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message=r"FSDP2-wrapped module \(FSDP(Layer_\w+|Stage\d+)\) "
+                                        r"returned a view")
         for s, submod in submods.items():
             if self.layer_units:
                 self.units[s] = self._shard_layers(submod)
