@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 from autopart.core.errors import PlanError
 from autopart.core.layout import check_zero_stage
-from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
+from autopart.solver.collectives import all_gather_us, all_reduce_us
 
 __all__ = ["state_multiplier", "held_state_multiplier", "DataParallelCost", "data_parallel_cost",
            "gradient_all_reduce_us", "bucket_sizes", "overlapped_reduction_us",
-           "sharded_state_multiplier", "layer_unit_factors"]
+           "sharded_state_multiplier", "layer_unit_factors", "fsdp_collective_us"]
 
 
 def state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
@@ -174,7 +174,7 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
                        bandwidth_bytes_per_s: float, latency_us: float,
                        gradient_factor: float = 1.0,
                        overhead_us: float = 0.0,
-                       copy_bytes_per_s: float = 0.0) -> DataParallelCost:
+                       copy_bytes_per_s: float = 0.0, units: int = 1) -> DataParallelCost:
     """The collectives one rank pays over its dp group, as autopart's runtime runs them
     (``autopart/runtime/distributed/_sharding.py``: FSDP2, one unit per stage).
 
@@ -201,7 +201,12 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
             all-gather and reduce-scatter above.
         copy_bytes_per_s: stage 0 packs the gradients into its bucket, divides and copies
             them back: three copies of them at this rate, bytes/s (default 0.0: not charged;
-            ``RuntimeDescription.copy_bytes_per_s``).
+            ``RuntimeDescription.copy_bytes_per_s``). Stages 1-3 (FSDP2): an all-gather copies
+            the shard in and the gathered parameters out (``(1 + 1 / dp) x`` the bytes), a
+            reduce-scatter copies the gradients in and its shard out (the same).
+        units: FSDP units the collectives run per (``Plan.zero_layer_units``: the layers
+            and the root of the rank's stages; default 1): stages 1-3 pay the fixed cost and
+            the ring's latency once per unit for each all-gather and reduce-scatter above.
 
     Raises:
         PlanError: a ZeRO stage outside 0-3, or bad link figures.
@@ -216,12 +221,33 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
         return DataParallelCost(gradient_all_reduce_us(grads, dp, bandwidth_bytes_per_s,
                                                        latency_us, overhead_us,
                                                        copy_bytes_per_s), 0.0)
-    gather = all_gather_us(param_bytes, dp, bandwidth_bytes_per_s, latency_us) + overhead_us
-    scatter = reduce_scatter_us(grads, dp, bandwidth_bytes_per_s, latency_us) + overhead_us
+    if units < 1:
+        raise PlanError(f"units={units} must be >= 1 (FSDP units per rank)")
+    # each further unit: its ring steps and the fixed cost again
+    extra = (units - 1) * ((dp - 1) * latency_us + overhead_us)
+    link = (dp, bandwidth_bytes_per_s, latency_us, overhead_us, copy_bytes_per_s)
+    gather = fsdp_collective_us(param_bytes, *link) + extra
+    scatter = fsdp_collective_us(grads, *link) + extra
     if zero_stage == 1:
         return DataParallelCost(scatter + gather, 0.0)
     gathers = 1 if zero_stage == 2 else 2
     return DataParallelCost(0.0, gathers * gather + scatter)
+
+
+def fsdp_collective_us(nbytes: float, dp: int, bandwidth_bytes_per_s: float,
+                       latency_us: float, overhead_us: float = 0.0,
+                       copy_bytes_per_s: float = 0.0) -> float:
+    """One FSDP2 all-gather of ``nbytes`` of parameters, or reduce-scatter of ``nbytes`` of
+    gradients, over ``dp`` ranks, µs: the ring (:func:`autopart.solver.collectives.
+    all_gather_us`, the same as the reduce-scatter's), the runtime's fixed cost per collective
+    and FSDP2's copies at ``copy_bytes_per_s`` (the shard in and the whole out, or the whole
+    in and the shard out: ``(1 + 1 / dp) x nbytes``; 0.0: not charged).
+
+    Raises:
+        PlanError: bad link figures.
+    """
+    copies = (1.0 + 1.0 / dp) * nbytes / copy_bytes_per_s * 1e6 if copy_bytes_per_s > 0 else 0.0
+    return all_gather_us(nbytes, dp, bandwidth_bytes_per_s, latency_us) + overhead_us + copies
 
 
 def gradient_all_reduce_us(grad_bytes: float, dp: int, bandwidth_bytes_per_s: float,

@@ -51,7 +51,9 @@ class LayoutOptions:
             layers gathered one at a time (:func:`autopart.solver.data_parallel.
             layer_unit_factors`) and recorded in the plan (``Plan.zero_layer_units``); a
             plan whose schedule splits its backwards runs one unit per stage and is priced
-            so. False: one unit per stage everywhere.
+            so. ZeRO-1's units hold what its whole-stage unit holds and only overlap better,
+            so a runtime whose collectives share the ranks' compute (CPU ranks) keeps one
+            unit per stage at ZeRO-1. False: one unit per stage everywhere.
     """
 
     num_gpus: int

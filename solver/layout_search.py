@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 from autopart.core.cluster import Cluster, DeviceSpec
@@ -15,7 +14,6 @@ from autopart.core.layout import (
     check_degrees,
     check_global_batch,
     divisors,
-    grad_bucket_elements,
 )
 from autopart.core.plan import ParetoPoint, Plan, ShardedParameter
 from autopart.core.runtime_model import RuntimeDescription
@@ -23,14 +21,20 @@ from autopart.core.schedule import splits_backward
 from autopart.core.topology import HostTopology
 from autopart.solver.candidates import crossing_profile
 from autopart.solver.data_parallel import (
-    DataParallelCost,
-    data_parallel_cost,
-    gradient_all_reduce_us,
     held_state_multiplier,
     layer_unit_factors,
-    overlapped_reduction_us,
     sharded_state_multiplier,
     state_multiplier,
+)
+from autopart.solver.layout_dp import (
+    _baselines_dp_us,
+    _dp_cost,
+    _dp_exposed,
+    _even_bucket_us,
+    _hides_reduction,
+    _stage_units,
+    dp_exposed_us,
+    layer_units,
 )
 from autopart.solver.layout_options import LayoutCandidate, LayoutOptions
 from autopart.solver.options import SolveOptions
@@ -39,7 +43,7 @@ from autopart.solver.solve import solve
 from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
 
 __all__ = ["LayoutOptions", "LayoutCandidate", "layout_candidates", "evaluate_layout",
-           "solve_layout", "dp_exposed_us"]
+           "solve_layout", "dp_exposed_us", "layer_units"]
 
 
 def _tp_choices(layout: LayoutOptions) -> list[int]:
@@ -52,100 +56,6 @@ def _tp_choices(layout: LayoutOptions) -> list[int]:
     return out
 
 
-def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOptions,
-             runtime: RuntimeDescription) -> DataParallelCost:
-    """The dp collectives of one rank; each pays the runtime's fixed cost per collective
-    after no work (they follow one another after the flush), and ZeRO-0 its bucket's
-    copies."""
-    bw, lat = layout.topology.link(tp * dp)
-    return data_parallel_cost(param_bytes, dp=dp, zero_stage=zero,
-                              bandwidth_bytes_per_s=bw, latency_us=lat,
-                              gradient_factor=layout.gradient_factor,
-                              overhead_us=runtime.collective_overhead_at(0.0),
-                              copy_bytes_per_s=runtime.copy_bytes_per_s)
-
-
-def _bucket_us(dp: int, tp: int, layout: LayoutOptions,
-               runtime: RuntimeDescription) -> Callable[[float], float]:
-    """One ZeRO-0 bucket's all-reduce over dp on the layout's link, µs by gradient bytes
-    (:func:`gradient_all_reduce_us` with the runtime's fixed cost and copy rate)."""
-    bw, lat = layout.topology.link(tp * dp)
-    overhead, copy = runtime.collective_overhead_at(0.0), runtime.copy_bytes_per_s
-    return lambda nbytes: gradient_all_reduce_us(nbytes, dp, bw, lat, overhead, copy)
-
-
-def _hides_reduction(layout: LayoutOptions, zero: int, dp: int,
-                     options: SolveOptions) -> tuple[bool, bool]:
-    """Whether a layout's plan overlaps ZeRO-0's gradient all-reduce (the plan's
-    ``overlap_grad_reduce``), and whether that hides any of it (not where the runtime's
-    collectives run on the ranks' own compute: CPU ranks)."""
-    overlap = layout.overlap_grad_reduce and zero == 0 and dp > 1 and options.training
-    return overlap, overlap and not options.runtime.collectives_share_compute
-
-
-def _even_bucket_us(grad_bytes: float, elements: int, pp: int, dp: int, tp: int,
-                    layout: LayoutOptions, runtime: RuntimeDescription) -> float:
-    """The last bucket of an even share of ``elements`` gradient elements (``grad_bytes``
-    in all) over pp ranks, µs: what the rank whose last backward ends the step leaves
-    exposed at least, whatever the partition."""
-    per_element = grad_bytes / elements if elements else 0.0
-    return _bucket_us(dp, tp, layout, runtime)(
-        min(-(-elements // pp), grad_bucket_elements(dp)) * per_element)
-
-
-def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription
-                  ) -> tuple[float, ...]:
-    """Per pipeline rank of ``plan`` (a training plan of the layout search), how long its dp
-    collectives run after its schedule's last action, µs; the step grows by the largest.
-
-    ZeRO-0 with ``plan.overlap_grad_reduce`` on a runtime whose collectives do not share the
-    ranks' compute: the tail of the buckets launched during each stage's last backward
-    (:func:`autopart.solver.data_parallel.overlapped_reduction_us` on the plan's stage
-    times). Otherwise the whole of them after the flush (:func:`data_parallel_cost` of the
-    rank's parameters, over its m microbatches for ZeRO 2-3), ``runtime.ranks_per_core``
-    times longer where CPU ranks outnumber the cores (every rank runs them at once).
-    """
-    return _dp_exposed(plan, (plan.tp, plan.dp, plan.zero_stage, plan.overlap_grad_reduce),
-                       layout, runtime)
-
-
-def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
-                runtime: RuntimeDescription) -> tuple[float, ...]:
-    """:func:`dp_exposed_us` of a replica's pipeline plan at ``(tp, dp, zero, overlap)``."""
-    tp, dp, zero, overlap = degrees
-    if dp == 1:
-        return (0.0,) * len(plan.ranks)
-    if overlap and not runtime.collectives_share_compute:
-        grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
-        return overlapped_reduction_us(
-            grad_bytes, [st.num_parameters for st in plan.stages],
-            [st.rank for st in plan.stages], [st.predicted_bwd_us for st in plan.stages],
-            _bucket_us(dp, tp, layout, runtime),
-            split_backward=splits_backward(plan.schedule_kind, False),
-            bucket_elements=grad_bucket_elements(dp))
-    shared = max(1.0, runtime.ranks_per_core)
-    return tuple(shared * _dp_cost(sum(plan.stages[s].param_bytes for s in r.stage_indices),
-                                   dp, zero, tp, layout, runtime).step_us(plan.num_microbatches)
-                 for r in plan.ranks)
-
-
-def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
-                     runtime: RuntimeDescription) -> float:
-    """A lower bound on what any partition of ``plan``'s layout pays for its dp collectives,
-    µs: those of an even parameter split over the pp ranks (any partition's fullest rank
-    holds at least that); overlapped, one bucket of it, which the rank whose last backward
-    ends the step cannot hide."""
-    tp, dp, zero, overlap = degrees
-    total = sum(st.param_bytes for st in plan.stages)
-    share = -(-total // len(plan.ranks))
-    if overlap and not runtime.collectives_share_compute:
-        return _even_bucket_us(total * layout.gradient_factor,
-                               sum(st.num_parameters for st in plan.stages), len(plan.ranks),
-                               dp, tp, layout, runtime)
-    return (max(1.0, runtime.ranks_per_core)
-            * _dp_cost(share, dp, zero, tp, layout, runtime).step_us(plan.num_microbatches))
-
-
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
             options: SolveOptions, layout: LayoutOptions, device: DeviceSpec,
             smallest_crossing: int) -> LayoutCandidate:
@@ -155,9 +65,9 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     microbatch, L: the batch-proportional times of the replica's whole batch, C: the
     forward and backward sends over pp - 1 cuts of the smallest crossing, each charged to a
     stage's time as the pipeline cost model does), plus the dp collectives of an even share
-    of the parameters (none where ZeRO-0's reduction is overlapped and hides under compute;
-    the estimate then charges one bucket of it); the bound is the smallest over the allowed
-    m."""
+    of the parameters (none where ZeRO-0's reduction, or ZeRO-1's with layer units, is
+    overlapped and hides under compute; the estimate then charges one bucket of it); the
+    bound is the smallest over the allowed m."""
     overhead_us = device.op_overhead_us
     rows = options.batch_size / dp / sharded.batch_size
     fixed = linear = 0.0
@@ -172,6 +82,9 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     dp_cost = (_dp_cost(share, dp, zero, tp, layout, options.runtime)
                if options.training else None)
     _, hidden = _hides_reduction(layout, zero, dp, options)
+    # ZeRO-1's layer units overlap their reduce-scatters and gathers likewise
+    hidden = hidden or (zero == 1 and dp > 1 and options.training and layout.zero_layer_units
+                        and not options.runtime.collectives_share_compute)
     if hidden:  # overlapped: none of it is surely exposed; one bucket estimated
         tail = _even_bucket_us(trainable * layout.gradient_factor,
                                sum(n for p, n in sharded.param_numel.items()
@@ -354,7 +267,13 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     """
     tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
     sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
+    # ZeRO-1's layer units hold what one unit per stage holds and gain only by overlapping
+    # their collectives with compute, which CPU ranks' collectives do not (measured,
+    # benchmarks/overlap_cpu): a search there keeps one unit per stage (a given plan is
+    # priced as it runs)
     units = (layout.zero_layer_units and zero >= 1 and dp > 1 and options.training
+             and not (zero == 1 and options.runtime.collectives_share_compute
+                      and positions is None)
              and not (options.schedule_kind is not None
                       and splits_backward(options.schedule_kind, False)))
     inner = _state_options(options, layout, dp, zero, units)
@@ -379,7 +298,8 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     overlap, _ = _hides_reduction(layout, zero, dp, options)
     if options.training and dp > 1:
         degrees = (tp, dp, zero, overlap)
-        extra = max(_dp_exposed(plan, degrees, layout, options.runtime))
+        extra = max(_dp_exposed(plan, degrees, layout, options.runtime,
+                                _stage_units(plan, sharded, units), units))
         even = _baselines_dp_us(plan, degrees, layout, options.runtime)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)

@@ -1,5 +1,6 @@
 """Benchmark: ZeRO-0's gradient all-reduce overlapped with the backward vs after the flush,
-on gloo CPU ranks: measured and predicted step, and the dp communication exposed per rank.
+and ZeRO-1/3 with one FSDP unit per layer vs per stage, on gloo CPU ranks: measured and
+predicted step, and the dp communication exposed per rank.
 
 A GPT-2-like model whose gradient all-reduce is a visible share of its step (4 layers,
 n_embd 256, 4 heads, vocabulary 16,384: 7.4M parameters, 29 MB of float32 gradients; global
@@ -11,7 +12,10 @@ dp 2, ZeRO-0) and ``pp2xdp2`` (4 ranks, m = 4, 1F1B). Each plan runs twice, the 
 search wrote it (``overlap_grad_reduce``: buckets launched during each stage's last backward,
 ``autopart/runtime/distributed/_grad_buckets.py``) and the same plan with it off (averaged
 after the schedule), alternated step by step (:func:`autopart.apps.bench.run_arms`), the
-whole repeated in fresh processes. Per arm: the predicted step (the plan priced as it runs,
+whole repeated in fresh processes. ``pp2xdp2-zero1`` and ``pp2xdp2-zero3`` (the same
+degrees under ZeRO-1 and ZeRO-3) run as planned (``zero_layer_units``: each layer its own
+FSDP unit, reduce-scattered in the stage's last backward at ZeRO-1, gathered per layer with
+prefetch) and with one unit per stage. Per arm: the predicted step (the plan priced as it runs,
 :func:`autopart.solver.layout_predict.predict_layout`), the median measured step, each
 repeat's median, the spread; per rank, the dp collectives the cost model leaves after the
 schedule (:func:`autopart.solver.layout_search.dp_exposed_us`) and the traced step's
@@ -46,7 +50,21 @@ CONFIG = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 16384, "n_posi
 #: world -> arm -> the degrees the layout search is held to
 ARMS: dict[int, dict[str, dict[str, int]]] = {
     2: {"dp2": {"tp": 1, "dp": 2, "zero_stage": 0, "num_microbatches": 1}},
-    4: {"pp2xdp2": {"tp": 1, "dp": 2, "zero_stage": 0, "num_microbatches": 4}}}
+    4: {"pp2xdp2": {"tp": 1, "dp": 2, "zero_stage": 0, "num_microbatches": 4},
+        "pp2xdp2-zero1": {"tp": 1, "dp": 2, "zero_stage": 1, "num_microbatches": 4},
+        "pp2xdp2-zero3": {"tp": 1, "dp": 2, "zero_stage": 3, "num_microbatches": 4}}}
+
+
+def variants(plan: Any, name: str, zero: int) -> dict[str, Any]:
+    """The two ways one plan runs its dp communication: ZeRO-0 overlapped with the last
+    backward or after the schedule (``overlap_grad_reduce``); ZeRO 1-3 one FSDP unit per
+    layer (gathered and reduce-scattered layer by layer, prefetched) or per stage
+    (``zero_layer_units``)."""
+    if zero == 0:
+        return {f"{name} overlap": dataclasses.replace(plan, overlap_grad_reduce=True),
+                f"{name} flush": dataclasses.replace(plan, overlap_grad_reduce=False)}
+    return {f"{name} layers": dataclasses.replace(plan, zero_layer_units=True),
+            f"{name} stage": dataclasses.replace(plan, zero_layer_units=False)}
 
 
 def _request(shared: Any, world: int, fixed: dict[str, int], heads: int | None
@@ -71,7 +89,7 @@ def price(shared: Any, plan: Any, world: int, fixed: dict[str, int], heads: int 
 
     spec, layout, solve = _request(shared, world, fixed, heads)
     step = predict_layout(plan, shared.costs, spec, solve, layout) / 1e6
-    exposed = [x / 1e3 for x in dp_exposed_us(plan, layout, shared.runtime)]
+    exposed = [x / 1e3 for x in dp_exposed_us(plan, layout, shared.runtime, shared.costs)]
     return step, exposed
 
 
@@ -118,8 +136,7 @@ def main() -> None:
         for name, fixed in arms.items():
             plan = solve_world_layout(alone, CompileOptions(schedule_kind="1f1b", **fixed),
                                       world, num_heads=heads)  # type: ignore[arg-type]
-            plans[world][f"{name} overlap"] = dataclasses.replace(plan, overlap_grad_reduce=True)
-            plans[world][f"{name} flush"] = dataclasses.replace(plan, overlap_grad_reduce=False)
+            plans[world].update(variants(plan, name, fixed["zero_stage"]))
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in ARMS}
     priced: dict[str, list[tuple[float, list[float]]]] = {}
     for _ in range(opts.repeats):
@@ -148,7 +165,8 @@ def main() -> None:
             rows.append({
                 "arm": name, "world": world, "pp": len(plan.ranks), "dp": plan.dp,
                 "m": plan.num_microbatches, "cuts": [c.position for c in plan.cuts],
-                "overlap_grad_reduce": plan.overlap_grad_reduce,
+                "zero_stage": plan.zero_stage, "overlap_grad_reduce": plan.overlap_grad_reduce,
+                "zero_layer_units": plan.zero_layer_units,
                 "predicted_step_s": predicted, "measured_step_s": measured,
                 "repeat_medians_s": [statistics.median(run[name].steps_s) for run in got],
                 "spread": (max(steps) - min(steps)) / measured, "steps_s": steps,

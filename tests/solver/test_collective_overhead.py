@@ -93,9 +93,20 @@ def test_zero0_pays_its_buckets_copies() -> None:
     packed = data_parallel_cost(4000, zero_stage=0, copy_bytes_per_s=2e9, **kw)
     # pack, divide, copy back: 3 x 4000 B at 2 GB/s
     assert packed.per_step_us - plain.per_step_us == pytest.approx(6.0)
-    # FSDP2's own copies are not charged (not measured); one replica packs nothing
-    assert data_parallel_cost(4000, zero_stage=1, copy_bytes_per_s=2e9, **kw) == \
-        data_parallel_cost(4000, zero_stage=1, **kw)
+    # FSDP2 (ZeRO 1-3): the all-gather copies the shard in and the whole out, the
+    # reduce-scatter the gradients in and the shard out: 2 x 1.5 x 4000 B at 2 GB/s; one
+    # replica packs nothing
+    zero1 = data_parallel_cost(4000, zero_stage=1, copy_bytes_per_s=2e9, **kw)
+    assert zero1.per_step_us - data_parallel_cost(4000, zero_stage=1, **kw).per_step_us == \
+        pytest.approx(6.0)
+    # per layer unit: the fixed cost and the ring steps once per unit and collective
+    units = data_parallel_cost(4000, zero_stage=3, dp=2, bandwidth_bytes_per_s=1e9,
+                               latency_us=1.0, overhead_us=10.0, units=3)
+    one = data_parallel_cost(4000, zero_stage=3, dp=2, bandwidth_bytes_per_s=1e9,
+                             latency_us=1.0, overhead_us=10.0)
+    assert units.per_microbatch_us - one.per_microbatch_us == pytest.approx(3 * 2 * (10 + 1))
+    with pytest.raises(PlanError, match="units=0"):
+        data_parallel_cost(4000, zero_stage=3, units=0, **kw)
     assert data_parallel_cost(4000, zero_stage=0, copy_bytes_per_s=2e9, dp=1,
                               bandwidth_bytes_per_s=1e9, latency_us=0.0).per_step_us == 0.0
     with pytest.raises(PlanError, match="copy_bytes_per_s"):

@@ -1,0 +1,186 @@
+"""The data-parallel collectives of a layout's plan, as the runtime runs them: ZeRO-0's
+all-reduce after the flush or overlapped with each stage's last backward, ZeRO 1-3's FSDP2
+gathers and reduce-scatters per stage or per layer unit, and what of them a step exposes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from autopart.core.costgraph import CostGraph, layer_of_path
+from autopart.core.layout import grad_bucket_elements
+from autopart.core.plan import Plan
+from autopart.core.runtime_model import RuntimeDescription
+from autopart.core.schedule import splits_backward
+from autopart.solver.data_parallel import (
+    DataParallelCost,
+    data_parallel_cost,
+    fsdp_collective_us,
+    gradient_all_reduce_us,
+    overlapped_reduction_us,
+)
+from autopart.solver.layout_options import LayoutOptions
+from autopart.solver.options import SolveOptions
+
+__all__ = ["dp_exposed_us", "layer_units"]
+
+
+def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOptions,
+             runtime: RuntimeDescription, units: int = 1) -> DataParallelCost:
+    """The dp collectives of one rank; each pays the runtime's fixed cost per collective
+    after no work (they follow one another after the flush), per FSDP unit at ZeRO 1-3, and
+    the copies around them."""
+    bw, lat = layout.topology.link(tp * dp)
+    return data_parallel_cost(param_bytes, dp=dp, zero_stage=zero,
+                              bandwidth_bytes_per_s=bw, latency_us=lat,
+                              gradient_factor=layout.gradient_factor,
+                              overhead_us=runtime.collective_overhead_at(0.0),
+                              copy_bytes_per_s=runtime.copy_bytes_per_s, units=units)
+
+
+def layer_units(plan: Plan, costs: CostGraph, per_layer: bool | None = None
+                ) -> tuple[int, ...]:
+    """Per pipeline rank of ``plan``, the FSDP units its stages run under
+    ``plan.zero_layer_units`` (or ``per_layer`` where given): in each stage, one per layer
+    its parameters belong to (:func:`autopart.core.costgraph.layer_of_path`) and one for the
+    rest (the root), as ``codegen.fsdp_units.group_layers`` groups them where it can; 1 per
+    stage without layer units.
+
+    Args:
+        plan: a plan of the layout search, solved on ``costs`` (its stages' node counts
+            index ``costs.nodes``).
+        costs: the cost graph the plan was solved on (tp's share).
+        per_layer: count per layer (default: as the plan says).
+    """
+    units = [0] * len(plan.ranks)
+    for st, n in zip(plan.stages, _stage_units(plan, costs, per_layer), strict=True):
+        units[st.rank] += n
+    return tuple(units)
+
+
+def _stage_units(plan: Plan, costs: CostGraph, per_layer: bool | None) -> tuple[int, ...]:
+    """:func:`layer_units` per stage."""
+    per_layer = plan.zero_layer_units if per_layer is None else per_layer
+    out = []
+    start = 0
+    for st in plan.stages:
+        stop = start + st.num_nodes
+        keys = {layer_of_path(p) for nd in costs.nodes[start:stop] for p in nd.params
+                if p in costs.trainable} if per_layer else set()
+        out.append(max(1, len(keys)))
+        start = stop
+    return tuple(out)
+
+
+def _bucket_us(dp: int, tp: int, layout: LayoutOptions,
+               runtime: RuntimeDescription) -> Callable[[float], float]:
+    """One ZeRO-0 bucket's all-reduce over dp on the layout's link, µs by gradient bytes
+    (:func:`gradient_all_reduce_us` with the runtime's fixed cost and copy rate)."""
+    bw, lat = layout.topology.link(tp * dp)
+    overhead, copy = runtime.collective_overhead_at(0.0), runtime.copy_bytes_per_s
+    return lambda nbytes: gradient_all_reduce_us(nbytes, dp, bw, lat, overhead, copy)
+
+
+def _hides_reduction(layout: LayoutOptions, zero: int, dp: int,
+                     options: SolveOptions) -> tuple[bool, bool]:
+    """Whether a layout's plan overlaps ZeRO-0's gradient all-reduce (the plan's
+    ``overlap_grad_reduce``), and whether that hides any of it (not where the runtime's
+    collectives run on the ranks' own compute: CPU ranks)."""
+    overlap = layout.overlap_grad_reduce and zero == 0 and dp > 1 and options.training
+    return overlap, overlap and not options.runtime.collectives_share_compute
+
+
+def _even_bucket_us(grad_bytes: float, elements: int, pp: int, dp: int, tp: int,
+                    layout: LayoutOptions, runtime: RuntimeDescription) -> float:
+    """The last bucket of an even share of ``elements`` gradient elements (``grad_bytes``
+    in all) over pp ranks, µs: what the rank whose last backward ends the step leaves
+    exposed at least, whatever the partition."""
+    per_element = grad_bytes / elements if elements else 0.0
+    return _bucket_us(dp, tp, layout, runtime)(
+        min(-(-elements // pp), grad_bucket_elements(dp)) * per_element)
+
+
+def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription,
+                  costs: CostGraph | None = None) -> tuple[float, ...]:
+    """Per pipeline rank of ``plan`` (a training plan of the layout search), how long its dp
+    collectives run after its schedule's last action, µs; the step grows by the largest.
+
+    ZeRO-0 with ``plan.overlap_grad_reduce`` on a runtime whose collectives do not share the
+    ranks' compute: the tail of the buckets launched during each stage's last backward
+    (:func:`autopart.solver.data_parallel.overlapped_reduction_us` on the plan's stage
+    times). Otherwise the whole of them after the flush (:func:`data_parallel_cost` of the
+    rank's parameters, over its m microbatches for ZeRO 2-3), ``runtime.ranks_per_core``
+    times longer where CPU ranks outnumber the cores (every rank runs them at once). With
+    ``costs`` (the tp share the plan was solved on) and ``plan.zero_layer_units``, ZeRO
+    1-3's collectives run per layer unit (:func:`layer_units`); without, per stage.
+    """
+    units = _stage_units(plan, costs, None) if costs is not None else None
+    return _dp_exposed(plan, (plan.tp, plan.dp, plan.zero_stage, plan.overlap_grad_reduce),
+                       layout, runtime, units, plan.zero_layer_units and units is not None)
+
+
+def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
+                runtime: RuntimeDescription, units: tuple[int, ...] | None = None,
+                per_layer: bool = False) -> tuple[float, ...]:
+    """:func:`dp_exposed_us` of a replica's pipeline plan at ``(tp, dp, zero, overlap)``,
+    ZeRO 1-3's collectives run by ``units[s]`` FSDP units in stage s (None: one per stage),
+    per layer (``per_layer``) or not."""
+    tp, dp, zero, overlap = degrees
+    if dp == 1:
+        return (0.0,) * len(plan.ranks)
+    if zero == 1 and per_layer and units and not runtime.collectives_share_compute:
+        return _zero1_layers_exposed(plan, units, tp, dp, layout, runtime)
+    if overlap and not runtime.collectives_share_compute:
+        grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
+        return overlapped_reduction_us(
+            grad_bytes, [st.num_parameters for st in plan.stages],
+            [st.rank for st in plan.stages], [st.predicted_bwd_us for st in plan.stages],
+            _bucket_us(dp, tp, layout, runtime),
+            split_backward=splits_backward(plan.schedule_kind, False),
+            bucket_elements=grad_bucket_elements(dp))
+    shared = max(1.0, runtime.ranks_per_core)
+    return tuple(shared * _dp_cost(sum(plan.stages[s].param_bytes for s in r.stage_indices),
+                                   dp, zero, tp, layout, runtime,
+                                   sum(units[s] for s in r.stage_indices) if units
+                                   else len(r.stage_indices)).step_us(plan.num_microbatches)
+                 for r in plan.ranks)
+
+
+def _zero1_layers_exposed(plan: Plan, units: tuple[int, ...], tp: int, dp: int,
+                          layout: LayoutOptions, runtime: RuntimeDescription
+                          ) -> tuple[float, ...]:
+    """ZeRO-1 with layer units on a runtime whose collectives run beside compute, per rank:
+    the reduce-scatters launched as each layer's gradients become final in its stage's last
+    backward (the tail model of ZeRO-0's buckets, :func:`overlapped_reduction_us`, with a
+    unit's reduce-scatter for a bucket: Megatron-LM's distributed optimizer with
+    ``--overlap-grad-reduce``), after the all-gather of the step's first unit (stage 0's,
+    the stage's parameters over its units), which the first forward waits for; every later
+    unit's all-gather is prefetched under the forward before it (``--overlap-param-gather``;
+    assumed hidden)."""
+    bw, lat = layout.topology.link(tp * dp)
+    link = (dp, bw, lat, runtime.collective_overhead_at(0.0), runtime.copy_bytes_per_s)
+    grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
+    per_unit = max(-(-st.num_parameters // n) for st, n in zip(plan.stages, units, strict=True))
+    tails = overlapped_reduction_us(
+        grad_bytes, [st.num_parameters for st in plan.stages],
+        [st.rank for st in plan.stages], [st.predicted_bwd_us for st in plan.stages],
+        lambda nbytes: fsdp_collective_us(nbytes, *link), split_backward=False,
+        bucket_elements=max(1, per_unit))
+    first = fsdp_collective_us(plan.stages[0].param_bytes / units[0], *link)
+    return tuple(first + t for t in tails)
+
+
+def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
+                     runtime: RuntimeDescription) -> float:
+    """A lower bound on what any partition of ``plan``'s layout pays for its dp collectives,
+    µs: those of an even parameter split over the pp ranks (any partition's fullest rank
+    holds at least that); overlapped, one bucket of it, which the rank whose last backward
+    ends the step cannot hide."""
+    tp, dp, zero, overlap = degrees
+    total = sum(st.param_bytes for st in plan.stages)
+    share = -(-total // len(plan.ranks))
+    if overlap and not runtime.collectives_share_compute:
+        return _even_bucket_us(total * layout.gradient_factor,
+                               sum(st.num_parameters for st in plan.stages), len(plan.ranks),
+                               dp, tp, layout, runtime)
+    return (max(1.0, runtime.ranks_per_core)
+            * _dp_cost(share, dp, zero, tp, layout, runtime).step_us(plan.num_microbatches))
