@@ -420,14 +420,15 @@ def fidelity_3d(results: Path) -> list[str]:
 
 def overlap_cpu(results: Path) -> list[str]:
     """Markdown lines for ``overlap_cpu``: ZeRO-0's overlapped gradient all-reduce against the
-    flushed one on gloo CPU ranks, predicted and measured, and the dp communication exposed
-    per rank."""
+    flushed one, and ZeRO-1/3 with one FSDP unit per layer against one per stage, on gloo CPU
+    ranks, predicted and measured, and the dp communication exposed per rank."""
     d = _load(results / "overlap_cpu" / "results.json")
     if d is None:
         return ["## overlap_cpu", "", "No recorded results.", ""]
     m = d["meta"]
     loads = m["load_average_1min"]
-    lines = ["## overlap_cpu: ZeRO-0's gradient all-reduce overlapped vs after the flush", "",
+    lines = ["## overlap_cpu: dp communication overlapped vs serialized (ZeRO-0 overlap vs "
+             "flush; ZeRO-1/3 per-layer vs per-stage units)", "",
              f"{m['machine']}; torch {m['torch']}; {m['threads_per_rank']} thread per rank; "
              f"{m['parameters'] / 1e6:.2f}M parameters; {m['repeats']} runs x {m['steps']} "
              "timed steps per arm, arms alternated; 1-minute load average "

@@ -22,6 +22,7 @@ import operator
 
 import torch.fx as fx
 
+from autopart.codegen.recompute import written_by
 from autopart.core.capturedgraph import node_module_path
 from autopart.core.costgraph import layer_of_path
 
@@ -53,25 +54,10 @@ def _runs(graph: fx.Graph) -> list[tuple[str, list[fx.Node]]]:
     return [(k, nodes) for k, nodes in runs if k]
 
 
-def _written(node: fx.Node) -> list[fx.Node]:
-    """The nodes whose values the op writes in place (its schema's mutable arguments)."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        src = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if isinstance(src, fx.Node):
-            out.append(src)
-    return out
-
-
 def _writes_attribute(node: fx.Node) -> bool:
     """Whether the op writes a ``get_attr`` tensor in place (a buffer update, which the
     stage's recompute must find at the top of its graph)."""
-    return any(src.op == "get_attr" for src in _written(node))
+    return any(src.op == "get_attr" for src in written_by(node))
 
 
 def _output_written_after(nodes: list[fx.Node]) -> bool:
@@ -80,7 +66,7 @@ def _output_written_after(nodes: list[fx.Node]) -> bool:
     that hook."""
     inside = set(nodes)
     return any(n in inside for node in nodes for user in node.users if user not in inside
-               for n in _written(user))
+               for n in written_by(user))
 
 
 def _own_attributes(gm: fx.GraphModule, path: str, run: set[fx.Node]) -> list[fx.Node] | None:

@@ -11,7 +11,24 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["written_buffers", "recompute_context", "run_recomputed"]
+__all__ = ["written_by", "written_buffers", "recompute_context", "run_recomputed"]
+
+
+def written_by(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose values ``node`` writes in place: the arguments its op's schema marks
+    mutable (``copy_``'s ``self``, BatchNorm's running statistics); ``[]`` for a node that is
+    no ``call_function`` of a schema'd op."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        src = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(src, fx.Node):
+            out.append(src)
+    return out
 
 
 def written_buffers(stage: nn.Module) -> list[torch.Tensor]:
@@ -29,14 +46,8 @@ def written_buffers(stage: nn.Module) -> list[torch.Tensor]:
         return []
     found: dict[int, torch.Tensor] = {}
     for node in stage.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            src = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(src, fx.Node) and src.op == "get_attr":
+        for src in written_by(node):
+            if src.op == "get_attr":
                 value: Any = stage
                 for part in str(src.target).split("."):
                     value = getattr(value, part)

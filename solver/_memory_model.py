@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from autopart.core.costgraph import CostGraph, layer_of_path
 from autopart.core.runtime_model import RuntimeDescription
@@ -76,6 +77,7 @@ class MemoryModel:
                 if p in self.state_bytes:
                     extra = a + (b if self._layer_of[p] is None else 0.0)
                     self.state_bytes[p] += int(math.ceil(costs.param_sizes[p] * extra))
+        self._units_bound = self._gathered_bytes(self._layer_of)  # over the whole model
         self._first_state = [0] * (len(costs.nodes) + 1)  # prefix sums of first-use state bytes
         per_node = [0] * len(costs.nodes)
         for p, i in first_use.items():
@@ -206,11 +208,19 @@ class MemoryModel:
         outside the layers (0 without layer units). The chain problem takes it off each
         stage's cap, so its per-segment sums stay an upper bound on what the plan's stages
         are costed at."""
+        return self._units_bound
+
+    def _gathered_bytes(self, params: Iterable[str]) -> int:
+        """``c x L + d x max(R, L)`` of the layer units' factors over ``params`` (R: the
+        trainable ones outside every layer, L: the largest layer's), bytes; 0 without layer
+        units."""
         if self._layer_units is None:
             return 0
         layers: dict[str | None, int] = {}
-        for p, key in self._layer_of.items():
-            layers[key] = layers.get(key, 0) + self.costs.param_sizes.get(p, 0)
+        for p in params:
+            if p in self._layer_of:
+                key = self._layer_of[p]
+                layers[key] = layers.get(key, 0) + self.costs.param_sizes.get(p, 0)
         root = layers.pop(None, 0)
         largest = max(layers.values(), default=0)
         _, _, c, d = self._layer_units
@@ -240,16 +250,7 @@ class MemoryModel:
         state = sum(2 * self.costs.param_sizes[p]
                     if local_replica and p in self.costs.trainable
                     and self._first_use[p] < start else self.state_bytes[p] for p in params)
-        if self._layer_units is not None:
-            layers: dict[str | None, int] = {}
-            for p in params:
-                if p in self._layer_of:
-                    key = self._layer_of[p]
-                    layers[key] = layers.get(key, 0) + self.costs.param_sizes[p]
-            root = layers.pop(None, 0)
-            largest = max(layers.values(), default=0)
-            _, _, c, d = self._layer_units
-            state += int(math.ceil(c * largest + d * max(root, largest)))
+        state += self._gathered_bytes(params)
         return (state,
                 sum(self.costs.param_sizes[p] for p in params),
                 sum(self.costs.param_numel[p] for p in params if p in self.costs.trainable))

@@ -50,8 +50,9 @@ def held_state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
     (after tp), as autopart's runtime runs ZeRO: the per-stage peak's parameter-state term.
 
     :func:`state_multiplier` is what the ZeRO paper's runtime holds at rest. autopart runs
-    ZeRO 1-3 with FSDP2, one ``fully_shard`` unit per stage (a stage is one flat FX graph;
-    ``autopart/runtime/distributed/_sharding.py``), so during a stage's backward the rank holds,
+    ZeRO 1-3 with FSDP2; with one ``fully_shard`` unit per stage (``Plan.zero_layer_units``
+    False, ``autopart/runtime/distributed/_sharding.py``; per layer see
+    :func:`layer_unit_factors`) during a stage's backward the rank holds,
     beside its shards (weights ``1 / dp``, optimizer state ``k / dp`` and, at ZeRO 2-3, whose
     gradients are reduce-scattered after every microbatch, gradients ``g / dp``):
 
@@ -316,7 +317,9 @@ def overlapped_reduction_us(stage_grad_bytes: Sequence[int], stage_elements: Seq
         stage_elements: per stage, those gradients' elements.
         stage_rank: per stage, its pipeline rank.
         bwd_us: per stage, one microbatch's backward (``I + W``), µs.
-        bucket_us: one bucket's all-reduce over dp by its bytes, its packing included, µs.
+        bucket_us: one bucket's reduction over dp by its bytes, µs: ZeRO-0's all-reduce,
+            its packing included, or a layer unit's reduce-scatter for ZeRO-1 with layer
+            units (``solver.layout_dp``).
         split_backward: the schedule splits backwards into ``I`` and ``W``.
         bucket_elements: a bucket's largest size, elements (>= 1).
 

@@ -42,27 +42,6 @@ class _Options:
     hidden: tuple[np.ndarray, np.ndarray]
 
 
-#: The attributes of :class:`_Tables` that depend only on :func:`_arrays_key`.
-_ARRAY_NAMES = ("in_b", "base_mem", "act", "act_kept", "valid", "times", "modes")
-#: The last tables' arrays and their key: the (kind, v) subproblems of one microbatch count
-#: share them (the layout search seeds them count by count), and each holds several
-#: K x K arrays (tens of MB at thousands of segments), so only one set is kept.
-_LAST_ARRAYS: list[tuple[tuple[object, ...], dict[str, object]]] = []
-
-
-def _arrays_key(problem: ChainProblem) -> tuple[object, ...]:
-    """What :class:`_Tables`' arrays are made of: the segments' times and bytes, the ranks
-    and their speeds, the recompute mode (not the kind's weights, in-flight counts or caps,
-    which :meth:`_Tables.stage` reads from the problem)."""
-    placed = (None if problem.speed is None
-              else (problem.stages_per_rank, problem.placement))  # which ranks' speeds
-    return (problem.seg_time, problem.seg_fwd, problem.cut_out, problem.cut_in,
-            problem.num_ranks, problem.speed, placed, problem.seg_state, problem.seg_saved,
-            problem.cut_bytes, problem.first_in_bytes, problem.last_out_bytes,
-            problem.recompute, problem.seg_bwd_weight, problem.outputs_held,
-            problem.seg_split)
-
-
 class _Tables:
     """Prefix sums of one chain problem and each stage's options over (first, end) segments.
 
@@ -76,12 +55,7 @@ class _Tables:
     def __init__(self, problem: ChainProblem, cap_divisor: int) -> None:
         self.problem = problem
         self.cap_divisor = cap_divisor
-        key = _arrays_key(problem)
-        if _LAST_ARRAYS and _LAST_ARRAYS[0][0] == key:
-            self.__dict__.update(_LAST_ARRAYS[0][1])
-            return
-        self._build(problem)
-        _LAST_ARRAYS[:] = [(key, {name: self.__dict__[name] for name in _ARRAY_NAMES})]
+        self._build(problem)  # a reference: no tables shared between problems
 
     def _build(self, problem: ChainProblem) -> None:
         k = problem.num_segments
