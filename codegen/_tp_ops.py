@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["tp_copy", "tp_gather", "tp_reduce"]
+__all__ = ["tp_copy", "tp_gather", "tp_reduce", "tp_reduce_scatter", "tp_seq_gather",
+           "tp_seq_gather_split", "tp_seq_scatter"]
 
 # The ops live in the graph as ``torch.ops.autopart.tp_copy`` / ``tp_reduce`` / ``tp_gather``:
 # a stage's source names them, ``torch.compile`` (``fuse=True``) treats them as opaque calls
@@ -155,3 +156,155 @@ def _tp_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 
 
 tp_gather.register_autograd(_tp_gather_backward, setup_context=_tp_gather_setup)
+
+
+# Megatron-LM's sequence parallelism (Korthikanti et al., 2022, "Reducing Activation
+# Recomputation in Large Transformer Models", section 4.2.2): between a row-parallel matmul and
+# the next column-parallel one (layer norms, dropouts, residual adds) every tp rank holds
+# 1/tp of the tokens. A token-split tensor is split along ``dim`` viewed as ``(outer, inner)``,
+# ``inner`` cut into tp contiguous parts, rank r holding part r of each ``outer`` row: for a
+# ``[b, s, h]`` activation ``dim = 1, outer = 1`` (the sequence), for the ``[b * s, h]`` rows of
+# GPT-2's ``Conv1D`` ``dim = 0, outer = b``, so both views of one activation split alike.
+
+
+def _token_parts(x: torch.Tensor, dim: int, outer: int, size: int) -> torch.Tensor:
+    """``x`` viewed with ``dim`` as ``(outer, size, inner / size)``."""
+    return x.unflatten(dim, (outer, size, x.shape[dim] // (outer * size)))
+
+
+def _seq_local(x: torch.Tensor, dim: int, outer: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's tokens of the whole ``x`` (a contiguous copy)."""
+    part = _token_parts(x, dim, outer, size).select(dim + 1, rank)
+    return part.clone(memory_format=torch.contiguous_format).flatten(dim, dim + 1)
+
+
+def _seq_all_gather(x: torch.Tensor, dim: int, outer: int, size: int,
+                    group_name: str) -> torch.Tensor:
+    """The whole tensor from every rank's tokens (all-gather)."""
+    src = x.contiguous()
+    flat = src.new_empty((size * src.shape[0], *src.shape[1:]))  # the ranks' parts, in order
+    before = _use_counts((src, flat))
+    torch.ops._c10d_functional.all_gather_into_tensor_out(src, size, group_name, out=flat)
+    torch.ops._c10d_functional.wait_tensor(flat)
+    _await_release((src, flat), before)
+    parts = flat.unflatten(0, (size, src.shape[0]))
+    # parts: [size, ..., outer * inner/size, ...] -> [..., outer, size, inner/size, ...]
+    local = parts.unflatten(dim + 1, (outer, -1)).movedim(0, dim + 1)
+    return local.flatten(dim, dim + 2)
+
+
+def _seq_reduce_scatter(x: torch.Tensor, dim: int, outer: int, size: int,
+                        group_name: str) -> torch.Tensor:
+    """The sum over the tp ranks of ``x``, this rank's tokens of it (reduce-scatter)."""
+    shape = list(x.shape)
+    shape[dim] //= size
+    src = _token_parts(x, dim, outer, size).movedim(dim + 1, 0).contiguous()
+    before = _use_counts((src,))
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(src, "sum", size, group_name)
+    out = torch.ops._c10d_functional.wait_tensor(out)
+    _await_release((src,), before)
+    return out.reshape(shape)
+
+
+def _seq_fake(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = int(shape[dim] * factor)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("autopart::tp_reduce_scatter", mutates_args=())
+def tp_reduce_scatter(x: torch.Tensor, dim: int, outer: int, size: int,
+                      group_name: str) -> torch.Tensor:
+    """Sequence parallelism's "g": reduce-scatter (sum) forward, keeping this rank's tokens;
+    all-gather of the tokens' gradients backward. Replaces the all-reduce after a
+    row-parallel matmul or a vocab-parallel embedding."""
+    return _seq_reduce_scatter(x, dim, outer, size, group_name)
+
+
+@tp_reduce_scatter.register_fake
+def _tp_reduce_scatter_fake(x: torch.Tensor, dim: int, outer: int, size: int,
+                            group_name: str) -> torch.Tensor:
+    return _seq_fake(x, dim, 1 / size)
+
+
+def _seq_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    _, ctx.dim, ctx.outer, *rest = inputs
+    ctx.rank, ctx.size, ctx.group_name = (rest if len(rest) == 3 else (None, *rest))
+
+
+def _tp_reduce_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    return (_seq_all_gather(grad, ctx.dim, ctx.outer, ctx.size, ctx.group_name),
+            None, None, None, None)
+
+
+tp_reduce_scatter.register_autograd(_tp_reduce_scatter_backward, setup_context=_seq_setup)
+
+
+@torch.library.custom_op("autopart::tp_seq_gather", mutates_args=())
+def tp_seq_gather(x: torch.Tensor, dim: int, outer: int, rank: int, size: int,
+                  group_name: str) -> torch.Tensor:
+    """All-gather of the tokens forward, for work every tp rank then runs whole (replicated,
+    so each holds the same gradient of the result); backward keeps this rank's tokens of
+    that gradient. Where a token-split tensor meets an op that is not token-wise, or leaves
+    the stage."""
+    return _seq_all_gather(x, dim, outer, size, group_name)
+
+
+@tp_seq_gather.register_fake
+def _tp_seq_gather_fake(x: torch.Tensor, dim: int, outer: int, rank: int, size: int,
+                        group_name: str) -> torch.Tensor:
+    return _seq_fake(x, dim, size)
+
+
+def _tp_seq_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    return (_seq_local(grad, ctx.dim, ctx.outer, ctx.rank, ctx.size),
+            None, None, None, None, None)
+
+
+tp_seq_gather.register_autograd(_tp_seq_gather_backward, setup_context=_seq_setup)
+
+
+@torch.library.custom_op("autopart::tp_seq_gather_split", mutates_args=())
+def tp_seq_gather_split(x: torch.Tensor, dim: int, outer: int, size: int,
+                        group_name: str) -> torch.Tensor:
+    """Sequence parallelism's "f": all-gather of the tokens forward, into a column-parallel
+    matmul (or other split work, whose gradients differ per rank); reduce-scatter of the
+    gradient backward (Megatron's ``gather_from_sequence_parallel_region``)."""
+    return _seq_all_gather(x, dim, outer, size, group_name)
+
+
+@tp_seq_gather_split.register_fake
+def _tp_seq_gather_split_fake(x: torch.Tensor, dim: int, outer: int, size: int,
+                              group_name: str) -> torch.Tensor:
+    return _seq_fake(x, dim, size)
+
+
+def _tp_seq_gather_split_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    return (_seq_reduce_scatter(grad, ctx.dim, ctx.outer, ctx.size, ctx.group_name),
+            None, None, None, None)
+
+
+tp_seq_gather_split.register_autograd(_tp_seq_gather_split_backward, setup_context=_seq_setup)
+
+
+@torch.library.custom_op("autopart::tp_seq_scatter", mutates_args=())
+def tp_seq_scatter(x: torch.Tensor, dim: int, outer: int, rank: int, size: int,
+                   group_name: str) -> torch.Tensor:
+    """This rank's tokens of a whole (replicated) tensor forward; all-gather of the tokens'
+    gradients backward, so the whole tensor's gradient is the same on every rank. Where a
+    whole tensor (a stage input, a position embedding) meets token-split work."""
+    return _seq_local(x, dim, outer, rank, size)
+
+
+@tp_seq_scatter.register_fake
+def _tp_seq_scatter_fake(x: torch.Tensor, dim: int, outer: int, rank: int, size: int,
+                         group_name: str) -> torch.Tensor:
+    return _seq_fake(x, dim, 1 / size)
+
+
+def _tp_seq_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    return (_seq_all_gather(grad, ctx.dim, ctx.outer, ctx.size, ctx.group_name),
+            None, None, None, None, None)
+
+
+tp_seq_scatter.register_autograd(_tp_seq_scatter_backward, setup_context=_seq_setup)

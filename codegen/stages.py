@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 from autopart.codegen.params import Placement, build_stage_modules
+from autopart.codegen.sequence_parallel import sequence_parallel
 from autopart.codegen.split import split_graph
 from autopart.codegen.tensor_parallel import shard_stage
 from autopart.codegen.tp_layout import ShardLayout, TensorParallelRank
@@ -239,6 +240,8 @@ def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModu
     shards: dict[str, ShardLayout] = {}
     for s in local:
         shards.update(shard_stage(modules[s], styles, tp, made=made))  # type: ignore[arg-type]
+        if plan.sequence_parallel:
+            sequence_parallel(modules[s], tp)  # type: ignore[arg-type]
     for key, value in placement.tensors.items():
         if id(value) in made:
             placement.tensors[key] = made[id(value)]

@@ -91,6 +91,11 @@ class Plan:
             final. The memory model charges the gathered layers. False (the default, and
             what plans written before it load as): one unit per stage. Only with dp > 1,
             zero_stage 1-3 and a schedule whose backwards do not split (``I``/``W``).
+        sequence_parallel: tp runs Megatron-LM's sequence parallelism: the all-reduce after
+            each row-parallel matmul is a reduce-scatter over the tokens and the layer norms,
+            dropouts and residual adds between tp pairs run on 1/tp of the tokens
+            (``autopart/codegen/sequence_parallel.py``). False (the default, and what plans
+            written before it load as): those run whole on every tp GPU. Only with tp > 1.
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
@@ -119,6 +124,7 @@ class Plan:
     model_flops: int = 0
     overlap_grad_reduce: bool = False
     zero_layer_units: bool = False
+    sequence_parallel: bool = False
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -234,6 +240,9 @@ def check_plan_invariants(plan: Plan) -> None:
                   f"schedule_kind={plan.schedule_kind!r}: per-layer FSDP units are for ZeRO 1-3 "
                   "over dp >= 2 replicas on a schedule whose backwards do not split; set it "
                   "False")
+    if plan.sequence_parallel and plan.tp < 2:
+        raise bad(f"sequence_parallel=True with tp={plan.tp}: sequence parallelism splits the "
+                  "tokens over a tp group of 2 or more GPUs; set it False")
     for name in ("graph_fingerprint", "cluster_fingerprint", "cost_source"):
         if not getattr(plan, name).strip():
             raise bad(f"{name} is empty; a plan names what it was made for: {FIX}")

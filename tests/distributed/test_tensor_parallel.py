@@ -24,8 +24,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2xpp2"])
-def test_loss_every_gradient_state_and_norm_match_the_plain_model(world: int) -> None:
+@pytest.mark.parametrize(("world", "sequence_parallel"), [(2, False), (4, False), (2, True),
+                                                         (4, True)],
+                         ids=["tp2", "tp2xpp2", "tp2-sp", "tp2xpp2-sp"])
+def test_loss_every_gradient_state_and_norm_match_the_plain_model(
+        world: int, sequence_parallel: bool) -> None:
     # one spawn runs the three models; each rank writes the checks it saw fail
     with tempfile.TemporaryDirectory() as out:
         script = textwrap.dedent(f"""
@@ -34,8 +37,8 @@ def test_loss_every_gradient_state_and_norm_match_the_plain_model(world: int) ->
             import torch.multiprocessing as mp
             from tests.distributed.tp_worker import tp_numerics
             if __name__ == "__main__":
-                mp.spawn(tp_numerics, args=({world}, {_free_port()}, {out!r}), nprocs={world},
-                         join=True)
+                mp.spawn(tp_numerics, nprocs={world}, join=True,
+                         args=({world}, {_free_port()}, {out!r}, {sequence_parallel}))
         """)
         proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                               text=True, timeout=400)

@@ -78,10 +78,11 @@ def styles(name: str) -> dict[str, str]:
     return out
 
 
-def tp_plan(name: str, captured: Any, pp: int, m: int, batch: int) -> Any:
+def tp_plan(name: str, captured: Any, pp: int, m: int, batch: int,
+            sequence_parallel: bool = False) -> Any:
     """A hand-made plan: ``pp`` stages cut before the second layer, tp = 2, sharding what
     ``find_tensor_parallel`` finds in the model's analytical profile (for BERT, its
-    sibling-module pairs)."""
+    sibling-module pairs), with Megatron's sequence parallelism where asked."""
     from autopart.core.capture import node_module_path, op_nodes
     from autopart.core.cluster import PRESETS
     from autopart.core.plan import ShardedParameter
@@ -96,7 +97,8 @@ def tp_plan(name: str, captured: Any, pp: int, m: int, batch: int) -> Any:
                           if node_module_path(n).startswith(SECOND_LAYER[name]))]
     plan = manual_plan(captured, positions, m, batch, schedule_kind="1f1b")
     found = find_tensor_parallel(profile_analytical(captured, None, PRESETS["a100-80gb"]))
-    return dataclasses.replace(plan, tp=2, sharded_parameters=tuple(
+    return dataclasses.replace(plan, tp=2, sequence_parallel=sequence_parallel,
+                               sharded_parameters=tuple(
         ShardedParameter(k, v) for k, v in sorted(found.params.items())))
 
 
@@ -107,10 +109,12 @@ def _close(problems: list[str], what: str, got: torch.Tensor, want: torch.Tensor
         problems.append(f"{what}: {str(exc).splitlines()[0]}")
 
 
-def tp_numerics(rank: int, world: int, port: int, result_dir: str) -> None:
-    """tp = 2 (adjacent ranks) x pp = world / 2 on the three models: loss, every gradient
-    (gathered to full), the full state_dict, load_state_dict and the gradient norm against
-    the plain model; write this rank's problems to ``result_dir/<rank>.json``."""
+def tp_numerics(rank: int, world: int, port: int, result_dir: str,
+                sequence_parallel: bool = False) -> None:
+    """tp = 2 (adjacent ranks) x pp = world / 2 on the three models, with or without
+    sequence parallelism: loss, every gradient (gathered to full), the full state_dict,
+    load_state_dict and the gradient norm against the plain model; write this rank's
+    problems to ``result_dir/<rank>.json``."""
     sys.path.insert(0, os.getcwd())
     from autopart.codegen import TensorParallelRank, build_stages
     from autopart.core.capture import capture
@@ -132,15 +136,16 @@ def tp_numerics(rank: int, world: int, port: int, result_dir: str) -> None:
         reference = copy.deepcopy(model)
         m = 2
         captured = capture(model, tuple(a[: a.shape[0] // m] for a in args))
-        plan = tp_plan(name, captured, pp, m, args[0].shape[0])
+        plan = tp_plan(name, captured, pp, m, args[0].shape[0], sequence_parallel)
         pp_rank = dist.get_rank(pp_group)
         stages = build_stages(captured, plan, ["cpu"] * pp, ranks={pp_rank},
                               tp=TensorParallelRank.of_group(tp_group))
         pipe = DistributedPipeline(model, stages, InputSignature.of(captured),
                                    torch.device("cpu"), loss_fn=loss_fn, pp_group=pp_group,
                                    tp_group=tp_group)
-        if not any("autopart.tp_reduce" in src for src in pipe.stage_sources().values()):
-            problems.append(f"{name}: no tp_reduce in rank {rank}'s stage source")
+        collective = "autopart.tp_reduce_scatter" if sequence_parallel else "autopart.tp_reduce"
+        if not any(collective in src for src in pipe.stage_sources().values()):
+            problems.append(f"{name}: no {collective} in rank {rank}'s stage source")
         loss = pipe.train_step(*args, target=target)
         ref_loss = loss_fn(reference(*args), target)
         ref_loss.backward()
