@@ -148,6 +148,10 @@ class CompileOptions:
             of a stage as its own FSDP unit (default True; not with ``fuse=True``, whose
             compiled stage is one unit), so a stage is never gathered whole; False: one
             unit per stage. The plan records it (``Plan.zero_layer_units``).
+        sequence_parallel: distributed, layout search only: tp > 1 plans run Megatron-LM's
+            sequence parallelism (layer norms, dropouts and residual adds between tp pairs
+            on 1/tp of the tokens; ``autopart/codegen/sequence_parallel.py``), priced so.
+            Default False. The plan records it (``Plan.sequence_parallel``).
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -173,6 +177,7 @@ class CompileOptions:
     layout_search: bool | None = None
     overlap_grad_reduce: bool = True
     zero_layer_units: bool = True
+    sequence_parallel: bool = False
     issue_threads: int | None = 1
     cuda_graphs: bool = False
 

@@ -133,7 +133,7 @@ def _token_layout(node: fx.Node, size: int) -> tuple[int, int] | None:
     return None
 
 
-def sequence_parallel(gm: fx.GraphModule, tp: TensorParallelRank) -> int:
+def sequence_parallel(gm: fx.GraphModule, tp: TensorParallelRank) -> frozenset[str]:
     """Rewrite ``gm`` (a stage :func:`~autopart.codegen.tensor_parallel.shard_stage` split
     over tp) in place with sequence parallelism.
 
@@ -142,13 +142,13 @@ def sequence_parallel(gm: fx.GraphModule, tp: TensorParallelRank) -> int:
         tp: this process's tp rank, degree and group name.
 
     Returns:
-        The number of all-reduces turned into reduce-scatters (0: nothing changed, e.g. a
-        stage without row-parallel matmuls or with tokens tp does not divide).
+        The names of the nodes that now run on this rank's tokens (the reduce-scatters
+        among them); empty when nothing changed (no row-parallel matmul or vocab-parallel
+        embedding in the stage, or tokens that tp does not divide).
     """
     if tp.size == 1:
-        return 0
+        return frozenset()
     st = _Pass(gm, tp)
-    scattered = 0
     for node in list(st.graph.nodes):
         if node.op == "output":
             for a in node.all_input_nodes:
@@ -161,7 +161,6 @@ def sequence_parallel(gm: fx.GraphModule, tp: TensorParallelRank) -> int:
             where = _token_layout(node, tp.size)
             if where is not None:
                 _reduce_scatter(st, node, *where)
-                scattered += 1
             continue
         inputs = [a for a in node.all_input_nodes if a in st.tokens]
         if not inputs:
@@ -179,7 +178,7 @@ def sequence_parallel(gm: fx.GraphModule, tp: TensorParallelRank) -> int:
                 node.replace_input_with(a, st.gather(a, node))
     st.graph.lint()
     gm.recompile()
-    return scattered
+    return frozenset(n.name for n in st.tokens)
 
 
 def _reduce_scatter(st: _Pass, node: fx.Node, dim: int, outer: int) -> None:

@@ -54,6 +54,11 @@ class LayoutOptions:
             so. ZeRO-1's units hold what its whole-stage unit holds and only overlap better,
             so a runtime whose collectives share the ranks' compute (CPU ranks) keeps one
             unit per stage at ZeRO-1. False: one unit per stage everywhere.
+        sequence_parallel: tp > 1 layouts run Megatron-LM's sequence parallelism (the
+            token-wise work between tp pairs on 1/tp of the tokens, reduce-scatters and
+            all-gathers in place of tp's all-reduces), priced so
+            (:func:`autopart.solver.tensor_parallel.shard_costs`) and recorded in the plan
+            (``Plan.sequence_parallel``). Default False: those run whole on every tp GPU.
     """
 
     num_gpus: int
@@ -70,6 +75,7 @@ class LayoutOptions:
     microbatch_sizes: tuple[int, ...] | None = None
     overlap_grad_reduce: bool = True
     zero_layer_units: bool = True
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:

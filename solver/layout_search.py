@@ -205,14 +205,16 @@ def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOption
              runtime: RuntimeDescription,
              cache: dict[int, CostGraph] | None = None) -> CostGraph:
     """One GPU's share at tp (memoised in ``cache``, one entry per tp, for one request), its
-    collectives paying ``runtime``'s fixed cost per collective."""
+    collectives paying ``runtime``'s fixed cost per collective, with sequence parallelism
+    where ``layout`` asks for it."""
     if cache is not None and tp in cache:
         return cache[tp]
     bw, lat = layout.topology.link(tp)
     out = shard_costs(costs, tp, bandwidth_bytes_per_s=bw, latency_us=lat,
                       op_overhead_us=device.op_overhead_us,
                       collective_overhead=runtime.collective_overhead_at,
-                      copy_bytes_per_s=runtime.copy_bytes_per_s)
+                      copy_bytes_per_s=runtime.copy_bytes_per_s,
+                      sequence_parallel=layout.sequence_parallel)
     if cache is not None:
         cache[tp] = out
     return out
@@ -320,6 +322,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
         baselines=baselines, pareto=pareto, sharded_parameters=sharded_params,
         overlap_grad_reduce=overlap, zero_layer_units=units,
+        sequence_parallel=layout.sequence_parallel and tp > 1,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
         if step > 0 else plan.bubble_fraction,

@@ -29,10 +29,10 @@ from typing import Any
 
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError
-from autopart.solver.collectives import all_gather_us, all_reduce_us
+from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
 
 __all__ = ["TensorParallelSplit", "SHARD_STYLES", "find_tensor_parallel", "inside_pairs",
-           "shard_costs"]
+           "sequence_parallel_nodes", "shard_costs"]
 
 #: How a parameter is split over tp: by output feature, by input feature, or by vocabulary row.
 SHARD_STYLES = ("column", "row", "vocab")
@@ -42,6 +42,16 @@ _MATMUL_OPS = frozenset({
     "aten.linear.default", "aten.matmul.default", "aten.einsum.default"})
 _EMBEDDING_OPS = frozenset({"aten.embedding.default"})
 _RESIDUAL_OPS = frozenset({"aten.add.Tensor", "aten.sub.Tensor"})
+#: Ops that sequence parallelism runs on 1/tp of the tokens when they read a token-split
+#: tensor: what ``autopart/codegen/sequence_parallel.py`` splits (pointwise ops, norms over
+#: the features, dropouts, casts, views, reductions over the features).
+_TOKEN_WISE_OPS = frozenset(
+    {f"aten.{op}.{v}" for op in ("add", "sub", "mul", "div") for v in ("Tensor", "Scalar")}
+    | {f"aten.{op}.default" for op in (
+        "rsqrt", "sqrt", "neg", "gelu", "silu", "tanh", "sigmoid", "relu", "erf", "exp",
+        "layer_norm", "native_layer_norm", "dropout", "native_dropout", "clone",
+        "contiguous", "alias", "detach", "_to_copy", "reshape", "view", "_unsafe_view")}
+    | {"aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.sum.dim_IntList"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,12 +230,12 @@ def _needs_grad(costs: CostGraph) -> list[bool]:
     return out
 
 
-def _copy_all_reduces(costs: CostGraph, split: TensorParallelSplit) -> dict[int, int]:
-    """Node position -> bytes all-reduced in its input-gradient backward: Megatron's "f"
-    (``autopart::tp_copy``), once per distinct replicated value that enters split work and
-    needs a gradient: the inputs of the column nodes (q/k/v share one, as do Llama's
-    gate/up), of a vocab-parallel head, and the floating operands from outside a pair that
-    the nodes between read (rotary tables). Charged to the first node reading it."""
+def _copy_all_reduces(costs: CostGraph, split: TensorParallelSplit) -> dict[int, list[int]]:
+    """Node position -> positions of the values all-reduced in its input-gradient backward:
+    Megatron's "f" (``autopart::tp_copy``), once per distinct replicated value that enters
+    split work and needs a gradient: the inputs of the column nodes (q/k/v share one, as do
+    Llama's gate/up), of a vocab-parallel head, and the floating operands from outside a
+    pair that the nodes between read (rotary tables). Charged to the first node reading it."""
     nodes = costs.nodes
     index = {nd.name: i for i, nd in enumerate(nodes)}
     grad = _needs_grad(costs)
@@ -239,9 +249,9 @@ def _copy_all_reduces(costs: CostGraph, split: TensorParallelSplit) -> dict[int,
             if j is None or j in inside or not grad[j]:
                 continue  # a graph input (no gradient), or a split value of the pair
             readers.setdefault(j, i)
-    out: dict[int, int] = {}
+    out: dict[int, list[int]] = {}
     for j, i in readers.items():
-        out[i] = out.get(i, 0) + nodes[j].output_bytes
+        out.setdefault(i, []).append(j)
     return out
 
 
@@ -270,10 +280,85 @@ def inside_pairs(split: TensorParallelSplit) -> frozenset[int]:
     return frozenset(k for cols, row in split.pairs for k in range(min(cols) + 1, row + 1))
 
 
+def sequence_parallel_nodes(costs: CostGraph, split: TensorParallelSplit) -> frozenset[int]:
+    """The nodes sequence parallelism runs on 1/tp of the tokens (positions in
+    ``costs.nodes``): from each all-reduced node (row nodes, vocab-parallel embeddings),
+    every replicated token-wise op (:data:`_TOKEN_WISE_OPS`) reached through token-wise ops.
+    The codegen pass also checks the operands' shapes and falls back to whole work where they
+    do not fit; this reading of the graph assumes they do."""
+    nodes = costs.nodes
+    index = {nd.name: i for i, nd in enumerate(nodes)}
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, nd in enumerate(nodes):
+        for inp in nd.inputs:
+            if inp in index:
+                users[index[inp]].append(i)
+    sharded = split.sharded_nodes
+    rows = {r for _, r in split.pairs}
+    todo = [i for i in sharded
+            if i in rows or (i in split.vocab and nodes[i].op in _EMBEDDING_OPS)]
+    out: set[int] = set()
+    while todo:
+        i = todo.pop()
+        for u in users[i]:
+            if u not in out and u not in sharded and nodes[u].op in _TOKEN_WISE_OPS:
+                out.add(u)
+                todo.append(u)
+    return frozenset(out)
+
+
+def _sequence_parallel_ops(costs: CostGraph, split: TensorParallelSplit, tp: int,
+                           sp: frozenset[int],
+                           tokens: frozenset[int], f_sources: dict[int, list[int]],
+                           fwd_ops: list[list[tuple[str, float]]],
+                           bwd_ops: list[list[tuple[str, float]]]) -> None:
+    """Sequence parallelism's other collectives, as ``codegen/sequence_parallel.py`` inserts
+    them (added to ``fwd_ops`` / ``bwd_ops`` in place): a token-wise node's replicated
+    parameters (a norm's weight, a bias) through "f" (their gradient all-reduced in the
+    backward, once per parameter); a whole value it reads that needs a gradient (a position
+    embedding, the residual stream from before the first reduce-scatter) sliced to the
+    tokens (its gradient all-gathered); a token-split value read by other work than tp's
+    own (BERT's prediction-head transform) gathered whole (an all-gather forward, a copy of
+    the tokens' gradient backward). Not priced: the gather of a token-split stage output and
+    the slicing of the next stage's input (the cuts are not known here)."""
+    nodes = costs.nodes
+    index = {nd.name: i for i, nd in enumerate(nodes)}
+    grad = _needs_grad(costs)
+    readers_of_f = {j for sources in f_sources.values() for j in sources}
+    seen_params: set[str] = set()
+    seen_whole: set[int] = set()
+    seen_gather: set[int] = set()
+    for i in sorted(sp):
+        nd = nodes[i]
+        own = [p for p in nd.params if p in costs.trainable and p not in split.params
+               and p not in seen_params]
+        seen_params.update(own)
+        if own:
+            nb = sum(costs.param_sizes.get(p, 0) for p in own)
+            fwd_ops[i].append(("copy", nb))
+            bwd_ops[i].append(("ar", nb))
+        for x in nd.inputs:
+            j = index.get(x)
+            if j is None or j in tokens or j in seen_whole or not grad[j]:
+                continue
+            seen_whole.add(j)
+            bwd_ops[i].append(("ag", nodes[j].output_bytes))
+    for i, nd in enumerate(nodes):
+        if i in sp or i in split.sharded_nodes:
+            continue
+        for x in nd.inputs:
+            j = index.get(x)
+            if j is None or j not in tokens or j in readers_of_f or j in seen_gather:
+                continue
+            seen_gather.add(j)
+            fwd_ops[i].append(("ag", nodes[j].output_bytes))
+            bwd_ops[i].append(("copy", nodes[j].output_bytes / tp))
+
+
 def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, latency_us: float,
                 op_overhead_us: float, split: TensorParallelSplit | None = None,
                 collective_overhead: Callable[[float], float] | None = None,
-                copy_bytes_per_s: float = 0.0) -> CostGraph:
+                copy_bytes_per_s: float = 0.0, sequence_parallel: bool = False) -> CostGraph:
     """One tp GPU's share of ``costs``: the cost graph each GPU of a tp group runs.
 
     Split nodes (:attr:`TensorParallelSplit.sharded_nodes`): FLOPs, bytes accessed and the
@@ -349,13 +434,44 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     for p in split.params:
         shrink[first[p]] += costs.param_sizes[p] - sizes[p]
 
-    bwd_extra = _copy_all_reduces(costs, split)
+    f_sources = _copy_all_reduces(costs, split)
     heads = {i for i in split.vocab if nodes[i].op not in _EMBEDDING_OPS}
     fwd_reduce = {i for i in split.sharded_nodes
                   if i in rows or (i in split.vocab and nodes[i].op in _EMBEDDING_OPS)}
+    sp = sequence_parallel_nodes(costs, split) if sequence_parallel else frozenset()
+    tokens = sp | (fwd_reduce if sequence_parallel else frozenset())  # token-split values
+    divided = split.sharded_nodes | sp
+
+    # the collectives (and the tp ops' copies) each node waits for: (what, bytes)
+    fwd_ops: list[list[tuple[str, float]]] = [[] for _ in nodes]
+    bwd_ops: list[list[tuple[str, float]]] = [[] for _ in nodes]
+    for i in fwd_reduce:
+        if sequence_parallel:  # reduce-scatter over the tokens; backward all-gathers
+            fwd_ops[i].append(("rs", nodes[i].output_bytes))
+            bwd_ops[i].append(("ag", nodes[i].output_bytes))
+        else:
+            fwd_ops[i].append(("ar", nodes[i].output_bytes))
+    for i in heads & split.sharded_nodes:
+        # every GPU gathers the whole logits (its output stays whole) for the loss; its
+        # backward copies out this GPU's slice of their gradient
+        fwd_ops[i].append(("ag", nodes[i].output_bytes))
+        bwd_ops[i].append(("copy", nodes[i].output_bytes / tp))
+    for i, sources in f_sources.items():
+        # "f": a clone forward, an all-reduce backward (one per reading node, as priced since
+        # tp landed); of a token-split value: an all-gather forward, a reduce-scatter back
+        whole = sum(nodes[j].output_bytes for j in sources if j not in tokens)
+        if whole:
+            fwd_ops[i].append(("copy", whole))
+            bwd_ops[i].append(("ar", whole))
+        for j in sources:
+            if j in tokens:
+                fwd_ops[i].append(("ag", nodes[j].output_bytes))
+                bwd_ops[i].append(("rs", nodes[j].output_bytes))
+    if sequence_parallel:
+        _sequence_parallel_ops(costs, split, tp, sp, tokens, f_sources, fwd_ops, bwd_ops)
 
     def split_times(i: int, trip: tuple[float, float, float]) -> tuple[float, float, float]:
-        if i not in split.sharded_nodes:
+        if i not in divided:
             return trip
         return (_split_time(trip[0], tp, op_overhead_us), _split_time(trip[1], tp, op_overhead_us),
                 _split_time(trip[2], tp, op_overhead_us))
@@ -364,70 +480,61 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
              for i, nd in enumerate(nodes)]
     low_times = tuple(split_times(i, trip) for i, trip in enumerate(costs.low_times))
     # one GPU's work between two collectives, at the profiled batch and at the low one
-    count = len(fwd_reduce) + len(heads & split.sharded_nodes) + len(bwd_extra)
+    count = sum(1 for ops in fwd_ops + bwd_ops for what, _ in ops if what != "copy")
     work = sum(map(sum, times)) / max(count, 1)
     low_work = sum(map(sum, low_times)) / max(count, 1)
     fixed = collective_overhead(work) if collective_overhead else 0.0
     low_fixed = collective_overhead(low_work) if collective_overhead else 0.0
     low_ratio = costs.low_batch_size / costs.batch_size
+    rings = {"ar": all_reduce_us, "rs": reduce_scatter_us, "ag": all_gather_us}
 
-    def copy(nbytes: float, low: bool = False) -> float:
-        if copy_bytes_per_s <= 0:
-            return 0.0
-        return nbytes * (low_ratio if low else 1.0) / copy_bytes_per_s * 1e6
-
-    def ar(nbytes: float, low: bool = False) -> float:  # the op clones what it all-reduces
+    def price(ops: list[tuple[str, float]], low: bool = False) -> float:
+        """µs of ``ops``; each collective also clones (all-reduce), packs (reduce-scatter)
+        or concatenates (all-gather) its tensor: a copy of its bytes."""
         ratio, extra = (low_ratio, low_fixed) if low else (1.0, fixed)
-        return (all_reduce_us(nbytes * ratio, tp, bandwidth_bytes_per_s, latency_us) + extra
-                + copy(nbytes, low))
-
-    def gather(nbytes: float, low: bool = False) -> float:  # and concatenates the parts
-        ratio, extra = (low_ratio, low_fixed) if low else (1.0, fixed)
-        return (all_gather_us(nbytes * ratio, tp, bandwidth_bytes_per_s, latency_us) + extra
-                + copy(nbytes, low))
+        total = 0.0
+        for what, nbytes in ops:
+            nb = nbytes * ratio
+            copied = nb / copy_bytes_per_s * 1e6 if copy_bytes_per_s > 0 else 0.0
+            if what != "copy":
+                total += rings[what](nb, tp, bandwidth_bytes_per_s, latency_us) + extra
+            total += copied
+        return total
 
     out: list[NodeCost] = []
     low_out = list(low_times)
     for i, nd in enumerate(nodes):
         changes: dict[str, Any] = {"param_bytes": nd.param_bytes - shrink[i]}
-        low_fwd, low_bwd = 0.0, 0.0
-        if i in split.sharded_nodes:
+        if i in divided:
             fwd, bwd_in, bwd_w = times[i]
             changes.update(fwd_us=fwd, bwd_input_us=bwd_in, bwd_weight_us=bwd_w,
                            flops=nd.flops // tp, bytes_accessed=nd.bytes_accessed // tp)
             if i not in heads:  # a head's backward starts from the whole logits' gradient
                 changes["backward_peak_bytes"] = nd.backward_peak_bytes // tp
-            if i in cols or i in split.between:
+            if i in cols or i in split.between or i in tokens:
                 changes.update(output_bytes=nd.output_bytes // tp,
                                strided_output_bytes=nd.strided_output_bytes // tp)
-            if i in split.between or i in rows:
+            if i in split.between or i in rows or i in sp:
                 # the loss (on the last node) runs whole on every tp GPU: its saved set stays
                 loss = costs.loss_saved_bytes if i == len(nodes) - 1 else 0
                 changes.update(saved_bytes=(nd.saved_bytes - loss) // tp + loss,
                                transient_bytes=nd.transient_bytes // tp)
                 if nd.saved_from is not None:
                     changes["saved_from"] = tuple((d, b // tp) for d, b in nd.saved_from)
-            if i in fwd_reduce:
-                changes["fwd_us"] += ar(nd.output_bytes)
-                low_fwd = ar(nd.output_bytes, low=True)
-            elif i in heads:
-                # every GPU gathers the whole logits (its output stays whole) for the loss;
-                # its backward copies out this GPU's slice of their gradient
-                changes["fwd_us"] += gather(nd.output_bytes)
-                low_fwd = gather(nd.output_bytes, low=True)
-                changes["bwd_input_us"] += copy(nd.output_bytes / tp)
-                low_bwd = copy(nd.output_bytes / tp, low=True)
-                if costs.nodes[i].transient_bytes:  # training
-                    changes["transient_bytes"] = _gather_working_set(nd, tp)
-        if i in bwd_extra:  # "f": a clone of the input in forward, an all-reduce backward
-            changes["fwd_us"] = changes.get("fwd_us", nd.fwd_us) + copy(bwd_extra[i])
-            low_fwd += copy(bwd_extra[i], low=True)
-            changes["bwd_input_us"] = changes.get("bwd_input_us", nd.bwd_input_us) \
-                + ar(bwd_extra[i])
-            low_bwd += ar(bwd_extra[i], low=True)
-        if low_out and (low_fwd or low_bwd):
-            f, b_in, b_w = low_out[i]
-            low_out[i] = (f + low_fwd, b_in + low_bwd, b_w)
+            if i in heads and costs.nodes[i].transient_bytes:  # training
+                changes["transient_bytes"] = _gather_working_set(nd, tp)
+        if fwd_ops[i] or bwd_ops[i]:
+            fwd, bwd_in = changes.get("fwd_us", nd.fwd_us), changes.get("bwd_input_us",
+                                                                         nd.bwd_input_us)
+            low_fwd = low_bwd = 0.0
+            for op in fwd_ops[i]:  # one at a time: the same sums as before sequence parallelism
+                fwd, low_fwd = fwd + price([op]), low_fwd + price([op], True)
+            for op in bwd_ops[i]:
+                bwd_in, low_bwd = bwd_in + price([op]), low_bwd + price([op], True)
+            changes.update(fwd_us=fwd, bwd_input_us=bwd_in)
+            if low_out:
+                f, b_in, b_w = low_out[i]
+                low_out[i] = (f + low_fwd, b_in + low_bwd, b_w)
         out.append(replace(nd, **changes))
     low_times = tuple(low_out)
     return replace(costs, nodes=tuple(out), param_sizes=sizes, param_numel=numel,

@@ -97,7 +97,8 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
 
 def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int | None,
               dp: int | None, zero_stage: int | None, heads: int | None,
-              overlap_grad_reduce: bool = True, zero_layer_units: bool = True) -> Any:
+              overlap_grad_reduce: bool = True, zero_layer_units: bool = True,
+              sequence_parallel: bool = False) -> Any:
     """The (tp, pp, dp, ZeRO) search over the cluster's GPUs, hosts as the preset ships them."""
     from autopart.core.topology import topology_for_device
     from autopart.solver.layout_search import LayoutOptions, solve_layout
@@ -108,7 +109,8 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
     layout = LayoutOptions(num_gpus=cluster.num_ranks, topology=topology, tp=tp, pp=pp, dp=dp,
                            zero_stage=zero_stage, num_heads=heads,
                            overlap_grad_reduce=overlap_grad_reduce,
-                           zero_layer_units=zero_layer_units)
+                           zero_layer_units=zero_layer_units,
+                           sequence_parallel=sequence_parallel)
     return solve_layout(costs, spec, options, layout)
 
 
@@ -172,6 +174,10 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
              True, "--zero-layer-units/--no-zero-layer-units",
              help="ZeRO 1-3 shard and gather each layer as its own FSDP unit (default), or "
                   "each stage whole (3D)"),
+         sequence_parallel: bool = typer.Option(
+             False, "--sequence-parallel/--no-sequence-parallel",
+             help="tp > 1: Megatron's sequence parallelism, the layer norms, dropouts and "
+                  "residual adds between tp pairs on 1/tp of the tokens (3D)"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.
 
@@ -207,7 +213,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                 result = _solve_3d(costs, the_cluster, options, tp=tp, pp=pp, dp=dp,
                                    zero_stage=zero_stage, heads=heads,
                                    overlap_grad_reduce=overlap_grad_reduce,
-                                   zero_layer_units=zero_layer_units)
+                                   zero_layer_units=zero_layer_units,
+                                   sequence_parallel=sequence_parallel)
             else:
                 result = solve(costs, the_cluster, options)
         result.save(out)

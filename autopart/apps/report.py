@@ -88,6 +88,9 @@ def layout_table(plan: Plan) -> Table:
             ("dp gradient reduction", "none" if plan.dp == 1 else
              "overlapped with the last backward" if plan.overlap_grad_reduce
              else "after the schedule"),
+            ("sequence parallel", "none" if plan.tp == 1 else
+             "norms and residuals on 1/tp of the tokens" if plan.sequence_parallel
+             else "off (tokens whole between tp pairs)"),
             ("ZeRO gathers", "none" if plan.zero_stage == 0 or plan.dp == 1 else
              "one layer at a time" if plan.zero_layer_units
              else "whole parameters" if plan.zero_stage == 1 else "one stage at a time"),

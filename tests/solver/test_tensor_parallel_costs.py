@@ -8,7 +8,11 @@ import pytest
 
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError
-from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
+from autopart.solver.tensor_parallel import (
+    find_tensor_parallel,
+    sequence_parallel_nodes,
+    shard_costs,
+)
 
 MM = "aten.addmm.default"
 
@@ -93,6 +97,33 @@ def test_shard_costs_hand_worked() -> None:
                                "blk.attn.proj.w": 100, "blk.attn.proj.b": 40, "head.w": 200}
     assert [nd.param_bytes for nd in tp4.nodes] == [40, 310, 0, 140, 0, 200]
     assert tp4.param_numel["blk.attn.qkv.w"] == 150
+
+
+def test_sequence_parallel_hand_worked() -> None:
+    """Megatron's sequence parallelism on the same block at tp 4: the row's all-reduce is a
+    reduce-scatter (forward) and an all-gather (backward) of the same 4000 bytes, 6 µs each
+    (3/4 * 4000 / 1e9 s + 3 steps); the residual add after it runs on 1/4 of the tokens; the
+    head's "f" of that token-split value is an all-gather forward, a reduce-scatter back."""
+    costs = _block()
+    kw = dict(bandwidth_bytes_per_s=1e9, latency_us=1.0, op_overhead_us=5.0)
+    plain = {nd.name: nd for nd in shard_costs(costs, 4, **kw).nodes}
+    by = {nd.name: nd for nd in shard_costs(costs, 4, sequence_parallel=True, **kw).nodes}
+    half = 6.0
+    assert by["proj"].fwd_us == pytest.approx(15.0 + half)
+    assert by["proj"].bwd_input_us == pytest.approx(15.0 + half)
+    assert by["proj"].output_bytes == 1000  # this GPU's tokens of the sum
+    # the add: 5 + (9 - 5) / 4, on a quarter of the tokens
+    assert by["add"].fwd_us == pytest.approx(6.0) and by["add"].output_bytes == 1000
+    assert by["head"].fwd_us == pytest.approx(55.0 + 6.0 + 3.0 + half)
+    assert by["head"].bwd_input_us == pytest.approx(55.0 + half)
+    # before the first reduce-scatter the block runs as without it
+    assert by["ln"] == plain["ln"] and by["qkv"] == plain["qkv"] and by["attn"] == plain["attn"]
+    # the same ring time in all: an all-reduce is a reduce-scatter and an all-gather
+    comm = sum(by[n].fwd_us + by[n].bwd_input_us for n in ("proj", "head"))
+    assert comm == pytest.approx(sum(plain[n].fwd_us + plain[n].bwd_input_us
+                                     for n in ("proj", "head")))
+    # what runs on the tokens: the add (reached from the row node through token-wise ops)
+    assert sequence_parallel_nodes(costs, find_tensor_parallel(costs)) == frozenset({4})
 
 
 def test_tp_one_is_the_graph_itself() -> None:
