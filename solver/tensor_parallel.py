@@ -469,6 +469,15 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
                 bwd_ops[i].append(("rs", nodes[j].output_bytes))
     if sequence_parallel:
         _sequence_parallel_ops(costs, split, tp, sp, tokens, f_sources, fwd_ops, bwd_ops)
+    # sequence parallelism's buffers beside a node's own (codegen/_tp_ops.py): a
+    # reduce-scatter holds the whole partial sums, their packed copy and this GPU's tokens;
+    # an all-gather the gathered parts and their reordered copy
+    training = any(nd.transient_bytes for nd in nodes)
+    working = [0] * len(nodes)
+    for i, ops in enumerate(fwd_ops):
+        whole = [nb for what, nb in ops + bwd_ops[i] if what in ("rs", "ag")] if tokens else []
+        if whole:
+            working[i] = 2 * max(whole) + max(whole) // tp
 
     def split_times(i: int, trip: tuple[float, float, float]) -> tuple[float, float, float]:
         if i not in divided:
@@ -523,6 +532,9 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
                     changes["saved_from"] = tuple((d, b // tp) for d, b in nd.saved_from)
             if i in heads and costs.nodes[i].transient_bytes:  # training
                 changes["transient_bytes"] = _gather_working_set(nd, tp)
+        if working[i] and training:
+            changes["transient_bytes"] = max(changes.get("transient_bytes", nd.transient_bytes),
+                                             working[i])
         if fwd_ops[i] or bwd_ops[i]:
             fwd, bwd_in = changes.get("fwd_us", nd.fwd_us), changes.get("bwd_input_us",
                                                                          nd.bwd_input_us)
