@@ -1,17 +1,63 @@
-"""predict_layout: the step time of a given (tp, pp, dp, ZeRO) plan on a cost graph, no search."""
+"""predict_layout: the step time of a given (tp, pp, dp, ZeRO) plan on a cost graph, no search,
+and its communication exposed per pipeline rank."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from autopart.core.cluster import DeviceSpec
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
-from autopart.solver.layout_search import LayoutCandidate, LayoutOptions, evaluate_layout
+from autopart.solver._cost_model import CostModel
+from autopart.solver.layout_dp import dp_exposed_us
+from autopart.solver.layout_search import (
+    LayoutCandidate,
+    LayoutOptions,
+    _pipeline_cluster,
+    _sharded,
+    evaluate_layout,
+)
 from autopart.solver.options import SolveOptions
+from autopart.solver.predict import tied_ranks
 
-__all__ = ["predict_layout"]
+__all__ = ["LayoutPrediction", "predict_layout", "predict_layout_comm"]
+
+
+@dataclass(frozen=True)
+class LayoutPrediction:
+    """What the layout search charges a given plan, with its exposed communication per
+    pipeline rank.
+
+    Attributes:
+        step_us: the predicted step, µs (:func:`predict_layout`).
+        dp_exposed_us: per pipeline rank, the dp collectives its thread waits for, µs
+            (:func:`autopart.solver.layout_dp.dp_exposed_us`: ZeRO-0's reduction after the
+            flush or the overlapped buckets' tail, ZeRO 1-3's all-gathers and
+            reduce-scatters; all of them on CPU ranks); the step grows by the largest.
+        tied_sync_us: the tied parameters' gradient all-reduce after the schedule, µs
+            (:meth:`autopart.solver._cost_model.CostModel.tied_sync_us`; part of the
+            pipeline's step), run by :attr:`tied_ranks`.
+        tied_ranks: the pipeline ranks holding a tied parameter
+            (:func:`autopart.solver.predict.tied_ranks`).
+        plan: the plan as priced (its stage times on these options).
+    """
+
+    step_us: float
+    dp_exposed_us: tuple[float, ...]
+    tied_sync_us: float
+    tied_ranks: frozenset[int]
+    plan: Plan
+
+    @property
+    def exposed_comm_us(self) -> tuple[float, ...]:
+        """Per pipeline rank, the communication its thread is predicted to wait for, µs:
+        its dp collectives, and the tied all-reduce where it holds a tied parameter. What a
+        traced step measures as :meth:`autopart.core.trace.Trace.exposed_comm_us` (pipeline
+        transfers and tensor-parallel collectives are priced inside the schedule, not
+        here)."""
+        return tuple(dp + (self.tied_sync_us if r in self.tied_ranks else 0.0)
+                     for r, dp in enumerate(self.dp_exposed_us))
 
 
 def predict_layout(plan: Plan, costs: CostGraph, device: DeviceSpec, options: SolveOptions,
@@ -40,6 +86,37 @@ def predict_layout(plan: Plan, costs: CostGraph, device: DeviceSpec, options: So
     Raises:
         PlanError: the plan is for another graph or another GPU count.
     """
+    return _priced(plan, costs, device, options, layout)[0].predicted_step_time_us
+
+
+def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,
+                        options: SolveOptions, layout: LayoutOptions) -> LayoutPrediction:
+    """:func:`predict_layout`, with the communication each pipeline rank is predicted to
+    wait for (:attr:`LayoutPrediction.exposed_comm_us`): the same pricing, read per rank.
+
+    Args:
+        plan, costs, device, options, layout: as for :func:`predict_layout`.
+
+    Raises:
+        PlanError: as :func:`predict_layout`.
+    """
+    priced, layout = _priced(plan, costs, device, options, layout)
+    tp, pp, dp = plan.tp, len(plan.ranks), plan.dp
+    sharded = _sharded(costs, tp, device, layout, options.runtime)
+    exposed = (dp_exposed_us(priced, layout, options.runtime, sharded)
+               if options.training and dp > 1 else (0.0,) * pp)
+    model = CostModel.for_options(sharded, _pipeline_cluster(device, tp, pp, dp,
+                                                             layout.topology), options)
+    sync = model.tied_sync_us(tuple(c.position for c in plan.cuts), pp,
+                              [st.rank for st in plan.stages])
+    return LayoutPrediction(priced.predicted_step_time_us, tuple(exposed), sync,
+                            tied_ranks(plan, sharded) if sync > 0 else frozenset(), priced)
+
+
+def _priced(plan: Plan, costs: CostGraph, device: DeviceSpec, options: SolveOptions,
+            layout: LayoutOptions) -> tuple[Plan, LayoutOptions]:
+    """``plan`` priced by ``evaluate_layout`` at its own cuts, and the layout options it was
+    priced with (the plan's overlap and units)."""
     if plan.graph_fingerprint != costs.fingerprint:
         raise PlanError("the plan was made for another graph; predict it on the cost graph it "
                         "was solved on")
@@ -54,7 +131,8 @@ def predict_layout(plan: Plan, costs: CostGraph, device: DeviceSpec, options: So
                     recompute=recompute.pop() if len(recompute) == 1 else None)
     cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0)
     layout = replace(layout, overlap_grad_reduce=plan.overlap_grad_reduce,  # as the plan runs
-                     zero_layer_units=plan.zero_layer_units)
-    return evaluate_layout(costs, device, fixed, layout, cand,
-                           positions=tuple(c.position for c in plan.cuts)
-                           ).predicted_step_time_us
+                     zero_layer_units=plan.zero_layer_units,
+                     sequence_parallel=plan.sequence_parallel)
+    priced = evaluate_layout(costs, device, fixed, layout, cand,
+                             positions=tuple(c.position for c in plan.cuts))
+    return priced, layout

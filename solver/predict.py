@@ -19,7 +19,7 @@ from autopart.solver.options import SolveOptions
 from autopart.solver.simulate import StageCosts, simulate
 from autopart.solver.simulate_memory import device_peaks
 
-__all__ = ["Prediction", "predict", "plan_at", "baseline_plan"]
+__all__ = ["Prediction", "predict", "plan_at", "baseline_plan", "tied_ranks"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,11 @@ class Prediction:
         peak_memory_bytes: per rank, bytes (the plan's per-rank figure).
         stage_costs: per-stage costs the replay charged (µs per microbatch, bytes).
         trace: the predicted trace: per rank, each action's compute slice and, where the
-            action sends, a ``"send"`` slice right after it.
+            action sends, a ``"send"`` slice right after it; where tied parameters' gradients
+            are summed after the schedule, a ``"reduce"`` slice closing every rank's step,
+            and on the ranks holding them that all-reduce on the comm lane (``"reduce
+            grads"``) and exposed on the compute lane (``"exposed reduce grads"``), as a
+            measured trace names them (:meth:`autopart.core.trace.Trace.exposed_comm_us`).
         host_bound_us: the busiest issuing thread's host time, µs, which the step never
             undercuts (0.0 when the profile has no host times;
             :func:`autopart.solver.simulate.host_bound_us`). The trace's slices do not show
@@ -98,6 +102,9 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
     step = res.step_time_us + cand.sync_us
     if cand.sync_us > 0:  # the tied parameters' all-reduce closes the step on every rank
         events += [TraceEvent(r, "reduce", res.step_time_us, step) for r in range(p)]
+        for k in sorted(tied_ranks(plan, costs)):  # ... and runs on the ranks holding them
+            events += [TraceEvent(k, "reduce grads", res.step_time_us, step, "comm"),
+                       TraceEvent(k, "exposed reduce grads", res.step_time_us, step)]
     meta = {"schedule_kind": kind, "num_microbatches": m, "stages_per_rank": v,
             "graph_fingerprint": plan.graph_fingerprint,
             "peak_memory_bytes": list(res.peak_memory_bytes),
@@ -116,6 +123,26 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
     return Prediction(step_time_us=step, peak_memory_bytes=res.peak_memory_bytes,
                       stage_costs=c, trace=Trace(tuple(events), "predicted", meta),
                       host_bound_us=res.host_bound_us, device_peak_bytes=by_device)
+
+
+def tied_ranks(plan: Plan, costs: CostGraph) -> frozenset[int]:
+    """The ranks of ``plan`` that hold a trainable parameter stages of another rank read too
+    (GPT-2's tied ``wte`` and head): they all-reduce its gradient after the schedule
+    (:meth:`autopart.solver._cost_model.CostModel.tied_sync_us` prices that all-reduce).
+
+    Args:
+        plan: a plan solved on ``costs`` (its stages' node counts index ``costs.nodes``).
+        costs: the cost graph.
+    """
+    readers: dict[str, set[int]] = {}
+    start = 0
+    for st in plan.stages:
+        for nd in costs.nodes[start:start + st.num_nodes]:
+            for name in nd.params:
+                if name in costs.trainable:
+                    readers.setdefault(name, set()).add(st.rank)
+        start += st.num_nodes
+    return frozenset(r for ranks in readers.values() if len(ranks) > 1 for r in ranks)
 
 
 def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,

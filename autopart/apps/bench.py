@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ from autopart.core.plan import Plan
 from autopart.core.trace import Trace
 from autopart.runtime.host import tune_cpu_allocator
 
-__all__ = ["Workload", "ArmResult", "load_workload", "run_arms", "SINGLE"]
+__all__ = ["Workload", "ArmResult", "load_workload", "run_arms", "exposed_comm_rows",
+           "SINGLE"]
 
 #: (model, example inputs, target, loss_fn) for the full batch
 Workload = tuple[nn.Module, tuple[Any, ...], Any, Callable[[Any, Any], torch.Tensor]]
@@ -73,6 +74,24 @@ class ArmResult:
         if not self.steps_s:
             return math.nan
         return (max(self.steps_s) - min(self.steps_s)) / self.step_s if self.step_s else 0.0
+
+
+def exposed_comm_rows(predicted_us: Sequence[float], measured: Trace | None) -> list[str]:
+    """A Markdown table of exposed communication per pipeline rank: predicted (µs per rank,
+    e.g. :attr:`autopart.solver.layout_predict.LayoutPrediction.exposed_comm_us` or a
+    predicted trace's :meth:`Trace.exposed_comm_us`) against a traced step's
+    (:meth:`Trace.exposed_comm_us`), with the traced step's collectives in flight
+    (:meth:`Trace.comm_us`), ms, and the prediction's error; empty without a trace."""
+    if measured is None:
+        return []
+    rows = ["| pipeline rank | exposed predicted ms | exposed measured ms | error "
+            "| collectives in flight ms |", "|---:|---:|---:|---:|---:|"]
+    for r, want in enumerate(predicted_us):
+        got = measured.exposed_comm_us(r)
+        error = f"{want / got - 1:+.0%}" if got > 0 else "-"
+        rows.append(f"| {r} | {want / 1e3:.1f} | {got / 1e3:.1f} | {error} "
+                    f"| {measured.comm_us(r) / 1e3:.1f} |")
+    return rows
 
 
 def load_workload(spec: str, config: dict[str, Any] | None = None) -> Workload:

@@ -93,7 +93,11 @@ def bench(model: str = typer.Argument(..., help="hf:<transformers causal-LM clas
 def write_report(out: Path, title: str, plans: dict[str, Any], results: dict[str, Any],
                  predicted: Any, *, single_name: str, facts: dict[str, Any]) -> Path:
     """``report.md`` + ``timeline.png`` (predicted vs measured, the first plan) +
-    ``stages.png`` (per-stage busy time and per-rank peak memory, predicted vs measured)."""
+    ``stages.png`` (per-stage busy time and per-rank peak memory, predicted vs measured);
+    the report also holds the first plan's exposed communication per rank, predicted (its
+    predicted trace) against the traced step's (:func:`autopart.apps.bench.exposed_comm_rows`).
+    """
+    from autopart.apps.bench import exposed_comm_rows
     from autopart.apps.figures import gantt, stage_bars
 
     out.mkdir(parents=True, exist_ok=True)
@@ -119,8 +123,13 @@ def write_report(out: Path, title: str, plans: dict[str, Any], results: dict[str
                      f"v{pl.stages_per_rank} | {pl.predicted_step_time_us / 1e6:.3f} | "
                      f"{r.step_s:.3f} | {r.spread:.0%} | {speed:.2f}x | {speed / ideal:.0%} | "
                      f"{peaks} |")
-    lines += ["", "![timeline](timeline.png)", "", "![stages](stages.png)", ""]
     measured = results[first].trace
+    exposed = exposed_comm_rows([predicted.trace.exposed_comm_us(r) for r in range(p)], measured)
+    if exposed:
+        lines += ["", f"Exposed communication per rank ({first}; the time each rank waits on a "
+                  "collective: the tied sums and dp reductions after the schedule), predicted "
+                  "vs the traced step:", "", *exposed]
+    lines += ["", "![timeline](timeline.png)", "", "![stages](stages.png)", ""]
     if measured is not None:
         gantt(out / "timeline.png", [("predicted", predicted.trace), ("measured", measured)],
               peaks=[("predicted", [r.peak_memory_bytes for r in plan.ranks]),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from autopart.core.errors import UsageError
-from autopart.core.trace import Trace
+from autopart.core.trace import EXPOSED_KINDS, Trace
 
 __all__ = ["gantt", "stage_bars"]
 
@@ -24,9 +24,10 @@ _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#8172B3", "los
 
 def gantt(path: str | os.PathLike[str], traces: Sequence[tuple[str, Trace]], *,
           peaks: Sequence[tuple[str, Sequence[int]]] = (), title: str = "") -> Path:
-    """Draw ``traces`` as Gantt charts, one panel each (one row per rank, one bar per slice,
-    coloured by action kind; a shared time axis in ms), and, when ``peaks`` is given, a bar
-    chart of per-rank peak memory (GiB) per label. Writes a PNG atomically.
+    """Draw ``traces`` as Gantt charts, one panel each (one row per rank, one bar per slice of
+    its compute lane, coloured by action kind; the collectives' lane and the nested
+    ``exposed`` slices are left to the Perfetto file; a shared time axis in ms), and, when
+    ``peaks`` is given, a bar chart of per-rank peak memory (GiB) per label. Writes a PNG atomically.
 
     Args:
         path: the PNG to write.
@@ -52,7 +53,9 @@ def gantt(path: str | os.PathLike[str], traces: Sequence[tuple[str, Trace]], *,
     end_ms = max(max((e.end_us for e in t.events), default=0.0) for _, t in traces) / 1e3
     for ax, (label, trace) in zip(axes[:, 0], traces, strict=False):
         ranks = max(trace.num_ranks, 1)
-        for e in trace.events:
+        for e in trace.lane("compute").events:  # the actions (collectives: see Perfetto)
+            if e.kind in EXPOSED_KINDS:
+                continue
             act = e.action
             kind = act[1] if act is not None else e.name.split(" ", 1)[0]
             ax.broken_barh([(e.start_us / 1e3, max(e.duration_us / 1e3, 1e-3))],

@@ -19,10 +19,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
 from autopart.core.schedule import Schedule
+from autopart.runtime.tracing import CollectiveTimer
 
 __all__ = ["ScheduleRuntime", "ZeroIndexStage", "default_store", "found_non_finite",
            "incompatible_keys", "new_schedule_runtime", "receive_buffers", "receives_first_order",
-           "set_group_timeout", "split_stage_backward", "version_counter"]
+           "set_group_timeout", "split_stage_backward", "time_fsdp_collectives",
+           "version_counter"]
 
 #: torch's runtime for a schedule given as action lists (public schedules build their own
 #: action lists; this one takes ours). Read on torch 2.6 and 2.13.
@@ -214,3 +216,89 @@ def split_stage_backward(roots: list[torch.Tensor], grads: list[torch.Tensor],
         return grads_in
 
     return run_i, lambda: stage_backward_weight(iter(params), groups[-1])
+
+
+def time_fsdp_collectives(module: Any, label: str, timer: CollectiveTimer) -> bool:
+    """Have FSDP2 module ``module``'s all-gathers and reduce-scatters report to ``timer``
+    (named ``"all_gather <label>"``, ``"reduce_scatter <label>"``) during a traced step.
+
+    The seam is public: ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``
+    (FSDP2 calls the object given with the collective's buffers and group, and it runs the
+    collective). What is private is torch's own default collective to delegate to
+    (``_fsdp_collectives.DefaultAllGather`` / ``DefaultReduceScatter``: ``all_gather_single``
+    and ``reduce_scatter_single`` into buffers from ``torch.empty``), subclassed so that
+    FSDP's checks of the comm's type still pass. A collective FSDP2 runs synchronously
+    (its reduce-scatters, and on CPU its all-gathers in the hooks) is timed issue to
+    completion, all of it exposed. An asynchronous one (the all-gather of torch's pipeline
+    ``UNSHARD`` action, ``unshard(async_op=True)``) is timed from its issue to its
+    completion (the work's future), and FSDP's later ``wait()`` on it as exposed: the work
+    is handed back wrapped in a ``torch.distributed.Work`` subclass whose ``wait`` reports
+    (FSDP checks ``isinstance(work, Work)`` and only waits on it). Read on torch 2.13;
+    where the seam or the defaults are missing (torch 2.6), nothing is installed.
+
+    Args:
+        module: a module ``fully_shard`` returned (an ``FSDPModule``).
+        label: the unit's name in the trace (a layer's path, ``"stage 1"``).
+        timer: the rank's timer (recording only while a recorder is attached).
+
+    Returns:
+        Whether the collectives are timed.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+        )
+    except ImportError:
+        return False
+    if not (hasattr(module, "set_custom_all_gather")
+            and hasattr(module, "set_custom_reduce_scatter")):
+        return False
+    gather_name, scatter_name = f"all_gather {label}", f"reduce_scatter {label}"
+
+    def timed(name: str, run: Callable[[], Any], async_op: bool) -> Any:
+        if not async_op:
+            return timer.blocking(name, run)
+        work = run()
+        slot = timer.issued(name, work)
+        return work if slot is None or work is None else _TimedWork(work, timer, slot)
+
+    class TimedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, async_op: bool = False) -> Any:
+            return timed(gather_name, lambda: super(TimedAllGather, self).__call__(
+                output_tensor, input_tensor, group, async_op), async_op)
+
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
+            return timed(scatter_name, lambda: super(TimedReduceScatter, self).__call__(
+                output_tensor, input_tensor, group, op, async_op), async_op)
+
+    module.set_custom_all_gather(TimedAllGather())
+    module.set_custom_reduce_scatter(TimedReduceScatter())
+    return True
+
+
+class _TimedWork(dist.Work):
+    """An asynchronous collective's work whose ``wait`` is timed as exposed
+    (:meth:`CollectiveTimer.wait`); the rest is the work's own."""
+
+    def __init__(self, work: dist.Work, timer: CollectiveTimer, slot: int) -> None:
+        super().__init__()
+        self._work, self._timer, self._slot = work, timer, slot
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is not None:
+            return bool(self._work.wait(timeout))
+        self._timer.wait(self._slot, self._work)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def exception(self) -> Any:
+        return self._work.exception()

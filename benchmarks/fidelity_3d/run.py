@@ -15,7 +15,10 @@ rotated each step (:func:`autopart.apps.bench.run_arms`: ``--steps`` timed ``tra
 calls, slowest rank after a barrier, one traced step); the 4-rank and 2-rank runs alternate,
 and the whole is repeated ``--repeats`` times in fresh processes. Per arm: both predictions,
 the median over every timed step, each repeat's median, the spread (max - min of the timed
-steps over their median) and, from the traced steps, compute, reduce and wait per rank.
+steps over their median) and, from the traced steps, compute, reduce and wait per rank, and
+the exposed communication per pipeline rank (the time its thread waited on a collective:
+:meth:`autopart.core.trace.Trace.exposed_comm_us`) against the layout search's figure for it
+(:func:`autopart.solver.layout_predict.predict_layout_comm`).
 
     .venv/bin/python benchmarks/fidelity_3d/run.py [--steps 7] [--repeats 3] \
         [--wait-load 4] [--out DIR]
@@ -124,20 +127,22 @@ def world_profile(profile: Any, world: int) -> Any:
 
 
 def price(shared: Any, plan: Any, world: int, fixed: dict[str, int], heads: int | None,
-          ) -> float:
-    """``plan``'s step on ``shared`` (a :func:`world_profile`), s
-    (:func:`autopart.solver.layout_predict.predict_layout`)."""
+          ) -> tuple[float, list[float]]:
+    """``plan``'s step on ``shared`` (a :func:`world_profile`), s, and the communication each
+    pipeline rank is predicted to wait for, ms
+    (:func:`autopart.solver.layout_predict.predict_layout_comm`)."""
     from autopart import CompileOptions
     from autopart.layout_planning import layout_request
-    from autopart.solver.layout_predict import predict_layout
+    from autopart.solver.layout_predict import predict_layout_comm
 
     spec = shared.cluster().devices[0]
     opts = CompileOptions(schedule_kind="1f1b", **fixed)  # type: ignore[arg-type]
-    return predict_layout(plan, shared.costs, spec,
-                          shared.options(schedule_kind="1f1b",
-                                         optimizer_state_bytes_per_param_byte=2.0),
-                          layout_request(opts, world, spec, heads,
-                                         shared.runtime.collective_bandwidth_bytes_per_s)) / 1e6
+    pred = predict_layout_comm(plan, shared.costs, spec,
+                               shared.options(schedule_kind="1f1b",
+                                              optimizer_state_bytes_per_param_byte=2.0),
+                               layout_request(opts, world, spec, heads,
+                                              shared.runtime.collective_bandwidth_bytes_per_s))
+    return pred.step_us / 1e6, [x / 1e3 for x in pred.exposed_comm_us]
 
 
 def _spread(steps: list[float]) -> float:
@@ -146,17 +151,21 @@ def _spread(steps: list[float]) -> float:
 
 def trace_summary(trace: Any) -> dict[str, list[float]]:
     """Per pipeline rank of a traced step: compute (F/B/I/W), reduce, wait and send/recv
-    time, ms."""
-    out: dict[str, list[float]] = {"compute": [], "reduce": [], "wait": [], "transfer": []}
+    time on its compute lane, its collectives in flight (``comm``) and the part of them its
+    thread waited for (``exposed``), ms."""
+    out: dict[str, list[float]] = {"compute": [], "reduce": [], "wait": [], "transfer": [],
+                                   "comm": [], "exposed": []}
     if trace is None:
         return out
     for r in range(trace.num_ranks):
-        evs = trace.of_rank(r)
+        evs = trace.lane("compute").of_rank(r)
         out["compute"].append(sum(e.duration_us for e in evs if e.action is not None) / 1e3)
         for key, words in (("reduce", ("reduce",)), ("wait", ("wait",)),
                            ("transfer", ("send", "recv"))):
             out[key].append(sum(e.duration_us for e in evs if e.action is None
-                                and e.name.split()[0] in words) / 1e3)
+                                and e.kind in words) / 1e3)
+        out["comm"].append(trace.comm_us(r) / 1e3)
+        out["exposed"].append(trace.exposed_comm_us(r) / 1e3)
     return out
 
 
@@ -191,6 +200,7 @@ def main() -> None:
     profile, plans, preds, facts = plan_arms()
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in ARMS}
     priced: dict[str, list[float]] = {name: [] for arms in ARMS.values() for name in arms}
+    exposed: dict[str, list[list[float]]] = {name: [] for arms in ARMS.values() for name in arms}
     points: dict[int, list[Any]] = {w: [] for w in ARMS}
     for _ in range(opts.repeats):
         for world in ARMS:
@@ -202,8 +212,10 @@ def main() -> None:
                                   shared.runtime.transfer_wait_points,
                                   shared.runtime.collective_bandwidth_bytes_per_s))
             for name, plan in plans[world].items():
-                priced[name].append(price(shared, plan, world, ARMS[world][name],
-                                          facts["num_heads"]))
+                step_s, waits_ms = price(shared, plan, world, ARMS[world][name],
+                                         facts["num_heads"])
+                priced[name].append(step_s)
+                exposed[name].append(waits_ms)
             runs[world].append(run_arms(WORKLOAD, plans[world], ranks=world, steps=opts.steps,
                                         config=dict(CONFIG), single=False, trace=True,
                                         measure_memory=False))
@@ -229,6 +241,9 @@ def main() -> None:
                 "error": predicted / measured - 1,
                 "error_core_each": preds[name]["core_each_s"] / measured - 1,
                 "traced_ms": [trace_summary(run[name].trace) for run in got],
+                "predicted_exposed_ms": [statistics.median(x)
+                                         for x in zip(*exposed[name], strict=True)],
+                "repeat_predicted_exposed_ms": exposed[name],
                 "stage_predicted_ms": {f"{i}F": st.predicted_fwd_us / 1e3
                                        for i, st in enumerate(plan.stages)}
                 | {f"{i}B": st.predicted_bwd_us / 1e3 for i, st in enumerate(plan.stages)},
@@ -283,6 +298,22 @@ def main() -> None:
         lines.append(f"| {r['arm']} | " + " | ".join(
             "/".join(f"{x:.1f}" for x in t[k]) for k in ("compute", "reduce", "wait",
                                                           "transfer")) + " |")
+    lines += ["", "Exposed communication per pipeline rank (the time its thread waited on a "
+              "collective: dp buckets, FSDP gathers and reduce-scatters, the sums after the "
+              "step; tp collectives inside an action and pipeline transfers not counted), "
+              "predicted (median over the repeats) / traced (each repeat's traced step), ms; "
+              "in brackets the traced collectives' time in flight:", "",
+              "| arm | rank | predicted | traced (in flight) | error of the median |",
+              "|---|---:|---:|---|---:|"]
+    for r in rows:
+        for k, want in enumerate(r["predicted_exposed_ms"]):
+            got = [t["exposed"][k] for t in r["traced_ms"] if len(t["exposed"]) > k]
+            flight = [t["comm"][k] for t in r["traced_ms"] if len(t["comm"]) > k]
+            mid = statistics.median(got) if got else 0.0
+            lines.append(f"| {r['arm']} | {k} | {want:.1f} | "
+                         + ", ".join(f"{a:.1f} ({b:.1f})" for a, b in zip(got, flight,
+                                                                           strict=True))
+                         + f" | {f'{want / mid - 1:+.0%}' if mid > 0 else '-'} |")
     lines += ["", "Per action (last repeat), mean traced vs the plan's own prediction (a core "
               "each), ms:", ""]
     for r in rows:

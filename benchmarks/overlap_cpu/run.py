@@ -19,7 +19,11 @@ prefetch) and with one unit per stage. Per arm: the predicted step (the plan pri
 :func:`autopart.solver.layout_predict.predict_layout`), the median measured step, each
 repeat's median, the spread; per rank, the dp collectives the cost model leaves after the
 schedule (:func:`autopart.solver.layout_search.dp_exposed_us`) and the traced step's
-``reduce`` span (the wait for the overlapped buckets, then the tied sums and the rest).
+``reduce`` span (the wait for the overlapped buckets, then the tied sums and the rest); and
+the exposed communication per rank, predicted (those dp collectives and the tied sums:
+:attr:`autopart.solver.layout_predict.LayoutPrediction.exposed_comm_us`) against the traced
+step's (the time each rank's thread waited on a collective, FSDP2's inside the actions
+included: :meth:`autopart.core.trace.Trace.exposed_comm_us`).
 
     .venv/bin/python benchmarks/overlap_cpu/run.py [--steps 7] [--repeats 3]
 
@@ -81,16 +85,17 @@ def _request(shared: Any, world: int, fixed: dict[str, int], heads: int | None
 
 
 def price(shared: Any, plan: Any, world: int, fixed: dict[str, int], heads: int | None
-          ) -> tuple[float, list[float]]:
-    """``plan``'s predicted step on ``shared`` (s) and its dp collectives exposed after the
-    schedule per pipeline rank (ms)."""
-    from autopart.solver.layout_predict import predict_layout
+          ) -> tuple[float, list[float], list[float]]:
+    """``plan``'s predicted step on ``shared`` (s), its dp collectives exposed after the
+    schedule per pipeline rank (ms), and all the communication each rank is predicted to
+    wait for, the tied sums included (ms)."""
+    from autopart.solver.layout_predict import predict_layout_comm
     from autopart.solver.layout_search import dp_exposed_us
 
     spec, layout, solve = _request(shared, world, fixed, heads)
-    step = predict_layout(plan, shared.costs, spec, solve, layout) / 1e6
+    pred = predict_layout_comm(plan, shared.costs, spec, solve, layout)
     exposed = [x / 1e3 for x in dp_exposed_us(plan, layout, shared.runtime, shared.costs)]
-    return step, exposed
+    return pred.step_us / 1e6, exposed, [x / 1e3 for x in pred.exposed_comm_us]
 
 
 def _fidelity_3d() -> Any:
@@ -138,7 +143,7 @@ def main() -> None:
                                       world, num_heads=heads)  # type: ignore[arg-type]
             plans[world].update(variants(plan, name, fixed["zero_stage"]))
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in ARMS}
-    priced: dict[str, list[tuple[float, list[float]]]] = {}
+    priced: dict[str, list[tuple[float, list[float], list[float]]]] = {}
     for _ in range(opts.repeats):
         for world, arms in plans.items():
             loads.append(os.getloadavg()[0])
@@ -162,6 +167,11 @@ def main() -> None:
             traced = [trace_summary(run[name].trace)["reduce"] for run in got]
             traced_median = [statistics.median(t[r] for t in traced)
                              for r in range(len(plan.ranks))]
+            waits = [statistics.median(p[2][r] for p in priced[name])
+                     for r in range(len(plan.ranks))]
+            waited = [trace_summary(run[name].trace)["exposed"] for run in got]
+            waited_median = [statistics.median(t[r] for t in waited)
+                             for r in range(len(plan.ranks))]
             rows.append({
                 "arm": name, "world": world, "pp": len(plan.ranks), "dp": plan.dp,
                 "m": plan.num_microbatches, "cuts": [c.position for c in plan.cuts],
@@ -174,7 +184,11 @@ def main() -> None:
                 "predicted_exposed_ms": exposed, "traced_reduce_ms": traced,
                 "traced_reduce_median_ms": traced_median,
                 "exposed_error": [e / t - 1 if t > 0 else None
-                                  for e, t in zip(exposed, traced_median, strict=True)]})
+                                  for e, t in zip(exposed, traced_median, strict=True)],
+                "predicted_exposed_comm_ms": waits, "traced_exposed_ms": waited,
+                "traced_exposed_median_ms": waited_median,
+                "exposed_comm_error": [e / t - 1 if t > 0 else None
+                                       for e, t in zip(waits, waited_median, strict=True)]})
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                        f"{len(os.sched_getaffinity(0))} usable",
@@ -200,6 +214,16 @@ def main() -> None:
                      f"{r['spread']:.0%} | {r['error']:+.1%} | "
                      f"{' / '.join(f'{x:.1f}' for x in r['predicted_exposed_ms'])} | "
                      f"{' / '.join(f'{x:.1f}' for x in r['traced_reduce_median_ms'])} |")
+    lines += ["", "Exposed communication per rank (the time its thread waited on a collective: "
+              "dp buckets, FSDP2's gathers and reduce-scatters, the sums after the step), "
+              "predicted / traced (median over the repeats' traced steps), ms:", "",
+              "| arm | predicted | traced | error |", "|---|---|---|---|"]
+    for r in rows:
+        errs = " / ".join("-" if e is None else f"{e:+.0%}" for e in r["exposed_comm_error"])
+        lines.append(f"| {r['arm']} | "
+                     f"{' / '.join(f'{x:.1f}' for x in r['predicted_exposed_comm_ms'])} | "
+                     f"{' / '.join(f'{x:.1f}' for x in r['traced_exposed_median_ms'])} | "
+                     f"{errs} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -20,6 +20,11 @@ def test_bench_writes_a_report_with_every_arm_and_its_figures(tmp_path: Path) ->
     text = (out / "report.md").read_text()
     for arm in ("one process", "| autopart |", "| uniform_layers |"):
         assert arm in text, text
+    # GPT-2's tied embedding on both ranks: each sums its gradient after the schedule, a
+    # collective predicted and traced on both
+    assert "| pipeline rank | exposed predicted ms | exposed measured ms |" in text, text
+    rows = [line for line in text.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert len(rows) == 2 and all(float(row.split("|")[3]) > 0 for row in rows), rows
     for png in ("timeline.png", "stages.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "plan.json").exists() and (out / "stage_0.py").exists()

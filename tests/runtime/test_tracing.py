@@ -170,3 +170,78 @@ def test_predicted_peak_memory_bounds_the_measured(kind: str, gpt2_two_cpu_ranks
             param.grad = None
     assert all(0.98 * m <= p <= 1.15 * m for _, p, m, _ in rows), (
         "(cut, predicted, measured, ratio): " + repr(rows))
+
+
+def test_comm_lanes_round_trip_and_overlapping_collectives_get_threads_of_their_own() -> None:
+    # rank 0: a forward holding an all-gather it waited for whole, then two buckets in
+    # flight at once (the second waited for from 60 to 70); rank 1: nothing on its comm lane
+    events = (TraceEvent(0, "0F0", 0, 30), TraceEvent(0, "all_gather h.0", 5, 15, "comm"),
+              TraceEvent(0, "exposed all_gather h.0", 5, 15),
+              TraceEvent(0, "all_reduce bucket 0 stage 0", 40, 70, "comm"),
+              TraceEvent(0, "all_reduce bucket 1 stage 0", 50, 80, "comm"),
+              TraceEvent(0, "reduce", 60, 90), TraceEvent(0, "exposed all_reduce bucket 1 "
+                                                             "stage 0", 60, 70),
+              TraceEvent(1, "1F0", 30, 50), TraceEvent(1, "reduce", 60, 62))
+    trace = Trace(events, "measured:cpu")
+    assert trace.comm_us(0) == 10 + 40  # 5..15, 40..80
+    assert trace.exposed_comm_us(0) == 20  # the "reduce" around them is not counted
+    assert trace.comm_by_rank() == {0: (50.0, 20.0), 1: (0.0, 0.0)}
+    assert trace.busy_us(0) == 30 and trace.actions(0) == ["0F0"]
+    assert {e.lane for e in trace.lane("compute").events} == {"compute"}
+    chrome = trace.to_chrome()
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in chrome["traceEvents"]
+             if e["name"] == "thread_name"}
+    assert names == {(0, 0): "compute", (1, 0): "compute", (0, 1): "comm", (0, 2): "comm 2"}
+    tid = {e["name"]: e["tid"] for e in chrome["traceEvents"] if e["ph"] == "X" and e["pid"] == 0}
+    # the second bucket overlaps the first without nesting in it: a second comm thread
+    assert (tid["all_gather h.0"], tid["all_reduce bucket 0 stage 0"],
+            tid["all_reduce bucket 1 stage 0"], tid["exposed all_gather h.0"]) == (1, 1, 2, 0)
+    back = Trace.from_chrome(json.loads(json.dumps(chrome)))
+    assert sorted(back.events, key=repr) == sorted(events, key=repr)
+    # a trace written before the comm lane (one thread per rank, no names) reads as compute
+    old = {"traceEvents": [{"ph": "X", "name": "0F0", "pid": 0, "tid": 0, "ts": 0, "dur": 5}]}
+    assert Trace.from_chrome(old).events == (TraceEvent(0, "0F0", 0, 5),)
+    with pytest.raises(PlanError, match="lanes are"):
+        TraceEvent(0, "all_gather h.0", 0, 1, "network")
+
+
+def test_the_recorder_times_a_collective_from_issue_to_completion_and_its_wait() -> None:
+    # a work whose future completes at once: the collective ends when it completed, and the
+    # wait that began after that is charged nothing beyond the completion
+    from autopart.runtime.tracing import ActionRecorder, CollectiveTimer
+
+    class Work:
+        def __init__(self) -> None:
+            self.future: torch.futures.Future[None] = torch.futures.Future()
+
+        def get_future(self) -> torch.futures.Future[None]:
+            return self.future
+
+        def wait(self) -> bool:
+            return True
+
+    timer = CollectiveTimer()
+    work = Work()
+    assert timer.issued("all_reduce bucket 0 stage 0", work) is None  # off: nothing kept
+    timer.wait(None, work)
+    recorder = ActionRecorder(lambda s: 0)
+    recorder.start()
+    timer.attach(recorder, 3, torch.device("cpu"))
+    slot = timer.issued("all_reduce bucket 0 stage 0", work)
+    work.future.set_result(None)
+    timer.wait(slot, work)
+    assert timer.blocking("reduce grads", lambda: 7) == 7
+    timer.attach(None, 3, torch.device("cpu"))
+    got = {(e.name, e.lane): e for e in recorder.events()}
+    assert set(got) == {("all_reduce bucket 0 stage 0", "comm"),
+                        ("exposed all_reduce bucket 0 stage 0", "compute"),
+                        ("reduce grads", "comm"), ("exposed reduce grads", "compute")}
+    assert {e.rank for e in got.values()} == {3}
+    bucket = got[("all_reduce bucket 0 stage 0", "comm")]
+    waited = got[("exposed all_reduce bucket 0 stage 0", "compute")]
+    assert waited.duration_us == 0 and waited.end_us == bucket.end_us
+    trace = Trace(tuple(recorder.events()), "measured:cpu")
+    assert trace.exposed_comm_us(3) <= trace.comm_us(3)
+    # on a CUDA device the timer stays off (its collectives are not timed)
+    timer.attach(recorder, 3, torch.device("cuda", 0))
+    assert timer.recorder is None

@@ -280,3 +280,29 @@ def test_a_transfer_on_shared_cores_pays_the_wait_measured_after_its_actions_wor
     c = stage_costs(RuntimeDescription(transfer_overhead_us=3.0,
                                        transfer_wait_points=((0.0, 1.0),)))
     assert list(c.fwd_us) == [43.0, 43.0]
+
+
+def test_the_tied_all_reduce_is_exposed_communication_of_the_ranks_holding_it(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # node 0 and node 7 read "tied.w" (4 MB); three ranks: ranks 0 and 2 hold it and sum its
+    # gradient (2 x 4010 µs at 1 GB/s), rank 1 holds none: its step ends with theirs
+    # ("reduce") but it waits on no collective
+    from autopart.core.trace import Trace
+    from autopart.solver.predict import tied_ranks
+
+    nodes = [build.node(f"n{i}", (f"n{i - 1}" if i else "x",),
+                        params=("tied.w",) if i in (0, 7) else (),
+                        param_bytes=4_000_000 if i == 0 else 0) for i in range(8)]
+    costs = build.graph(nodes, inputs={"x": 100}, params={"tied.w": (4_000_000, 1_000_000)})
+    cluster = build.cluster(3, link_bw=1e9, latency_us=10.0)
+    opts = SolveOptions(batch_size=8, num_microbatches=4)
+    plan = plan_at(costs, cluster, opts, (3, 5), kind="1f1b", num_microbatches=4)
+    assert tied_ranks(plan, costs) == {0, 2}
+    trace = predict(plan, costs, cluster, opts).trace
+    assert sorted(e.rank for e in trace.events if e.name == "reduce") == [0, 1, 2]
+    exposed = {r: trace.exposed_comm_us(r) for r in range(3)}
+    assert exposed == pytest.approx({0: 8020.0, 1: 0.0, 2: 8020.0})
+    assert {r: trace.comm_us(r) for r in range(3)} == pytest.approx(exposed)
+    back = Trace.from_chrome(trace.to_chrome())  # the comm lane survives the JSON
+    assert {r: back.exposed_comm_us(r) for r in range(3)} == pytest.approx(exposed)
+    assert {r: back.comm_us(r) for r in range(3)} == pytest.approx(exposed)

@@ -18,6 +18,10 @@ torch.distributed's asynchronous collectives):
 - After the schedule, :meth:`GradBuckets.finish` waits for every bucket and writes the mean
   back into ``.grad``. Only that wait is exposed: the reductions run beside the rest of the
   backward and the rest of the schedule (gloo's worker threads on CPU, NCCL's stream on GPU).
+- In a traced step (CPU), each bucket is a slice of the rank's comm lane from its launch to
+  its completion (``"all_reduce bucket <k> stage <s>"``), and each wait in :meth:`finish`
+  an ``"exposed ..."`` slice of its compute lane (:class:`autopart.runtime.tracing.
+  CollectiveTimer`).
 
 A parameter two stages of this rank share (a tied embedding of a V schedule) is left out:
 its gradient is complete only after both stages' backwards, and the after-the-step path
@@ -36,6 +40,7 @@ from torch import nn
 from autopart.core.layout import grad_bucket_elements
 from autopart.core.plan import Plan
 from autopart.runtime.distributed._comm import mean_into
+from autopart.runtime.tracing import CollectiveTimer
 
 __all__ = ["GradBuckets", "overlapped_reduction"]
 
@@ -43,13 +48,15 @@ __all__ = ["GradBuckets", "overlapped_reduction"]
 class _Bucket:
     """Parameters whose gradients are reduced together, and the reduction in flight."""
 
-    __slots__ = ("params", "ready", "flat", "work")
+    __slots__ = ("params", "ready", "flat", "work", "name", "slot")
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.work: Any = None
+        self.name = "all_reduce"  # its trace slice's name
+        self.slot: int | None = None  # its slice in the trace, while traced
 
 
 class GradBuckets:
@@ -64,6 +71,7 @@ class GradBuckets:
 
     Attributes:
         covered: ids of the parameters reduced here (the others are reduced after the step).
+        timer: where the buckets report during a traced step (the pipeline's).
     """
 
     def __init__(self, modules: Mapping[int, nn.Module], group: dist.ProcessGroup,
@@ -79,11 +87,13 @@ class GradBuckets:
         self._next: dict[int, int] = {}  # stage -> index of its next bucket to launch
         self._armed: set[int] = set()
         self.covered: set[int] = set()
+        self.timer = CollectiveTimer()
         for s, mod in modules.items():
             params = [p for p in mod.parameters() if p.requires_grad and holders[id(p)] == 1]
             buckets = self._pack(list(reversed(params)), cap)
             self._buckets[s] = buckets
-            for b in buckets:
+            for k, b in enumerate(buckets):
+                b.name = f"all_reduce bucket {k} stage {s}"
                 for p in b.params:
                     self.covered.add(id(p))
                     p.register_post_accumulate_grad_hook(self._hook(s, b))
@@ -116,6 +126,7 @@ class GradBuckets:
         bucket.flat = torch.cat(grads)  # (elements of the bucket,)
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self._group,
                                       async_op=True)
+        bucket.slot = self.timer.issued(bucket.name, bucket.work)
 
     def _launch_ready(self, stage: int) -> None:
         buckets, i = self._buckets[stage], self._next[stage]
@@ -132,7 +143,7 @@ class GradBuckets:
         self._next[stage] = 0
         for b in self._buckets[stage]:
             b.ready.clear()
-            b.flat = b.work = None
+            b.flat = b.work = b.slot = None
 
     def launch_rest(self, stage: int) -> None:
         """Launch ``stage``'s buckets not launched yet (its last backward or last ``W`` is
@@ -158,9 +169,9 @@ class GradBuckets:
             for b in buckets:
                 if b.work is None:
                     continue
-                work, flat = b.work, b.flat
-                b.work = b.flat = None
-                work.wait()
+                work, flat, slot = b.work, b.flat, b.slot
+                b.work = b.flat = b.slot = None
+                self.timer.wait(slot, work)
                 assert flat is not None
                 mean_into(flat, [(p.numel(), p.grad) for p in b.params], self._size)
 

@@ -72,7 +72,9 @@ from torch.distributed.tensor import DTensor
 from autopart.codegen.fsdp_units import group_layers
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
+from autopart.runtime._torch_private import time_fsdp_collectives
 from autopart.runtime.distributed._stages import P2PStage, TracedStage
+from autopart.runtime.tracing import CollectiveTimer
 
 __all__ = ["AccumulatingStage", "DataSharding", "ShardedStage", "local_tensor"]
 
@@ -173,6 +175,11 @@ class DataSharding:
             replica stages of every tensor, all ranks').
         parameters: the model's parameter FQNs.
 
+    Attributes:
+        timer: where every FSDP unit's all-gathers and reduce-scatters report during a
+            traced step (``"all_gather <unit>"``, the unit a layer's path or ``"stage s"``;
+            :func:`autopart.runtime._torch_private.time_fsdp_collectives`).
+
     Raises:
         PlanError: ZeRO 1-3 without a data-parallel group of at least 2 ranks, or with one
             whose size differs from the plan's ``dp``, or a parameter read by two stages of
@@ -185,6 +192,7 @@ class DataSharding:
         self.layer_units = plan.zero_layer_units
         self.mesh: DeviceMesh | None = None
         self.units: dict[int, list[str]] = {}  # stage -> its layers sharded as units
+        self.timer = CollectiveTimer()
         if self.zero_stage == 0:
             return
         size = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -246,11 +254,18 @@ class DataSharding:
                                         r"returned a view")
         for s, submod in submods.items():
             if self.layer_units:
-                self.units[s] = self._shard_layers(submod)
+                self.units[s] = self._shard_layers(submod, s)
             else:
                 fully_shard(submod, mesh=self.mesh, reshard_after_forward=self.zero_stage == 3)
+                self._time(submod, f"stage {s}")
 
-    def _shard_layers(self, submod: nn.Module) -> list[str]:
+    def _time(self, unit: nn.Module, label: str) -> None:
+        """Time ``unit``'s collectives in traced steps, on CPU ranks only (where the traced
+        step times them; on CUDA FSDP2's own collectives run untouched)."""
+        if self.mesh is not None and self.mesh.device_type == "cpu":
+            time_fsdp_collectives(unit, label, self.timer)
+
+    def _shard_layers(self, submod: nn.Module, stage_index: int) -> list[str]:
         """One FSDP unit per layer of the stage, then its graph module as the root (see the
         module docstring); the layers' paths."""
         if not isinstance(submod, P2PStage) or submod.runner is not submod.stage:
@@ -261,9 +276,11 @@ class DataSharding:
         paths = group_layers(stage)
         units = [stage.get_submodule(p) for p in paths]
         after_forward = self.zero_stage == 3
-        for unit in units:
+        for path, unit in zip(paths, units, strict=True):
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=after_forward)
+            self._time(unit, path)
         root = fully_shard(stage, mesh=self.mesh, reshard_after_forward=after_forward)
+        self._time(root, f"stage {stage_index}")
         if after_forward:
             root.set_reshard_after_forward(True, recurse=False)
         chain = [root, *units]

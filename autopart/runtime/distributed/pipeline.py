@@ -49,7 +49,7 @@ from autopart.runtime.distributed._tensor_parallel import tensor_parallel_state
 from autopart.runtime.distributed.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.host import on_rank_cores
 from autopart.runtime.pipeline import Pipeline
-from autopart.runtime.tracing import ActionRecorder
+from autopart.runtime.tracing import ActionRecorder, events_from_json, events_to_json
 
 __all__ = ["DistributedPipeline"]
 
@@ -177,6 +177,10 @@ class DistributedPipeline(Pipeline):
         self._grad_buckets = overlapped_reduction(plan, dp_group, self._sharding.sharded, submods)
         for st in self.pipeline_stages:
             st.grad_buckets = self._grad_buckets
+        # where this rank's dp collectives (FSDP2's, the buckets') report in a traced step
+        self._comm_timer = self._sharding.timer
+        if self._grad_buckets is not None:
+            self._grad_buckets.timer = self._comm_timer
         self._whole = WholeTensors(self._local, whole_shapes, self._sharding, self._tp)
         self._schedules = StepSchedules(self.pipeline_stages, plan, self.pp_size,
                                         self._recompute, self.loss_of_flat,
@@ -323,6 +327,31 @@ class DistributedPipeline(Pipeline):
         if recorder is not None:
             self._guarded(lambda: dist.barrier(group=self._p2p_group))
             recorder.start([self.device])
+        self._comm_timer.attach(recorder, self.pp_rank, self.device)
+        try:
+            loss, mine = self._run_and_reduce(step, recorder, m, measure_memory, optimizer,
+                                              scale_loss, losses)
+        finally:
+            self._comm_timer.attach(None, self.pp_rank, self.device)
+        if recorder is not None:
+            rows = self._gather.gather_bytes(events_to_json(recorder.events()))
+            self.last_trace = self._trace([e for blob in rows for e in events_from_json(blob)],
+                                          f"measured:{self.device.type}", m)
+        if measure_memory:
+            by_rank = dict(enumerate(self._gather.gather_ints(mine)))
+            self.last_peak_memory_bytes = PeakMemory(by_rank, {device_key(self.device): mine})
+        return loss
+
+    def _run_and_reduce(self, step: Callable[[], None], recorder: ActionRecorder | None, m: int,
+                        measure_memory: bool, optimizer: torch.optim.Optimizer | None,
+                        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None,
+                        losses: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """The schedule (``step``), then the step's loss and the gradient reductions; the
+        loss and this rank's peak bytes (0 unless ``measure_memory``). Traced, the
+        reductions are the ``reduce`` slice of this rank's compute lane, and their
+        collectives after the step (tied sums, dp means, overflow flags) a ``"reduce
+        grads"`` slice of its comm lane, exposed on its compute lane (CPU)."""
+        mine = 0
         self._set_recorder(recorder)
         scaled = None if scale_loss is None else ScaledLosses(scale_loss, self.device)
         self._scaled_losses = scaled
@@ -341,23 +370,21 @@ class DistributedPipeline(Pipeline):
         loss = step_loss(losses if scaled is None else scaled.unscaled(losses), self.device,
                          self._global(self._last_rank), self._p2p_group, self.dp_group,
                          self._guarded)
-        with (contextlib.nullcontext() if recorder is None
-              else recorder.span(self.pp_rank, "reduce", waits=False)):
-            if self._grad_buckets is not None:  # the overlapped reduction's exposed tail
-                self._guarded(self._grad_buckets.finish)
-            mean_over_microbatches(self.stages, m)
+
+        def collectives() -> None:
             self._guarded(self.reduce_grads)  # a dead or hung replica: PipelineFailure
             if scaled is not None:  # every rank's scaler skips when one overflowed
                 for group in (self._p2p_group, self._sharding.dp_group):  # ZeRO: shards differ
                     if group is not None:
                         agree_on_overflow(self.parameters(), self.device, group, self._guarded)
-        if recorder is not None:
-            self.last_trace = self._trace(self._gather.gather_events(recorder.events()),
-                                          f"measured:{self.device.type}", m)
-        if measure_memory:
-            by_rank = dict(enumerate(self._gather.gather_ints(mine)))
-            self.last_peak_memory_bytes = PeakMemory(by_rank, {device_key(self.device): mine})
-        return loss
+
+        with (contextlib.nullcontext() if recorder is None
+              else recorder.span(self.pp_rank, "reduce", waits=False)):
+            if self._grad_buckets is not None:  # the overlapped reduction's exposed tail
+                self._guarded(self._grad_buckets.finish)
+            mean_over_microbatches(self.stages, m)
+            self._comm_timer.blocking("reduce grads", collectives)
+        return loss, mine
 
     def _set_recorder(self, recorder: ActionRecorder | None) -> None:
         self._recorder = recorder
