@@ -34,7 +34,9 @@ class LayoutPrediction:
         dp_exposed_us: per pipeline rank, the dp collectives its thread waits for, µs
             (:func:`autopart.solver.layout_dp.dp_exposed_us`: ZeRO-0's reduction after the
             flush or the overlapped buckets' tail, ZeRO 1-3's all-gathers and
-            reduce-scatters; all of them on CPU ranks); the step grows by the largest.
+            reduce-scatters). On CPU ranks, whose collectives share the compute, the step
+            charges an overlapped reduction whole, but the rank waits only for its tail:
+            this is the tail.
         tied_sync_us: the tied parameters' gradient all-reduce after the schedule, µs
             (:meth:`autopart.solver._cost_model.CostModel.tied_sync_us`; part of the
             pipeline's step), run by :attr:`tied_ranks`.
@@ -103,7 +105,12 @@ def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,
     priced, layout = _priced(plan, costs, device, options, layout)
     tp, pp, dp = plan.tp, len(plan.ranks), plan.dp
     sharded = _sharded(costs, tp, device, layout, options.runtime)
-    exposed = (dp_exposed_us(priced, layout, options.runtime, sharded)
+    runtime = options.runtime
+    if runtime.collectives_share_compute and priced.overlap_grad_reduce:
+        # the step prices the overlapped reduction as run after the flush (it slows the
+        # compute it runs beside by as much); what the rank waits for is still the tail
+        runtime = replace(runtime, collectives_share_compute=False)
+    exposed = (dp_exposed_us(priced, layout, runtime, sharded)
                if options.training and dp > 1 else (0.0,) * pp)
     model = CostModel.for_options(sharded, _pipeline_cluster(device, tp, pp, dp,
                                                              layout.topology), options)

@@ -101,10 +101,13 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
             events.append(TraceEvent(rank, f"send {s}{kind_}{i}", compute_end, end))
     step = res.step_time_us + cand.sync_us
     if cand.sync_us > 0:  # the tied parameters' all-reduce closes the step on every rank
+        ends = {r: max((e.end_us for e in events if e.rank == r), default=0.0)
+                for r in range(p)}
         events += [TraceEvent(r, "reduce", res.step_time_us, step) for r in range(p)]
-        for k in sorted(tied_ranks(plan, costs)):  # ... and runs on the ranks holding them
-            events += [TraceEvent(k, "reduce grads", res.step_time_us, step, "comm"),
-                       TraceEvent(k, "exposed reduce grads", res.step_time_us, step)]
+        for k in sorted(tied_ranks(plan, costs)):  # ... and runs on the ranks holding them,
+            # each waiting in it from its own last action (for the others to arrive) on
+            events += [TraceEvent(k, "reduce grads", ends[k], step, "comm"),
+                       TraceEvent(k, "exposed reduce grads", ends[k], step)]
     meta = {"schedule_kind": kind, "num_microbatches": m, "stages_per_rank": v,
             "graph_fingerprint": plan.graph_fingerprint,
             "peak_memory_bytes": list(res.peak_memory_bytes),
