@@ -51,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="data-parallel replicas (default: the solver's)")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="ZeRO stage over dp (default: the solver's)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with tp > 1: Megatron's sequence parallelism (layer norms and "
+                             "residuals on 1/tp of the tokens)")
     parser.add_argument("--steps", type=_at_least(2), default=6,
                         help="training steps; the first is warm-up, the rest are timed")
     parser.add_argument("--layers", type=_at_least(1), default=4)
@@ -88,13 +91,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     batches = [torch.randint(0, VOCAB, (args.batch_size, args.seq_len),
                              generator=torch.Generator().manual_seed(1000 + step))
                for step in range(args.steps)]  # (batch, seq), the same on every rank
-    layout = {"tp": args.tp, "dp": args.dp, "zero_stage": args.zero_stage}
+    layout = {"tp": args.tp, "dp": args.dp, "zero_stage": args.zero_stage,
+              "sequence_parallel": args.sequence_parallel}
     pipe = autopart.compile(model, (batches[0],), loss_fn=gpt2_loss, example_target=batches[0],
                             plan=args.plan, num_microbatches=args.num_microbatches,
                             **({} if args.plan else {**layout, "layout_search": True}))
     plan = pipe.plan
     if rank0:
-        print(f"plan: tp {plan.tp} x pp {len(plan.ranks)} x dp {plan.dp}, ZeRO-{plan.zero_stage};"
+        print(f"plan: tp {plan.tp}{' (sequence parallel)' if plan.sequence_parallel else ''} x "
+              f"pp {len(plan.ranks)} x dp {plan.dp}, ZeRO-{plan.zero_stage};"
               f" {plan.num_stages} stages, m={plan.num_microbatches} per replica, "
               f"{plan.schedule_kind}, cuts at {[c.position for c in plan.cuts]}", flush=True)
         if args.save_plan:
