@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from autopart.codegen import _tp_ops
+from autopart.codegen.tensor_parallel import _meta
 from autopart.codegen.tp_layout import TensorParallelRank
 
 __all__ = ["sequence_parallel"]
@@ -56,14 +57,6 @@ _SAME = {aten._to_copy.default, aten.clone.default, aten.contiguous.default,
          aten.alias.default, aten.detach.default, aten.dropout.default,
          aten.native_dropout.default, operator.getitem}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
-
-
-def _meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_meta(v) for v in value)
-    return value
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

@@ -77,6 +77,17 @@ class TensorParallelSplit:
         return frozenset(cols | {r for _, r in self.pairs} | self.between | self.vocab)
 
 
+def _users(costs: CostGraph) -> tuple[dict[str, int], list[list[int]]]:
+    """Node name -> position, and per node the positions of the nodes reading it."""
+    index = {nd.name: i for i, nd in enumerate(costs.nodes)}
+    users: list[list[int]] = [[] for _ in costs.nodes]
+    for i, nd in enumerate(costs.nodes):
+        for inp in nd.inputs:
+            if inp in index:
+                users[index[inp]].append(i)
+    return index, users
+
+
 def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
@@ -147,12 +158,7 @@ def find_tensor_parallel(costs: CostGraph) -> TensorParallelSplit:
         nodes, if any).
     """
     nodes = costs.nodes
-    index = {nd.name: i for i, nd in enumerate(nodes)}
-    users: list[list[int]] = [[] for _ in nodes]
-    for i, nd in enumerate(nodes):
-        for inp in nd.inputs:
-            if inp in index:
-                users[index[inp]].append(i)
+    index, users = _users(costs)
     weight_mm = {i for i, nd in enumerate(nodes)
                  if nd.op in _MATMUL_OPS and _weight(costs, nd) is not None}
     pairs: list[tuple[tuple[int, ...], int]] = []
@@ -287,12 +293,7 @@ def sequence_parallel_nodes(costs: CostGraph, split: TensorParallelSplit) -> fro
     The codegen pass also checks the operands' shapes and falls back to whole work where they
     do not fit; this reading of the graph assumes they do."""
     nodes = costs.nodes
-    index = {nd.name: i for i, nd in enumerate(nodes)}
-    users: list[list[int]] = [[] for _ in nodes]
-    for i, nd in enumerate(nodes):
-        for inp in nd.inputs:
-            if inp in index:
-                users[index[inp]].append(i)
+    index, users = _users(costs)
     sharded = split.sharded_nodes
     rows = {r for _, r in split.pairs}
     todo = [i for i in sharded
