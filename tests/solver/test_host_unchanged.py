@@ -62,9 +62,10 @@ def golden_plans(costs: CostGraph) -> dict[str, Any]:
         d = solve(costs, _cluster(ranks), opts).to_dict()
         d["solver"].pop("wall_s")
         d.pop("library_versions")
-        # a plan field added since (False here: no dp), not a cost-model change
+        # plan fields added since (False here: no dp, no tp), not a cost-model change
         assert d.pop("overlap_grad_reduce") is False
         assert d.pop("zero_layer_units") is False
+        assert d.pop("sequence_parallel") is False
         out[f"{ranks}/{rt_name}/{optimize}/{kind}"] = d
     return out
 
