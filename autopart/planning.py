@@ -202,8 +202,10 @@ def _with_host_figures(fields: dict[str, Any], cache: bool | None,
     if runtime.ranks_are_processes:
         runtime = dataclasses.replace(
             runtime, ranks_per_core=cpu_ranks_per_core(len(fields["devices"])))
-    # gloo's collectives reduce and copy on the CPU ranks' own cores
-    runtime = dataclasses.replace(runtime, collectives_share_compute=True)
+    # gloo's collectives reduce and copy on the CPU ranks' own cores, and its reduce-scatter
+    # reduces the whole buffer
+    runtime = dataclasses.replace(runtime, collectives_share_compute=True,
+                                  reduce_scatter_as_all_reduce=True)
     return {"host_link": link, "runtime": runtime}
 
 

@@ -175,7 +175,8 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
                        bandwidth_bytes_per_s: float, latency_us: float,
                        gradient_factor: float = 1.0,
                        overhead_us: float = 0.0,
-                       copy_bytes_per_s: float = 0.0, units: int = 1) -> DataParallelCost:
+                       copy_bytes_per_s: float = 0.0, units: int = 1,
+                       reduce_scatter_as_all_reduce: bool = False) -> DataParallelCost:
     """The collectives one rank pays over its dp group, as autopart's runtime runs them
     (``autopart/runtime/distributed/_sharding.py``: FSDP2, one unit per stage).
 
@@ -208,6 +209,9 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
         units: FSDP units the collectives run per (``Plan.zero_layer_units``: the layers
             and the root of the rank's stages; default 1): stages 1-3 pay the fixed cost and
             the ring's latency once per unit for each all-gather and reduce-scatter above.
+        reduce_scatter_as_all_reduce: a reduce-scatter costs the ring all-reduce of its
+            buffer (``RuntimeDescription.reduce_scatter_as_all_reduce``: gloo; default
+            False).
 
     Raises:
         PlanError: a ZeRO stage outside 0-3, or bad link figures.
@@ -229,6 +233,8 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
     link = (dp, bandwidth_bytes_per_s, latency_us, overhead_us, copy_bytes_per_s)
     gather = fsdp_collective_us(param_bytes, *link) + extra
     scatter = fsdp_collective_us(grads, *link) + extra
+    if reduce_scatter_as_all_reduce:  # the ring's second half again
+        scatter += all_gather_us(grads, dp, bandwidth_bytes_per_s, latency_us)
     if zero_stage == 1:
         return DataParallelCost(scatter + gather, 0.0)
     gathers = 1 if zero_stage == 2 else 2

@@ -34,7 +34,8 @@ def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOption
                               bandwidth_bytes_per_s=bw, latency_us=lat,
                               gradient_factor=layout.gradient_factor,
                               overhead_us=runtime.collective_overhead_at(0.0),
-                              copy_bytes_per_s=runtime.copy_bytes_per_s, units=units)
+                              copy_bytes_per_s=runtime.copy_bytes_per_s, units=units,
+                              reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
 
 
 def layer_units(plan: Plan, costs: CostGraph, per_layer: bool | None = None

@@ -214,7 +214,8 @@ def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOption
                       op_overhead_us=device.op_overhead_us,
                       collective_overhead=runtime.collective_overhead_at,
                       copy_bytes_per_s=runtime.copy_bytes_per_s,
-                      sequence_parallel=layout.sequence_parallel)
+                      sequence_parallel=layout.sequence_parallel,
+                      reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
     if cache is not None:
         cache[tp] = out
     return out

@@ -359,7 +359,8 @@ def _sequence_parallel_ops(costs: CostGraph, split: TensorParallelSplit, tp: int
 def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, latency_us: float,
                 op_overhead_us: float, split: TensorParallelSplit | None = None,
                 collective_overhead: Callable[[float], float] | None = None,
-                copy_bytes_per_s: float = 0.0, sequence_parallel: bool = False) -> CostGraph:
+                copy_bytes_per_s: float = 0.0, sequence_parallel: bool = False,
+                reduce_scatter_as_all_reduce: bool = False) -> CostGraph:
     """One tp GPU's share of ``costs``: the cost graph each GPU of a tp group runs.
 
     Split nodes (:attr:`TensorParallelSplit.sharded_nodes`): FLOPs, bytes accessed and the
@@ -410,6 +411,10 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
             tensor, Megatron's "f" clones its input in forward, and the head's gather
             concatenates the whole logits and, in backward, copies out this GPU's slice of
             their gradient (``autopart/codegen/_tp_ops.py``).
+        sequence_parallel: price Megatron's sequence parallelism as
+            ``autopart/codegen/sequence_parallel.py`` runs it (default False).
+        reduce_scatter_as_all_reduce: the runtime's reduce-scatter costs an all-reduce
+            (``RuntimeDescription.reduce_scatter_as_all_reduce``: gloo; default False).
 
     Raises:
         PlanError: tp < 1.
@@ -496,7 +501,8 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     fixed = collective_overhead(work) if collective_overhead else 0.0
     low_fixed = collective_overhead(low_work) if collective_overhead else 0.0
     low_ratio = costs.low_batch_size / costs.batch_size
-    rings = {"ar": all_reduce_us, "rs": reduce_scatter_us, "ag": all_gather_us}
+    rings = {"ar": all_reduce_us, "ag": all_gather_us,
+             "rs": all_reduce_us if reduce_scatter_as_all_reduce else reduce_scatter_us}
 
     def price(ops: list[tuple[str, float]], low: bool = False) -> float:
         """µs of ``ops``; each collective also clones (all-reduce), packs (reduce-scatter)

@@ -134,6 +134,13 @@ class RuntimeDescription:
             overlapped with the backward left the step where it was (134.1 against 134.6 ms;
             the backward's compute grew by what the reduction's wait shrank). The solver
             then prices an overlapped reduction as the serialized one.
+        reduce_scatter_as_all_reduce: the runtime's reduce-scatter costs an all-reduce of
+            the same buffer, not half of one as a ring's does (default False: NCCL). True
+            for gloo, which reduces the whole buffer: on this project's 2-core CPU (torch
+            2.13.0+cpu, 2 ranks, median of 30) a 2 MiB reduce-scatter took 3.39 ms, its
+            all-reduce 3.59 ms and its all-gather 2.59 ms (64 KiB: 0.35, 0.27, 0.27 ms).
+            The solver then prices sequence parallelism's and FSDP2's reduce-scatters as
+            all-reduces.
         split_engine: how the runtime splits a backward into I and W, an object with the
             profiler's ``SplitEngine`` methods (:class:`autopart.profiler.split_cost.SplitEngine`;
             default None: the split's cost is not measured). Not compared or printed.
@@ -161,6 +168,7 @@ class RuntimeDescription:
     copy_bytes_per_s: float = 0.0
     time_sharing_factor: float = 1.0
     collectives_share_compute: bool = False
+    reduce_scatter_as_all_reduce: bool = False
     split_engine: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -112,6 +112,10 @@ def test_data_parallel_cost_hand_worked() -> None:
                             latency_us=0.0)
     assert z3.per_microbatch_us == pytest.approx(112_500.0)
     assert z3.step_us(4) == pytest.approx(450_000.0)
+    # gloo's reduce-scatter reduces the whole buffer: the all-reduce's 75 ms
+    gloo = data_parallel_cost(10**9, dp=4, zero_stage=3, bandwidth_bytes_per_s=20e9,
+                              latency_us=0.0, reduce_scatter_as_all_reduce=True)
+    assert gloo.per_microbatch_us == pytest.approx(150_000.0)
     # one replica: nothing to reduce or gather
     assert data_parallel_cost(10**9, dp=1, zero_stage=3, bandwidth_bytes_per_s=20e9,
                               latency_us=0.0).step_us(4) == 0.0

@@ -122,6 +122,12 @@ def test_sequence_parallel_hand_worked() -> None:
     comm = sum(by[n].fwd_us + by[n].bwd_input_us for n in ("proj", "head"))
     assert comm == pytest.approx(sum(plain[n].fwd_us + plain[n].bwd_input_us
                                      for n in ("proj", "head")))
+    # gloo reduces the whole buffer for a reduce-scatter: priced as the all-reduce (12 µs)
+    gloo = {nd.name: nd for nd in shard_costs(costs, 4, sequence_parallel=True,
+                                              reduce_scatter_as_all_reduce=True, **kw).nodes}
+    assert gloo["proj"].fwd_us == pytest.approx(15.0 + 2 * half)
+    assert gloo["head"].bwd_input_us == pytest.approx(55.0 + 2 * half)
+    assert gloo["proj"].bwd_input_us == by["proj"].bwd_input_us  # the all-gather: as before
     # what runs on the tokens: the add (reached from the row node through token-wise ops)
     assert sequence_parallel_nodes(costs, find_tensor_parallel(costs)) == frozenset({4})
 
