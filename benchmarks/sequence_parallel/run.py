@@ -38,19 +38,20 @@ def _plan(sequence_parallel: bool) -> object:
     from autopart.apps.bench import load_workload
     from autopart.layout_planning import layout_request, model_heads
     from autopart.options import CompileOptions
-    from autopart.planning import profile_model
+    from autopart.planning import profile_model, with_collective_overhead
     from autopart.solver.layout_search import evaluate_layout, layout_candidates
 
     model, args, target, loss_fn = load_workload(WORKLOAD, dict(CONFIG))
     profile = profile_model(model, args, devices=["cpu", "cpu"], num_microbatches=2,
                             loss_fn=loss_fn, example_target=target, backend="distributed",
                             split_cost=False, low_batch=False, cache=False)
+    profile = with_collective_overhead(profile, 2)  # as compile() prices tp on CPU ranks
     spec = profile.cluster().devices[0]
     options = profile.options(schedule_kind="1f1b", num_microbatches=2, stages_per_rank=1,
                               recompute=False, optimizer_state_bytes_per_param_byte=2.0)
     layout = layout_request(CompileOptions(tp=2, dp=1, zero_stage=0,
                                            sequence_parallel=sequence_parallel), 2, spec,
-                            model_heads(model))
+                            model_heads(model), profile.runtime.collective_bandwidth_bytes_per_s)
     cand = next(c for c in layout_candidates(profile.costs, spec, options, layout)
                 if (c.tp, c.pp, c.dp) == (2, 1, 1))
     plan = evaluate_layout(profile.costs, spec, options, layout, cand, positions=())
@@ -97,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     a = parser.parse_args()
+    torch.set_num_threads(1)  # profiled as each rank runs: one thread on its core
     plans = {"tp2": _plan(False), "tp2 + sequence parallel": _plan(True)}
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         paths = {}
