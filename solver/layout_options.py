@@ -57,7 +57,7 @@ class LayoutOptions:
         sequence_parallel: tp > 1 layouts run Megatron-LM's sequence parallelism (the
             token-wise work between tp pairs on 1/tp of the tokens, reduce-scatters and
             all-gathers in place of tp's all-reduces), priced so
-            (:func:`autopart.solver.tensor_parallel.shard_costs`) and recorded in the plan
+            (:func:`autopart.solver.tensor_parallel_costs.shard_costs`) and recorded in the plan
             (``Plan.sequence_parallel``). Default False: those run whole on every tp GPU.
     """
 

@@ -40,7 +40,8 @@ from autopart.solver.layout_options import LayoutCandidate, LayoutOptions
 from autopart.solver.options import SolveOptions
 from autopart.solver.predict import plan_at
 from autopart.solver.solve import solve
-from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
+from autopart.solver.tensor_parallel import find_tensor_parallel
+from autopart.solver.tensor_parallel_costs import shard_costs
 
 __all__ = ["LayoutOptions", "LayoutCandidate", "layout_candidates", "evaluate_layout",
            "solve_layout", "dp_exposed_us", "layer_units"]

@@ -9,7 +9,7 @@ import pytest
 from autopart.core.errors import PlanError
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.solver.data_parallel import data_parallel_cost
-from autopart.solver.tensor_parallel import shard_costs
+from autopart.solver.tensor_parallel_costs import shard_costs
 from tests.solver.test_tensor_parallel_costs import _block
 
 

@@ -8,11 +8,8 @@ import pytest
 
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError
-from autopart.solver.tensor_parallel import (
-    find_tensor_parallel,
-    sequence_parallel_nodes,
-    shard_costs,
-)
+from autopart.solver.tensor_parallel import find_tensor_parallel, sequence_parallel_nodes
+from autopart.solver.tensor_parallel_costs import shard_costs
 
 MM = "aten.addmm.default"
 

@@ -11,7 +11,8 @@ from autopart.core.capture import capture  # noqa: E402
 from autopart.core.cluster import PRESETS  # noqa: E402
 from autopart.core.costgraph import CostGraph  # noqa: E402
 from autopart.profiler import profile_analytical  # noqa: E402
-from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs  # noqa: E402
+from autopart.solver.tensor_parallel import find_tensor_parallel  # noqa: E402
+from autopart.solver.tensor_parallel_costs import shard_costs  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from autopart.core.cluster import PRESETS  # noqa: E402
 from autopart.core.costgraph import CostGraph  # noqa: E402
 from autopart.profiler import profile_analytical  # noqa: E402
 from autopart.solver.collectives import all_gather_us  # noqa: E402
-from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs  # noqa: E402
+from autopart.solver.tensor_parallel import find_tensor_parallel  # noqa: E402
+from autopart.solver.tensor_parallel_costs import shard_costs  # noqa: E402
 from tests.distributed.tp_worker import tiny  # noqa: E402
 
 #: per model, per layer: (column modules, row module) under the layer's prefix

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from autopart.core.costgraph import CostGraph, NodeCost
-from autopart.solver.tensor_parallel import find_tensor_parallel, shard_costs
+from autopart.solver.tensor_parallel import find_tensor_parallel
+from autopart.solver.tensor_parallel_costs import shard_costs
 
 LIN = "aten.linear.default"
 ADD = "aten.add.Tensor"

@@ -12,7 +12,8 @@ from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.solver.candidates import crossing_profile, find_candidates
 from autopart.solver.layout_search import solve_layout
-from autopart.solver.tensor_parallel import find_tensor_parallel, inside_pairs, shard_costs
+from autopart.solver.tensor_parallel import find_tensor_parallel, inside_pairs
+from autopart.solver.tensor_parallel_costs import shard_costs
 from tests.solver.test_layout_search import DEV, _gpt, _layout, _options
 
 
