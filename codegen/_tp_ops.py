@@ -210,6 +210,8 @@ def _metered(t: torch.Tensor) -> bool:
 
 
 def _group(group_name: str) -> Any:
+    """The process group a functional collective addresses by name (torch's private
+    ``distributed_c10d._resolve_process_group``, read on torch 2.13)."""
     return torch.distributed.distributed_c10d._resolve_process_group(group_name)
 
 

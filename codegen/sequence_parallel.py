@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from autopart.codegen import _tp_ops
-from autopart.codegen.tensor_parallel import _meta
+from autopart.codegen.tensor_parallel import _copy_meta, _meta
 from autopart.codegen.tp_layout import TensorParallelRank
 
 __all__ = ["sequence_parallel"]
@@ -69,7 +69,7 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 class _Pass:
     def __init__(self, gm: fx.GraphModule, tp: TensorParallelRank) -> None:
-        self.gm, self.graph, self.tp = gm, gm.graph, tp
+        self.graph, self.tp = gm.graph, tp
         self.tokens: dict[fx.Node, tuple[int, int]] = {}  # token-split node -> (dim, outer)
         self.whole: dict[fx.Node, Any] = {}  # its whole (captured) value
         self.cache: dict[tuple[Any, ...], fx.Node] = {}
@@ -77,9 +77,7 @@ class _Pass:
     def call(self, target: Any, args: tuple[Any, ...], before: fx.Node, val: Any) -> fx.Node:
         with self.graph.inserting_before(before):
             new = self.graph.call_function(target, args)
-        for key in ("nn_module_stack", "stack_trace", "seq_nr"):
-            if key in before.meta:
-                new.meta[key] = before.meta[key]
+        _copy_meta(new, before)
         new.meta["val"] = val
         return new
 
@@ -111,7 +109,7 @@ def _token_layout(node: fx.Node, size: int) -> tuple[int, int] | None:
         return (1, 1) if val.shape[1] % size == 0 else None
     rows = int(val.shape[0])
     seen: set[fx.Node] = set()
-    todo = [a for a in node.all_input_nodes]
+    todo = list(node.all_input_nodes)
     while todo:  # back through the matmul to the 3-D tensor its rows were viewed from
         a = todo.pop()
         if a in seen:

@@ -95,7 +95,7 @@ def _sequence_parallel_ops(costs: CostGraph, split: TensorParallelSplit, tp: int
     nodes = costs.nodes
     index = {nd.name: i for i, nd in enumerate(nodes)}
     grad = _needs_grad(costs)
-    readers_of_f = {j for sources in f_sources.values() for j in sources}
+    f_values = {j for sources in f_sources.values() for j in sources}
     seen_params: set[str] = set()
     seen_whole: set[int] = set()
     seen_gather: set[int] = set()
@@ -119,7 +119,7 @@ def _sequence_parallel_ops(costs: CostGraph, split: TensorParallelSplit, tp: int
             continue
         for x in nd.inputs:
             j = index.get(x)
-            if j is None or j not in tokens or j in readers_of_f or j in seen_gather:
+            if j is None or j not in tokens or j in f_values or j in seen_gather:
                 continue
             seen_gather.add(j)
             fwd_ops[i].append(("ag", nodes[j].output_bytes))
