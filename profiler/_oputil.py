@@ -9,7 +9,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import sdpa_flop_count
 
-__all__ = ["EXTRA_FLOP_FORMULAS", "MeasureReport"]
+__all__ = ["EXTRA_FLOP_FORMULAS", "GROUPED_MM_OPS", "MeasureReport", "flop_formulas",
+           "grouped_mm_flop", "weight_source"]
 
 
 def _cpu_sdpa_flop(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
@@ -18,11 +19,67 @@ def _cpu_sdpa_flop(query_shape: Any, key_shape: Any, value_shape: Any, *args: An
     return int(sdpa_flop_count(query_shape, key_shape, value_shape))  # type: ignore[no-untyped-call]
 
 
+def grouped_mm_flop(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None,
+                    **kwargs: Any) -> int:
+    """FLOPs of a grouped GEMM (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``):
+    twice its multiply-adds, however the rows are split among the groups.
+
+    Shapes (``torch._grouped_mm``'s four forms): ``a [M, K]`` x ``b [G, K, N]`` (tokens sorted
+    by expert, one weight per expert: mixture-of-experts layers), ``a [G, M, K]`` x
+    ``b [G, K, N]`` (batched), ``a [G, M, K]`` x ``b [K, N]``: each output element is one
+    ``K``-long dot product, so ``2 * out.numel() * K``. ``a [M, K]`` x ``b [K, N]`` with the
+    groups along ``K`` (the weight gradient of the first form; out ``[G, M, N]``):
+    ``2 * M * K * N``. The routing (``offs``) moves rows between groups but not the total.
+    """
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    numel = 1
+    for d in out_shape:
+        numel *= d
+    return 2 * numel * a_shape[-1]
+
+
+GROUPED_MM_OPS = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
+"""Grouped GEMMs: one matmul per group (expert) in one call; the backward is two of the
+forward's size, one per operand, as for a plain matmul."""
+
 # FLOP formulas torch's counter lacks (keyed by op packet, as FlopCounterMode looks them up).
-EXTRA_FLOP_FORMULAS: dict[Any, Any] = {}
+EXTRA_FLOP_FORMULAS: dict[Any, Any] = {torch.ops.aten._grouped_mm: grouped_mm_flop}
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     EXTRA_FLOP_FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = (
         _cpu_sdpa_flop)
+
+
+def flop_formulas() -> dict[Any, Any]:
+    """:data:`EXTRA_FLOP_FORMULAS` plus those of ops registered after import: transformers'
+    ``transformers::grouped_mm_fallback`` (its MoE experts on CPU and in float32 capture)
+    exists once ``transformers.integrations.moe`` is imported, which a capture of a MoE model
+    does. Pass the result as ``FlopCounterMode(custom_mapping=...)``."""
+    try:
+        fallback = torch.ops.transformers.grouped_mm_fallback
+    except (AttributeError, RuntimeError):
+        return EXTRA_FLOP_FORMULAS
+    EXTRA_FLOP_FORMULAS.setdefault(fallback, grouped_mm_flop)
+    return EXTRA_FLOP_FORMULAS
+
+
+_PASS_THROUGH_OPS = frozenset({
+    "aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.view.default",
+    "aten.reshape.default", "aten._unsafe_view.default", "aten.expand.default",
+    "aten.alias.default", "aten.unsqueeze.default", "aten._to_copy.default",
+    "aten.to.dtype", "aten.to.dtype_layout", "aten.contiguous.default", "aten.clone.default"})
+"""Single-tensor ops through which an operand stays 'the weight': a matmul's operand made by
+these from a parameter has its gradient computed in the weight-gradient (W) pass."""
+
+
+def weight_source(node: fx.Node) -> fx.Node | None:
+    """The ``get_attr`` node that ``node`` is (possibly through transposes, views and casts),
+    else None. transformers 5 stores MoE experts as stacked 3-D parameters and hands
+    ``weight.transpose(1, 2)`` to the grouped GEMM: that operand is the weight all the same."""
+    while node.op == "call_function" and str(node.target) in _PASS_THROUGH_OPS and node.args \
+            and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if node.op == "get_attr" else None
 
 
 def _written_args(node: fx.Node) -> list[int | str]:

@@ -20,11 +20,12 @@ from autopart.core.costgraph import NodeCost
 from autopart.core.errors import ProfileError
 from autopart.core.memory import allocated_peak_bytes
 from autopart.profiler._oputil import (
-    EXTRA_FLOP_FORMULAS,
     MeasureReport,
     _clone_written,
     _Run,
     _written_args,
+    flop_formulas,
+    weight_source,
 )
 from autopart.profiler.meters import (
     SavedTensorMeter,
@@ -338,8 +339,9 @@ class _Walker:
             if src in cache:
                 return cache[src]
             value = value_of(src)
-            if src.op == "get_attr":
-                want = self.fqn.get(src) in self.captured.trainable
+            source = weight_source(src)  # a parameter, or its transpose / view / cast
+            if source is not None:
+                want = self.fqn.get(source) in self.captured.trainable
                 leaves = run.weight_leaves
             else:
                 want, leaves = self.needs_grad.get(src, False), run.input_leaves
@@ -356,10 +358,10 @@ class _Walker:
         args, kwargs = self._load(node, grad_value if self.training else value_of)
         with torch.set_grad_enabled(self.training):  # a clone of a grad leaf stays in the graph
             args, kwargs = _clone_written(args, kwargs, written)
-        excluded = {k for n in node.all_input_nodes if n.op == "get_attr"
+        excluded = {k for n in node.all_input_nodes if weight_source(n) is not None
                     for t in tensor_leaves(value_of(n)) if (k := storage_key(t)) is not None}
         meter = SavedTensorMeter(excluded | self._saved_live)
-        counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+        counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
 
         def factory() -> Callable[[], Any]:
             def thunk() -> Any:

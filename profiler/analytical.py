@@ -15,7 +15,7 @@ from autopart.core.capture import CapturedGraph, node_module_path, op_nodes
 from autopart.core.cluster import DeviceSpec
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError, ProfileError
-from autopart.profiler._oputil import EXTRA_FLOP_FORMULAS
+from autopart.profiler._oputil import GROUPED_MM_OPS, flop_formulas, weight_source
 from autopart.profiler.meters import strided_nbytes
 
 __all__ = ["profile_analytical", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "SDPA_BWD_FLOP_RATIO",
@@ -86,17 +86,20 @@ def profile_analytical(captured: CapturedGraph, flat_inputs: list[Any] | None, s
 
     Per node:
 
-    - ``flops``: ``torch.utils.flop_counter.FlopCounterMode`` over the meta forward.
+    - ``flops``: ``torch.utils.flop_counter.FlopCounterMode`` over the meta forward, with
+      the formulas torch lacks (:func:`autopart.profiler._oputil.flop_formulas`: grouped
+      GEMMs of mixture-of-experts layers, CPU's fused attention).
     - ``bytes_accessed``: nbytes of the tensor inputs (parameters included) plus outputs;
       0 for :data:`VIEW_OPS`. ``output_bytes``: nbytes of the outputs.
     - ``fwd_us`` = max(flops / (peak x :data:`MATMUL_EFFICIENCY`),
       bytes_accessed / (bandwidth x :data:`MEMORY_EFFICIENCY`)) x 1e6 + ``spec.op_overhead_us``;
       0 for :data:`VIEW_OPS`. ``peak`` is ``spec.peak_flops_for(dtype, tf32=tf32)``.
     - Backward (when ``training`` and an output needs a gradient), rule:
-      :data:`MATMUL_OPS`: the gradient w.r.t. each operand is one matmul of the forward's
-      size, so ``bwd_input`` gets the forward's FLOPs when an activation input needs a
-      gradient and ``bwd_weight`` gets them again when a trainable parameter is read
-      (backward = 2 x forward FLOPs for a linear layer). Attention (SDPA):
+      :data:`MATMUL_OPS` and grouped GEMMs: the gradient w.r.t. each operand is one matmul
+      of the forward's size, so ``bwd_input`` gets the forward's FLOPs when an activation
+      input needs a gradient and ``bwd_weight`` gets them again when a trainable parameter
+      is read, directly or through a transpose, view or cast (backward = 2 x forward FLOPs
+      for a linear layer or an expert). Attention (SDPA):
       :data:`SDPA_BWD_FLOP_RATIO` x forward, all input-gradient. Other ops: memory-bound,
       2 x the forward's bytes (read the output gradient and the saved values, write the
       input gradients), to ``bwd_input``, or to ``bwd_weight`` when they read a trainable
@@ -244,7 +247,7 @@ class _MetaWalker:
         args, kwargs = fx.node.map_aggregate(
             (args, kwargs), lambda x: torch.device("meta") if isinstance(x, torch.device) else x)
         counted: list[tuple[int | None, int]] = []  # (id(storage) or None, bytes)
-        counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+        counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
         fn: Any = node.target
         try:
             with torch.set_grad_enabled(self.training), counter, \
@@ -261,11 +264,13 @@ class _MetaWalker:
                 f"meta tensors: {type(exc).__name__}: {text}; analytical profiling needs every "
                 "op to have a meta kernel") from exc
         in_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        grad_inputs = [t for n in node.all_input_nodes if n.op != "get_attr"
+        sources = {n: weight_source(n) for n in node.all_input_nodes}
+        grad_inputs = [t for n in node.all_input_nodes if sources[n] is None
                        for t in pytree.tree_leaves(self.env[n])
                        if isinstance(t, torch.Tensor) and t.requires_grad]
-        weights = [n for n in node.all_input_nodes
-                   if n.op == "get_attr" and self.fqn.get(n) in self.captured.trainable]
+        weights = [n for n in node.all_input_nodes  # a parameter, or its transpose/view/cast
+                   if sources[n] is not None
+                   and self.fqn.get(sources[n]) in self.captured.trainable]
         needs_grad = self.training and (bool(grad_inputs) or bool(weights))
         if target in _SDPA_OPS:  # meta picks the math path; keep the captured kernel's layout
             out = pytree.tree_map(_to_meta, node.meta.get("val", out))
@@ -290,7 +295,7 @@ class _MetaWalker:
         fwd_us = 0.0 if is_view else self._time(flops, nbytes)
         bwd_in = bwd_w = 0.0
         if needs_grad and not is_view:
-            if target in MATMUL_OPS:
+            if target in MATMUL_OPS or target in GROUPED_MM_OPS:
                 bwd_in = self._time(flops, nbytes) if grad_inputs else 0.0
                 bwd_w = self._time(flops, nbytes) if weights else 0.0
             elif target in _SDPA_OPS:

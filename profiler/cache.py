@@ -24,8 +24,10 @@ __all__ = ["cache_dir", "host_file", "profile_key", "load_cached", "store", "cac
 #: Bumped whenever the profiler's numbers change for the same inputs, so that profiles
 #: cached by an earlier revision are never reused (2: empty autograd-call cost subtracted;
 #: 3: ``NodeCost.saved_from`` and ``strided_output_bytes`` recorded, a reused node's saved
-#: storages no longer counted again).
-PROFILER_REVISION = "3"
+#: storages no longer counted again; 4: grouped GEMMs (mixture-of-experts experts) counted and
+#: priced as matmuls, a parameter read through a transpose / view / cast timed as the weight
+#: gradient).
+PROFILER_REVISION = "4"
 
 
 def cache_dir() -> Path:

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopart.core.capture import capture
 from autopart.core.cluster import PRESETS
-from autopart.profiler import EXTRA_FLOP_FORMULAS, profile_analytical, profile_graph_report
+from autopart.profiler import flop_formulas, profile_analytical, profile_graph_report
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
             whole.append((time.perf_counter() - t0) * 1e6)
     costs, report = profile_graph_report(captured, [x], training=False, warmup=2, repeats=a.repeats,
                                          reuse_repeated_blocks=False)
-    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as fc, torch.no_grad():
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as fc, torch.no_grad():
         model(x)
     ana = profile_analytical(captured, None, PRESETS["h100-sxm"], training=False)
     d, v, t, n = a.embd, cfg.vocab_size, a.batch * a.seq, a.layers

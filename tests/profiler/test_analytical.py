@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopart.core.capture import capture
 from autopart.core.cluster import PRESETS
 from autopart.core.errors import PlanError, ProfileError
-from autopart.profiler import EXTRA_FLOP_FORMULAS, profile_analytical, profile_graph
+from autopart.profiler import flop_formulas, profile_analytical, profile_graph
 from autopart.profiler.analytical import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from tests.profiler._models import B, D, L, T, V, small_gpt2
 
@@ -22,7 +22,7 @@ def test_gpt2_flops_match_counter_and_closed_form() -> None:
     captured = capture(model, (x,))
     costs = profile_analytical(captured, None, PRESETS["h100-sxm"])
     flops = sum(n.flops for n in costs.nodes)
-    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
         model(x)
     assert abs(flops / counter.get_total_flops() - 1) < 0.03
     # 2 * matmul parameters * tokens + attention (QK^T and AV: 2 * 2 * B * T^2 * D per layer).
