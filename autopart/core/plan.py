@@ -34,6 +34,7 @@ from autopart.core.plan_rules import (
     SCHEDULE_KINDS,
     SHARD_STYLES,
 )
+from autopart.core.recompute_policy import RECOMPUTE_POLICIES
 from autopart.core.schedule import check_microbatches, splits_backward, stage_ranks
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
 
@@ -96,6 +97,12 @@ class Plan:
             dropouts and residual adds between tp pairs run on 1/tp of the tokens
             (``autopart/codegen/sequence_parallel.py``). False (the default, and what plans
             written before it load as): those run whole on every tp GPU. Only with tp > 1.
+        recompute_policy: what a stage whose ``StagePlan.recompute`` is true recomputes, one
+            of ``autopart.core.recompute_policy.RECOMPUTE_POLICIES``: ``"full"`` (the default,
+            and what plans written before it load as): its whole forward, keeping its inputs
+            only; ``"selective"``: torch's selective activation checkpointing with
+            torchtitan's op policy, keeping the outputs of matmuls, attention and tp's
+            collectives and recomputing the rest.
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
@@ -125,6 +132,7 @@ class Plan:
     overlap_grad_reduce: bool = False
     zero_layer_units: bool = False
     sequence_parallel: bool = False
+    recompute_policy: str = "full"
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -240,6 +248,9 @@ def check_plan_invariants(plan: Plan) -> None:
                   f"schedule_kind={plan.schedule_kind!r}: per-layer FSDP units are for ZeRO 1-3 "
                   "over dp >= 2 replicas on a schedule whose backwards do not split; set it "
                   "False")
+    if plan.recompute_policy not in RECOMPUTE_POLICIES:
+        raise bad(f"recompute_policy={plan.recompute_policy!r} is not one of "
+                  f"{RECOMPUTE_POLICIES}")
     if plan.sequence_parallel and plan.tp < 2:
         raise bad(f"sequence_parallel=True with tp={plan.tp}: sequence parallelism splits the "
                   "tokens over a tp group of 2 or more GPUs; set it False")

@@ -1,0 +1,58 @@
+"""What a recomputing stage keeps: the recompute policies a plan names, and the ops whose
+outputs torch's selective-op policy keeps (read by the solver's cost model on graph nodes
+and by codegen on the kernels they dispatch to; no torch import here)."""
+
+from __future__ import annotations
+
+__all__ = ["RECOMPUTE_POLICIES", "SELECTIVE_KEPT_NODE_OPS", "SELECTIVE_KEPT_KERNELS",
+           "TP_KEPT_NODE_OPS"]
+
+#: ``"full"``: a recomputing stage keeps its inputs only and runs its whole forward again in
+#: its backward (``torch.utils.checkpoint`` around the stage). ``"selective"``: torch's
+#: selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_
+#: contexts``) with torchtitan's op policy: the outputs of matmuls, attention and tensor
+#: parallelism's collectives are kept, everything else (norms, activations, residual adds,
+#: dropout, casts) is recomputed. Korthikanti et al. (2022), "Reducing Activation
+#: Recomputation in Large Transformer Models", section 4.2, and torchtitan's
+#: ``activation_checkpoint.py`` (``mode = "selective"``, ``selective_ac_option = "op"``).
+#: One difference from torchtitan: it recomputes every second ``aten.mm`` to save more
+#: memory; here every matmul's output is kept.
+RECOMPUTE_POLICIES = ("full", "selective")
+
+#: Graph ops (``NodeCost.op`` of a captured graph) whose outputs ``"selective"`` keeps: the
+#: matmul family (they dispatch to the kernels of :data:`SELECTIVE_KEPT_KERNELS`), attention,
+#: grouped expert GEMMs and convolutions.
+SELECTIVE_KEPT_NODE_OPS = frozenset({
+    "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten.baddbmm.default", "aten.matmul.default", "aten.einsum.default",
+    "aten.convolution.default", "aten.conv1d.default", "aten.conv2d.default",
+    "aten._convolution.default",
+    "aten.scaled_dot_product_attention.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
+
+#: Tensor parallelism's collectives that communicate in the forward
+#: (``autopart/codegen/_tp_ops.py``): ``"selective"`` keeps their outputs, so a recomputed
+#: forward never communicates again.
+TP_KEPT_NODE_OPS = frozenset({
+    "autopart.tp_reduce.default", "autopart.tp_gather.default",
+    "autopart.tp_reduce_scatter.default", "autopart.tp_seq_gather.default",
+    "autopart.tp_seq_gather_split.default"})
+
+#: The kernels (``OpOverload`` names as ``str(op)`` prints them) whose outputs the selective
+#: policy keeps when a stage runs: what :data:`SELECTIVE_KEPT_NODE_OPS` dispatch to below
+#: autograd (``aten.linear`` -> ``aten.mm`` / ``aten.addmm``, ``aten.matmul`` -> ``aten.mm`` /
+#: ``aten.bmm``, attention -> the device's fused kernel), plus tp's collectives.
+SELECTIVE_KEPT_KERNELS = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+    "aten.convolution.default", "aten._convolution.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_attention_math.default",
+    "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default",
+    *TP_KEPT_NODE_OPS})
