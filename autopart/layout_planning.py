@@ -157,6 +157,7 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
     choices = {k: v for k, v in (("schedule_kind", options.schedule_kind),
                                  ("stages_per_rank", options.stages_per_rank),
                                  ("recompute", options.recompute),
+                                 ("recompute_policy", options.recompute_policy),
                                  ("num_microbatches", options.num_microbatches))
                if v is not None}
     solve_options = profile.options(optimize=options.optimize or "speed",

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from autopart.core.errors import PlanError
 from autopart.core.layout import check_zero_stage
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
+from autopart.core.recompute_policy import RECOMPUTE_POLICIES
 from autopart.core.runtime_model import BACKENDS
 
 if TYPE_CHECKING:
@@ -105,6 +106,11 @@ class CompileOptions:
         stages_per_rank: v >= 1 (v > 1 needs ``interleaved_1f1b``; ``zbv`` and
             ``dualpipev`` run v = 2, rank r holding stages r and 2p - 1 - r).
         recompute: every stage (True), none (False), solver's choice (None).
+        recompute_policy: what a recomputing stage recomputes (``Plan.recompute_policy``):
+            ``"full"`` its whole forward, ``"selective"`` all but the outputs of matmuls,
+            attention and tp's collectives (torch's selective activation checkpointing with
+            torchtitan's op policy). None (default): ``"full"`` when solving; a replayed plan
+            keeps its own.
         fuse: compile each stage with ``torch.compile`` (both backends); the plan is then
             priced on compiled segments' times (``ProfileOptions.fuse``).
         backend: ``"local"`` or ``"distributed"``; ``None`` picks distributed inside an
@@ -164,6 +170,7 @@ class CompileOptions:
     schedule_kind: str | None = None
     stages_per_rank: int | None = None
     recompute: bool | None = None
+    recompute_policy: str | None = None
     fuse: bool = False
     backend: str | None = None
     checkpoint: str | os.PathLike[str] | None = None
@@ -204,6 +211,9 @@ class CompileOptions:
                             "search the layout only when tp=, dp= or zero_stage= is given)")
         if self.recompute not in (None, True, False):
             raise PlanError(f"recompute={self.recompute!r} must be True, False or None")
+        if self.recompute_policy not in (None, *RECOMPUTE_POLICIES):
+            raise PlanError(f"recompute_policy={self.recompute_policy!r} must be one of "
+                            f"{RECOMPUTE_POLICIES} or None")
         if self.backend is not None and self.backend not in BACKENDS:
             raise PlanError(f"backend={self.backend!r}; expected one of {BACKENDS} or None")
         if self.devices is not None and not self.devices:
@@ -297,7 +307,8 @@ class CompileOptions:
                  ("tp", self.tp, plan.tp), ("dp", self.dp, plan.dp),
                  ("zero_stage", self.zero_stage, plan.zero_stage),
                  ("recompute", self.recompute,
-                  next(iter(recompute)) if len(recompute) == 1 else "per stage")]
+                  next(iter(recompute)) if len(recompute) == 1 else "per stage"),
+                 ("recompute_policy", self.recompute_policy, plan.recompute_policy)]
         for name, value, planned in given:
             if value is not None and value != planned:
                 raise PlanError(f"{name}={value!r} conflicts with the replayed plan, which has "

@@ -73,10 +73,12 @@ class CostModel(MemoryModel):
     def __init__(self, costs: CostGraph, cluster: Cluster, *, batch_size: int, training: bool,
                  state_factor: float,
                  runtime: RuntimeDescription = _FREE_RUNTIME,
-                 layer_unit_factors: tuple[float, float, float, float] | None = None) -> None:
+                 layer_unit_factors: tuple[float, float, float, float] | None = None,
+                 recompute_policy: str = "full") -> None:
         super().__init__(costs, batch_size=batch_size, training=training,
                          state_factor=state_factor, runtime=runtime,
-                         layer_unit_factors=layer_unit_factors)
+                         layer_unit_factors=layer_unit_factors,
+                         recompute_policy=recompute_policy)
         self._split_points = tuple(sorted(runtime.split_backward_points))
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
         self.cluster = cluster
@@ -84,9 +86,11 @@ class CostModel(MemoryModel):
         ov = self.overhead_us
         self._fixed = [0.0]   # prefix sums of the batch-independent part of node time, µs
         self._linear = [0.0]  # prefix sums of the part linear in b / b0, µs
-        # forward, input-gradient and weight-gradient parts, (fixed, linear) prefix sums, µs
+        # forward, input-gradient and weight-gradient parts, and the forward a recomputing
+        # stage runs again (the forward less its kept nodes' under "selective"), (fixed,
+        # linear) prefix sums, µs
         self._parts: dict[str, tuple[list[float], list[float]]] = {
-            key: ([0.0], [0.0]) for key in ("fwd", "bwd_input", "bwd_weight")}
+            key: ([0.0], [0.0]) for key in ("fwd", "bwd_input", "bwd_weight", "recompute")}
         # per node (fixed, linear) of the forward and of the whole backward, µs
         self._node_fwd: list[tuple[float, float]] = []
         self._node_bwd: list[tuple[float, float]] = []
@@ -107,7 +111,9 @@ class CostModel(MemoryModel):
             self._fixed.append(self._fixed[-1] + fixed)
             self._linear.append(self._linear[-1] + linear)
             self._bwd_nodes.append(self._bwd_nodes[-1] + (nd.bwd_us > 0))
-            for key, (f, ln_) in zip(("fwd", "bwd_input", "bwd_weight"), parts, strict=True):
+            again = (0.0, 0.0) if self.kept[i] else parts[0]
+            for key, (f, ln_) in zip(("fwd", "bwd_input", "bwd_weight", "recompute"),
+                                     (*parts, again), strict=True):
                 fx, ln = self._parts[key]
                 fx.append(fx[-1] + f)
                 ln.append(ln[-1] + ln_)
@@ -119,6 +125,11 @@ class CostModel(MemoryModel):
                 for nd in costs.nodes:
                     sums.append(sums[-1] + nd.host_times[k])  # type: ignore[index]
                 self._host[key] = sums
+            again = [0.0]
+            for i, nd in enumerate(costs.nodes):
+                again.append(again[-1] + (0.0 if self.kept[i]
+                                          else nd.host_times[0]))  # type: ignore[index]
+            self._host["recompute"] = again
         # trainable parameters read by more than one node (GPT-2's tied wte / lm_head): the
         # nodes reading each, for tied_sync_us
         readers: dict[str, list[int]] = {}
@@ -133,10 +144,11 @@ class CostModel(MemoryModel):
         for sc in costs.batch_scales:
             r = sc.batch_size / b0
             sums: dict[str, list[float]] = {key: [0.0] for key in ("fwd", "bwd_input",
-                                                                   "bwd_weight", "time")}
+                                                                   "bwd_weight", "recompute",
+                                                                   "time")}
             for i, (ff, fb) in enumerate(sc.factors(len(costs.nodes))):
-                at = {key: (fx[i + 1] - fx[i] + (ln[i + 1] - ln[i]) * r) * (ff if key == "fwd"
-                                                                            else fb)
+                at = {key: (fx[i + 1] - fx[i] + (ln[i + 1] - ln[i]) * r)
+                      * (ff if key in ("fwd", "recompute") else fb)
                       for key, (fx, ln) in self._parts.items()}
                 for key, t in at.items():
                     sums[key].append(sums[key][-1] + t)
@@ -175,7 +187,8 @@ class CostModel(MemoryModel):
         return max(nbytes / bw * 1e6 + lat for bw, lat in links)
 
     def part_us(self, part: str, start: int, stop: int, ratio: float) -> float:
-        """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``) of nodes
+        """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``, or ``"recompute"``:
+        the forward a recomputing stage runs again, its kept nodes' left out) of nodes
         ``start .. stop - 1`` at ``ratio = b / b0``, µs (each part scaled as its own op)."""
         at = self._measured_at(ratio)
         if at is not None:
@@ -276,7 +289,8 @@ class CostModel(MemoryModel):
                    state_factor=(options.optimizer_state_bytes_per_param_byte
                                  if options.state_bytes_per_param_byte is None
                                  else options.state_bytes_per_param_byte - 2.0),
-                   runtime=options.runtime, layer_unit_factors=options.layer_unit_factors)
+                   runtime=options.runtime, layer_unit_factors=options.layer_unit_factors,
+                   recompute_policy=options.recompute_policy)
 
     def speed(self, rank: int) -> float:
         """Time multiplier of ``rank``'s compute against the profiled device: peak FLOP/s of

@@ -6,6 +6,12 @@ import math
 from collections.abc import Iterable
 
 from autopart.core.costgraph import CostGraph, layer_of_path
+from autopart.core.errors import PlanError
+from autopart.core.recompute_policy import (
+    RECOMPUTE_POLICIES,
+    SELECTIVE_KEPT_NODE_OPS,
+    TP_KEPT_NODE_OPS,
+)
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.solver.candidates import _values, crossing_profile, crossing_sums
 
@@ -41,8 +47,18 @@ class MemoryModel:
 
     def __init__(self, costs: CostGraph, *, batch_size: int, training: bool,
                  state_factor: float, runtime: RuntimeDescription,
-                 layer_unit_factors: tuple[float, float, float, float] | None = None) -> None:
+                 layer_unit_factors: tuple[float, float, float, float] | None = None,
+                 recompute_policy: str = "full") -> None:
         self.costs = costs
+        if recompute_policy not in RECOMPUTE_POLICIES:
+            raise PlanError(f"recompute_policy={recompute_policy!r} is not one of "
+                            f"{RECOMPUTE_POLICIES}")
+        self.recompute_policy = recompute_policy
+        # per node: whether a recomputing stage keeps its output (Plan.recompute_policy)
+        self.kept = [recompute_policy == "selective"
+                     and (nd.op in SELECTIVE_KEPT_NODE_OPS or nd.op in TP_KEPT_NODE_OPS)
+                     for nd in costs.nodes]
+        self._selective: dict[tuple[int, int], tuple[int, int]] = {}
         self._layer_units = layer_unit_factors if training else None
         self.runtime = runtime
         self.batch_size = batch_size
@@ -168,6 +184,54 @@ class MemoryModel:
                           if self._last_use[i] >= stop and i not in saved_here)
         self._held[key] = (inside, outputs, strided)
         return self._held[key]
+
+    def selective_parts(self, start: int, stop: int) -> tuple[int, int]:
+        """What a stage of nodes ``start .. stop - 1`` that recomputes under the selective
+        policy (``recompute_policy="selective"``) keeps, at the profiled batch, bytes:
+        ``(kept, kept and saved)``.
+
+        ``kept``: the outputs of its kept nodes (matmuls, attention, tp's collectives:
+        :data:`autopart.core.recompute_policy.SELECTIVE_KEPT_NODE_OPS`), which torch's
+        selective checkpointing caches from the forward until the backward, less those
+        :meth:`held_parts` counts as the stage's outputs already. ``kept and saved``: the
+        bytes of the stage's saved set (:meth:`held_parts`' first part) that are kept nodes'
+        outputs: the backward's recomputation finds them in the cache and allocates them
+        again never. ``(0, 0)`` under ``"full"`` or without ``saved_from``.
+        """
+        key = (start, stop)
+        if key in self._selective:
+            return self._selective[key]
+        kept = kept_saved = 0
+        if self.recompute_policy == "selective":
+            nodes = self.costs.nodes
+            saved_here: set[int] = set()
+            for j in range(start, stop):
+                for dist, nbytes in nodes[j].saved_from or ():
+                    i = j - dist
+                    if i >= start and self.kept[i] and i not in saved_here:
+                        kept_saved += nbytes
+                    if i >= start:
+                        saved_here.add(i)
+            for i in range(start, stop):
+                in_outputs = self._producers_known and self._last_use[i] >= stop \
+                    and i not in saved_here
+                if self.kept[i] and not in_outputs:
+                    kept += nodes[i].output_bytes
+            if not self._producers_known:
+                kept_saved = 0
+        self._selective[key] = (kept, kept_saved)
+        return self._selective[key]
+
+    def chain_kept_bytes(self, start: int, stop: int) -> tuple[int, int]:
+        """:meth:`selective_parts` of nodes ``start .. stop - 1`` for the partition solvers'
+        segments: every kept output but the graph's outputs (which the last stage's out
+        buffer counts), and the kept part of the saved set, at the profiled batch, bytes."""
+        if self.recompute_policy != "selective":
+            return 0, 0
+        n = len(self.costs.nodes)
+        kept = sum(self.costs.nodes[i].output_bytes for i in range(start, stop)
+                   if self.kept[i] and self._last_use[i] < n)
+        return kept, self.selective_parts(start, stop)[1]
 
     def strided_bytes(self, start: int, stop: int) -> int:
         """Non-contiguous values crossing into and out of a stage of nodes ``start .. stop -

@@ -93,4 +93,4 @@ def build_plan(costs: CostGraph, cluster: Cluster, model: CostModel, cands: CutC
         batch_size=batch_size, num_microbatches=best.m, schedule_kind=best.kind, cuts=cuts,
         stages=tuple(stages), ranks=ranks, predicted_step_time_us=round(best.step_us, 3),
         bubble_fraction=round(best.bubble, 6), solver=report, baselines=baselines,
-        stages_per_rank=best.v, pareto=frontier)
+        stages_per_rank=best.v, pareto=frontier, recompute_policy=model.recompute_policy)

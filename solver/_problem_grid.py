@@ -181,8 +181,12 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         seg_w = [int(round(TIME_UNITS_PER_US * (
             model.part_us("bwd_weight", s.start, s.stop, ratio)
             + model.split_overhead_us(s.start, s.stop, ratio)))) for s in cands.segments]
-    seg_f = [int(round(model.part_us("fwd", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
+    # what recomputing adds: the forward run again (all of it, or its unkept nodes' under the
+    # selective policy), and what such a stage still keeps (selective)
+    seg_f = [int(round(model.part_us("recompute", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
              for s in cands.segments]
+    rc_parts = [model.chain_kept_bytes(s.start, s.stop) for s in cands.segments] \
+        if options.training and model.recompute_policy == "selective" else None
     # state of the parameters first read in each segment; saved bytes at the microbatch size
     state = [model.first_use_state_bytes(s.start, s.stop) for s in cands.segments]
     saved = [model.scale_bytes(model.saved_bytes(s.start, s.stop), ratio) if options.training
@@ -207,7 +211,12 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         rank_caps=tuple(max(c - transient, 0) for c in st.caps), recompute=st.mode,
         optimize=options.optimize, seg_bwd_weight=None if seg_w is None else tuple(seg_w),
         seg_split=None if seg_x is None else tuple(seg_x),
-        placement=stage_ranks(kind, p, v) if kind in V_SCHEDULE_KINDS else None)
+        placement=stage_ranks(kind, p, v) if kind in V_SCHEDULE_KINDS else None,
+        seg_rc_kept=None if rc_parts is None else tuple(model.scale_bytes(a, ratio)
+                                                        for a, _ in rc_parts),
+        seg_rc_kept_saved=None if rc_parts is None else tuple(
+            min(model.scale_bytes(b, ratio), x) for (_, b), x in zip(rc_parts, saved,
+                                                                     strict=True)))
 
 
 def _baseline_cuts(costs: CostGraph, p: int) -> list[tuple[str, tuple[int, ...]]]:

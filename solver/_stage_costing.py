@@ -193,16 +193,17 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
 
 
 #: The parts of a node's time, as ``CostModel.part_us`` names them.
-_PARTS = ("fwd", "bwd_input", "bwd_weight")
+_PARTS = ("fwd", "bwd_input", "bwd_weight", "recompute")
 
 
-def _actions(kind: str, span: StageSpan, fwd: float, bi: float, bw: float,
+def _actions(kind: str, span: StageSpan, fwd: float, bi: float, bw: float, again: float,
              split_us: float) -> tuple[float, float, float]:
     """``(F, I, W)`` of a stage from the sums of its nodes' parts (device or host side), µs:
-    recompute adds the forward to the backward; a split backward charges ``split_us`` to
-    ``W``; a backward run whole is all in ``I``."""
+    recompute adds ``again`` (the forward it runs again: all of it under the ``"full"``
+    policy, its unkept nodes' under ``"selective"``) to the backward; a split backward
+    charges ``split_us`` to ``W``; a backward run whole is all in ``I``."""
     if span.recompute:
-        bi = bi + fwd
+        bi = bi + again
     if splits_backward(kind, span.recompute):
         if span.first:
             # the first stage's inputs need no gradient: its I computes nothing and its W is
@@ -250,14 +251,19 @@ def _saved_bytes(model: CostModel, span: StageSpan, cross_in: int, cross_out: in
         saved = (inside + outs + strided if model.held_bytes_cover_outputs
                  else inside + held_out)
         return saved, 0
+    # the selective policy also keeps its kept nodes' outputs from F to B, and the backward's
+    # recomputation reallocates none of them (MemoryModel.selective_parts; 0 under "full")
+    kept, kept_saved = (model.scale_bytes(x, ratio)
+                        for x in model.selective_parts(span.start, span.stop)) \
+        if training else (0, 0)
     if _torch_held(model):
         # a recomputed stage of torch's keeps its outputs (the stage's cache), the copies of
         # strided values and the loss's saved set (the loss runs outside the recomputed
         # forward) from F to B; its inputs are receive buffers (static). The backward
         # recomputes the rest
         loss = model.scale_bytes(model.costs.loss_saved_bytes, ratio) if span.last else 0
-        return outs + strided + loss, inside - loss
-    return cross_in + held_out, inside + outs
+        return outs + strided + loss + kept, max(inside - loss - kept_saved, 0)
+    return cross_in + held_out + kept, max(inside + outs - kept_saved, 0)
 
 
 def _split_bytes(model: CostModel, span: StageSpan, cross_out: int,

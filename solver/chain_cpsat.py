@@ -244,10 +244,13 @@ def _add_memory(problem: ChainProblem, chain: ChainModel,
     cross = list(problem.cut_bytes or [0] * (k - 1))
     state = list(problem.seg_state or [0] * k)
     saved = list(problem.seg_saved or [0] * k)
+    rc_kept = list(problem.seg_rc_kept or [0] * k)
+    rc_saved = list(problem.seg_rc_kept_saved or [0] * k)
     mem_upper = (sum(state) + 2 * (sum(cross) + problem.first_in_bytes + problem.last_out_bytes)
                  + max(problem.in_flight or (1,)) * (sum(saved) + 2 * sum(cross)
                                                      + problem.first_in_bytes
-                                                     + problem.last_out_bytes) + sum(saved))
+                                                     + problem.last_out_bytes + sum(rc_kept))
+                 + sum(saved))
     mem: list[Any] = []
     for s in range(s_total):
         kk = problem.in_flight_of(s)
@@ -256,14 +259,18 @@ def _add_memory(problem: ChainProblem, chain: ChainModel,
         cout_b = (sum(cross[i] * e[i, s] for i in chain.outs[s]) if s < s_total - 1
                   else problem.last_out_bytes)
         act = sum(saved[i] * x[i, s] for i in chain.segs[s])
+        # a recomputing stage: inputs and (selective policy) kept outputs per microbatch in
+        # flight, one microbatch's saved set less what it kept rebuilt in backward
+        again = kk * (cin_b + sum(rc_kept[i] * x[i, s] for i in chain.segs[s])) + act - sum(
+            rc_saved[i] * x[i, s] for i in chain.segs[s])
         base = sum(state[i] * x[i, s] for i in chain.segs[s]) + cin_b + cout_b
         var = model.new_int_var(0, mem_upper, f"mem[{s}]")
         kept = act + cout_b if problem.outputs_held else act  # see ChainProblem.outputs_held
         if isinstance(rc[s], int):
-            model.add(var >= base + (kk * cin_b + act if rc[s] else kk * kept))
+            model.add(var >= base + (again if rc[s] else kk * kept))
         else:
             model.add(var >= base + kk * kept).only_enforce_if(rc[s].Not())
-            model.add(var >= base + kk * cin_b + act).only_enforce_if(rc[s])
+            model.add(var >= base + again).only_enforce_if(rc[s])
         mem.append(var)
     if problem.rank_caps is not None:
         for r in range(p):

@@ -46,7 +46,8 @@ class _Options:
 
 
 #: The attributes of :class:`_Tables` that depend only on :func:`_arrays_key`.
-_ARRAY_NAMES = ("first", "in_b", "base_mem", "act", "act_kept", "valid", "times", "modes")
+_ARRAY_NAMES = ("first", "in_b", "base_mem", "act", "act_kept", "rc_kept", "rc_act", "valid",
+                "times", "modes")
 #: The last tables' arrays, their band width and their key: the (kind, v) subproblems of one
 #: microbatch count share them (the layout search seeds them count by count; a narrower band
 #: is the last columns of a wider one), and each holds several (K + 1) x width arrays, so only
@@ -74,7 +75,7 @@ def _arrays_key(problem: ChainProblem) -> tuple[object, ...]:
             problem.num_ranks, problem.speed, placed, problem.seg_state, problem.seg_saved,
             problem.cut_bytes, problem.first_in_bytes, problem.last_out_bytes,
             problem.recompute, problem.seg_bwd_weight, problem.outputs_held,
-            problem.seg_split)
+            problem.seg_split, problem.seg_rc_kept, problem.seg_rc_kept_saved)
 
 
 def _window(problem: ChainProblem, cap_divisor: int) -> int:
@@ -145,6 +146,10 @@ class _Tables:
         # held per microbatch in flight without recompute: the saved set, and the outputs
         # where the cost model holds them (ChainProblem.outputs_held)
         self.act_kept = self.act + out_b * problem.outputs_held
+        # what a recomputing stage still holds per microbatch in flight beyond its inputs,
+        # and its saved set less what it kept (the selective policy; 0 under "full")
+        self.rc_kept = span(prefix(problem.seg_rc_kept or [0] * k))
+        self.rc_act = self.act - span(prefix(problem.seg_rc_kept_saved or [0] * k))
         cin = np.array([0, *problem.cut_in], dtype=np.int64)[self.first]
         cout = np.array([0, *problem.cut_out, 0], dtype=np.int64)[:, None]
         # per rank (ranks of equal speed share): times without and with recompute, W, and
@@ -167,9 +172,9 @@ class _Tables:
         """Stage ``s``'s options over the end segments ``rows`` (every start in the band)."""
         prob = self.problem
         kk = prob.in_flight_of(s)
-        bm, ac, ok = self.base_mem[rows], self.act[rows], self.valid[rows]
+        bm, ok = self.base_mem[rows], self.valid[rows]
         mem0 = bm + kk * self.act_kept[rows]
-        mem1 = bm + kk * self.in_b[rows] + ac
+        mem1 = bm + kk * (self.in_b[rows] + self.rc_kept[rows]) + self.rc_act[rows]
         r = prob.rank_of(s)
         t0, t1, w, split = (a[rows] for a in self.times[r])
         # the stages whose backward splits pay what the split adds (ChainProblem.seg_split)

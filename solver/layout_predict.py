@@ -113,7 +113,8 @@ def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,
     exposed = (dp_exposed_us(priced, layout, runtime, sharded)
                if options.training and dp > 1 else (0.0,) * pp)
     model = CostModel.for_options(sharded, _pipeline_cluster(device, tp, pp, dp,
-                                                             layout.topology), options)
+                                                             layout.topology),
+                                  replace(options, recompute_policy=plan.recompute_policy))
     sync = model.tied_sync_us(tuple(c.position for c in plan.cuts), pp,
                               [st.rank for st in plan.stages])
     return LayoutPrediction(priced.predicted_step_time_us, tuple(exposed), sync,
@@ -135,7 +136,8 @@ def _priced(plan: Plan, costs: CostGraph, device: DeviceSpec, options: SolveOpti
     fixed = replace(options, schedule_kind=plan.schedule_kind,
                     num_microbatches=plan.num_microbatches, microbatch_candidates=None,
                     stages_per_rank=plan.stages_per_rank,
-                    recompute=recompute.pop() if len(recompute) == 1 else None)
+                    recompute=recompute.pop() if len(recompute) == 1 else None,
+                    recompute_policy=plan.recompute_policy)
     cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0)
     layout = replace(layout, overlap_grad_reduce=plan.overlap_grad_reduce,  # as the plan runs
                      zero_layer_units=plan.zero_layer_units,

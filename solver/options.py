@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from autopart.core.errors import PlanError
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
+from autopart.core.recompute_policy import RECOMPUTE_POLICIES
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
 
@@ -35,6 +36,10 @@ class SolveOptions:
             with the V schedules ``zbv`` and ``dualpipev``, the latter needing m >= 2p).
         recompute: ``True`` every stage recomputes, ``False`` none, ``None`` the solver picks
             per stage.
+        recompute_policy: what a recomputing stage recomputes (``Plan.recompute_policy``):
+            ``"full"`` (default) its whole forward, ``"selective"`` all but the outputs of
+            matmuls, attention and tp's collectives (torch's selective activation
+            checkpointing with torchtitan's op policy), priced so.
         memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.
         optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte
             (AdamW: 2.0); weights + grads + state = ``(2 + this) x`` parameter bytes.
@@ -86,6 +91,7 @@ class SolveOptions:
     schedule_kind: str | None = None
     stages_per_rank: int | None = None
     recompute: bool | None = None
+    recompute_policy: str = "full"
     memory_cap_bytes: int | None = None
     optimizer_state_bytes_per_param_byte: float = 2.0
     state_bytes_per_param_byte: float | None = None
@@ -116,6 +122,9 @@ class SolveOptions:
         if self.schedule_kind in V_SCHEDULE_KINDS and self.stages_per_rank not in (None, 2):
             raise PlanError(f"schedule_kind={self.schedule_kind!r} runs 2 stages per rank (a V); "
                             f"stages_per_rank={self.stages_per_rank} must be 2 or None")
+        if self.recompute_policy not in RECOMPUTE_POLICIES:
+            raise PlanError(f"recompute_policy={self.recompute_policy!r}; expected one of "
+                            f"{RECOMPUTE_POLICIES}")
         if self.optimize not in OPTIMIZE_TARGETS:
             raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
         if self.batch_size < 1 or (self.num_stages is not None and self.num_stages < 1):

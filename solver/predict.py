@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
@@ -80,7 +80,9 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
         raise PlanError("the plan was made for another graph (fingerprint "
                         f"{plan.graph_fingerprint[:12]} vs {costs.fingerprint[:12]}); predict it "
                         "on the cost graph it was solved on")
-    model = CostModel.for_options(costs, cluster, options, batch_size=plan.batch_size)
+    model = CostModel.for_options(costs, cluster,
+                                  replace(options, recompute_policy=plan.recompute_policy),
+                                  batch_size=plan.batch_size)
     positions = tuple(c.position for c in plan.cuts)
     recompute = tuple(st.recompute for st in plan.stages)
     m, v, kind = plan.num_microbatches, plan.stages_per_rank, plan.schedule_kind

@@ -178,6 +178,11 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
              False, "--sequence-parallel/--no-sequence-parallel",
              help="tp > 1: Megatron's sequence parallelism, the layer norms, dropouts and "
                   "residual adds between tp pairs on 1/tp of the tokens (3D)"),
+         recompute_policy: str = typer.Option(
+             "full", "--recompute-policy",
+             help="what a stage that recomputes runs again: 'full' (its whole forward) or "
+                  "'selective' (all but matmul, attention and tp collective outputs: torch's "
+                  "selective activation checkpointing, torchtitan's op policy)"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.
 
@@ -201,7 +206,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
             num_microbatches=num_microbatches, optimize=optimize, schedule_kind=schedule,
             stages_per_rank=stages_per_rank,
             memory_cap_bytes=None if memory_cap is None else int(memory_cap * _GIB),
-            time_limit_s=time_limit, library_versions=_versions())
+            time_limit_s=time_limit, library_versions=_versions(),
+            recompute_policy=recompute_policy)
         with phase("solve"):  # on stderr (autopart.core.progress)
             fixed = any(x is not None for x in (tp, pp, dp, zero_stage))
             if search_3d is False and fixed:

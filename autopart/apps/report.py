@@ -36,14 +36,15 @@ def plan_table(plan: Plan) -> Table:
                         f"{plan.schedule_kind}, optimize={plan.optimize}")
     for col, justify in (("stage", "right"), ("device", "left"), ("modules", "left"),
                          ("params", "right"), ("fwd+bwd ms/mb", "right"), ("comm ms/mb", "right"),
-                         ("peak memory", "right")):
+                         ("peak memory", "right"), ("recompute", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for st in plan.stages:
         first, last = st.module_range
         modules = _short(first) if first == last else f"{_short(first)} … {_short(last)}"
         table.add_row(str(st.stage_index), st.device, modules, f"{st.num_parameters / 1e6:.2f} M",
                       f"{(st.predicted_fwd_us + st.predicted_bwd_us) / 1e3:.1f}",
-                      f"{st.predicted_comm_us / 1e3:.2f}", _gib(st.predicted_peak_memory_bytes))
+                      f"{st.predicted_comm_us / 1e3:.2f}", _gib(st.predicted_peak_memory_bytes),
+                      plan.recompute_policy if st.recompute else "no")
     s = plan.solver
     table.caption = (f"predicted step {plan.predicted_step_time_us / 1e3:.1f} ms, bubble "
                      f"{plan.bubble_fraction:.1%}; solver {s.name} {s.status}, objective "

@@ -131,7 +131,8 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss
                       optimizer_state_bytes_per_param_byte=state_factor,
                       backend="distributed" if distributed else "local",
                       issue_threads=options.issue_threads, fuse=options.fuse,
-                      cuda_graphs=options.cuda_graphs and not distributed)
+                      cuda_graphs=options.cuda_graphs and not distributed,
+                      recompute_policy=options.recompute_policy or "full")
 
 
 def _check_layout_request(options: CompileOptions) -> None:

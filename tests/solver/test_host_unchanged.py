@@ -66,6 +66,7 @@ def golden_plans(costs: CostGraph) -> dict[str, Any]:
         assert d.pop("overlap_grad_reduce") is False
         assert d.pop("zero_layer_units") is False
         assert d.pop("sequence_parallel") is False
+        assert d.pop("recompute_policy") == "full"
         out[f"{ranks}/{rt_name}/{optimize}/{kind}"] = d
     return out
 

@@ -1,0 +1,82 @@
+"""The selective recompute policy priced: what a recomputing stage keeps and runs again."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import PlanError
+from autopart.solver import SolveOptions, solve
+from autopart.solver._cost_model import CostModel
+from autopart.solver.predict import plan_at, predict
+
+DATA = Path(__file__).parent / "data"
+
+
+def _mlp(build: Any) -> CostGraph:
+    """x -> fc (linear, kept) -> gelu -> proj (linear, kept) -> add(x): the proj output is
+    read only by the add, fc's output is saved by gelu, gelu's by proj."""
+    n = build.node
+    nodes = [replace(n("fc", ("x",), fwd=40.0, out=400, saved=100, params=("fc.w",),
+                       param_bytes=64), op="aten.linear.default", saved_from=((1, 100),)),
+             replace(n("gelu", ("fc",), fwd=10.0, out=400, saved=400), op="aten.gelu.default",
+                     saved_from=((1, 400),)),
+             replace(n("proj", ("gelu",), fwd=40.0, out=100, saved=400, params=("proj.w",),
+                       param_bytes=64), op="aten.linear.default", saved_from=((1, 400),)),
+             replace(n("add", ("proj", "x"), fwd=5.0, out=100), op="aten.add.Tensor",
+                     saved_from=())]
+    return build.graph(nodes, inputs={"x": 100},
+                       params={"fc.w": (64, 16), "proj.w": (64, 16)})
+
+
+def test_hand_worked_kept_bytes_and_recomputed_forward(build: Any) -> None:
+    g = _mlp(build)
+    full = CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0)
+    sel = CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0,
+                    recompute_policy="selective")
+    assert full.part_us("recompute", 0, 4, 1.0) == full.part_us("fwd", 0, 4, 1.0) == 95.0
+    assert sel.part_us("recompute", 0, 4, 1.0) == 15.0  # gelu and add run again, not the linears
+    assert full.selective_parts(0, 4) == (0, 0)
+    # kept: fc's 400 and proj's 100 bytes; of the saved set, gelu saves fc's output (400)
+    assert sel.selective_parts(0, 4) == (500, 400)
+    # a stage ending at proj: proj's output leaves the stage and no node of it saves it, so
+    # the runtime holds it as an output already; only fc's is kept beyond that
+    assert sel.selective_parts(0, 3) == (400, 400)
+    with pytest.raises(PlanError, match="recompute_policy='some'"):
+        CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0,
+                  recompute_policy="some")
+    with pytest.raises(PlanError, match="recompute_policy='some'"):
+        SolveOptions(batch_size=8, recompute_policy="some")
+
+
+def test_selective_sits_between_keeping_everything_and_full_recompute() -> None:
+    """GPT-2 measured on this CPU (the golden profile): with every stage recomputing, the
+    selective policy is faster than full recompute and holds less than no recompute."""
+    costs = CostGraph.load(DATA / "cpu_gpt2_profile.json")
+    base: dict[str, Any] = dict(batch_size=costs.batch_size, num_microbatches=2,
+                                schedule_kind="1f1b", time_limit_s=60)
+    from tests.solver.conftest import Build
+
+    cluster = Build.cluster(2)
+    plans = {name: solve(costs, cluster, SolveOptions(**base, **kw)) for name, kw in (
+        ("none", dict(recompute=False)), ("full", dict(recompute=True)),
+        ("selective", dict(recompute=True, recompute_policy="selective")))}
+    assert plans["selective"].recompute_policy == "selective"
+    assert plans["full"].recompute_policy == "full"
+    # the same cuts priced three ways
+    cuts = tuple(c.position for c in plans["none"].cuts)
+    fixed = {name: plan_at(costs, cluster, SolveOptions(**base, recompute_policy=pol), cuts,
+                           kind="1f1b", num_microbatches=2, recompute=rc)
+             for name, pol, rc in (("none", "full", False), ("full", "full", True),
+                                   ("selective", "selective", True))}
+    step = {k: p.predicted_step_time_us for k, p in fixed.items()}
+    peak = {k: max(r.peak_memory_bytes for r in p.ranks) for k, p in fixed.items()}
+    assert step["none"] < step["selective"] < step["full"]
+    assert peak["full"] < peak["selective"] < peak["none"]
+    # a replayed plan is priced with its own policy, whatever the options say
+    again = predict(fixed["selective"], costs, cluster, SolveOptions(**base))
+    assert again.step_time_us == pytest.approx(step["selective"], rel=0.02)
