@@ -59,6 +59,11 @@ class MemoryModel:
                      and (nd.op in SELECTIVE_KEPT_NODE_OPS or nd.op in TP_KEPT_NODE_OPS)
                      for nd in costs.nodes]
         self._selective: dict[tuple[int, int], tuple[int, int]] = {}
+        # per node, what tp's forward collectives after it return (kept under "selective")
+        self._collective_out = [0] * len(costs.nodes)
+        if recompute_policy == "selective":
+            for i, nbytes in costs.collective_outputs:
+                self._collective_out[i] += nbytes
         self._layer_units = layer_unit_factors if training else None
         self.runtime = runtime
         self.batch_size = batch_size
@@ -196,7 +201,8 @@ class MemoryModel:
         :meth:`held_parts` counts as the stage's outputs already. ``kept and saved``: the
         bytes of the stage's saved set (:meth:`held_parts`' first part) that are kept nodes'
         outputs: the backward's recomputation finds them in the cache and allocates them
-        again never. ``(0, 0)`` under ``"full"`` or without ``saved_from``.
+        again never. With tensor parallelism, what its forward collectives return
+        (``CostGraph.collective_outputs``) is kept too, beside the matmul's partial output. ``(0, 0)`` under ``"full"`` or without ``saved_from``.
         """
         key = (start, stop)
         if key in self._selective:
@@ -217,6 +223,7 @@ class MemoryModel:
                     and i not in saved_here
                 if self.kept[i] and not in_outputs:
                     kept += nodes[i].output_bytes
+                kept += self._collective_out[i]  # the collective's own output, beside
             if not self._producers_known:
                 kept_saved = 0
         self._selective[key] = (kept, kept_saved)
@@ -230,7 +237,8 @@ class MemoryModel:
             return 0, 0
         n = len(self.costs.nodes)
         kept = sum(self.costs.nodes[i].output_bytes for i in range(start, stop)
-                   if self.kept[i] and self._last_use[i] < n)
+                   if self.kept[i] and self._last_use[i] < n) + sum(
+            self._collective_out[start:stop])
         return kept, self.selective_parts(start, stop)[1]
 
     def strided_bytes(self, start: int, stop: int) -> int:

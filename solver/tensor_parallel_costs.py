@@ -325,6 +325,12 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
                 low_out[i] = (f + low_fwd, b_in + low_bwd, b_w)
         out.append(replace(nd, **changes))
     low_times = tuple(low_out)
+    # what each node's forward collectives return (an all-reduce and an all-gather the whole
+    # value, a reduce-scatter its 1/tp share), kept by the selective recompute policy; a
+    # reduce-scatter's node lists its output at 1/tp although the matmul's partial sum
+    # before it is whole: the rest of that is counted here
+    collective_outputs = tuple((i, kept) for i, ops in enumerate(fwd_ops) if (kept := sum(
+        int(nb) for what, nb in ops if what in ("ar", "ag", "rs"))))
     return replace(costs, nodes=tuple(out), param_sizes=sizes, param_numel=numel,
-                   low_times=low_times,
+                   low_times=low_times, collective_outputs=collective_outputs,
                    source=f"{costs.source}+tp{tp}", no_cut=costs.no_cut | inside_pairs(split))

@@ -226,6 +226,11 @@ class CostGraph:
             plan may cut, beside those a non-tensor crossing rules out: inside a
             tensor-parallel column/row pair, whose sharded activations exist only between
             its collectives. Optional (default none).
+        collective_outputs: ``(node index, bytes)`` of the values tensor parallelism's
+            forward collectives return after a node (all-reduce, reduce-scatter, all-gather;
+            set by ``solver.tensor_parallel_costs.shard_costs``), which a stage recomputing
+            under the selective policy keeps (``Plan.recompute_policy``). Optional (default
+            none).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -246,6 +251,7 @@ class CostGraph:
     loss_saved_bytes: int = 0
     batch_scales: tuple[BatchScale, ...] = ()
     no_cut: frozenset[int] = frozenset()
+    collective_outputs: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -365,6 +371,8 @@ class CostGraph:
             d["no_cut"] = sorted(self.no_cut)
         else:  # none: left out, as in files from before it
             del d["no_cut"]
+        if not self.collective_outputs:
+            del d["collective_outputs"]
         for node in d["nodes"]:  # not measured: left out, as in files from before them
             for key in [k for k in HOST_FIELDS if node[k] is None]:
                 del node[key]
@@ -399,6 +407,8 @@ class CostGraph:
                        low_backward_peaks=tuple(int(x) for x in d.get("low_backward_peaks", ())),
                        loss_saved_bytes=int(d.get("loss_saved_bytes", 0)),
                        no_cut=frozenset(int(k) for k in d.get("no_cut", ())),
+                       collective_outputs=tuple((int(i), int(b)) for i, b in
+                                                d.get("collective_outputs", ())),
                        batch_scales=tuple(
                            BatchScale(int(sc["batch_size"]), tuple(int(q) for q in sc["positions"]),
                                       tuple(float(f) for f in sc["fwd"]),

@@ -152,3 +152,19 @@ def test_a_vocab_parallel_head_holds_the_gathers_buffers() -> None:
     # inference (no working set profiled): unchanged
     assert shard_costs(_block(), 4, bandwidth_bytes_per_s=1e9, latency_us=1.0,
                        op_overhead_us=5.0).nodes[5].transient_bytes == 0
+
+
+def test_collective_outputs_are_what_the_forward_collectives_return() -> None:
+    """The selective recompute policy keeps what tp's forward collectives return: proj's
+    all-reduce (its whole 4000-byte output), the vocab-parallel head's all-gather of the
+    logits (8000), and with sequence parallelism proj's
+    reduce-scatter beside the matmul's whole partial sum (4000 counted here, the node lists
+    2000)."""
+    costs = _block()
+    ar = shard_costs(costs, 2, bandwidth_bytes_per_s=1e9, latency_us=0.0, op_overhead_us=0.0)
+    assert dict(ar.collective_outputs) == {3: 4000, 5: 8000}
+    assert CostGraph.from_dict(ar.to_dict()).collective_outputs == ar.collective_outputs
+    assert "collective_outputs" not in costs.to_dict()
+    sp = shard_costs(costs, 2, bandwidth_bytes_per_s=1e9, latency_us=0.0, op_overhead_us=0.0,
+                     sequence_parallel=True)
+    assert dict(sp.collective_outputs)[3] == 4000
