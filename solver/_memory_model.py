@@ -202,7 +202,8 @@ class MemoryModel:
         bytes of the stage's saved set (:meth:`held_parts`' first part) that are kept nodes'
         outputs: the backward's recomputation finds them in the cache and allocates them
         again never. With tensor parallelism, what its forward collectives return
-        (``CostGraph.collective_outputs``) is kept too, beside the matmul's partial output. ``(0, 0)`` under ``"full"`` or without ``saved_from``.
+        (``CostGraph.collective_outputs``) is kept too, beside the matmul's partial output.
+        ``(0, 0)`` under ``"full"``; ``kept and saved`` 0 without ``saved_from``.
         """
         key = (start, stop)
         if key in self._selective:
