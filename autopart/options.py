@@ -109,8 +109,9 @@ class CompileOptions:
         recompute_policy: what a recomputing stage recomputes (``Plan.recompute_policy``):
             ``"full"`` its whole forward, ``"selective"`` all but the outputs of matmuls,
             attention and tp's collectives (torch's selective activation checkpointing with
-            torchtitan's op policy). None (default): ``"full"`` when solving; a replayed plan
-            keeps its own.
+            torchtitan's op policy), ``"auto"`` the better of the two by the objective
+            (``SolveOptions.recompute_policy``). None (default): ``"full"`` when solving; a
+            replayed plan keeps its own.
         fuse: compile each stage with ``torch.compile`` (both backends); the plan is then
             priced on compiled segments' times (``ProfileOptions.fuse``).
         backend: ``"local"`` or ``"distributed"``; ``None`` picks distributed inside an
@@ -211,9 +212,9 @@ class CompileOptions:
                             "search the layout only when tp=, dp= or zero_stage= is given)")
         if self.recompute not in (None, True, False):
             raise PlanError(f"recompute={self.recompute!r} must be True, False or None")
-        if self.recompute_policy not in (None, *RECOMPUTE_POLICIES):
+        if self.recompute_policy not in (None, *RECOMPUTE_POLICIES, "auto"):
             raise PlanError(f"recompute_policy={self.recompute_policy!r} must be one of "
-                            f"{RECOMPUTE_POLICIES} or None")
+                            f"{(*RECOMPUTE_POLICIES, 'auto')} or None")
         if self.backend is not None and self.backend not in BACKENDS:
             raise PlanError(f"backend={self.backend!r}; expected one of {BACKENDS} or None")
         if self.devices is not None and not self.devices:
@@ -308,7 +309,8 @@ class CompileOptions:
                  ("zero_stage", self.zero_stage, plan.zero_stage),
                  ("recompute", self.recompute,
                   next(iter(recompute)) if len(recompute) == 1 else "per stage"),
-                 ("recompute_policy", self.recompute_policy, plan.recompute_policy)]
+                 ("recompute_policy", None if self.recompute_policy == "auto"
+                  else self.recompute_policy, plan.recompute_policy)]
         for name, value, planned in given:
             if value is not None and value != planned:
                 raise PlanError(f"{name}={value!r} conflicts with the replayed plan, which has "

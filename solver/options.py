@@ -39,7 +39,10 @@ class SolveOptions:
         recompute_policy: what a recomputing stage recomputes (``Plan.recompute_policy``):
             ``"full"`` (default) its whole forward, ``"selective"`` all but the outputs of
             matmuls, attention and tp's collectives (torch's selective activation
-            checkpointing with torchtitan's op policy), priced so.
+            checkpointing with torchtitan's op policy), priced so; ``"auto"``: the better
+            of the two by the objective, solved with ``"selective"`` as well only where the
+            ``"full"`` plan recomputes a stage (:func:`autopart.solver.solve`;
+            :func:`autopart.solver.predict.plan_at` takes ``"full"`` for it).
         memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.
         optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte
             (AdamW: 2.0); weights + grads + state = ``(2 + this) x`` parameter bytes.
@@ -122,9 +125,9 @@ class SolveOptions:
         if self.schedule_kind in V_SCHEDULE_KINDS and self.stages_per_rank not in (None, 2):
             raise PlanError(f"schedule_kind={self.schedule_kind!r} runs 2 stages per rank (a V); "
                             f"stages_per_rank={self.stages_per_rank} must be 2 or None")
-        if self.recompute_policy not in RECOMPUTE_POLICIES:
+        if self.recompute_policy not in (*RECOMPUTE_POLICIES, "auto"):
             raise PlanError(f"recompute_policy={self.recompute_policy!r}; expected one of "
-                            f"{RECOMPUTE_POLICIES}")
+                            f"{(*RECOMPUTE_POLICIES, 'auto')}")
         if self.optimize not in OPTIMIZE_TARGETS:
             raise PlanError(f"optimize={self.optimize!r}; expected one of {OPTIMIZE_TARGETS}")
         if self.batch_size < 1 or (self.num_stages is not None and self.num_stages < 1):

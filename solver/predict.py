@@ -174,6 +174,8 @@ def plan_at(costs: CostGraph, cluster: Cluster, options: SolveOptions,
     if len(positions) != p * v - 1 or list(positions) != sorted(set(positions)):
         raise PlanError(f"{len(positions)} cut positions {list(positions)} for {p} ranks x "
                         f"{v} stages per rank: give {p * v - 1} ascending, distinct positions")
+    if options.recompute_policy == "auto":
+        options = replace(options, recompute_policy="full")
     model = CostModel.for_options(costs, cluster, options)
     cand = evaluate(model, None, kind, p, v, num_microbatches, positions, None,
                     recompute=recompute if isinstance(recompute, bool) else tuple(recompute)

@@ -8,8 +8,11 @@ The public entry. Its three steps live in their own modules, in data-flow order:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
+from autopart.core.errors import InfeasiblePlanError
 from autopart.core.plan import Plan
 from autopart.solver._problem_grid import setup, subproblems
 from autopart.solver._refinement import search
@@ -64,7 +67,31 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
         InfeasiblePlanError: too few cut positions for the stages, or nothing fits the memory
             cap; the message names the smallest peak found and the cap or device count needed.
     """
+    if options.recompute_policy == "auto":
+        return _solve_auto(costs, cluster, options)
     st = setup(costs, cluster, options)
     solved, wall = search(st, subproblems(st))
     plan: Plan = choose(st, solved, wall)
     return plan
+
+
+def _solve_auto(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
+    """``recompute_policy="auto"``: solve with ``"full"``; where that plan recomputes a stage,
+    solve again with ``"selective"`` and keep the better of the two by the objective
+    (``"speed"``: the faster, ``"memory"``: the smaller largest-rank peak, then the faster).
+    The selective policy recomputes less, so it is faster and holds more: where nothing fits
+    with ``"full"`` nothing fits with it either (the error of the first solve is raised)."""
+    full = solve(costs, cluster, replace(options, recompute_policy="full"))
+    if not options.training or not any(st.recompute for st in full.stages):
+        return full
+    try:
+        selective = solve(costs, cluster, replace(options, recompute_policy="selective"))
+    except InfeasiblePlanError:
+        return full
+
+    def key(plan: Plan) -> tuple[float, ...]:
+        peak = max(r.peak_memory_bytes for r in plan.ranks)
+        return ((peak, plan.predicted_step_time_us) if options.optimize == "memory"
+                else (plan.predicted_step_time_us, peak))
+
+    return min((full, selective), key=key)

@@ -180,9 +180,10 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                   "residual adds between tp pairs on 1/tp of the tokens (3D)"),
          recompute_policy: str = typer.Option(
              "full", "--recompute-policy",
-             help="what a stage that recomputes runs again: 'full' (its whole forward) or "
+             help="what a stage that recomputes runs again: 'full' (its whole forward), "
                   "'selective' (all but matmul, attention and tp collective outputs: torch's "
-                  "selective activation checkpointing, torchtitan's op policy)"),
+                  "selective activation checkpointing, torchtitan's op policy) or 'auto' (the "
+                  "better of the two for the objective)"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.
 

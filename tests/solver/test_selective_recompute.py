@@ -80,3 +80,33 @@ def test_selective_sits_between_keeping_everything_and_full_recompute() -> None:
     # a replayed plan is priced with its own policy, whatever the options say
     again = predict(fixed["selective"], costs, cluster, SolveOptions(**base))
     assert again.step_time_us == pytest.approx(step["selective"], rel=0.02)
+
+
+def test_auto_keeps_the_better_policy_under_a_cap(build: Any) -> None:
+    """Under a cap that makes the full-policy plan recompute, "auto" solves with both and
+    keeps the faster fitting plan; without recompute it is the full-policy plan itself.
+    The chain alternates matmuls (kept by the selective policy, 40 µs) and pointwise ops
+    (10 µs), each saving its 2000-byte input."""
+    g = build.chain(8, saved=2000, out=2000, param_bytes=40)
+    g = replace(g, nodes=tuple(
+        replace(nd, op="aten.linear.default" if i % 2 == 0 else "aten.gelu.default",
+                fwd_us=40.0 if i % 2 == 0 else 10.0, saved_from=((1, 2000),) if i else ())
+        for i, nd in enumerate(g.nodes)))
+    cluster = build.cluster(2)
+    base: dict[str, Any] = dict(batch_size=8, num_microbatches=8, schedule_kind="gpipe")
+    free = solve(g, cluster, SolveOptions(**base, recompute_policy="auto"))
+    assert not any(st.recompute for st in free.stages) and free.recompute_policy == "full"
+    peaks = {}
+    for pol in ("full", "selective"):
+        every = solve(g, cluster, SolveOptions(**base, recompute=True, recompute_policy=pol))
+        peaks[pol] = max(r.peak_memory_bytes for r in every.ranks)
+    assert peaks["full"] < peaks["selective"] < max(r.peak_memory_bytes for r in free.ranks)
+    for cap, want in ((peaks["selective"], "selective"), (peaks["full"], "full")):
+        plans = {pol: solve(g, cluster, SolveOptions(**base, memory_cap_bytes=cap,
+                                                     recompute_policy=pol))
+                 for pol in ("full", "auto")}
+        assert any(st.recompute for st in plans["full"].stages)
+        auto = plans["auto"]
+        assert auto.recompute_policy == want
+        assert all(r.peak_memory_bytes <= cap for r in auto.ranks)
+        assert auto.predicted_step_time_us <= plans["full"].predicted_step_time_us
