@@ -1,4 +1,6 @@
-"""Recomputation that leaves a stage's buffers as the forward left them."""
+"""Recomputation that leaves a stage's buffers as the forward left them: the whole forward
+again (``"full"``), or what torch's selective activation checkpointing does not keep
+(``"selective"``, :func:`selective_policy`)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,21 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-__all__ = ["written_by", "written_buffers", "recompute_context", "run_recomputed"]
+from autopart.core.errors import PlanError
+from autopart.core.recompute_policy import RECOMPUTE_POLICIES, SELECTIVE_KEPT_KERNELS
+
+__all__ = ["written_by", "written_buffers", "recompute_context", "selective_policy",
+           "selective_context", "check_recompute_policy", "run_recomputed"]
+
+ContextFn = Callable[[], tuple[contextlib.AbstractContextManager[Any],
+                               contextlib.AbstractContextManager[Any]]]
 
 
 def written_by(node: fx.Node) -> list[fx.Node]:
@@ -56,9 +70,7 @@ def written_buffers(stage: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def recompute_context(stage: nn.Module,
-                      ) -> Callable[[], tuple[contextlib.AbstractContextManager[Any],
-                                              contextlib.AbstractContextManager[Any]]]:
+def recompute_context(stage: nn.Module) -> ContextFn:
     """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) around ``stage``.
 
     A recomputed stage runs its forward twice. Left alone, the second run would update
@@ -103,16 +115,110 @@ def recompute_context(stage: nn.Module,
     return context_fn
 
 
-def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | None = None) -> Any:
+def selective_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
+                     **kwargs: Any) -> CheckpointPolicy:
+    """The ``"selective"`` policy's answer for one kernel the recomputed stage dispatches:
+    ``MUST_SAVE`` (keep its output, never run it again) for the kernels of
+    :data:`autopart.core.recompute_policy.SELECTIVE_KEPT_KERNELS` (matmuls, attention, tp's
+    collectives; ``str(func)``, e.g. ``"aten.mm.default"``, ``"autopart.tp_reduce.default"``),
+    ``PREFER_RECOMPUTE`` for every other (norms, activations, adds, dropout, casts, views)."""
+    del ctx, args, kwargs
+    if str(func) in SELECTIVE_KEPT_KERNELS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context(stage: nn.Module) -> ContextFn:
+    """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) running ``stage`` under
+    torch's selective activation checkpointing with :func:`selective_policy`, its written
+    buffers handled as :func:`recompute_context` handles them.
+
+    Each call gives a forward context and a recomputation context, each the buffer context
+    (outer: its copies and restores are not ops the selective cache records or replays)
+    around the selective one (a ``TorchDispatchMode`` that records the kept outputs in the
+    forward, and hands them back instead of running their kernels in the recomputation).
+    """
+    buffers = recompute_context(stage)
+
+    def context_fn() -> tuple[contextlib.AbstractContextManager[Any],
+                              contextlib.AbstractContextManager[Any]]:
+        forward_buffers, recompute_buffers = buffers()
+        forward_sac, recompute_sac = create_selective_checkpoint_contexts(selective_policy)
+        return _Nested(forward_buffers, forward_sac), _Nested(recompute_buffers, recompute_sac)
+
+    return context_fn
+
+
+class _Nested:
+    """``contexts`` entered in order (the first outermost) and left in reverse, each time
+    it is entered (checkpoint enters its recomputation context once per recomputation)."""
+
+    def __init__(self, *contexts: contextlib.AbstractContextManager[Any]) -> None:
+        self._contexts = contexts
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        with stack:
+            for context in self._contexts:
+                stack.enter_context(context)
+            self._stacks.append(stack.pop_all())
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._stacks.pop().__exit__(*exc)
+
+
+def check_recompute_policy(policy: str) -> str:
+    """``policy``, checked.
+
+    Raises:
+        PlanError: ``policy`` is not one of
+            :data:`autopart.core.recompute_policy.RECOMPUTE_POLICIES`.
+    """
+    if policy not in RECOMPUTE_POLICIES:
+        raise PlanError(f"recompute policy {policy!r} is not one of {RECOMPUTE_POLICIES}; "
+                        "a plan's recompute_policy names one of them")
+    return policy
+
+
+def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | None = None,
+                   policy: str = "full") -> Any:
     """``runner(*args)`` (default ``stage(*args)``) under non-reentrant
-    ``torch.utils.checkpoint`` with :func:`recompute_context` of ``stage``: only the inputs are
-    kept for backward, which runs the forward again. Both runtimes run a stage the plan marks
-    ``recompute`` this way when gradients are on.
+    ``torch.utils.checkpoint``, so that backward runs the forward again, with
+    :func:`recompute_context` of ``stage`` (a recomputed forward sees and leaves the buffers
+    as the first one did). Both runtimes run a stage the plan marks ``recompute`` this way
+    when gradients are on, with the plan's ``recompute_policy``.
+
+    Random ops (dropout) draw the same values in the recomputation: checkpoint restores the
+    CPU and device RNG states the forward started from (``preserve_rng_state``), under
+    either policy. Under ``"selective"`` the backward may run once per forward: a second
+    pass (``retain_graph``, a split ``I`` + ``W``) raises torch's "Trying to backward an
+    extra time"; the schedules give a recomputing stage a whole ``B``
+    (:func:`autopart.core.schedule.splits_backward`).
+
+    With ``runner`` a ``torch.compile`` of the stage, the selective policy sees the kernels
+    Inductor's code calls: its matmuls are ``out=`` variants (``aten.addmm.out``), which the
+    policy does not keep (a kept output cannot fill the buffer a recomputation passes), so
+    they run again as under ``"full"``; attention that falls back to aten's kernel is kept.
+    The numerics are those of the compiled stage either way.
 
     Args:
         stage: the stage's module (its written buffers are found on it).
         *args: the stage's inputs.
         runner: what computes the stage: ``stage`` itself or ``torch.compile`` of it.
+        policy: one of :data:`autopart.core.recompute_policy.RECOMPUTE_POLICIES`. ``"full"``
+            (default): only the inputs are kept and the whole forward runs again;
+            ``"selective"``: the outputs of the kernels :func:`selective_policy` keeps
+            (matmuls, attention, tp's collectives) are kept too, and only the rest runs
+            again (:func:`selective_context`).
+
+    Returns:
+        What ``runner(*args)`` returns, with gradients through it.
+
+    Raises:
+        PlanError: ``policy`` is not one of ``RECOMPUTE_POLICIES``.
     """
+    check_recompute_policy(policy)
+    context_fn = selective_context(stage) if policy == "selective" else recompute_context(stage)
     return checkpoint(stage if runner is None else runner, *args, use_reentrant=False,
-                      context_fn=recompute_context(stage))
+                      context_fn=context_fn)

@@ -23,12 +23,14 @@ def _setup(rank: int, world: int, port: int, timeout_s: float) -> None:
 
 
 def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: int,
-             result_dir: str, recompute: bool = False) -> None:
+             result_dir: str, recompute: bool = False, recompute_policy: str = "full") -> None:
     """Train one step on a plan for ``world`` ranks; write this rank's check results.
 
-    With ``recompute`` every stage recomputes, and each must run its forward twice per
-    microbatch in the training step (once more in backward)."""
+    With ``recompute`` every stage recomputes under the plan's ``recompute_policy``, and each
+    must run its forward twice per microbatch in the training step (once more in backward)."""
     sys.path.insert(0, os.getcwd())
+    import dataclasses
+
     import autopart
     from autopart.core.capture import capture
     from tests.plans import even_positions, manual_plan
@@ -41,6 +43,7 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
     captured = capture(model, tuple(a[: 8 // m] for a in args))
     plan = manual_plan(captured, even_positions(captured, world * v), m, 8, schedule_kind=kind,
                        stages_per_rank=v, recompute=recompute)
+    plan = dataclasses.replace(plan, recompute_policy=recompute_policy)
     pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
     # the one-process pipeline of the same plan emits byte-identical sources for this
     # rank's stages: both take them from codegen.build_stages
@@ -51,6 +54,9 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
                 for s, text in mine.items() if local.stage_sources()[s] != text]
     if sorted(mine) != [s.stage_index for s in plan.stages if s.rank == rank]:
         problems.append(f"rank {rank} holds stages {sorted(mine)}")
+    policies = {st.submod.recompute_policy for st in pipe.pipeline_stages}
+    if policies != {recompute_policy}:
+        problems.append(f"the stages run recompute policies {policies}, not {recompute_policy!r}")
     # a first step sets the runtime up (its shape inference runs stages' forwards too); the
     # weights do not change, so the second step's loss and gradients are the first's
     pipe.train_step(*args, target=target)

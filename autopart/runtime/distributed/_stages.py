@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopart.codegen.recompute import run_recomputed
+from autopart.codegen.recompute import check_recompute_policy, run_recomputed
 from autopart.runtime._torch_private import ZeroIndexStage
 from autopart.runtime.distributed._grad_buckets import GradBuckets
 from autopart.runtime.distributed.heartbeat import Heartbeat
@@ -27,9 +27,11 @@ class P2PStage(nn.Module):
     ``expand`` view); inputs whose captured layout was strided (a transposed activation)
     are copied back into that layout, because the stage's graph may ``view`` them. A stage
     the plan marks ``recompute`` runs its forward under non-reentrant
-    ``torch.utils.checkpoint`` when gradients are on
-    (:func:`autopart.codegen.recompute.run_recomputed`): only its inputs are kept, and the
-    backward rebuilds the rest.
+    ``torch.utils.checkpoint`` when gradients are on, with the plan's ``recompute_policy``
+    (:func:`autopart.codegen.recompute.run_recomputed`): under ``"full"`` only its inputs are
+    kept and the backward rebuilds the rest; under ``"selective"`` the outputs of its
+    matmuls, attention and tp collectives are kept too, and the backward rebuilds the rest
+    of its forward (norms, activations, dropout) without communicating.
 
     A stage whose backward splits (``split_backward``) sends copies of its outputs: torch's
     ``stage_backward_input`` detaches every stage output in place once ``I`` is done, and
@@ -37,14 +39,27 @@ class P2PStage(nn.Module):
     cut) that ``W`` failed with "Trying to use a saved tensor that has been detached
     in-place". A copy is one boundary tensor per microbatch. Outputs that need no gradient
     are sent detached (a view, such as a mask, cannot be detached in place).
+
+    Args:
+        stage: the stage's graph module.
+        runner: what the forward calls: ``stage`` itself or ``torch.compile`` of it.
+        recompute: the plan marks the stage ``recompute`` (default False).
+        split_backward: the schedule runs the stage's backward as ``I`` and ``W``.
+        recompute_policy: what a recomputing stage recomputes, one of
+            :data:`autopart.core.recompute_policy.RECOMPUTE_POLICIES` (the plan's
+            ``recompute_policy``; default ``"full"``).
+
+    Raises:
+        PlanError: ``recompute_policy`` not in ``RECOMPUTE_POLICIES``.
     """
 
     def __init__(self, stage: fx.GraphModule, runner: nn.Module, recompute: bool = False,
-                 split_backward: bool = False) -> None:
+                 split_backward: bool = False, recompute_policy: str = "full") -> None:
         super().__init__()
         self.stage = stage
         self._run = [runner]  # the module itself, or torch.compile of it (not a submodule)
         self.recompute = recompute
+        self.recompute_policy = check_recompute_policy(recompute_policy)
         self.split_backward = split_backward
         self._layouts: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
         for node in stage.graph.nodes:
@@ -72,7 +87,8 @@ class P2PStage(nn.Module):
             restored.append(arg)
         runner = self._run[0]
         if self.recompute and torch.is_grad_enabled():
-            out = run_recomputed(self.stage, *restored, runner=runner)
+            out = run_recomputed(self.stage, *restored, runner=runner,
+                                 policy=self.recompute_policy)
         else:
             out = runner(*restored)
         sent = []

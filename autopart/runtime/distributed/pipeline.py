@@ -58,8 +58,9 @@ class DistributedPipeline(Pipeline):
 
     Execution uses ``torch.distributed.pipelining``: each local stage module becomes a
     ``PipelineStage`` and the plan's action lists (autopart's schedule, recomputed stages
-    running whole ``B`` backwards as the schedule says) are handed to torch's schedule
-    runtime (:func:`autopart.runtime._torch_private.new_schedule_runtime`), which inserts the
+    running whole ``B`` backwards as the schedule says and recomputing what the plan's
+    ``recompute_policy`` says) are handed to torch's schedule runtime
+    (:func:`autopart.runtime._torch_private.new_schedule_runtime`), which inserts the
     point-to-point sends and receives. That runtime runs every schedule kind, split backward
     (``I``/``W``) included, so no P2P code of autopart's own is needed; it maps stages to
     ranks from the actions (the V schedules' two stages per rank included) and hands the
@@ -159,7 +160,8 @@ class DistributedPipeline(Pipeline):
         self._heartbeat = Heartbeat(self._gather.store, dist.get_rank(), dist.get_world_size(),
                                     hung_after_s=step_timeout_s)
         submods = {s: P2PStage(stages.modules[s], stages.runners[s], plan.stages[s].recompute,
-                               splits_backward(plan.schedule_kind, plan.stages[s].recompute))
+                               splits_backward(plan.schedule_kind, plan.stages[s].recompute),
+                               recompute_policy=plan.recompute_policy)
                    for s in self.local_stages}
         # ZeRO 1-3: FSDP2 on each submodule; its DTensor parameters replace the FQNs' tensors
         self._sharding = DataSharding(plan, dp_group, device, placement, self._fqn_order)

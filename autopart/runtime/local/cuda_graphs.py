@@ -24,7 +24,8 @@ def graph_refusal(stage: nn.Module, device: torch.device, *, recompute: bool,
     Args:
         stage: the stage module (an ``fx.GraphModule`` from codegen, or any module).
         device: the stage's device.
-        recompute: the stage recomputes its forward in backward (``torch.utils.checkpoint``).
+        recompute: the stage recomputes its forward in backward (``torch.utils.checkpoint``,
+            either recompute policy).
         splits_backward: the schedule runs the stage's backward as ``I`` and ``W``.
 
     Returns:
@@ -33,8 +34,9 @@ def graph_refusal(stage: nn.Module, device: torch.device, *, recompute: bool,
     if device.type != "cuda":
         return f"not CUDA: the stage runs on {device}; CUDA graphs replay CUDA kernels only"
     if recompute:
-        return ("recompute: torch.utils.checkpoint re-runs the forward inside the backward, "
-                "outside any captured graph")
+        return ("recompute: torch.utils.checkpoint re-runs the forward (all of it, or under the "
+                "selective policy what it does not keep) inside the backward, outside any "
+                "captured graph")
     if splits_backward:
         return ("split backward (I and W actions): torch.cuda.make_graphed_callables captures "
                 "one backward that computes input and weight gradients together")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopart.codegen.recompute import run_recomputed
+from autopart.codegen.recompute import check_recompute_policy, run_recomputed
 from autopart.codegen.split_backward import SplitBackward
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Action, Schedule
@@ -154,9 +154,11 @@ class LocalExecutor:
     and equals it exactly. Which stages split is the schedule's to say
     (:func:`autopart.core.schedule.build_schedule` gives a recomputed stage a ``B``, see
     :func:`autopart.core.schedule.splits_backward`); the executor runs what it is given.
-    A stage in ``recompute`` runs its forward under non-reentrant
-    ``torch.utils.checkpoint`` (:func:`autopart.codegen.recompute.run_recomputed`): only its
-    inputs are kept, the rest is recomputed in backward.
+    A stage in ``recompute`` runs its training forward under non-reentrant
+    ``torch.utils.checkpoint`` with ``recompute_policy``
+    (:func:`autopart.codegen.recompute.run_recomputed`): under ``"full"`` only its inputs are
+    kept and its whole forward runs again in its backward; under ``"selective"`` the outputs
+    of its matmuls and attention are kept too and only the rest runs again.
     A stage's state for a microbatch is dropped as soon as its last backward action ran.
     With ``issue_threads=1`` actions are issued from the caller's thread in
     :func:`autopart.core.schedule.execution_order`; on CPU they run one after another, on
@@ -173,6 +175,9 @@ class LocalExecutor:
         stages: stage modules; stage ``s`` takes the values stage ``s - 1`` returns.
         devices: device of each stage.
         recompute: indices of stages that recompute their forward in backward.
+        recompute_policy: what those stages recompute, one of
+            :data:`autopart.core.recompute_policy.RECOMPUTE_POLICIES` (the plan's
+            ``recompute_policy``; default ``"full"``).
         issue_threads: host threads that issue the ranks' actions, rank ``r`` on thread
             ``r % issue_threads`` (default 1: the caller's thread issues every action);
             None: one thread per rank.
@@ -180,18 +185,20 @@ class LocalExecutor:
             (default None: the caller's count divided among the workers, at least 1).
 
     Raises:
-        PlanError: stages and devices differ in number, or ``issue_threads`` below 1.
+        PlanError: stages and devices differ in number, ``issue_threads`` below 1, or a
+            ``recompute_policy`` not in ``RECOMPUTE_POLICIES``.
     """
 
     def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device],
-                 recompute: Sequence[int] = (), *, issue_threads: int | None = 1,
-                 intra_op_threads: int | None = None) -> None:
+                 recompute: Sequence[int] = (), *, recompute_policy: str = "full",
+                 issue_threads: int | None = 1, intra_op_threads: int | None = None) -> None:
         if len(stages) != len(devices):
             raise PlanError(f"{len(stages)} stages but {len(devices)} devices; pass one device "
                             "per stage")
         self.stages = list(stages)
         self.devices = list(devices)
         self.recompute = frozenset(recompute)
+        self.recompute_policy = check_recompute_policy(recompute_policy)
         self.issue_threads = issue_threads  # checked by the property
         self._threads = IssueThreads(intra_op_threads)
         # training forwards (and their backwards) replayed as CUDA graphs when set
@@ -345,7 +352,7 @@ class LocalExecutor:
         args = [_as_leaf(v, streams.move(v, event, s, device), grad) for v in sent]
         with streams.on(s), torch.set_grad_enabled(training):
             if training and s in self.recompute:
-                out = run_recomputed(self.stages[s], *args)
+                out = run_recomputed(self.stages[s], *args, policy=self.recompute_policy)
             elif training and self.graphs is not None:
                 out = self.graphs.forward(s, i, args)
             else:

@@ -92,7 +92,9 @@ class PipelinedModule(Pipeline):
                         + list(model.named_buffers()) if fqn not in used}
         self._num_ranks = len(plan.ranks)
         self._executor = LocalExecutor(list(stages.runners), self.devices,  # type: ignore[arg-type]
-                                       recompute=self._recompute, issue_threads=issue_threads)
+                                       recompute=self._recompute,
+                                       recompute_policy=plan.recompute_policy,
+                                       issue_threads=issue_threads)
         self._replica_versions: dict[str, int] = {}
         self._cuda_graphs = False
 
