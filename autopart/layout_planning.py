@@ -130,7 +130,9 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 training=loss_fn is not None,
                                 split_cost=options.schedule_kind in _SPLITTING,
                                 loss_fn=loss_fn, example_target=example_target,
-                                backend="distributed", collectives=True)
+                                backend="distributed", collectives=True,
+                                selective_cost=options.recompute is not False
+                                and options.solve_recompute_policy() in ("selective", "auto"))
         t0 = time.perf_counter()
         with phase("solve"):
             plan = solve_world_layout(profile, options, world, num_heads=model_heads(model),
@@ -157,7 +159,7 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
     choices = {k: v for k, v in (("schedule_kind", options.schedule_kind),
                                  ("stages_per_rank", options.stages_per_rank),
                                  ("recompute", options.recompute),
-                                 ("recompute_policy", options.recompute_policy),
+                                 ("recompute_policy", options.solve_recompute_policy()),
                                  ("num_microbatches", options.num_microbatches))
                if v is not None}
     solve_options = profile.options(optimize=options.optimize or "speed",

@@ -215,6 +215,11 @@ class CompileOptions:
         if self.recompute_policy not in (None, *RECOMPUTE_POLICIES, "auto"):
             raise PlanError(f"recompute_policy={self.recompute_policy!r} must be one of "
                             f"{(*RECOMPUTE_POLICIES, 'auto')} or None")
+        if self.fuse and self.recompute_policy == "selective":
+            raise PlanError("recompute_policy='selective' with fuse=True: torch.compile'd "
+                            "stages call matmuls' out= forms, which selective checkpointing "
+                            "cannot keep; use recompute_policy='full' (or 'auto'), or "
+                            "fuse=False")
         if self.backend is not None and self.backend not in BACKENDS:
             raise PlanError(f"backend={self.backend!r}; expected one of {BACKENDS} or None")
         if self.devices is not None and not self.devices:
@@ -228,6 +233,13 @@ class CompileOptions:
         _positive_seconds("time_limit_s", self.time_limit_s, "default 10")
         _positive_seconds("step_timeout_s", self.step_timeout_s, "or None: 300 s",
                           optional=True)
+
+    def solve_recompute_policy(self) -> str:
+        """The recompute policy to solve with: ``recompute_policy``, ``"full"`` when None,
+        and ``"full"`` for ``"auto"`` with ``fuse`` (compiled stages cannot keep their
+        matmuls' outputs, see ``autopart.codegen.recompute.run_recomputed``)."""
+        policy = self.recompute_policy or "full"
+        return "full" if self.fuse and policy == "auto" else policy
 
     def state_factor(self, model: nn.Module) -> float:
         """Optimizer state bytes per parameter byte for :attr:`optimizer` on ``model``'s

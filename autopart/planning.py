@@ -96,14 +96,15 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                   training: bool = True, split_cost: bool = True, loss_fn: Any = None,
                   example_target: Any = None, cache: bool | None = None,
                   low_batch: bool = True, backend: str = "local", fuse: bool = False,
-                  collectives: bool = False) -> Profile:
+                  collectives: bool = False, selective_cost: bool = False) -> Profile:
     """Capture ``model`` and measure every node's cost on ``devices[0]``
     (:func:`autopart.profiler.session.profile_model`), for the runtime ``backend``
     (``"local"`` or ``"distributed"``, :func:`autopart.runtime.description.describe`); with
     two or more ``cpu`` ranks also the link between them and, for a runtime whose ranks are
     processes, its cost per transfer (:func:`host_figures`). Arguments as
     :class:`autopart.profiler.session.ProfileOptions` (``fuse``: price stages compiled with
-    ``torch.compile``, as ``compile(..., fuse=True)`` runs them; ``collectives``: for a
+    ``torch.compile``, as ``compile(..., fuse=True)`` runs them; ``selective_cost``: also
+    what the selective recompute policy's checkpointing costs per node; ``collectives``: for a
     world of ``len(devices)`` CPU rank processes whose layout is searched, also the cost of
     their collectives, :func:`with_collective_overhead`); docs/design.md ("Cost model the solver
     optimises") says what each phase measures and caches.
@@ -120,9 +121,9 @@ def profile_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     malloc = tune_cpu_allocator() if torch.device(devices[0]).type == "cpu" else None
     options = session.ProfileOptions(
         devices=tuple(devices), cut_positions=_cut_positions, num_microbatches=num_microbatches,
-        training=training, split_cost=split_cost, loss_fn=loss_fn,
-        example_target=example_target, cache=cache, low_batch=low_batch, runtime=runtime,
-        cpu_malloc=malloc, fuse=fuse)
+        training=training, split_cost=split_cost, selective_cost=selective_cost,
+        loss_fn=loss_fn, example_target=example_target, cache=cache, low_batch=low_batch,
+        runtime=runtime, cpu_malloc=malloc, fuse=fuse)
     with progress():  # one display for the model's phases and the link's
         measured = session.profile_model(model, args, dict(example_kwargs or {}), options)
         fields = {f.name: getattr(measured, f.name) for f in dataclasses.fields(measured)}
@@ -358,6 +359,14 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     """
     solve_options = renamed_choices(solve_options)
     schedule_kind = solve_options.pop("schedule_kind", schedule_kind)
+    if fuse and solve_options.get("recompute_policy") == "selective":
+        # Inductor's code calls matmuls' out= forms, which torch's selective checkpointing
+        # cannot keep: they would run again as under "full" while the plan priced them kept
+        raise PlanError("recompute_policy='selective' with fuse=True: torch.compile'd stages "
+                        "call matmuls' out= forms, which selective checkpointing cannot keep; "
+                        "use recompute_policy='full' (or 'auto'), or fuse=False")
+    if fuse and solve_options.get("recompute_policy") == "auto":
+        solve_options["recompute_policy"] = "full"
     device_names, v = _ranks_and_v(devices, num_stages, stages_per_rank)
     fixed = {k: val for k, val in (("schedule_kind", schedule_kind), ("stages_per_rank", v),
                                    ("recompute", recompute)) if val is not None}
@@ -370,6 +379,8 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
         profile = profile_model(model, example_inputs, example_kwargs=example_kwargs,
                                 devices=device_names, num_microbatches=num_microbatches,
                                 training=training, split_cost=may_split, loss_fn=loss_fn,
+                                selective_cost=recompute is not False and solve_options.get(
+                                    "recompute_policy") in ("selective", "auto"),
                                 example_target=example_target, cache=cache, backend=backend,
                                 fuse=fuse)
         if backend == "local" and (issue_threads, cuda_graphs) != (

@@ -38,6 +38,7 @@ from autopart.profiler.loss_cost import (
 from autopart.profiler.measure import profile_graph
 
 __all__ = ["ProfileOptions", "ModelProfile", "Session", "PROFILE_METHOD", "SPLIT_OVERHEAD",
+           "SELECTIVE_OVERHEAD",
            "TIME_SHARING"]
 
 #: What ``profile_model`` measures with; part of the cache key, so a change re-profiles.
@@ -46,6 +47,8 @@ PROFILE_METHOD = ("measured:profile_graph(warmup=1,repeats=3,long_call_us=50000,
 
 #: The split's per-node cost's name in the cache, with the revision of its measurement.
 SPLIT_OVERHEAD = "split_backward_us_per_node:flushed-mad-v6"
+#: Cache names of the selective policy's forward and backward cost per node.
+SELECTIVE_OVERHEAD = ("selective_fwd_us_per_node:v1", "selective_bwd_us_per_node:v1")
 #: The cache entry of the model's time-sharing factor (CPU time beside co-runners sharing
 #: each core over a core each; :func:`autopart.profiler.corunners.time_sharing_factor`).
 TIME_SHARING = "time_sharing_factor:thread-time-v1"
@@ -66,6 +69,9 @@ class ProfileOptions:
         training: forward + backward (default) or forward only.
         split_cost: measure what zero-bubble's I/W split adds per node (training on more
             than one rank only; default True).
+        selective_cost: measure what the selective recompute policy's checkpointing adds
+            per node (training only; default False: the plan will not recompute
+            selectively; :func:`autopart.profiler.selective_cost.measure_selective_overhead`).
         loss_fn: ``(output, target) -> scalar``; its cost is added to the last node.
         example_target: the full batch's target: the loss is measured with it, else
             estimated as a cross-entropy over the outputs.
@@ -91,6 +97,7 @@ class ProfileOptions:
     num_microbatches: int | None = None
     training: bool = True
     split_cost: bool = True
+    selective_cost: bool = False
     loss_fn: Any = None
     example_target: Any = None
     cache: bool | None = None

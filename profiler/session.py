@@ -36,12 +36,14 @@ from autopart.profiler.loss_cost import (
 )
 from autopart.profiler.profile_state import (
     PROFILE_METHOD,
+    SELECTIVE_OVERHEAD,
     SPLIT_OVERHEAD,
     TIME_SHARING,
     ModelProfile,
     ProfileOptions,
     Session,
 )
+from autopart.profiler.selective_cost import measure_selective_overhead
 from autopart.profiler.split_cost import SplitEngine, measure_split_backward_overhead
 
 __all__ = ["ProfileOptions", "ModelProfile", "profile_model", "PROFILE_METHOD"]
@@ -138,6 +140,12 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             runtime = _with_split_cost(session, runtime, captured, flat, costs, points, scaled,
                                        smallest)
         timings["split_cost_s"] = time.perf_counter() - t0
+    if options.selective_cost and options.training:
+        t0 = time.perf_counter()
+        with phase("selective cost"):
+            runtime = dataclasses.replace(runtime, selective_us_per_node=_selective_cached(
+                session, captured, flat, costs))
+        timings["selective_cost_s"] = time.perf_counter() - t0
     cores = usable_cores()
     if (options.runtime.ranks_are_processes and options.training and ranks > cores
             and torch.device(session.device).type == "cpu" and corunners_available()):
@@ -200,6 +208,22 @@ def _split_cost_cached(session: Session, name: str,
                                          cast(SplitEngine, runtime.split_engine))
     session.store(name, us)
     return float(us)
+
+
+def _selective_cached(session: Session, captured: CapturedGraph, flat: list[Any],
+                      costs: CostGraph) -> tuple[float, float]:
+    """The selective policy's ``(forward, backward)`` cost per node, µs, from the cache or
+    measured at the profiled batch and stored (``"selective_cost"`` goes into the session's
+    hits when read)."""
+    cached = [session.load(name) for name in SELECTIVE_OVERHEAD]
+    if all(c is not None for c in cached):
+        session.hits.add("selective_cost")
+        return float(cached[0]), float(cached[1])  # type: ignore[arg-type]
+    got = measure_selective_overhead(captured, flat, costs, session.device,
+                                     session.cut_positions(costs))
+    for name, value in zip(SELECTIVE_OVERHEAD, got, strict=True):
+        session.store(name, value)
+    return got
 
 
 def _time_sharing_cached(session: Session, captured: CapturedGraph, flat: list[Any],

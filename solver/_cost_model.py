@@ -112,6 +112,8 @@ class CostModel(MemoryModel):
             self._linear.append(self._linear[-1] + linear)
             self._bwd_nodes.append(self._bwd_nodes[-1] + (nd.bwd_us > 0))
             again = (0.0, 0.0) if self.kept[i] else parts[0]
+            if recompute_policy == "selective":  # checkpointing's own cost, every node
+                again = (again[0] + runtime.selective_us_per_node[1], again[1])
             for key, (f, ln_) in zip(("fwd", "bwd_input", "bwd_weight", "recompute"),
                                      (*parts, again), strict=True):
                 fx, ln = self._parts[key]
@@ -185,6 +187,14 @@ class CostModel(MemoryModel):
                             for r in range(n - 1)})
             self._links = links
         return max(nbytes / bw * 1e6 + lat for bw, lat in links)
+
+    def recompute_fwd_extra_us(self, start: int, stop: int) -> float:
+        """What a recomputing stage of nodes ``start .. stop - 1`` adds to its forward, µs:
+        under the selective policy, checkpointing's cost per node
+        (``RuntimeDescription.selective_us_per_node``); 0.0 under ``"full"``."""
+        if self.recompute_policy != "selective":
+            return 0.0
+        return (stop - start) * self.runtime.selective_us_per_node[0]
 
     def part_us(self, part: str, start: int, stop: int, ratio: float) -> float:
         """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``, or ``"recompute"``:

@@ -58,7 +58,7 @@ class MemoryModel:
         self.kept = [recompute_policy == "selective"
                      and (nd.op in SELECTIVE_KEPT_NODE_OPS or nd.op in TP_KEPT_NODE_OPS)
                      for nd in costs.nodes]
-        self._selective: dict[tuple[int, int], tuple[int, int]] = {}
+        self._selective: dict[tuple[int, int], int] = {}
         # per node, what tp's forward collectives after it return (kept under "selective")
         self._collective_out = [0] * len(costs.nodes)
         if recompute_policy == "selective":
@@ -190,57 +190,49 @@ class MemoryModel:
         self._held[key] = (inside, outputs, strided)
         return self._held[key]
 
-    def selective_parts(self, start: int, stop: int) -> tuple[int, int]:
+    def selective_kept_bytes(self, start: int, stop: int) -> int:
         """What a stage of nodes ``start .. stop - 1`` that recomputes under the selective
-        policy (``recompute_policy="selective"``) keeps, at the profiled batch, bytes:
-        ``(kept, kept and saved)``.
-
-        ``kept``: the outputs of its kept nodes (matmuls, attention, tp's collectives:
+        policy (``recompute_policy="selective"``) keeps from its forward to its backward
+        beyond what :meth:`held_parts` counts as its outputs, at the profiled batch, bytes:
+        the outputs of its kept nodes (matmuls, attention, grouped GEMMs:
         :data:`autopart.core.recompute_policy.SELECTIVE_KEPT_NODE_OPS`), which torch's
-        selective checkpointing caches from the forward until the backward, less those
-        :meth:`held_parts` counts as the stage's outputs already. ``kept and saved``: the
-        bytes of the stage's saved set (:meth:`held_parts`' first part) that are kept nodes'
-        outputs: the backward's recomputation finds them in the cache and allocates them
-        again never. With tensor parallelism, what its forward collectives return
-        (``CostGraph.collective_outputs``) is kept too, beside the matmul's partial output.
-        ``(0, 0)`` under ``"full"``; ``kept and saved`` 0 without ``saved_from``.
+        selective checkpointing caches, and with tensor parallelism what its forward
+        collectives return (``CostGraph.collective_outputs``), beside the matmul's partial
+        output. 0 under ``"full"``.
+
+        The cache hands each kept output back once, in the backward's recomputation, and
+        drops it then: from there on the stage holds its saved set, as without recompute
+        (the kept outputs in it among them), so its backward adds that saved set less the
+        kept bytes (:mod:`autopart.solver._stage_costing`).
         """
         key = (start, stop)
         if key in self._selective:
             return self._selective[key]
-        kept = kept_saved = 0
+        kept = 0
         if self.recompute_policy == "selective":
             nodes = self.costs.nodes
             saved_here: set[int] = set()
             for j in range(start, stop):
-                for dist, nbytes in nodes[j].saved_from or ():
-                    i = j - dist
-                    if i >= start and self.kept[i] and i not in saved_here:
-                        kept_saved += nbytes
-                    if i >= start:
-                        saved_here.add(i)
+                saved_here.update(j - d for d, _ in nodes[j].saved_from or () if j - d >= start)
             for i in range(start, stop):
                 in_outputs = self._producers_known and self._last_use[i] >= stop \
                     and i not in saved_here
                 if self.kept[i] and not in_outputs:
                     kept += nodes[i].output_bytes
-                kept += self._collective_out[i]  # the collective's own output, beside
-            if not self._producers_known:
-                kept_saved = 0
-        self._selective[key] = (kept, kept_saved)
-        return self._selective[key]
+                kept += self._collective_out[i]
+        self._selective[key] = kept
+        return kept
 
-    def chain_kept_bytes(self, start: int, stop: int) -> tuple[int, int]:
-        """:meth:`selective_parts` of nodes ``start .. stop - 1`` for the partition solvers'
-        segments: every kept output but the graph's outputs (which the last stage's out
-        buffer counts), and the kept part of the saved set, at the profiled batch, bytes."""
+    def chain_kept_bytes(self, start: int, stop: int) -> int:
+        """:meth:`selective_kept_bytes` of nodes ``start .. stop - 1`` for the partition
+        solvers' segments: every kept output but the graph's outputs (which the last stage's
+        out buffer counts), at the profiled batch, bytes; 0 under ``"full"``."""
         if self.recompute_policy != "selective":
-            return 0, 0
+            return 0
         n = len(self.costs.nodes)
-        kept = sum(self.costs.nodes[i].output_bytes for i in range(start, stop)
+        return sum(self.costs.nodes[i].output_bytes for i in range(start, stop)
                    if self.kept[i] and self._last_use[i] < n) + sum(
             self._collective_out[start:stop])
-        return kept, self.selective_parts(start, stop)[1]
 
     def strided_bytes(self, start: int, stop: int) -> int:
         """Non-contiguous values crossing into and out of a stage of nodes ``start .. stop -

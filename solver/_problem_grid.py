@@ -183,7 +183,8 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
             + model.split_overhead_us(s.start, s.stop, ratio)))) for s in cands.segments]
     # what recomputing adds: the forward run again (all of it, or its unkept nodes' under the
     # selective policy), and what such a stage still keeps (selective)
-    seg_f = [int(round(model.part_us("recompute", s.start, s.stop, ratio) * TIME_UNITS_PER_US))
+    seg_f = [int(round((model.part_us("recompute", s.start, s.stop, ratio)
+                        + model.recompute_fwd_extra_us(s.start, s.stop)) * TIME_UNITS_PER_US))
              for s in cands.segments]
     rc_parts = [model.chain_kept_bytes(s.start, s.stop) for s in cands.segments] \
         if options.training and model.recompute_policy == "selective" else None
@@ -213,10 +214,7 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
         seg_split=None if seg_x is None else tuple(seg_x),
         placement=stage_ranks(kind, p, v) if kind in V_SCHEDULE_KINDS else None,
         seg_rc_kept=None if rc_parts is None else tuple(model.scale_bytes(a, ratio)
-                                                        for a, _ in rc_parts),
-        seg_rc_kept_saved=None if rc_parts is None else tuple(
-            min(model.scale_bytes(b, ratio), x) for (_, b), x in zip(rc_parts, saved,
-                                                                     strict=True)))
+                                                        for a in rc_parts))
 
 
 def _baseline_cuts(costs: CostGraph, p: int) -> list[tuple[str, tuple[int, ...]]]:

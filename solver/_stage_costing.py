@@ -162,6 +162,8 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
                 if splits_backward(kind, span.recompute) and not span.first else 0.0)
     fwd, bi, bw = _actions(kind, span, *(model.part_us(part, a, z, ratio) * f
                                          for part in _PARTS), split_us * f)
+    if span.recompute:  # the selective policy's checkpointing runs in the forward too
+        fwd += model.recompute_fwd_extra_us(a, z) * f
     host = (0.0, 0.0, 0.0)
     graphed = (model.runtime.cuda_graphs and not span.recompute
                and not splits_backward(kind, span.recompute))
@@ -251,19 +253,18 @@ def _saved_bytes(model: CostModel, span: StageSpan, cross_in: int, cross_out: in
         saved = (inside + outs + strided if model.held_bytes_cover_outputs
                  else inside + held_out)
         return saved, 0
-    # the selective policy also keeps its kept nodes' outputs from F to B, and the backward's
-    # recomputation reallocates none of them (MemoryModel.selective_parts; 0 under "full")
-    kept, kept_saved = (model.scale_bytes(x, ratio)
-                        for x in model.selective_parts(span.start, span.stop)) \
-        if training else (0, 0)
+    # the selective policy also keeps its kept nodes' outputs from F to B; its backward
+    # holds the saved set instead (MemoryModel.selective_kept_bytes; 0 under "full")
+    kept = model.scale_bytes(model.selective_kept_bytes(span.start, span.stop), ratio) \
+        if training else 0
     if _torch_held(model):
         # a recomputed stage of torch's keeps its outputs (the stage's cache), the copies of
         # strided values and the loss's saved set (the loss runs outside the recomputed
         # forward) from F to B; its inputs are receive buffers (static). The backward
         # recomputes the rest
         loss = model.scale_bytes(model.costs.loss_saved_bytes, ratio) if span.last else 0
-        return outs + strided + loss + kept, max(inside - loss - kept_saved, 0)
-    return cross_in + held_out + kept, max(inside + outs - kept_saved, 0)
+        return outs + strided + loss + kept, max(inside - loss - kept, 0)
+    return cross_in + held_out + kept, max(inside + outs - kept, 0)
 
 
 def _split_bytes(model: CostModel, span: StageSpan, cross_out: int,

@@ -59,13 +59,13 @@ class ChainProblem:
     Stage memory::
 
         state_s + in_s + out_s + k_s * saved_s                 (no recompute)
-        state_s + in_s + out_s + k_s * (in_s + kept_s) + saved_s - kept_saved_s
+        state_s + in_s + out_s + k_s * (in_s + kept_s) + saved_s - kept_s
                                                                (recompute: inputs kept, one
                                                                 microbatch rebuilt in backward)
 
-    with ``kept_s`` / ``kept_saved_s`` sums of ``seg_rc_kept`` / ``seg_rc_kept_saved`` (what a
-    recomputing stage still keeps under the selective policy, and the part of its saved set
-    that is; 0 without them: the full policy).
+    with ``kept_s`` the sum of ``seg_rc_kept`` (what a recomputing stage still keeps under the
+    selective policy, which its backward trades for the saved set; 0 without it: the full
+    policy).
 
     plus ``k_s * out_s`` without recompute where ``outputs_held`` (the cost model counts a
     stage's outputs that its nodes do not save as held from each F to its B,
@@ -106,7 +106,6 @@ class ChainProblem:
     seg_split: tuple[int, ...] | None = None
     placement: tuple[int, ...] | None = None
     seg_rc_kept: tuple[int, ...] | None = None
-    seg_rc_kept_saved: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         k, s = len(self.seg_time), self.num_stages
@@ -127,14 +126,13 @@ class ChainProblem:
                    "rank_caps": (self.rank_caps, self.num_ranks),
                    "seg_bwd_weight": (self.seg_bwd_weight, k),
                    "seg_split": (self.seg_split, k), "placement": (self.placement, s),
-                   "seg_rc_kept": (self.seg_rc_kept, k),
-                   "seg_rc_kept_saved": (self.seg_rc_kept_saved, k)}
+                   "seg_rc_kept": (self.seg_rc_kept, k)}
         for name, (values, want) in lengths.items():
             if values is not None and len(values) != want:
                 raise PlanError(f"ChainProblem.{name} has {len(values)} entries; expected {want}")
         ints = (self.seg_time, self.seg_fwd, self.cut_out, self.cut_in, self.seg_state or (),
                 self.seg_saved or (), self.cut_bytes or (), self.seg_bwd_weight or (),
-                self.seg_split or (), self.seg_rc_kept or (), self.seg_rc_kept_saved or ())
+                self.seg_split or (), self.seg_rc_kept or ())
         if any(v < 0 for v in itertools.chain(*ints)) or min(self.speed or (1.0,)) <= 0:
             raise PlanError("chain costs and memory must be >= 0 and speed factors > 0")
         if self.placement is not None and sorted(self.placement) != sorted(
@@ -243,14 +241,13 @@ class ChainProblem:
         saved = self.seg_saved or (0,) * self.num_segments
         cross = self.cut_bytes or (0,) * (self.num_segments - 1)
         kept = self.seg_rc_kept or (0,) * self.num_segments
-        kept_saved = self.seg_rc_kept_saved or (0,) * self.num_segments
         out = []
         for s, (a, b) in enumerate(self.stage_bounds(cuts)):
             cin = cross[a - 1] if a > 0 else self.first_in_bytes
             cout = cross[b - 1] if b < self.num_segments else self.last_out_bytes
             k = self.in_flight_of(s)
             act = sum(saved[a:b])
-            held = (k * (cin + sum(kept[a:b])) + act - sum(kept_saved[a:b]) if recompute[s]
+            held = (k * (cin + sum(kept[a:b])) + act - sum(kept[a:b]) if recompute[s]
                     else k * (act + cout * self.outputs_held))
             out.append(sum(state[a:b]) + cin + cout + held)
         return out

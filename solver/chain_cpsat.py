@@ -245,7 +245,6 @@ def _add_memory(problem: ChainProblem, chain: ChainModel,
     state = list(problem.seg_state or [0] * k)
     saved = list(problem.seg_saved or [0] * k)
     rc_kept = list(problem.seg_rc_kept or [0] * k)
-    rc_saved = list(problem.seg_rc_kept_saved or [0] * k)
     mem_upper = (sum(state) + 2 * (sum(cross) + problem.first_in_bytes + problem.last_out_bytes)
                  + max(problem.in_flight or (1,)) * (sum(saved) + 2 * sum(cross)
                                                      + problem.first_in_bytes
@@ -260,9 +259,9 @@ def _add_memory(problem: ChainProblem, chain: ChainModel,
                   else problem.last_out_bytes)
         act = sum(saved[i] * x[i, s] for i in chain.segs[s])
         # a recomputing stage: inputs and (selective policy) kept outputs per microbatch in
-        # flight, one microbatch's saved set less what it kept rebuilt in backward
-        again = kk * (cin_b + sum(rc_kept[i] * x[i, s] for i in chain.segs[s])) + act - sum(
-            rc_saved[i] * x[i, s] for i in chain.segs[s])
+        # flight; in one microbatch's backward its saved set instead of its kept outputs
+        kept_s = sum(rc_kept[i] * x[i, s] for i in chain.segs[s])
+        again = kk * (cin_b + kept_s) + act - kept_s
         base = sum(state[i] * x[i, s] for i in chain.segs[s]) + cin_b + cout_b
         var = model.new_int_var(0, mem_upper, f"mem[{s}]")
         kept = act + cout_b if problem.outputs_held else act  # see ChainProblem.outputs_held

@@ -75,7 +75,7 @@ def _arrays_key(problem: ChainProblem) -> tuple[object, ...]:
             problem.num_ranks, problem.speed, placed, problem.seg_state, problem.seg_saved,
             problem.cut_bytes, problem.first_in_bytes, problem.last_out_bytes,
             problem.recompute, problem.seg_bwd_weight, problem.outputs_held,
-            problem.seg_split, problem.seg_rc_kept, problem.seg_rc_kept_saved)
+            problem.seg_split, problem.seg_rc_kept)
 
 
 def _window(problem: ChainProblem, cap_divisor: int) -> int:
@@ -147,9 +147,9 @@ class _Tables:
         # where the cost model holds them (ChainProblem.outputs_held)
         self.act_kept = self.act + out_b * problem.outputs_held
         # what a recomputing stage still holds per microbatch in flight beyond its inputs,
-        # and its saved set less what it kept (the selective policy; 0 under "full")
+        # which its backward trades for the saved set (the selective policy; 0 under "full")
         self.rc_kept = span(prefix(problem.seg_rc_kept or [0] * k))
-        self.rc_act = self.act - span(prefix(problem.seg_rc_kept_saved or [0] * k))
+        self.rc_act = self.act - self.rc_kept
         cin = np.array([0, *problem.cut_in], dtype=np.int64)[self.first]
         cout = np.array([0, *problem.cut_out, 0], dtype=np.int64)[:, None]
         # per rank (ranks of equal speed share): times without and with recompute, W, and

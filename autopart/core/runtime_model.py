@@ -50,6 +50,12 @@ class RuntimeDescription:
             rows the cost is read off the piecewise line through the points, extended beyond
             the ends by its end pieces, and never below 0. Rows must be > 0 and distinct,
             costs >= 0.
+        selective_us_per_node: ``(forward, backward)`` µs per node per microbatch that a
+            stage recomputing under the selective policy (``Plan.recompute_policy``) spends
+            beyond running its unkept nodes again: torch's selective checkpointing's dispatch
+            modes (default ``(0.0, 0.0)``; each must be >= 0; measured by
+            ``autopart.profiler.selective_cost.measure_selective_overhead``). The same at every
+            microbatch size.
         ranks_are_processes: each rank is a process computing at the same time as the host's
             other ranks (default False): the profiler then calibrates beside co-runners.
         transfer_steps: ``"module:function"`` the profiler's two timing processes call to
@@ -157,6 +163,7 @@ class RuntimeDescription:
     transfer_overhead_us: float = 0.0
     split_backward_us_per_node: float = 0.0
     split_backward_points: tuple[tuple[float, float], ...] = ()
+    selective_us_per_node: tuple[float, float] = (0.0, 0.0)
     ranks_are_processes: bool = False
     transfer_steps: str | None = None
     issue_threads: int | None = 1
@@ -182,6 +189,11 @@ class RuntimeDescription:
                     or any(not (us >= 0.0) for _, us in points)):
                 raise PlanError(f"{name}={points} must be (work µs >= 0, µs >= 0) pairs with "
                                 "distinct work")
+        object.__setattr__(self, "selective_us_per_node",
+                           tuple(float(x) for x in self.selective_us_per_node))
+        if len(self.selective_us_per_node) != 2 or not min(self.selective_us_per_node) >= 0.0:
+            raise PlanError(f"selective_us_per_node={self.selective_us_per_node} must be "
+                            "(forward µs, backward µs) per node, each >= 0")
         if not self.split_backward_us_per_node >= 0.0:
             raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
                             "must be >= 0 (splitting a backward cannot make it cheaper)")

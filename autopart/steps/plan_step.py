@@ -132,7 +132,7 @@ def _solve(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss
                       backend="distributed" if distributed else "local",
                       issue_threads=options.issue_threads, fuse=options.fuse,
                       cuda_graphs=options.cuda_graphs and not distributed,
-                      recompute_policy=options.recompute_policy or "full")
+                      recompute_policy=options.solve_recompute_policy())
 
 
 def _check_layout_request(options: CompileOptions) -> None:

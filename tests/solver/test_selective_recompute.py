@@ -40,12 +40,23 @@ def test_hand_worked_kept_bytes_and_recomputed_forward(build: Any) -> None:
                     recompute_policy="selective")
     assert full.part_us("recompute", 0, 4, 1.0) == full.part_us("fwd", 0, 4, 1.0) == 95.0
     assert sel.part_us("recompute", 0, 4, 1.0) == 15.0  # gelu and add run again, not the linears
-    assert full.selective_parts(0, 4) == (0, 0)
-    # kept: fc's 400 and proj's 100 bytes; of the saved set, gelu saves fc's output (400)
-    assert sel.selective_parts(0, 4) == (500, 400)
+    assert full.selective_kept_bytes(0, 4) == 0
+    # kept: fc's 400 and proj's 100 bytes
+    assert sel.selective_kept_bytes(0, 4) == 500
     # a stage ending at proj: proj's output leaves the stage and no node of it saves it, so
     # the runtime holds it as an output already; only fc's is kept beyond that
-    assert sel.selective_parts(0, 3) == (400, 400)
+    assert sel.selective_kept_bytes(0, 3) == 400
+    # checkpointing's own cost per node (RuntimeDescription.selective_us_per_node)
+    from autopart.core.runtime_model import RuntimeDescription
+
+    costly = CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0,
+                       recompute_policy="selective",
+                       runtime=RuntimeDescription(selective_us_per_node=(2.0, 3.0)))
+    assert costly.part_us("recompute", 0, 4, 1.0) == 15.0 + 4 * 3.0
+    assert costly.recompute_fwd_extra_us(0, 4) == 4 * 2.0
+    assert sel.recompute_fwd_extra_us(0, 4) == full.recompute_fwd_extra_us(0, 4) == 0.0
+    with pytest.raises(PlanError, match="selective_us_per_node"):
+        RuntimeDescription(selective_us_per_node=(-1.0, 0.0))
     with pytest.raises(PlanError, match="recompute_policy='some'"):
         CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0,
                   recompute_policy="some")
