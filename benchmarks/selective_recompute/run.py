@@ -2,7 +2,8 @@
 per-rank peak memory and step time of the same cuts with no recompute, every stage
 recomputing its whole forward, and every stage recomputing under the selective policy
 (torch's selective activation checkpointing, torchtitan's op policy); then the solver's own
-plans under a per-rank cap that forces recompute, solved with each policy.
+plans under the highest per-rank cap (2 MiB steps) at which the full policy's plan
+recomputes a stage, solved with the full policy and with "auto".
 
     .venv/bin/python benchmarks/selective_recompute/run.py [--steps 7] [--small]
 
@@ -61,14 +62,24 @@ def _plans(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
             profile.costs, cluster, profile.options(**fixed, recompute_policy=policy), cuts,
             kind=KIND, num_microbatches=M, recompute=True, name=f"{policy} recompute")
     peak = {k: max(r.peak_memory_bytes for r in p.ranks) for k, p in plans.items()}
-    # a cap half way between full recompute's peak and no recompute's: the solver must
-    # recompute something there
-    cap = (peak["no recompute"] + peak["full, every stage"]) // 2
-    asked = {"cap_mib": cap / 2**20}
-    for policy in ("full", "selective"):
-        plans[f"solver under cap, {policy}"] = profile.solve(
-            **fixed, recompute_policy=policy, memory_cap_bytes=cap)
-    return plans, asked
+    # the highest cap (in 2 MiB steps down from no recompute's peak) under which the solver
+    # with the full policy recomputes a stage rather than moving the cut: what the selective
+    # policy is for
+    from autopart.core.errors import InfeasiblePlanError
+
+    cap = peak["no recompute"]
+    while True:
+        cap -= 2 * 2**20
+        try:
+            full = profile.solve(**fixed, recompute_policy="full", memory_cap_bytes=cap)
+        except InfeasiblePlanError as exc:
+            raise SystemExit(f"no cap makes the full policy recompute: {exc}") from None
+        if any(st.recompute for st in full.stages):
+            break
+    plans["solver under cap, full"] = full
+    plans["solver under cap, auto"] = profile.solve(**fixed, recompute_policy="auto",
+                                                    memory_cap_bytes=cap)
+    return plans, {"cap_mib": cap / 2**20}
 
 
 def _rank(rank: int, world: int, port: int, paths: list[str], steps: int, config: dict,
