@@ -15,7 +15,7 @@ from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
 from autopart.core.topology import HostTopology
 from autopart.options import CompileOptions
-from autopart.planning import Profile, profile_model
+from autopart.planning import Profile, profile_model, solve_auto_recompute
 from autopart.solver.layout_search import LayoutOptions, solve_layout
 
 __all__ = ["plan_layout", "solve_world_layout", "layout_request", "host_ranks_topology",
@@ -132,11 +132,19 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 loss_fn=loss_fn, example_target=example_target,
                                 backend="distributed", collectives=True,
                                 selective_cost=options.recompute is not False
-                                and options.solve_recompute_policy() in ("selective", "auto"))
+                                and options.solve_recompute_policy() == "selective")
         t0 = time.perf_counter()
+        heads = model_heads(model)
         with phase("solve"):
-            plan = solve_world_layout(profile, options, world, num_heads=model_heads(model),
-                                      state_factor=state_factor)
+            if options.solve_recompute_policy() == "auto" and loss_fn is not None:
+                plan, profile = solve_auto_recompute(
+                    profile, lambda pr, policy: solve_world_layout(
+                        pr, dataclasses.replace(options, recompute_policy=policy), world,
+                        num_heads=heads, state_factor=state_factor),
+                    args, kwargs, options.optimize or "speed")
+            else:
+                plan = solve_world_layout(profile, options, world, num_heads=heads,
+                                          state_factor=state_factor)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
     return plan, profile
 

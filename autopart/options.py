@@ -110,8 +110,10 @@ class CompileOptions:
             ``"full"`` its whole forward, ``"selective"`` all but the outputs of matmuls,
             attention and tp's collectives (torch's selective activation checkpointing with
             torchtitan's op policy), ``"auto"`` the better of the two by the objective
-            (``SolveOptions.recompute_policy``). None (default): ``"full"`` when solving; a
-            replayed plan keeps its own.
+            (``SolveOptions.recompute_policy``; the selective policy's cost is measured only
+            where the full policy's plan recomputes a stage,
+            :func:`autopart.planning.solve_auto_recompute`). None (default): ``"auto"`` when
+            solving (``"full"`` with ``fuse``); a replayed plan keeps its own.
         fuse: compile each stage with ``torch.compile`` (both backends); the plan is then
             priced on compiled segments' times (``ProfileOptions.fuse``).
         backend: ``"local"`` or ``"distributed"``; ``None`` picks distributed inside an
@@ -235,10 +237,10 @@ class CompileOptions:
                           optional=True)
 
     def solve_recompute_policy(self) -> str:
-        """The recompute policy to solve with: ``recompute_policy``, ``"full"`` when None,
+        """The recompute policy to solve with: ``recompute_policy``, ``"auto"`` when None,
         and ``"full"`` for ``"auto"`` with ``fuse`` (compiled stages cannot keep their
         matmuls' outputs, see ``autopart.codegen.recompute.run_recomputed``)."""
-        policy = self.recompute_policy or "full"
+        policy = self.recompute_policy or "auto"
         return "full" if self.fuse and policy == "auto" else policy
 
     def state_factor(self, model: nn.Module) -> float:

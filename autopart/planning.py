@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,10 +18,11 @@ from torch import nn
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
-from autopart.core.errors import PlanError, ProfileError
+from autopart.core.errors import InfeasiblePlanError, PlanError, ProfileError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
 from autopart.core.runtime_model import RuntimeDescription
+from autopart.core.signature import microbatch_inputs
 from autopart.devices import cluster_for_devices, library_versions, resolve_devices
 from autopart.options import renamed_choices
 from autopart.profiler import session
@@ -29,6 +31,7 @@ from autopart.profiler.collective_probe import MESSAGE_BYTES, measure_collective
 from autopart.profiler.corunners import usable_cores
 from autopart.profiler.links import SIZES as LINK_SIZES
 from autopart.profiler.links import LinkFigures, fit_link, host_link
+from autopart.profiler.selective_cost import measure_selective_overhead
 from autopart.profiler.transfer_overhead import (
     MICROBATCHES,
     fit_transfer_overhead,
@@ -41,6 +44,7 @@ from autopart.runtime.host import tune_cpu_allocator
 from autopart.solver import SolveOptions, find_candidates, solve
 from autopart.solver.collectives import all_reduce_us
 from autopart.solver.predict import predict as predict_plan
+from autopart.solver.solve import better_plan
 
 __all__ = ["Profile", "plan_model", "profile_model", "host_figures", "measure_host_figures",
            "cpu_ranks_per_core", "ranks_per_device", "with_collective_overhead"]
@@ -294,6 +298,46 @@ def measure_host_figures(use_cache: bool = True) -> tuple[LinkFigures, float]:
     return link, fit_transfer_overhead(predicted_us, statistics.median(steps) * 1e6)
 
 
+def with_selective_cost(profile: Profile, args: tuple[Any, ...],
+                        kwargs: dict[str, Any] | None = None) -> Profile:
+    """``profile`` with what selective checkpointing costs per node on its device
+    (``RuntimeDescription.selective_us_per_node``), measured now on a piece of its captured
+    graph with the example inputs ``args`` / ``kwargs`` it was profiled with
+    (:func:`autopart.profiler.selective_cost.measure_selective_overhead`, about 2 s)."""
+    kwargs = dict(kwargs or {})
+    if profile.num_microbatches is not None:  # captured at the microbatch, as profiled
+        args, kwargs = microbatch_inputs(args, kwargs, profile.num_microbatches)
+    flat = profile.captured.flatten_inputs(args, kwargs)
+    us = measure_selective_overhead(profile.captured, flat, profile.costs, profile.devices[0],
+                                    _cut_positions(profile.costs))
+    return dataclasses.replace(profile, runtime=dataclasses.replace(
+        profile.runtime, selective_us_per_node=us))
+
+
+def solve_auto_recompute(profile: Profile, solve_with: Callable[[Profile, str], Plan],
+                         args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                         optimize: str) -> tuple[Plan, Profile]:
+    """``recompute_policy="auto"`` with the selective policy's cost measured only where it
+    can matter: solve with ``"full"`` (``solve_with(profile, "full")``); where that plan
+    recomputes a stage, measure the cost (:func:`with_selective_cost`), solve with
+    ``"selective"`` and keep the better by the objective
+    (:func:`autopart.solver.solve.better_plan`). Returns the plan and the profile it was
+    solved on (with the measured cost when it was measured)."""
+    plan = solve_with(profile, "full")
+    if not any(st.recompute for st in plan.stages):
+        return plan, profile
+    if profile.runtime.selective_us_per_node == (0.0, 0.0):
+        t0 = time.perf_counter()
+        with phase("selective cost"):
+            profile = with_selective_cost(profile, args, kwargs)
+        profile.timings_s["selective_cost_s"] = time.perf_counter() - t0
+    try:
+        other = solve_with(profile, "selective")
+    except InfeasiblePlanError:
+        return plan, profile
+    return better_plan(plan, other, optimize), profile
+
+
 @functools.lru_cache(maxsize=1)
 def host_figures(use_cache: bool = True) -> tuple[LinkFigures | None, float]:
     """This host's link between CPU ranks and the distributed runtime's cost per transfer
@@ -380,7 +424,7 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                                 devices=device_names, num_microbatches=num_microbatches,
                                 training=training, split_cost=may_split, loss_fn=loss_fn,
                                 selective_cost=recompute is not False and solve_options.get(
-                                    "recompute_policy") in ("selective", "auto"),
+                                    "recompute_policy") == "selective",
                                 example_target=example_target, cache=cache, backend=backend,
                                 fuse=fuse)
         if backend == "local" and (issue_threads, cuda_graphs) != (
@@ -389,8 +433,15 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                 profile.runtime, issue_threads=issue_threads, cuda_graphs=cuda_graphs))
         t0 = time.perf_counter()
         with phase("solve"):
-            plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed,
-                                 **solve_options)
+            if solve_options.get("recompute_policy") == "auto" and training:
+                plan, profile = solve_auto_recompute(
+                    profile, lambda pr, policy: pr.solve(
+                        optimize=optimize, time_limit_s=time_limit_s, **fixed,
+                        **{**solve_options, "recompute_policy": policy}),
+                    example_inputs, example_kwargs, optimize)
+            else:
+                plan = profile.solve(optimize=optimize, time_limit_s=time_limit_s, **fixed,
+                                     **solve_options)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
     return plan, profile
 

@@ -19,7 +19,7 @@ from autopart.solver._refinement import search
 from autopart.solver._selection import choose
 from autopart.solver.options import SolveOptions
 
-__all__ = ["SolveOptions", "solve"]
+__all__ = ["SolveOptions", "solve", "better_plan"]
 
 
 def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
@@ -89,9 +89,16 @@ def _solve_auto(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Pl
     except InfeasiblePlanError:
         return full
 
+    return better_plan(full, selective, options.optimize)
+
+
+def better_plan(first: Plan, second: Plan, optimize: str) -> Plan:
+    """The better of two plans by the objective: ``"speed"`` the faster (then the smaller
+    largest-rank peak), ``"memory"`` the smaller largest-rank peak (then the faster);
+    ``first`` on a tie."""
     def key(plan: Plan) -> tuple[float, ...]:
         peak = max(r.peak_memory_bytes for r in plan.ranks)
-        return ((peak, plan.predicted_step_time_us) if options.optimize == "memory"
+        return ((peak, plan.predicted_step_time_us) if optimize == "memory"
                 else (plan.predicted_step_time_us, peak))
 
-    return min((full, selective), key=key)
+    return min((first, second), key=key)
