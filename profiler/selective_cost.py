@@ -10,14 +10,11 @@ from typing import Any
 
 import torch
 
-from autopart.codegen.params import build_stage_modules
 from autopart.codegen.recompute import run_recomputed
-from autopart.codegen.split import split_graph
 from autopart.core.capture import CapturedGraph
 from autopart.core.costgraph import CostGraph
 from autopart.core.recompute_policy import SELECTIVE_KEPT_NODE_OPS
-from autopart.profiler._state import kept_state
-from autopart.profiler.split_cost import piece_cuts
+from autopart.profiler.split_cost import piece_cuts, piece_run
 from autopart.profiler.timer import time_samples
 
 __all__ = ["measure_selective_overhead"]
@@ -76,17 +73,7 @@ def measure_selective_overhead(captured: CapturedGraph, flat_inputs: list[Any],
     unkept = sum(nd.fwd_us for nd in piece if nd.op not in SELECTIVE_KEPT_NODE_OPS)
     share_again = unkept / total_fwd if total_fwd > 0 else 0.0
     dev = torch.device(device)
-    stages, _ = build_stage_modules(captured, split_graph(captured, list(cuts)), [dev] * 3)
-    first, middle = stages[0], stages[1]
-    assert first is not None and middle is not None
-    with kept_state(middle.parameters(), [b for st in (first, middle) for b in st.buffers()]):
-        with torch.enable_grad():
-            sent = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-            received = list(first(*sent))
-        args = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor)
-                and x.requires_grad and x.is_floating_point()
-                else x.detach() if isinstance(x, torch.Tensor) else x for x in received]
-        del received
+    with piece_run(captured, flat_inputs, cuts, dev) as (middle, args):
 
         def run(selective: bool) -> tuple[float, float] | None:
             leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from autopart.codegen.params import build_stage_modules
 from autopart.codegen.split import split_graph
@@ -16,8 +18,8 @@ from autopart.core.costgraph import CostGraph
 from autopart.profiler._state import kept_state
 from autopart.profiler.timer import spread, time_samples
 
-__all__ = ["SplitEngine", "measure_split_backward_overhead", "piece_cuts", "overhead_of",
-           "flush_bytes"]
+__all__ = ["SplitEngine", "measure_split_backward_overhead", "piece_cuts", "piece_run",
+           "overhead_of", "flush_bytes"]
 
 
 class SplitEngine(Protocol):
@@ -174,6 +176,29 @@ def _cache_flusher(device: torch.device, nbytes: int) -> Any:
     return lambda: buf.add_(1.0)
 
 
+@contextlib.contextmanager
+def piece_run(captured: CapturedGraph, flat_inputs: list[Any], cuts: tuple[int, int],
+              device: torch.device) -> Iterator[tuple[nn.Module, list[Any]]]:
+    """The piece of the graph between ``cuts`` as a stage module on ``device``, and its
+    inputs as the runtime hands them over: what comes before it run once (with grad, so
+    that what needs a gradient is known: a BatchNorm's running statistics crossing the cut
+    do not), detached, those that need a gradient made leaves. On exit the piece's
+    parameters' gradients and both parts' buffers (a training forward may update BatchNorm
+    statistics) are as they were."""
+    stages, _ = build_stage_modules(captured, split_graph(captured, list(cuts)), [device] * 3)
+    first, middle = stages[0], stages[1]
+    assert first is not None and middle is not None
+    with kept_state(middle.parameters(), [b for st in (first, middle) for b in st.buffers()]):
+        with torch.enable_grad():
+            sent = [x.to(device) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+            received = list(first(*sent))
+        args = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor)
+                and x.requires_grad and x.is_floating_point()
+                else x.detach() if isinstance(x, torch.Tensor) else x for x in received]
+        del received
+        yield middle, args
+
+
 def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGraph,
                  device: str, positions: Sequence[int], engine: SplitEngine, *,
                  min_pairs: int, max_pairs: int, max_spread: float, budget_s: float,
@@ -186,21 +211,8 @@ def _timed_pairs(captured: CapturedGraph, flat_inputs: list[Any], costs: CostGra
     if cuts is None:
         return []
     dev = torch.device(device)
-    stages, _ = build_stage_modules(captured, split_graph(captured, list(cuts)), [dev] * 3)
-    first, middle = stages[0], stages[1]
-    assert first is not None and middle is not None
-    # a training forward may update buffers (BatchNorm statistics); backward writes .grad
-    with kept_state(middle.parameters(), [b for st in (first, middle) for b in st.buffers()]):
-        # with grad, so that what needs a gradient is known (a BatchNorm's running statistics
-        # crossing the cut do not); the runtime makes exactly those leaves that need one
-        with torch.enable_grad():
-            sent = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
-            received = list(first(*sent))
+    with piece_run(captured, flat_inputs, cuts, dev) as (middle, args):
         params = [p for p in middle.parameters() if p.requires_grad]
-        args = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor)
-                and x.requires_grad and x.is_floating_point()
-                else x.detach() if isinstance(x, torch.Tensor) else x for x in received]
-        del received
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return []
 

@@ -9,8 +9,10 @@ batch 1 and profiled analytically for an A100 80GB (``profile_analytical``). The
     interleaved schedule (1F1B when pp = 1), full recompute, no ZeRO; autopart's predicted
     TFLOP/s per GPU by Megatron's FLOP count ``F = 96 B s l h^2 (1 + s/6h + V/16lh)`` is
     compared with the published figure.
-(b) autopart's own plan: tp, pp, dp, ZeRO stage, schedule, v and recompute chosen by
-    ``solve_layout`` (microbatch 1, 2 or 4 rows), solved twice (same plan JSON?), timed.
+(b) autopart's own plan: tp, pp, dp, ZeRO stage, schedule, v, recompute and its policy
+    (whole stage or selective, ``recompute_policy="auto"``) chosen by ``solve_layout``
+    (microbatch 1, 2 or 4 rows), solved twice (same plan JSON?), timed; where it recomputes,
+    the same search with whole-stage recompute only, for the gain.
 
 Costs are cached under ``--cache`` (CostGraph JSON per shape) so a rerun skips the captures.
 Writes ``results.json`` and ``results.md`` (and ``figure.png`` with matplotlib).
@@ -115,6 +117,7 @@ def _summary(plan: Any, row: Row, wall: float) -> dict[str, Any]:
         "microbatch_rows": plan.batch_size // (plan.dp * plan.num_microbatches),
         "schedule_kind": plan.schedule_kind, "stages_per_rank": plan.stages_per_rank,
         "recompute_stages": sum(st.recompute for st in plan.stages),
+        "recompute_policy": plan.recompute_policy,
         "num_stages": plan.num_stages,
         "step_s": step_s, "bubble_fraction": plan.bubble_fraction,
         "tflops_per_gpu_megatron_count": megatron_flops(row) / step_s / row.gpus / 1e12,
@@ -154,7 +157,9 @@ def run_row(row: Row, costs: Any, *, own: bool) -> dict[str, Any]:
           file=sys.stderr, flush=True)
     if not own:
         return out
-    own_opts = SolveOptions(**base)  # type: ignore[arg-type]
+    # the recompute policy chosen too: selective (torchtitan's op policy) where it beats a
+    # whole-stage recompute (autopart.solver.solve's "auto")
+    own_opts = SolveOptions(**base, recompute_policy="auto")  # type: ignore[arg-type]
     own_layout = LayoutOptions(num_gpus=row.gpus, topology=topo, num_heads=row.heads,
                                microbatch_sizes=(1, 2, 4), max_layouts=24, refine=1)
     texts, runs = [], []
@@ -164,6 +169,12 @@ def run_row(row: Row, costs: Any, *, own: bool) -> dict[str, Any]:
         runs.append(_summary(plan, row, time.perf_counter() - t0))
         texts.append(_plan_json(plan))
     out["own_plan"] = runs[0]
+    if runs[0]["recompute_stages"]:
+        # the same search with whole-stage recompute only: what the policy choice gained
+        t0 = time.perf_counter()
+        whole = solve_layout(costs, device, SolveOptions(**base, recompute_policy="full"),  # type: ignore[arg-type]
+                             own_layout)
+        out["own_full_recompute"] = _summary(whole, row, time.perf_counter() - t0)
     out["own_runs_wall_s"] = [r["wall_s"] for r in runs]
     out["own_identical_json"] = texts[0] == texts[1]
     out["own_at_least_as_fast"] = runs[0]["step_s"] <= out["megatron_config"]["step_s"] + 1e-9
@@ -198,15 +209,19 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     if own_rows:
         lines += ["## (b) autopart's own plan on the same costs", "",
                   "| params | tp | pp | dp | ZeRO | mb rows | schedule | v | recompute stages | "
-                  "predicted TFLOP/s | vs Megatron config | peak GiB | solve s (2 runs) | "
-                  "same JSON |",
-                  "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
+                  "vs whole-stage recompute | predicted TFLOP/s | vs Megatron config | peak GiB | "
+                  "solve s (2 runs) | same JSON |",
+                  "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
         for r in own_rows:
             o, meg = r["own_plan"], r["megatron_config"]
+            whole = r.get("own_full_recompute")
+            gain = f"{whole['step_s'] / o['step_s']:.3f}x" if whole else "-"
+            policy = f" {o['recompute_policy']}" if o["recompute_stages"] else ""
             lines.append(
                 f"| {r['row']['params_b']}B | {o['tp']} | {o['pp']} | {o['dp']} | "
                 f"{o['zero_stage']} | {o['microbatch_rows']} | {o['schedule_kind']} | "
-                f"{o['stages_per_rank']} | {o['recompute_stages']}/{o['num_stages']} | "
+                f"{o['stages_per_rank']} | {o['recompute_stages']}/{o['num_stages']}{policy} | "
+                f"{gain} | "
                 f"{o['tflops_per_gpu_megatron_count']:.1f} | "
                 f"{meg['step_s'] / o['step_s']:.2f}x | {o['max_peak_memory_gib']:.1f} | "
                 f"{r['own_runs_wall_s'][0]:.1f} / {r['own_runs_wall_s'][1]:.1f} | "
