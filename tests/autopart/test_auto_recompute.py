@@ -32,14 +32,20 @@ def _gpt2() -> tuple[Any, torch.Tensor, Any]:
     return transformers.GPT2LMHeadModel(cfg), x, loss_fn
 
 
-def test_compile_defaults_to_auto_and_measures_only_when_it_recomputes() -> None:
+@pytest.fixture(scope="module")
+def every() -> Any:
+    """GPT-2 compiled onto 2 CPU ranks with every stage recomputing, the policy left open."""
+    model, x, loss_fn = _gpt2()
+    return autopart.compile(model, (x,), loss_fn=loss_fn, devices=["cpu", "cpu"],
+                            recompute=True, num_microbatches=2)
+
+
+def test_compile_defaults_to_auto_and_measures_only_when_it_recomputes(every: Any) -> None:
     model, x, loss_fn = _gpt2()
     plain = autopart.compile(model, (x,), loss_fn=loss_fn, devices=["cpu", "cpu"],
                              recompute=False, num_microbatches=2)
     assert "selective_cost_s" not in plain.timings_s
     assert plain.plan.recompute_policy == "full"
-    every = autopart.compile(model, (x,), loss_fn=loss_fn, devices=["cpu", "cpu"],
-                             recompute=True, num_microbatches=2)
     assert all(st.recompute for st in every.plan.stages)
     assert every.plan.recompute_policy in ("full", "selective")
     assert "selective_cost_s" in every.timings_s
@@ -49,11 +55,9 @@ def test_compile_defaults_to_auto_and_measures_only_when_it_recomputes() -> None
         CompileOptions(fuse=True, recompute_policy="selective")
 
 
-def test_solve_auto_recompute_keeps_the_better_plan() -> None:
-    model, x, loss_fn = _gpt2()
-    every = autopart.compile(model, (x,), loss_fn=loss_fn, devices=["cpu", "cpu"],
-                             recompute=True, num_microbatches=2, recompute_policy="full")
-    plan = every.plan
+def test_solve_auto_recompute_keeps_the_better_plan(every: Any) -> None:
+    x = torch.zeros(8, 32, dtype=torch.long)
+    plan = dataclasses.replace(every.plan, recompute_policy="full")
     faster = dataclasses.replace(plan, recompute_policy="selective",
                                  predicted_step_time_us=plan.predicted_step_time_us / 2)
     asked: list[str] = []
