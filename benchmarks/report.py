@@ -13,6 +13,7 @@ nothing itself) and writes ``REPORT.md`` plus PNG figures beside it:
 - ``layout_scale``: ``autopart plan``'s layout search for 7B-1T GPTs on 1024-8192 H100s;
 - ``overlap_cpu``: ZeRO-0's overlapped gradient all-reduce against the flushed one on gloo
   CPU ranks;
+- ``selective_recompute``: selective against whole-stage recompute on gloo CPU ranks;
 - ``zoo``: transformers' architectures through autopart, counts per family;
 - ``pipeline_cpu/results_peers.json`` (``peers.py``): peers, measured: autopart against
   DeepSpeed's pipeline engine, torch's schedules and the hand split, per workload.
@@ -444,6 +445,40 @@ def overlap_cpu(results: Path) -> list[str]:
     return lines + [""]
 
 
+def selective_recompute(results: Path) -> list[str]:
+    """Markdown lines for ``selective_recompute``: no, whole-stage and selective recompute on
+    the same cut, and the solver's plans under a cap that forces recompute, predicted and
+    measured, per recorded model."""
+    lines = ["## selective_recompute: selective against whole-stage recompute (pp 2, gloo "
+             "CPU ranks)", ""]
+    found = False
+    for name in ("results.json", "results_small.json"):
+        d = _load(results / "selective_recompute" / name)
+        if d is None:
+            continue
+        found = True
+        m = d["meta"]
+        cfg = m["config"]
+        lines += [f"### {cfg['n_layer']} layers, n_embd {cfg['n_embd']}, vocab "
+                  f"{cfg['vocab_size']}, batch {cfg['batch']} x {cfg['seq']} (`{name}`)", "",
+                  f"{m['machine']}; Python {m['python']}, torch {m['torch']}; m {m['m']}, "
+                  f"{m['schedule']}; medians of {m['steps']} alternated steps; cap "
+                  f"{m['cap_mib']:.1f} MiB for the solver's arms; recorded {m['date']}.", "",
+                  "| arm | recompute per stage | predicted / measured peak | predicted s | "
+                  "measured s | error |", "|---|---|---|---:|---:|---:|"]
+        for r in d["rows"]:
+            ratios = ", ".join(f"{p / q:.2f}" for p, q in zip(
+                r["predicted_peak_mib"], r["measured_peak_mib"], strict=True))
+            err = r["predicted_step_s"] / r["measured_step_s"] - 1
+            lines.append(f"| {r['arm']} | {', '.join(r['recompute'])} | {ratios} | "
+                         f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
+                         f"{err:+.1%} |")
+        lines.append("")
+    if not found:
+        lines += ["No recorded results.", ""]
+    return lines
+
+
 def early_receives(results: Path) -> list[str]:
     """Markdown lines for ``early_receives``: gloo ranks' receives posted first against
     torch's placement, alternated on the same pipelines."""
@@ -541,6 +576,7 @@ def write_report(results: Path, out: Path) -> Path:
     lines += fidelity(results, figures)
     lines += fidelity_3d(results)
     lines += overlap_cpu(results)
+    lines += selective_recompute(results)
     lines += early_receives(results)
     lines += gpu(results, figures)
     lines += zoo(results)
