@@ -4,7 +4,7 @@ torch.distributed.pipelining's runtime (gloo on CPU, NCCL on GPU)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,14 +14,11 @@ from torch import nn
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.memory import PeakMemory, device_key
-from autopart.core.schedule import splits_backward
 from autopart.core.signature import InputSignature, call_loss, replica_share, require_loss
 from autopart.runtime._torch_private import (
     ScheduleRuntime,
-    incompatible_keys,
     receive_buffers,
 )
-from autopart.runtime.checkpoint.state import CheckpointState
 from autopart.runtime.distributed._comm import (
     StoreGather,
     broadcast_outputs,
@@ -33,27 +30,25 @@ from autopart.runtime.distributed._comm import (
     time_out_groups,
     timed_group,
 )
-from autopart.runtime.distributed._grad_buckets import overlapped_reduction
 from autopart.runtime.distributed._grads import (
     grad_norm,
     mean_over_microbatches,
     reduce_grads,
     step_loss,
 )
+from autopart.runtime.distributed._rank_stages import rank_stages
+from autopart.runtime.distributed._rank_tensors import RankTensors
 from autopart.runtime.distributed._scaling import ScaledLosses, agree_on_overflow
 from autopart.runtime.distributed._schedule import StepSchedules
-from autopart.runtime.distributed._sharding import DataSharding
-from autopart.runtime.distributed._stages import P2PStage
 from autopart.runtime.distributed._state import WholeTensors
 from autopart.runtime.distributed._tensor_parallel import tensor_parallel_state
 from autopart.runtime.distributed.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.host import on_rank_cores
-from autopart.runtime.pipeline import Pipeline
 from autopart.runtime.tracing import ActionRecorder, events_from_json, events_to_json
 
 __all__ = ["DistributedPipeline"]
 
-class DistributedPipeline(Pipeline):
+class DistributedPipeline(RankTensors):
     """This rank's share of a pipeline: its stages, run under the plan's schedule.
 
     Execution uses ``torch.distributed.pipelining``: each local stage module becomes a
@@ -159,30 +154,14 @@ class DistributedPipeline(Pipeline):
         self._first_rank = plan.stages[0].rank
         self._heartbeat = Heartbeat(self._gather.store, dist.get_rank(), dist.get_world_size(),
                                     hung_after_s=step_timeout_s)
-        submods = {s: P2PStage(stages.modules[s], stages.runners[s], plan.stages[s].recompute,
-                               splits_backward(plan.schedule_kind, plan.stages[s].recompute),
-                               recompute_policy=plan.recompute_policy)
-                   for s in self.local_stages}
-        # ZeRO 1-3: FSDP2 on each submodule; its DTensor parameters replace the FQNs' tensors
-        self._sharding = DataSharding(plan, dp_group, device, placement, self._fqn_order)
-        self._sharding.shard(submods)
-        self._local = self._sharding.refreshed(self._local, {s: stages.modules[s] for s in submods},
-                                               placement)
+        built = rank_stages(stages, self.local_stages, self._local, self._fqn_order, device,
+                            self._heartbeat, dp_group, self._p2p_group)
+        self._sharding, self._local = built.sharding, built.local
+        self.pipeline_stages, self._grad_buckets = built.pipeline_stages, built.grad_buckets
+        self._comm_timer = self._sharding.timer  # where the dp collectives report when traced
         whole_shapes = {f: tuple(t.shape) for f, t in [
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False)]}
-        self.pipeline_stages = [
-            self._sharding.new_stage(self._heartbeat, submods[s], s, plan.num_stages, device,
-                                     group=self._p2p_group)
-            for s in self.local_stages]
-        # ZeRO-0 with the plan's overlap: dp buckets launched in each stage's last backward
-        self._grad_buckets = overlapped_reduction(plan, dp_group, self._sharding.sharded, submods)
-        for st in self.pipeline_stages:
-            st.grad_buckets = self._grad_buckets
-        # where this rank's dp collectives (FSDP2's, the buckets') report in a traced step
-        self._comm_timer = self._sharding.timer
-        if self._grad_buckets is not None:
-            self._grad_buckets.timer = self._comm_timer
         self._whole = WholeTensors(self._local, whole_shapes, self._sharding, self._tp)
         self._schedules = StepSchedules(self.pipeline_stages, plan, self.pp_size,
                                         self._recompute, self.loss_of_flat,
@@ -195,36 +174,6 @@ class DistributedPipeline(Pipeline):
         """Every thread of this process on :attr:`cpu_cores` meanwhile
         (:func:`autopart.runtime.host.on_rank_cores`)."""
         return on_rank_cores(self)
-
-    # ---- parameters -----------------------------------------------------------------
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under the original FQNs (a tied one once per rank)."""
-        for fqn in self._fqn_order:
-            t = self._local.get(fqn)
-            if isinstance(t, nn.Parameter):
-                yield prefix + fqn, t
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's tensors by FQN (parameters and buffers of its stages), whole: ZeRO
-        shards gathered over the data-parallel group, then tensor-parallel shards into full
-        tensors over the tp group (collective over both)."""
-        return self._whole.state_dict()
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Copy values into this rank's tensors by FQN; keys of tensors other ranks hold are
-        skipped (a whole model's ``state_dict`` can be given to every rank).
-
-        Raises:
-            PlanError: with ``strict``, a tensor this rank holds is missing, or a shape
-                differs from the model's.
-        """
-        missing = sorted(set(self._local) - set(state_dict))
-        if strict and missing:
-            raise PlanError(f"state_dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                            f"which rank {self.pp_rank} holds; pass the whole model's state_dict")
-        self._whole.load(state_dict, self._local.items())  # tp and ZeRO: each its piece
-        return incompatible_keys(missing, [])
 
     # ---- running ---------------------------------------------------------------------
     def _schedule(self, m: int, training: bool) -> ScheduleRuntime:
@@ -471,28 +420,6 @@ class DistributedPipeline(Pipeline):
                                      self._global(self._last_rank), self._p2p_group,
                                      self.device, self._guarded)
         return self.signature.output(flat_out)
-
-    # ---- checkpoints -------------------------------------------------------------------
-    def owned_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors whose owning stage is on this rank, by FQN (a tied parameter's
-        replica on another rank excluded): what this rank writes to a checkpoint."""
-        owner = self._built.placement.owner
-        return {fqn: t for fqn, t in self._local.items()
-                if self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank}
-
-    def checkpoint_state(self) -> CheckpointState:
-        """This rank writes the tensors it owns and loads every tensor it holds; saving and
-        loading are collective when the world has several ranks. Under tp > 1 or ZeRO 1-3
-        both go through whole tensors (:class:`autopart.runtime.distributed._state.WholeTensors`), so
-        a checkpoint loads into any (tp, pp, dp, ZeRO) layout and into the plain model."""
-        params = {id(p): f for f, p in self.named_parameters()}
-        if self._whole.split:
-            return self._whole.checkpoint_state(self.owned_tensors(), params, self.plan,
-                                                self.device,
-                                                lambda sd: self.load_state_dict(sd, strict=False))
-        held = dict(self._local)
-        return CheckpointState(self.owned_tensors(), held, params, {f: f for f in held},
-                               self.plan, dist.get_world_size() > 1, self.device, lambda: None)
 
     def _writes_plan_file(self) -> bool:
         return self.pp_rank == 0
