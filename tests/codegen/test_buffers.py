@@ -12,20 +12,9 @@ from torch import nn
 
 import autopart
 from autopart.core.capture import capture
+from tests.codegen._modules import EmaCentre
 
 B, M = 8, 2
-
-
-class EmaCentre(nn.Module):
-    """Subtracts an exponential moving average of its input's mean, updated in place."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.register_buffer("ema", torch.zeros(width))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        self.ema.copy_(0.9 * self.ema + 0.1 * h.detach().mean(0))
-        return h - self.ema
 
 
 def _bn_net() -> nn.Module:

@@ -24,6 +24,7 @@ from autopart.codegen.recompute import run_recomputed, selective_policy
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
 from autopart.core.recompute_policy import SELECTIVE_KEPT_KERNELS, TP_KEPT_NODE_OPS
+from tests.codegen._modules import EmaCentre
 from tests.plans import manual_plan
 
 TOL = {"rtol": 1e-5, "atol": 4e-5}
@@ -103,22 +104,12 @@ def test_selective_keeps_the_matmuls_recomputes_the_rest_with_the_same_numerics(
         assert none_ops[kernel] == 0 < sel_ops[kernel] == full_ops[kernel], kernel
 
 
-class _EmaCentre(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.register_buffer("ema", torch.zeros(width))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        self.ema.copy_(0.9 * self.ema + 0.1 * h.detach().mean(0))
-        return h - self.ema
-
-
 def test_selective_leaves_written_buffers_as_the_forward_left_them() -> None:
     """BatchNorm's statistics and an in-place EMA: two microbatches, each backward after
     both forwards (as a pipeline runs them), end as without recompute, with its gradients."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(8 * 6 * 6, 16), _EmaCentre(16), nn.Tanh(),
+                          nn.Linear(8 * 6 * 6, 16), EmaCentre(16), nn.Tanh(),
                           nn.Linear(16, 3)).train()
     xs = [torch.randn(2, 3, 8, 8) for _ in range(2)]
     results = []
