@@ -15,7 +15,8 @@ from autopart.core.runtime_model import BACKENDS
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["CompileOptions", "renamed_choices", "OPTIMIZER_STATE_TENSORS", "optimizer_state_factor"]
+__all__ = ["CompileOptions", "renamed_choices", "recompute_policy_to_solve", "OPTIMIZER_STATE_TENSORS",
+           "optimizer_state_factor"]
 
 # State tensors per parameter, each shaped and typed like the parameter (torch.optim keeps
 # exp_avg / exp_avg_sq and momentum_buffer in the parameter's dtype): AdamW/Adam 2, SGD
@@ -69,6 +70,22 @@ def _positive_int(name: str, value: Any) -> None:
 
 #: Older keyword -> the name every layer uses now (plan files, the solver, CompileOptions).
 RENAMED = {"schedule": "schedule_kind"}
+
+
+def recompute_policy_to_solve(policy: str, fuse: bool) -> str:
+    """The recompute policy to solve with for stages compiled (``fuse``) or not: ``policy``,
+    but ``"full"`` for ``"auto"`` with ``fuse``.
+
+    Raises:
+        PlanError: ``"selective"`` with ``fuse``: Inductor's code calls matmuls' ``out=``
+            forms, which torch's selective checkpointing cannot keep, so they would run again
+            as under ``"full"`` while the plan priced them kept.
+    """
+    if fuse and policy == "selective":
+        raise PlanError("recompute_policy='selective' with fuse=True: torch.compile'd stages "
+                        "call matmuls' out= forms, which selective checkpointing cannot keep; "
+                        "use recompute_policy='full' (or 'auto'), or fuse=False")
+    return "full" if fuse and policy == "auto" else policy
 
 
 def renamed_choices(choices: dict[str, Any]) -> dict[str, Any]:
@@ -217,11 +234,7 @@ class CompileOptions:
         if self.recompute_policy not in (None, *RECOMPUTE_POLICIES, "auto"):
             raise PlanError(f"recompute_policy={self.recompute_policy!r} must be one of "
                             f"{(*RECOMPUTE_POLICIES, 'auto')} or None")
-        if self.fuse and self.recompute_policy == "selective":
-            raise PlanError("recompute_policy='selective' with fuse=True: torch.compile'd "
-                            "stages call matmuls' out= forms, which selective checkpointing "
-                            "cannot keep; use recompute_policy='full' (or 'auto'), or "
-                            "fuse=False")
+        self.solve_recompute_policy()  # selective with fuse refused
         if self.backend is not None and self.backend not in BACKENDS:
             raise PlanError(f"backend={self.backend!r}; expected one of {BACKENDS} or None")
         if self.devices is not None and not self.devices:
@@ -240,8 +253,7 @@ class CompileOptions:
         """The recompute policy to solve with: ``recompute_policy``, ``"auto"`` when None,
         and ``"full"`` for ``"auto"`` with ``fuse`` (compiled stages cannot keep their
         matmuls' outputs, see ``autopart.codegen.recompute.run_recomputed``)."""
-        policy = self.recompute_policy or "auto"
-        return "full" if self.fuse and policy == "auto" else policy
+        return recompute_policy_to_solve(self.recompute_policy or "auto", self.fuse)
 
     def state_factor(self, model: nn.Module) -> float:
         """Optimizer state bytes per parameter byte for :attr:`optimizer` on ``model``'s

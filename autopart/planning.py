@@ -18,13 +18,13 @@ from torch import nn
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
-from autopart.core.errors import InfeasiblePlanError, PlanError, ProfileError
+from autopart.core.errors import PlanError, ProfileError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.signature import microbatch_inputs
 from autopart.devices import cluster_for_devices, library_versions, resolve_devices
-from autopart.options import renamed_choices
+from autopart.options import recompute_policy_to_solve, renamed_choices
 from autopart.profiler import session
 from autopart.profiler.cache import cache_enabled
 from autopart.profiler.collective_probe import MESSAGE_BYTES, measure_collective_overhead
@@ -44,7 +44,7 @@ from autopart.runtime.host import tune_cpu_allocator
 from autopart.solver import SolveOptions, find_candidates, solve
 from autopart.solver.collectives import all_reduce_us
 from autopart.solver.predict import predict as predict_plan
-from autopart.solver.solve import better_plan
+from autopart.solver.solve import auto_recompute
 
 __all__ = ["Profile", "plan_model", "profile_model", "host_figures", "measure_host_figures",
            "cpu_ranks_per_core", "ranks_per_device", "with_collective_overhead"]
@@ -321,21 +321,19 @@ def solve_auto_recompute(profile: Profile, solve_with: Callable[[Profile, str], 
     can matter: solve with ``"full"`` (``solve_with(profile, "full")``); where that plan
     recomputes a stage, measure the cost (:func:`with_selective_cost`), solve with
     ``"selective"`` and keep the better by the objective
-    (:func:`autopart.solver.solve.better_plan`). Returns the plan and the profile it was
+    (:func:`autopart.solver.solve.auto_recompute`). Returns the plan and the profile it was
     solved on (with the measured cost when it was measured)."""
-    plan = solve_with(profile, "full")
-    if not any(st.recompute for st in plan.stages):
-        return plan, profile
-    if profile.runtime.selective_us_per_node == (0.0, 0.0):
-        t0 = time.perf_counter()
-        with phase("selective cost"):
-            profile = with_selective_cost(profile, args, kwargs)
-        profile.timings_s["selective_cost_s"] = time.perf_counter() - t0
-    try:
-        other = solve_with(profile, "selective")
-    except InfeasiblePlanError:
-        return plan, profile
-    return better_plan(plan, other, optimize), profile
+    solved_on = [profile]
+
+    def solve(policy: str) -> Plan:
+        if policy == "selective" and solved_on[0].runtime.selective_us_per_node == (0.0, 0.0):
+            t0 = time.perf_counter()
+            with phase("selective cost"):
+                solved_on[0] = with_selective_cost(solved_on[0], args, kwargs)
+            solved_on[0].timings_s["selective_cost_s"] = time.perf_counter() - t0
+        return solve_with(solved_on[0], policy)
+
+    return auto_recompute(solve, optimize), solved_on[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -403,14 +401,9 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
     """
     solve_options = renamed_choices(solve_options)
     schedule_kind = solve_options.pop("schedule_kind", schedule_kind)
-    if fuse and solve_options.get("recompute_policy") == "selective":
-        # Inductor's code calls matmuls' out= forms, which torch's selective checkpointing
-        # cannot keep: they would run again as under "full" while the plan priced them kept
-        raise PlanError("recompute_policy='selective' with fuse=True: torch.compile'd stages "
-                        "call matmuls' out= forms, which selective checkpointing cannot keep; "
-                        "use recompute_policy='full' (or 'auto'), or fuse=False")
-    if fuse and solve_options.get("recompute_policy") == "auto":
-        solve_options["recompute_policy"] = "full"
+    if "recompute_policy" in solve_options:
+        solve_options["recompute_policy"] = recompute_policy_to_solve(
+            solve_options["recompute_policy"], fuse)
     device_names, v = _ranks_and_v(devices, num_stages, stages_per_rank)
     fixed = {k: val for k, val in (("schedule_kind", schedule_kind), ("stages_per_rank", v),
                                    ("recompute", recompute)) if val is not None}

@@ -39,7 +39,7 @@ from autopart.solver.layout_dp import (
 from autopart.solver.layout_options import LayoutCandidate, LayoutOptions
 from autopart.solver.options import SolveOptions
 from autopart.solver.predict import plan_at
-from autopart.solver.solve import better_plan, solve
+from autopart.solver.solve import auto_recompute, solve
 from autopart.solver.tensor_parallel import find_tensor_parallel
 from autopart.solver.tensor_parallel_costs import shard_costs
 
@@ -394,18 +394,11 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     screening ranked by one policy would leave the other's best layout unrefined): the
     search runs with ``"full"``, and where its plan recomputes a stage once more with
     ``"selective"``; the better plan by the objective is returned
-    (:func:`autopart.solver.solve.better_plan`).
+    (:func:`autopart.solver.solve.auto_recompute`).
     """
     if options.recompute_policy == "auto":
-        full = solve_layout(costs, device, replace(options, recompute_policy="full"), layout)
-        if not options.training or not any(st.recompute for st in full.stages):
-            return full
-        try:
-            selective = solve_layout(costs, device,
-                                     replace(options, recompute_policy="selective"), layout)
-        except InfeasiblePlanError:
-            return full
-        return better_plan(full, selective, options.optimize)
+        return auto_recompute(lambda policy: solve_layout(
+            costs, device, replace(options, recompute_policy=policy), layout), options.optimize)
     t0 = time.perf_counter()
     cache: dict[int, CostGraph] = {}
     cands = layout_candidates(costs, device, options, layout, cache)

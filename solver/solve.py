@@ -8,6 +8,7 @@ The public entry. Its three steps live in their own modules, in data-flow order:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from autopart.core.cluster import Cluster
@@ -19,7 +20,7 @@ from autopart.solver._refinement import search
 from autopart.solver._selection import choose
 from autopart.solver.options import SolveOptions
 
-__all__ = ["SolveOptions", "solve", "better_plan"]
+__all__ = ["SolveOptions", "solve", "better_plan", "auto_recompute"]
 
 
 def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
@@ -68,28 +69,31 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
             cap; the message names the smallest peak found and the cap or device count needed.
     """
     if options.recompute_policy == "auto":
-        return _solve_auto(costs, cluster, options)
+        return auto_recompute(
+            lambda policy: solve(costs, cluster, replace(options, recompute_policy=policy)),
+            options.optimize)
     st = setup(costs, cluster, options)
     solved, wall = search(st, subproblems(st))
     plan: Plan = choose(st, solved, wall)
     return plan
 
 
-def _solve_auto(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
-    """``recompute_policy="auto"``: solve with ``"full"``; where that plan recomputes a stage,
-    solve again with ``"selective"`` and keep the better of the two by the objective
-    (``"speed"``: the faster, ``"memory"``: the smaller largest-rank peak, then the faster).
-    The selective policy recomputes less, so it is faster and holds more: where nothing fits
-    with ``"full"`` nothing fits with it either (the error of the first solve is raised)."""
-    full = solve(costs, cluster, replace(options, recompute_policy="full"))
-    if not options.training or not any(st.recompute for st in full.stages):
+def auto_recompute(solve_with: Callable[[str], Plan], optimize: str) -> Plan:
+    """``recompute_policy="auto"``: ``solve_with("full")``; where that plan recomputes a
+    stage, ``solve_with("selective")`` too, and the better of the two by the objective
+    (:func:`better_plan`). The selective policy recomputes less, so it is faster and holds
+    more: where nothing fits with ``"full"`` nothing fits with it either (the first call's
+    ``InfeasiblePlanError`` is raised), and where only ``"full"`` fits its plan is kept.
+    :func:`solve`, :func:`autopart.solver.layout_search.solve_layout` and
+    ``autopart.planning.solve_auto_recompute`` decide it so."""
+    full = solve_with("full")
+    if not any(st.recompute for st in full.stages):
         return full
     try:
-        selective = solve(costs, cluster, replace(options, recompute_policy="selective"))
+        selective = solve_with("selective")
     except InfeasiblePlanError:
         return full
-
-    return better_plan(full, selective, options.optimize)
+    return better_plan(full, selective, optimize)
 
 
 def better_plan(first: Plan, second: Plan, optimize: str) -> Plan:
