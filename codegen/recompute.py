@@ -5,6 +5,7 @@ again (``"full"``), or what torch's selective activation checkpointing does not 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,6 +124,13 @@ def selective_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
     collectives; ``str(func)``, e.g. ``"aten.mm.default"``, ``"autopart.tp_reduce.default"``),
     ``PREFER_RECOMPUTE`` for every other (norms, activations, adds, dropout, casts, views)."""
     del ctx, args, kwargs
+    return _policy_of(func)
+
+
+@functools.lru_cache(maxsize=None)
+def _policy_of(func: Any) -> CheckpointPolicy:
+    """:func:`selective_policy`'s answer by kernel, kept: it is asked for every kernel of
+    every forward and recomputation, and ``str`` of an ``OpOverload`` builds a new string."""
     if str(func) in SELECTIVE_KEPT_KERNELS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
