@@ -127,7 +127,7 @@ def selective_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
     return _policy_of(func)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _policy_of(func: Any) -> CheckpointPolicy:
     """:func:`selective_policy`'s answer by kernel, kept: it is asked for every kernel of
     every forward and recomputation, and ``str`` of an ``OpOverload`` builds a new string."""
