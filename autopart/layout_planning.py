@@ -85,7 +85,7 @@ def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
                          zero_stage=options.zero_stage, num_heads=num_heads,
                          overlap_grad_reduce=options.overlap_grad_reduce,
                          zero_layer_units=options.zero_layer_units and not options.fuse,
-                         sequence_parallel=options.sequence_parallel)
+                         sequence_parallel=options.sequence_parallel, ep=options.ep)
 
 
 def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,

@@ -178,6 +178,10 @@ class CompileOptions:
             sequence parallelism (layer norms, dropouts and residual adds between tp pairs
             on 1/tp of the tokens; ``autopart/codegen/sequence_parallel.py``), priced so.
             Default False. The plan records it (``Plan.sequence_parallel``).
+        ep: distributed, layout search only: expert-parallel degree >= 1 (default 1): each
+            MoE layer's experts split over ep of the dp replicas, tokens dispatched by
+            all-to-all (``Plan.ep``; ``autopart/codegen/expert_parallel.py``). With ep > 1
+            the search keeps tp 1, ZeRO 0 and a dp that ep divides.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -205,12 +209,13 @@ class CompileOptions:
     overlap_grad_reduce: bool = True
     zero_layer_units: bool = True
     sequence_parallel: bool = False
+    ep: int = 1
     issue_threads: int | None = 1
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         optimizer_state_factor(self.optimizer, 1, 1)  # checks the name or figure
-        for name in ("num_stages", "num_microbatches", "stages_per_rank", "tp", "dp"):
+        for name in ("num_stages", "num_microbatches", "stages_per_rank", "tp", "dp", "ep"):
             _positive_int(name, getattr(self, name))
         if self.zero_stage is not None:
             check_zero_stage(self.zero_stage)
@@ -282,6 +287,11 @@ class CompileOptions:
         tp = max(self.tp or 1, plan.tp if plan is not None else 1)
         dp = max(self.dp or 1, plan.dp if plan is not None else 1)
         zero = max(self.zero_stage or 0, plan.zero_stage if plan is not None else 0)
+        if max(self.ep, plan.ep if plan is not None else 1) > 1:
+            raise PlanError(f"ep={max(self.ep, plan.ep if plan is not None else 1)}: the local "
+                            "backend runs one process, and expert parallelism splits the "
+                            "experts over dp ranks; launch with torchrun and "
+                            "backend='distributed' (dp= a multiple of ep), or drop ep=")
         if tp > 1 or dp > 1 or zero > 0:
             raise PlanError(f"tp={tp}, dp={dp}, zero_stage={zero}: the local backend runs every "
                             "stage in one process, so it has no tensor- or data-parallel ranks "
@@ -333,6 +343,7 @@ class CompileOptions:
                  ("optimize", self.optimize, plan.optimize),
                  ("tp", self.tp, plan.tp), ("dp", self.dp, plan.dp),
                  ("zero_stage", self.zero_stage, plan.zero_stage),
+                 ("ep", None if self.ep == 1 else self.ep, plan.ep),
                  ("recompute", self.recompute,
                   next(iter(recompute)) if len(recompute) == 1 else "per stage"),
                  ("recompute_policy", None if self.recompute_policy == "auto"

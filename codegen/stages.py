@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autopart.codegen.expert_parallel import expert_parallel
 from autopart.codegen.params import Placement, build_stage_modules
 from autopart.codegen.sequence_parallel import sequence_parallel
 from autopart.codegen.split import split_graph
@@ -64,6 +65,9 @@ class BuiltStages:
         tp: this process's tensor-parallel rank, or None (the plan's tp is 1).
         shards: FQN -> how each parameter built here is split over tp (empty without tp);
             ``placement.tensors`` then holds this tp rank's shards.
+        ep: this process's place in its expert-parallel group, or None (the plan's ep is 1).
+        ep_shards: FQN -> how each expert weight built here is split over ep (dimension 0;
+            empty without ep); ``placement.tensors`` then holds this ep rank's experts.
     """
 
     plan: Plan
@@ -75,6 +79,8 @@ class BuiltStages:
     fuse_s: float = 0.0
     tp: TensorParallelRank | None = None
     shards: Mapping[str, ShardLayout] = field(default_factory=dict)
+    ep: TensorParallelRank | None = None
+    ep_shards: Mapping[str, ShardLayout] = field(default_factory=dict)
 
     def sources(self) -> dict[int, str]:
         """Stage index -> readable Python source of each stage built here
@@ -168,7 +174,8 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
                  ranks: Collection[int] | None = None,
                  tensor_of: Callable[[str], torch.Tensor] | None = None,
                  fuse: bool = False, cuts_by_name: bool = False,
-                 tp: TensorParallelRank | None = None) -> BuiltStages:
+                 tp: TensorParallelRank | None = None,
+                 ep: TensorParallelRank | None = None) -> BuiltStages:
     """Split ``captured`` at the plan's cuts and build the stages of ``ranks``.
 
     Both runtimes take their stages from here: the one-process executor builds every rank
@@ -190,6 +197,9 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
         tp: this process's tensor-parallel rank; required when ``plan.tp > 1``: each
             built stage is then this rank's share (:func:`autopart.codegen.tensor_parallel.
             shard_stage` with the plan's ``sharded_parameters``), before any fusion.
+        ep: this process's place in its expert-parallel group; required when ``plan.ep >
+            1``: each built stage then holds this rank's experts and dispatches tokens to the
+            others (:func:`autopart.codegen.expert_parallel.expert_parallel`).
 
     Returns:
         The built stages (see :class:`BuiltStages`).
@@ -197,8 +207,9 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
     Raises:
         PlanError: the plan does not match the graph, or the device count differs from
             the plan's rank count, or ``ranks`` names a rank the plan does not have, or
-            ``tp`` is missing or of another degree than the plan's, or a stage cannot be
-            split over tp (:func:`autopart.codegen.tensor_parallel.shard_stage`).
+            ``tp`` (``ep``) is missing or of another degree than the plan's, or a stage
+            cannot be split over tp (:func:`autopart.codegen.tensor_parallel.shard_stage`)
+            or its experts over ep (:func:`autopart.codegen.expert_parallel.expert_parallel`).
     """
     if len(devices) != len(plan.ranks):
         raise PlanError(f"the plan has {len(plan.ranks)} ranks but {len(devices)} devices "
@@ -214,6 +225,7 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
     modules, placement = build_stage_modules(captured, stage_graphs, list(stage_devices),
                                              keep=set(local), tensor_of=tensor_of)
     shards = _shard(plan, tp, modules, local, placement)
+    ep_shards = _split_experts(plan, ep, modules, local, placement)
     runners: list[nn.Module | None] = list(modules)
     t0 = time.perf_counter()
     if fuse:
@@ -222,7 +234,8 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
     return BuiltStages(plan=plan, modules=tuple(modules), runners=tuple(runners),
                        devices=stage_devices, placement=placement, local=local,
                        fuse_s=time.perf_counter() - t0 if fuse else 0.0,
-                       tp=tp if plan.tp > 1 else None, shards=shards)
+                       tp=tp if plan.tp > 1 else None, shards=shards,
+                       ep=ep if plan.ep > 1 else None, ep_shards=ep_shards)
 
 
 def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModule | None],
@@ -242,6 +255,27 @@ def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModu
         shards.update(shard_stage(modules[s], styles, tp, made=made))  # type: ignore[arg-type]
         if plan.sequence_parallel:
             sequence_parallel(modules[s], tp)  # type: ignore[arg-type]
+    for key, value in placement.tensors.items():
+        if id(value) in made:
+            placement.tensors[key] = made[id(value)]
+    return shards
+
+
+def _split_experts(plan: Plan, ep: TensorParallelRank | None,
+                   modules: list[fx.GraphModule | None], local: tuple[int, ...],
+                   placement: Placement) -> dict[str, ShardLayout]:
+    """Each built stage with this ep rank's experts; the placement then holds them."""
+    if plan.ep == 1:
+        return {}
+    if ep is None or ep.size != plan.ep:
+        got = "none" if ep is None else f"a group of {ep.size}"
+        raise PlanError(f"the plan has ep={plan.ep} but {got} was given; run it under torchrun "
+                        f"with dp x tp x pp ranks (the ep group is {plan.ep} of the dp "
+                        "replicas), or re-plan with ep=1 for one process")
+    made: dict[int, nn.Parameter] = {}
+    shards: dict[str, ShardLayout] = {}
+    for s in local:
+        shards.update(expert_parallel(modules[s], ep, made=made))  # type: ignore[arg-type]
     for key, value in placement.tensors.items():
         if id(value) in made:
             placement.tensors[key] = made[id(value)]

@@ -9,6 +9,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import sdpa_flop_count
 
+from autopart.core.capturedgraph import GROUPED_MM_OPS, weight_source
+
 __all__ = ["EXTRA_FLOP_FORMULAS", "GROUPED_MM_OPS", "MeasureReport", "flop_formulas",
            "grouped_mm_flop", "weight_source"]
 
@@ -39,10 +41,6 @@ def grouped_mm_flop(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = Non
     return 2 * numel * a_shape[-1]
 
 
-GROUPED_MM_OPS = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
-"""Grouped GEMMs: one matmul per group (expert) in one call; the backward is two of the
-forward's size, one per operand, as for a plain matmul."""
-
 # FLOP formulas torch's counter lacks (keyed by op packet, as FlopCounterMode looks them up).
 EXTRA_FLOP_FORMULAS: dict[Any, Any] = {torch.ops.aten._grouped_mm: grouped_mm_flop}
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
@@ -61,25 +59,6 @@ def flop_formulas() -> dict[Any, Any]:
         return EXTRA_FLOP_FORMULAS
     EXTRA_FLOP_FORMULAS.setdefault(fallback, grouped_mm_flop)
     return EXTRA_FLOP_FORMULAS
-
-
-_PASS_THROUGH_OPS = frozenset({
-    "aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.view.default",
-    "aten.reshape.default", "aten._unsafe_view.default", "aten.expand.default",
-    "aten.alias.default", "aten.unsqueeze.default", "aten._to_copy.default",
-    "aten.to.dtype", "aten.to.dtype_layout", "aten.contiguous.default", "aten.clone.default"})
-"""Single-tensor ops through which an operand stays 'the weight': a matmul's operand made by
-these from a parameter has its gradient computed in the weight-gradient (W) pass."""
-
-
-def weight_source(node: fx.Node) -> fx.Node | None:
-    """The ``get_attr`` node that ``node`` is (possibly through transposes, views and casts),
-    else None. transformers 5 stores MoE experts as stacked 3-D parameters and hands
-    ``weight.transpose(1, 2)`` to the grouped GEMM: that operand is the weight all the same."""
-    while node.op == "call_function" and str(node.target) in _PASS_THROUGH_OPS and node.args \
-            and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node if node.op == "get_attr" else None
 
 
 def _written_args(node: fx.Node) -> list[int | str]:

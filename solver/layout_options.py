@@ -59,6 +59,10 @@ class LayoutOptions:
             all-gathers in place of tp's all-reduces), priced so
             (:func:`autopart.solver.tensor_parallel_costs.shard_costs`) and recorded in the plan
             (``Plan.sequence_parallel``). Default False: those run whole on every tp GPU.
+        ep: expert-parallel degree (default 1): only layouts whose dp it divides, with tp 1
+            and ZeRO 0 (what the runtime runs with ep > 1), and the plan records it
+            (``Plan.ep``). The costs are those of ep = 1 so far: every expert on every
+            GPU, no all-to-all (docs/design.md, "Expert parallelism").
     """
 
     num_gpus: int
@@ -76,6 +80,7 @@ class LayoutOptions:
     overlap_grad_reduce: bool = True
     zero_layer_units: bool = True
     sequence_parallel: bool = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -91,6 +96,13 @@ class LayoutOptions:
                 raise PlanError(f"{name}={value} must be >= 1 or None")
         if self.tp and self.pp and self.dp:
             check_degrees(self.tp, self.pp, self.dp, self.num_gpus)
+        if self.ep < 1:
+            raise PlanError(f"ep={self.ep} must be >= 1")
+        if self.ep > 1 and ((self.tp or 1) > 1 or (self.zero_stage or 0) > 0
+                            or (self.dp is not None and self.dp % self.ep)):
+            raise PlanError(f"ep={self.ep} with tp={self.tp}, dp={self.dp}, zero_stage="
+                            f"{self.zero_stage}: expert parallelism runs with tp=1, zero_stage=0 "
+                            "and a dp that ep divides; fix those, or drop ep")
         if self.microbatch_sizes is not None and (not self.microbatch_sizes
                                                   or min(self.microbatch_sizes) < 1):
             raise PlanError(f"microbatch_sizes={self.microbatch_sizes} must be sizes >= 1 or None")

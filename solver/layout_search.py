@@ -137,12 +137,12 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
         check_global_batch(batch, layout.dp, options.num_microbatches)
     out: list[LayoutCandidate] = []
     shape_seen = False
-    for tp in _tp_choices(layout):
+    for tp in [1] if layout.ep > 1 else _tp_choices(layout):
         sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
         smallest = _smallest_crossing(sharded)
         for pp in divisors(n // tp) if n % tp == 0 else []:
             dp = n // (tp * pp)
-            if layout.pp not in (None, pp) or layout.dp not in (None, dp):
+            if layout.pp not in (None, pp) or layout.dp not in (None, dp) or dp % layout.ep:
                 continue
             shape_seen = True
             if batch % dp:
@@ -152,7 +152,8 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
             except PlanError:
                 continue
             zeros = ([layout.zero_stage] if layout.zero_stage is not None
-                     else list(ZERO_STAGES) if dp > 1 and options.training else [0])
+                     else list(ZERO_STAGES) if dp > 1 and options.training and layout.ep == 1
+                     else [0])
             for zero in zeros:
                 out.append(_bounds(sharded, tp, pp, dp, zero, counts, options, layout, device,
                                    smallest))
@@ -324,7 +325,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
         baselines=baselines, pareto=pareto, sharded_parameters=sharded_params,
         overlap_grad_reduce=overlap, zero_layer_units=units,
-        sequence_parallel=layout.sequence_parallel and tp > 1,
+        sequence_parallel=layout.sequence_parallel and tp > 1, ep=layout.ep,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
         if step > 0 else plan.bubble_fraction,

@@ -15,7 +15,8 @@ from torch import nn
 
 from autopart.core.errors import TraceError
 
-__all__ = ["CapturedGraph", "graph_fingerprint", "op_nodes", "node_module_path", "node_source"]
+__all__ = ["GROUPED_MM_OPS", "CapturedGraph", "graph_fingerprint", "op_nodes", "node_module_path",
+           "node_source", "weight_source"]
 
 _OP_KINDS = ("call_function", "call_method", "call_module")
 
@@ -95,6 +96,29 @@ def node_source(node: fx.Node) -> str:
         return "unknown source line"
     path, line, code = frames[-1]
     return f"{os.path.basename(path)}:{line} ({code.strip()})"
+
+
+GROUPED_MM_OPS = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
+"""Grouped GEMMs: one matmul per group (expert) in one call; the backward is two of the
+forward's size, one per operand, as for a plain matmul."""
+
+_PASS_THROUGH_OPS = frozenset({
+    "aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.view.default",
+    "aten.reshape.default", "aten._unsafe_view.default", "aten.expand.default",
+    "aten.alias.default", "aten.unsqueeze.default", "aten._to_copy.default",
+    "aten.to.dtype", "aten.to.dtype_layout", "aten.contiguous.default", "aten.clone.default"})
+"""Single-tensor ops through which an operand stays 'the weight': a matmul's operand made by
+these from a parameter has its gradient computed in the weight-gradient (W) pass."""
+
+
+def weight_source(node: fx.Node) -> fx.Node | None:
+    """The ``get_attr`` node that ``node`` is (possibly through transposes, views and casts),
+    else None. transformers 5 stores MoE experts as stacked 3-D parameters and hands
+    ``weight.transpose(1, 2)`` to the grouped GEMM: that operand is the weight all the same."""
+    while node.op == "call_function" and str(node.target) in _PASS_THROUGH_OPS and node.args \
+            and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node if node.op == "get_attr" else None
 
 
 def _get_attr(root: nn.Module, target: str) -> Any:

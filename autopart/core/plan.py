@@ -103,6 +103,13 @@ class Plan:
             only; ``"selective"``: torch's selective activation checkpointing with
             torchtitan's op policy, keeping the outputs of matmuls, attention and tp's
             collectives and recomputing the rest.
+        ep: expert-parallel degree, folded into dp as Megatron-Core folds it (ep divides dp;
+            each ep group is ep consecutive dp replicas): the experts of every MoE layer are
+            split over the ep group, ``E / ep`` per GPU, and tokens reach their experts by
+            all-to-all (``autopart/codegen/expert_parallel.py``); an expert's gradient is
+            summed over the ``dp / ep`` replicas holding it. 1 (the default, and what plans
+            written before it load as): every replica holds every expert. Runs with tp = 1
+            and ZeRO 0 (the runtime refuses the rest).
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
@@ -133,6 +140,7 @@ class Plan:
     zero_layer_units: bool = False
     sequence_parallel: bool = False
     recompute_policy: str = "full"
+    ep: int = 1
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -251,6 +259,9 @@ def check_plan_invariants(plan: Plan) -> None:
     if plan.recompute_policy not in RECOMPUTE_POLICIES:
         raise bad(f"recompute_policy={plan.recompute_policy!r} is not one of "
                   f"{RECOMPUTE_POLICIES}")
+    if plan.ep < 1 or plan.dp % plan.ep:
+        raise bad(f"ep={plan.ep} with dp={plan.dp}: expert parallelism splits the experts over "
+                  "ep of the dp replicas, so ep must be >= 1 and divide dp; choose a divisor")
     if plan.sequence_parallel and plan.tp < 2:
         raise bad(f"sequence_parallel=True with tp={plan.tp}: sequence parallelism splits the "
                   "tokens over a tp group of 2 or more GPUs; set it False")

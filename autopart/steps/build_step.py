@@ -70,11 +70,13 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     groups = None if local else mesh_groups(plan, options.mesh)  # PlanError if it does not fit
     if groups is None:
         devices: list[str | torch.device] = list(plan_devices(plan, options.devices))
-        ranks = tp = None
+        ranks = tp = ep = None
     else:
         device = launch.rank_device()
         devices, ranks = [device] * groups.pp, {dist.get_rank(groups.pp_group)}
         tp = (TensorParallelRank.of_group(groups.tp_group) if groups.tp_group is not None
+              else None)
+        ep = (TensorParallelRank.of_group(groups.ep_group) if groups.ep_group is not None
               else None)
         meta = on_meta(model)
         cuts_by_name = cuts_by_name or meta  # codegen points the meta literals at device
@@ -85,7 +87,8 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     t0 = time.perf_counter()
     with phase("codegen"):
         stages = build_stages(captured, plan, devices, ranks=ranks, fuse=options.fuse,
-                              tensor_of=tensor_of, cuts_by_name=cuts_by_name, tp=tp)
+                              tensor_of=tensor_of, cuts_by_name=cuts_by_name, tp=tp,
+                              ep=ep)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s
@@ -97,5 +100,6 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
         return pipe
     return DistributedPipeline(model, stages, signature, devices[0], loss_fn=loss_fn,
                                pp_group=groups.pp_group, dp_group=groups.dp_group,
-                               tp_group=groups.tp_group, timings_s=timings,
+                               tp_group=groups.tp_group, ep_group=groups.ep_group,
+                               edp_group=groups.edp_group, timings_s=timings,
                                step_timeout_s=options.step_timeout_s or DEFAULT_STEP_TIMEOUT_S)

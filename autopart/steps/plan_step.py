@@ -87,8 +87,8 @@ def _world_request(options: CompileOptions) -> tuple[str, ...]:
         PlanError: ``mesh`` or ``num_stages`` with a layout search; ``num_stages`` not a
             multiple of the pp ranks.
     """
-    if options.layout_search or any(v is not None for v in (options.tp, options.dp,
-                                                            options.zero_stage)):
+    if options.layout_search or options.ep > 1 or any(
+            v is not None for v in (options.tp, options.dp, options.zero_stage)):
         _check_layout_request(options)
         return ()
     mesh = options.mesh

@@ -30,7 +30,7 @@ its gradient is complete only after both stages' backwards, and the after-the-st
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -68,6 +68,8 @@ class GradBuckets:
         group: the data-parallel group (>= 2 ranks).
         bucket_elements: a bucket's largest size, elements (default:
             :func:`autopart.core.layout.grad_bucket_elements` of the group's size).
+        exclude: ids of parameters not averaged over ``group`` (an ep rank's experts,
+            reduced over their own replicas after the step).
 
     Attributes:
         covered: ids of the parameters reduced here (the others are reduced after the step).
@@ -75,7 +77,8 @@ class GradBuckets:
     """
 
     def __init__(self, modules: Mapping[int, nn.Module], group: dist.ProcessGroup,
-                 bucket_elements: int | None = None) -> None:
+                 bucket_elements: int | None = None,
+                 exclude: Collection[int] = ()) -> None:
         self._group = group
         self._size = dist.get_world_size(group)
         cap = grad_bucket_elements(self._size) if bucket_elements is None else bucket_elements
@@ -89,7 +92,8 @@ class GradBuckets:
         self.covered: set[int] = set()
         self.timer = CollectiveTimer()
         for s, mod in modules.items():
-            params = [p for p in mod.parameters() if p.requires_grad and holders[id(p)] == 1]
+            params = [p for p in mod.parameters() if p.requires_grad and holders[id(p)] == 1
+                      and id(p) not in exclude]
             buckets = self._pack(list(reversed(params)), cap)
             self._buckets[s] = buckets
             for k, b in enumerate(buckets):
@@ -181,7 +185,8 @@ class GradBuckets:
 
 
 def overlapped_reduction(plan: Plan, dp_group: dist.ProcessGroup | None, sharded: bool,
-                         submods: Mapping[int, nn.Module]) -> GradBuckets | None:
+                         submods: Mapping[int, nn.Module],
+                         exclude: Collection[int] = ()) -> GradBuckets | None:
     """The overlapped reduction of a plan with ``overlap_grad_reduce`` (ZeRO-0, a dp group
     of at least 2 ranks), else None: gradients are then averaged after the step (ZeRO 1-3:
     FSDP2 reduce-scatters them).
@@ -191,8 +196,9 @@ def overlapped_reduction(plan: Plan, dp_group: dist.ProcessGroup | None, sharded
         dp_group: this rank's data-parallel group, or None.
         sharded: the rank's parameters are ZeRO 1-3 shards (no overlap here).
         submods: stage index -> each local stage's module.
+        exclude: ids of parameters the buckets leave out (:class:`GradBuckets`).
     """
     if (not plan.overlap_grad_reduce or dp_group is None or sharded
             or dist.get_world_size(dp_group) < 2):
         return None
-    return GradBuckets(submods, dp_group)
+    return GradBuckets(submods, dp_group, exclude=exclude)

@@ -4,6 +4,7 @@ means, tied sums, dp means) and the whole model's gradient norm."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from autopart.runtime.distributed._comm import average_over
 from autopart.runtime.distributed._sharding import DataSharding, local_tensor
 from autopart.runtime.distributed._tensor_parallel import TensorParallelState
 
-__all__ = ["step_loss", "mean_over_microbatches", "reduce_grads", "grad_norm"]
+__all__ = ["ExpertGrads", "step_loss", "mean_over_microbatches", "reduce_grads", "grad_norm"]
 
 
 def step_loss(losses: list[torch.Tensor], device: torch.device, last_rank: int,
@@ -59,7 +60,7 @@ def mean_over_microbatches(stages: Iterable[nn.Module], m: int) -> None:
 def reduce_grads(local: dict[str, torch.Tensor],
                  tied: Iterable[tuple[str, dist.ProcessGroup | None]],
                  params: Iterable[torch.Tensor], dp_group: dist.ProcessGroup | None,
-                 sharding: DataSharding) -> None:
+                 sharding: DataSharding, experts: ExpertGrads | None = None) -> None:
     """Sum each tied parameter's gradient over the pipeline ranks holding it (its local
     shard under ZeRO), then average every gradient over the data-parallel replicas in
     buckets, as DDP does (:func:`average_over`); under ZeRO 1-3 FSDP has reduce-scattered
@@ -71,6 +72,8 @@ def reduce_grads(local: dict[str, torch.Tensor],
         params: this rank's parameters.
         dp_group: the data-parallel group, or None.
         sharding: the rank's ZeRO sharding.
+        experts: where this rank's expert weights' gradients are reduced (ep > 1), or None;
+            those are left out of the dp average.
 
     Raises:
         RuntimeError: a collective failed or timed out (torch.distributed's error).
@@ -80,14 +83,47 @@ def reduce_grads(local: dict[str, torch.Tensor],
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(local_tensor(p.grad), op=dist.ReduceOp.SUM, group=group)
+    params = list(params)
+    if experts is not None:
+        experts.reduce([p for p in params if id(p) in experts.ids])
+        params = [p for p in params if id(p) not in experts.ids]
     if dp_group is not None and not sharding.sharded:
         average_over([p.grad for p in params if p.grad is not None], dp_group)
+
+
+@dataclass(frozen=True)
+class ExpertGrads:
+    """How an ep rank reduces its experts' gradients (Megatron-Core's expert data parallel).
+
+    Each ep rank's expert weights received the tokens of every replica of its ep group, so
+    their gradients already sum those replicas' contributions; the other ``dp / ep``
+    replicas holding the same experts (``edp_group``) add theirs, and the sum is divided by
+    dp, as the dense gradients' mean over dp is.
+
+    Attributes:
+        ids: ``id()`` of each expert weight of this rank.
+        edp_group: the replicas holding the same experts, or None (ep = dp).
+        ep: the ep degree.
+    """
+
+    ids: frozenset[int]
+    edp_group: dist.ProcessGroup | None
+    ep: int
+
+    def reduce(self, params: list[torch.Tensor]) -> None:
+        """Replace each expert gradient by its share of the global batch's gradient."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.edp_group is not None:
+            average_over(grads, self.edp_group)  # the sum over dp / ep replicas, / (dp / ep)
+        for g in grads:
+            g.div_(self.ep)
 
 
 def grad_norm(owned: Iterable[tuple[str, torch.Tensor]], norm_type: float,
               device: torch.device, pp_group: dist.ProcessGroup,
               tp: TensorParallelState | None, sharding: DataSharding,
-              guarded: Callable[[Callable[[], None]], Any]) -> torch.Tensor:
+              guarded: Callable[[Callable[[], None]], Any],
+              ep: TensorParallelState | None = None) -> torch.Tensor:
     """The whole model's gradient p-norm from this rank's pieces, equal on every rank.
 
     Each rank takes ``sum |g| ** p`` (max for ``inf``) of the gradients it owns, the
@@ -104,6 +140,8 @@ def grad_norm(owned: Iterable[tuple[str, torch.Tensor]], norm_type: float,
         tp: the tp state, or None.
         sharding: the rank's ZeRO sharding.
         guarded: runs the collectives, turning a dead rank into ``PipelineFailure``.
+        ep: the ep group's state (its experts split like tp's shards: each counted on its
+            ep rank, the replicated rest on ep rank 0 only), or None.
 
     Returns:
         The norm (0-dim float32 tensor).
@@ -113,7 +151,8 @@ def grad_norm(owned: Iterable[tuple[str, torch.Tensor]], norm_type: float,
     """
     p = float(norm_type)
     grads = [local_tensor(t.grad) for fqn, t in owned if t.grad is not None
-             and (tp is None or tp.counts_in_norm(fqn))]
+             and (tp is None or tp.counts_in_norm(fqn))
+             and (ep is None or ep.counts_in_norm(fqn))]
     if grads:
         local = torch.nn.utils.get_total_norm(grads, p, foreach=None).to(torch.float32)
     else:
@@ -126,6 +165,8 @@ def grad_norm(owned: Iterable[tuple[str, torch.Tensor]], norm_type: float,
         dist.all_reduce(total, op=op, group=pp_group)
         if tp is not None:
             tp.reduce_norm(total, op)
+        if ep is not None:
+            ep.reduce_norm(total, op)
         sharding.grad_norm_power(total, inf)
 
     guarded(reduce)

@@ -43,7 +43,8 @@ class RankStages:
 def rank_stages(stages: BuiltStages, local_stages: list[int], local: dict[str, torch.Tensor],
                 fqn_order: list[str], device: torch.device, heartbeat: Heartbeat,
                 dp_group: dist.ProcessGroup | None,
-                p2p_group: dist.ProcessGroup | None) -> RankStages:
+                p2p_group: dist.ProcessGroup | None,
+                exclude: frozenset[int] = frozenset()) -> RankStages:
     """Build this rank's stages for torch's schedule runtime.
 
     Each local stage module becomes a :class:`P2PStage` (recompute with the plan's
@@ -63,6 +64,7 @@ def rank_stages(stages: BuiltStages, local_stages: list[int], local: dict[str, t
         heartbeat: the pipeline's heartbeat, told of every action.
         dp_group: this rank's data-parallel group, or None.
         p2p_group: the group the stages send and receive on.
+        exclude: ids of parameters the dp buckets leave out (an ep rank's experts).
 
     Raises:
         PlanError: a ZeRO stage the groups or the placement cannot run
@@ -80,7 +82,7 @@ def rank_stages(stages: BuiltStages, local_stages: list[int], local: dict[str, t
     pipeline_stages = [sharding.new_stage(heartbeat, submods[s], s, plan.num_stages, device,
                                           group=p2p_group)
                        for s in local_stages]
-    buckets = overlapped_reduction(plan, dp_group, sharding.sharded, submods)
+    buckets = overlapped_reduction(plan, dp_group, sharding.sharded, submods, exclude)
     for st in pipeline_stages:
         st.grad_buckets = buckets
     if buckets is not None:  # where this rank's dp collectives report in a traced step

@@ -1,4 +1,4 @@
-"""A distributed pipeline's whole tensors: its tp and ZeRO shards gathered by FQN, and back."""
+"""A distributed pipeline's whole tensors: its tp, ep and ZeRO shards gathered by FQN, and back."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class WholeTensors:
 
     A parameter can be split twice: over tp (:class:`TensorParallelState`: this rank's
     slice, GPT-2's fused q/k/v per block) and then over dp (ZeRO 1-3:
-    :class:`DataSharding`, a DTensor shard of the tp slice). :meth:`whole` undoes both
+    :class:`DataSharding`, a DTensor shard of the tp slice); an expert weight is split over
+    ep instead (this rank's experts, dimension 0). :meth:`whole` undoes both
     (all-gather over dp, then over tp), :meth:`part` cuts a whole tensor back into this
     rank's piece without communication. Optimizer state shaped like its parameter (Adam's
     moments) goes the same way; anything else (Adam's ``step``) is left as it is.
@@ -35,25 +36,31 @@ class WholeTensors:
         whole_shapes: FQN -> the model's shape of each tensor of ``local``.
         sharding: the pipeline's ZeRO sharding (a no-op at ZeRO-0).
         tp: the pipeline's tensor-parallel state, or None (tp = 1).
+        ep: the pipeline's expert-parallel state (experts split on dimension 0 over the ep
+            group, :class:`TensorParallelState` of that group), or None (ep = 1).
     """
 
     def __init__(self, local: Mapping[str, torch.Tensor],
                  whole_shapes: Mapping[str, tuple[int, ...]], sharding: DataSharding,
-                 tp: TensorParallelState | None) -> None:
+                 tp: TensorParallelState | None,
+                 ep: TensorParallelState | None = None) -> None:
         self.local = local
         self.whole_shapes = dict(whole_shapes)
         self.sharding = sharding
         self.tp = tp
+        self.ep = ep
 
     @property
     def split(self) -> bool:
-        """Whether any tensor of this rank is a piece of a whole one (tp > 1 or ZeRO 1-3)."""
-        return self.tp is not None or self.sharding.sharded
+        """Whether any tensor of this rank is a piece of a whole one (tp > 1, ep > 1 or
+        ZeRO 1-3)."""
+        return self.tp is not None or self.ep is not None or self.sharding.sharded
 
-    def _tp_split(self, fqn: str, shape: tuple[int, ...]) -> bool:
-        """Whether a (dp-gathered) tensor of ``shape`` under ``fqn`` is a tp slice."""
+    def _split_by(self, group: TensorParallelState | None, fqn: str,
+                  shape: tuple[int, ...]) -> bool:
+        """Whether a (dp-gathered) tensor of ``shape`` under ``fqn`` is ``group``'s slice."""
         held = self.local[fqn]
-        return (self.tp is not None and fqn in self.tp.shards
+        return (group is not None and fqn in group.shards
                 and shape == tuple(held.shape) and shape != self.whole_shapes[fqn])
 
     def whole(self, fqn: str, t: torch.Tensor) -> torch.Tensor:
@@ -61,9 +68,10 @@ class WholeTensors:
         it) is this rank's piece; ``t`` itself, detached, when it is not one."""
         out = t.full_tensor() if isinstance(t, DTensor) else t
         out = out.detach()
-        if self._tp_split(fqn, tuple(out.shape)):
-            assert self.tp is not None
-            out = self.tp.full_state({fqn: out})[fqn]
+        for group in (self.tp, self.ep):
+            if self._split_by(group, fqn, tuple(out.shape)):
+                assert group is not None
+                out = group.full_state({fqn: out})[fqn]
         return out
 
     def part(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
@@ -74,8 +82,9 @@ class WholeTensors:
             return whole
         held = self.local[fqn]
         out = whole.to(held.device)
-        if self.tp is not None and fqn in self.tp.shards:
-            out = self.tp.shards[fqn].local(out, self.tp.rank, self.tp.size)
+        for group in (self.tp, self.ep):
+            if group is not None and fqn in group.shards:
+                out = group.shards[fqn].local(out, group.rank, group.size)
         if isinstance(held, DTensor):
             out = distribute_tensor(out, held.device_mesh, held.placements, src_data_rank=None)
         return out
@@ -93,8 +102,9 @@ class WholeTensors:
             PlanError: a value's shape differs from the model's
                 (:meth:`Pipeline._copy_state_in`, which cuts a ZeRO shard's piece).
         """
-        if self.tp is not None:
-            state_dict = self.tp.local_state(state_dict)
+        for group in (self.tp, self.ep):
+            if group is not None:
+                state_dict = group.local_state(state_dict)
         Pipeline._copy_state_in(state_dict, targets)
 
     def checkpoint_state(self, owned: Iterable[str], params: dict[int, str], plan: Plan,

@@ -11,11 +11,15 @@ import torch.distributed as dist
 from autopart.codegen.stages import BuiltStages
 from autopart.core.errors import PlanError
 
-__all__ = ["TensorParallelState", "tensor_parallel_state"]
+__all__ = ["TensorParallelState", "expert_parallel_state", "tensor_parallel_state"]
 
 
 class TensorParallelState:
     """What a pipeline rank does with its tp group beyond the stages' own collectives.
+
+    The same holds for an ep group (:func:`expert_parallel_state`): its ranks hold disjoint
+    slices of some parameters (their experts) and equal copies of the rest, so gathering,
+    cutting and the gradient norm's once-per-value count are the same.
 
     The stages (built with ``build_stages(..., tp=...)``) hold this rank's shards under the
     original FQNs; replicated parameters are whole on every tp rank and, by Megatron's
@@ -89,3 +93,34 @@ def tensor_parallel_state(stages: BuiltStages, tp_group: dist.ProcessGroup | Non
                         "build them with build_stages(..., tp=TensorParallelRank.of_group("
                         "tp_group))")
     return TensorParallelState(tp_group, stages.shards)
+
+
+def expert_parallel_state(stages: BuiltStages, ep_group: dist.ProcessGroup | None,
+                          ) -> TensorParallelState | None:
+    """The ep group's state of a rank's pipeline (its experts split on dimension 0, as a tp
+    group's shards are split), or None when the plan's ep is 1.
+
+    Raises:
+        PlanError: the plan has ep > 1 and no ep group of that size was given, the stages
+            were built for another ep rank, or the plan also has tp > 1 or ZeRO 1-3, which
+            expert parallelism does not run with yet.
+    """
+    plan = stages.plan
+    if plan.ep == 1:
+        return None
+    if plan.tp > 1 or plan.zero_stage > 0:
+        raise PlanError(f"ep={plan.ep} with tp={plan.tp} and ZeRO-{plan.zero_stage}: expert "
+                        "parallelism runs with tp=1 and zero_stage=0 so far; re-plan with "
+                        "those, or with ep=1")
+    size = None if ep_group is None else dist.get_world_size(ep_group)
+    if size != plan.ep:
+        raise PlanError(f"the plan has ep={plan.ep} but the expert-parallel group has "
+                        f"{size or 'no'} ranks; pass ep_group (built by autopart.runtime."
+                        "distributed.mesh.mesh_groups) of that size")
+    assert ep_group is not None
+    if stages.ep is None or stages.ep.group_name != ep_group.group_name \
+            or stages.ep.rank != dist.get_rank(ep_group):
+        raise PlanError("the stages were built for another expert-parallel group or rank; "
+                        "build them with build_stages(..., ep=TensorParallelRank.of_group("
+                        "ep_group))")
+    return TensorParallelState(ep_group, stages.ep_shards)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ __all__ = ["MESH_DIMS", "MeshGroups", "check_world", "build_mesh", "mesh_groups"
 MESH_DIMS = ("pp", "dp", "tp")
 
 _MESHES: dict[tuple[str, int, int, int], DeviceMesh] = {}
+_EXPERT_GROUPS: dict[tuple[Any, ...], tuple[dist.ProcessGroup | None,
+                                            dist.ProcessGroup | None]] = {}
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class MeshGroups:
             None when dp = 1.
         tp_group: ranks sharing its (pp, dp) coordinates, or None when tp = 1.
         pp, dp, tp: the degrees.
+        ep: the expert-parallel degree (1: none).
+        ep_group: the ep consecutive replicas of this rank's dp group that split the
+            experts between them (:func:`expert_groups`), or None when ep = 1.
+        edp_group: the dp / ep replicas holding the same experts as this rank (one per ep
+            group), or None when there is one.
     """
 
     mesh: DeviceMesh | None
@@ -42,6 +50,9 @@ class MeshGroups:
     pp: int
     dp: int
     tp: int
+    ep: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -130,5 +141,46 @@ def mesh_groups(plan: Plan, mesh: DeviceMesh | None = None) -> MeshGroups:
             raise PlanError(f"the mesh's {name} dimension has {sizes[name]} ranks but the plan "
                             f"has {name}={size} (tp {tp} x pp {pp} x dp {dp}); build the mesh "
                             "with the plan's sizes, or leave mesh= out to let autopart build it")
+    ep_group, edp_group = expert_groups(mesh, plan.ep)
     return MeshGroups(mesh, mesh.get_group("pp"), _group(mesh, "dp"), _group(mesh, "tp"),
-                      pp, sizes["dp"], tp)
+                      pp, sizes["dp"], tp, plan.ep, ep_group, edp_group)
+
+
+def expert_groups(mesh: DeviceMesh, ep: int,
+                  ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's ep and expert-data-parallel groups, folded into the mesh's dp dimension
+    as Megatron-Core folds them: each dp group's ranks, in dp order, cut into ``dp / ep``
+    ep groups of ``ep`` consecutive replicas; the ranks at the same place of each ep group
+    form an expert-data-parallel group (they hold the same experts). Every rank creates
+    every group, in the same order (``new_subgroups_by_enumeration``), once per process for
+    a mesh and ep (later calls return the same groups).
+
+    Returns:
+        ``(ep_group, edp_group)``: None for a group of one rank (ep = 1; ep = dp).
+
+    Raises:
+        PlanError: ep does not divide the mesh's dp size.
+    """
+    if ep == 1:
+        return None, None
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), ep)
+    if key not in _EXPERT_GROUPS:
+        _EXPERT_GROUPS[key] = _new_expert_groups(mesh, ep)
+    return _EXPERT_GROUPS[key]
+
+
+def _new_expert_groups(mesh: DeviceMesh, ep: int,
+                       ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    names = tuple(mesh.mesh_dim_names or ())
+    dp = _dim_size(mesh, "dp")
+    if "dp" not in names or dp % ep:
+        raise PlanError(f"ep={ep} must divide the mesh's dp size ({dp}): expert parallelism "
+                        "splits the experts over ep of the dp replicas; re-plan with a divisor")
+    lines = mesh.mesh.movedim(names.index("dp"), -1).reshape(-1, dp).tolist()
+    eps = [line[j:j + ep] for line in lines for j in range(0, dp, ep)]
+    ep_group, _ = dist.new_subgroups_by_enumeration(eps)
+    if dp == ep:
+        return ep_group, None
+    edps = [line[i::ep] for line in lines for i in range(ep)]
+    edp_group, _ = dist.new_subgroups_by_enumeration(edps)
+    return ep_group, edp_group

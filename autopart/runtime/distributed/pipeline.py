@@ -31,6 +31,7 @@ from autopart.runtime.distributed._comm import (
     timed_group,
 )
 from autopart.runtime.distributed._grads import (
+    ExpertGrads,
     grad_norm,
     mean_over_microbatches,
     reduce_grads,
@@ -41,7 +42,10 @@ from autopart.runtime.distributed._rank_tensors import RankTensors
 from autopart.runtime.distributed._scaling import ScaledLosses, agree_on_overflow
 from autopart.runtime.distributed._schedule import StepSchedules
 from autopart.runtime.distributed._state import WholeTensors
-from autopart.runtime.distributed._tensor_parallel import tensor_parallel_state
+from autopart.runtime.distributed._tensor_parallel import (
+    expert_parallel_state,
+    tensor_parallel_state,
+)
 from autopart.runtime.distributed.heartbeat import DEFAULT_STEP_TIMEOUT_S, Heartbeat
 from autopart.runtime.host import on_rank_cores
 from autopart.runtime.tracing import ActionRecorder, events_from_json, events_to_json
@@ -97,6 +101,12 @@ class DistributedPipeline(RankTensors):
             plan's tp > 1; ``stages`` built with ``tp=TensorParallelRank.of_group(it)``):
             parameters are then this rank's shards, ``state_dict`` gathers full tensors
             (:mod:`autopart.runtime.distributed._tensor_parallel`).
+        ep_group: the ep consecutive dp replicas this rank splits the experts with (needed
+            when the plan's ep > 1; ``stages`` built with ``ep=TensorParallelRank.of_group(
+            it)``): the expert weights are then this rank's experts, averaged over
+            ``edp_group`` (:class:`autopart.runtime.distributed._grads.ExpertGrads`), and
+            ``state_dict`` gathers them whole.
+        edp_group: the replicas holding the same experts as this rank, or None (ep = dp).
         timings_s: seconds per compile phase, kept as ``timings_s``.
         step_timeout_s: a send or receive of the pipeline, or a collective of its tp or dp
             group (whose timeout is set to this: :func:`~autopart.runtime.distributed._comm.
@@ -107,7 +117,8 @@ class DistributedPipeline(RankTensors):
             :class:`autopart.runtime.distributed.heartbeat.Heartbeat`).
 
     Raises:
-        PlanError: the pipeline group's size differs from the plan's rank count; a ZeRO
+        PlanError: the pipeline group's size differs from the plan's rank count; ep > 1
+            without its group, or with tp > 1 or ZeRO 1-3 (not run yet); a ZeRO
             stage the groups or the placement cannot run
             (:class:`autopart.runtime.distributed._sharding.DataSharding`).
     """
@@ -117,6 +128,8 @@ class DistributedPipeline(RankTensors):
                  pp_group: dist.ProcessGroup | None = None,
                  dp_group: dist.ProcessGroup | None = None,
                  tp_group: dist.ProcessGroup | None = None,
+                 ep_group: dist.ProcessGroup | None = None,
+                 edp_group: dist.ProcessGroup | None = None,
                  timings_s: dict[str, float] | None = None,
                  step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         super().__init__(stages, signature, loss_fn=loss_fn, timings_s=timings_s,
@@ -125,6 +138,7 @@ class DistributedPipeline(RankTensors):
         self.pp_group = pp_group
         self.dp_group = dp_group
         self._tp = tensor_parallel_state(stages, tp_group)
+        self._ep = expert_parallel_state(stages, ep_group)
         self.pp_rank = dist.get_rank(pp_group)
         self.pp_size = dist.get_world_size(pp_group)
         if self.pp_size != len(plan.ranks):
@@ -154,15 +168,20 @@ class DistributedPipeline(RankTensors):
         self._first_rank = plan.stages[0].rank
         self._heartbeat = Heartbeat(self._gather.store, dist.get_rank(), dist.get_world_size(),
                                     hung_after_s=step_timeout_s)
+        self._experts = None if self._ep is None else ExpertGrads(
+            frozenset(id(self._local[f]) for f in self._ep.shards if f in self._local),
+            edp_group, plan.ep)
         built = rank_stages(stages, self.local_stages, self._local, self._fqn_order, device,
-                            self._heartbeat, dp_group, self._p2p_group)
+                            self._heartbeat, dp_group, self._p2p_group,
+                            exclude=self._experts.ids if self._experts else frozenset())
         self._sharding, self._local = built.sharding, built.local
         self.pipeline_stages, self._grad_buckets = built.pipeline_stages, built.grad_buckets
         self._comm_timer = self._sharding.timer  # where the dp collectives report when traced
         whole_shapes = {f: tuple(t.shape) for f, t in [
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False)]}
-        self._whole = WholeTensors(self._local, whole_shapes, self._sharding, self._tp)
+        self._whole = WholeTensors(self._local, whole_shapes, self._sharding, self._tp,
+                                   self._ep)
         self._schedules = StepSchedules(self.pipeline_stages, plan, self.pp_size,
                                         self._recompute, self.loss_of_flat,
                                         gloo=dist.get_backend(self._p2p_group) == "gloo")
@@ -353,7 +372,8 @@ class DistributedPipeline(RankTensors):
         params: list[torch.Tensor] = list(self.parameters())
         if self._grad_buckets is not None:  # averaged during the step already
             params = self._grad_buckets.uncovered(params)
-        reduce_grads(self._local, self._tied_groups, params, self.dp_group, self._sharding)
+        reduce_grads(self._local, self._tied_groups, params, self.dp_group, self._sharding,
+                     self._experts)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -385,7 +405,7 @@ class DistributedPipeline(RankTensors):
         owned = [(fqn, t) for fqn, t in self.named_parameters()
                  if self.plan.stages[owner.get(fqn, 0)].rank == self.pp_rank]
         total = grad_norm(owned, norm_type, self.device, self._p2p_group, self._tp,
-                          self._sharding, self._guarded)
+                          self._sharding, self._guarded, self._ep)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {float(norm_type)} of the gradients is "
                                "non-finite, so "

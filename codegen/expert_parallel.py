@@ -1,0 +1,364 @@
+"""Expert parallelism in a stage: the experts of each MoE layer split over an ep group, tokens
+dispatched to them and combined back with all-to-all.
+
+:func:`find_expert_blocks` reads the experts of a captured stage graph the way transformers 5
+writes them: one module (``<layer>.mlp.experts``) holding the experts as two stacked 3-D
+parameters, ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``, called with the
+tokens ``[T, H]``, the router's top-k expert ids ``[T, k]`` and weights ``[T, k]``, and
+computing ``out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x_t)))`` with ``e = idx[t, j]``
+through two grouped GEMMs (``aten._grouped_mm``, or transformers' ``grouped_mm_fallback`` on
+CPU). Mixtral, Qwen3-MoE, DeepSeek-V3 and the other zoo models built on that experts module
+export this way; the router and a shared expert stay outside the block and stay dense.
+
+:func:`expert_parallel` rewrites each block into a call of :class:`ExpertParallelExperts` on
+this ep rank's ``E / ep`` experts (experts ``[r E/ep, (r+1) E/ep)``, Megatron-Core's
+contiguous placement) and returns the parameters' layouts (dimension 0 split over ep). The
+call runs, for one microbatch:
+
+1. the token-expert pairs sorted by expert, so the rows for each ep rank are contiguous;
+2. the per-expert counts exchanged (one all-to-all of ``E`` integers), then the rows
+   dispatched with an all-to-all (``torch.distributed._functional_collectives.
+   all_to_all_single_autograd``: its backward is the reverse all-to-all);
+3. the received rows grouped by local expert and run through the two grouped GEMMs (the
+   kernel the captured graph used) and the activation, copied from the captured block;
+4. the results combined back with the reverse all-to-all, weighted by the router and
+   summed over the top-k, as the captured block does (same op order: the output equals
+   the unsharded block's).
+
+What the pass refuses, with a :class:`PlanError` naming the op and the fix (ep = 1): an
+experts module with other parameters (biases, GPT-OSS), one whose routing weights are applied
+to the inputs instead of the outputs (Llama 4), an activation that reads anything but the
+first GEMM's output, and an expert count ep does not divide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from autopart.codegen.tp_layout import ShardLayout, TensorParallelRank
+from autopart.core.capturedgraph import GROUPED_MM_OPS, node_module_path, weight_source
+from autopart.core.errors import PlanError
+
+__all__ = ["ExpertBlock", "ExpertParallelExperts", "expert_parallel", "find_expert_blocks"]
+
+_FIX = "plan with ep=1 (CompileOptions(ep=1), autopart plan --ep 1) for this model"
+
+
+@dataclass(frozen=True)
+class ExpertBlock:
+    """One experts module of a stage graph.
+
+    Attributes:
+        path: the module's FQN (``model.layers.0.mlp.experts``).
+        nodes: its op nodes, in graph order.
+        hidden, index, weights: the block's inputs: tokens ``[T, H]``, top-k expert ids
+            ``[T, k]`` (integer) and routing weights ``[T, k]``.
+        output: the node whose value leaves the block (``[T, H]``).
+        gate_up, down: the ``get_attr`` nodes of the stacked expert weights.
+        first_mm, second_mm: the two grouped GEMMs.
+        act: the nodes between them (the activation: ``silu(gate) * up`` for Mixtral).
+    """
+
+    path: str
+    nodes: tuple[fx.Node, ...]
+    hidden: fx.Node
+    index: fx.Node
+    weights: fx.Node
+    output: fx.Node
+    gate_up: fx.Node
+    down: fx.Node
+    first_mm: fx.Node
+    second_mm: fx.Node
+    act: tuple[fx.Node, ...]
+
+    @property
+    def num_experts(self) -> int:
+        """E, the experts of the layer (the first dimension of its stacked weights)."""
+        return int(self.gate_up.meta["val"].shape[0])
+
+
+def _error(node: fx.Node, path: str, why: str) -> PlanError:
+    return PlanError(f"expert parallelism cannot split the experts of {path or 'the model'} at "
+                     f"op {node.name} ({node.target}): {why}; {_FIX}")
+
+
+def _inside(node: fx.Node, path: str) -> bool:
+    p = node_module_path(node)
+    return p == path or p.startswith(path + ".")
+
+
+def _is_mm(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target) in GROUPED_MM_OPS
+
+
+def find_expert_blocks(graph: fx.Graph) -> list[ExpertBlock]:
+    """The experts modules of ``graph`` (a captured model or one stage of it), in graph order.
+
+    Returns:
+        One :class:`ExpertBlock` per module whose ops include grouped GEMMs of stacked 3-D
+        parameters; ``[]`` when there is none (a dense model or stage).
+
+    Raises:
+        PlanError: such a module the pass cannot read (see the module docstring); names the
+            op and the fix.
+    """
+    by_path: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if _is_mm(node):
+            by_path.setdefault(node_module_path(node), []).append(node)
+    blocks = []
+    for path, mms in by_path.items():
+        blocks.append(_read_block(graph, path, mms))
+    return blocks
+
+
+def _read_block(graph: fx.Graph, path: str, mms: list[fx.Node]) -> ExpertBlock:
+    if len(mms) != 2:
+        raise _error(mms[0], path, f"it runs {len(mms)} grouped GEMMs where two (gate/up, "
+                     "down) are expected")
+    first, second = mms
+    weights = [weight_source(mm.args[1]) if len(mm.args) > 1 and isinstance(mm.args[1], fx.Node)
+               else None for mm in mms]
+    for mm, w in zip(mms, weights, strict=True):
+        if w is None or w.meta["val"].dim() != 3:
+            raise _error(mm, path, "its weight is not a stacked 3-D parameter")
+        if len(mm.args) > 3 or any(k in mm.kwargs for k in ("bias",)) or (
+                len(mm.args) == 3 and mm.kwargs):
+            raise _error(mm, path, "it adds a bias (experts with biases are not split yet)")
+    gate_up, down = weights
+    assert gate_up is not None and down is not None
+    nodes = tuple(n for n in graph.nodes if n.op == "call_function" and _inside(n, path))
+    inside = set(nodes)
+    params = {gate_up, down}
+    extra = [n for n in graph.nodes if n.op == "get_attr" and n not in params
+             and any(u in inside for u in n.users)]
+    if extra:
+        raise _error(extra[0], path, f"it reads parameter {extra[0].target} besides the two "
+                     "stacked expert weights")
+    outside_in: list[fx.Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in params and a not in outside_in:
+                outside_in.append(a)
+    outs = [n for n in nodes if any(u not in inside for u in n.users)]
+    if len(outs) != 1:
+        raise _error(nodes[-1], path, f"{len(outs)} of its values are read outside it, where "
+                     "one (its output) is expected")
+    output = outs[0]
+    ints = [a for a in outside_in if _dtype(a) is not None and not _dtype(a).is_floating_point]
+    floats = [a for a in outside_in if _dtype(a) is not None and _dtype(a).is_floating_point]
+    two_d = [a for a in floats if a.meta["val"].dim() == 2]
+    if len(ints) != 1 or len(two_d) != 2 or len(outside_in) != 3:
+        raise _error(nodes[0], path, "its inputs are not (tokens [T, H], expert ids [T, k], "
+                     f"weights [T, k]): {[a.name for a in outside_in]}")
+    index = ints[0]
+    k_shape = tuple(index.meta["val"].shape)
+    hidden = next((a for a in two_d if tuple(a.meta["val"].shape) != k_shape), None)
+    routing = next((a for a in two_d if tuple(a.meta["val"].shape) == k_shape), None)
+    if hidden is None or routing is None:
+        raise _error(nodes[0], path, "its routing weights are not shaped like its expert ids")
+    act = _activation(first, second, inside, path)
+    _check_weights_after(second, routing, inside, path)
+    return ExpertBlock(path, nodes, hidden, index, routing, output, gate_up, down, first,
+                       second, act)
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _activation(first: fx.Node, second: fx.Node, inside: set[fx.Node], path: str,
+                ) -> tuple[fx.Node, ...]:
+    """The ops from the first GEMM's output to the second's input, each reading only the
+    first GEMM's output or another such op."""
+    target = second.args[0]
+    assert isinstance(target, fx.Node)
+    on_path: list[fx.Node] = []
+    todo, seen = [target], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n is first:
+            continue
+        seen.add(n)
+        if n not in inside:
+            raise _error(second, path, "its second GEMM reads a value made outside the block")
+        on_path.append(n)
+        todo.extend(n.all_input_nodes)
+    for n in on_path:
+        for a in n.all_input_nodes:
+            if a is not first and a not in seen:
+                raise _error(n, path, f"the activation reads {a.name}, not only the first "
+                             "GEMM's output")
+    order = {n: i for i, n in enumerate(first.graph.nodes)}
+    return tuple(sorted(on_path, key=order.__getitem__))
+
+
+def _check_weights_after(second: fx.Node, routing: fx.Node, inside: set[fx.Node],
+                         path: str) -> None:
+    """The routing weights must scale the second GEMM's output (a ``mul`` of it by values
+    derived from the weights), as transformers' experts do; Llama 4 scales the inputs."""
+    for user in second.users:
+        if user.op == "call_function" and user.target is torch.ops.aten.mul.Tensor:
+            other = user.args[1] if user.args[0] is second else user.args[0]
+            if isinstance(other, fx.Node) and _derives_from(other, routing, inside):
+                return
+    raise _error(second, path, "the routing weights do not scale the experts' outputs")
+
+
+def _derives_from(node: fx.Node, source: fx.Node, inside: set[fx.Node]) -> bool:
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n is source:
+            return True
+        if n in seen or n not in inside:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _act_module(block: ExpertBlock) -> fx.GraphModule:
+    """The block's activation as a module of one input (the first GEMM's ``[N, 2I]`` output)
+    and one output (the second GEMM's ``[N, I]`` input), for any N."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {block.first_mm: g.placeholder("gate_up")}
+    for n in block.act:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[block.second_mm.args[0]])  # type: ignore[index]
+    return fx.GraphModule(nn.Module(), g, class_name="ExpertActivation")
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    """The process group named ``group_name`` (torch's private ``distributed_c10d.
+    _resolve_process_group``, read on torch 2.13), as the tp collectives address theirs."""
+    return torch.distributed.distributed_c10d._resolve_process_group(group_name)
+
+
+class ExpertParallelExperts(nn.Module):
+    """One MoE layer's experts on this ep rank, with the dispatch and combine all-to-alls.
+
+    Called as ``(hidden [T, H], index [T, k], weights [T, k], gate_up [E/ep, 2I, H],
+    down [E/ep, H, I]) -> [T, H]`` (the captured block's contract, with this rank's experts).
+    Collective over the ep group: every ep rank calls it for the same microbatches in the
+    same order (dp replicas run the same schedule), whatever tokens each routes where.
+
+    Args:
+        act: the activation from the captured block (:func:`_act_module`).
+        grouped_mm: the grouped GEMM the block used, ``(x [N, K], w [G, K, M], offs [G]
+            int32 cumulative rows) -> [N, M]``.
+        num_experts: E, the layer's experts over all ep ranks.
+        ep: this rank's place in its ep group.
+    """
+
+    def __init__(self, act: fx.GraphModule, grouped_mm: Callable[..., torch.Tensor],
+                 num_experts: int, ep: TensorParallelRank) -> None:
+        super().__init__()
+        self.act = act
+        self.grouped_mm = grouped_mm
+        self.num_experts = num_experts
+        self.ep_rank, self.ep_size, self.group_name = ep.rank, ep.size, ep.group_name
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = index.shape
+        local = gate_up.shape[0]
+        group = _group(self.group_name)
+        flat = index.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        rows = hidden[order // top_k]  # token-expert pairs, by expert: each ep rank's contiguous
+        per_expert = torch.bincount(flat, minlength=self.num_experts)
+        received = torch.empty_like(per_expert)
+        dist.all_to_all_single(received, per_expert, group=group)  # [src, local expert]
+        send = per_expert.view(self.ep_size, local).sum(1).tolist()
+        recv = received.view(self.ep_size, local).sum(1).tolist()
+        mine = all_to_all_single_autograd(rows, recv, send, group)
+        expert_of = torch.repeat_interleave(
+            torch.arange(local, device=index.device).repeat(self.ep_size), received)
+        by_expert = torch.sort(expert_of, stable=True).indices
+        offs = torch.cumsum(torch.bincount(expert_of, minlength=local), 0, dtype=torch.int32)
+        h = self.grouped_mm(mine[by_expert], gate_up.transpose(-2, -1), offs)
+        y = self.grouped_mm(self.act(h), down.transpose(-2, -1), offs)
+        y = y[_inverse(by_expert)]  # back in received order
+        back = all_to_all_single_autograd(y, send, recv, group)
+        pairs = back[_inverse(order)]  # (token, slot) order
+        out = (pairs * weights.reshape(-1, 1)).view(tokens, top_k, -1).sum(1)
+        return out.to(hidden.dtype)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _mm_callable(node: fx.Node) -> Callable[..., torch.Tensor]:
+    target = node.target
+    assert callable(target)
+    return target  # type: ignore[return-value]
+
+
+def expert_parallel(gm: fx.GraphModule, ep: TensorParallelRank, *,
+                    made: dict[int, nn.Parameter] | None = None) -> dict[str, ShardLayout]:
+    """Rewrite ``gm`` in place into ep rank ``ep.rank``'s share of its experts.
+
+    Args:
+        gm: one stage as :func:`autopart.codegen.params.build_stage_modules` builds it.
+        ep: this process's place in its ep group (rank, degree, group name).
+        made: id of a whole expert tensor -> its shard already made for another stage of
+            this process (reused, as :func:`autopart.codegen.tensor_parallel.shard_stage`
+            does).
+
+    Returns:
+        FQN -> layout (dimension 0, over ep) of every expert weight split here; ``{}`` for a
+        stage without experts.
+
+    Raises:
+        PlanError: an experts module the pass cannot read (:func:`find_expert_blocks`), or
+            an expert count ``ep.size`` does not divide.
+    """
+    made = {} if made is None else made
+    layouts: dict[str, ShardLayout] = {}
+    for i, block in enumerate(find_expert_blocks(gm.graph)):
+        if block.num_experts % ep.size:
+            raise _error(block.first_mm, block.path, f"ep={ep.size} does not divide its "
+                         f"{block.num_experts} experts")
+        name = f"expert_parallel_{i}"
+        gm.add_submodule(name, ExpertParallelExperts(_act_module(block), _mm_callable(
+            block.first_mm), block.num_experts, ep))
+        with gm.graph.inserting_before(block.output.next):
+            call = gm.graph.call_module(name, (block.hidden, block.index, block.weights,
+                                               block.gate_up, block.down))
+        call.meta.update({k: block.output.meta[k] for k in ("val", "nn_module_stack",
+                                                             "stack_trace")
+                          if k in block.output.meta})
+        block.output.replace_all_uses_with(call)
+        for n in reversed(block.nodes):
+            if not n.users:
+                gm.graph.erase_node(n)
+        layout = ShardLayout(0, (block.num_experts,))
+        for attr in (block.gate_up, block.down):
+            fqn = str(attr.target)
+            layouts[fqn] = layout
+            old = gm.get_parameter(fqn)
+            new = made.get(id(old))
+            if new is None:
+                new = nn.Parameter(layout.local(old.detach(), ep.rank, ep.size),
+                                   requires_grad=old.requires_grad)
+                made[id(old)] = new
+            owner, _, leaf = fqn.rpartition(".")
+            setattr(gm.get_submodule(owner) if owner else gm, leaf, new)
+            attr.meta["val"] = torch.empty_like(new, device="meta")
+    if layouts:
+        gm.graph.lint()
+        gm.recompile()
+    return layouts
+
