@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopart.codegen.expert_parallel import expert_parallel
+from autopart.codegen.expert_parallel import expert_parallel, find_expert_blocks
 from autopart.codegen.params import Placement, build_stage_modules
 from autopart.codegen.sequence_parallel import sequence_parallel
 from autopart.codegen.split import split_graph
@@ -225,7 +225,7 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
     modules, placement = build_stage_modules(captured, stage_graphs, list(stage_devices),
                                              keep=set(local), tensor_of=tensor_of)
     shards = _shard(plan, tp, modules, local, placement)
-    ep_shards = _split_experts(plan, ep, modules, local, placement)
+    ep_shards = _split_experts(captured, plan, ep, modules, local, placement)
     runners: list[nn.Module | None] = list(modules)
     t0 = time.perf_counter()
     if fuse:
@@ -261,7 +261,7 @@ def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModu
     return shards
 
 
-def _split_experts(plan: Plan, ep: TensorParallelRank | None,
+def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank | None,
                    modules: list[fx.GraphModule | None], local: tuple[int, ...],
                    placement: Placement) -> dict[str, ShardLayout]:
     """Each built stage with this ep rank's experts; the placement then holds them."""
@@ -272,6 +272,12 @@ def _split_experts(plan: Plan, ep: TensorParallelRank | None,
         raise PlanError(f"the plan has ep={plan.ep} but {got} was given; run it under torchrun "
                         f"with dp x tp x pp ranks (the ep group is {plan.ep} of the dp "
                         "replicas), or re-plan with ep=1 for one process")
+    if not find_expert_blocks(captured.graph_module.graph):
+        raise PlanError(f"the plan has ep={plan.ep} but this model has no experts module the "
+                        "pass can read (a module running two grouped GEMMs, aten._grouped_mm or "
+                        "transformers' grouped_mm_fallback, over stacked 3-D expert weights, as "
+                        "transformers 5's Mixtral, Qwen-MoE and DeepSeek experts do); re-plan "
+                        "with ep=1")
     made: dict[int, nn.Parameter] = {}
     shards: dict[str, ShardLayout] = {}
     for s in local:

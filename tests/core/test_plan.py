@@ -228,3 +228,13 @@ def test_truncated_plan_files_are_refused(tmp_path: Path) -> None:
         path.write_text(text[:n])
         with pytest.raises(PlanError, match="not a JSON plan file"):
             Plan.load(path)
+
+
+def test_ep_must_divide_dp_and_older_plans_load_as_ep_1() -> None:
+    plan = make_plan(dp=2, batch_size=16, ep=2)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).ep == 2
+    older = plan.to_dict()
+    del older["ep"]
+    assert Plan.from_dict(older).ep == 1
+    with pytest.raises(PlanError, match=r"ep=3 with dp=2.*divide dp"):
+        make_plan(dp=2, batch_size=16, ep=3)

@@ -38,12 +38,14 @@ def tiny_moe(name: str) -> tuple[Any, tuple[Any, ...], Any, Any]:
             intermediate_size=64, moe_intermediate_size=48, num_experts=4,
             num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], head_dim=8,
             **common))
-    else:
+    elif name == "deepseek_v3":
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
             intermediate_size=64, moe_intermediate_size=48, n_routed_experts=4,
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
             topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=8, **common))
+            qk_nope_head_dim=8, v_head_dim=8, **{**common, "num_key_value_heads": 4}))
+    else:
+        raise ValueError(f"no tiny MoE model {name!r}")
 
     def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
         logits = out.logits
