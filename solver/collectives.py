@@ -1,10 +1,10 @@
-"""Ring collective costs (all-reduce, reduce-scatter, all-gather) on one link, in µs."""
+"""Collective costs (ring all-reduce, reduce-scatter, all-gather; all-to-all) on one link, in µs."""
 
 from __future__ import annotations
 
 from autopart.core.errors import PlanError
 
-__all__ = ["all_reduce_us", "reduce_scatter_us", "all_gather_us"]
+__all__ = ["all_reduce_us", "reduce_scatter_us", "all_gather_us", "all_to_all_us"]
 
 
 def _check(nbytes: float, group: int, bandwidth_bytes_per_s: float, latency_us: float) -> None:
@@ -54,3 +54,13 @@ def all_reduce_us(nbytes: float, group: int, bandwidth_bytes_per_s: float,
     """Ring all-reduce of ``nbytes``: a reduce-scatter then an all-gather,
     ``t = 2 (n - 1) / n * nbytes / bw + 2 (n - 1) * latency``."""
     return 2.0 * reduce_scatter_us(nbytes, group, bandwidth_bytes_per_s, latency_us)
+
+
+def all_to_all_us(nbytes: float, group: int, bandwidth_bytes_per_s: float,
+                  latency_us: float = 0.0) -> float:
+    """All-to-all of ``nbytes`` per rank spread evenly over ``group`` ranks: each rank sends
+    ``(n - 1) / n * nbytes`` to the others and receives as much,
+    ``t = (n - 1) / n * nbytes / bw + (n - 1) * latency`` (the pairwise-exchange algorithm:
+    Thakur, Rabenseifner and Gropp, IJHPCA 2005, section 3.6; NCCL runs all-to-all as
+    ``n - 1`` concurrent sends and receives). 0 for one rank or no bytes."""
+    return reduce_scatter_us(nbytes, group, bandwidth_bytes_per_s, latency_us)

@@ -61,8 +61,8 @@ class LayoutOptions:
             (``Plan.sequence_parallel``). Default False: those run whole on every tp GPU.
         ep: expert-parallel degree (default 1): only layouts whose dp it divides, with tp 1
             and ZeRO 0 (what the runtime runs with ep > 1), and the plan records it
-            (``Plan.ep``). The costs are those of ep = 1 so far: every expert on every
-            GPU, no all-to-all (docs/design.md, "Expert parallelism").
+            (``Plan.ep``), priced by :func:`autopart.solver.expert_parallel_costs.
+            expert_costs` (each GPU's experts, the dispatch and combine all-to-alls).
     """
 
     num_gpus: int

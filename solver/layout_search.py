@@ -26,6 +26,7 @@ from autopart.solver.data_parallel import (
     sharded_state_multiplier,
     state_multiplier,
 )
+from autopart.solver.expert_parallel_costs import expert_costs
 from autopart.solver.layout_dp import (
     _baselines_dp_us,
     _dp_cost,
@@ -208,7 +209,8 @@ def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOption
              cache: dict[int, CostGraph] | None = None) -> CostGraph:
     """One GPU's share at tp (memoised in ``cache``, one entry per tp, for one request), its
     collectives paying ``runtime``'s fixed cost per collective, with sequence parallelism
-    where ``layout`` asks for it."""
+    where ``layout`` asks for it and its experts split over ``layout.ep``
+    (:func:`autopart.solver.expert_parallel_costs.expert_costs`)."""
     if cache is not None and tp in cache:
         return cache[tp]
     bw, lat = layout.topology.link(tp)
@@ -218,6 +220,10 @@ def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOption
                       copy_bytes_per_s=runtime.copy_bytes_per_s,
                       sequence_parallel=layout.sequence_parallel,
                       reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
+    if layout.ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
+        ep_bw, ep_lat = layout.topology.link(layout.ep)
+        out = expert_costs(out, layout.ep, bandwidth_bytes_per_s=ep_bw, latency_us=ep_lat,
+                           collective_overhead=runtime.collective_overhead_at)
     if cache is not None:
         cache[tp] = out
     return out

@@ -1,0 +1,96 @@
+"""One GPU's share of a MoE model's costs at expert parallelism ep, as
+``autopart/codegen/expert_parallel.py`` runs it.
+
+:func:`expert_costs` finds each experts module in the cost graph as the codegen pass does
+(the nodes under the module path of its two grouped GEMMs) and prices ep on one GPU:
+
+- memory: the expert weights the module reads (``param_bytes``, ``param_sizes``,
+  ``param_numel``) divided by ep (each GPU holds ``E / ep`` experts); their gradients and
+  optimizer state follow the parameter bytes;
+- compute: unchanged, as under balanced routing: each GPU runs ``T * k / ep`` token-expert
+  pairs of each of the ep GPUs' microbatches, ``T * k`` in all, the count it ran at ep = 1
+  (the profiling batch's measured routing is not read yet: an imbalance is not priced);
+- communication: per MoE layer and microbatch, the dispatch and combine all-to-alls of the
+  ``T * k`` rows of ``H`` values each GPU sends (:func:`autopart.solver.collectives.
+  all_to_all_us` on the ep group's link), in line with the forward as the runtime runs them
+  (not overlapped), and the same two in the backward; the exchange of per-expert counts
+  before the dispatch is one latency.
+- activation memory: the received rows (as many as sent, balanced) are the same bytes the
+  block saved at ep = 1: unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from autopart.core.capturedgraph import GROUPED_MM_OPS
+from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.solver.collectives import all_to_all_us
+
+__all__ = ["expert_costs", "expert_module_paths"]
+
+
+def expert_module_paths(costs: CostGraph) -> list[str]:
+    """The module paths of the experts modules in ``costs``: those running grouped GEMMs."""
+    paths: list[str] = []
+    for nd in costs.nodes:
+        if nd.op in GROUPED_MM_OPS and nd.module_path not in paths:
+            paths.append(nd.module_path)
+    return paths
+
+
+def _inside(nd: NodeCost, path: str) -> bool:
+    return nd.module_path == path or nd.module_path.startswith(path + ".")
+
+
+def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, latency_us: float,
+                 collective_overhead: Callable[[float], float] | None = None) -> CostGraph:
+    """One GPU's share of ``costs`` with each MoE layer's experts split over ``ep`` GPUs
+    (see the module docstring). ``costs`` itself at ep = 1 or without experts.
+
+    Args:
+        costs: the model's (or one tp GPU's) cost graph, at its microbatch.
+        ep: the expert-parallel degree.
+        bandwidth_bytes_per_s, latency_us: the ep group's link (bus bandwidth one way, one
+            step's latency).
+        collective_overhead: what one collective costs beyond its transfer after that much
+            work, µs (``RuntimeDescription.collective_overhead_at``), or None.
+
+    Returns:
+        The cost graph one ep GPU runs.
+    """
+    paths = expert_module_paths(costs)
+    if ep == 1 or not paths:
+        return costs
+    nodes = list(costs.nodes)
+    sizes, numel = dict(costs.param_sizes), dict(costs.param_numel)
+    for path in paths:
+        members = [i for i, nd in enumerate(nodes) if _inside(nd, path)]
+        first = next(i for i in members if nodes[i].op in GROUPED_MM_OPS)
+        mm = nodes[first]
+        # the rows the first grouped GEMM reads: T * k token-expert pairs of H values
+        rows_bytes = _input_bytes(costs, mm)
+        one = all_to_all_us(rows_bytes, ep, bandwidth_bytes_per_s, latency_us)
+        overhead = collective_overhead(0.0) if collective_overhead is not None else 0.0
+        counts = latency_us * (ep - 1) + overhead
+        fwd = 2 * (one + overhead) + counts
+        bwd = 2 * (one + overhead)
+        for i in members:
+            nd = nodes[i]
+            if nd.param_bytes:
+                nodes[i] = replace(nd, param_bytes=nd.param_bytes // ep)
+            for fqn in nd.params:  # the stacked expert weights (the pass refuses any other)
+                sizes[fqn], numel[fqn] = costs.param_sizes[fqn] // ep, costs.param_numel[fqn] // ep
+        last = members[-1]
+        nodes[last] = replace(nodes[last], fwd_us=nodes[last].fwd_us + fwd,
+                              bwd_input_us=nodes[last].bwd_input_us + bwd)
+    return replace(costs, nodes=tuple(nodes), param_sizes=sizes, param_numel=numel)
+
+
+def _input_bytes(costs: CostGraph, mm: NodeCost) -> int:
+    """Bytes of a grouped GEMM's first input (its token-expert rows), from the node that
+    made it."""
+    by_name = {nd.name: nd for nd in costs.nodes}
+    src = by_name.get(mm.inputs[0]) if mm.inputs else None
+    return src.output_bytes if src is not None else 0
