@@ -15,7 +15,6 @@ random weights); ``--small`` a 6-layer, n_embd 384 one. Writes ``results.json`` 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
