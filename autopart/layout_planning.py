@@ -59,6 +59,18 @@ def host_ranks_topology(num_ranks: int, device: DeviceSpec,
                         source=f"{device.name} ranks of one torchrun host; link: {device.source}")
 
 
+def model_experts(model: nn.Module) -> int | None:
+    """The experts per MoE layer an ep must divide: a Hugging Face config's
+    ``num_local_experts`` (Mixtral), ``num_experts`` (Qwen-MoE, OLMoE) or
+    ``n_routed_experts`` (DeepSeek), else None."""
+    config = getattr(model, "config", None)
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def model_heads(model: nn.Module) -> int | None:
     """The attention heads a tp must divide: a Hugging Face config's
     ``num_attention_heads`` (GPT-2's ``n_head``), else None (not checked)."""
@@ -67,7 +79,7 @@ def model_heads(model: nn.Module) -> int | None:
 
 
 def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
-                   num_heads: int | None = None,
+                   num_heads: int | None = None, num_experts: int | None = None,
                    collective_bandwidth_bytes_per_s: float = 0.0) -> LayoutOptions:
     """The layout search's request for ``world`` ranks of one host: ``options``' tp, dp and
     ZeRO stage fixed where given, the rest searched; collectives at
@@ -85,7 +97,8 @@ def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
                          zero_stage=options.zero_stage, num_heads=num_heads,
                          overlap_grad_reduce=options.overlap_grad_reduce,
                          zero_layer_units=options.zero_layer_units and not options.fuse,
-                         sequence_parallel=options.sequence_parallel, ep=options.ep)
+                         sequence_parallel=options.sequence_parallel, ep=options.ep,
+                         num_experts=num_experts)
 
 
 def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -134,23 +147,24 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 selective_cost=options.recompute is not False
                                 and options.solve_recompute_policy() == "selective")
         t0 = time.perf_counter()
-        heads = model_heads(model)
+        heads, experts = model_heads(model), model_experts(model)
         with phase("solve"):
             if options.solve_recompute_policy() == "auto" and loss_fn is not None:
                 plan, profile = solve_auto_recompute(
                     profile, lambda pr, policy: solve_world_layout(
                         pr, dataclasses.replace(options, recompute_policy=policy), world,
-                        num_heads=heads, state_factor=state_factor),
+                        num_heads=heads, num_experts=experts, state_factor=state_factor),
                     args, kwargs, options.optimize or "speed")
             else:
                 plan = solve_world_layout(profile, options, world, num_heads=heads,
-                                          state_factor=state_factor)
+                                          num_experts=experts, state_factor=state_factor)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
     return plan, profile
 
 
 def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
-                       num_heads: int | None = None, state_factor: float = 2.0) -> Plan:
+                       num_heads: int | None = None, num_experts: int | None = None,
+                       state_factor: float = 2.0) -> Plan:
     """The (tp, pp, dp, ZeRO) plan for ``world`` ranks on ``profile``'s costs (the layout half
     of :func:`plan_layout`; "profile once, solve several ways").
 
@@ -159,6 +173,7 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
         options: as :func:`plan_layout` reads them.
         world: the ranks.
         num_heads: the model's attention heads (a tp must divide them), or None.
+        num_experts: the experts per MoE layer (an ep must divide them), or None.
         state_factor: optimizer state bytes per parameter byte.
 
     Raises:
@@ -175,7 +190,7 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
                                     optimizer_state_bytes_per_param_byte=state_factor,
                                     **choices)
     spec = profile.cluster().devices[0]
-    request = layout_request(options, world, spec, num_heads,
+    request = layout_request(options, world, spec, num_heads, num_experts,
                              profile.runtime.collective_bandwidth_bytes_per_s)
     if profile.microbatch_candidates is not None and options.num_microbatches is None:
         # a replica's microbatches no smaller than the smallest profiled one: below it the

@@ -181,7 +181,9 @@ class CompileOptions:
         ep: distributed, layout search only: expert-parallel degree >= 1 (default 1): each
             MoE layer's experts split over ep of the dp replicas, tokens dispatched by
             all-to-all (``Plan.ep``; ``autopart/codegen/expert_parallel.py``). With ep > 1
-            the search keeps tp 1, ZeRO 0 and a dp that ep divides.
+            the search keeps tp 1, ZeRO 0 and a dp that ep divides. None: searched with the
+            other degrees (among the divisors of dp that divide the model config's expert
+            count).
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -209,7 +211,7 @@ class CompileOptions:
     overlap_grad_reduce: bool = True
     zero_layer_units: bool = True
     sequence_parallel: bool = False
-    ep: int = 1
+    ep: int | None = 1
     issue_threads: int | None = 1
     cuda_graphs: bool = False
 
@@ -287,8 +289,8 @@ class CompileOptions:
         tp = max(self.tp or 1, plan.tp if plan is not None else 1)
         dp = max(self.dp or 1, plan.dp if plan is not None else 1)
         zero = max(self.zero_stage or 0, plan.zero_stage if plan is not None else 0)
-        if max(self.ep, plan.ep if plan is not None else 1) > 1:
-            raise PlanError(f"ep={max(self.ep, plan.ep if plan is not None else 1)}: the local "
+        if max(self.ep or 1, plan.ep if plan is not None else 1) > 1:
+            raise PlanError(f"ep={max(self.ep or 1, plan.ep if plan is not None else 1)}: the local "
                             "backend runs one process, and expert parallelism splits the "
                             "experts over dp ranks; launch with torchrun and "
                             "backend='distributed' (dp= a multiple of ep), or drop ep=")

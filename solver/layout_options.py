@@ -62,7 +62,11 @@ class LayoutOptions:
         ep: expert-parallel degree (default 1): only layouts whose dp it divides, with tp 1
             and ZeRO 0 (what the runtime runs with ep > 1), and the plan records it
             (``Plan.ep``), priced by :func:`autopart.solver.expert_parallel_costs.
-            expert_costs` (each GPU's experts, the dispatch and combine all-to-alls).
+            expert_costs` (each GPU's experts, the dispatch and combine all-to-alls). None:
+            searched with the rest, among 1 and the divisors of dp that divide
+            ``num_experts`` (tp 1 and ZeRO 0 where ep > 1), for a model with experts.
+        num_experts: experts per MoE layer (an ep must divide it), or None (unknown: a
+            searched ep stays 1).
     """
 
     num_gpus: int
@@ -80,7 +84,8 @@ class LayoutOptions:
     overlap_grad_reduce: bool = True
     zero_layer_units: bool = True
     sequence_parallel: bool = False
-    ep: int = 1
+    ep: int | None = 1
+    num_experts: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -96,9 +101,11 @@ class LayoutOptions:
                 raise PlanError(f"{name}={value} must be >= 1 or None")
         if self.tp and self.pp and self.dp:
             check_degrees(self.tp, self.pp, self.dp, self.num_gpus)
-        if self.ep < 1:
-            raise PlanError(f"ep={self.ep} must be >= 1")
-        if self.ep > 1 and ((self.tp or 1) > 1 or (self.zero_stage or 0) > 0
+        if self.ep is not None and self.ep < 1:
+            raise PlanError(f"ep={self.ep} must be >= 1 or None (searched)")
+        if self.num_experts is not None and self.num_experts < 1:
+            raise PlanError(f"num_experts={self.num_experts} must be >= 1 or None")
+        if self.ep is not None and self.ep > 1 and ((self.tp or 1) > 1 or (self.zero_stage or 0) > 0
                             or (self.dp is not None and self.dp % self.ep)):
             raise PlanError(f"ep={self.ep} with tp={self.tp}, dp={self.dp}, zero_stage="
                             f"{self.zero_stage}: expert parallelism runs with tp=1, zero_stage=0 "
@@ -119,6 +126,7 @@ class LayoutCandidate:
 
     Attributes:
         tp, pp, dp, zero_stage: the degrees.
+        ep: the expert-parallel degree (default 1).
         step_lb_us: no plan of this layout is faster: its compute and its smallest
             stage-to-stage sends spread evenly over pp ranks (no bubble, no recompute) plus the
             dp collectives of an even share of the parameters, µs.
@@ -134,3 +142,4 @@ class LayoutCandidate:
     step_lb_us: float
     state_lb_bytes: int
     estimate_us: float = 0.0
+    ep: int = 1

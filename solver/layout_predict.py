@@ -104,7 +104,7 @@ def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,
     """
     priced, layout = _priced(plan, costs, device, options, layout)
     tp, pp, dp = plan.tp, len(plan.ranks), plan.dp
-    sharded = _sharded(costs, tp, device, layout, options.runtime)
+    sharded = _sharded(costs, tp, device, layout, options.runtime, ep=plan.ep)
     runtime = options.runtime
     if runtime.collectives_share_compute and priced.overlap_grad_reduce:
         # the step prices the overlapped reduction as run after the flush (it slows the
@@ -138,7 +138,7 @@ def _priced(plan: Plan, costs: CostGraph, device: DeviceSpec, options: SolveOpti
                     stages_per_rank=plan.stages_per_rank,
                     recompute=recompute.pop() if len(recompute) == 1 else None,
                     recompute_policy=plan.recompute_policy)
-    cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0)
+    cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0, ep=plan.ep)
     layout = replace(layout, overlap_grad_reduce=plan.overlap_grad_reduce,  # as the plan runs
                      zero_layer_units=plan.zero_layer_units,
                      sequence_parallel=plan.sequence_parallel)

@@ -26,7 +26,7 @@ from autopart.solver.data_parallel import (
     sharded_state_multiplier,
     state_multiplier,
 )
-from autopart.solver.expert_parallel_costs import expert_costs
+from autopart.solver.expert_parallel_costs import expert_costs, expert_module_paths
 from autopart.solver.layout_dp import (
     _baselines_dp_us,
     _dp_cost,
@@ -60,7 +60,7 @@ def _tp_choices(layout: LayoutOptions) -> list[int]:
 
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
             options: SolveOptions, layout: LayoutOptions, device: DeviceSpec,
-            smallest_crossing: int) -> LayoutCandidate:
+            smallest_crossing: int, ep: int = 1) -> LayoutCandidate:
     """Bounds of one layout. With ``m`` microbatches a step is no shorter than the work
     spread over pp ranks, ``(m O + L + m C) / pp``, nor than one microbatch's forward and
     backward through every stage in turn, ``O + L / m`` (O: the per-op fixed times of one
@@ -110,7 +110,7 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
                              layout.gradient_factor) if options.training else 1.0)
     frozen = sum(b for p, b in sharded.param_sizes.items() if p not in sharded.trainable)
     state = int(trainable * mult + frozen) // pp
-    return LayoutCandidate(tp, pp, dp, zero, lb, state, est)
+    return LayoutCandidate(tp, pp, dp, zero, lb, state, est, ep)
 
 
 def _smallest_crossing(costs: CostGraph) -> int:
@@ -121,7 +121,7 @@ def _smallest_crossing(costs: CostGraph) -> int:
 
 
 def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
-                      layout: LayoutOptions, cache: dict[int, CostGraph] | None = None
+                      layout: LayoutOptions, cache: dict[tuple[int, int], CostGraph] | None = None
                       ) -> list[LayoutCandidate]:
     """Every layout the request allows, with bounds, most promising first (speed: by
     ``estimate_us``; memory: by state bound, then estimate), ties broken by (tp, pp, dp, zero).
@@ -138,12 +138,13 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
         check_global_batch(batch, layout.dp, options.num_microbatches)
     out: list[LayoutCandidate] = []
     shape_seen = False
-    for tp in [1] if layout.ep > 1 else _tp_choices(layout):
+    experts = bool(expert_module_paths(costs))
+    for tp in [1] if (layout.ep or 1) > 1 else _tp_choices(layout):
         sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
         smallest = _smallest_crossing(sharded)
         for pp in divisors(n // tp) if n % tp == 0 else []:
             dp = n // (tp * pp)
-            if layout.pp not in (None, pp) or layout.dp not in (None, dp) or dp % layout.ep:
+            if layout.pp not in (None, pp) or layout.dp not in (None, dp):
                 continue
             shape_seen = True
             if batch % dp:
@@ -152,12 +153,15 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
                 counts = _replica_options(options, layout, dp).microbatch_counts()
             except PlanError:
                 continue
-            zeros = ([layout.zero_stage] if layout.zero_stage is not None
-                     else list(ZERO_STAGES) if dp > 1 and options.training and layout.ep == 1
-                     else [0])
-            for zero in zeros:
-                out.append(_bounds(sharded, tp, pp, dp, zero, counts, options, layout, device,
-                                   smallest))
+            for ep in _ep_choices(layout, tp, dp, experts):
+                at_ep = (sharded if ep == 1 else
+                         _sharded(costs, tp, device, layout, options.runtime, cache, ep))
+                zeros = ([layout.zero_stage] if layout.zero_stage is not None
+                         else list(ZERO_STAGES) if dp > 1 and options.training and ep == 1
+                         else [0])
+                for zero in zeros:
+                    out.append(_bounds(at_ep, tp, pp, dp, zero, counts, options, layout,
+                                       device, smallest, ep))
     if not shape_seen:
         check_degrees(layout.tp or 1, layout.pp or 1, layout.dp or 1, n)
     if not out:
@@ -167,9 +171,10 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
                         f"of the data-parallel degrees the request allows ({dps}); choose a "
                         "batch that a dp among them divides, or fix dp")
     if options.optimize == "memory":
-        out.sort(key=lambda c: (c.state_lb_bytes, c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage))
+        out.sort(key=lambda c: (c.state_lb_bytes, c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage,
+                                c.ep))
     else:
-        out.sort(key=lambda c: (c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage))
+        out.sort(key=lambda c: (c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage, c.ep))
     return out
 
 
@@ -206,26 +211,43 @@ def _replica_options(options: SolveOptions, layout: LayoutOptions, dp: int) -> S
 
 def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOptions,
              runtime: RuntimeDescription,
-             cache: dict[int, CostGraph] | None = None) -> CostGraph:
-    """One GPU's share at tp (memoised in ``cache``, one entry per tp, for one request), its
-    collectives paying ``runtime``'s fixed cost per collective, with sequence parallelism
-    where ``layout`` asks for it and its experts split over ``layout.ep``
-    (:func:`autopart.solver.expert_parallel_costs.expert_costs`)."""
-    if cache is not None and tp in cache:
-        return cache[tp]
-    bw, lat = layout.topology.link(tp)
-    out = shard_costs(costs, tp, bandwidth_bytes_per_s=bw, latency_us=lat,
-                      op_overhead_us=device.op_overhead_us,
-                      collective_overhead=runtime.collective_overhead_at,
-                      copy_bytes_per_s=runtime.copy_bytes_per_s,
-                      sequence_parallel=layout.sequence_parallel,
-                      reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
-    if layout.ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
-        ep_bw, ep_lat = layout.topology.link(layout.ep)
-        out = expert_costs(out, layout.ep, bandwidth_bytes_per_s=ep_bw, latency_us=ep_lat,
+             cache: dict[tuple[int, int], CostGraph] | None = None,
+             ep: int | None = None) -> CostGraph:
+    """One GPU's share at tp (memoised in ``cache``, one entry per (tp, ep), for one
+    request), its collectives paying ``runtime``'s fixed cost per collective, with sequence
+    parallelism where ``layout`` asks for it and its experts split over ``ep`` (default:
+    ``layout.ep``, 1 when searched; :func:`autopart.solver.expert_parallel_costs.
+    expert_costs`)."""
+    ep = (layout.ep or 1) if ep is None else ep
+    if cache is not None and (tp, ep) in cache:
+        return cache[(tp, ep)]
+    if ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
+        base = _sharded(costs, tp, device, layout, runtime, cache, 1)
+        ep_bw, ep_lat = layout.topology.link(ep)
+        out = expert_costs(base, ep, bandwidth_bytes_per_s=ep_bw, latency_us=ep_lat,
                            collective_overhead=runtime.collective_overhead_at)
+    else:
+        bw, lat = layout.topology.link(tp)
+        out = shard_costs(costs, tp, bandwidth_bytes_per_s=bw, latency_us=lat,
+                          op_overhead_us=device.op_overhead_us,
+                          collective_overhead=runtime.collective_overhead_at,
+                          copy_bytes_per_s=runtime.copy_bytes_per_s,
+                          sequence_parallel=layout.sequence_parallel,
+                          reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
     if cache is not None:
-        cache[tp] = out
+        cache[(tp, ep)] = out
+    return out
+
+
+def _ep_choices(layout: LayoutOptions, tp: int, dp: int, experts: bool) -> list[int]:
+    """The ep degrees a (tp, dp) layout is tried with: the fixed one where it fits, else 1
+    and, for a model with experts at tp 1, every divisor of dp that divides
+    ``layout.num_experts``."""
+    if layout.ep is not None:
+        return [layout.ep] if dp % layout.ep == 0 else []
+    out = [1]
+    if experts and tp == 1 and layout.num_experts:
+        out += [e for e in divisors(dp) if e > 1 and layout.num_experts % e == 0]
     return out
 
 
@@ -244,7 +266,7 @@ def _pipeline_cluster(device: DeviceSpec, tp: int, pp: int, dp: int,
 
 def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                     layout: LayoutOptions, cand: LayoutCandidate,
-                    cache: dict[int, CostGraph] | None = None,
+                    cache: dict[tuple[int, int], CostGraph] | None = None,
                     positions: tuple[int, ...] | None = None) -> Plan:
     """The pipeline solver's best plan for one layout, with tp, dp and ZeRO costs added.
 
@@ -277,7 +299,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         PlanError: ``positions`` without a fixed schedule kind and m, or not fitting the ranks.
     """
     tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
-    sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
+    sharded = _sharded(costs, tp, device, layout, options.runtime, cache, cand.ep)
     # ZeRO-1's layer units hold what one unit per stage holds and gain only by overlapping
     # their collectives with compute, which CPU ranks' collectives do not (measured,
     # benchmarks/overlap_cpu): a search there keeps one unit per stage (a given plan is
@@ -331,7 +353,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
         baselines=baselines, pareto=pareto, sharded_parameters=sharded_params,
         overlap_grad_reduce=overlap, zero_layer_units=units,
-        sequence_parallel=layout.sequence_parallel and tp > 1, ep=layout.ep,
+        sequence_parallel=layout.sequence_parallel and tp > 1, ep=cand.ep,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
         if step > 0 else plan.bubble_fraction,
@@ -407,7 +429,7 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         return auto_recompute(lambda policy: solve_layout(
             costs, device, replace(options, recompute_policy=policy), layout), options.optimize)
     t0 = time.perf_counter()
-    cache: dict[int, CostGraph] = {}
+    cache: dict[tuple[int, int], CostGraph] = {}
     cands = layout_candidates(costs, device, options, layout, cache)
     cap = options.memory_cap_bytes or device.memory_bytes
     screen = _screen_options(options)
@@ -418,6 +440,7 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     for cand in cands:
         if cand.state_lb_bytes > cap:
             failures.append(f"tp {cand.tp} x pp {cand.pp} x dp {cand.dp} ZeRO-{cand.zero_stage}"
+                            f"{f' ep {cand.ep}' if cand.ep > 1 else ''}"
                             f": >= {cand.state_lb_bytes} bytes of state per GPU")
             continue
         if best is not None:

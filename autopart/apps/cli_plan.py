@@ -98,7 +98,8 @@ def build_cluster(costs_source: str, devices: int | None, cluster: str | None) -
 def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int | None,
               dp: int | None, zero_stage: int | None, heads: int | None,
               overlap_grad_reduce: bool = True, zero_layer_units: bool = True,
-              sequence_parallel: bool = False, ep: int = 1) -> Any:
+              sequence_parallel: bool = False, ep: int | None = 1,
+              num_experts: int | None = None) -> Any:
     """The (tp, pp, dp, ZeRO) search over the cluster's GPUs, hosts as the preset ships them."""
     from autopart.core.topology import topology_for_device
     from autopart.solver.layout_search import LayoutOptions, solve_layout
@@ -110,7 +111,8 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
                            zero_stage=zero_stage, num_heads=heads,
                            overlap_grad_reduce=overlap_grad_reduce,
                            zero_layer_units=zero_layer_units,
-                           sequence_parallel=sequence_parallel, ep=ep)
+                           sequence_parallel=sequence_parallel, ep=ep,
+                           num_experts=num_experts)
     return solve_layout(costs, spec, options, layout)
 
 
@@ -178,10 +180,15 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
              False, "--sequence-parallel/--no-sequence-parallel",
              help="tp > 1: Megatron's sequence parallelism, the layer norms, dropouts and "
                   "residual adds between tp pairs on 1/tp of the tokens (3D)"),
-         ep: int = typer.Option(
-             1, "--ep", min=1,
+         ep: int | None = typer.Option(
+             None, "--ep", min=1,
              help="expert parallelism: each MoE layer's experts split over ep of the dp "
-                  "replicas, tokens sent to them by all-to-all (3D; keeps tp 1, ZeRO 0)"),
+                  "replicas, tokens sent to them by all-to-all (3D; keeps tp 1, ZeRO 0); "
+                  "default: searched with --experts, else 1"),
+         experts: int | None = typer.Option(
+             None, "--experts", min=1,
+             help="the model's experts per MoE layer: the layout search then tries every ep "
+                  "dividing them and dp (3D)"),
          recompute_policy: str = typer.Option(
              "full", "--recompute-policy",
              help="what a stage that recomputes runs again: 'full' (its whole forward), "
@@ -214,7 +221,9 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
             time_limit_s=time_limit, library_versions=_versions(),
             recompute_policy=recompute_policy)
         with phase("solve"):  # on stderr (autopart.core.progress)
-            fixed = any(x is not None for x in (tp, pp, dp, zero_stage)) or ep > 1
+            if ep is None:
+                ep = None if experts is not None else 1
+            fixed = any(x is not None for x in (tp, pp, dp, zero_stage)) or ep != 1
             if search_3d is False and fixed:
                 raise UsageError("--pipeline-only makes every GPU a pipeline rank; drop it to "
                                  "fix --tp/--pp/--dp/--zero-stage")
@@ -225,7 +234,8 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                                    zero_stage=zero_stage, heads=heads,
                                    overlap_grad_reduce=overlap_grad_reduce,
                                    zero_layer_units=zero_layer_units,
-                                   sequence_parallel=sequence_parallel, ep=ep)
+                                   sequence_parallel=sequence_parallel, ep=ep,
+                                   num_experts=experts)
             else:
                 result = solve(costs, the_cluster, options)
         result.save(out)

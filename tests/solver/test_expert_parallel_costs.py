@@ -56,3 +56,43 @@ def test_ep_1_and_dense_models_are_unchanged() -> None:
     model, args, _, _ = tiny("llama")
     dense = profile_analytical(capture(model, (args[0][:2],)), None, PRESETS["a100-80gb"])
     assert expert_costs(dense, 4, bandwidth_bytes_per_s=BW, latency_us=LAT) is dense
+
+
+def test_the_layout_search_tries_ep_where_it_divides_dp_and_the_experts() -> None:
+    from autopart.core.cluster import PRESETS as DEVICES
+    from autopart.core.topology import topology_for_device
+    from autopart.solver import SolveOptions
+    from autopart.solver.layout_search import LayoutOptions, layout_candidates, solve_layout
+
+    costs = _costs()
+    spec = DEVICES["a100-80gb"]
+    topology = topology_for_device(spec.name, spec.link_bandwidth_bytes_per_s,
+                                   spec.link_latency_us)
+    options = SolveOptions(batch_size=8, num_microbatches=2, time_limit_s=5.0)
+    searched = LayoutOptions(num_gpus=4, topology=topology, ep=None, num_experts=4)
+    cands = layout_candidates(costs, spec, options, searched)
+    with_ep = {(c.tp, c.pp, c.dp, c.zero_stage, c.ep) for c in cands if c.ep > 1}
+    assert with_ep == {(1, 1, 4, 0, 2), (1, 1, 4, 0, 4), (1, 2, 2, 0, 2)}
+    assert all(c.ep == 1 for c in cands if c.zero_stage > 0 or c.tp > 1)
+    # unknown expert count: ep stays 1; a fixed ep keeps only the layouts it runs
+    assert {c.ep for c in layout_candidates(costs, spec, options, replace_ep(searched, None,
+                                                                            None))} == {1}
+    fixed = layout_candidates(costs, spec, options, replace_ep(searched, 2, 4))
+    assert {(c.tp, c.dp % 2, c.zero_stage, c.ep) for c in fixed} == {(1, 0, 0, 2)}
+    plan = solve_layout(costs, spec, options, replace_ep(searched, 4, 4))
+    assert (plan.ep, plan.dp, plan.tp, plan.zero_stage) == (4, 4, 1, 0)
+    # the same layout holds a quarter of the experts per GPU at ep 4, and pays all-to-alls
+    from autopart.solver.layout_search import LayoutCandidate, evaluate_layout
+
+    at = {ep: evaluate_layout(costs, spec, options, replace_ep(searched, ep, 4),
+                              LayoutCandidate(1, 1, 4, 0, 0.0, 0, ep=ep)) for ep in (1, 4)}
+    assert at[4].ep == 4 and at[1].ep == 1
+    assert at[4].stages[0].param_bytes < at[1].stages[0].param_bytes
+    assert max(r.peak_memory_bytes for r in at[4].ranks) < max(
+        r.peak_memory_bytes for r in at[1].ranks)
+    assert at[4].predicted_step_time_us > at[1].predicted_step_time_us  # compute unchanged
+
+def replace_ep(layout, ep, num_experts):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    return replace(layout, ep=ep, num_experts=num_experts)
