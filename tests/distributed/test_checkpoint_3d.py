@@ -18,3 +18,14 @@ def test_a_3d_checkpoint_resumes_on_other_layouts_and_in_the_plain_model(tmp_pat
             for k in steps:
                 assert f"rank {rank} {label} step {k} ok" in proc.stdout, proc.stdout[-3000:]
     assert "rank 0 plain step 3 ok" in proc.stdout and "rank 0 plain step 4 ok" in proc.stdout
+
+
+def test_an_expert_parallel_checkpoint_resumes_across_ep_layouts_and_in_the_plain_model(
+        tmp_path: Path) -> None:
+    proc = torchrun("tests/distributed/torchrun_ckpt_ep.py", 4, tmp_path,
+                    env={"TMPDIR": str(tmp_path)})
+    for rank in range(4):
+        for label, steps in (("dp4-ep4", (0, 1)), ("pp2xdp2-ep2", (2,)), ("pp2xdp2", (3, 4))):
+            for k in steps:
+                assert f"rank {rank} {label} step {k} ok" in proc.stdout, proc.stdout[-3000:]
+    assert "rank 0 plain step 3 ok" in proc.stdout and "rank 0 plain step 4 ok" in proc.stdout

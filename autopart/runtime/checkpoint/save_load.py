@@ -62,8 +62,10 @@ def _target(module: nn.Module) -> CheckpointState:
     aliases = {k: canon[id(v)] for k, v in obj.state_dict(keep_vars=True).items()
                if id(v) in canon}
     first = next(iter(tensors.values()), torch.empty(0))
+    persistent = set(obj.state_dict(keep_vars=True))
+    optional = frozenset(f for f, _ in obj.named_buffers() if f in tensors and f not in persistent)
     return CheckpointState(tensors, tensors, params, aliases, None, False, first.device,
-                           lambda: None)
+                           lambda: None, optional=optional)
 
 
 # ---- saving ------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ def load_checkpoint(directory: str | os.PathLike[str], obj: nn.Module, *,
     metadata = read_metadata(folder).state_dict_metadata
     saved = {k: v for k, v in metadata.items() if not k.startswith(OPT)}
     _check_model(saved, target, folder)
-    state: dict[str, Any] = {f: t.detach() for f, t in target.holds.items()}
+    state: dict[str, Any] = {f: t.detach() for f, t in target.holds.items() if f in saved}
     if optimizer is not None:
         if meta.get("optimizer") is None:
             raise CheckpointError(f"checkpoint {folder} holds no optimizer state (saved without "
@@ -283,7 +285,8 @@ def _load_weights(weights: dict[str, torch.Tensor], target: CheckpointState, sou
     _check_model(shapes, target, source)
     with torch.no_grad():
         for fqn, t in target.holds.items():
-            t.copy_(canonical[fqn])
+            if fqn in canonical:  # an optional one may be absent (_check_model)
+                t.copy_(canonical[fqn])
     target.after_load()
     return {}
 
@@ -294,7 +297,7 @@ class _Shape:
 
 
 def _check_model(saved: dict[str, Any], target: CheckpointState, where: Path) -> None:
-    missing = sorted(set(target.holds) - set(saved))
+    missing = sorted(set(target.holds) - set(saved) - target.optional)
     unexpected = [] if target.distributed else sorted(set(saved) - set(target.holds))
     shapes = sorted(f for f in set(target.holds) & set(saved)
                     if tuple(saved[f].size) != tuple(target.holds[f].shape))

@@ -35,6 +35,10 @@ class CheckpointState:
             split.
         part: the inverse, ``(fqn, whole) -> this process's piece``, applied to optimizer
             state on load (``holds`` are whole buffers that ``after_load`` cuts).
+        optional: FQNs of ``holds`` a checkpoint may lack, which then keep their values: a
+            plain module's non-persistent buffers (not in its ``state_dict``, derived from
+            its config, e.g. a rotary embedding's ``original_inv_freq``, which a pipeline
+            whose graph never reads it does not save).
     """
 
     writes: dict[str, torch.Tensor]
@@ -47,6 +51,7 @@ class CheckpointState:
     after_load: Callable[[], None]
     whole: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     part: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    optional: frozenset[str] = frozenset()
 
 
 @runtime_checkable
