@@ -163,4 +163,3 @@ def test_bad_arguments_and_other_models_are_refused(tmp_path: Path) -> None:
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": 2}))
     with pytest.raises(CheckpointError, match="checkpoint format 2 is not supported"):
         autopart.load(tmp_path / "ck", mlp()[0])
-
