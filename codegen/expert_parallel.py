@@ -327,11 +327,13 @@ def expert_parallel(gm: fx.GraphModule, ep: TensorParallelRank, *,
     """
     made = {} if made is None else made
     layouts: dict[str, ShardLayout] = {}
-    for i, block in enumerate(find_expert_blocks(gm.graph)):
+    for block in find_expert_blocks(gm.graph):
         if block.num_experts % ep.size:
             raise _error(block.first_mm, block.path, f"ep={ep.size} does not divide its "
                          f"{block.num_experts} experts")
-        name = f"expert_parallel_{i}"
+        # under the experts module's own path, so a layer grouped into its own submodule
+        # (ZeRO's per-layer FSDP units, codegen/fsdp_units.py) takes it along
+        name = f"{block.path}.expert_parallel"
         gm.add_submodule(name, ExpertParallelExperts(_act_module(block), _mm_callable(
             block.first_mm), block.num_experts, ep))
         with gm.graph.inserting_before(block.output.next):

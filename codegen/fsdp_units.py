@@ -107,6 +107,8 @@ def _move(gm: fx.GraphModule, path: str, nodes: list[fx.Node], attrs: list[fx.No
         env[attr].meta = dict(attr.meta)
     for node in nodes:
         env[node] = sub.node_copy(node, lambda n: env[n])
+        if node.op == "call_module":  # a submodule under the layer (an experts call)
+            env[node].target = str(node.target)[prefix:]
     sub.output(tuple(env[n] for n in outputs))
     holder = gm.get_submodule(path)
     layer = fx.GraphModule(holder, sub, class_name=f"Layer_{path.replace('.', '_')}")
@@ -133,7 +135,8 @@ def group_layers(gm: fx.GraphModule) -> list[str]:
     """Move each layer of ``gm`` (a stage module) into a submodule at its path, in place.
 
     A layer is grouped when its ops are one run of consecutive op nodes, the tensors under
-    its path are read by that run alone and are all the module at that path holds, none of
+    its path are read by that run alone and are all the module at that path holds, every
+    submodule it calls is under its path (an experts call, codegen/expert_parallel.py), none of
     its ops updates a tensor in place (a buffer write stays visible to the stage's
     recompute) and no later op writes one of its outputs in place (which would drop the
     backward hook FSDP2 puts on a unit's outputs). Others stay inline; the stage computes
@@ -154,7 +157,9 @@ def group_layers(gm: fx.GraphModule) -> list[str]:
         seen[key] = seen.get(key, 0) + 1
     for key, nodes in runs:
         if (seen[key] != 1 or any(_writes_attribute(n) for n in nodes)
-                or _output_written_after(nodes)):
+                or _output_written_after(nodes)
+                or any(n.op == "call_module" and not str(n.target).startswith(key + ".")
+                       for n in nodes)):
             continue
         attrs = _own_attributes(gm, key, set(nodes))
         if attrs is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tests.distributed.rank_exit import end_rank
 
@@ -70,9 +71,10 @@ def _close(problems: list[str], what: str, got: torch.Tensor, want: torch.Tensor
 
 
 def ep_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, ep: int,
-                names: list[str]) -> None:
-    """pp x dp (= world / pp) with ep on each model: the global loss, every gradient
-    (experts gathered whole), the whole state_dict, load_state_dict and the gradient norm
+                names: list[str], zero_stage: int = 0, layer_units: bool = False) -> None:
+    """pp x dp (= world / pp) with ep, and ZeRO ``zero_stage`` (per-layer FSDP units with
+    ``layer_units``) on the dense parameters, on each model: the global loss, every gradient
+    (experts gathered whole, ZeRO's shards too), the whole state_dict, load_state_dict and the gradient norm
     against the plain model on the global batch; write this rank's problems to
     ``result_dir/<rank>.json``."""
     sys.path.insert(0, os.getcwd())
@@ -102,7 +104,8 @@ def ep_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, ep: 
             positions = [next(k for k, n in enumerate(nodes)
                               if node_module_path(n).startswith(SECOND_LAYER))]
         plan = dataclasses.replace(manual_plan(captured, positions, m, batch,
-                                               schedule_kind="1f1b"), dp=dp, ep=ep)
+                                               schedule_kind="1f1b"), dp=dp, ep=ep,
+                                   zero_stage=zero_stage, zero_layer_units=layer_units)
         groups = mesh_groups(plan)
         stages = build_stages(captured, plan, ["cpu"] * pp,
                               ranks={dist.get_rank(groups.pp_group)},
@@ -122,10 +125,15 @@ def ep_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, ep: 
         seen = []
         for fqn, p in pipe.named_parameters():
             seen.append(fqn)
+            if zero_stage and isinstance(p, DTensor) == (fqn in stages.ep_shards):
+                problems.append(f"{name} {fqn}: {'a ZeRO shard' if isinstance(p, DTensor) else 'whole'}"
+                                " (ZeRO shards the dense parameters, ep the experts)")
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
             layout = stages.ep_shards.get(fqn)
             if layout is not None:
-                if p.shape == ref[fqn].shape:
+                if isinstance(p, DTensor) or p.shape == ref[fqn].shape:
                     problems.append(f"{name} {fqn}: not split over ep")
                 parts = [torch.empty_like(grad) for _ in range(ep)]
                 dist.all_gather(parts, grad.contiguous(), group=groups.ep_group)

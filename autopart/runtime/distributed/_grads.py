@@ -140,8 +140,8 @@ def grad_norm(owned: Iterable[tuple[str, torch.Tensor]], norm_type: float,
         tp: the tp state, or None.
         sharding: the rank's ZeRO sharding.
         guarded: runs the collectives, turning a dead rank into ``PipelineFailure``.
-        ep: the ep group's state (its experts split like tp's shards: each counted on its
-            ep rank, the replicated rest on ep rank 0 only), or None.
+        ep: the ep group's state, or None: an ep rank's experts are summed over the ep group
+            (not over their edp replicas, which hold equal ones), apart from the dense rest.
 
     Returns:
         The norm (0-dim float32 tensor).
@@ -149,25 +149,34 @@ def grad_norm(owned: Iterable[tuple[str, torch.Tensor]], norm_type: float,
     Raises:
         PipelineFailure: a rank died during the reductions (raised by ``guarded``).
     """
+    owned = list(owned)
     p = float(norm_type)
-    grads = [local_tensor(t.grad) for fqn, t in owned if t.grad is not None
-             and (tp is None or tp.counts_in_norm(fqn))
-             and (ep is None or ep.counts_in_norm(fqn))]
-    if grads:
-        local = torch.nn.utils.get_total_norm(grads, p, foreach=None).to(torch.float32)
-    else:
-        local = torch.zeros((), dtype=torch.float32, device=device)
     inf = p == float("inf")
-    total = local.clone() if inf else local.pow(p)
+    experts = set(ep.shards) if ep is not None else set()
+
+    def power(fqns: Callable[[str], bool]) -> torch.Tensor:
+        grads = [local_tensor(t.grad) for fqn, t in owned if t.grad is not None and fqns(fqn)
+                 and (tp is None or tp.counts_in_norm(fqn))]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        local = torch.nn.utils.get_total_norm(grads, p, foreach=None).to(torch.float32)
+        return local.clone() if inf else local.pow(p)
+
+    # [dense, experts]: the dense gradients are shards over dp under ZeRO 1-3 (and equal
+    # over dp at ZeRO-0); an ep rank's experts are its own, equal over its edp replicas
+    parts = torch.stack([power(lambda f: f not in experts), power(lambda f: f in experts)])
 
     def reduce() -> None:
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=pp_group)
+        dist.all_reduce(parts, op=op, group=pp_group)
         if tp is not None:
-            tp.reduce_norm(total, op)
+            tp.reduce_norm(parts, op)
+        dense, expert = parts[0].clone(), parts[1].clone()
+        sharding.grad_norm_power(dense, inf)
         if ep is not None:
-            ep.reduce_norm(total, op)
-        sharding.grad_norm_power(total, inf)
+            ep.reduce_norm(expert, op)
+        total.copy_(torch.maximum(dense, expert) if inf else dense + expert)
 
+    total = torch.zeros((), dtype=torch.float32, device=device)
     guarded(reduce)
     return total if inf else total.pow(1.0 / p)

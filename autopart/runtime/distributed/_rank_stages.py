@@ -64,7 +64,7 @@ def rank_stages(stages: BuiltStages, local_stages: list[int], local: dict[str, t
         heartbeat: the pipeline's heartbeat, told of every action.
         dp_group: this rank's data-parallel group, or None.
         p2p_group: the group the stages send and receive on.
-        exclude: ids of parameters the dp buckets leave out (an ep rank's experts).
+        exclude: ids of parameters the dp buckets and ZeRO leave out (an ep rank's experts).
 
     Raises:
         PlanError: a ZeRO stage the groups or the placement cannot run
@@ -77,7 +77,8 @@ def rank_stages(stages: BuiltStages, local_stages: list[int], local: dict[str, t
                     recompute_policy=plan.recompute_policy)
         for s in local_stages}
     sharding = DataSharding(plan, dp_group, device, placement, fqn_order)
-    sharding.shard(submods)
+    sharding.shard(submods, [p for mod in submods.values() for p in mod.parameters()
+                             if id(p) in exclude])
     local = sharding.refreshed(local, {s: stages.modules[s] for s in submods}, placement)
     pipeline_stages = [sharding.new_stage(heartbeat, submods[s], s, plan.num_stages, device,
                                           group=p2p_group)

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -192,6 +192,7 @@ class DataSharding:
         self.layer_units = plan.zero_layer_units
         self.mesh: DeviceMesh | None = None
         self.units: dict[int, list[str]] = {}  # stage -> its layers sharded as units
+        self._ignored: set[nn.Parameter] | None = None  # left whole (shard's ``ignored``)
         self.timer = CollectiveTimer()
         if self.zero_stage == 0:
             return
@@ -234,14 +235,20 @@ class DataSharding:
             return ShardedStage(*args, reshard_after_forward=self.zero_stage == 3, **kwargs)
         return TracedStage(*args, **kwargs)
 
-    def shard(self, submods: Mapping[int, nn.Module]) -> None:
+    def shard(self, submods: Mapping[int, nn.Module],
+              ignored: Collection[nn.Parameter] = ()) -> None:
         """``fully_shard`` each stage's ``PipelineStage`` submodule (no-op for ZeRO-0).
 
         Args:
             submods: stage index -> the module its ``PipelineStage`` runs.
+            ignored: parameters FSDP leaves whole (``fully_shard``'s ``ignored_params``): an
+                ep rank's experts, split over ep already and reduced over their own
+                replicas after the step (:class:`autopart.runtime.distributed._grads.
+                ExpertGrads`).
         """
         if self.mesh is None:
             return
+        self._ignored = set(ignored) or None
         # FSDP2 warns once per process when a sharded module returns a view (an in-place op
         # on it would skip its pre-backward hook). The runtime makes none: P2PStage sends
         # its outputs, and copies those that torch's split backward detaches in place.
@@ -256,7 +263,8 @@ class DataSharding:
             if self.layer_units:
                 self.units[s] = self._shard_layers(submod, s)
             else:
-                fully_shard(submod, mesh=self.mesh, reshard_after_forward=self.zero_stage == 3)
+                fully_shard(submod, mesh=self.mesh, reshard_after_forward=self.zero_stage == 3,
+                            ignored_params=self._ignored)
                 self._time(submod, f"stage {s}")
 
     def _time(self, unit: nn.Module, label: str) -> None:
@@ -277,9 +285,11 @@ class DataSharding:
         units = [stage.get_submodule(p) for p in paths]
         after_forward = self.zero_stage == 3
         for path, unit in zip(paths, units, strict=True):
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=after_forward)
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=after_forward,
+                        ignored_params=self._ignored)
             self._time(unit, path)
-        root = fully_shard(stage, mesh=self.mesh, reshard_after_forward=after_forward)
+        root = fully_shard(stage, mesh=self.mesh, reshard_after_forward=after_forward,
+                           ignored_params=self._ignored)
         self._time(root, f"stage {stage_index}")
         if after_forward:
             root.set_reshard_after_forward(True, recurse=False)

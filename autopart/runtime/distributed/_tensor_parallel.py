@@ -102,16 +102,15 @@ def expert_parallel_state(stages: BuiltStages, ep_group: dist.ProcessGroup | Non
 
     Raises:
         PlanError: the plan has ep > 1 and no ep group of that size was given, the stages
-            were built for another ep rank, or the plan also has tp > 1 or ZeRO 1-3, which
-            expert parallelism does not run with yet.
+            were built for another ep rank, or the plan also has tp > 1, which expert
+            parallelism does not run with yet.
     """
     plan = stages.plan
     if plan.ep == 1:
         return None
-    if plan.tp > 1 or plan.zero_stage > 0:
-        raise PlanError(f"ep={plan.ep} with tp={plan.tp} and ZeRO-{plan.zero_stage}: expert "
-                        "parallelism runs with tp=1 and zero_stage=0 so far; re-plan with "
-                        "those, or with ep=1")
+    if plan.tp > 1:
+        raise PlanError(f"ep={plan.ep} with tp={plan.tp}: expert parallelism runs with tp=1 so "
+                        "far; re-plan with tp=1, or with ep=1")
     size = None if ep_group is None else dist.get_world_size(ep_group)
     if size != plan.ep:
         raise PlanError(f"the plan has ep={plan.ep} but the expert-parallel group has "
