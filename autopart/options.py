@@ -181,7 +181,8 @@ class CompileOptions:
         ep: distributed, layout search only: expert-parallel degree >= 1 (default 1): each
             MoE layer's experts split over ep of the dp replicas, tokens dispatched by
             all-to-all (``Plan.ep``; ``autopart/codegen/expert_parallel.py``). With ep > 1
-            the search keeps tp 1, ZeRO 0 and a dp that ep divides. None: searched with the
+            the search keeps tp 1 and a dp that ep divides (ZeRO shards the dense parameters,
+            leaving the experts whole). None: searched with the
             other degrees (among the divisors of dp that divide the model config's expert
             count).
 

@@ -74,11 +74,12 @@ class CostModel(MemoryModel):
                  state_factor: float,
                  runtime: RuntimeDescription = _FREE_RUNTIME,
                  layer_unit_factors: tuple[float, float, float, float] | None = None,
-                 recompute_policy: str = "full") -> None:
+                 recompute_policy: str = "full",
+                 whole_state: tuple[frozenset[str], float] = (frozenset(), 0.0)) -> None:
         super().__init__(costs, batch_size=batch_size, training=training,
                          state_factor=state_factor, runtime=runtime,
                          layer_unit_factors=layer_unit_factors,
-                         recompute_policy=recompute_policy)
+                         recompute_policy=recompute_policy, whole_state=whole_state)
         self._split_points = tuple(sorted(runtime.split_backward_points))
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
         self.cluster = cluster
@@ -300,7 +301,9 @@ class CostModel(MemoryModel):
                                  if options.state_bytes_per_param_byte is None
                                  else options.state_bytes_per_param_byte - 2.0),
                    runtime=options.runtime, layer_unit_factors=options.layer_unit_factors,
-                   recompute_policy=options.recompute_policy)
+                   recompute_policy=options.recompute_policy,
+                   whole_state=(options.whole_state_params,
+                                options.optimizer_state_bytes_per_param_byte))
 
     def speed(self, rank: int) -> float:
         """Time multiplier of ``rank``'s compute against the profiled device: peak FLOP/s of

@@ -43,12 +43,16 @@ class MemoryModel:
         layer_unit_factors: ZeRO 1-3 with one FSDP unit per layer: what a stage holds
             gathered beyond ``state_factor``'s state (``SolveOptions.layer_unit_factors``,
             :meth:`state_of`); None: nothing.
+        whole_state: ``(params, factor)``: trainable parameters ZeRO leaves whole
+            (``SolveOptions.whole_state_params``), holding ``2 + factor`` times their bytes,
+            outside every layer unit's gather.
     """
 
     def __init__(self, costs: CostGraph, *, batch_size: int, training: bool,
                  state_factor: float, runtime: RuntimeDescription,
                  layer_unit_factors: tuple[float, float, float, float] | None = None,
-                 recompute_policy: str = "full") -> None:
+                 recompute_policy: str = "full",
+                 whole_state: tuple[frozenset[str], float] = (frozenset(), 0.0)) -> None:
         self.costs = costs
         if recompute_policy not in RECOMPUTE_POLICIES:
             raise PlanError(f"recompute_policy={recompute_policy!r} is not one of "
@@ -87,14 +91,17 @@ class MemoryModel:
                 first_use.setdefault(p, i)
         self._first_use = first_use
         mult = (2.0 + state_factor) if training else 1.0
+        whole, whole_mult = whole_state[0], (2.0 + whole_state[1]) if training else 1.0
         self.state_bytes = {
-            p: int(math.ceil(nbytes * mult)) if p in costs.trainable else nbytes
+            p: int(math.ceil(nbytes * (whole_mult if p in whole else mult)))
+            if p in costs.trainable else nbytes
             for p, nbytes in costs.param_sizes.items()}
-        # ZeRO 1-3 layer units: trainable parameter -> its layer (None: the root unit)
-        self._layer_of = {p: layer_of_path(p) for p in costs.trainable}
+        # ZeRO 1-3 layer units: trainable parameter -> its layer (None: the root unit);
+        # whole parameters are in no unit
+        self._layer_of = {p: layer_of_path(p) for p in costs.trainable if p not in whole}
         if self._layer_units is not None:
             a, b, _, _ = self._layer_units
-            for p in costs.trainable:
+            for p in self._layer_of:
                 if p in self.state_bytes:
                     extra = a + (b if self._layer_of[p] is None else 0.0)
                     self.state_bytes[p] += int(math.ceil(costs.param_sizes[p] * extra))

@@ -28,7 +28,7 @@ from autopart.core.capturedgraph import GROUPED_MM_OPS
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.solver.collectives import all_to_all_us
 
-__all__ = ["expert_costs", "expert_module_paths"]
+__all__ = ["expert_costs", "expert_module_paths", "expert_params"]
 
 
 def expert_module_paths(costs: CostGraph) -> list[str]:
@@ -38,6 +38,14 @@ def expert_module_paths(costs: CostGraph) -> list[str]:
         if nd.op in GROUPED_MM_OPS and nd.module_path not in paths:
             paths.append(nd.module_path)
     return paths
+
+
+def expert_params(costs: CostGraph) -> frozenset[str]:
+    """The FQNs the experts modules of ``costs`` read: their stacked expert weights (the
+    pass refuses a module reading any other)."""
+    paths = expert_module_paths(costs)
+    return frozenset(p for nd in costs.nodes if any(_inside(nd, path) for path in paths)
+                     for p in nd.params)
 
 
 def _inside(nd: NodeCost, path: str) -> bool:

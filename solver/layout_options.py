@@ -60,11 +60,12 @@ class LayoutOptions:
             (:func:`autopart.solver.tensor_parallel_costs.shard_costs`) and recorded in the plan
             (``Plan.sequence_parallel``). Default False: those run whole on every tp GPU.
         ep: expert-parallel degree (default 1): only layouts whose dp it divides, with tp 1
-            and ZeRO 0 (what the runtime runs with ep > 1), and the plan records it
+            (what the runtime runs with ep > 1; ZeRO shards the dense parameters and leaves
+            the experts whole, ``SolveOptions.whole_state_params``), and the plan records it
             (``Plan.ep``), priced by :func:`autopart.solver.expert_parallel_costs.
             expert_costs` (each GPU's experts, the dispatch and combine all-to-alls). None:
             searched with the rest, among 1 and the divisors of dp that divide
-            ``num_experts`` (tp 1 and ZeRO 0 where ep > 1), for a model with experts.
+            ``num_experts`` (tp 1 where ep > 1), for a model with experts.
         num_experts: experts per MoE layer (an ep must divide it), or None (unknown: a
             searched ep stays 1).
     """
@@ -105,11 +106,11 @@ class LayoutOptions:
             raise PlanError(f"ep={self.ep} must be >= 1 or None (searched)")
         if self.num_experts is not None and self.num_experts < 1:
             raise PlanError(f"num_experts={self.num_experts} must be >= 1 or None")
-        if self.ep is not None and self.ep > 1 and ((self.tp or 1) > 1 or (self.zero_stage or 0) > 0
-                            or (self.dp is not None and self.dp % self.ep)):
-            raise PlanError(f"ep={self.ep} with tp={self.tp}, dp={self.dp}, zero_stage="
-                            f"{self.zero_stage}: expert parallelism runs with tp=1, zero_stage=0 "
-                            "and a dp that ep divides; fix those, or drop ep")
+        if self.ep is not None and self.ep > 1 and (
+                (self.tp or 1) > 1 or (self.dp is not None and self.dp % self.ep)):
+            raise PlanError(f"ep={self.ep} with tp={self.tp} and dp={self.dp}: expert "
+                            "parallelism runs with tp=1 and a dp that ep divides; fix those, "
+                            "or drop ep")
         if self.microbatch_sizes is not None and (not self.microbatch_sizes
                                                   or min(self.microbatch_sizes) < 1):
             raise PlanError(f"microbatch_sizes={self.microbatch_sizes} must be sizes >= 1 or None")

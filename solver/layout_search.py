@@ -26,7 +26,11 @@ from autopart.solver.data_parallel import (
     sharded_state_multiplier,
     state_multiplier,
 )
-from autopart.solver.expert_parallel_costs import expert_costs, expert_module_paths
+from autopart.solver.expert_parallel_costs import (
+    expert_costs,
+    expert_module_paths,
+    expert_params,
+)
 from autopart.solver.layout_dp import (
     _baselines_dp_us,
     _dp_cost,
@@ -157,8 +161,7 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
                 at_ep = (sharded if ep == 1 else
                          _sharded(costs, tp, device, layout, options.runtime, cache, ep))
                 zeros = ([layout.zero_stage] if layout.zero_stage is not None
-                         else list(ZERO_STAGES) if dp > 1 and options.training and ep == 1
-                         else [0])
+                         else list(ZERO_STAGES) if dp > 1 and options.training else [0])
                 for zero in zeros:
                     out.append(_bounds(at_ep, tp, pp, dp, zero, counts, options, layout,
                                        device, smallest, ep))
@@ -309,7 +312,9 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                       and positions is None)
              and not (options.schedule_kind is not None
                       and splits_backward(options.schedule_kind, False)))
-    inner = _state_options(options, layout, dp, zero, units)
+    # an ep rank's experts are left whole by ZeRO (fully_shard's ignored_params)
+    whole = expert_params(sharded) if cand.ep > 1 else frozenset()
+    inner = replace(_state_options(options, layout, dp, zero, units), whole_state_params=whole)
     cluster = _pipeline_cluster(device, tp, pp, dp, layout.topology)
     if positions is None:
         plan = solve(sharded, cluster, inner)
@@ -317,7 +322,9 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
             # a split backward runs one unit per stage (the runtime gathers the stage from
             # its I to its last W): price that instead
             units = False
-            plan = solve(sharded, cluster, _state_options(options, layout, dp, zero, False))
+            plan = solve(sharded, cluster, replace(_state_options(options, layout, dp, zero,
+                                                                  False),
+                                                   whole_state_params=whole))
     elif options.schedule_kind is None or options.num_microbatches is None:
         raise PlanError("evaluate_layout(positions=...) costs a fixed plan: set the options' "
                         f"schedule_kind ({options.schedule_kind!r}) and num_microbatches "

@@ -57,6 +57,11 @@ class SolveOptions:
             parameters, of those outside every layer (``R``), of its largest layer (``L``)
             and of ``max(R, L)`` (:func:`autopart.solver.data_parallel.layer_unit_factors`);
             ``None`` (default): nothing beyond. Each must be >= 0.
+        whole_state_params: trainable parameters that ZeRO leaves whole on every GPU that
+            holds them (an ep rank's experts, ``fully_shard``'s ``ignored_params``): they hold
+            ``2 + optimizer_state_bytes_per_param_byte`` times their bytes whatever
+            ``state_bytes_per_param_byte`` says, and are in no layer unit's gather. Default
+            none.
         time_limit_s: CP-SAT wall-clock limit per solve, seconds (a safety net; the search
             is bounded by ``deterministic_time`` so that it is reproducible).
         deterministic_time: CP-SAT deterministic time limit per solve (default 2.0).
@@ -99,6 +104,7 @@ class SolveOptions:
     optimizer_state_bytes_per_param_byte: float = 2.0
     state_bytes_per_param_byte: float | None = None
     layer_unit_factors: tuple[float, float, float, float] | None = None
+    whole_state_params: frozenset[str] = frozenset()
     time_limit_s: float = 10.0
     deterministic_time: float = 2.0
     max_cpsat_solves: int = 8

@@ -183,7 +183,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
          ep: int | None = typer.Option(
              None, "--ep", min=1,
              help="expert parallelism: each MoE layer's experts split over ep of the dp "
-                  "replicas, tokens sent to them by all-to-all (3D; keeps tp 1, ZeRO 0); "
+                  "replicas, tokens sent to them by all-to-all (3D; keeps tp 1); "
                   "default: searched with --experts, else 1"),
          experts: int | None = typer.Option(
              None, "--experts", min=1,

@@ -109,7 +109,7 @@ class Plan:
             all-to-all (``autopart/codegen/expert_parallel.py``); an expert's gradient is
             summed over the ``dp / ep`` replicas holding it. 1 (the default, and what plans
             written before it load as): every replica holds every expert. Runs with tp = 1
-            and ZeRO 0 (the runtime refuses the rest).
+            (the runtime refuses tp > 1); ZeRO 1-3 shard the dense parameters only.
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 

@@ -72,15 +72,16 @@ def test_the_layout_search_tries_ep_where_it_divides_dp_and_the_experts() -> Non
     searched = LayoutOptions(num_gpus=4, topology=topology, ep=None, num_experts=4)
     cands = layout_candidates(costs, spec, options, searched)
     with_ep = {(c.tp, c.pp, c.dp, c.zero_stage, c.ep) for c in cands if c.ep > 1}
-    assert with_ep == {(1, 1, 4, 0, 2), (1, 1, 4, 0, 4), (1, 2, 2, 0, 2)}
-    assert all(c.ep == 1 for c in cands if c.zero_stage > 0 or c.tp > 1)
+    assert with_ep == {(1, pp, 4 // pp, zero, ep) for pp, ep in ((1, 2), (1, 4), (2, 2))
+                       for zero in range(4)}
+    assert all(c.ep == 1 for c in cands if c.tp > 1)
     # unknown expert count: ep stays 1; a fixed ep keeps only the layouts it runs
     assert {c.ep for c in layout_candidates(costs, spec, options, replace_ep(searched, None,
                                                                             None))} == {1}
     fixed = layout_candidates(costs, spec, options, replace_ep(searched, 2, 4))
-    assert {(c.tp, c.dp % 2, c.zero_stage, c.ep) for c in fixed} == {(1, 0, 0, 2)}
+    assert {(c.tp, c.dp % 2, c.ep) for c in fixed} == {(1, 0, 2)}
     plan = solve_layout(costs, spec, options, replace_ep(searched, 4, 4))
-    assert (plan.ep, plan.dp, plan.tp, plan.zero_stage) == (4, 4, 1, 0)
+    assert (plan.ep, plan.dp, plan.tp) == (4, 4, 1)
     # the same layout holds a quarter of the experts per GPU at ep 4, and pays all-to-alls
     from autopart.solver.layout_search import LayoutCandidate, evaluate_layout
 
@@ -91,6 +92,32 @@ def test_the_layout_search_tries_ep_where_it_divides_dp_and_the_experts() -> Non
     assert max(r.peak_memory_bytes for r in at[4].ranks) < max(
         r.peak_memory_bytes for r in at[1].ranks)
     assert at[4].predicted_step_time_us > at[1].predicted_step_time_us  # compute unchanged
+    # under ZeRO the experts stay whole and the dense parameters are sharded
+    zero3 = evaluate_layout(costs, spec, options, replace_ep(searched, 4, 4),
+                            LayoutCandidate(1, 1, 4, 3, 0.0, 0, ep=4))
+    assert (zero3.ep, zero3.zero_stage) == (4, 3)
+
+
+def test_zero_leaves_the_experts_state_whole_in_the_memory_model() -> None:
+    from autopart.core.runtime_model import RuntimeDescription
+    from autopart.solver._memory_model import MemoryModel
+    from autopart.solver.data_parallel import held_state_multiplier
+    from autopart.solver.expert_parallel_costs import expert_params
+
+    costs = expert_costs(_costs(), 4, bandwidth_bytes_per_s=BW, latency_us=LAT)
+    experts = expert_params(costs)
+    assert experts == {f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                       for w in ("gate_up_proj", "down_proj")}
+    zero3 = held_state_multiplier(3, 4, 2.0, 1.0) - 2.0  # state factor of ZeRO-3 over dp 4
+
+    def state(whole: frozenset[str]) -> int:
+        model = MemoryModel(costs, batch_size=2, training=True, state_factor=zero3,
+                            runtime=RuntimeDescription(), whole_state=(whole, 2.0))
+        return model.state_of(0, len(costs.nodes))[0]
+
+    expert_bytes = sum(costs.param_sizes[p] for p in experts)
+    got = state(experts) - state(frozenset())
+    assert got == pytest.approx(expert_bytes * (4.0 - (2.0 + zero3)), abs=len(experts))
 
 def replace_ep(layout, ep, num_experts):  # type: ignore[no-untyped-def]
     from dataclasses import replace
