@@ -79,8 +79,9 @@ def model_heads(model: nn.Module) -> int | None:
 
 
 def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
-                   num_heads: int | None = None, num_experts: int | None = None,
-                   collective_bandwidth_bytes_per_s: float = 0.0) -> LayoutOptions:
+                   num_heads: int | None = None,
+                   collective_bandwidth_bytes_per_s: float = 0.0, *,
+                   num_experts: int | None = None) -> LayoutOptions:
     """The layout search's request for ``world`` ranks of one host: ``options``' tp, dp and
     ZeRO stage fixed where given, the rest searched; collectives at
     ``collective_bandwidth_bytes_per_s`` where measured (:func:`host_ranks_topology`).
@@ -190,8 +191,9 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
                                     optimizer_state_bytes_per_param_byte=state_factor,
                                     **choices)
     spec = profile.cluster().devices[0]
-    request = layout_request(options, world, spec, num_heads, num_experts,
-                             profile.runtime.collective_bandwidth_bytes_per_s)
+    request = layout_request(options, world, spec, num_heads,
+                             profile.runtime.collective_bandwidth_bytes_per_s,
+                             num_experts=num_experts)
     if profile.microbatch_candidates is not None and options.num_microbatches is None:
         # a replica's microbatches no smaller than the smallest profiled one: below it the
         # two-point costs extrapolate (and can go negative)

@@ -255,9 +255,7 @@ def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModu
         shards.update(shard_stage(modules[s], styles, tp, made=made))  # type: ignore[arg-type]
         if plan.sequence_parallel:
             sequence_parallel(modules[s], tp)  # type: ignore[arg-type]
-    for key, value in placement.tensors.items():
-        if id(value) in made:
-            placement.tensors[key] = made[id(value)]
+    _hold_made(placement, made)
     return shards
 
 
@@ -282,7 +280,13 @@ def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank |
     shards: dict[str, ShardLayout] = {}
     for s in local:
         shards.update(expert_parallel(modules[s], ep, made=made))  # type: ignore[arg-type]
+    _hold_made(placement, made)
+    return shards
+
+
+def _hold_made(placement: Placement, made: dict[int, nn.Parameter]) -> None:
+    """The placement holds each split parameter made for this rank (``made``: id of the
+    whole tensor -> its piece) in place of the whole one."""
     for key, value in placement.tensors.items():
         if id(value) in made:
             placement.tensors[key] = made[id(value)]
-    return shards

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.distributed.rank_exit import end_rank
+from tests.distributed.tp_worker import check_whole_state
 
 #: the layer a pp = 2 plan cuts before
 SECOND_LAYER = "model.layers.1"
@@ -141,23 +142,7 @@ def ep_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, ep: 
             _close(problems, f"{name} {fqn} grad", grad, ref[fqn].grad)
         if not stages.ep_shards:
             problems.append(f"{name}: no expert weight split on rank {rank}")
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, seen)
-        missing = set(ref) - {f for names_ in every for f in names_}
-        if missing:
-            problems.append(f"{name}: no rank holds {sorted(missing)[:3]}")
-        full = pipe.state_dict()
-        for fqn, t in full.items():
-            if fqn in ref:
-                _close(problems, f"{name} state_dict {fqn}", t, ref[fqn].detach())
-        pipe.load_state_dict({k: torch.zeros_like(v) for k, v in full.items()})
-        pipe.load_state_dict(full)
-        for fqn, t in pipe.state_dict().items():
-            _close(problems, f"{name} reloaded {fqn}", t, full[fqn])
-        norm = pipe.clip_grad_norm_(1e9)
-        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.values()
-                                                  if p.grad is not None])
-        _close(problems, f"{name} grad norm", norm, ref_norm)
+        check_whole_state(pipe, ref, seen, world, name, problems, _close)
         pipe.close()
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(problems, f)

@@ -30,11 +30,9 @@ def _free_port() -> int:
     (2, 1, 2, ["mixtral", "qwen3_moe", "deepseek_v3"], 0, False),
     (4, 2, 2, ["qwen3_moe"], 0, False),
     (4, 1, 4, ["deepseek_v3"], 0, False),
-    (2, 1, 2, ["mixtral"], 1, True),
-    (4, 1, 2, ["mixtral"], 3, False),
+    (4, 1, 2, ["mixtral"], 1, True),
     (4, 2, 2, ["deepseek_v3"], 3, True),
-], ids=["dp2-ep2", "pp2xdp2-ep2", "dp4-ep4", "dp2-ep2-zero1-layers",
-        "dp4-ep2-zero3", "pp2xdp2-ep2-zero3-layers"])
+], ids=["dp2-ep2", "pp2xdp2-ep2", "dp4-ep4", "dp4-ep2-zero1-layers", "pp2xdp2-ep2-zero3-layers"])
 def test_loss_every_gradient_state_and_norm_match_the_plain_model(
         world: int, pp: int, ep: int, names: list[str], zero: int, units: bool) -> None:
     with tempfile.TemporaryDirectory() as out:

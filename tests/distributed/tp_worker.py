@@ -109,6 +109,30 @@ def _close(problems: list[str], what: str, got: torch.Tensor, want: torch.Tensor
         problems.append(f"{what}: {str(exc).splitlines()[0]}")
 
 
+def check_whole_state(pipe: Any, ref: dict[str, torch.Tensor], seen: list[str], world: int,
+                      name: str, problems: list[str], close: Any) -> None:
+    """After a step checked gradient by gradient: every parameter held by some rank (``seen``:
+    this rank's FQNs), the whole ``state_dict`` against the plain model ``ref``'s, a reload of
+    it (after zeros), and the gradient norm, each mismatch appended to ``problems`` by
+    ``close(problems, what, got, want)``. Collective: every rank calls it."""
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, seen)
+    missing = set(ref) - {f for names in every for f in names}
+    if missing:
+        problems.append(f"{name}: no rank holds {sorted(missing)[:3]}")
+    full = pipe.state_dict()
+    for fqn, t in full.items():
+        if fqn in ref:
+            close(problems, f"{name} state_dict {fqn}", t, ref[fqn].detach())
+    pipe.load_state_dict({k: torch.zeros_like(v) for k, v in full.items()})
+    pipe.load_state_dict(full)
+    for fqn, t in pipe.state_dict().items():
+        close(problems, f"{name} reloaded {fqn}", t, full[fqn])
+    norm = pipe.clip_grad_norm_(1e9)
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.values() if p.grad is not None])
+    close(problems, f"{name} grad norm", norm, ref_norm)
+
+
 def tp_numerics(rank: int, world: int, port: int, result_dir: str,
                 sequence_parallel: bool = False) -> None:
     """tp = 2 (adjacent ranks) x pp = world / 2 on the three models, with or without
@@ -163,22 +187,7 @@ def tp_numerics(rank: int, world: int, port: int, result_dir: str,
                 dist.all_gather(parts, grad.contiguous(), group=tp_group)
                 grad = layout.full(parts)
             _close(problems, f"{name} {fqn} grad", grad, ref[fqn].grad)
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, seen)
-        missing = set(ref) - {f for names in every for f in names}
-        if missing:
-            problems.append(f"{name}: no rank holds {sorted(missing)[:3]}")
-        full = pipe.state_dict()
-        for fqn, t in full.items():
-            if fqn in ref:
-                _close(problems, f"{name} state_dict {fqn}", t, ref[fqn].detach())
-        pipe.load_state_dict({k: torch.zeros_like(v) for k, v in full.items()})
-        pipe.load_state_dict(full)
-        for fqn, t in pipe.state_dict().items():
-            _close(problems, f"{name} reloaded {fqn}", t, full[fqn])
-        norm = pipe.clip_grad_norm_(1e9)
-        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.values()])
-        _close(problems, f"{name} grad norm", norm, ref_norm)
+        check_whole_state(pipe, ref, seen, world, name, problems, _close)
         pipe.close()
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(problems, f)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from autopart.codegen.stages import BuiltStages
+from autopart.codegen.tp_layout import TensorParallelRank
 from autopart.core.errors import PlanError
 
 __all__ = ["TensorParallelState", "expert_parallel_state", "tensor_parallel_state"]
@@ -81,18 +82,9 @@ def tensor_parallel_state(stages: BuiltStages, tp_group: dist.ProcessGroup | Non
     plan = stages.plan
     if plan.tp == 1:
         return None
-    size = None if tp_group is None else dist.get_world_size(tp_group)
-    if size != plan.tp:
-        raise PlanError(f"the plan has tp={plan.tp} but the tensor-parallel group has "
-                        f"{size or 'no'} ranks; pass tp_group (the mesh's 'tp' dimension) "
-                        f"of {plan.tp} ranks, e.g. torchrun with tp x pp x dp processes")
-    assert tp_group is not None
-    if stages.tp is None or stages.tp.group_name != tp_group.group_name \
-            or stages.tp.rank != dist.get_rank(tp_group):
-        raise PlanError("the stages were built for another tensor-parallel group or rank; "
-                        "build them with build_stages(..., tp=TensorParallelRank.of_group("
-                        "tp_group))")
-    return TensorParallelState(tp_group, stages.shards)
+    group = _checked_group("tp", "tensor-parallel", plan.tp, tp_group, stages.tp,
+                           "the mesh's 'tp' dimension")
+    return TensorParallelState(group, stages.shards)
 
 
 def expert_parallel_state(stages: BuiltStages, ep_group: dist.ProcessGroup | None,
@@ -111,15 +103,29 @@ def expert_parallel_state(stages: BuiltStages, ep_group: dist.ProcessGroup | Non
     if plan.tp > 1:
         raise PlanError(f"ep={plan.ep} with tp={plan.tp}: expert parallelism runs with tp=1 so "
                         "far; re-plan with tp=1, or with ep=1")
-    size = None if ep_group is None else dist.get_world_size(ep_group)
-    if size != plan.ep:
-        raise PlanError(f"the plan has ep={plan.ep} but the expert-parallel group has "
-                        f"{size or 'no'} ranks; pass ep_group (built by autopart.runtime."
-                        "distributed.mesh.mesh_groups) of that size")
-    assert ep_group is not None
-    if stages.ep is None or stages.ep.group_name != ep_group.group_name \
-            or stages.ep.rank != dist.get_rank(ep_group):
-        raise PlanError("the stages were built for another expert-parallel group or rank; "
-                        "build them with build_stages(..., ep=TensorParallelRank.of_group("
-                        "ep_group))")
-    return TensorParallelState(ep_group, stages.ep_shards)
+    group = _checked_group("ep", "expert-parallel", plan.ep, ep_group, stages.ep,
+                           "autopart.runtime.distributed.mesh.mesh_groups builds it")
+    return TensorParallelState(group, stages.ep_shards)
+
+
+def _checked_group(name: str, kind: str, degree: int, group: dist.ProcessGroup | None,
+                   built: TensorParallelRank | None, where: str) -> dist.ProcessGroup:
+    """``group`` when it has the plan's ``degree`` ranks and the stages were built for this
+    process's place in it.
+
+    Raises:
+        PlanError: no group or one of another size (naming ``<name>_group`` and ``where``
+            it comes from), or stages built for another group or rank.
+    """
+    size = None if group is None else dist.get_world_size(group)
+    if size != degree:
+        raise PlanError(f"the plan has {name}={degree} but the {kind} group has "
+                        f"{size or 'no'} ranks; pass {name}_group ({where}) of {degree} "
+                        "ranks, e.g. torchrun with tp x pp x dp processes")
+    assert group is not None
+    if built is None or built.group_name != group.group_name \
+            or built.rank != dist.get_rank(group):
+        raise PlanError(f"the stages were built for another {kind} group or rank; build "
+                        f"them with build_stages(..., {name}=TensorParallelRank.of_group("
+                        f"{name}_group))")
+    return group
