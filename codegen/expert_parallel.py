@@ -42,6 +42,8 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from autopart.codegen import _tp_ops
+from autopart.codegen.tensor_parallel import hold_shard
 from autopart.codegen.tp_layout import ShardLayout, TensorParallelRank
 from autopart.core.capturedgraph import GROUPED_MM_OPS, node_module_path, weight_source
 from autopart.core.errors import PlanError
@@ -64,6 +66,8 @@ class ExpertBlock:
         gate_up, down: the ``get_attr`` nodes of the stacked expert weights.
         first_mm, second_mm: the two grouped GEMMs.
         act: the nodes between them (the activation: ``silu(gate) * up`` for Mixtral).
+        num_experts: E, the layer's experts (the stacked weights' first dimension, as
+            captured: the rewrite then shards the weights, not this).
     """
 
     path: str
@@ -77,11 +81,7 @@ class ExpertBlock:
     first_mm: fx.Node
     second_mm: fx.Node
     act: tuple[fx.Node, ...]
-
-    @property
-    def num_experts(self) -> int:
-        """E, the experts of the layer (the first dimension of its stacked weights)."""
-        return int(self.gate_up.meta["val"].shape[0])
+    num_experts: int
 
 
 def _error(node: fx.Node, path: str, why: str) -> PlanError:
@@ -129,9 +129,9 @@ def _read_block(graph: fx.Graph, path: str, mms: list[fx.Node]) -> ExpertBlock:
     for mm, w in zip(mms, weights, strict=True):
         if w is None or w.meta["val"].dim() != 3:
             raise _error(mm, path, "its weight is not a stacked 3-D parameter")
-        if len(mm.args) > 3 or any(k in mm.kwargs for k in ("bias",)) or (
-                len(mm.args) == 3 and mm.kwargs):
-            raise _error(mm, path, "it adds a bias (experts with biases are not split yet)")
+        if len(mm.args) > 3 or mm.kwargs:  # (x, w, offs) only: a bias or other options
+            raise _error(mm, path, "it passes more than (input, weight, offsets) to the "
+                         "grouped GEMM (a bias?), which the split does not carry")
     gate_up, down = weights
     assert gate_up is not None and down is not None
     nodes = tuple(n for n in graph.nodes if n.op == "call_function" and _inside(n, path))
@@ -167,7 +167,7 @@ def _read_block(graph: fx.Graph, path: str, mms: list[fx.Node]) -> ExpertBlock:
     act = _activation(first, second, inside, path)
     _check_weights_after(second, routing, inside, path)
     return ExpertBlock(path, nodes, hidden, index, routing, output, gate_up, down, first,
-                       second, act)
+                       second, act, int(gate_up.meta["val"].shape[0]))
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
@@ -237,12 +237,6 @@ def _act_module(block: ExpertBlock) -> fx.GraphModule:
     return fx.GraphModule(nn.Module(), g, class_name="ExpertActivation")
 
 
-def _group(group_name: str) -> dist.ProcessGroup:
-    """The process group named ``group_name`` (torch's private ``distributed_c10d.
-    _resolve_process_group``, read on torch 2.13), as the tp collectives address theirs."""
-    return torch.distributed.distributed_c10d._resolve_process_group(group_name)
-
-
 class ExpertParallelExperts(nn.Module):
     """One MoE layer's experts on this ep rank, with the dispatch and combine all-to-alls.
 
@@ -265,13 +259,13 @@ class ExpertParallelExperts(nn.Module):
         self.act = act
         self.grouped_mm = grouped_mm
         self.num_experts = num_experts
-        self.ep_rank, self.ep_size, self.group_name = ep.rank, ep.size, ep.group_name
+        self.ep_size, self.group_name = ep.size, ep.group_name
 
     def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         tokens, top_k = index.shape
         local = gate_up.shape[0]
-        group = _group(self.group_name)
+        group = _tp_ops._group(self.group_name)  # addressed by name, as tp's collectives are
         flat = index.reshape(-1)
         order = torch.sort(flat, stable=True).indices
         rows = hidden[order // top_k]  # token-expert pairs, by expert: each ep rank's contiguous
@@ -348,17 +342,8 @@ def expert_parallel(gm: fx.GraphModule, ep: TensorParallelRank, *,
                 gm.graph.erase_node(n)
         layout = ShardLayout(0, (block.num_experts,))
         for attr in (block.gate_up, block.down):
-            fqn = str(attr.target)
-            layouts[fqn] = layout
-            old = gm.get_parameter(fqn)
-            new = made.get(id(old))
-            if new is None:
-                new = nn.Parameter(layout.local(old.detach(), ep.rank, ep.size),
-                                   requires_grad=old.requires_grad)
-                made[id(old)] = new
-            owner, _, leaf = fqn.rpartition(".")
-            setattr(gm.get_submodule(owner) if owner else gm, leaf, new)
-            attr.meta["val"] = torch.empty_like(new, device="meta")
+            layouts[str(attr.target)] = layout
+            hold_shard(gm, attr, layout, ep, made)
     if layouts:
         gm.graph.lint()
         gm.recompile()

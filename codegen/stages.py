@@ -243,11 +243,8 @@ def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModu
     """Each built stage as this tp rank's share; the placement then holds the shards."""
     if plan.tp == 1:
         return {}
-    if tp is None or tp.size != plan.tp:
-        got = "none" if tp is None else f"a group of {tp.size}"
-        raise PlanError(f"the plan has tp={plan.tp} but {got} was given; run it under "
-                        f"torchrun with a tp group of {plan.tp} ranks (the mesh's 'tp' "
-                        "dimension), or re-plan with tp=1 for one process")
+    _require_rank("tp", plan.tp, tp, f"a tp group of {plan.tp} ranks (the mesh's 'tp' "
+                  "dimension)")
     styles = {sp.name: sp.style for sp in plan.sharded_parameters}
     made: dict[int, nn.Parameter] = {}
     shards: dict[str, ShardLayout] = {}
@@ -265,11 +262,8 @@ def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank |
     """Each built stage with this ep rank's experts; the placement then holds them."""
     if plan.ep == 1:
         return {}
-    if ep is None or ep.size != plan.ep:
-        got = "none" if ep is None else f"a group of {ep.size}"
-        raise PlanError(f"the plan has ep={plan.ep} but {got} was given; run it under torchrun "
-                        f"with dp x tp x pp ranks (the ep group is {plan.ep} of the dp "
-                        "replicas), or re-plan with ep=1 for one process")
+    _require_rank("ep", plan.ep, ep, f"dp x tp x pp ranks (the ep group is {plan.ep} of the "
+                  "dp replicas)")
     if not find_expert_blocks(captured.graph_module.graph):
         raise PlanError(f"the plan has ep={plan.ep} but this model has no experts module the "
                         "pass can read (a module running two grouped GEMMs, aten._grouped_mm or "
@@ -282,6 +276,19 @@ def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank |
         shards.update(expert_parallel(modules[s], ep, made=made))  # type: ignore[arg-type]
     _hold_made(placement, made)
     return shards
+
+
+def _require_rank(name: str, degree: int, given: TensorParallelRank | None, launch: str) -> None:
+    """The plan's ``name`` degree needs this process's place in a group of that size.
+
+    Raises:
+        PlanError: none given, or a group of another size; says to run under torchrun with
+            ``launch`` or re-plan with ``name=1``.
+    """
+    if given is None or given.size != degree:
+        got = "none" if given is None else f"a group of {given.size}"
+        raise PlanError(f"the plan has {name}={degree} but {got} was given; run it under "
+                        f"torchrun with {launch}, or re-plan with {name}=1 for one process")
 
 
 def _hold_made(placement: Placement, made: dict[int, nn.Parameter]) -> None:

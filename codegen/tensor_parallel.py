@@ -253,21 +253,30 @@ def shard_stage(gm: fx.GraphModule, styles: Mapping[str, str], tp: TensorParalle
             if layouts.setdefault(fqn, layout) != layout:
                 raise _error(user, fqn, f"it is split as {layouts[fqn]} elsewhere")
     for attr in attrs:
-        fqn = str(attr.target)
-        old = gm.get_parameter(fqn)
-        new = made.get(id(old))
-        if new is None:
-            new = nn.Parameter(layouts[fqn].local(old.detach(), tp.rank, tp.size),
-                               requires_grad=old.requires_grad)
-            made[id(old)] = new
-        owner, _, leaf = fqn.rpartition(".")
-        setattr(gm.get_submodule(owner) if owner else gm, leaf, new)
-        attr.meta["val"] = _meta(new)
+        hold_shard(gm, attr, layouts[str(attr.target)], tp, made)
     for node in list(graph.nodes):
         _rewrite(st, node, kinds.get(node))
     graph.lint()
     gm.recompile()
     return layouts
+
+
+def hold_shard(gm: fx.GraphModule, attr: fx.Node, layout: ShardLayout,
+               rank: TensorParallelRank, made: dict[int, nn.Parameter]) -> None:
+    """Put ``rank``'s piece (``layout.local``) of the parameter ``attr`` reads into ``gm`` at
+    its FQN, and its shape into ``attr``'s metadata. ``made`` (id of a whole tensor -> its
+    piece) is read and filled, so stages of one process sharing a tensor share its piece.
+    Used for tp shards and ep's experts alike."""
+    fqn = str(attr.target)
+    old = gm.get_parameter(fqn)
+    new = made.get(id(old))
+    if new is None:
+        new = nn.Parameter(layout.local(old.detach(), rank.rank, rank.size),
+                           requires_grad=old.requires_grad)
+        made[id(old)] = new
+    owner, _, leaf = fqn.rpartition(".")
+    setattr(gm.get_submodule(owner) if owner else gm, leaf, new)
+    attr.meta["val"] = _meta(new)
 
 
 def _rewrite(st: _Pass, node: fx.Node, kind: str | None) -> None:

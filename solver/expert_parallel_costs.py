@@ -73,12 +73,14 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
         return costs
     nodes = list(costs.nodes)
     sizes, numel = dict(costs.param_sizes), dict(costs.param_numel)
+    by_name = {nd.name: nd for nd in costs.nodes}
     for path in paths:
         members = [i for i, nd in enumerate(nodes) if _inside(nd, path)]
         first = next(i for i in members if nodes[i].op in GROUPED_MM_OPS)
         mm = nodes[first]
         # the rows the first grouped GEMM reads: T * k token-expert pairs of H values
-        rows_bytes = _input_bytes(costs, mm)
+        src = by_name.get(mm.inputs[0]) if mm.inputs else None
+        rows_bytes = src.output_bytes if src is not None else 0
         one = all_to_all_us(rows_bytes, ep, bandwidth_bytes_per_s, latency_us)
         overhead = collective_overhead(0.0) if collective_overhead is not None else 0.0
         counts = latency_us * (ep - 1) + overhead
@@ -95,10 +97,3 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
                               bwd_input_us=nodes[last].bwd_input_us + bwd)
     return replace(costs, nodes=tuple(nodes), param_sizes=sizes, param_numel=numel)
 
-
-def _input_bytes(costs: CostGraph, mm: NodeCost) -> int:
-    """Bytes of a grouped GEMM's first input (its token-expert rows), from the node that
-    made it."""
-    by_name = {nd.name: nd for nd in costs.nodes}
-    src = by_name.get(mm.inputs[0]) if mm.inputs else None
-    return src.output_bytes if src is not None else 0
