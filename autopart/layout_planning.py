@@ -11,6 +11,8 @@ from typing import Any
 from torch import nn
 
 from autopart.core.cluster import DeviceSpec
+from autopart.core.context import context_inputs
+from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
 from autopart.core.topology import HostTopology
@@ -137,6 +139,12 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         InfeasiblePlanError: no layout fits the memory.
         TraceError, ProfileError: capture or profiling failed.
     """
+    cp = options.cp
+    if world % cp:
+        raise PlanError(f"cp={cp} does not divide the {world} ranks; launch a multiple of cp "
+                        "ranks or choose another cp")
+    world //= cp  # the search lays out tp x pp x dp on the model at S / cp tokens
+    args, kwargs, example_target = context_inputs(model, cp, args, kwargs, example_target)
     devices = ["cpu"] * world if device == "cpu" else [f"cuda:{r}" for r in range(world)]
     with progress():
         profile = profile_model(model, args, example_kwargs=kwargs, devices=devices,
@@ -160,7 +168,7 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 plan = solve_world_layout(profile, options, world, num_heads=heads,
                                           num_experts=experts, state_factor=state_factor)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
-    return plan, profile
+    return dataclasses.replace(plan, cp=cp), profile
 
 
 def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,

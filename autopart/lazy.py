@@ -64,8 +64,9 @@ def plan_summary(plan: Plan) -> str:
     (ms) and each rank's predicted peak memory (MiB)."""
     lines = [f"{len(plan.ranks)} ranks, {plan.num_stages} stages, m={plan.num_microbatches}, "
              f"schedule {plan.schedule_kind}, optimize={plan.optimize}",
-             f"  layout: tp {plan.tp} x pp {len(plan.ranks)} x dp {plan.dp}, "
-             f"ZeRO-{plan.zero_stage} ({plan.num_gpus} ranks)"]
+             f"  layout: tp {plan.tp} x pp {len(plan.ranks)} x dp {plan.dp}"
+             + (f" x cp {plan.cp}" if plan.cp > 1 else "")
+             + f", ZeRO-{plan.zero_stage} ({plan.num_gpus} ranks)"]
     for st in plan.stages:
         first, last = (path or "(top level)" for path in st.module_range)
         modules = first if first == last else f"{first} .. {last}"

@@ -185,6 +185,13 @@ class CompileOptions:
             leaving the experts whole). None: searched with the
             other degrees (among the divisors of dp that divide the model config's expert
             count).
+        cp: distributed, layout search only: context-parallel degree >= 1 (default 1): each
+            sequence split over cp ranks (two load-balanced chunks each), attention
+            all-gathering keys and values over them (``Plan.cp``;
+            ``autopart/codegen/context_parallel.py``); the layout search then lays out the
+            world's ranks / cp as tp x pp x dp on the model captured at S / cp tokens. The
+            model must take ``position_ids``, attend through ``scaled_dot_product_attention``
+            with a causal or no mask, and S be a multiple of 2 cp. Not with ep > 1.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -213,13 +220,18 @@ class CompileOptions:
     zero_layer_units: bool = True
     sequence_parallel: bool = False
     ep: int | None = 1
+    cp: int = 1
     issue_threads: int | None = 1
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         optimizer_state_factor(self.optimizer, 1, 1)  # checks the name or figure
-        for name in ("num_stages", "num_microbatches", "stages_per_rank", "tp", "dp", "ep"):
+        for name in ("num_stages", "num_microbatches", "stages_per_rank", "tp", "dp", "ep", "cp"):
             _positive_int(name, getattr(self, name))
+        if self.cp is None or (self.cp > 1 and (self.ep or 1) > 1):
+            raise PlanError(f"cp={self.cp!r} with ep={self.ep!r}: pass cp as a degree >= 1 (the "
+                            "layout search does not choose it), and not with ep > 1 (context "
+                            "and expert parallelism do not run together yet)")
         if self.zero_stage is not None:
             check_zero_stage(self.zero_stage)
         if self.optimize is not None and self.optimize not in OPTIMIZE_TARGETS:
@@ -290,6 +302,11 @@ class CompileOptions:
         tp = max(self.tp or 1, plan.tp if plan is not None else 1)
         dp = max(self.dp or 1, plan.dp if plan is not None else 1)
         zero = max(self.zero_stage or 0, plan.zero_stage if plan is not None else 0)
+        if max(self.cp, plan.cp if plan is not None else 1) > 1:
+            raise PlanError(f"cp={max(self.cp, plan.cp if plan is not None else 1)}: the local "
+                            "backend runs one process, and context parallelism splits each "
+                            "sequence over ranks; launch with torchrun and "
+                            "backend='distributed', or drop cp=")
         if max(self.ep or 1, plan.ep if plan is not None else 1) > 1:
             raise PlanError(f"ep={max(self.ep or 1, plan.ep if plan is not None else 1)}: the local "
                             "backend runs one process, and expert parallelism splits the "
@@ -347,6 +364,7 @@ class CompileOptions:
                  ("tp", self.tp, plan.tp), ("dp", self.dp, plan.dp),
                  ("zero_stage", self.zero_stage, plan.zero_stage),
                  ("ep", None if self.ep == 1 else self.ep, plan.ep),
+                 ("cp", None if self.cp == 1 else self.cp, plan.cp),
                  ("recompute", self.recompute,
                   next(iter(recompute)) if len(recompute) == 1 else "per stage"),
                  ("recompute_policy", None if self.recompute_policy == "auto"

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autopart.codegen.context_parallel import attention_kinds, context_parallel
 from autopart.codegen.expert_parallel import expert_parallel, find_expert_blocks
 from autopart.codegen.params import Placement, build_stage_modules
 from autopart.codegen.sequence_parallel import sequence_parallel
@@ -68,6 +69,7 @@ class BuiltStages:
         ep: this process's place in its expert-parallel group, or None (the plan's ep is 1).
         ep_shards: FQN -> how each expert weight built here is split over ep (dimension 0;
             empty without ep); ``placement.tensors`` then holds this ep rank's experts.
+        cp: this process's place in its context-parallel group, or None (the plan's cp is 1).
     """
 
     plan: Plan
@@ -81,6 +83,7 @@ class BuiltStages:
     shards: Mapping[str, ShardLayout] = field(default_factory=dict)
     ep: TensorParallelRank | None = None
     ep_shards: Mapping[str, ShardLayout] = field(default_factory=dict)
+    cp: TensorParallelRank | None = None
 
     def sources(self) -> dict[int, str]:
         """Stage index -> readable Python source of each stage built here
@@ -175,7 +178,8 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
                  tensor_of: Callable[[str], torch.Tensor] | None = None,
                  fuse: bool = False, cuts_by_name: bool = False,
                  tp: TensorParallelRank | None = None,
-                 ep: TensorParallelRank | None = None) -> BuiltStages:
+                 ep: TensorParallelRank | None = None,
+                 cp: TensorParallelRank | None = None) -> BuiltStages:
     """Split ``captured`` at the plan's cuts and build the stages of ``ranks``.
 
     Both runtimes take their stages from here: the one-process executor builds every rank
@@ -200,6 +204,10 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
         ep: this process's place in its expert-parallel group; required when ``plan.ep >
             1``: each built stage then holds this rank's experts and dispatches tokens to the
             others (:func:`autopart.codegen.expert_parallel.expert_parallel`).
+        cp: this process's place in its context-parallel group; required when ``plan.cp >
+            1`` (``captured`` is then the model at S / cp tokens): each attention gathers the
+            keys and values of the group (:func:`autopart.codegen.context_parallel.
+            context_parallel`).
 
     Returns:
         The built stages (see :class:`BuiltStages`).
@@ -209,7 +217,9 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
             the plan's rank count, or ``ranks`` names a rank the plan does not have, or
             ``tp`` (``ep``) is missing or of another degree than the plan's, or a stage
             cannot be split over tp (:func:`autopart.codegen.tensor_parallel.shard_stage`)
-            or its experts over ep (:func:`autopart.codegen.expert_parallel.expert_parallel`).
+            or its experts over ep (:func:`autopart.codegen.expert_parallel.expert_parallel`),
+            or attention that context parallelism cannot split
+            (:func:`autopart.codegen.context_parallel.attention_kinds`).
     """
     if len(devices) != len(plan.ranks):
         raise PlanError(f"the plan has {len(plan.ranks)} ranks but {len(devices)} devices "
@@ -226,6 +236,7 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
                                              keep=set(local), tensor_of=tensor_of)
     shards = _shard(plan, tp, modules, local, placement)
     ep_shards = _split_experts(captured, plan, ep, modules, local, placement)
+    _split_context(captured, plan, cp, modules, local)
     runners: list[nn.Module | None] = list(modules)
     t0 = time.perf_counter()
     if fuse:
@@ -235,7 +246,8 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
                        devices=stage_devices, placement=placement, local=local,
                        fuse_s=time.perf_counter() - t0 if fuse else 0.0,
                        tp=tp if plan.tp > 1 else None, shards=shards,
-                       ep=ep if plan.ep > 1 else None, ep_shards=ep_shards)
+                       ep=ep if plan.ep > 1 else None, ep_shards=ep_shards,
+                       cp=cp if plan.cp > 1 else None)
 
 
 def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModule | None],
@@ -276,6 +288,18 @@ def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank |
         shards.update(expert_parallel(modules[s], ep, made=made))  # type: ignore[arg-type]
     _hold_made(placement, made)
     return shards
+
+
+def _split_context(captured: CapturedGraph, plan: Plan, cp: TensorParallelRank | None,
+                   modules: list[fx.GraphModule | None], local: tuple[int, ...]) -> None:
+    """Each built stage's attention over the cp group's keys and values."""
+    if plan.cp == 1:
+        return
+    _require_rank("cp", plan.cp, cp, f"dp x cp x tp x pp ranks (the cp group is {plan.cp} "
+                  "consecutive ranks of the dp dimension)")
+    kinds = attention_kinds(captured)
+    for s in local:
+        context_parallel(modules[s], kinds, cp)  # type: ignore[arg-type]
 
 
 def _require_rank(name: str, degree: int, given: TensorParallelRank | None, launch: str) -> None:

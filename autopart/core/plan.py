@@ -110,6 +110,13 @@ class Plan:
             summed over the ``dp / ep`` replicas holding it. 1 (the default, and what plans
             written before it load as): every replica holds every expert. Runs with tp = 1
             (the runtime refuses tp > 1); ZeRO 1-3 shard the dense parameters only.
+        cp: context-parallel degree (:mod:`autopart.core.context`): each sequence is split over
+            cp GPUs (two load-balanced chunks each), attention all-gathers the keys and values
+            over them (``autopart/codegen/context_parallel.py``), and the stages are captured
+            at S / cp tokens. cp ranks hold the same rows, so the GPUs of a layout are tp x
+            pp x dp x cp; gradients are averaged and ZeRO shards over the dp x cp ranks, as
+            Megatron-LM folds cp into dp. 1 (the default, and what plans written before it
+            load as): whole sequences. Runs with ep = 1.
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
@@ -141,6 +148,7 @@ class Plan:
     sequence_parallel: bool = False
     recompute_policy: str = "full"
     ep: int = 1
+    cp: int = 1
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -161,8 +169,8 @@ class Plan:
 
     @property
     def num_gpus(self) -> int:
-        """tp x pp x dp, pp being the number of ranks."""
-        return self.tp * len(self.ranks) * self.dp
+        """tp x pp x dp x cp, pp being the number of ranks."""
+        return self.tp * len(self.ranks) * self.dp * self.cp
 
     # ---- JSON ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -262,6 +270,9 @@ def check_plan_invariants(plan: Plan) -> None:
     if plan.ep < 1 or plan.dp % plan.ep:
         raise bad(f"ep={plan.ep} with dp={plan.dp}: expert parallelism splits the experts over "
                   "ep of the dp replicas, so ep must be >= 1 and divide dp; choose a divisor")
+    if plan.cp < 1 or (plan.cp > 1 and plan.ep > 1):
+        raise bad(f"cp={plan.cp} with ep={plan.ep}: cp must be >= 1, and context parallelism "
+                  "does not run with expert parallelism yet; choose cp=1 or ep=1")
     if plan.sequence_parallel and plan.tp < 2:
         raise bad(f"sequence_parallel=True with tp={plan.tp}: sequence parallelism splits the "
                   "tokens over a tp group of 2 or more GPUs; set it False")

@@ -12,6 +12,7 @@ from torch import nn
 
 from autopart.codegen import plan_for_graph
 from autopart.core.capture import CapturedGraph, capture, on_meta
+from autopart.core.context import context_inputs
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase
@@ -58,6 +59,7 @@ def capture_for_plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                         f"inputs have batch {batch}; pass example inputs of the planned batch "
                         "or re-plan")
     args, kwargs, _ = replica_share(plan, 0, args, kwargs)  # any replica's rows will do
+    args, kwargs, _ = context_inputs(model, plan.cp, args, kwargs)
     rows = replica // plan.num_microbatches
     if profiled is not None and profiled.batch_size == rows:
         return plan, profiled

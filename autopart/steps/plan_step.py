@@ -87,7 +87,7 @@ def _world_request(options: CompileOptions) -> tuple[str, ...]:
         PlanError: ``mesh`` or ``num_stages`` with a layout search; ``num_stages`` not a
             multiple of the pp ranks.
     """
-    if options.layout_search or options.ep != 1 or any(
+    if options.layout_search or options.ep != 1 or options.cp != 1 or any(
             v is not None for v in (options.tp, options.dp, options.zero_stage)):
         _check_layout_request(options)
         return ()

@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 
-__all__ = ["MESH_DIMS", "MeshGroups", "check_world", "build_mesh", "mesh_groups"]
+__all__ = ["MESH_DIMS", "MeshGroups", "check_world", "build_mesh", "context_group",
+           "mesh_groups"]
 
 #: The dimension names, outermost first: tp innermost, so a tp group's ranks are adjacent
 #: (inside one host, as Megatron-LM places them; torchtitan's mesh uses the same order).
@@ -41,6 +42,10 @@ class MeshGroups:
             experts between them (:func:`expert_groups`), or None when ep = 1.
         edp_group: the dp / ep replicas holding the same experts as this rank (one per ep
             group), or None when there is one.
+        cp: the context-parallel degree (1: none). With cp > 1 the mesh's dp dimension holds
+            dp x cp ranks (``dp`` above is its size): each dp replica is cp consecutive ranks
+            of it holding the same rows and different tokens (:func:`context_group`).
+        cp_group: this rank's cp group, or None when cp = 1.
     """
 
     mesh: DeviceMesh | None
@@ -53,6 +58,8 @@ class MeshGroups:
     ep: int = 1
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
+    cp: int = 1
+    cp_group: dist.ProcessGroup | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -123,7 +130,7 @@ def mesh_groups(plan: Plan, mesh: DeviceMesh | None = None) -> MeshGroups:
         PlanError: a mesh without a ``pp`` dimension or of other sizes than the plan's, or
             a world of another size than the plan's layout.
     """
-    pp, tp, dp = len(plan.ranks), plan.tp, plan.dp
+    pp, tp, dp = len(plan.ranks), plan.tp, plan.dp * plan.cp  # cp is folded into dp
     if mesh is None:
         if tp == 1 and dp == 1:
             check_world(dist.get_world_size(), 1, pp, 1)
@@ -138,12 +145,27 @@ def mesh_groups(plan: Plan, mesh: DeviceMesh | None = None) -> MeshGroups:
     wanted = {"pp": pp, **({"dp": dp} if dp > 1 or tp > 1 else {}), "tp": tp}
     for name, size in wanted.items():
         if sizes[name] != size:
+            folded = f" (dp {plan.dp} x cp {plan.cp})" if plan.cp > 1 and name == "dp" else ""
             raise PlanError(f"the mesh's {name} dimension has {sizes[name]} ranks but the plan "
-                            f"has {name}={size} (tp {tp} x pp {pp} x dp {dp}); build the mesh "
-                            "with the plan's sizes, or leave mesh= out to let autopart build it")
+                            f"has {name}={size}{folded} (tp {tp} x pp {pp} x dp {dp}); build "
+                            "the mesh with the plan's sizes, or leave mesh= out to let autopart "
+                            "build it")
     ep_group, edp_group = expert_groups(mesh, plan.ep)
     return MeshGroups(mesh, mesh.get_group("pp"), _group(mesh, "dp"), _group(mesh, "tp"),
-                      pp, sizes["dp"], tp, plan.ep, ep_group, edp_group)
+                      pp, sizes["dp"], tp, plan.ep, ep_group, edp_group, plan.cp,
+                      context_group(mesh, plan.cp))
+
+
+def context_group(mesh: DeviceMesh, cp: int) -> dist.ProcessGroup | None:
+    """This rank's cp group: the mesh's dp dimension (dp x cp ranks) cut into groups of cp
+    consecutive ranks, as :func:`expert_groups` cuts ep groups (Megatron-LM places cp
+    inside dp the same way). None when cp = 1. Every rank creates every group, once per
+    process for a mesh and cp.
+
+    Raises:
+        PlanError: cp does not divide the mesh's dp size.
+    """
+    return expert_groups(mesh, cp)[0]
 
 
 def expert_groups(mesh: DeviceMesh, ep: int,

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.codegen.stages import BuiltStages
+from autopart.core.context import context_share
 from autopart.core.errors import PipelineFailure, PlanError
 from autopart.core.memory import PeakMemory, device_key
 from autopart.core.signature import InputSignature, call_loss, replica_share, require_loss
@@ -426,9 +427,14 @@ class DistributedPipeline(RankTensors):
                        ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """A plan made for dp > 1 replicas takes the global batch (every rank passes the same)
         or this replica's share; the global one is cut to this replica's rows
-        (:func:`autopart.core.signature.replica_share`)."""
-        dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
-        return replica_share(self.plan, dp_rank, args, kwargs, target)
+        (:func:`autopart.core.signature.replica_share`). With cp > 1 the rows' whole sequences
+        are then cut to this rank's tokens, with their positions
+        (:func:`autopart.core.context.context_share`; the dp group holds dp x cp ranks, cp
+        consecutive ones per replica)."""
+        rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        cp = self.plan.cp
+        args, kwargs, target = replica_share(self.plan, rank // cp, args, kwargs, target)
+        return context_share(cp, rank % cp, args, kwargs, target)
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves = self.signature.flatten(args, kwargs)

@@ -1,0 +1,260 @@
+"""Context parallelism in a stage: attention over the whole sequence from a cp rank's tokens.
+
+A stage built for cp > 1 runs on the rank's tokens only (two chunks of the sequence,
+:mod:`autopart.core.context`): every op but attention is token-wise, so the graph captured
+at S / cp tokens computes the rank's share as it is. :func:`context_parallel` replaces each
+attention (``aten.scaled_dot_product_attention``) with :class:`ContextParallelAttention`:
+
+- the keys and values are all-gathered over the cp group
+  (``torch.distributed._functional_collectives.all_gather_single_autograd``: its backward
+  reduce-scatters their gradients, so each rank gets the sum of every rank's queries'
+  gradients for its tokens' keys and values);
+- causal attention: each of the rank's two query chunks attends to the keys of its own and
+  earlier chunks only, with the diagonal block masked (two ``scaled_dot_product_attention``
+  calls over (g + 1) / (2 cp) of the keys for chunk g). With the load-balanced chunks every
+  rank computes 2 cp + 1 chunk-by-chunk blocks;
+- attention over the whole sequence (a mask of all ones, or none; BERT): one call over all
+  the gathered keys.
+
+This is the all-gather form of context parallelism (Llama 3's, "The Llama 3 Herd of Models",
+2024, section 3.3.2; torchtitan's ``cp_rotate_method="allgather"``), not a ring: the whole
+keys and values of the layer are held during its attention, and the exchange is not
+overlapped with the attention's compute.
+
+What the pass reads is the model's own mask, on the whole captured graph
+(:func:`attention_kinds`): it is evaluated on contiguous positions and must be causal
+(lower-triangular) or all ones; a mask that reads an ``attention_mask`` input (padding), a
+sliding window, or attention not computed by ``scaled_dot_product_attention``
+(transformers' ``attn_implementation="eager"``) is refused with a ``PlanError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd
+
+from autopart.codegen import _tp_ops
+from autopart.codegen.tp_layout import TensorParallelRank
+from autopart.core.capturedgraph import CapturedGraph, node_module_path
+from autopart.core.context import context_chunks
+from autopart.core.errors import PlanError
+
+__all__ = ["ContextParallelAttention", "attention_kinds", "context_parallel"]
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")
+_FIX = "re-plan with cp=1"
+
+
+def _sdpa_args(node: fx.Node) -> dict[str, Any]:
+    given = dict(zip(_SDPA_ARGS, node.args, strict=False))
+    given.update(node.kwargs)
+    return {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+            "enable_gqa": False, **given}
+
+
+def attention_kinds(captured: CapturedGraph) -> dict[str, bool]:
+    """Each attention node of the captured graph (by name) -> whether it is causal.
+
+    Raises:
+        PlanError: no ``scaled_dot_product_attention`` in the graph, another attention
+            kernel, a mask read from an ``attention_mask`` input, or a mask that is neither
+            causal nor all ones (:func:`_mask_is_causal`); each names the node and the fix.
+    """
+    gm = captured.graph_module
+    kinds: dict[str, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is SDPA:
+            args = _sdpa_args(node)
+            mask = args["attn_mask"]
+            kinds[node.name] = (bool(args["is_causal"]) if mask is None
+                                else _mask_is_causal(gm, node, mask))
+        elif "scaled_dot_product" in str(node.target) or "flash_attention" in str(node.target):
+            raise PlanError(f"attention node {node.name} ({node.target}) is not "
+                            "aten.scaled_dot_product_attention, which context parallelism "
+                            f"rewrites; capture the model with attn_implementation='sdpa' or {_FIX}")
+    if not kinds:
+        raise PlanError("context parallelism splits attention's keys and values over the cp "
+                        "ranks, but this model has no aten.scaled_dot_product_attention (a "
+                        "model with attn_implementation='eager' computes it from matmuls); "
+                        f"load it with attn_implementation='sdpa' or {_FIX}")
+    return kinds
+
+
+def _mask_is_causal(gm: fx.GraphModule, attn: fx.Node, mask: fx.Node) -> bool:
+    """Whether ``attn``'s mask (computed in the graph) is causal (True) or all ones (False),
+    evaluated on contiguous positions 0..S-1 and zeros for any other input it reads.
+
+    Raises:
+        PlanError: the mask reads an ``attention_mask`` input, cannot be evaluated (a meta
+            model), or is neither.
+    """
+    ancestors: set[fx.Node] = set()
+    todo = [mask]
+    while todo:
+        n = todo.pop()
+        if n not in ancestors:
+            ancestors.add(n)
+            todo.extend(n.all_input_nodes)
+    if any(n.op == "placeholder" and "attention_mask" in n.name for n in ancestors):
+        raise PlanError(f"attention node {attn.name} reads an attention_mask input (padding): "
+                        "context parallelism runs causal or full attention only; drop "
+                        f"attention_mask (unpadded sequences) or {_FIX}")
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[torch.Tensor] = []
+    for n in gm.graph.nodes:
+        if n not in ancestors:
+            continue
+        env[n] = sub.node_copy(n, env.__getitem__)
+        if n.op == "placeholder":
+            inputs.append(_stand_in(n))
+    sub.output(env[mask])
+    try:
+        with torch.no_grad():
+            value = fx.GraphModule(gm, sub)(*inputs)
+    except Exception as exc:  # noqa: BLE001 - any failure means the mask cannot be read here
+        raise PlanError(f"the attention mask of node {attn.name} could not be evaluated to check "
+                        f"it is causal ({type(exc).__name__}: {exc}); context parallelism needs "
+                        f"a materialised model to read it, or {_FIX}") from None
+    allowed = value if value.dtype == torch.bool else value == 0
+    rows, cols = allowed.shape[-2:]
+    allowed = allowed.expand(*allowed.shape[:-2], rows, cols).reshape(-1, rows, cols)
+    causal = torch.ones(rows, cols, dtype=torch.bool).tril()
+    if bool((allowed == causal).all()):
+        return True
+    if bool(allowed.all()):
+        return False
+    raise PlanError(f"attention node {attn.name}'s mask is neither causal nor all ones (a "
+                    "sliding window or packed sequences?): context parallelism runs causal or "
+                    f"full attention only; {_FIX}")
+
+
+def _stand_in(placeholder: fx.Node) -> torch.Tensor:
+    val = placeholder.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise PlanError(f"input {placeholder.name} of the attention mask has no recorded shape")
+    if "position_ids" in placeholder.name:
+        return torch.arange(val.shape[-1]).expand(tuple(val.shape)).to(val.dtype)
+    return torch.zeros(tuple(val.shape), dtype=val.dtype)
+
+
+class ContextParallelAttention(nn.Module):
+    """Attention of a cp rank's queries over the whole sequence's keys and values.
+
+    Args:
+        causal: causal attention (True) or over every key (False).
+        cp: this rank's place in its cp group.
+        dropout_p, scale, enable_gqa: the model's ``scaled_dot_product_attention`` arguments.
+
+    Forward: ``query [B, H, L, D]``, ``key`` / ``value [B, Hk, L, D]`` of the rank's
+    ``L = S / cp`` tokens (its two chunks) -> ``[B, H, L, D]``.
+    """
+
+    def __init__(self, causal: bool, cp: TensorParallelRank, dropout_p: float,
+                 scale: float | None, enable_gqa: bool) -> None:
+        super().__init__()
+        self.causal, self.dropout_p, self.scale, self.enable_gqa = (causal, dropout_p, scale,
+                                                                     enable_gqa)
+        self.cp_rank, self.cp_size, self.group_name = cp.rank, cp.size, cp.group_name
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                ) -> torch.Tensor:
+        group = _tp_ops._group(self.group_name)  # addressed by name, as tp's collectives are
+        keys = all_gather_single_autograd(key.contiguous(), 2, group)
+        values = all_gather_single_autograd(value.contiguous(), 2, group)
+        if not self.causal:
+            return self._attend(query, keys, values, None)
+        local = key.shape[2]
+        chunk = local // 2
+        order = self._global_order(local, key.device)
+        keys, values = keys.index_select(2, order), values.index_select(2, order)
+        outs = []
+        for i, g in enumerate(context_chunks(self.cp_size, self.cp_rank)):
+            seen = (g + 1) * chunk  # keys of chunks 0..g
+            mask = torch.ones(chunk, seen, dtype=torch.bool, device=query.device).tril(g * chunk)
+            outs.append(self._attend(query[:, :, i * chunk:(i + 1) * chunk],
+                                     keys[:, :, :seen], values[:, :, :seen], mask))
+        return torch.cat(outs, dim=2)
+
+    def _global_order(self, local: int, device: torch.device) -> torch.Tensor:
+        """Indices that put the gathered tokens (rank by rank, two chunks each) in sequence
+        order."""
+        chunk = local // 2
+        starts = []
+        for g in range(2 * self.cp_size):
+            owner = g if g < self.cp_size else 2 * self.cp_size - 1 - g
+            starts.append(owner * local + (0 if g < self.cp_size else chunk))
+        return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.scale, enable_gqa=self.enable_gqa)
+
+
+def context_parallel(gm: fx.GraphModule, kinds: dict[str, bool], cp: TensorParallelRank) -> int:
+    """Rewrite ``gm`` (one stage) in place: each attention node named in ``kinds``
+    (:func:`attention_kinds` of the whole graph) becomes a :class:`ContextParallelAttention`
+    submodule under the attention's module path (so per-layer FSDP units take it along).
+
+    Returns:
+        The number of attention nodes rewritten.
+    """
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA or node.name not in kinds:
+            continue
+        args = _sdpa_args(node)
+        path = node_module_path(node)
+        name = f"{path}.context_parallel" if path else "context_parallel"
+        suffix = 0
+        while _has_submodule(gm, name if not suffix else f"{name}_{suffix}"):
+            suffix += 1
+        name = name if not suffix else f"{name}_{suffix}"
+        gm.add_submodule(name, ContextParallelAttention(
+            kinds[node.name], cp, float(args["dropout_p"]), args["scale"],
+            bool(args["enable_gqa"])))
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(name, (args["query"], args["key"], args["value"]))
+        call.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace")
+                          if k in node.meta})
+        node.replace_all_uses_with(call)
+        mask = args["attn_mask"]
+        gm.graph.erase_node(node)
+        _erase_unused(gm.graph, mask)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _has_submodule(gm: nn.Module, name: str) -> bool:
+    try:
+        gm.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _erase_unused(graph: fx.Graph, node: Any) -> None:
+    """Erase ``node`` and what only it read, while unused and computed in this graph (a mask
+    received from another stage stays an input)."""
+    todo = [node] if isinstance(node, fx.Node) else []
+    while todo:
+        n = todo.pop()
+        if n.users or n.op != "call_function" or n.is_impure():
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        todo.extend(inputs)
