@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from autopart.codegen.context_parallel import attention_kinds
 from autopart.core.cluster import DeviceSpec
 from autopart.core.context import context_inputs
 from autopart.core.errors import PlanError
@@ -101,7 +102,7 @@ def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
                          overlap_grad_reduce=options.overlap_grad_reduce,
                          zero_layer_units=options.zero_layer_units and not options.fuse,
                          sequence_parallel=options.sequence_parallel, ep=options.ep,
-                         num_experts=num_experts)
+                         num_experts=num_experts, cp=options.cp)
 
 
 def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -143,7 +144,7 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     if world % cp:
         raise PlanError(f"cp={cp} does not divide the {world} ranks; launch a multiple of cp "
                         "ranks or choose another cp")
-    world //= cp  # the search lays out tp x pp x dp on the model at S / cp tokens
+    # with cp > 1 the profile is of one cp rank's S / cp tokens, as the stages run
     args, kwargs, example_target = context_inputs(model, cp, args, kwargs, example_target)
     devices = ["cpu"] * world if device == "cpu" else [f"cuda:{r}" for r in range(world)]
     with progress():
@@ -168,7 +169,7 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 plan = solve_world_layout(profile, options, world, num_heads=heads,
                                           num_experts=experts, state_factor=state_factor)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
-    return dataclasses.replace(plan, cp=cp), profile
+    return plan, profile
 
 
 def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
@@ -202,6 +203,10 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
     request = layout_request(options, world, spec, num_heads,
                              profile.runtime.collective_bandwidth_bytes_per_s,
                              num_experts=num_experts)
+    if options.cp > 1:  # the profile is of one cp rank's tokens (plan_layout)
+        kinds = attention_kinds(profile.captured)
+        request = dataclasses.replace(request, cp_tokens_profiled=True,
+                                      causal_attention=all(kinds.values()))
     if profile.microbatch_candidates is not None and options.num_microbatches is None:
         # a replica's microbatches no smaller than the smallest profiled one: below it the
         # two-point costs extrapolate (and can go negative)

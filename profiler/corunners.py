@@ -51,7 +51,7 @@ def model_step(captured: CapturedGraph, flat_inputs: list[Any]) -> Callable[[], 
     gm = captured.graph_module
 
     def step() -> None:
-        outs = gm(*flat_inputs)
+        outs = gm.forward(*flat_inputs)  # flat leaves: no input-spec hook (it wants kwargs)
         leaves = [o for o in (outs if isinstance(outs, (tuple, list)) else [outs])
                   if isinstance(o, torch.Tensor) and o.requires_grad]
         if leaves:

@@ -115,7 +115,7 @@ def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription
     1-3's collectives run per layer unit (:func:`layer_units`); without, per stage.
     """
     units = _stage_units(plan, costs, None) if costs is not None else None
-    return _dp_exposed(plan, (plan.tp, plan.dp, plan.zero_stage, plan.overlap_grad_reduce),
+    return _dp_exposed(plan, (plan.tp, plan.dp * plan.cp, plan.zero_stage, plan.overlap_grad_reduce),
                        layout, runtime, units, plan.zero_layer_units and units is not None)
 
 

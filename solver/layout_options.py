@@ -68,6 +68,21 @@ class LayoutOptions:
             ``num_experts`` (tp 1 where ep > 1), for a model with experts.
         num_experts: experts per MoE layer (an ep must divide it), or None (unknown: a
             searched ep stays 1).
+        cp: context-parallel degree (default 1): the GPUs are tp x pp x dp x cp, each
+            sequence split over cp of them (``Plan.cp``), priced by
+            :func:`autopart.solver.context_parallel_costs.context_costs` (the attention over
+            the gathered keys, the all-gathers and reduce-scatters, the gathered keys held);
+            gradients are reduced and ZeRO shards over the dp x cp GPUs of a dp line. None:
+            searched with the rest among 1 and the divisors of the GPU count that divide
+            ``max_cp`` (the tokens per sequence over two, so each rank gets two chunks).
+        max_cp: the largest cp the sequence allows (S / 2), or None (unknown: a searched cp
+            stays 1).
+        causal_attention: the model's attention is causal (decoders; default True) or over
+            the whole sequence (encoders), as cp prices it.
+        cp_tokens_profiled: the costs are already one cp rank's, of the model captured at
+            S / cp tokens (``autopart.compile`` profiles it there); default False: the costs
+            are of whole sequences, split by cp (:func:`autopart.solver.
+            context_parallel_costs.split_tokens`). True needs a fixed cp.
     """
 
     num_gpus: int
@@ -87,6 +102,10 @@ class LayoutOptions:
     sequence_parallel: bool = False
     ep: int | None = 1
     num_experts: int | None = None
+    cp: int | None = 1
+    max_cp: int | None = None
+    causal_attention: bool = True
+    cp_tokens_profiled: bool = False
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -111,6 +130,12 @@ class LayoutOptions:
             raise PlanError(f"ep={self.ep} with tp={self.tp} and dp={self.dp}: expert "
                             "parallelism runs with tp=1 and a dp that ep divides; fix those, "
                             "or drop ep")
+        if (self.cp is not None and self.cp < 1) or (self.cp_tokens_profiled and self.cp is None):
+            raise PlanError(f"cp={self.cp} must be >= 1, or None (searched) on costs of whole "
+                            "sequences (cp_tokens_profiled=False)")
+        if (self.cp or 1) > 1 and (self.ep or 1) > 1:
+            raise PlanError(f"cp={self.cp} with ep={self.ep}: context and expert parallelism do "
+                            "not run together yet; fix one of them to 1")
         if self.microbatch_sizes is not None and (not self.microbatch_sizes
                                                   or min(self.microbatch_sizes) < 1):
             raise PlanError(f"microbatch_sizes={self.microbatch_sizes} must be sizes >= 1 or None")
@@ -128,6 +153,7 @@ class LayoutCandidate:
     Attributes:
         tp, pp, dp, zero_stage: the degrees.
         ep: the expert-parallel degree (default 1).
+        cp: the context-parallel degree (default 1): tp x pp x dp x cp GPUs.
         step_lb_us: no plan of this layout is faster: its compute and its smallest
             stage-to-stage sends spread evenly over pp ranks (no bubble, no recompute) plus the
             dp collectives of an even share of the parameters, µs.
@@ -144,3 +170,4 @@ class LayoutCandidate:
     state_lb_bytes: int
     estimate_us: float = 0.0
     ep: int = 1
+    cp: int = 1

@@ -103,8 +103,8 @@ def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,
         PlanError: as :func:`predict_layout`.
     """
     priced, layout = _priced(plan, costs, device, options, layout)
-    tp, pp, dp = plan.tp, len(plan.ranks), plan.dp
-    sharded = _sharded(costs, tp, device, layout, options.runtime, ep=plan.ep)
+    tp, pp, dp = plan.tp, len(plan.ranks), plan.dp * plan.cp  # the dp line: dp x cp GPUs
+    sharded = _sharded(costs, tp, device, layout, options.runtime, ep=plan.ep, cp=plan.cp)
     runtime = options.runtime
     if runtime.collectives_share_compute and priced.overlap_grad_reduce:
         # the step prices the overlapped reduction as run after the flush (it slows the
@@ -129,19 +129,19 @@ def _priced(plan: Plan, costs: CostGraph, device: DeviceSpec, options: SolveOpti
         raise PlanError("the plan was made for another graph; predict it on the cost graph it "
                         "was solved on")
     tp, pp, dp, zero = plan.tp, len(plan.ranks), plan.dp, plan.zero_stage
-    if tp * pp * dp != layout.num_gpus:
-        raise PlanError(f"the plan's tp {tp} x pp {pp} x dp {dp} is not the layout's "
-                        f"{layout.num_gpus} GPUs")
+    if tp * pp * dp * plan.cp != layout.num_gpus:
+        raise PlanError(f"the plan's tp {tp} x pp {pp} x dp {dp} x cp {plan.cp} is not the "
+                        f"layout's {layout.num_gpus} GPUs")
     recompute = {s.recompute for s in plan.stages}
     fixed = replace(options, schedule_kind=plan.schedule_kind,
                     num_microbatches=plan.num_microbatches, microbatch_candidates=None,
                     stages_per_rank=plan.stages_per_rank,
                     recompute=recompute.pop() if len(recompute) == 1 else None,
                     recompute_policy=plan.recompute_policy)
-    cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0, ep=plan.ep)
+    cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0, ep=plan.ep, cp=plan.cp)
     layout = replace(layout, overlap_grad_reduce=plan.overlap_grad_reduce,  # as the plan runs
                      zero_layer_units=plan.zero_layer_units,
-                     sequence_parallel=plan.sequence_parallel)
+                     sequence_parallel=plan.sequence_parallel, cp=plan.cp)
     priced = evaluate_layout(costs, device, fixed, layout, cand,
                              positions=tuple(c.position for c in plan.cuts))
     return priced, layout

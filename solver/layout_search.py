@@ -20,6 +20,7 @@ from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.schedule import splits_backward
 from autopart.core.topology import HostTopology
 from autopart.solver.candidates import crossing_profile
+from autopart.solver.context_parallel_costs import context_costs, split_tokens
 from autopart.solver.data_parallel import (
     held_state_multiplier,
     layer_unit_factors,
@@ -64,7 +65,7 @@ def _tp_choices(layout: LayoutOptions) -> list[int]:
 
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
             options: SolveOptions, layout: LayoutOptions, device: DeviceSpec,
-            smallest_crossing: int, ep: int = 1) -> LayoutCandidate:
+            smallest_crossing: int, ep: int = 1, cp: int = 1) -> LayoutCandidate:
     """Bounds of one layout. With ``m`` microbatches a step is no shorter than the work
     spread over pp ranks, ``(m O + L + m C) / pp``, nor than one microbatch's forward and
     backward through every stage in turn, ``O + L / m`` (O: the per-op fixed times of one
@@ -73,8 +74,10 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     stage's time as the pipeline cost model does), plus the dp collectives of an even share
     of the parameters (none where ZeRO-0's reduction, or ZeRO-1's with layer units, is
     overlapped and hides under compute; the estimate then charges one bucket of it); the
-    bound is the smallest over the allowed m."""
+    bound is the smallest over the allowed m. With cp > 1 (``sharded`` is then one cp
+    rank's) the dp collectives and ZeRO's shards span the dp line's dp x cp GPUs."""
     overhead_us = device.op_overhead_us
+    line = dp * cp
     rows = options.batch_size / dp / sharded.batch_size
     fixed = linear = 0.0
     for nd in sharded.nodes:
@@ -85,18 +88,18 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
                 fixed += min(t, overhead_us)
     trainable = sum(b for p, b in sharded.param_sizes.items() if p in sharded.trainable)
     share = -(-trainable // pp)
-    dp_cost = (_dp_cost(share, dp, zero, tp, layout, options.runtime)
+    dp_cost = (_dp_cost(share, line, zero, tp, layout, options.runtime)
                if options.training else None)
-    _, hidden = _hides_reduction(layout, zero, dp, options)
+    _, hidden = _hides_reduction(layout, zero, line, options)
     # ZeRO-1's layer units overlap their reduce-scatters and gathers likewise
-    hidden = hidden or (zero == 1 and dp > 1 and options.training and layout.zero_layer_units
+    hidden = hidden or (zero == 1 and line > 1 and options.training and layout.zero_layer_units
                         and not options.runtime.collectives_share_compute)
     if hidden:  # overlapped: none of it is surely exposed; one bucket estimated
         tail = _even_bucket_us(trainable * layout.gradient_factor,
                                sum(n for p, n in sharded.param_numel.items()
-                                   if p in sharded.trainable), pp, dp, tp, layout,
+                                   if p in sharded.trainable), pp, line, tp, layout,
                                options.runtime)
-    link = _pipeline_cluster(device, tp, 2, dp, layout.topology)
+    link = _pipeline_cluster(device, tp, 2, line, layout.topology)
     smallest = smallest_crossing if pp > 1 else 0
     sends = 2 if options.training else 1
 
@@ -110,11 +113,11 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
         work = (m * fixed + linear + m * send_us(m)) / pp
         lb = min(lb, max(work, fixed + linear / m) + (0.0 if hidden else dp_us))
         est = min(est, work * (m + pp - 1) / m + (tail if hidden else dp_us))
-    mult = (state_multiplier(zero, dp, options.optimizer_state_bytes_per_param_byte,
+    mult = (state_multiplier(zero, line, options.optimizer_state_bytes_per_param_byte,
                              layout.gradient_factor) if options.training else 1.0)
     frozen = sum(b for p, b in sharded.param_sizes.items() if p not in sharded.trainable)
     state = int(trainable * mult + frozen) // pp
-    return LayoutCandidate(tp, pp, dp, zero, lb, state, est, ep)
+    return LayoutCandidate(tp, pp, dp, zero, lb, state, est, ep, cp)
 
 
 def _smallest_crossing(costs: CostGraph) -> int:
@@ -125,7 +128,7 @@ def _smallest_crossing(costs: CostGraph) -> int:
 
 
 def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
-                      layout: LayoutOptions, cache: dict[tuple[int, int], CostGraph] | None = None
+                      layout: LayoutOptions, cache: dict[tuple[int, ...], CostGraph] | None = None
                       ) -> list[LayoutCandidate]:
     """Every layout the request allows, with bounds, most promising first (speed: by
     ``estimate_us``; memory: by state bound, then estimate), ties broken by (tp, pp, dp, zero).
@@ -135,36 +138,40 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
             batch does not split over dp, a fixed m does not split a replica's batch); the
             message names the values and the nearest valid ones.
     """
-    n, batch = layout.num_gpus, options.batch_size
-    if layout.tp is not None and n % layout.tp:
-        check_degrees(layout.tp, layout.pp or 1, layout.dp or 1, n)
+    batch = options.batch_size
     if layout.dp is not None:
         check_global_batch(batch, layout.dp, options.num_microbatches)
     out: list[LayoutCandidate] = []
     shape_seen = False
     experts = bool(expert_module_paths(costs))
-    for tp in [1] if (layout.ep or 1) > 1 else _tp_choices(layout):
-        sharded = _sharded(costs, tp, device, layout, options.runtime, cache)
-        smallest = _smallest_crossing(sharded)
-        for pp in divisors(n // tp) if n % tp == 0 else []:
-            dp = n // (tp * pp)
-            if layout.pp not in (None, pp) or layout.dp not in (None, dp):
-                continue
-            shape_seen = True
-            if batch % dp:
-                continue
-            try:
-                counts = _replica_options(options, layout, dp).microbatch_counts()
-            except PlanError:
-                continue
-            for ep in _ep_choices(layout, tp, dp, experts):
-                at_ep = (sharded if ep == 1 else
-                         _sharded(costs, tp, device, layout, options.runtime, cache, ep))
-                zeros = ([layout.zero_stage] if layout.zero_stage is not None
-                         else list(ZERO_STAGES) if dp > 1 and options.training else [0])
-                for zero in zeros:
-                    out.append(_bounds(at_ep, tp, pp, dp, zero, counts, options, layout,
-                                       device, smallest, ep))
+    for cp in _cp_choices(layout):
+        n = layout.num_gpus // cp  # tp x pp x dp of one cp rank's share
+        if layout.tp is not None and n % layout.tp:
+            check_degrees(layout.tp, layout.pp or 1, layout.dp or 1, n)
+        for tp in [1] if (layout.ep or 1) > 1 else _tp_choices(layout):
+            sharded = _sharded(costs, tp, device, layout, options.runtime, cache, 1, cp)
+            smallest = _smallest_crossing(sharded)
+            for pp in divisors(n // tp) if n % tp == 0 else []:
+                dp = n // (tp * pp)
+                if layout.pp not in (None, pp) or layout.dp not in (None, dp):
+                    continue
+                shape_seen = True
+                if batch % dp:
+                    continue
+                try:
+                    counts = _replica_options(options, layout, dp).microbatch_counts()
+                except PlanError:
+                    continue
+                for ep in _ep_choices(layout, tp, dp, experts) if cp == 1 else [1]:
+                    at_ep = (sharded if ep == 1 else
+                             _sharded(costs, tp, device, layout, options.runtime, cache, ep))
+                    zeros = ([layout.zero_stage] if layout.zero_stage is not None
+                             else list(ZERO_STAGES) if dp * cp > 1 and options.training
+                             else [0])
+                    for zero in zeros:
+                        out.append(_bounds(at_ep, tp, pp, dp, zero, counts, options, layout,
+                                           device, smallest, ep, cp))
+    n = layout.num_gpus // (layout.cp or 1)
     if not shape_seen:
         check_degrees(layout.tp or 1, layout.pp or 1, layout.dp or 1, n)
     if not out:
@@ -175,20 +182,21 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
                         "batch that a dp among them divides, or fix dp")
     if options.optimize == "memory":
         out.sort(key=lambda c: (c.state_lb_bytes, c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage,
-                                c.ep))
+                                c.ep, c.cp))
     else:
-        out.sort(key=lambda c: (c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage, c.ep))
+        out.sort(key=lambda c: (c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage, c.ep, c.cp))
     return out
 
 
 def _state_options(options: SolveOptions, layout: LayoutOptions, dp: int, zero: int,
-                   units: bool) -> SolveOptions:
+                   units: bool, cp: int = 1) -> SolveOptions:
     """A replica's options (:func:`_replica_options`) with the parameter state a GPU holds
     at its step's peak under ZeRO as the runtime runs it: one FSDP unit per stage
     (:func:`held_state_multiplier`), or with ``units`` (ZeRO 1-3, ``Plan.zero_layer_units``)
     the shards and the layers gathered one at a time (:func:`sharded_state_multiplier`,
-    :func:`layer_unit_factors`)."""
+    :func:`layer_unit_factors`). ZeRO shards over the dp line's dp x ``cp`` GPUs."""
     out = _replica_options(options, layout, dp)
+    dp *= cp
     if not options.training:
         return replace(out, state_bytes_per_param_byte=None)
     k, g = options.optimizer_state_bytes_per_param_byte, layout.gradient_factor
@@ -214,17 +222,26 @@ def _replica_options(options: SolveOptions, layout: LayoutOptions, dp: int) -> S
 
 def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOptions,
              runtime: RuntimeDescription,
-             cache: dict[tuple[int, int], CostGraph] | None = None,
-             ep: int | None = None) -> CostGraph:
-    """One GPU's share at tp (memoised in ``cache``, one entry per (tp, ep), for one
+             cache: dict[tuple[int, ...], CostGraph] | None = None,
+             ep: int | None = None, cp: int = 1) -> CostGraph:
+    """One GPU's share at tp (memoised in ``cache``, one entry per (tp, ep, cp), for one
     request), its collectives paying ``runtime``'s fixed cost per collective, with sequence
-    parallelism where ``layout`` asks for it and its experts split over ``ep`` (default:
+    parallelism where ``layout`` asks for it, its experts split over ``ep`` (default:
     ``layout.ep``, 1 when searched; :func:`autopart.solver.expert_parallel_costs.
-    expert_costs`)."""
+    expert_costs`) and its sequences over ``cp`` (:func:`autopart.solver.
+    context_parallel_costs.context_costs`, on the link of a cp group: cp GPUs ``tp``
+    apart)."""
     ep = (layout.ep or 1) if ep is None else ep
-    if cache is not None and (tp, ep) in cache:
-        return cache[(tp, ep)]
-    if ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
+    if cache is not None and (tp, ep, cp) in cache:
+        return cache[(tp, ep, cp)]
+    if cp > 1:
+        base = costs if layout.cp_tokens_profiled else split_tokens(costs, cp)
+        cp_bw, cp_lat = layout.topology.link(tp * cp)
+        local = context_costs(base, cp, causal=layout.causal_attention,
+                              bandwidth_bytes_per_s=cp_bw, latency_us=cp_lat,
+                              collective_overhead=runtime.collective_overhead_at)
+        out = _sharded(local, tp, device, layout, runtime, None, ep)
+    elif ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
         base = _sharded(costs, tp, device, layout, runtime, cache, 1)
         ep_bw, ep_lat = layout.topology.link(ep)
         out = expert_costs(base, ep, bandwidth_bytes_per_s=ep_bw, latency_us=ep_lat,
@@ -238,8 +255,21 @@ def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOption
                           sequence_parallel=layout.sequence_parallel,
                           reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
     if cache is not None:
-        cache[(tp, ep)] = out
+        cache[(tp, ep, cp)] = out
     return out
+
+
+def _cp_choices(layout: LayoutOptions) -> list[int]:
+    """The cp degrees the search tries: the fixed one, else 1 and every divisor of the GPU
+    count that divides ``layout.max_cp`` (none beyond 1 when it is unknown)."""
+    if layout.cp is not None:
+        if layout.num_gpus % layout.cp:
+            raise PlanError(f"cp={layout.cp} does not divide the {layout.num_gpus} GPUs; choose "
+                            "a divisor")
+        return [layout.cp]
+    if (layout.ep or 1) > 1 or not layout.max_cp:
+        return [1]
+    return [c for c in divisors(layout.num_gpus) if layout.max_cp % c == 0]
 
 
 def _ep_choices(layout: LayoutOptions, tp: int, dp: int, experts: bool) -> list[int]:
@@ -269,7 +299,7 @@ def _pipeline_cluster(device: DeviceSpec, tp: int, pp: int, dp: int,
 
 def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                     layout: LayoutOptions, cand: LayoutCandidate,
-                    cache: dict[tuple[int, int], CostGraph] | None = None,
+                    cache: dict[tuple[int, ...], CostGraph] | None = None,
                     positions: tuple[int, ...] | None = None) -> Plan:
     """The pipeline solver's best plan for one layout, with tp, dp and ZeRO costs added.
 
@@ -301,21 +331,23 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         InfeasiblePlanError: nothing fits this layout.
         PlanError: ``positions`` without a fixed schedule kind and m, or not fitting the ranks.
     """
-    tp, pp, dp, zero = cand.tp, cand.pp, cand.dp, cand.zero_stage
-    sharded = _sharded(costs, tp, device, layout, options.runtime, cache, cand.ep)
+    tp, pp, dp, zero, cp = cand.tp, cand.pp, cand.dp, cand.zero_stage, cand.cp
+    line = dp * cp  # the GPUs that reduce gradients together and share ZeRO's shards
+    sharded = _sharded(costs, tp, device, layout, options.runtime, cache, cand.ep, cp)
     # ZeRO-1's layer units hold what one unit per stage holds and gain only by overlapping
     # their collectives with compute, which CPU ranks' collectives do not (measured,
     # benchmarks/overlap_cpu): a search there keeps one unit per stage (a given plan is
     # priced as it runs)
-    units = (layout.zero_layer_units and zero >= 1 and dp > 1 and options.training
+    units = (layout.zero_layer_units and zero >= 1 and line > 1 and options.training
              and not (zero == 1 and options.runtime.collectives_share_compute
                       and positions is None)
              and not (options.schedule_kind is not None
                       and splits_backward(options.schedule_kind, False)))
     # an ep rank's experts are left whole by ZeRO (fully_shard's ignored_params)
     whole = expert_params(sharded) if cand.ep > 1 else frozenset()
-    inner = replace(_state_options(options, layout, dp, zero, units), whole_state_params=whole)
-    cluster = _pipeline_cluster(device, tp, pp, dp, layout.topology)
+    inner = replace(_state_options(options, layout, dp, zero, units, cp),
+                    whole_state_params=whole)
+    cluster = _pipeline_cluster(device, tp, pp, line, layout.topology)
     if positions is None:
         plan = solve(sharded, cluster, inner)
         if units and splits_backward(plan.schedule_kind, False):
@@ -323,7 +355,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
             # its I to its last W): price that instead
             units = False
             plan = solve(sharded, cluster, replace(_state_options(options, layout, dp, zero,
-                                                                  False),
+                                                                  False, cp),
                                                    whole_state_params=whole))
     elif options.schedule_kind is None or options.num_microbatches is None:
         raise PlanError("evaluate_layout(positions=...) costs a fixed plan: set the options' "
@@ -335,16 +367,17 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                        stages_per_rank=options.stages_per_rank or 1,
                        recompute=bool(options.recompute))
     extra = even = 0.0
-    overlap, _ = _hides_reduction(layout, zero, dp, options)
-    if options.training and dp > 1:
-        degrees = (tp, dp, zero, overlap)
+    overlap, _ = _hides_reduction(layout, zero, line, options)
+    if options.training and line > 1:
+        degrees = (tp, line, zero, overlap)
         extra = max(_dp_exposed(plan, degrees, layout, options.runtime,
                                 _stage_units(plan, sharded, units), units))
         even = _baselines_dp_us(plan, degrees, layout, options.runtime)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()
-    forward = sum(nd.flops for nd in costs.nodes) * options.batch_size / costs.batch_size
+    forward = (sum(nd.flops for nd in costs.nodes) * options.batch_size / costs.batch_size
+               * (cp if layout.cp_tokens_profiled else 1))
     step = plan.predicted_step_time_us + extra
     baselines = tuple(replace(b, predicted_step_time_us=round(b.predicted_step_time_us + even, 3))
                       for b in plan.baselines)
@@ -360,7 +393,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         plan, batch_size=options.batch_size, tp=tp, dp=dp, zero_stage=zero,
         baselines=baselines, pareto=pareto, sharded_parameters=sharded_params,
         overlap_grad_reduce=overlap, zero_layer_units=units,
-        sequence_parallel=layout.sequence_parallel and tp > 1, ep=cand.ep,
+        sequence_parallel=layout.sequence_parallel and tp > 1, ep=cand.ep, cp=cp,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
         if step > 0 else plan.bubble_fraction,
@@ -382,7 +415,7 @@ def _screen_options(options: SolveOptions) -> SolveOptions:
 def _key(plan: Plan, optimize: str) -> tuple[float, ...]:
     """Sort key: speed = (step, peak, tp, pp, dp, zero); memory = (peak, step, ...)."""
     peak = max(r.peak_memory_bytes for r in plan.ranks)
-    degrees = (plan.tp, len(plan.ranks), plan.dp, plan.zero_stage)
+    degrees = (plan.tp, len(plan.ranks), plan.dp, plan.zero_stage, plan.cp)
     if optimize == "memory":
         return (peak, plan.predicted_step_time_us, *degrees)
     return (plan.predicted_step_time_us, peak, *degrees)
@@ -436,7 +469,7 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         return auto_recompute(lambda policy: solve_layout(
             costs, device, replace(options, recompute_policy=policy), layout), options.optimize)
     t0 = time.perf_counter()
-    cache: dict[tuple[int, int], CostGraph] = {}
+    cache: dict[tuple[int, ...], CostGraph] = {}
     cands = layout_candidates(costs, device, options, layout, cache)
     cap = options.memory_cap_bytes or device.memory_bytes
     screen = _screen_options(options)
@@ -448,6 +481,7 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         if cand.state_lb_bytes > cap:
             failures.append(f"tp {cand.tp} x pp {cand.pp} x dp {cand.dp} ZeRO-{cand.zero_stage}"
                             f"{f' ep {cand.ep}' if cand.ep > 1 else ''}"
+                            f"{f' cp {cand.cp}' if cand.cp > 1 else ''}"
                             f": >= {cand.state_lb_bytes} bytes of state per GPU")
             continue
         if best is not None:

@@ -99,7 +99,8 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
               dp: int | None, zero_stage: int | None, heads: int | None,
               overlap_grad_reduce: bool = True, zero_layer_units: bool = True,
               sequence_parallel: bool = False, ep: int | None = 1,
-              num_experts: int | None = None) -> Any:
+              num_experts: int | None = None, cp: int | None = 1,
+              max_cp: int | None = None, causal: bool = True) -> Any:
     """The (tp, pp, dp, ZeRO) search over the cluster's GPUs, hosts as the preset ships them."""
     from autopart.core.topology import topology_for_device
     from autopart.solver.layout_search import LayoutOptions, solve_layout
@@ -112,7 +113,8 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
                            overlap_grad_reduce=overlap_grad_reduce,
                            zero_layer_units=zero_layer_units,
                            sequence_parallel=sequence_parallel, ep=ep,
-                           num_experts=num_experts)
+                           num_experts=num_experts, cp=cp, max_cp=max_cp,
+                           causal_attention=causal)
     return solve_layout(costs, spec, options, layout)
 
 
@@ -189,6 +191,19 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
              None, "--experts", min=1,
              help="the model's experts per MoE layer: the layout search then tries every ep "
                   "dividing them and dp (3D)"),
+         cp: int | None = typer.Option(
+             None, "--cp", min=1,
+             help="context parallelism: each sequence split over cp GPUs, attention "
+                  "all-gathering keys and values (3D); default: searched with --seq-len "
+                  "(among the divisors of the GPUs dividing seq-len / 2), else 1"),
+         seq_len: int | None = typer.Option(
+             None, "--seq-len", min=2,
+             help="tokens per sequence of the profile: the layout search then tries cp "
+                  "(3D)"),
+         attention: str = typer.Option(
+             "causal", "--attention",
+             help="the model's attention as cp prices it: 'causal' (decoders) or 'full' "
+                  "(encoders)"),
          recompute_policy: str = typer.Option(
              "full", "--recompute-policy",
              help="what a stage that recomputes runs again: 'full' (its whole forward), "
@@ -223,7 +238,12 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
         with phase("solve"):  # on stderr (autopart.core.progress)
             if ep is None:
                 ep = None if experts is not None else 1
-            fixed = any(x is not None for x in (tp, pp, dp, zero_stage)) or ep != 1
+            if attention not in ("causal", "full"):
+                raise UsageError(f"--attention {attention!r}: expected 'causal' or 'full'")
+            if cp is None:
+                cp = None if seq_len is not None and ep == 1 else 1
+            fixed = (any(x is not None for x in (tp, pp, dp, zero_stage)) or ep != 1
+                     or cp != 1)
             if search_3d is False and fixed:
                 raise UsageError("--pipeline-only makes every GPU a pipeline rank; drop it to "
                                  "fix --tp/--pp/--dp/--zero-stage")
@@ -235,7 +255,9 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                                    overlap_grad_reduce=overlap_grad_reduce,
                                    zero_layer_units=zero_layer_units,
                                    sequence_parallel=sequence_parallel, ep=ep,
-                                   num_experts=experts)
+                                   num_experts=experts, cp=cp,
+                                   max_cp=None if seq_len is None else seq_len // 2,
+                                   causal=attention == "causal")
             else:
                 result = solve(costs, the_cluster, options)
         result.save(out)
@@ -249,7 +271,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
 
     console = Console(width=None if Console().is_terminal else 120)
     print_plan(result, console)
-    if result.tp * result.dp > 1 or result.model_flops:
+    if result.tp * result.dp * result.cp > 1 or result.model_flops:
         print_layout(result, console)
     # the baselines partition onto the ranks, one stage each, as the solver costs them
     skipped = [(b.name, b.reason) for b in run_baselines(costs, len(result.ranks))

@@ -85,14 +85,17 @@ def layout_table(plan: Plan) -> Table:
     peak = max(r.peak_memory_bytes for r in plan.ranks)
     rows = [("tensor parallel (tp)", str(plan.tp)), ("pipeline ranks (pp)", str(len(plan.ranks))),
             ("data parallel (dp)", str(plan.dp)),
+            ("expert parallel (ep, inside dp)", str(plan.ep)),
+            ("context parallel (cp)", "1 (whole sequences)" if plan.cp == 1 else
+             f"{plan.cp} (each sequence over {plan.cp} GPUs; keys and values all-gathered)"),
             ("ZeRO stage", f"{plan.zero_stage} ({zero})"),
-            ("dp gradient reduction", "none" if plan.dp == 1 else
+            ("dp gradient reduction", "none" if plan.dp * plan.cp == 1 else
              "overlapped with the last backward" if plan.overlap_grad_reduce
              else "after the schedule"),
             ("sequence parallel", "none" if plan.tp == 1 else
              "norms and residuals on 1/tp of the tokens" if plan.sequence_parallel
              else "off (tokens whole between tp pairs)"),
-            ("ZeRO gathers", "none" if plan.zero_stage == 0 or plan.dp == 1 else
+            ("ZeRO gathers", "none" if plan.zero_stage == 0 or plan.dp * plan.cp == 1 else
              "one layer at a time" if plan.zero_layer_units
              else "whole parameters" if plan.zero_stage == 1 else "one stage at a time"),
             ("GPUs", str(plan.num_gpus)),

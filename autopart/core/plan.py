@@ -254,11 +254,12 @@ def check_plan_invariants(plan: Plan) -> None:
                              [p.name for p in plan.sharded_parameters])
     if problem:
         raise bad(problem)
-    if plan.overlap_grad_reduce and (plan.dp < 2 or plan.zero_stage != 0):
-        raise bad(f"overlap_grad_reduce=True with dp={plan.dp} and zero_stage="
-                  f"{plan.zero_stage}: it overlaps ZeRO-0's gradient all-reduce over dp >= 2 "
-                  "replicas; set it False")
-    if plan.zero_layer_units and (plan.dp < 2 or plan.zero_stage < 1
+    line = plan.dp * plan.cp  # the GPUs that reduce gradients together (cp folded into dp)
+    if plan.overlap_grad_reduce and (line < 2 or plan.zero_stage != 0):
+        raise bad(f"overlap_grad_reduce=True with dp={plan.dp} x cp={plan.cp} and zero_stage="
+                  f"{plan.zero_stage}: it overlaps ZeRO-0's gradient all-reduce over dp x cp "
+                  ">= 2 GPUs; set it False")
+    if plan.zero_layer_units and (line < 2 or plan.zero_stage < 1
                                   or splits_backward(plan.schedule_kind, False)):
         raise bad(f"zero_layer_units=True with dp={plan.dp}, zero_stage={plan.zero_stage} and "
                   f"schedule_kind={plan.schedule_kind!r}: per-layer FSDP units are for ZeRO 1-3 "

@@ -62,6 +62,26 @@ def test_model_step_runs_a_forward_and_backward_of_the_captured_graph() -> None:
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+def test_model_step_runs_a_graph_captured_with_keyword_inputs() -> None:
+    # a capture with keyword inputs (context parallelism adds position_ids) is run from its
+    # flat leaves: the exported module's input-spec hook would want the keywords
+    torch.manual_seed(0)
+    model = _Scaled()
+    x, scale = torch.randn(4, 8), torch.full((4, 1), 2.0)
+    captured = capture(model, (x,), {"scale": scale})
+    model_step(captured, captured.flatten_inputs((x,), {"scale": scale}))()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
 def test_time_sharing_factor_is_cpu_time_beside_the_world_over_a_core_each(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # each call of the work "takes" the CPU time the patched clock hands out: 10 ms beside

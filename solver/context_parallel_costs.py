@@ -1,0 +1,121 @@
+"""One GPU's share of a model's costs at context parallelism cp, as
+``autopart/codegen/context_parallel.py`` runs it.
+
+A cp rank holds S / cp tokens of each sequence (two chunks of S / (2 cp): chunks r and
+2 cp - 1 - r). :func:`split_tokens` turns the costs of whole sequences into one rank's:
+
+- every node's time, FLOPs and bytes (outputs, saved, transient, graph inputs) divided by cp:
+  token-wise ops (norms, matmuls, activations, the loss) do 1 / cp of the work on 1 / cp of
+  the activations; parameter bytes stay whole;
+- attention (``aten.scaled_dot_product_attention``), quadratic in the tokens: 1 / cp^2, the
+  model's own attention over the rank's S / cp tokens.
+
+:func:`context_costs` then prices what the runtime adds to each attention of a graph at
+S / cp tokens (the compile path profiles it there; the CLI splits a profile of whole
+sequences first):
+
+- compute: the runtime's attention over the gathered keys. Causal: the rank's two query
+  chunks attend to chunks 0..g, g = r and 2 cp - 1 - r, (2 cp + 1) chunk-by-chunk blocks,
+  against the 4 blocks of the local attention the profile timed with the model's
+  materialised mask (transformers builds one under ``torch.export``; a masked kernel
+  computes every block): time x (2 cp + 1) / 4. Attention over the whole sequence (BERT):
+  S / cp queries over S keys, x cp;
+- communication: in the forward the keys and values all-gathered (two ring all-gathers of
+  the whole sequence's keys, :func:`autopart.solver.collectives.all_gather_us` on the cp
+  group's link, plus the runtime's fixed cost per collective), in the backward their
+  gradients reduce-scattered (two); in line, not overlapped, as the runtime runs them;
+- memory: the gathered keys and values are saved for the backward, and (causal) their copy
+  in sequence order too: ``2 x`` (causal) or ``1 x`` the whole sequence's key and value
+  bytes on top of what the node saved.
+
+Gradients and ZeRO over the dp x cp ranks are priced by the layout search (the dp line
+holds dp x cp GPUs, :mod:`autopart.solver.layout_search`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.solver.collectives import all_gather_us, reduce_scatter_us
+
+__all__ = ["ATTENTION_OP", "attention_nodes", "context_costs", "split_tokens"]
+
+#: The attention op context parallelism rewrites, as the cost graph names it.
+ATTENTION_OP = "aten.scaled_dot_product_attention.default"
+
+
+def attention_nodes(costs: CostGraph) -> list[int]:
+    """Indices of the attention nodes of ``costs``."""
+    return [i for i, nd in enumerate(costs.nodes) if nd.op == ATTENTION_OP]
+
+
+def _scaled(nd: NodeCost, time: float, size: float) -> NodeCost:
+    """``nd`` with its times and FLOPs x ``time`` and its activation bytes x ``size`` (host
+    issue times stay: issuing an op costs the host the same at any size)."""
+    return replace(
+        nd, fwd_us=nd.fwd_us * time, bwd_input_us=nd.bwd_input_us * time,
+        bwd_weight_us=nd.bwd_weight_us * time, flops=int(nd.flops * time),
+        bytes_accessed=int(nd.bytes_accessed * size), output_bytes=int(nd.output_bytes * size),
+        saved_bytes=int(nd.saved_bytes * size), transient_bytes=int(nd.transient_bytes * size),
+        backward_peak_bytes=int(nd.backward_peak_bytes * size),
+        strided_output_bytes=int(nd.strided_output_bytes * size),
+        saved_from=None if nd.saved_from is None else tuple(
+            (d, int(b * size)) for d, b in nd.saved_from))
+
+
+def split_tokens(costs: CostGraph, cp: int) -> CostGraph:
+    """One cp rank's costs from those of whole sequences (see the module docstring): every
+    node / cp, attention nodes' time and FLOPs / cp^2. ``costs`` itself at cp = 1."""
+    if cp == 1:
+        return costs
+    attention = set(attention_nodes(costs))
+    nodes = tuple(_scaled(nd, (1 / cp ** 2) if i in attention else 1 / cp, 1 / cp)
+                  for i, nd in enumerate(costs.nodes))
+    low = tuple(tuple(t * ((1 / cp ** 2) if i in attention else 1 / cp) for t in times)
+                for i, times in enumerate(costs.low_times))
+    return replace(costs, nodes=nodes, low_times=low,  # type: ignore[arg-type]
+                   low_backward_peaks=tuple(b // cp for b in costs.low_backward_peaks),
+                   graph_inputs={k: v // cp for k, v in costs.graph_inputs.items()},
+                   loss_saved_bytes=costs.loss_saved_bytes // cp)
+
+
+def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_per_s: float,
+                  latency_us: float,
+                  collective_overhead: Callable[[float], float] | None = None) -> CostGraph:
+    """One GPU's costs at ``cp`` from ``costs`` of the model at S / cp tokens (see the module
+    docstring). ``costs`` itself at cp = 1.
+
+    Args:
+        costs: the cost graph at one cp rank's tokens (:func:`split_tokens` of whole
+            sequences, or a profile of the model captured at S / cp tokens).
+        cp: the context-parallel degree.
+        causal: the model's attention is causal (decoders) or over every token (encoders).
+        bandwidth_bytes_per_s, latency_us: the cp group's link (bus bandwidth one way, one
+            step's latency).
+        collective_overhead: what one collective costs beyond its transfer after that much
+            work, µs (``RuntimeDescription.collective_overhead_at``), or None.
+    """
+    if cp == 1:
+        return costs
+    nodes = list(costs.nodes)
+    by_name = {nd.name: nd for nd in costs.nodes}
+    overhead = collective_overhead(0.0) if collective_overhead is not None else 0.0
+    work = (2 * cp + 1) / 4 if causal else float(cp)
+    low = list(costs.low_times)
+    for i in attention_nodes(costs):
+        nd = nodes[i]
+        kv = [by_name[n].output_bytes * cp if n in by_name else 0 for n in nd.inputs[1:3]]
+        gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
+                     for b in kv)
+        scatter = sum(reduce_scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
+                      for b in kv)
+        held = (2 if causal else 1) * sum(kv)
+        nodes[i] = replace(nd, fwd_us=nd.fwd_us * work + gather,
+                           bwd_input_us=nd.bwd_input_us * work + scatter,
+                           flops=int(nd.flops * work), saved_bytes=nd.saved_bytes + held)
+        if low:
+            f, b, w = low[i]
+            low[i] = (f * work + gather, b * work + scatter, w)
+    return replace(costs, nodes=tuple(nodes), low_times=tuple(low))

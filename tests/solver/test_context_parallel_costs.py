@@ -1,0 +1,127 @@
+"""Context parallelism's costs on one GPU, by hand on a tiny Llama's analytical profile, and
+cp in the layout search."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from autopart.core.capture import capture  # noqa: E402
+from autopart.core.cluster import PRESETS  # noqa: E402
+from autopart.core.context import context_inputs  # noqa: E402
+from autopart.core.topology import topology_for_device  # noqa: E402
+from autopart.profiler import profile_analytical  # noqa: E402
+from autopart.solver import SolveOptions  # noqa: E402
+from autopart.solver.collectives import all_gather_us, reduce_scatter_us  # noqa: E402
+from autopart.solver.context_parallel_costs import (  # noqa: E402
+    ATTENTION_OP,
+    attention_nodes,
+    context_costs,
+    split_tokens,
+)
+from autopart.solver.layout_search import (  # noqa: E402
+    LayoutCandidate,
+    LayoutOptions,
+    evaluate_layout,
+    layout_candidates,
+    solve_layout,
+)
+from tests.distributed.cp_worker import tiny_model  # noqa: E402
+
+BW, LAT = 100e9, 5.0
+SPEC = PRESETS["a100-80gb"]
+SEQ = 256
+
+
+def _costs(cp: int = 1, name: str = "llama"):
+    """The analytical profile of 2 sequences of SEQ tokens, or (cp > 1) of one cp rank's
+    SEQ / cp tokens of them, captured with position_ids as the runtime captures it."""
+    model, args, _, _ = tiny_model(name, SEQ, 2)
+    inputs, kwargs, _ = context_inputs(model, max(cp, 2), args, {})
+    if cp == 1:  # whole sequences, with position_ids too, so both graphs have the same ops
+        inputs, kwargs = args, {"position_ids": kwargs["position_ids"].new_tensor(
+            list(range(SEQ))).expand(2, -1)}
+    return profile_analytical(capture(model, inputs, kwargs), None, SPEC)
+
+
+def _by_op(costs) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for nd in costs.nodes:
+        f, b = out.get(nd.op, (0, 0))
+        out[nd.op] = (f + nd.flops, b + nd.output_bytes)
+    return out
+
+
+def test_split_tokens_of_whole_sequences_is_the_profile_at_s_over_cp() -> None:
+    whole, local = _costs(1), _costs(2)
+    split = split_tokens(whole, 2)
+    assert split_tokens(whole, 1) is whole
+    got, want = _by_op(split), _by_op(local)
+    # matmuls and attention do the work of S / cp tokens each (attention: (S / cp)^2)
+    for op in ("aten.mm.default", "aten.linear.default", ATTENTION_OP):
+        if op in want:
+            assert got[op][0] == pytest.approx(want[op][0], rel=1e-6), op
+    assert got[ATTENTION_OP][1] == want[ATTENTION_OP][1]
+    assert split.param_sizes == whole.param_sizes
+    assert sum(split.graph_inputs.values()) == pytest.approx(
+        sum(whole.graph_inputs.values()) / 2, rel=0.01)
+
+
+@pytest.mark.parametrize(("name", "causal"), [("llama", True), ("bert", False)])
+def test_attention_gathers_keys_and_values_and_attends_to_the_whole_sequence(
+        name: str, causal: bool) -> None:
+    cp = 2
+    local = _costs(cp, name)
+    out = context_costs(local, cp, causal=causal, bandwidth_bytes_per_s=BW, latency_us=LAT)
+    assert context_costs(local, 1, causal=causal, bandwidth_bytes_per_s=BW,
+                         latency_us=LAT) is local
+    attn = attention_nodes(local)
+    assert len(attn) == 2  # one per layer
+    by_name = {nd.name: nd for nd in local.nodes}
+    work = (2 * cp + 1) / 4 if causal else cp
+    for i, (a, b) in enumerate(zip(local.nodes, out.nodes, strict=True)):
+        if i not in attn:
+            assert a == b
+            continue
+        # keys / values of the rank's tokens: 2 sequences x 4 heads x 32 tokens x 8 dims x 4 B
+        kv = [by_name[n].output_bytes * cp for n in a.inputs[1:3]]
+        assert kv == [2 * 4 * SEQ * 8 * 4] * 2
+        gather = sum(all_gather_us(x, cp, BW, LAT) for x in kv)
+        assert gather == pytest.approx(2 * (kv[0] / 2 / BW * 1e6 + LAT))
+        assert b.fwd_us == pytest.approx(a.fwd_us * work + gather)
+        assert b.bwd_input_us == pytest.approx(
+            a.bwd_input_us * work + sum(reduce_scatter_us(x, cp, BW, LAT) for x in kv))
+        assert b.flops == int(a.flops * work)
+        assert b.saved_bytes == a.saved_bytes + (2 if causal else 1) * sum(kv)
+
+
+def _layout(num_gpus: int = 4, **kw) -> LayoutOptions:
+    topology = topology_for_device(SPEC.name, SPEC.link_bandwidth_bytes_per_s,
+                                   SPEC.link_latency_us)
+    return LayoutOptions(num_gpus=num_gpus, topology=topology, **kw)
+
+
+def test_the_layout_search_tries_cp_where_the_sequence_allows_and_prices_it() -> None:
+    whole = _costs(1)
+    options = SolveOptions(batch_size=4, num_microbatches=2, time_limit_s=5.0)
+    # unknown sequence length: cp stays 1; searched: every divisor of the GPUs dividing S / 2
+    assert {c.cp for c in layout_candidates(whole, SPEC, options, _layout(cp=None))} == {1}
+    cands = layout_candidates(whole, SPEC, options, _layout(cp=None, max_cp=SEQ // 2))
+    assert {c.cp for c in cands} == {1, 2, 4}
+    assert all(c.tp * c.pp * c.dp * c.cp == 4 for c in cands)
+    assert {(c.pp, c.dp) for c in cands if c.cp == 4} == {(1, 1)}
+    # cp 2 halves a GPU's activations: a lower peak than pp 2 alone on half the GPUs
+    at = {cp: evaluate_layout(whole, SPEC, options, _layout(2 * cp, cp=cp),
+                              LayoutCandidate(1, 2, 1, 0, 0.0, 0, cp=cp)) for cp in (1, 2)}
+    assert at[2].cp == 2 and at[1].cp == 1 and at[2].dp == 1
+    peak = {cp: max(r.peak_memory_bytes for r in p.ranks) for cp, p in at.items()}
+    assert peak[2] < peak[1]
+    # under a cap only a cp layout fits: the search picks it and says so in the plan
+    cap = (peak[1] + peak[2]) // 2
+    plan = solve_layout(whole, SPEC, dataclasses.replace(options, memory_cap_bytes=cap),
+                        _layout(cp=None, max_cp=SEQ // 2, pp=2, dp=1))
+    assert plan.cp > 1 and plan.num_gpus == 4
+    assert max(r.peak_memory_bytes for r in plan.ranks) <= cap
