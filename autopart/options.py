@@ -191,7 +191,11 @@ class CompileOptions:
             ``autopart/codegen/context_parallel.py``); the layout search then lays out the
             world's ranks / cp as tp x pp x dp on the model captured at S / cp tokens. The
             model must take ``position_ids``, attend through ``scaled_dot_product_attention``
-            with a causal or no mask, and S be a multiple of 2 cp. Not with ep > 1.
+            with a causal or no mask, and S be a multiple of 2 cp. Not with ep > 1. The
+            loss must pair output and target position by position (pass the target already
+            shifted, as Megatron-LM's and torchtitan's data loaders do): a loss that shifts
+            inside would pair the last token of a rank's first chunk with the first of its
+            second.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
