@@ -59,8 +59,8 @@ def tiny_model(name: str, seq: int, batch: int) -> tuple[Any, tuple[Any, ...], A
 
 def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: int,
                 names: list[str], seq: int, zero_stage: int = 0, compiled: bool = False,
-                ) -> None:
-    """pp x dp x cp (dp = world / (pp cp)) with ZeRO ``zero_stage``, on each model (a
+                tp: int = 1) -> None:
+    """tp x pp x dp x cp (dp = world / (tp pp cp)) with ZeRO ``zero_stage``, on each model (a
     hand-made plan; with ``compiled`` also ``autopart.compile(..., cp=cp)`` planning the
     world's other degrees on rank 0): the global loss and every gradient against the plain
     model on the global batch of whole sequences; write this rank's problems to
@@ -72,6 +72,7 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
     from autopart.core.signature import InputSignature, microbatch_inputs
     from autopart.runtime.distributed.mesh import mesh_groups
     from autopart.runtime.distributed.pipeline import DistributedPipeline
+    from tests.distributed.tp_worker import tp_plan
     from tests.plans import manual_plan
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -79,7 +80,7 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    dp = world // (pp * cp)
+    dp = world // (tp * pp * cp)
     problems: list[str] = []
     for name in names:
         m, batch = 2, 4 * dp
@@ -93,17 +94,21 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
             nodes = op_nodes(captured.graph_module.graph)
             positions = [next(k for k, n in enumerate(nodes)
                               if node_module_path(n).startswith(SECOND_LAYER[name]))]
-        plan = dataclasses.replace(manual_plan(captured, positions, m, batch,
-                                               schedule_kind="1f1b"), dp=dp, cp=cp,
-                                   zero_stage=zero_stage)
+        plan = (manual_plan(captured, positions, m, batch, schedule_kind="1f1b") if tp == 1
+                else tp_plan(name, captured, pp, m, batch))
+        plan = dataclasses.replace(plan, dp=dp, cp=cp, zero_stage=zero_stage)
         groups = mesh_groups(plan)
         stages = build_stages(captured, plan, ["cpu"] * pp,
                               ranks={dist.get_rank(groups.pp_group)},
-                              cp=TensorParallelRank.of_group(groups.cp_group))
+                              cp=TensorParallelRank.of_group(groups.cp_group),
+                              tp=None if tp == 1 else TensorParallelRank.of_group(
+                                  groups.tp_group))
         pipe = DistributedPipeline(model, stages, InputSignature.of(captured),
                                    torch.device("cpu"), loss_fn=loss_fn,
-                                   pp_group=groups.pp_group, dp_group=groups.dp_group)
-        _check(problems, name, rank, pipe, args, target, loss_fn, reference)
+                                   pp_group=groups.pp_group, dp_group=groups.dp_group,
+                                   tp_group=groups.tp_group)
+        _check(problems, name, rank, pipe, args, target, loss_fn, reference,
+               stages.shards, groups.tp_group)
         if compiled:
             import autopart
 
@@ -121,8 +126,10 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
 
 
 def _check(problems: list[str], name: str, rank: int, pipe: Any, args: tuple[Any, ...],
-           target: Any, loss_fn: Any, reference: Any) -> None:
-    """One step of ``pipe`` on the global batch against ``reference``'s loss and gradients."""
+           target: Any, loss_fn: Any, reference: Any, shards: Any = None,
+           tp_group: Any = None) -> None:
+    """One step of ``pipe`` on the global batch against ``reference``'s loss and gradients
+    (a tp shard's gathered whole over ``tp_group`` by its layout in ``shards``)."""
     sources = pipe.stage_sources().values()
     if not any("context_parallel" in src for src in sources):
         problems.append(f"{name}: no attention of rank {rank}'s stages was rewritten")
@@ -137,5 +144,10 @@ def _check(problems: list[str], name: str, rank: int, pipe: Any, args: tuple[Any
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         if isinstance(grad, DTensor):
             grad = grad.full_tensor()
+        layout = (shards or {}).get(fqn)
+        if layout is not None:
+            parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(tp_group))]
+            dist.all_gather(parts, grad.contiguous(), group=tp_group)
+            grad = layout.full(parts)
         _close(problems, f"{name} {fqn} grad", grad, ref[fqn].grad)
     pipe.close()

@@ -1,6 +1,6 @@
 """Context parallelism in real gloo processes (no mocks): tiny Llama (grouped-query attention,
 causal), GPT-2 (causal) and BERT (attention over the whole sequence) with each sequence split
-over cp ranks (alone at cp 2 and 4, with pp 2, with dp 2 and ZeRO-1, and through
+over cp ranks (alone at cp 2 and 4, with pp 2, with dp 2 and ZeRO-1, with tp 2, and through
 ``autopart.compile(..., cp=2)``), against the plain model on whole sequences: the global
 loss on every rank and every gradient (float32, rtol 1e-5, atol 4e-5)."""
 
@@ -25,15 +25,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize(("world", "pp", "cp", "names", "seq", "zero", "compiled"), [
-    (2, 1, 2, ["llama", "gpt2", "bert"], 64, 0, True),
-    (4, 1, 4, ["llama"], 4096, 0, False),
-    (4, 2, 2, ["llama", "bert"], 64, 0, False),
-    (4, 1, 2, ["llama", "gpt2"], 64, 1, False),
-], ids=["cp2", "cp4-seq4096", "pp2xcp2", "dp2xcp2-zero1"])
+@pytest.mark.parametrize(("world", "pp", "cp", "names", "seq", "zero", "compiled", "tp"), [
+    (2, 1, 2, ["llama", "gpt2", "bert"], 64, 0, True, 1),
+    (4, 1, 4, ["llama"], 4096, 0, False, 1),
+    (4, 2, 2, ["llama", "bert"], 64, 0, False, 1),
+    (4, 1, 2, ["llama", "gpt2"], 64, 1, False, 1),
+    (4, 1, 2, ["llama", "bert"], 64, 0, False, 2),
+], ids=["cp2", "cp4-seq4096", "pp2xcp2", "dp2xcp2-zero1", "tp2xcp2"])
 def test_loss_and_every_gradient_match_the_plain_model(
         world: int, pp: int, cp: int, names: list[str], seq: int, zero: int,
-        compiled: bool) -> None:
+        compiled: bool, tp: int) -> None:
     with tempfile.TemporaryDirectory() as out:
         script = textwrap.dedent(f"""
             import sys
@@ -43,7 +44,7 @@ def test_loss_and_every_gradient_match_the_plain_model(
             if __name__ == "__main__":
                 mp.spawn(cp_numerics, nprocs={world}, join=True,
                          args=({world}, {_free_port()}, {out!r}, {pp}, {cp}, {names!r}, {seq},
-                               {zero}, {compiled}))
+                               {zero}, {compiled}, {tp}))
         """)
         proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                               text=True, timeout=400)
