@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopart.core.capture import CapturedGraph, capture, on_meta
+from autopart.core.context import context_inputs
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.signature import batch_size, microbatch_inputs
@@ -199,6 +200,8 @@ class LazyPipeline:
         if batch % mb:
             raise PlanError(f"batch of {batch} is not a multiple of the microbatch size {mb} "
                             "this pipeline was planned for; pass such a batch")
+        # a cp plan's stages hold one cp rank's tokens (any rank's graph is the same)
+        args, kwargs, _ = context_inputs(self.model, plan.cp, args, kwargs)
         mb_args, mb_kwargs = microbatch_inputs(args, kwargs, batch // mb)
         if on_meta(self.model):
             mb_args, mb_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"),

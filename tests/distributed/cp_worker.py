@@ -34,16 +34,16 @@ def tiny_model(name: str, seq: int, batch: int) -> tuple[Any, tuple[Any, ...], A
     if name == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * seq,
             use_cache=False, attn_implementation="sdpa"))
     elif name == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=seq, use_cache=False,
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=2 * seq, use_cache=False,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"))
     elif name == "bert":
         model = transformers.BertForMaskedLM(transformers.BertConfig(
             vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=64, max_position_embeddings=seq, hidden_dropout_prob=0.0,
+            intermediate_size=64, max_position_embeddings=2 * seq, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
     else:
         raise ValueError(f"no tiny model {name!r}")
@@ -61,8 +61,9 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
                 names: list[str], seq: int, zero_stage: int = 0, compiled: bool = False,
                 tp: int = 1) -> None:
     """tp x pp x dp x cp (dp = world / (tp pp cp)) with ZeRO ``zero_stage``, on each model (a
-    hand-made plan; with ``compiled`` also ``autopart.compile(..., cp=cp)`` planning the
-    world's other degrees on rank 0): the global loss and every gradient against the plain
+    hand-made plan; with ``compiled``, on the first model, also ``autopart.compile(...,
+    cp=cp)`` planning the world's other degrees on rank 0, and a lazy pipeline at that
+    sequence and one twice as long): the global loss and every gradient against the plain
     model on the global batch of whole sequences; write this rank's problems to
     ``result_dir/<rank>.json``."""
     sys.path.insert(0, os.getcwd())
@@ -109,16 +110,27 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
                                    tp_group=groups.tp_group)
         _check(problems, name, rank, pipe, args, target, loss_fn, reference,
                stages.shards, groups.tp_group)
-        if compiled:
+        if compiled and name == names[0]:  # the public path, on the first model
             import autopart
 
             model, args, target, loss_fn = tiny_model(name, seq, batch)
-            reference = copy.deepcopy(model)
+            initial = copy.deepcopy(model)
             pipe = autopart.compile(model, args, loss_fn=loss_fn, example_target=target,
                                     cp=cp, num_microbatches=m)
             if pipe.plan.cp != cp:
                 problems.append(f"{name} compiled: plan has cp={pipe.plan.cp}")
-            _check(problems, f"{name} compiled", rank, pipe, args, target, loss_fn, reference)
+            _check(problems, f"{name} compiled", rank, pipe, args, target, loss_fn,
+                   copy.deepcopy(initial))
+            # planned at the first step (a lazy pipeline), then a sequence twice as long: its
+            # own capture at the new shape, cut to this rank's tokens, on the same plan
+            model = copy.deepcopy(initial)
+            lazy = autopart.compile(model, loss_fn=loss_fn, cp=cp, num_microbatches=m)
+            _check(problems, f"{name} lazy", rank, lazy, args, target, loss_fn,
+                   copy.deepcopy(initial), close=False)
+            _, longer, longer_target, _ = tiny_model(name, 2 * seq, batch)
+            lazy.zero_grad()
+            _check(problems, f"{name} lazy, 2 x seq", rank, lazy, longer, longer_target,
+                   loss_fn, copy.deepcopy(initial))
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(problems, f)
     dist.barrier()
@@ -127,15 +139,15 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
 
 def _check(problems: list[str], name: str, rank: int, pipe: Any, args: tuple[Any, ...],
            target: Any, loss_fn: Any, reference: Any, shards: Any = None,
-           tp_group: Any = None) -> None:
+           tp_group: Any = None, close: bool = True) -> None:
     """One step of ``pipe`` on the global batch against ``reference``'s loss and gradients
     (a tp shard's gathered whole over ``tp_group`` by its layout in ``shards``)."""
+    loss = pipe.train_step(*args, target=target)
     sources = pipe.stage_sources().values()
     if not any("context_parallel" in src for src in sources):
         problems.append(f"{name}: no attention of rank {rank}'s stages was rewritten")
     if any("scaled_dot_product_attention" in src for src in sources):
         problems.append(f"{name}: an attention was left whole on rank {rank}")
-    loss = pipe.train_step(*args, target=target)
     ref_loss = loss_fn(reference(*args), target)
     ref_loss.backward()
     ref = dict(reference.named_parameters())
@@ -150,4 +162,5 @@ def _check(problems: list[str], name: str, rank: int, pipe: Any, args: tuple[Any
             dist.all_gather(parts, grad.contiguous(), group=tp_group)
             grad = layout.full(parts)
         _close(problems, f"{name} {fqn} grad", grad, ref[fqn].grad)
-    pipe.close()
+    if close:
+        pipe.close()
