@@ -4,25 +4,11 @@ over cp ranks (alone at cp 2 and 4, with pp 2, with dp 2 and ZeRO-1, with tp 2, 
 ``autopart.compile(..., cp=2)``), against the plain model on whole sequences: the global
 loss on every rank and every gradient (float32, rtol 1e-5, atol 4e-5)."""
 
-import json
-import socket
-import subprocess
-import sys
-import tempfile
-import textwrap
-from pathlib import Path
-
 import pytest
 
+from tests.distributed.spawned import rank_problems
+
 pytest.importorskip("transformers")
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(("world", "pp", "cp", "names", "seq", "zero", "compiled", "tp"), [
@@ -35,19 +21,6 @@ def _free_port() -> int:
 def test_loss_and_every_gradient_match_the_plain_model(
         world: int, pp: int, cp: int, names: list[str], seq: int, zero: int,
         compiled: bool, tp: int) -> None:
-    with tempfile.TemporaryDirectory() as out:
-        script = textwrap.dedent(f"""
-            import sys
-            sys.path.insert(0, {str(ROOT)!r})
-            import torch.multiprocessing as mp
-            from tests.distributed.cp_worker import cp_numerics
-            if __name__ == "__main__":
-                mp.spawn(cp_numerics, nprocs={world}, join=True,
-                         args=({world}, {_free_port()}, {out!r}, {pp}, {cp}, {names!r}, {seq},
-                               {zero}, {compiled}, {tp}))
-        """)
-        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                              text=True, timeout=400)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        problems = {r: json.loads((Path(out) / f"{r}.json").read_text()) for r in range(world)}
+    problems = rank_problems("tests.distributed.cp_worker", "cp_numerics", world, pp, cp, names,
+                             seq, zero, compiled, tp)
     assert problems == {r: [] for r in range(world)}
