@@ -24,9 +24,15 @@ sequences first):
   the whole sequence's keys, :func:`autopart.solver.collectives.all_gather_us` on the cp
   group's link, plus the runtime's fixed cost per collective), in the backward their
   gradients reduce-scattered (two); in line, not overlapped, as the runtime runs them;
-- memory: the gathered keys and values are saved for the backward, and (causal) their copy
-  in sequence order too: ``2 x`` (causal) or ``1 x`` the whole sequence's key and value
-  bytes on top of what the node saved.
+- memory: the whole sequence's keys and values held from the forward to the backward on
+  top of what the node saved: ``2 x`` their bytes for causal attention (the gathered ones
+  and their copy in sequence order), ``1 x`` for attention over the whole sequence. Measured
+  on this project's CPU (``benchmarks/context_parallel``, 4-layer Llama shape, 2 x 1024
+  tokens per microbatch, cp 2, one stage): a peak of 190.7 MiB against 203.1 predicted;
+  holding only ``(cp - 1) / cp`` of them more (what autograd should keep: ``index_select``
+  saves its indices, not its input) predicted 179.1 MiB against 192.7 measured, under it.
+  The backward's whole-sequence gradients of the keys and values are the likely rest (not
+  separated).
 
 Gradients and ZeRO over the dp x cp ranks are priced by the layout search (the dp line
 holds dp x cp GPUs, :mod:`autopart.solver.layout_search`).
@@ -38,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from autopart.core.costgraph import CostGraph, NodeCost
-from autopart.solver.collectives import all_gather_us, reduce_scatter_us
+from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
 
 __all__ = ["ATTENTION_OP", "attention_nodes", "context_costs", "split_tokens"]
 
@@ -83,7 +89,8 @@ def split_tokens(costs: CostGraph, cp: int) -> CostGraph:
 
 def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_per_s: float,
                   latency_us: float,
-                  collective_overhead: Callable[[float], float] | None = None) -> CostGraph:
+                  collective_overhead: Callable[[float], float] | None = None,
+                  reduce_scatter_as_all_reduce: bool = False) -> CostGraph:
     """One GPU's costs at ``cp`` from ``costs`` of the model at S / cp tokens (see the module
     docstring). ``costs`` itself at cp = 1.
 
@@ -96,9 +103,12 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
             step's latency).
         collective_overhead: what one collective costs beyond its transfer after that much
             work, µs (``RuntimeDescription.collective_overhead_at``), or None.
+        reduce_scatter_as_all_reduce: the runtime's reduce-scatter costs an all-reduce of
+            the same buffer (``RuntimeDescription.reduce_scatter_as_all_reduce``: gloo).
     """
     if cp == 1:
         return costs
+    scatter_us = all_reduce_us if reduce_scatter_as_all_reduce else reduce_scatter_us
     nodes = list(costs.nodes)
     by_name = {nd.name: nd for nd in costs.nodes}
     overhead = collective_overhead(0.0) if collective_overhead is not None else 0.0
@@ -109,7 +119,7 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
         kv = [by_name[n].output_bytes * cp if n in by_name else 0 for n in nd.inputs[1:3]]
         gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
                      for b in kv)
-        scatter = sum(reduce_scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
+        scatter = sum(scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
                       for b in kv)
         held = (2 if causal else 1) * sum(kv)
         nodes[i] = replace(nd, fwd_us=nd.fwd_us * work + gather,

@@ -239,7 +239,8 @@ def _sharded(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOption
         cp_bw, cp_lat = layout.topology.link(tp * cp)
         local = context_costs(base, cp, causal=layout.causal_attention,
                               bandwidth_bytes_per_s=cp_bw, latency_us=cp_lat,
-                              collective_overhead=runtime.collective_overhead_at)
+                              collective_overhead=runtime.collective_overhead_at,
+                              reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
         out = _sharded(local, tp, device, layout, runtime, None, ep)
     elif ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
         base = _sharded(costs, tp, device, layout, runtime, cache, 1)

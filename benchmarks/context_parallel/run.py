@@ -10,7 +10,8 @@ priced again with the world's ranks per core (as ``benchmarks/fidelity_3d`` does
 ranks: ``pp2`` (cp 1) and ``cp2`` (pp 1); on 4 ranks: ``pp2xcp2`` and ``pp2xdp2`` (cp 1).
 Arms alternate step by step (:func:`autopart.apps.bench.run_arms`), the whole is repeated
 ``--repeats`` times in fresh processes; per arm: the prediction, the median of every timed
-step, each repeat's median and the spread, and every rank's predicted and measured peak.
+step, each repeat's median and the spread, and each pipeline rank's predicted and measured
+peak (rank 0's pipeline).
 
     .venv/bin/python benchmarks/context_parallel/run.py [--steps 7] [--repeats 2] [--out DIR]
 
@@ -170,9 +171,8 @@ def main() -> None:
                 "error": predicted / measured - 1,
                 "predicted_peak_bytes": predicted_peaks,
                 "measured_peak_bytes": peaks,
-                # global rank r runs pipeline rank r // (world / pp) (the mesh is pp-outermost)
-                "peak_ratio": [predicted_peaks[r // (world // pp)] / peaks[r]
-                               for r in range(len(peaks))]})
+                # one measured peak per pipeline rank (its pipeline's, as rank 0 gathers them)
+                "peak_ratio": [predicted_peaks[r] / peaks[r] for r in range(len(peaks))]})
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                        f"{len(os.sched_getaffinity(0))} usable",
@@ -192,8 +192,7 @@ def main() -> None:
              "repeat medians | spread | peak MiB per rank, predicted / measured |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
-        per_pp = r["world"] // r["pp"]
-        peaks = ", ".join(f"{r['predicted_peak_bytes'][i // per_pp] / mib:.1f} / {m / mib:.1f}"
+        peaks = ", ".join(f"{r['predicted_peak_bytes'][i] / mib:.1f} / {m / mib:.1f}"
                           for i, m in enumerate(r["measured_peak_bytes"]))
         lines.append(f"| {r['arm']} | {r['world']} | {r['pp']} | {r['dp']} | {r['cp']} | "
                      f"{r['predicted_step_s'] * 1e3:.1f} ms | "
