@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/autopart demo
 
+# Two runs: the one-process tests on two pytest workers (pytest-xdist), then the multi-rank
+# tests of tests/distributed alone, one at a time (their ranks already use every core).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --ignore=tests/distributed
+	$(BIN)/python -m pytest -q tests/distributed
 
 # Optional, for benchmarks/pipeline_cpu/peers.py only (never a package or CI dependency):
 # DeepSpeed's pipeline engine on CPU, without prebuilt ops, keeping this venv's torch.

@@ -256,7 +256,8 @@ def check_plan_invariants(plan: Plan) -> None:
         raise bad(problem)
     line = plan.dp * plan.cp  # the GPUs that reduce gradients together (cp folded into dp)
     if plan.overlap_grad_reduce and (line < 2 or plan.zero_stage != 0):
-        raise bad(f"overlap_grad_reduce=True with dp={plan.dp} x cp={plan.cp} and zero_stage="
+        cp = f" x cp={plan.cp}" if plan.cp > 1 else ""
+        raise bad(f"overlap_grad_reduce=True with dp={plan.dp}{cp} and zero_stage="
                   f"{plan.zero_stage}: it overlaps ZeRO-0's gradient all-reduce over dp x cp "
                   ">= 2 GPUs; set it False")
     if plan.zero_layer_units and (line < 2 or plan.zero_stage < 1

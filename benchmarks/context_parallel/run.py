@@ -94,12 +94,12 @@ def _request(profile: Any, world: int, fixed: dict[str, int], heads: int | None)
 def _price(shared: Any, plan: Any, world: int, fixed: dict[str, int],
            heads: int | None) -> tuple[float, list[int]]:
     """``plan``'s step (s) and per-rank peaks (bytes) on ``shared`` (a world profile)."""
-    from autopart.solver.layout_predict import _priced
+    from autopart.solver.layout_predict import predict_layout_comm
 
     spec = shared.cluster().devices[0]
     options = shared.options(schedule_kind="1f1b", optimizer_state_bytes_per_param_byte=2.0)
-    priced, _ = _priced(plan, shared.costs, spec, options,
-                        _request(shared, world, fixed, heads))
+    priced = predict_layout_comm(plan, shared.costs, spec, options,
+                                 _request(shared, world, fixed, heads)).plan
     return priced.predicted_step_time_us / 1e6, [r.peak_memory_bytes for r in priced.ranks]
 
 
