@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autopart.core.errors import PlanError
 from tests.distributed.ep_worker import _close
 from tests.distributed.rank_exit import end_rank
 
@@ -162,5 +163,11 @@ def _check(problems: list[str], name: str, rank: int, pipe: Any, args: tuple[Any
             dist.all_gather(parts, grad.contiguous(), group=tp_group)
             grad = layout.full(parts)
         _close(problems, f"{name} {fqn} grad", grad, ref[fqn].grad)
+    try:
+        pipe(*args)
+        problems.append(f"{name}: forward with cp > 1 was not refused")
+    except PlanError as exc:
+        if "not gathered back" not in str(exc):
+            problems.append(f"{name}: forward refused for another reason: {exc}")
     if close:
         pipe.close()

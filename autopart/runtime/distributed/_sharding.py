@@ -202,10 +202,12 @@ class DataSharding:
                             f"but this pipeline has a data-parallel group of {size} rank(s); "
                             "pass mesh= (a DeviceMesh with dims ('pp', 'dp'), dp >= 2) or use "
                             "a plan with zero_stage=0")
-        if plan.dp * plan.cp > 1 and size != plan.dp * plan.cp:  # cp is folded into dp
-            raise PlanError(f"the plan has dp={plan.dp} x cp={plan.cp} but the data-parallel "
-                            f"group has {size} ranks; launch tp x pp x dp x cp = "
-                            f"{plan.num_gpus} ranks with a mesh of dp={plan.dp * plan.cp}")
+        line = plan.dp * plan.cp  # cp is folded into dp
+        if line > 1 and size != line:
+            cp = f" x cp={plan.cp}" if plan.cp > 1 else ""
+            raise PlanError(f"the plan has dp={plan.dp}{cp} but the data-parallel group has "
+                            f"{size} ranks; launch tp x pp x dp{' x cp' if cp else ''} = "
+                            f"{plan.num_gpus} ranks with a mesh of dp={line}")
         names = set(parameters)
         for fqn, copies in sorted(placement.replicas.items()):
             ranks = [plan.stages[s].rank for s in [placement.owner[fqn], *copies]]

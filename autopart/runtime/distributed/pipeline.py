@@ -418,7 +418,18 @@ class DistributedPipeline(RankTensors):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Pipelined inference; the output (same structure as the model's) on every rank.
         With a plan of dp > 1 replicas, a global batch gives this replica's rows' output
-        (see :meth:`_replica_share`)."""
+        (see :meth:`_replica_share`).
+
+        Raises:
+            PlanError: a plan with cp > 1 (each rank would get its own tokens' output, in its
+                chunks' order; not gathered yet): use ``train_step``, or a cp = 1 plan for
+                inference.
+        """
+        if self.plan.cp > 1:
+            raise PlanError(f"forward with cp={self.plan.cp}: each rank holds its own tokens of "
+                            "every sequence, and their outputs are not gathered back into "
+                            "sequence order yet; train with train_step, and run inference on a "
+                            "plan with cp=1")
         args, kwargs, _ = self._replica_share(args, kwargs, None)
         with self._on_own_cores():
             return self._forward(args, kwargs)
