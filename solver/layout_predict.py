@@ -10,14 +10,9 @@ from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.solver._cost_model import CostModel
+from autopart.solver.layout_candidates import pipeline_cluster, sharded_costs
 from autopart.solver.layout_dp import dp_exposed_us
-from autopart.solver.layout_search import (
-    LayoutCandidate,
-    LayoutOptions,
-    _pipeline_cluster,
-    _sharded,
-    evaluate_layout,
-)
+from autopart.solver.layout_search import LayoutCandidate, LayoutOptions, evaluate_layout
 from autopart.solver.options import SolveOptions
 from autopart.solver.predict import tied_ranks
 
@@ -104,7 +99,7 @@ def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,
     """
     priced, layout = _priced(plan, costs, device, options, layout)
     tp, pp, dp = plan.tp, len(plan.ranks), plan.dp * plan.cp  # the dp line: dp x cp GPUs
-    sharded = _sharded(costs, tp, device, layout, options.runtime, ep=plan.ep, cp=plan.cp)
+    sharded = sharded_costs(costs, tp, device, layout, options.runtime, ep=plan.ep, cp=plan.cp)
     runtime = options.runtime
     if runtime.collectives_share_compute and priced.overlap_grad_reduce:
         # the step prices the overlapped reduction as run after the flush (it slows the
@@ -112,7 +107,7 @@ def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,
         runtime = replace(runtime, collectives_share_compute=False)
     exposed = (dp_exposed_us(priced, layout, runtime, sharded)
                if options.training and dp > 1 else (0.0,) * pp)
-    model = CostModel.for_options(sharded, _pipeline_cluster(device, tp, pp, dp,
+    model = CostModel.for_options(sharded, pipeline_cluster(device, tp, pp, dp,
                                                              layout.topology),
                                   replace(options, recompute_policy=plan.recompute_policy))
     sync = model.tied_sync_us(tuple(c.position for c in plan.cuts), pp,
