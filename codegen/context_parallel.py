@@ -141,7 +141,9 @@ def _mask_is_causal(gm: fx.GraphModule, attn: fx.Node, mask: fx.Node) -> bool:
 def _stand_in(placeholder: fx.Node) -> torch.Tensor:
     val = placeholder.meta.get("val")
     if not isinstance(val, torch.Tensor):
-        raise PlanError(f"input {placeholder.name} of the attention mask has no recorded shape")
+        raise PlanError(f"input {placeholder.name} of attention's mask has no recorded shape, so "
+                        "the mask cannot be checked causal; capture the model with "
+                        f"autopart's capture (torch.export records it), or {_FIX}")
     if "position_ids" in placeholder.name:
         return torch.arange(val.shape[-1]).expand(tuple(val.shape)).to(val.dtype)
     return torch.zeros(tuple(val.shape), dtype=val.dtype)
