@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from autopart.codegen.context_parallel import attention_kinds
+from autopart.codegen.context_parallel import attention_heads, attention_kinds
 from autopart.core.cluster import DeviceSpec
 from autopart.core.context import context_inputs
 from autopart.core.errors import PlanError
@@ -102,7 +102,8 @@ def layout_request(options: CompileOptions, world: int, device: DeviceSpec,
                          overlap_grad_reduce=options.overlap_grad_reduce,
                          zero_layer_units=options.zero_layer_units and not options.fuse,
                          sequence_parallel=options.sequence_parallel, ep=options.ep,
-                         num_experts=num_experts, cp=options.cp)
+                         num_experts=num_experts, cp=options.cp,
+                         cp_attention=options.cp_attention)
 
 
 def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -206,7 +207,8 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
     if options.cp > 1:  # the profile is of one cp rank's tokens (plan_layout)
         kinds = attention_kinds(profile.captured)
         request = dataclasses.replace(request, cp_tokens_profiled=True,
-                                      causal_attention=all(kinds.values()))
+                                      causal_attention=all(kinds.values()),
+                                      attention_heads=attention_heads(profile.captured))
     if profile.microbatch_candidates is not None and options.num_microbatches is None:
         # a replica's microbatches no smaller than the smallest profiled one: below it the
         # two-point costs extrapolate (and can go negative)

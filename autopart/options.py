@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from autopart.core.errors import PlanError
 from autopart.core.layout import check_zero_stage
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
+from autopart.core.plan_rules import CP_ATTENTIONS
 from autopart.core.recompute_policy import RECOMPUTE_POLICIES
 from autopart.core.runtime_model import BACKENDS
 
@@ -196,6 +197,10 @@ class CompileOptions:
             shifted, as Megatron-LM's and torchtitan's data loaders do): a loss that shifts
             inside would pair the last token of a rank's first chunk with the first of its
             second.
+        cp_attention: with cp > 1, how attention spans the cp ranks (``Plan.cp_attention``):
+            ``"all_gather"`` (keys and values all-gathered) or ``"ulysses"`` (all-to-alls
+            between sequence and head sharding; the heads per tp rank must divide by cp).
+            None (the default): the layout search prices both and keeps the better.
 
     Raises:
         PlanError: a value out of range or of the wrong type, naming it and the fix.
@@ -225,6 +230,7 @@ class CompileOptions:
     sequence_parallel: bool = False
     ep: int | None = 1
     cp: int = 1
+    cp_attention: str | None = None
     issue_threads: int | None = 1
     cuda_graphs: bool = False
 
@@ -236,6 +242,9 @@ class CompileOptions:
             raise PlanError(f"cp={self.cp!r} with ep={self.ep!r}: pass cp as a degree >= 1 (the "
                             "layout search does not choose it), and not with ep > 1 (context "
                             "and expert parallelism do not run together yet)")
+        if self.cp_attention not in (None, *CP_ATTENTIONS):
+            raise PlanError(f"cp_attention={self.cp_attention!r}: expected one of "
+                            f"{CP_ATTENTIONS}, or None to let the layout search choose")
         if self.zero_stage is not None:
             check_zero_stage(self.zero_stage)
         if self.optimize is not None and self.optimize not in OPTIMIZE_TARGETS:
@@ -369,6 +378,8 @@ class CompileOptions:
                  ("zero_stage", self.zero_stage, plan.zero_stage),
                  ("ep", None if self.ep == 1 else self.ep, plan.ep),
                  ("cp", None if self.cp == 1 else self.cp, plan.cp),
+                 ("cp_attention", self.cp_attention if plan.cp > 1 else None,
+                  plan.cp_attention),
                  ("recompute", self.recompute,
                   next(iter(recompute)) if len(recompute) == 1 else "per stage"),
                  ("recompute_policy", None if self.recompute_policy == "auto"

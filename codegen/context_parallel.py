@@ -16,10 +16,19 @@ attention (``aten.scaled_dot_product_attention``) with :class:`ContextParallelAt
 - attention over the whole sequence (a mask of all ones, or none; BERT): one call over all
   the gathered keys.
 
-This is the all-gather form of context parallelism (Llama 3's, "The Llama 3 Herd of Models",
-2024, section 3.3.2; torchtitan's ``cp_rotate_method="allgather"``), not a ring: the whole
-keys and values of the layer are held during its attention, and the exchange is not
-overlapped with the attention's compute.
+This is the all-gather form of context parallelism (``Plan.cp_attention="all_gather"``;
+Llama 3's, "The Llama 3 Herd of Models", 2024, section 3.3.2; torchtitan's
+``cp_rotate_method="allgather"``), not a ring: the whole keys and values of the layer are
+held during its attention, and the exchange is not overlapped with the attention's compute.
+
+With ``Plan.cp_attention="ulysses"`` each attention becomes :class:`UlyssesAttention`
+(DeepSpeed-Ulysses, Jacobs et al., 2023, "System Optimizations for Enabling Training of
+Extreme Long Sequence Transformer Models"): the queries, keys and values are exchanged by one
+all-to-all each (``all_to_all_single_autograd``, whose backward is the reverse all-to-all),
+so that each rank holds heads / cp of the heads for the whole sequence; the model's own
+attention runs on them (``is_causal`` over the whole sequence in order, or unmasked), and one
+more all-to-all brings each rank its tokens' outputs for every head. The heads a rank holds
+(after tp) and the key / value heads must divide by cp.
 
 What the pass reads is the model's own mask, on the whole captured graph
 (:func:`attention_kinds`): it is evaluated on contiguous positions and must be causal
@@ -30,12 +39,16 @@ sliding window, or attention not computed by ``scaled_dot_product_attention``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed._functional_collectives import (
+    all_gather_single_autograd,
+    all_to_all_single_autograd,
+)
 
 from autopart.codegen import _tp_ops
 from autopart.codegen.tp_layout import TensorParallelRank
@@ -43,7 +56,8 @@ from autopart.core.capturedgraph import CapturedGraph, node_module_path
 from autopart.core.context import context_chunks
 from autopart.core.errors import PlanError
 
-__all__ = ["ContextParallelAttention", "attention_kinds", "context_parallel"]
+__all__ = ["ContextParallelAttention", "UlyssesAttention", "attention_heads", "attention_kinds",
+           "context_parallel", "sequence_order"]
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -87,6 +101,23 @@ def attention_kinds(captured: CapturedGraph) -> dict[str, bool]:
                         "model with attn_implementation='eager' computes it from matmuls); "
                         f"load it with attn_implementation='sdpa' or {_FIX}")
     return kinds
+
+
+def attention_heads(captured: CapturedGraph) -> int | None:
+    """The head count every attention of the captured graph divides among its queries, keys
+    and values (the greatest common divisor of their dimension 1, ``[B, H, S, D]``), or None
+    when a recorded shape is missing: Ulysses splits them over tp x cp GPUs."""
+    out = 0
+    for node in captured.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is not SDPA:
+            continue
+        args = _sdpa_args(node)
+        for operand in (args["query"], args["key"], args["value"]):
+            val = operand.meta.get("val") if isinstance(operand, fx.Node) else None
+            if not isinstance(val, torch.Tensor) or val.dim() != 4:
+                return None
+            out = math.gcd(out, int(val.shape[1]))
+    return out or None
 
 
 def _mask_is_causal(gm: fx.GraphModule, attn: fx.Node, mask: fx.Node) -> bool:
@@ -177,7 +208,7 @@ class ContextParallelAttention(nn.Module):
             return self._attend(query, keys, values, None)
         local = key.shape[2]
         chunk = local // 2
-        order = self._global_order(local, key.device)
+        order = sequence_order(self.cp_size, local, key.device)
         keys, values = keys.index_select(2, order), values.index_select(2, order)
         outs = []
         for i, g in enumerate(context_chunks(self.cp_size, self.cp_rank)):
@@ -187,16 +218,6 @@ class ContextParallelAttention(nn.Module):
                                      keys[:, :, :seen], values[:, :, :seen], mask))
         return torch.cat(outs, dim=2)
 
-    def _global_order(self, local: int, device: torch.device) -> torch.Tensor:
-        """Indices that put the gathered tokens (rank by rank, two chunks each) in sequence
-        order."""
-        chunk = local // 2
-        starts = []
-        for g in range(2 * self.cp_size):
-            owner = g if g < self.cp_size else 2 * self.cp_size - 1 - g
-            starts.append(owner * local + (0 if g < self.cp_size else chunk))
-        return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])
-
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(
@@ -204,14 +225,91 @@ class ContextParallelAttention(nn.Module):
             scale=self.scale, enable_gqa=self.enable_gqa)
 
 
-def context_parallel(gm: fx.GraphModule, kinds: dict[str, bool], cp: TensorParallelRank) -> int:
+def sequence_order(cp: int, local: int, device: torch.device | str | None = None
+                   ) -> torch.Tensor:
+    """Indices (int64, ``[cp x local]``) that put the tokens of a cp group, gathered rank by
+    rank (``local`` each: its two chunks, :func:`autopart.core.context.context_chunks`), in
+    sequence order: ``gathered.index_select(dim, order)``."""
+    chunk = local // 2
+    starts = []
+    for g in range(2 * cp):
+        owner = g if g < cp else 2 * cp - 1 - g
+        starts.append(owner * local + (0 if g < cp else chunk))
+    return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])
+
+
+class UlyssesAttention(nn.Module):
+    """Attention over the whole sequence with heads / cp of the heads per cp rank
+    (DeepSpeed-Ulysses): all-to-alls swap the rank's tokens of every head for every token
+    of its heads, and back.
+
+    Args:
+        causal: causal attention (True) or over every key (False).
+        cp: this rank's place in its cp group.
+        dropout_p, scale, enable_gqa: the model's ``scaled_dot_product_attention`` arguments.
+
+    Forward: ``query [B, H, L, D]``, ``key`` / ``value [B, Hk, L, D]`` of the rank's
+    ``L = S / cp`` tokens (its two chunks) -> ``[B, H, L, D]``.
+
+    Raises:
+        PlanError: H or Hk is not a multiple of cp (plan with ``cp_attention="all_gather"``).
+    """
+
+    def __init__(self, causal: bool, cp: TensorParallelRank, dropout_p: float,
+                 scale: float | None, enable_gqa: bool) -> None:
+        super().__init__()
+        self.causal, self.dropout_p, self.scale, self.enable_gqa = (causal, dropout_p, scale,
+                                                                     enable_gqa)
+        self.cp_rank, self.cp_size, self.group_name = cp.rank, cp.size, cp.group_name
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                ) -> torch.Tensor:
+        cp = self.cp_size
+        if query.shape[1] % cp or key.shape[1] % cp:
+            raise PlanError(f"Ulysses attention splits the heads over cp={cp} ranks, but this "
+                            f"attention has {query.shape[1]} query and {key.shape[1]} key heads "
+                            "on each rank; re-plan with cp_attention='all_gather' or a cp "
+                            "that divides them")
+        group = _tp_ops._group(self.group_name)  # addressed by name, as tp's collectives are
+        order = sequence_order(cp, query.shape[2], query.device)
+        q, k, v = (self._to_heads(t, group, order) for t in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=self.causal, scale=self.scale, enable_gqa=self.enable_gqa)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return self._to_tokens(out, group, inverse)
+
+    def _to_heads(self, t: torch.Tensor, group: Any, order: torch.Tensor) -> torch.Tensor:
+        """``[B, H, L, D]`` (this rank's tokens, every head) -> ``[B, H / cp, S, D]`` (every
+        token of this rank's heads, in sequence order)."""
+        cp, (b, h, local, d) = self.cp_size, t.shape
+        parts = t.reshape(b, cp, h // cp, local, d).transpose(0, 1).contiguous()
+        got = all_to_all_single_autograd(parts, None, None, group)  # [source rank, ...]
+        return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * local, d).index_select(
+            2, order)
+
+    def _to_tokens(self, out: torch.Tensor, group: Any, inverse: torch.Tensor) -> torch.Tensor:
+        """``[B, H / cp, S, D]`` in sequence order -> ``[B, H, L, D]`` of this rank's
+        tokens."""
+        cp, (b, h, seq, d) = self.cp_size, out.shape
+        by_rank = out.index_select(2, inverse)  # rank by rank, each its two chunks
+        parts = by_rank.reshape(b, h, cp, seq // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        got = all_to_all_single_autograd(parts, None, None, group)  # [source's heads, ...]
+        return got.transpose(0, 1).reshape(b, cp * h, seq // cp, d)
+
+
+def context_parallel(gm: fx.GraphModule, kinds: dict[str, bool], cp: TensorParallelRank,
+                     attention: str = "all_gather") -> int:
     """Rewrite ``gm`` (one stage) in place: each attention node named in ``kinds``
     (:func:`attention_kinds` of the whole graph) becomes a :class:`ContextParallelAttention`
-    submodule under the attention's module path (so per-layer FSDP units take it along).
+    (``attention="all_gather"``) or :class:`UlyssesAttention` (``"ulysses"``) submodule
+    under the attention's module path (so per-layer FSDP units take it along).
 
     Returns:
         The number of attention nodes rewritten.
     """
+    kind = {"all_gather": ContextParallelAttention, "ulysses": UlyssesAttention}[attention]
     done = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA or node.name not in kinds:
@@ -223,9 +321,8 @@ def context_parallel(gm: fx.GraphModule, kinds: dict[str, bool], cp: TensorParal
         while _has_submodule(gm, name if not suffix else f"{name}_{suffix}"):
             suffix += 1
         name = name if not suffix else f"{name}_{suffix}"
-        gm.add_submodule(name, ContextParallelAttention(
-            kinds[node.name], cp, float(args["dropout_p"]), args["scale"],
-            bool(args["enable_gqa"])))
+        gm.add_submodule(name, kind(kinds[node.name], cp, float(args["dropout_p"]),
+                                    args["scale"], bool(args["enable_gqa"])))
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (args["query"], args["key"], args["value"]))
         call.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace")

@@ -299,7 +299,7 @@ def _split_context(captured: CapturedGraph, plan: Plan, cp: TensorParallelRank |
                   "consecutive ranks of the dp dimension)")
     kinds = attention_kinds(captured)
     for s in local:
-        context_parallel(modules[s], kinds, cp)  # type: ignore[arg-type]
+        context_parallel(modules[s], kinds, cp, plan.cp_attention)  # type: ignore[arg-type]
 
 
 def _require_rank(name: str, degree: int, given: TensorParallelRank | None, launch: str) -> None:

@@ -34,6 +34,20 @@ sequences first):
   The backward's whole-sequence gradients of the keys and values are the likely rest (not
   separated).
 
+With ``attention="ulysses"`` (``Plan.cp_attention``; :class:`autopart.codegen.context_parallel.
+UlyssesAttention`) each attention instead:
+
+- computes the model's attention over the whole sequence for heads / cp of the heads, in
+  sequence order with ``is_causal`` (the kernel skips the blocks above the diagonal): the
+  same (2 cp + 1) chunk-by-chunk blocks per rank as the all-gather form, x (2 cp + 1) / 4
+  causal, x cp over the whole sequence;
+- exchanges in its forward the queries, keys and values (one all-to-all each of the
+  rank's ``[B, H, S / cp, D]``, :func:`autopart.solver.collectives.all_to_all_us`) and
+  the output back (one more), and in its backward the same four the other way;
+- holds nothing beyond what the node saved: the exchanged queries, keys, values and the
+  output the kernel saves have the bytes of the rank's own; in its backward the exchange
+  buffers of the three gradients add their bytes to the node's transient working set.
+
 Gradients and ZeRO over the dp x cp ranks are priced by the layout search (the dp line
 holds dp x cp GPUs, :mod:`autopart.solver.layout_search`).
 """
@@ -44,7 +58,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from autopart.core.costgraph import CostGraph, NodeCost
-from autopart.solver.collectives import all_gather_us, all_reduce_us, reduce_scatter_us
+from autopart.solver.collectives import (
+    all_gather_us,
+    all_reduce_us,
+    all_to_all_us,
+    reduce_scatter_us,
+)
 
 __all__ = ["ATTENTION_OP", "attention_nodes", "context_costs", "split_tokens"]
 
@@ -90,7 +109,8 @@ def split_tokens(costs: CostGraph, cp: int) -> CostGraph:
 def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_per_s: float,
                   latency_us: float,
                   collective_overhead: Callable[[float], float] | None = None,
-                  reduce_scatter_as_all_reduce: bool = False) -> CostGraph:
+                  reduce_scatter_as_all_reduce: bool = False,
+                  attention: str = "all_gather") -> CostGraph:
     """One GPU's costs at ``cp`` from ``costs`` of the model at S / cp tokens (see the module
     docstring). ``costs`` itself at cp = 1.
 
@@ -105,7 +125,13 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
             work, µs (``RuntimeDescription.collective_overhead_at``), or None.
         reduce_scatter_as_all_reduce: the runtime's reduce-scatter costs an all-reduce of
             the same buffer (``RuntimeDescription.reduce_scatter_as_all_reduce``: gloo).
+        attention: ``"all_gather"`` (default) or ``"ulysses"`` (``Plan.cp_attention``).
+
+    Raises:
+        ValueError: another ``attention``.
     """
+    if attention not in ("all_gather", "ulysses"):
+        raise ValueError(f"attention={attention!r}: expected 'all_gather' or 'ulysses'")
     if cp == 1:
         return costs
     scatter_us = all_reduce_us if reduce_scatter_as_all_reduce else reduce_scatter_us
@@ -116,15 +142,22 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
     low = list(costs.low_times)
     for i in attention_nodes(costs):
         nd = nodes[i]
-        kv = [by_name[n].output_bytes * cp if n in by_name else 0 for n in nd.inputs[1:3]]
-        gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
-                     for b in kv)
-        scatter = sum(scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
-                      for b in kv)
-        held = (2 if causal else 1) * sum(kv)
+        if attention == "ulysses":  # q, k, v there and the output back; the reverse after
+            qkv = [by_name[n].output_bytes if n in by_name else 0 for n in nd.inputs[:3]]
+            gather = scatter = sum(all_to_all_us(b, cp, bandwidth_bytes_per_s, latency_us)
+                                   + overhead for b in (*qkv, nd.output_bytes))
+            held, transient = 0, sum(qkv)
+        else:
+            kv = [by_name[n].output_bytes * cp if n in by_name else 0 for n in nd.inputs[1:3]]
+            gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
+                         for b in kv)
+            scatter = sum(scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
+                          for b in kv)
+            held, transient = (2 if causal else 1) * sum(kv), 0
         nodes[i] = replace(nd, fwd_us=nd.fwd_us * work + gather,
                            bwd_input_us=nd.bwd_input_us * work + scatter,
-                           flops=int(nd.flops * work), saved_bytes=nd.saved_bytes + held)
+                           flops=int(nd.flops * work), saved_bytes=nd.saved_bytes + held,
+                           transient_bytes=nd.transient_bytes + transient)
         if low:
             f, b, w = low[i]
             low[i] = (f * work + gather, b * work + scatter, w)

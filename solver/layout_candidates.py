@@ -48,7 +48,8 @@ def _tp_choices(layout: LayoutOptions) -> list[int]:
 
 def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tuple[int, ...],
             options: SolveOptions, layout: LayoutOptions, device: DeviceSpec,
-            smallest_crossing: int, ep: int = 1, cp: int = 1) -> LayoutCandidate:
+            smallest_crossing: int, ep: int = 1, cp: int = 1,
+            cp_attention: str = "all_gather") -> LayoutCandidate:
     """Bounds of one layout. With ``m`` microbatches a step is no shorter than the work
     spread over pp ranks, ``(m O + L + m C) / pp``, nor than one microbatch's forward and
     backward through every stage in turn, ``O + L / m`` (O: the per-op fixed times of one
@@ -100,7 +101,7 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
                              layout.gradient_factor) if options.training else 1.0)
     frozen = sum(b for p, b in sharded.param_sizes.items() if p not in sharded.trainable)
     state = int(trainable * mult + frozen) // pp
-    return LayoutCandidate(tp, pp, dp, zero, lb, state, est, ep, cp)
+    return LayoutCandidate(tp, pp, dp, zero, lb, state, est, ep, cp, cp_attention)
 
 
 def _smallest_crossing(costs: CostGraph) -> int:
@@ -131,8 +132,11 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
         n = layout.num_gpus // cp  # tp x pp x dp of one cp rank's share
         if layout.tp is not None and n % layout.tp:
             check_degrees(layout.tp, layout.pp or 1, layout.dp or 1, n)
-        for tp in [1] if (layout.ep or 1) > 1 else _tp_choices(layout):
-            sharded = sharded_costs(costs, tp, device, layout, options.runtime, cache, 1, cp)
+        for tp, attention in [(t, a) for t in ([1] if (layout.ep or 1) > 1
+                                               else _tp_choices(layout))
+                              for a in _cp_attention_choices(layout, t, cp)]:
+            sharded = sharded_costs(costs, tp, device, layout, options.runtime, cache, 1, cp,
+                                    attention)
             smallest = _smallest_crossing(sharded)
             for pp in divisors(n // tp) if n % tp == 0 else []:
                 dp = n // (tp * pp)
@@ -153,7 +157,13 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
                              else [0])
                     for zero in zeros:
                         out.append(_bounds(at_ep, tp, pp, dp, zero, counts, options, layout,
-                                           device, smallest, ep, cp))
+                                           device, smallest, ep, cp, attention))
+    heads = layout.attention_heads or layout.num_heads
+    if not out and layout.cp_attention == "ulysses" and heads is not None and not any(
+            heads % (tp * cp) == 0 for cp in _cp_choices(layout) for tp in _tp_choices(layout)):
+        raise PlanError(f"cp_attention='ulysses' splits the {heads} attention heads over tp x "
+                        "cp GPUs, which no allowed tp and cp divide; choose cp_attention="
+                        "'all_gather' or degrees whose product divides the heads")
     n = layout.num_gpus // (layout.cp or 1)
     if not shape_seen:
         check_degrees(layout.tp or 1, layout.pp or 1, layout.dp or 1, n)
@@ -165,9 +175,10 @@ def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOption
                         "batch that a dp among them divides, or fix dp")
     if options.optimize == "memory":
         out.sort(key=lambda c: (c.state_lb_bytes, c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage,
-                                c.ep, c.cp))
+                                c.ep, c.cp, c.cp_attention))
     else:
-        out.sort(key=lambda c: (c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage, c.ep, c.cp))
+        out.sort(key=lambda c: (c.estimate_us, c.tp, c.pp, c.dp, c.zero_stage, c.ep, c.cp,
+                                c.cp_attention))
     return out
 
 
@@ -206,24 +217,27 @@ def replica_options(options: SolveOptions, layout: LayoutOptions, dp: int) -> So
 def sharded_costs(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOptions,
              runtime: RuntimeDescription,
              cache: dict[tuple[int, ...], CostGraph] | None = None,
-             ep: int | None = None, cp: int = 1) -> CostGraph:
-    """One GPU's share at tp (memoised in ``cache``, one entry per (tp, ep, cp), for one
-    request), its collectives paying ``runtime``'s fixed cost per collective, with sequence
-    parallelism where ``layout`` asks for it, its experts split over ``ep`` (default:
-    ``layout.ep``, 1 when searched; :func:`autopart.solver.expert_parallel_costs.
-    expert_costs`) and its sequences over ``cp`` (:func:`autopart.solver.
-    context_parallel_costs.context_costs`, on the link of a cp group: cp GPUs ``tp``
-    apart)."""
+             ep: int | None = None, cp: int = 1, cp_attention: str = "all_gather"
+             ) -> CostGraph:
+    """One GPU's share at tp (memoised in ``cache``, one entry per (tp, ep, cp,
+    cp_attention), for one request), its collectives paying ``runtime``'s fixed cost per
+    collective, with sequence parallelism where ``layout`` asks for it, its experts split
+    over ``ep`` (default: ``layout.ep``, 1 when searched; :func:`autopart.solver.
+    expert_parallel_costs.expert_costs`) and its sequences over ``cp`` with attention as
+    ``cp_attention`` runs it (:func:`autopart.solver.context_parallel_costs.context_costs`,
+    on the link of a cp group: cp GPUs ``tp`` apart)."""
     ep = (layout.ep or 1) if ep is None else ep
-    if cache is not None and (tp, ep, cp) in cache:
-        return cache[(tp, ep, cp)]
+    key = (tp, ep, cp) if cp == 1 else (tp, ep, cp, cp_attention)
+    if cache is not None and key in cache:
+        return cache[key]
     if cp > 1:
         base = costs if layout.cp_tokens_profiled else split_tokens(costs, cp)
         cp_bw, cp_lat = layout.topology.link(tp * cp)
         local = context_costs(base, cp, causal=layout.causal_attention,
                               bandwidth_bytes_per_s=cp_bw, latency_us=cp_lat,
                               collective_overhead=runtime.collective_overhead_at,
-                              reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
+                              reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce,
+                              attention=cp_attention)
         out = sharded_costs(local, tp, device, layout, runtime, None, ep)
     elif ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
         base = sharded_costs(costs, tp, device, layout, runtime, cache, 1)
@@ -239,7 +253,7 @@ def sharded_costs(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutO
                           sequence_parallel=layout.sequence_parallel,
                           reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce)
     if cache is not None:
-        cache[(tp, ep, cp)] = out
+        cache[key] = out
     return out
 
 
@@ -254,6 +268,20 @@ def _cp_choices(layout: LayoutOptions) -> list[int]:
     if (layout.ep or 1) > 1 or not layout.max_cp:
         return [1]
     return [c for c in divisors(layout.num_gpus) if layout.max_cp % c == 0]
+
+
+def _cp_attention_choices(layout: LayoutOptions, tp: int, cp: int) -> list[str]:
+    """How attention may span ``cp`` GPUs at ``tp``: the fixed way, else ``"all_gather"`` and,
+    where the heads are known and tp x cp divides them, ``"ulysses"`` (a fixed Ulysses whose
+    heads do not divide: none)."""
+    if cp == 1:
+        return ["all_gather"]
+    heads = layout.attention_heads or layout.num_heads
+    divides = heads is not None and heads % (tp * cp) == 0
+    if layout.cp_attention is not None:
+        return [] if layout.cp_attention == "ulysses" and heads is not None and not divides \
+            else [layout.cp_attention]
+    return ["all_gather", "ulysses"] if divides else ["all_gather"]
 
 
 def _ep_choices(layout: LayoutOptions, tp: int, dp: int, experts: bool) -> list[int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from autopart.core.errors import PlanError
 from autopart.core.layout import check_degrees, check_tp, check_zero_stage
+from autopart.core.plan_rules import CP_ATTENTIONS
 from autopart.core.topology import HostTopology
 
 __all__ = ["LayoutOptions", "LayoutCandidate"]
@@ -83,6 +84,13 @@ class LayoutOptions:
             S / cp tokens (``autopart.compile`` profiles it there); default False: the costs
             are of whole sequences, split by cp (:func:`autopart.solver.
             context_parallel_costs.split_tokens`). True needs a fixed cp.
+        cp_attention: how attention spans the cp GPUs (``Plan.cp_attention``):
+            ``"all_gather"`` or ``"ulysses"``; None (the default): both priced where they
+            apply, the better kept. Ulysses applies where tp x cp divides
+            ``attention_heads``.
+        attention_heads: the head count every attention's queries and keys share (the
+            greatest common divisor of theirs), or None: ``num_heads``; neither known:
+            Ulysses is not searched.
     """
 
     num_gpus: int
@@ -106,6 +114,8 @@ class LayoutOptions:
     max_cp: int | None = None
     causal_attention: bool = True
     cp_tokens_profiled: bool = False
+    cp_attention: str | None = None
+    attention_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -119,8 +129,9 @@ class LayoutOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise PlanError(f"{name}={value} must be >= 1 or None")
-        if self.tp and self.pp and self.dp:
-            check_degrees(self.tp, self.pp, self.dp, self.num_gpus)
+        if self.tp and self.pp and self.dp and self.cp and self.num_gpus % self.cp == 0:
+            # one cp rank's share of the GPUs is tp x pp x dp (cp searched: not known yet)
+            check_degrees(self.tp, self.pp, self.dp, self.num_gpus // self.cp)
         if self.ep is not None and self.ep < 1:
             raise PlanError(f"ep={self.ep} must be >= 1 or None (searched)")
         if self.num_experts is not None and self.num_experts < 1:
@@ -133,6 +144,9 @@ class LayoutOptions:
         if (self.cp is not None and self.cp < 1) or (self.cp_tokens_profiled and self.cp is None):
             raise PlanError(f"cp={self.cp} must be >= 1, or None (searched) on costs of whole "
                             "sequences (cp_tokens_profiled=False)")
+        if self.cp_attention not in (None, *CP_ATTENTIONS):
+            raise PlanError(f"cp_attention={self.cp_attention!r}: expected one of "
+                            f"{CP_ATTENTIONS}, or None (searched)")
         if (self.cp or 1) > 1 and (self.ep or 1) > 1:
             raise PlanError(f"cp={self.cp} with ep={self.ep}: context and expert parallelism do "
                             "not run together yet; fix one of them to 1")
@@ -154,6 +168,7 @@ class LayoutCandidate:
         tp, pp, dp, zero_stage: the degrees.
         ep: the expert-parallel degree (default 1).
         cp: the context-parallel degree (default 1): tp x pp x dp x cp GPUs.
+        cp_attention: how attention spans the cp GPUs (``Plan.cp_attention``).
         step_lb_us: no plan of this layout is faster: its compute and its smallest
             stage-to-stage sends spread evenly over pp ranks (no bubble, no recompute) plus the
             dp collectives of an even share of the parameters, µs.
@@ -171,3 +186,4 @@ class LayoutCandidate:
     estimate_us: float = 0.0
     ep: int = 1
     cp: int = 1
+    cp_attention: str = "all_gather"

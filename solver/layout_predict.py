@@ -99,7 +99,8 @@ def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,
     """
     priced, layout = _priced(plan, costs, device, options, layout)
     tp, pp, dp = plan.tp, len(plan.ranks), plan.dp * plan.cp  # the dp line: dp x cp GPUs
-    sharded = sharded_costs(costs, tp, device, layout, options.runtime, ep=plan.ep, cp=plan.cp)
+    sharded = sharded_costs(costs, tp, device, layout, options.runtime, ep=plan.ep, cp=plan.cp,
+                            cp_attention=plan.cp_attention)
     runtime = options.runtime
     if runtime.collectives_share_compute and priced.overlap_grad_reduce:
         # the step prices the overlapped reduction as run after the flush (it slows the
@@ -133,10 +134,12 @@ def _priced(plan: Plan, costs: CostGraph, device: DeviceSpec, options: SolveOpti
                     stages_per_rank=plan.stages_per_rank,
                     recompute=recompute.pop() if len(recompute) == 1 else None,
                     recompute_policy=plan.recompute_policy)
-    cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0, ep=plan.ep, cp=plan.cp)
+    cand = LayoutCandidate(tp, pp, dp, zero, 0.0, 0, ep=plan.ep, cp=plan.cp,
+                           cp_attention=plan.cp_attention)
     layout = replace(layout, overlap_grad_reduce=plan.overlap_grad_reduce,  # as the plan runs
                      zero_layer_units=plan.zero_layer_units,
-                     sequence_parallel=plan.sequence_parallel, cp=plan.cp)
+                     sequence_parallel=plan.sequence_parallel, cp=plan.cp,
+                     cp_attention=plan.cp_attention)
     priced = evaluate_layout(costs, device, fixed, layout, cand,
                              positions=tuple(c.position for c in plan.cuts))
     return priced, layout

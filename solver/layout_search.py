@@ -72,7 +72,8 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     """
     tp, pp, dp, zero, cp = cand.tp, cand.pp, cand.dp, cand.zero_stage, cand.cp
     line = dp * cp  # the GPUs that reduce gradients together and share ZeRO's shards
-    sharded = sharded_costs(costs, tp, device, layout, options.runtime, cache, cand.ep, cp)
+    sharded = sharded_costs(costs, tp, device, layout, options.runtime, cache, cand.ep, cp,
+                            cand.cp_attention)
     # ZeRO-1's layer units hold what one unit per stage holds and gain only by overlapping
     # their collectives with compute, which CPU ranks' collectives do not (measured,
     # benchmarks/overlap_cpu): a search there keeps one unit per stage (a given plan is
@@ -133,6 +134,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         baselines=baselines, pareto=pareto, sharded_parameters=sharded_params,
         overlap_grad_reduce=overlap, zero_layer_units=units,
         sequence_parallel=layout.sequence_parallel and tp > 1, ep=cand.ep, cp=cp,
+        cp_attention=cand.cp_attention,
         predicted_step_time_us=round(step, 3),
         bubble_fraction=round(plan.bubble_fraction * plan.predicted_step_time_us / step, 6)
         if step > 0 else plan.bubble_fraction,
@@ -154,7 +156,8 @@ def _screen_options(options: SolveOptions) -> SolveOptions:
 def _key(plan: Plan, optimize: str) -> tuple[float, ...]:
     """Sort key: speed = (step, peak, tp, pp, dp, zero); memory = (peak, step, ...)."""
     peak = max(r.peak_memory_bytes for r in plan.ranks)
-    degrees = (plan.tp, len(plan.ranks), plan.dp, plan.zero_stage, plan.cp)
+    degrees = (plan.tp, len(plan.ranks), plan.dp, plan.zero_stage, plan.cp,
+               plan.cp_attention != "all_gather")
     if optimize == "memory":
         return (peak, plan.predicted_step_time_us, *degrees)
     return (plan.predicted_step_time_us, peak, *degrees)

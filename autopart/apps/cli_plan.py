@@ -100,7 +100,8 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
               overlap_grad_reduce: bool = True, zero_layer_units: bool = True,
               sequence_parallel: bool = False, ep: int | None = 1,
               num_experts: int | None = None, cp: int | None = 1,
-              max_cp: int | None = None, causal: bool = True) -> Any:
+              max_cp: int | None = None, causal: bool = True,
+              cp_attention: str | None = None) -> Any:
     """The (tp, pp, dp, ZeRO) search over the cluster's GPUs, hosts as the preset ships them."""
     from autopart.core.topology import topology_for_device
     from autopart.solver.layout_search import LayoutOptions, solve_layout
@@ -114,7 +115,7 @@ def _solve_3d(costs: Any, cluster: Any, options: Any, *, tp: int | None, pp: int
                            zero_layer_units=zero_layer_units,
                            sequence_parallel=sequence_parallel, ep=ep,
                            num_experts=num_experts, cp=cp, max_cp=max_cp,
-                           causal_attention=causal)
+                           causal_attention=causal, cp_attention=cp_attention)
     return solve_layout(costs, spec, options, layout)
 
 
@@ -200,6 +201,12 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
              None, "--seq-len", min=2,
              help="tokens per sequence of the profile: the layout search then tries cp "
                   "(3D)"),
+         cp_attention: str | None = typer.Option(
+             None, "--cp-attention",
+             help="how attention spans the cp GPUs: 'all_gather' (keys and values "
+                  "all-gathered) or 'ulysses' (all-to-alls between sequence and head "
+                  "sharding; tp x cp must divide --heads); default: the better of those that "
+                  "apply (3D)"),
          attention: str = typer.Option(
              "causal", "--attention",
              help="the model's attention as cp prices it: 'causal' (decoders) or 'full' "
@@ -257,7 +264,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                                    sequence_parallel=sequence_parallel, ep=ep,
                                    num_experts=experts, cp=cp,
                                    max_cp=None if seq_len is None else seq_len // 2,
-                                   causal=attention == "causal")
+                                   causal=attention == "causal", cp_attention=cp_attention)
             else:
                 result = solve(costs, the_cluster, options)
         result.save(out)

@@ -87,7 +87,9 @@ def layout_table(plan: Plan) -> Table:
             ("data parallel (dp)", str(plan.dp)),
             ("expert parallel (ep, inside dp)", str(plan.ep)),
             ("context parallel (cp)", "1 (whole sequences)" if plan.cp == 1 else
-             f"{plan.cp} (each sequence over {plan.cp} GPUs; keys and values all-gathered)"),
+             f"{plan.cp} (each sequence over {plan.cp} GPUs; " + (
+                 "keys and values all-gathered)" if plan.cp_attention == "all_gather" else
+                 "Ulysses: all-to-alls to heads / cp of the heads)")),
             ("ZeRO stage", f"{plan.zero_stage} ({zero})"),
             ("dp gradient reduction", "none" if plan.dp * plan.cp == 1 else
              "overlapped with the last backward" if plan.overlap_grad_reduce

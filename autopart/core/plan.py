@@ -27,6 +27,7 @@ from autopart.core.plan_records import (
     unique_keys,
 )
 from autopart.core.plan_rules import (
+    CP_ATTENTIONS,
     FIX,
     OPTIMIZE_TARGETS,
     PLAN_SCHEMA_VERSION,
@@ -117,6 +118,13 @@ class Plan:
             pp x dp x cp; gradients are averaged and ZeRO shards over the dp x cp ranks, as
             Megatron-LM folds cp into dp. 1 (the default, and what plans written before it
             load as): whole sequences. Runs with ep = 1.
+        cp_attention: how attention spans the cp ranks' tokens, one of
+            ``autopart.core.plan_rules.CP_ATTENTIONS``: ``"all_gather"`` (the default, and
+            what plans written before it load as): each rank's queries over the keys and
+            values all-gathered from the cp group; ``"ulysses"`` (DeepSpeed-Ulysses): queries,
+            keys and values exchanged by all-to-all so that each rank attends with heads / cp
+            of the heads over the whole sequence, and the outputs exchanged back (the heads a
+            tp rank holds must divide by cp). Only with cp > 1.
         Step time, stage and rank figures are per GPU (one GPU of a rank's tp group).
     """
 
@@ -149,6 +157,7 @@ class Plan:
     recompute_policy: str = "full"
     ep: int = 1
     cp: int = 1
+    cp_attention: str = "all_gather"
     schema_version: int = field(default=PLAN_SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -275,6 +284,10 @@ def check_plan_invariants(plan: Plan) -> None:
     if plan.cp < 1 or (plan.cp > 1 and plan.ep > 1):
         raise bad(f"cp={plan.cp} with ep={plan.ep}: cp must be >= 1, and context parallelism "
                   "does not run with expert parallelism yet; choose cp=1 or ep=1")
+    if plan.cp_attention not in CP_ATTENTIONS or (plan.cp_attention != "all_gather"
+                                                  and plan.cp < 2):
+        raise bad(f"cp_attention={plan.cp_attention!r} with cp={plan.cp}: expected one of "
+                  f"{CP_ATTENTIONS}, and 'ulysses' only with cp >= 2; set 'all_gather'")
     if plan.sequence_parallel and plan.tp < 2:
         raise bad(f"sequence_parallel=True with tp={plan.tp}: sequence parallelism splits the "
                   "tokens over a tp group of 2 or more GPUs; set it False")

@@ -4,7 +4,7 @@ shard styles (the invariants across a plan's fields are :func:`autopart.core.pla
 from __future__ import annotations
 
 __all__ = ["PLAN_SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "SHARD_STYLES", "SCHEDULE_KINDS",
-           "OPTIMIZE_TARGETS", "FIX"]
+           "OPTIMIZE_TARGETS", "CP_ATTENTIONS", "FIX"]
 
 #: 2 added tp, dp, zero_stage, sharded_parameters and model_flops (3D plans).
 PLAN_SCHEMA_VERSION = 2
@@ -14,5 +14,9 @@ READABLE_SCHEMA_VERSIONS = (1, 2)
 SHARD_STYLES = ("column", "row", "vocab")
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 OPTIMIZE_TARGETS = ("speed", "memory")
+#: How context parallelism computes attention over the whole sequence (``Plan.cp_attention``):
+#: keys and values all-gathered over the cp ranks (Llama 3's form), or Ulysses' all-to-alls
+#: swapping sequence sharding for head sharding (DeepSpeed-Ulysses, Jacobs et al., 2023).
+CP_ATTENTIONS = ("all_gather", "ulysses")
 #: The fix every field error ends with.
 FIX = "correct the field, or re-plan with `autopart plan` / autopart.compile"

@@ -3,7 +3,9 @@ sequence, planned as a user plans it (``autopart profile`` then ``autopart plan 
 
 Llama-3-8B's shape (32 layers, hidden 4096, FFN 14336, 32 / 8 heads, vocabulary 128256,
 bf16), profiled analytically for an H100 with one sequence, then planned on
-``h100-sxm:64`` with cp searched (``--seq-len``), and with ``--cp 1`` for comparison. Global
+``h100-sxm:64`` with cp and its attention (all-gathered keys and values, or Ulysses where
+tp x cp divides the 32 heads: ``--heads 32``) searched (``--seq-len``), with the all-gather
+form only (``--cp-attention all_gather``), and with ``--cp 1`` for comparison. Global
 batches: 16 sequences at 131072 tokens, 512 at 8192 (NVIDIA NeMo's Llama 3 8B pre-training
 recipe: ``seq_length=8192, global_batch_size=512, micro_batch_size=1`` with
 ``context_parallelism=2``, ``nemo/collections/llm/recipes/llama3_8b.py``).
@@ -31,7 +33,10 @@ CLI = [str(Path(sys.executable).parent / "autopart")]  # the console script besi
 CONFIG = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
           "max_position_embeddings": 131072, "use_cache": "false"}
-CASES = [(131072, 16, None), (131072, 16, 1), (8192, 512, None), (8192, 512, 1)]
+#: (tokens per sequence, global batch, cp asked (None: searched), cp attention asked (None:
+#: searched, Ulysses where tp x cp divides the 32 heads))
+CASES = [(131072, 16, None, None), (131072, 16, None, "all_gather"), (131072, 16, 1, None),
+         (8192, 512, None, None), (8192, 512, 1, None)]
 
 
 def _run(args: list[str]) -> tuple[int, str, float]:
@@ -55,17 +60,21 @@ def main() -> None:
             if rc:
                 raise SystemExit(out[-3000:])
             profiles[seq] = path
-        for seq, batch, cp in CASES:
-            plan_path = Path(tmp) / f"plan_{seq}_{cp}.json"
+        for seq, batch, cp, attention in CASES:
+            plan_path = Path(tmp) / f"plan_{seq}_{cp}_{attention}.json"
             args = ["plan", str(profiles[seq]), "--cluster", "h100-sxm:64", "--batch-size",
-                    str(batch), "--out", str(plan_path)]
+                    str(batch), "--heads", str(CONFIG["num_attention_heads"]),
+                    "--out", str(plan_path)]
             args += ["--seq-len", str(seq)] if cp is None else ["--cp", str(cp)]
+            args += [] if attention is None else ["--cp-attention", attention]
             rc, out, wall = _run(args)
-            row = {"seq": seq, "batch": batch, "cp_asked": cp or "searched", "wall_s": wall}
+            row = {"seq": seq, "batch": batch, "cp_asked": cp or "searched",
+                   "attention_asked": attention or "searched", "wall_s": wall}
             if rc == 0:
                 plan = json.loads(plan_path.read_text())
                 row.update({"tp": plan["tp"], "pp": len(plan["ranks"]), "dp": plan["dp"],
                             "cp": plan["cp"], "zero_stage": plan["zero_stage"],
+                            "cp_attention": plan["cp_attention"],
                             "m": plan["num_microbatches"],
                             "recompute": sum(s["recompute"] for s in plan["stages"]),
                             "step_s": plan["predicted_step_time_us"] / 1e6,
@@ -84,16 +93,18 @@ def main() -> None:
                                            + "\n")
     lines = [f"# Llama-3-8B shape on 64 H100s, cp searched ({meta['date']})", "",
              f"{meta['machine']}; Python {meta['python']}; analytical h100 profile, bf16.", "",
-             "| tokens / sequence | global batch | cp asked | layout (tp x pp x dp x cp, ZeRO) "
-             "| m | stages recomputed | predicted step | largest peak | solve |",
-             "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+             "| tokens / sequence | global batch | cp asked | cp attention asked | layout (tp x "
+             "pp x dp x cp, ZeRO, cp attention) | m | stages recomputed | predicted step | "
+             "largest peak | solve |",
+             "|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
+        asked = f"| {r['seq']} | {r['batch']} | {r['cp_asked']} | {r['attention_asked']} |"
         if "refused" in r:
-            lines.append(f"| {r['seq']} | {r['batch']} | {r['cp_asked']} | refused: "
-                         f"{r['refused']} | | | | | {r['wall_s']:.1f} s |")
+            lines.append(f"{asked} refused: {r['refused']} | | | | | {r['wall_s']:.1f} s |")
             continue
-        lines.append(f"| {r['seq']} | {r['batch']} | {r['cp_asked']} | {r['tp']} x {r['pp']} x "
-                     f"{r['dp']} x {r['cp']}, ZeRO-{r['zero_stage']} | {r['m']} | "
+        attention = f", {r['cp_attention']}" if r["cp"] > 1 else ""
+        lines.append(f"{asked} {r['tp']} x {r['pp']} x {r['dp']} x {r['cp']}, "
+                     f"ZeRO-{r['zero_stage']}{attention} | {r['m']} | "
                      f"{r['recompute']} | {r['step_s']:.2f} s | {r['peak_gib']:.1f} GiB | "
                      f"{r['wall_s']:.1f} s |")
     (out_dir / "at_scale.md").write_text("\n".join(lines) + "\n")

@@ -7,7 +7,8 @@ sequences for cp 1, one cp rank's 512 tokens (with their positions) for cp 2. Ea
 degrees are fixed and the layout search (:func:`autopart.layout_planning.solve_world_layout`,
 1F1B, m 2, no recompute) plans it with every rank on a core of its own; the plan runs, and is
 priced again with the world's ranks per core (as ``benchmarks/fidelity_3d`` does). Arms on 2
-ranks: ``pp2`` (cp 1) and ``cp2`` (pp 1); on 4 ranks: ``pp2xcp2`` and ``pp2xdp2`` (cp 1).
+ranks: ``pp2`` (cp 1), ``cp2`` and ``cp2-ulysses`` (pp 1; keys and values all-gathered, or
+Ulysses' all-to-alls); on 4 ranks: ``pp2xcp2``, ``pp2xcp2-ulysses`` and ``pp2xdp2`` (cp 1).
 Arms alternate step by step (:func:`autopart.apps.bench.run_arms`), the whole is repeated
 ``--repeats`` times in fresh processes; per arm: the prediction, the median of every timed
 step, each repeat's median and the spread, and each pipeline rank's predicted and measured
@@ -61,10 +62,14 @@ def workload(batch: int = 4, seq: int = 1024, **config: Any) -> tuple[Any, ...]:
                                                  target.reshape(-1))
 
     return model, (tokens[:, :-1],), tokens[:, 1:], loss_fn
-FIXED = {"tp": 1, "zero_stage": 0, "num_microbatches": 2}
-ARMS: dict[int, dict[str, dict[str, int]]] = {
-    2: {"pp2": {**FIXED, "dp": 1, "cp": 1}, "cp2": {**FIXED, "dp": 1, "cp": 2}},
-    4: {"pp2xcp2": {**FIXED, "dp": 1, "cp": 2}, "pp2xdp2": {**FIXED, "dp": 2, "cp": 1}}}
+FIXED: dict[str, Any] = {"tp": 1, "zero_stage": 0, "num_microbatches": 2}
+GATHER, ULYSSES = {"cp_attention": "all_gather"}, {"cp_attention": "ulysses"}
+ARMS: dict[int, dict[str, dict[str, Any]]] = {
+    2: {"pp2": {**FIXED, "dp": 1, "cp": 1}, "cp2": {**FIXED, "dp": 1, "cp": 2, **GATHER},
+        "cp2-ulysses": {**FIXED, "dp": 1, "cp": 2, **ULYSSES}},
+    4: {"pp2xcp2": {**FIXED, "dp": 1, "cp": 2, **GATHER},
+        "pp2xcp2-ulysses": {**FIXED, "dp": 1, "cp": 2, **ULYSSES},
+        "pp2xdp2": {**FIXED, "dp": 2, "cp": 1}}}
 
 
 def _fidelity_3d() -> Any:
@@ -77,7 +82,7 @@ def _fidelity_3d() -> Any:
     return module
 
 
-def _request(profile: Any, world: int, fixed: dict[str, int], heads: int | None) -> Any:
+def _request(profile: Any, world: int, fixed: dict[str, Any], heads: int | None) -> Any:
     """The layout request ``autopart.compile`` makes for ``fixed`` on ``profile``."""
     from autopart import CompileOptions
     from autopart.layout_planning import layout_request
@@ -87,11 +92,12 @@ def _request(profile: Any, world: int, fixed: dict[str, int], heads: int | None)
     request = layout_request(opts, world, spec, heads,
                              profile.runtime.collective_bandwidth_bytes_per_s)
     if fixed["cp"] > 1:  # the profile is of one cp rank's tokens, as compile takes it
-        request = dataclasses.replace(request, cp_tokens_profiled=True, causal_attention=True)
+        request = dataclasses.replace(request, cp_tokens_profiled=True, causal_attention=True,
+                                      attention_heads=heads)
     return request
 
 
-def _price(shared: Any, plan: Any, world: int, fixed: dict[str, int],
+def _price(shared: Any, plan: Any, world: int, fixed: dict[str, Any],
            heads: int | None) -> tuple[float, list[int]]:
     """``plan``'s step (s) and per-rank peaks (bytes) on ``shared`` (a world profile)."""
     from autopart.solver.layout_predict import predict_layout_comm
@@ -161,7 +167,7 @@ def main() -> None:
             predicted_peaks = priced[name][0][1]
             rows.append({
                 "arm": name, "world": world, "tp": plan.tp, "pp": pp, "dp": plan.dp,
-                "cp": plan.cp, "m": plan.num_microbatches,
+                "cp": plan.cp, "cp_attention": plan.cp_attention, "m": plan.num_microbatches,
                 "cuts": [c.position for c in plan.cuts],
                 "predicted_step_s": predicted,
                 "repeat_predictions_s": [p[0] for p in priced[name]],

@@ -95,3 +95,24 @@ def test_the_overlap_switch_reaches_the_plan_and_the_summary(profile: Path,
         plan = Plan.load(out)
         assert plan.overlap_grad_reduce is want
         assert ("overlapped with the last backward" if want else "after the schedule") in text
+
+
+def test_cp_attention_reaches_the_plan_and_the_summary(profile: Path, tmp_path: Path) -> None:
+    for attention, said in (("ulysses", "Ulysses"), ("all_gather", "all-gathered")):
+        out = tmp_path / f"{attention}.json"
+        code, text = invoke("plan", str(profile), "--cluster", "a100-80gb:8", "--tp", "2",
+                            "--pp", "2", "--dp", "1", "--cp", "2", "--heads", "4",
+                            "--cp-attention", attention, "--batch-size", "16",
+                            "--time-limit", "2", "--out", str(out))
+        assert code == 0, text
+        plan = Plan.load(out)
+        assert (plan.cp, plan.cp_attention) == (2, attention)
+        assert said in text
+    # 6 heads: tp 2 x cp 2 does not divide them
+    code, text = invoke("plan", str(profile), "--cluster", "a100-80gb:8", "--tp", "2", "--cp",
+                        "2", "--heads", "6", "--cp-attention", "ulysses", "--out",
+                        str(tmp_path / "p.json"))
+    assert code == 2 and "Traceback" not in text and "no allowed tp and cp divide" in text, text
+    code, text = invoke("plan", str(profile), "--cluster", "a100-80gb:8", "--cp", "2",
+                        "--cp-attention", "ring", "--out", str(tmp_path / "p.json"))
+    assert code == 2 and "cp_attention='ring'" in text, text

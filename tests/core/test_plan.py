@@ -238,3 +238,15 @@ def test_ep_must_divide_dp_and_older_plans_load_as_ep_1() -> None:
     assert Plan.from_dict(older).ep == 1
     with pytest.raises(PlanError, match=r"ep=3 with dp=2.*divide dp"):
         make_plan(dp=2, batch_size=16, ep=3)
+
+
+def test_cp_attention_round_trips_older_plans_load_as_all_gather_and_ulysses_needs_cp() -> None:
+    plan = make_plan(cp=2, cp_attention="ulysses")
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).cp_attention == "ulysses"
+    older = plan.to_dict()
+    del older["cp_attention"]
+    assert Plan.from_dict(older).cp_attention == "all_gather"
+    with pytest.raises(PlanError, match=r"cp_attention='ulysses' with cp=1.*'all_gather'"):
+        make_plan(cp_attention="ulysses")
+    with pytest.raises(PlanError, match=r"cp_attention='ring'.*expected one of"):
+        make_plan(cp=2, cp_attention="ring")

@@ -60,9 +60,10 @@ def tiny_model(name: str, seq: int, batch: int) -> tuple[Any, tuple[Any, ...], A
 
 def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: int,
                 names: list[str], seq: int, zero_stage: int = 0, compiled: bool = False,
-                tp: int = 1) -> None:
-    """tp x pp x dp x cp (dp = world / (tp pp cp)) with ZeRO ``zero_stage``, on each model (a
-    hand-made plan; with ``compiled``, on the first model, also ``autopart.compile(...,
+                tp: int = 1, attentions: tuple[str, ...] = ("all_gather", "ulysses")) -> None:
+    """tp x pp x dp x cp (dp = world / (tp pp cp)) with ZeRO ``zero_stage``, on each model and
+    each of ``attentions`` (``Plan.cp_attention``; a hand-made plan; with ``compiled``, on the
+    first model, also ``autopart.compile(...,
     cp=cp)`` planning the world's other degrees on rank 0, and a lazy pipeline at that
     sequence and one twice as long): the global loss and every gradient against the plain
     model on the global batch of whole sequences; write this rank's problems to
@@ -84,7 +85,7 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
                             timeout=datetime.timedelta(seconds=120))
     dp = world // (tp * pp * cp)
     problems: list[str] = []
-    for name in names:
+    for name, attention in [(n, a) for n in names for a in attentions]:
         m, batch = 2, 4 * dp
         model, args, target, loss_fn = tiny_model(name, seq, batch)
         reference = copy.deepcopy(model)
@@ -98,7 +99,8 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
                               if node_module_path(n).startswith(SECOND_LAYER[name]))]
         plan = (manual_plan(captured, positions, m, batch, schedule_kind="1f1b") if tp == 1
                 else tp_plan(name, captured, pp, m, batch))
-        plan = dataclasses.replace(plan, dp=dp, cp=cp, zero_stage=zero_stage)
+        plan = dataclasses.replace(plan, dp=dp, cp=cp, zero_stage=zero_stage,
+                                   cp_attention=attention)
         groups = mesh_groups(plan)
         stages = build_stages(captured, plan, ["cpu"] * pp,
                               ranks={dist.get_rank(groups.pp_group)},
@@ -109,9 +111,15 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
                                    torch.device("cpu"), loss_fn=loss_fn,
                                    pp_group=groups.pp_group, dp_group=groups.dp_group,
                                    tp_group=groups.tp_group)
-        _check(problems, name, rank, pipe, args, target, loss_fn, reference,
+        _check(problems, f"{name} {attention}", rank, pipe, args, target, loss_fn, reference,
                stages.shards, groups.tp_group)
-        if compiled and name == names[0]:  # the public path, on the first model
+        kind = {"all_gather": "ContextParallelAttention", "ulysses": "UlyssesAttention"}
+        built = {type(mod).__name__ for st in stages.modules if st is not None
+                 for mod in st.modules()}
+        held = sorted(built & set(kind.values()))
+        if held != [kind[attention]]:
+            problems.append(f"{name} {attention}: the stages hold {held}")
+        if compiled and (name, attention) == (names[0], attentions[0]):  # the public path
             import autopart
 
             model, args, target, loss_fn = tiny_model(name, seq, batch)

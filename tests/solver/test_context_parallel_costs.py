@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import autopart  # noqa: E402
 from autopart.core.capture import capture  # noqa: E402
 from autopart.core.cluster import PRESETS  # noqa: E402
 from autopart.core.context import context_inputs  # noqa: E402
@@ -125,3 +126,61 @@ def test_the_layout_search_tries_cp_where_the_sequence_allows_and_prices_it() ->
                         _layout(cp=None, max_cp=SEQ // 2, pp=2, dp=1))
     assert plan.cp > 1 and plan.num_gpus == 4
     assert max(r.peak_memory_bytes for r in plan.ranks) <= cap
+
+
+@pytest.mark.parametrize(("name", "causal"), [("llama", True), ("bert", False)])
+def test_ulysses_exchanges_queries_keys_values_and_output_and_holds_no_whole_keys(
+        name: str, causal: bool) -> None:
+    cp = 2
+    local = _costs(cp, name)
+    out = context_costs(local, cp, causal=causal, bandwidth_bytes_per_s=BW, latency_us=LAT,
+                        attention="ulysses")
+    attn = attention_nodes(local)
+    by_name = {nd.name: nd for nd in local.nodes}
+    work = (2 * cp + 1) / 4 if causal else cp
+    for i, (a, b) in enumerate(zip(local.nodes, out.nodes, strict=True)):
+        if i not in attn:
+            assert a == b
+            continue
+        # the rank's queries, keys, values and output: 2 x 4 heads x SEQ / cp x 8 dims x 4 B
+        mine = [by_name[n].output_bytes for n in a.inputs[:3]] + [a.output_bytes]
+        assert mine == [2 * 4 * SEQ // cp * 8 * 4] * 4
+        # four pairwise all-to-alls each way, each sending (cp - 1) / cp of the buffer
+        four = 4 * (mine[0] / 2 / BW * 1e6 + LAT)
+        assert b.fwd_us == pytest.approx(a.fwd_us * work + four)
+        assert b.bwd_input_us == pytest.approx(a.bwd_input_us * work + four)
+        assert b.flops == int(a.flops * work)
+        assert b.saved_bytes == a.saved_bytes  # exchanged tensors the size of the rank's own
+        assert b.transient_bytes == a.transient_bytes + sum(mine[:3])
+    with pytest.raises(ValueError, match="'ring'"):
+        context_costs(local, cp, causal=causal, bandwidth_bytes_per_s=BW, latency_us=LAT,
+                      attention="ring")
+
+
+def test_the_search_tries_ulysses_where_tp_x_cp_divides_the_heads_and_it_holds_less() -> None:
+    whole = _costs(1)
+    options = SolveOptions(batch_size=4, num_microbatches=2, time_limit_s=5.0)
+
+    def tried(**kw) -> set[tuple[int, int, str]]:
+        return {(c.tp, c.cp, c.cp_attention) for c in layout_candidates(
+            whole, SPEC, options, _layout(cp=None, max_cp=SEQ // 2, **kw)) if c.cp > 1}
+
+    # heads unknown: all-gather only; 4 heads: Ulysses wherever tp x cp divides 4
+    assert {a for _, _, a in tried()} == {"all_gather"}
+    assert tried(num_heads=4) == {(1, 2, "all_gather"), (1, 2, "ulysses"),
+                                  (1, 4, "all_gather"), (1, 4, "ulysses"),
+                                  (2, 2, "all_gather"), (2, 2, "ulysses")}
+    assert ("ulysses" not in {a for tp, cp, a in tried(num_heads=4, attention_heads=2)
+                              if tp * cp == 4})
+    assert {a for _, _, a in tried(num_heads=4, cp_attention="all_gather")} == {"all_gather"}
+    with pytest.raises(autopart.PlanError, match="no allowed tp and cp divide"):
+        layout_candidates(whole, SPEC, options, _layout(cp=2, num_heads=3, tp=1,
+                                                        cp_attention="ulysses"))
+    # Ulysses holds no whole-sequence keys and values: a lower peak at the same layout
+    plans = {a: evaluate_layout(whole, SPEC, options, _layout(2, cp=2, num_heads=4),
+                                LayoutCandidate(1, 1, 1, 0, 0.0, 0, cp=2, cp_attention=a))
+             for a in ("all_gather", "ulysses")}
+    assert plans["ulysses"].cp_attention == "ulysses"
+    assert plans["all_gather"].cp_attention == "all_gather"
+    peaks = {a: max(r.peak_memory_bytes for r in p.ranks) for a, p in plans.items()}
+    assert peaks["ulysses"] < peaks["all_gather"]

@@ -69,6 +69,7 @@ def golden_plans(costs: CostGraph) -> dict[str, Any]:
         assert d.pop("recompute_policy") == "full"
         assert d.pop("ep") == 1
         assert d.pop("cp") == 1
+        assert d.pop("cp_attention") == "all_gather"
         out[f"{ranks}/{rt_name}/{optimize}/{kind}"] = d
     return out
 
