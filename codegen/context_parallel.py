@@ -14,7 +14,10 @@ attention (``aten.scaled_dot_product_attention``) with :class:`ContextParallelAt
   calls over (g + 1) / (2 cp) of the keys for chunk g). With the load-balanced chunks every
   rank computes 2 cp + 1 chunk-by-chunk blocks;
 - attention over the whole sequence (a mask of all ones, or none; BERT): one call over all
-  the gathered keys.
+  the gathered keys;
+- grouped-query attention's keys and values are taken before transformers' ``repeat_kv``
+  (:data:`autopart.core.op_names.REPEAT_KV_OPS`) and repeated after the exchange, so a
+  rank moves its key heads, not their copies.
 
 This is the all-gather form of context parallelism (``Plan.cp_attention="all_gather"``;
 Llama 3's, "The Llama 3 Herd of Models", 2024, section 3.3.2; torchtitan's
@@ -55,6 +58,7 @@ from autopart.codegen.tp_layout import TensorParallelRank
 from autopart.core.capturedgraph import CapturedGraph, node_module_path
 from autopart.core.context import context_chunks
 from autopart.core.errors import PlanError
+from autopart.core.op_names import REPEAT_KV_OPS
 
 __all__ = ["ContextParallelAttention", "UlyssesAttention", "attention_heads", "attention_kinds",
            "context_parallel", "sequence_order"]
@@ -188,28 +192,38 @@ class ContextParallelAttention(nn.Module):
         cp: this rank's place in its cp group.
         dropout_p, scale, enable_gqa: the model's ``scaled_dot_product_attention`` arguments.
 
+        kv_repeat: the model repeats each key / value head this many times before its
+            attention (transformers' ``repeat_kv``, :data:`autopart.core.op_names.
+            REPEAT_KV_OPS`); the keys and values given are then the unrepeated heads, gathered
+            as they are and repeated after (1: given as the attention takes them).
+
     Forward: ``query [B, H, L, D]``, ``key`` / ``value [B, Hk, L, D]`` of the rank's
     ``L = S / cp`` tokens (its two chunks) -> ``[B, H, L, D]``.
     """
 
     def __init__(self, causal: bool, cp: TensorParallelRank, dropout_p: float,
-                 scale: float | None, enable_gqa: bool) -> None:
+                 scale: float | None, enable_gqa: bool, kv_repeat: int = 1) -> None:
         super().__init__()
         self.causal, self.dropout_p, self.scale, self.enable_gqa = (causal, dropout_p, scale,
                                                                      enable_gqa)
         self.cp_rank, self.cp_size, self.group_name = cp.rank, cp.size, cp.group_name
+        self.kv_repeat = kv_repeat
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 ) -> torch.Tensor:
         group = _tp_ops._group(self.group_name)  # addressed by name, as tp's collectives are
         keys = all_gather_single_autograd(key.contiguous(), 2, group)
         values = all_gather_single_autograd(value.contiguous(), 2, group)
+        local = key.shape[2]
+        if self.causal:
+            order = sequence_order(self.cp_size, local, key.device)
+            keys, values = keys.index_select(2, order), values.index_select(2, order)
+        if self.kv_repeat > 1:
+            keys = keys.repeat_interleave(self.kv_repeat, dim=1)
+            values = values.repeat_interleave(self.kv_repeat, dim=1)
         if not self.causal:
             return self._attend(query, keys, values, None)
-        local = key.shape[2]
         chunk = local // 2
-        order = sequence_order(self.cp_size, local, key.device)
-        keys, values = keys.index_select(2, order), values.index_select(2, order)
         outs = []
         for i, g in enumerate(context_chunks(self.cp_size, self.cp_rank)):
             seen = (g + 1) * chunk  # keys of chunks 0..g
@@ -248,6 +262,9 @@ class UlyssesAttention(nn.Module):
         cp: this rank's place in its cp group.
         dropout_p, scale, enable_gqa: the model's ``scaled_dot_product_attention`` arguments.
 
+        kv_repeat: as :class:`ContextParallelAttention`'s: the unrepeated key / value heads
+            are exchanged where cp divides them (and repeated after), else repeated first.
+
     Forward: ``query [B, H, L, D]``, ``key`` / ``value [B, Hk, L, D]`` of the rank's
     ``L = S / cp`` tokens (its two chunks) -> ``[B, H, L, D]``.
 
@@ -256,15 +273,19 @@ class UlyssesAttention(nn.Module):
     """
 
     def __init__(self, causal: bool, cp: TensorParallelRank, dropout_p: float,
-                 scale: float | None, enable_gqa: bool) -> None:
+                 scale: float | None, enable_gqa: bool, kv_repeat: int = 1) -> None:
         super().__init__()
         self.causal, self.dropout_p, self.scale, self.enable_gqa = (causal, dropout_p, scale,
                                                                      enable_gqa)
         self.cp_rank, self.cp_size, self.group_name = cp.rank, cp.size, cp.group_name
+        self.kv_repeat = kv_repeat
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 ) -> torch.Tensor:
-        cp = self.cp_size
+        cp, repeat = self.cp_size, self.kv_repeat
+        if repeat > 1 and key.shape[1] % cp:  # too few key heads to split: repeat them first
+            key, value = (t.repeat_interleave(repeat, dim=1) for t in (key, value))
+            repeat = 1
         if query.shape[1] % cp or key.shape[1] % cp:
             raise PlanError(f"Ulysses attention splits the heads over cp={cp} ranks, but this "
                             f"attention has {query.shape[1]} query and {key.shape[1]} key heads "
@@ -273,6 +294,8 @@ class UlyssesAttention(nn.Module):
         group = _tp_ops._group(self.group_name)  # addressed by name, as tp's collectives are
         order = sequence_order(cp, query.shape[2], query.device)
         q, k, v = (self._to_heads(t, group, order) for t in (query, key, value))
+        if repeat > 1:
+            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=self.causal, scale=self.scale, enable_gqa=self.enable_gqa)
@@ -321,21 +344,46 @@ def context_parallel(gm: fx.GraphModule, kinds: dict[str, bool], cp: TensorParal
         while _has_submodule(gm, name if not suffix else f"{name}_{suffix}"):
             suffix += 1
         name = name if not suffix else f"{name}_{suffix}"
+        key, value, repeat = args["key"], args["value"], 1
+        heads = _repeated_heads(key), _repeated_heads(value)
+        if heads[0] is not None and heads[1] is not None and heads[0][1] == heads[1][1]:
+            (key, repeat), (value, _) = heads  # type: ignore[misc]
         gm.add_submodule(name, kind(kinds[node.name], cp, float(args["dropout_p"]),
-                                    args["scale"], bool(args["enable_gqa"])))
+                                    args["scale"], bool(args["enable_gqa"]), repeat))
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(name, (args["query"], args["key"], args["value"]))
+            call = gm.graph.call_module(name, (args["query"], key, value))
         call.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace")
                           if k in node.meta})
         node.replace_all_uses_with(call)
         mask = args["attn_mask"]
         gm.graph.erase_node(node)
-        _erase_unused(gm.graph, mask)
+        for operand in (mask, args["key"], args["value"]):
+            _erase_unused(gm.graph, operand)
         done += 1
     if done:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
+    """``(the key heads [B, Hk, S, D], n)`` when ``node`` is their repeat to ``[B, Hk n, S, D]``
+    (transformers' ``repeat_kv``, :data:`autopart.core.op_names.REPEAT_KV_OPS`), else None."""
+    unsqueeze, expand, clone, reshapes = REPEAT_KV_OPS
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and str(node.target) in reshapes):
+        return None
+    x = node.args[0]
+    if isinstance(x, fx.Node) and str(x.target) == clone:
+        x = x.args[0]
+    if not (isinstance(x, fx.Node) and str(x.target) == expand):
+        return None
+    sizes, inner = x.args[1], x.args[0]
+    if not (isinstance(inner, fx.Node) and str(inner.target) == unsqueeze
+            and inner.args[1] == 2 and isinstance(sizes, (list, tuple)) and len(sizes) == 5
+            and isinstance(sizes[2], int) and isinstance(inner.args[0], fx.Node)):
+        return None
+    return inner.args[0], sizes[2]
 
 
 def _has_submodule(gm: nn.Module, name: str) -> bool:

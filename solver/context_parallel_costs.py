@@ -58,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.op_names import REPEAT_KV_OPS
 from autopart.solver.collectives import (
     all_gather_us,
     all_reduce_us,
@@ -65,7 +66,7 @@ from autopart.solver.collectives import (
     reduce_scatter_us,
 )
 
-__all__ = ["ATTENTION_OP", "attention_nodes", "context_costs", "split_tokens"]
+__all__ = ["ATTENTION_OP", "attention_nodes", "context_costs", "repeated_heads", "split_tokens"]
 
 #: The attention op context parallelism rewrites, as the cost graph names it.
 ATTENTION_OP = "aten.scaled_dot_product_attention.default"
@@ -74,6 +75,28 @@ ATTENTION_OP = "aten.scaled_dot_product_attention.default"
 def attention_nodes(costs: CostGraph) -> list[int]:
     """Indices of the attention nodes of ``costs``."""
     return [i for i, nd in enumerate(costs.nodes) if nd.op == ATTENTION_OP]
+
+
+def repeated_heads(by_name: dict[str, NodeCost], name: str) -> tuple[str, int] | None:
+    """``(the node of the unrepeated key heads, n)`` when node ``name`` is their repeat n
+    times (transformers' ``repeat_kv``, :data:`autopart.core.op_names.REPEAT_KV_OPS`: the
+    chain codegen's context parallelism reads), else None."""
+    unsqueeze, expand, clone, reshapes = REPEAT_KV_OPS
+    nd = by_name.get(name)
+    if nd is None or nd.op not in reshapes or not nd.inputs:
+        return None
+    x = by_name.get(nd.inputs[0])
+    if x is not None and x.op == clone and x.inputs:
+        x = by_name.get(x.inputs[0])
+    if x is None or x.op != expand or not x.inputs:
+        return None
+    inner = by_name.get(x.inputs[0])
+    if inner is None or inner.op != unsqueeze or not inner.inputs:
+        return None
+    source = by_name.get(inner.inputs[0])
+    if source is None or source.output_bytes <= 0 or nd.output_bytes % source.output_bytes:
+        return None
+    return source.name, nd.output_bytes // source.output_bytes
 
 
 def _scaled(nd: NodeCost, time: float, size: float) -> NodeCost:
@@ -110,7 +133,7 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
                   latency_us: float,
                   collective_overhead: Callable[[float], float] | None = None,
                   reduce_scatter_as_all_reduce: bool = False,
-                  attention: str = "all_gather") -> CostGraph:
+                  attention: str = "all_gather", heads: int | None = None) -> CostGraph:
     """One GPU's costs at ``cp`` from ``costs`` of the model at S / cp tokens (see the module
     docstring). ``costs`` itself at cp = 1.
 
@@ -126,6 +149,8 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
         reduce_scatter_as_all_reduce: the runtime's reduce-scatter costs an all-reduce of
             the same buffer (``RuntimeDescription.reduce_scatter_as_all_reduce``: gloo).
         attention: ``"all_gather"`` (default) or ``"ulysses"`` (``Plan.cp_attention``).
+        heads: the query heads of one GPU's attention before cp (H / tp), or None: Ulysses
+            then moves grouped-query keys and values repeated (:func:`repeated_heads`).
 
     Raises:
         ValueError: another ``attention``.
@@ -142,18 +167,28 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
     low = list(costs.low_times)
     for i in attention_nodes(costs):
         nd = nodes[i]
+        # the key and value heads the runtime moves: before grouped-query attention's repeat
+        # where it reads it (all-gather: always; Ulysses: where cp divides them)
+        shown = [by_name[n].output_bytes if n in by_name else 0 for n in nd.inputs[:3]]
+        moved = list(shown)
+        for j in (1, 2):
+            found = repeated_heads(by_name, nd.inputs[j]) if j < len(nd.inputs) else None
+            if found is not None and (attention == "all_gather" or (
+                    heads is not None and heads % found[1] == 0
+                    and (heads // found[1]) % cp == 0)):
+                moved[j] = by_name[found[0]].output_bytes
         if attention == "ulysses":  # q, k, v there and the output back; the reverse after
-            qkv = [by_name[n].output_bytes if n in by_name else 0 for n in nd.inputs[:3]]
             gather = scatter = sum(all_to_all_us(b, cp, bandwidth_bytes_per_s, latency_us)
-                                   + overhead for b in (*qkv, nd.output_bytes))
-            held, transient = 0, sum(qkv)
+                                   + overhead for b in (*moved, nd.output_bytes))
+            held, transient = 0, sum(moved)
         else:
-            kv = [by_name[n].output_bytes * cp if n in by_name else 0 for n in nd.inputs[1:3]]
+            kv = [b * cp for b in moved[1:3]]
             gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
                          for b in kv)
             scatter = sum(scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
                           for b in kv)
-            held, transient = (2 if causal else 1) * sum(kv), 0
+            # the whole sequence's keys and values as attention takes them (repeated)
+            held, transient = (2 if causal else 1) * sum(b * cp for b in shown[1:3]), 0
         nodes[i] = replace(nd, fwd_us=nd.fwd_us * work + gather,
                            bwd_input_us=nd.bwd_input_us * work + scatter,
                            flops=int(nd.flops * work), saved_bytes=nd.saved_bytes + held,

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from autopart.core.capturedgraph import GROUPED_MM_OPS
 from autopart.core.costgraph import CostGraph, NodeCost
+from autopart.core.op_names import GROUPED_MM_OPS
 from autopart.solver.collectives import all_to_all_us
 
 __all__ = ["expert_costs", "expert_module_paths", "expert_params"]

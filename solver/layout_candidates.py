@@ -231,13 +231,14 @@ def sharded_costs(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutO
     if cache is not None and key in cache:
         return cache[key]
     if cp > 1:
+        heads = layout.attention_heads or layout.num_heads
         base = costs if layout.cp_tokens_profiled else split_tokens(costs, cp)
         cp_bw, cp_lat = layout.topology.link(tp * cp)
         local = context_costs(base, cp, causal=layout.causal_attention,
                               bandwidth_bytes_per_s=cp_bw, latency_us=cp_lat,
                               collective_overhead=runtime.collective_overhead_at,
                               reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce,
-                              attention=cp_attention)
+                              attention=cp_attention, heads=None if heads is None else heads // tp)
         out = sharded_costs(local, tp, device, layout, runtime, None, ep)
     elif ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
         base = sharded_costs(costs, tp, device, layout, runtime, cache, 1)

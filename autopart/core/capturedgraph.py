@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopart.core.errors import TraceError
+from autopart.core.op_names import GROUPED_MM_OPS
 
 __all__ = ["GROUPED_MM_OPS", "CapturedGraph", "graph_fingerprint", "op_nodes", "node_module_path",
            "node_source", "weight_source"]
@@ -98,9 +99,6 @@ def node_source(node: fx.Node) -> str:
     return f"{os.path.basename(path)}:{line} ({code.strip()})"
 
 
-GROUPED_MM_OPS = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
-"""Grouped GEMMs: one matmul per group (expert) in one call; the backward is two of the
-forward's size, one per operand, as for a plain matmul."""
 
 _PASS_THROUGH_OPS = frozenset({
     "aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.view.default",

@@ -89,6 +89,7 @@ def main() -> None:
             "python": platform.python_version(), "config": CONFIG,
             "load_average": os.getloadavg()[0]}
     out_dir = Path(opts.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "at_scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)
                                            + "\n")
     lines = [f"# Llama-3-8B shape on 64 H100s, cp searched ({meta['date']})", "",

@@ -64,3 +64,35 @@ def test_eager_attention_a_padding_mask_and_no_position_ids_are_refused() -> Non
 
     with pytest.raises(PlanError, match="takes no position_ids"):
         context_inputs(NoPositions(), 2, args, {})
+
+
+@pytest.mark.parametrize("attention", ["all_gather", "ulysses"])
+def test_grouped_query_keys_and_values_are_taken_before_their_repeat(attention: str) -> None:
+    """Llama's 2 key / value heads reach the cp attention unrepeated (half the bytes to move
+    for its 4 query heads), and transformers' repeat_kv ops leave the stage."""
+    from autopart.codegen.context_parallel import (
+        ContextParallelAttention,
+        UlyssesAttention,
+        context_parallel,
+    )
+    from autopart.codegen.tp_layout import TensorParallelRank
+
+    model, args, _, _ = tiny_model("llama", 16, 2)
+    inputs, kwargs, _ = context_inputs(model, 2, args, {})
+    captured = capture(model, inputs, kwargs)
+    gm = captured.graph_module
+
+    def repeats() -> int:  # expands to [B, Hk, n, S, D]: transformers' repeat_kv
+        return sum(1 for n in gm.graph.nodes
+                   if str(n.target) == "aten.expand.default" and len(n.args[1]) == 5)
+
+    assert repeats() == 4  # keys and values of 2 layers
+    assert context_parallel(gm, attention_kinds(captured), TensorParallelRank(0, 2, "unused"),
+                            attention) == 2
+    kind = {"all_gather": ContextParallelAttention, "ulysses": UlyssesAttention}[attention]
+    mods = [m for m in gm.modules() if isinstance(m, kind)]
+    assert [m.kv_repeat for m in mods] == [2, 2]
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and "context_parallel" in n.target]
+    for call in calls:  # keys and values of 2 heads, the queries' 4
+        assert [tuple(a.meta["val"].shape)[1] for a in call.args] == [4, 2, 2]
+    assert repeats() == 0  # each layer's two repeats are gone

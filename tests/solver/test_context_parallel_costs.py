@@ -21,6 +21,7 @@ from autopart.solver.context_parallel_costs import (  # noqa: E402
     ATTENTION_OP,
     attention_nodes,
     context_costs,
+    repeated_heads,
     split_tokens,
 )
 from autopart.solver.layout_search import (  # noqa: E402
@@ -87,14 +88,19 @@ def test_attention_gathers_keys_and_values_and_attends_to_the_whole_sequence(
         if i not in attn:
             assert a == b
             continue
-        # keys / values of the rank's tokens: 2 sequences x 4 heads x 32 tokens x 8 dims x 4 B
+        # keys / values as attention takes them, the whole sequence: 2 sequences x 4 heads x
+        # SEQ tokens x 8 dims x 4 B
         kv = [by_name[n].output_bytes * cp for n in a.inputs[1:3]]
         assert kv == [2 * 4 * SEQ * 8 * 4] * 2
-        gather = sum(all_gather_us(x, cp, BW, LAT) for x in kv)
-        assert gather == pytest.approx(2 * (kv[0] / 2 / BW * 1e6 + LAT))
+        # Llama's 2 key / value heads are gathered before repeat_kv doubles them
+        repeats = [repeated_heads(by_name, n) for n in a.inputs[1:3]]
+        assert [r and r[1] for r in repeats] == ([2, 2] if name == "llama" else [None, None])
+        moved = [x // 2 for x in kv] if name == "llama" else kv
+        gather = sum(all_gather_us(x, cp, BW, LAT) for x in moved)
+        assert gather == pytest.approx(2 * (moved[0] / 2 / BW * 1e6 + LAT))
         assert b.fwd_us == pytest.approx(a.fwd_us * work + gather)
         assert b.bwd_input_us == pytest.approx(
-            a.bwd_input_us * work + sum(reduce_scatter_us(x, cp, BW, LAT) for x in kv))
+            a.bwd_input_us * work + sum(reduce_scatter_us(x, cp, BW, LAT) for x in moved))
         assert b.flops == int(a.flops * work)
         assert b.saved_bytes == a.saved_bytes + (2 if causal else 1) * sum(kv)
 
@@ -133,25 +139,30 @@ def test_ulysses_exchanges_queries_keys_values_and_output_and_holds_no_whole_key
         name: str, causal: bool) -> None:
     cp = 2
     local = _costs(cp, name)
-    out = context_costs(local, cp, causal=causal, bandwidth_bytes_per_s=BW, latency_us=LAT,
-                        attention="ulysses")
     attn = attention_nodes(local)
     by_name = {nd.name: nd for nd in local.nodes}
     work = (2 * cp + 1) / 4 if causal else cp
-    for i, (a, b) in enumerate(zip(local.nodes, out.nodes, strict=True)):
-        if i not in attn:
-            assert a == b
-            continue
-        # the rank's queries, keys, values and output: 2 x 4 heads x SEQ / cp x 8 dims x 4 B
-        mine = [by_name[n].output_bytes for n in a.inputs[:3]] + [a.output_bytes]
-        assert mine == [2 * 4 * SEQ // cp * 8 * 4] * 4
-        # four pairwise all-to-alls each way, each sending (cp - 1) / cp of the buffer
-        four = 4 * (mine[0] / 2 / BW * 1e6 + LAT)
-        assert b.fwd_us == pytest.approx(a.fwd_us * work + four)
-        assert b.bwd_input_us == pytest.approx(a.bwd_input_us * work + four)
-        assert b.flops == int(a.flops * work)
-        assert b.saved_bytes == a.saved_bytes  # exchanged tensors the size of the rank's own
-        assert b.transient_bytes == a.transient_bytes + sum(mine[:3])
+    # heads unknown: grouped-query keys move repeated; 4 heads (Llama: 2 key heads, which cp 2
+    # divides): unrepeated; 2 heads (1 key head): repeated
+    for heads, halved in ((None, False), (4, name == "llama"), (2, False)):
+        out = context_costs(local, cp, causal=causal, bandwidth_bytes_per_s=BW, latency_us=LAT,
+                            attention="ulysses", heads=heads)
+        for i, (a, b) in enumerate(zip(local.nodes, out.nodes, strict=True)):
+            if i not in attn:
+                assert a == b
+                continue
+            # the rank's queries, keys, values and output: 2 x 4 heads x SEQ / cp x 8 x 4 B
+            mine = [by_name[n].output_bytes for n in a.inputs[:3]] + [a.output_bytes]
+            assert mine == [2 * 4 * SEQ // cp * 8 * 4] * 4
+            if halved:
+                mine[1:3] = [x // 2 for x in mine[1:3]]
+            # four pairwise all-to-alls each way, each sending (cp - 1) / cp of its buffer
+            four = sum(x / 2 / BW * 1e6 + LAT for x in mine)
+            assert b.fwd_us == pytest.approx(a.fwd_us * work + four)
+            assert b.bwd_input_us == pytest.approx(a.bwd_input_us * work + four)
+            assert b.flops == int(a.flops * work)
+            assert b.saved_bytes == a.saved_bytes  # exchanged tensors the size of the rank's
+            assert b.transient_bytes == a.transient_bytes + sum(mine[:3])
     with pytest.raises(ValueError, match="'ring'"):
         context_costs(local, cp, causal=causal, bandwidth_bytes_per_s=BW, latency_us=LAT,
                       attention="ring")
