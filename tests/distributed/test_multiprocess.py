@@ -1,15 +1,27 @@
-"""Real multi-process pipelines (gloo, spawned processes, no mocks) against the plain model."""
+"""Real multi-process pipelines (gloo, spawned processes, no mocks) against the plain model.
+
+Most checks here need ranks but not ranks of their own: the tests marked :func:`_batched`
+run in one launch per world size (:func:`tests.distributed.spawned.run_cases`, the first
+such test of a world size launches every selected one of that size), each case writing its
+results into a directory of its own, which its test then reads and asserts on as a launch
+of that case alone would. The tests of dying, hanging, pinned and compiled ranks, and of a
+checkpoint the test process writes, launch their own."""
 
 
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.distributed.spawned import case_dir, run_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +45,82 @@ def _spawn(fn: str, world: int, *args: object, timeout: float = 240) -> subproce
                           text=True, timeout=timeout)
 
 
+#: per batched test, what its parameters run: ``(world, check, args)``, a check of
+#: :data:`tests.distributed.worker.CASES`
+Case = tuple[int, str, tuple[Any, ...]]
+
+
+def _batched(case: Callable[[dict[str, Any]], Case]) -> Callable[[Any], Any]:
+    """Mark a test as one case of its world size's shared launch; ``case`` maps the test's
+    parameters to what it runs (its ``batched`` fixture gives the case's directory)."""
+    def mark(test: Any) -> Any:
+        test.batched_case = case
+        return test
+    return mark
+
+
+def _case_of(item: pytest.Item) -> Case | None:
+    case = getattr(getattr(item, "function", None), "batched_case", None)
+    callspec = getattr(item, "callspec", None)
+    return case(dict(callspec.params) if callspec is not None else {}) if case else None
+
+
+def _key(case: Case) -> str:
+    world, check, args = case
+    return re.sub(r"[^A-Za-z0-9_-]", "_", "-".join([f"w{world}", check, *map(str, args)]))
+
+
+class _Launches:
+    """The batched cases of this module's selected tests, launched once per world size when
+    the first test of that size asks; each case's outcome and directory by key."""
+
+    def __init__(self, root: Path, planned: list[Case]) -> None:
+        self.root, self.planned = root, planned
+        self.outcome: dict[str, str | None] = {}
+        self.dirs: dict[str, Path] = {}
+
+    def case_dir(self, case: Case) -> Path:
+        """The directory ``case`` wrote its results to (launching it, and every planned case
+        of its world size not launched yet, first).
+
+        Fails the calling test (``pytest.fail``) when the case crashed or its launch failed,
+        saying why (the ranks' tracebacks, the launch's stderr), as a launch of the case alone
+        exiting non-zero would have.
+        """
+        key = _key(case)
+        if key not in self.outcome:
+            world = case[0]
+            todo = {_key(c): c for c in [*self.planned, case]
+                    if c[0] == world and _key(c) not in self.outcome}
+            root = self.root / f"launch{len(list(self.root.iterdir()))}-world{world}"
+            root.mkdir()
+            self.outcome.update(run_cases("tests.distributed.worker", "batch", world, root,
+                                          [(k, c[1], c[2]) for k, c in todo.items()]))
+            self.dirs.update({k: case_dir(root, k) for k in todo})
+        failure = self.outcome[key]
+        if failure is not None:
+            pytest.fail(failure)
+        return self.dirs[key]
+
+
+@pytest.fixture(scope="module")
+def _launches(request: pytest.FixtureRequest) -> Iterator[_Launches]:
+    planned = [c for item in request.session.items
+               if getattr(item, "module", None) is request.module
+               and (c := _case_of(item)) is not None]
+    with tempfile.TemporaryDirectory() as root:
+        yield _Launches(Path(root), planned)
+
+
+@pytest.fixture
+def batched(request: pytest.FixtureRequest, _launches: _Launches) -> Callable[[], Path]:
+    """This test's case's result directory, as a call (so that a failed launch fails the
+    test, not its set-up)."""
+    case = _case_of(request.node)
+    assert case is not None, f"{request.node.name} is not marked _batched"
+    return lambda: _launches.case_dir(case)
+
+
 CASES = [("gpt2", "1f1b", 1, 2, False), ("gpt2", "interleaved_1f1b", 2, 2, False),
          ("gpt2", "zero_bubble", 1, 2, False), ("bert", "1f1b", 1, 4, False),
          ("llama", "interleaved_1f1b", 2, 2, False), ("tied_mlp", "zero_bubble", 1, 4, False),
@@ -45,12 +133,12 @@ CASES = [("gpt2", "1f1b", 1, 2, False), ("gpt2", "interleaved_1f1b", 2, 2, False
 @pytest.mark.parametrize(("model", "kind", "v", "world", "recompute"), CASES,
                          ids=[f"{m}-{k}-v{v}-{w}ranks" + ("-recompute" if r else "")
                               for m, k, v, w, r in CASES])
+@_batched(lambda p: (p["world"], "numerics", (p["model"], p["kind"], p["v"], p["recompute"])))
 def test_loss_output_and_every_gradient_match(model: str, kind: str, v: int, world: int,
-                                              recompute: bool) -> None:
-    with tempfile.TemporaryDirectory() as out:
-        proc = _spawn("numerics", world, model, kind, v, out, recompute)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
+                                              recompute: bool,
+                                              batched: Callable[[], Path]) -> None:
+    out = batched()
+    reports = {p.name: p.read_text().splitlines() for p in out.iterdir()}
     assert sorted(reports) == [f"rank{r}.txt" for r in range(world)]
     total = 0
     for name, lines in reports.items():
@@ -86,7 +174,7 @@ def test_a_killed_rank_makes_the_others_exit_naming_it(kind: str, v: int) -> Non
     assert elapsed < 240, f"took {elapsed:.0f} s with a {timeout_s} s timeout"  # not minutes
 
 
-def _reports(out: str, world: int) -> dict[str, list[str]]:
+def _reports(out: str | Path, world: int) -> dict[str, list[str]]:
     reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
     assert sorted(reports) == [f"rank{r}.txt" for r in range(world)]
     return reports
@@ -117,11 +205,10 @@ def test_a_meta_model_materialises_only_each_ranks_stages_from_a_checkpoint(tmp_
     assert owned[0] & owned[1] == {"transformer.wte.weight"}
 
 
-def test_pipeline_times_data_parallel_gradients_equal_the_full_batch() -> None:
-    with tempfile.TemporaryDirectory() as out:
-        proc = _spawn("pp_dp", 4, out)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        reports = _reports(out, 4)
+@_batched(lambda p: (4, "pp_dp", ()))
+def test_pipeline_times_data_parallel_gradients_equal_the_full_batch(
+        batched: Callable[[], Path]) -> None:
+    reports = _reports(batched(), 4)
     for name, lines in reports.items():
         assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"
@@ -164,18 +251,17 @@ def test_a_hung_rank_is_named_by_the_others_and_told_to_exit(kind: str, v: int) 
 
 @pytest.mark.parametrize(("kind", "v", "world"), [("1f1b", 1, 2), ("zero_bubble", 1, 2),
                                                   ("interleaved_1f1b", 2, 2)])
-def test_a_real_step_traces_every_action_of_every_rank_in_order(kind: str, v: int,
-                                                                world: int) -> None:
+@_batched(lambda p: (p["world"], "traced", (p["kind"], p["v"])))
+def test_a_real_step_traces_every_action_of_every_rank_in_order(
+        kind: str, v: int, world: int, batched: Callable[[], Path]) -> None:
     import json
 
     from autopart.core.schedule import build_schedule
     from autopart.core.trace import Trace
 
-    with tempfile.TemporaryDirectory() as out:
-        proc = _spawn("traced", world, kind, v, out)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        data = json.loads((Path(out) / "trace.json").read_text())
-        peaks = (Path(out) / "peaks.txt").read_text().split()
+    out = batched()
+    data = json.loads((out / "trace.json").read_text())
+    peaks = (out / "peaks.txt").read_text().split()
     trace = Trace.from_chrome(data)  # valid trace-event JSON
     assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X"} == set(range(world))
     expected = build_schedule(kind, world, 4, v)
@@ -220,14 +306,12 @@ CLIP_CASES = [("gpt2", "2.0", 2, 2), ("tied_mlp", "2.0", 4, 4), ("gpt2", "inf", 
 
 @pytest.mark.parametrize(("model", "norm_type", "world", "pp"), CLIP_CASES,
                          ids=[f"{m}-norm{n}-{w}ranks-pp{p}" for m, n, w, p in CLIP_CASES])
+@_batched(lambda p: (p["world"], "clip_norm", (p["model"], p["norm_type"], p["pp"])))
 def test_clip_grad_norm_is_the_whole_models_norm(model: str, norm_type: str, world: int,
-                                                 pp: int) -> None:
+                                                 pp: int, batched: Callable[[], Path]) -> None:
     # tied weights (gpt2's wte/lm_head, tied_mlp) are counted once; with pp x dp
     # (world 4, pp 2) the data-parallel replicas are not counted twice
-    with tempfile.TemporaryDirectory() as out:
-        proc = _spawn("clip_norm", world, model, norm_type, pp, out)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        reports = _reports(out, world)
+    reports = _reports(batched(), world)
     for name, lines in reports.items():
         assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"
@@ -268,38 +352,35 @@ def test_an_explicit_group_wins_and_partial_torchrun_variables_are_named(
 
 
 @pytest.mark.parametrize("mode", ["autocast", "bf16"])
-def test_bf16_on_two_ranks_matches_the_plain_model_run_the_same_way(mode: str) -> None:
+@_batched(lambda p: (2, "mixed_precision", (p["mode"],)))
+def test_bf16_on_two_ranks_matches_the_plain_model_run_the_same_way(
+        mode: str, batched: Callable[[], Path]) -> None:
     # tolerances justified in tests/precision.py
-    with tempfile.TemporaryDirectory() as out:
-        proc = _spawn("mixed_precision", 2, mode, out)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        reports = _reports(out, 2)
+    reports = _reports(batched(), 2)
     for name, lines in reports.items():
         assert lines[0].startswith("ok "), f"{name}: {lines}"
 
 
 @pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_a_stage_whose_only_input_is_the_token_ids_trains(kind: str, v: int) -> None:
+@_batched(lambda p: (2, "integer_cut", (p["kind"], p["v"])))
+def test_a_stage_whose_only_input_is_the_token_ids_trains(kind: str, v: int,
+                                                          batched: Callable[[], Path]) -> None:
     """torch's shape inference runs a stage on ``torch.empty`` inputs; uninitialised token
     ids were out-of-range indices for the next rank's embedding (an IndexError)."""
-    with tempfile.TemporaryDirectory() as out:
-        proc = _spawn("integer_cut", 2, kind, v, out)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
+    reports = {p.name: p.read_text().splitlines() for p in batched().iterdir()}
     for name, lines in sorted(reports.items()):
         assert lines[0].startswith("cut "), lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"  # loss and every gradient matched
 
 
 @pytest.mark.parametrize("kind", ["zero_bubble", "1f1b"])
-def test_a_stage_output_the_stage_saves_survives_a_split_backward(kind: str) -> None:
+@_batched(lambda p: (3, "reused_output", (p["kind"],)))
+def test_a_stage_output_the_stage_saves_survives_a_split_backward(
+        kind: str, batched: Callable[[], Path]) -> None:
     """torch's ``stage_backward_input`` detaches every stage output in place; a stage that
     saved one of them (a linear's input it also sends on) crashed in its ``W`` with 'Trying
     to use a saved tensor that has been detached in-place'."""
-    with tempfile.TemporaryDirectory() as out:
-        proc = _spawn("reused_output", 3, kind, out)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
+    reports = {p.name: p.read_text().splitlines() for p in batched().iterdir()}
     for name, lines in sorted(reports.items()):
         assert lines[0] == "cuts [1, 4]: [['linear'], ['linear_1', 'linear_2']]", lines
         assert lines[1:] == [], f"{name}: {lines[1:]}"  # loss and every gradient matched

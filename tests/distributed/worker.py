@@ -28,6 +28,14 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
 
     With ``recompute`` every stage recomputes under the plan's ``recompute_policy``, and each
     must run its forward twice per microbatch in the training step (once more in backward)."""
+    _setup(rank, world, port, 60)
+    end_rank(_numerics(rank, world, result_dir, model_name, kind, v, recompute,
+                       recompute_policy))
+
+
+def _numerics(rank: int, world: int, result_dir: str, model_name: str, kind: str, v: int,
+              recompute: bool = False, recompute_policy: str = "full") -> Any:
+    """:func:`numerics`' checks in a process group already set up; returns the pipeline."""
     sys.path.insert(0, os.getcwd())
     import dataclasses
 
@@ -36,7 +44,6 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 
-    _setup(rank, world, port, 60)
     model, args, target, loss_fn = ZOO[model_name]()
     reference = copy.deepcopy(model)
     m = 4
@@ -92,7 +99,7 @@ def numerics(rank: int, world: int, port: int, model_name: str, kind: str, v: in
         problems.append(f"output: {str(exc).splitlines()[0]}")
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"params {len(names)}", *problems]) + "\n")
-    end_rank(pipe)
+    return pipe
 
 
 def _compare(pipe: Any, loss: torch.Tensor, ref_loss: torch.Tensor,
@@ -138,6 +145,12 @@ def from_meta(rank: int, world: int, port: int, ckpt: str, plan_path: str, resul
 def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
     """A 2 x 2 (pp x dp) mesh: each data-parallel replica trains on its half of the batch;
     after the dp all-reduce every gradient equals the full-batch gradient."""
+    _setup(rank, world, port, 60)
+    end_rank(_pp_dp(rank, world, result_dir))
+
+
+def _pp_dp(rank: int, world: int, result_dir: str) -> Any:
+    """:func:`pp_dp`'s checks in a process group already set up; returns the pipeline."""
     sys.path.insert(0, os.getcwd())
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -146,7 +159,6 @@ def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 
-    _setup(rank, world, port, 60)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     reference, args, target, loss_fn = ZOO["gpt2"]()
     model = copy.deepcopy(reference)
@@ -163,7 +175,7 @@ def pp_dp(rank: int, world: int, port: int, result_dir: str) -> None:
     problems = _compare(pipe, loss, full, reference)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"params {len(list(pipe.named_parameters()))}", *problems]) + "\n")
-    end_rank(pipe)
+    return pipe
 
 
 def _mlp_pipeline(world: int, kind: str, v: int, **compile_kwargs: Any) -> tuple[Any, ...]:
@@ -255,8 +267,18 @@ def traced(rank: int, world: int, port: int, kind: str, v: int, result_dir: str)
     """One traced and one memory-measured step of the MLP; rank 0 writes the trace and the
     gathered peaks, every rank checks that it got the same trace."""
     _setup(rank, world, port, 120.0)
-    import torch
+    pipe = _traced(rank, world, result_dir, kind, v)
+    # Clean-clone CI runs twice saw rank 1 abort here at exit ("terminate called without an
+    # active exception"): gloo's worker thread freed the peak gather's tensors while the
+    # interpreter was finalizing. The runtime now gathers through the store; the ranks also
+    # leave together, as autopart.apps.bench's workers do, and skip the interpreter's C++
+    # teardown, which is not what this test is about.
+    dist.barrier()
+    end_rank(pipe)
 
+
+def _traced(rank: int, world: int, result_dir: str, kind: str, v: int) -> Any:
+    """:func:`traced`'s step in a process group already set up; returns the pipeline."""
     pipe, args, target, loss_fn = _mlp_pipeline(world, kind, v)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     pipe.train_step(*args, target=target)
@@ -271,13 +293,7 @@ def traced(rank: int, world: int, port: int, kind: str, v: int, result_dir: str)
         pipe.last_trace.save(os.path.join(result_dir, "trace.json"))
         with open(os.path.join(result_dir, "peaks.txt"), "w") as f:
             f.write(" ".join(map(str, peaks)) + f"\n{float(loss)}\n")
-    # Clean-clone CI runs twice saw rank 1 abort here at exit ("terminate called without an
-    # active exception"): gloo's worker thread freed the peak gather's tensors while the
-    # interpreter was finalizing. The runtime now gathers through the store; the ranks also
-    # leave together, as autopart.apps.bench's workers do, and skip the interpreter's C++
-    # teardown, which is not what this test is about.
-    dist.barrier()
-    end_rank(pipe)
+    return pipe
 
 
 def _clip_checks(pipe: Any, reference: torch.nn.Module, max_norm: float,
@@ -308,6 +324,13 @@ def clip_norm(rank: int, world: int, port: int, model_name: str, norm_type: floa
     """One training step of ``model_name`` on ``world`` ranks (a ``mesh_pp`` x
     ``world // mesh_pp`` pp x dp mesh when ``mesh_pp < world``), then clip to a tenth of
     the norm; the norm and clipped gradients must equal the plain model's."""
+    _setup(rank, world, port, 60)
+    end_rank(_clip_norm(rank, world, result_dir, model_name, norm_type, mesh_pp))
+
+
+def _clip_norm(rank: int, world: int, result_dir: str, model_name: str,
+               norm_type: float | str, mesh_pp: int) -> Any:
+    """:func:`clip_norm`'s checks in a process group already set up; returns the pipeline."""
     sys.path.insert(0, os.getcwd())
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -316,7 +339,6 @@ def clip_norm(rank: int, world: int, port: int, model_name: str, norm_type: floa
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 
-    _setup(rank, world, port, 60)
     norm_type = float(norm_type)  # "inf" passes through the spawn script as a string
     reference, args, target, loss_fn = ZOO[model_name]()
     model = copy.deepcopy(reference)
@@ -340,7 +362,7 @@ def clip_norm(rank: int, world: int, port: int, model_name: str, norm_type: floa
     problems = _clip_checks(pipe, reference, float(ref_norm) / 10, norm_type)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"params {len(list(pipe.named_parameters()))}", *problems]) + "\n")
-    end_rank(pipe)
+    return pipe
 
 
 def _gpt2_pipeline(world: int, positions_of: Any = None) -> tuple[Any, ...]:
@@ -413,15 +435,21 @@ def mixed_precision(rank: int, world: int, port: int, mode: str, result_dir: str
     """GPT-2 on ``world`` ranks under ``torch.autocast`` bf16 (``mode="autocast"``) or with
     bf16 weights (``mode="bf16"``), against the plain model run the same way; writes the
     loss difference and the worst gradient error (``tests.precision`` decides)."""
+    _setup(rank, world, port, 120)
+    end_rank(_mixed_precision(rank, world, result_dir, mode))
+
+
+def _mixed_precision(rank: int, world: int, result_dir: str, mode: str) -> Any:
+    """:func:`mixed_precision`'s step in a process group already set up; returns the
+    pipeline."""
     sys.path.insert(0, os.getcwd())
     from tests import precision
 
-    _setup(rank, world, port, 120)
     reference, pipe, args, target, loss_fn = precision.models(mode, world, "distributed")
     report = precision.compare(pipe, reference, args, target, loss_fn, mode)
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write(report + "\n")
-    end_rank(pipe)
+    return pipe
 
 
 def run_everyone(fn: Any, world: int, *args: Any) -> None:
@@ -439,6 +467,12 @@ def integer_cut(rank: int, world: int, port: int, kind: str, v: int, result_dir:
     """GPT-2 cut where only the token ids cross (right after ``view(input_ids)``): the next
     rank's stage starts at ``embedding``, so torch's shape inference must not feed it
     uninitialised indices."""
+    _setup(rank, world, port, 60)
+    end_rank(_integer_cut(rank, world, result_dir, kind, v))
+
+
+def _integer_cut(rank: int, world: int, result_dir: str, kind: str, v: int) -> Any:
+    """:func:`integer_cut`'s checks in a process group already set up; returns the pipeline."""
     sys.path.insert(0, os.getcwd())
     import autopart
     from autopart.codegen.split import crossing_names
@@ -446,7 +480,6 @@ def integer_cut(rank: int, world: int, port: int, kind: str, v: int, result_dir:
     from tests.plans import even_positions, manual_plan
     from tests.zoo import ZOO
 
-    _setup(rank, world, port, 60)
     model, args, target, loss_fn = ZOO["gpt2"]()
     reference = copy.deepcopy(model)
     m = 4
@@ -465,7 +498,7 @@ def integer_cut(rank: int, world: int, port: int, kind: str, v: int, result_dir:
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"cut {first}: {crossing_names(captured, [first])[0]}",
                            *problems]) + "\n")
-    end_rank(pipe)
+    return pipe
 
 
 class _Reused(torch.nn.Module):
@@ -487,13 +520,19 @@ def reused_output(rank: int, world: int, port: int, kind: str, result_dir: str) 
     """A stage output the stage itself saved (``h`` above) under ``kind``: torch's split
     backward detaches every stage output in place after ``I``, so its ``W`` would find a
     saved tensor detached; loss and every gradient must equal the plain model's."""
+    _setup(rank, world, port, 60)
+    end_rank(_reused_output(rank, world, result_dir, kind))
+
+
+def _reused_output(rank: int, world: int, result_dir: str, kind: str) -> Any:
+    """:func:`reused_output`'s checks in a process group already set up; returns the
+    pipeline."""
     sys.path.insert(0, os.getcwd())
     import autopart
     from autopart.codegen.split import crossing_names
     from autopart.core.capture import capture
     from tests.plans import manual_plan
 
-    _setup(rank, world, port, 60)
     torch.manual_seed(0)
     model = _Reused()
     reference = copy.deepcopy(model)
@@ -517,7 +556,7 @@ def reused_output(rank: int, world: int, port: int, kind: str, result_dir: str) 
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write("\n".join([f"cuts {cuts}: {crossing_names(captured, cuts)}",
                            *problems]) + "\n")
-    end_rank(pipe)
+    return pipe
 
 
 def pinned(rank: int, world: int, port: int, result_dir: str) -> None:
@@ -540,3 +579,54 @@ def pinned(rank: int, world: int, port: int, result_dir: str) -> None:
         json.dump({"cpu_cores": pipe.cpu_cores, "before": before, "during": during,
                    "after": after}, f)
     end_rank(pipe)
+
+
+#: The checks :func:`batch` can run, by name, with the default group's timeout (seconds)
+#: their launchers above set up: each takes ``(rank, world, result_dir, *args)`` in a
+#: process group already set up, writes what its test reads to ``result_dir`` and returns
+#: its pipeline (still open).
+CASES: dict[str, tuple[Any, float]] = {
+    "numerics": (_numerics, 60), "pp_dp": (_pp_dp, 60), "traced": (_traced, 120),
+    "clip_norm": (_clip_norm, 60), "mixed_precision": (_mixed_precision, 120),
+    "integer_cut": (_integer_cut, 60), "reused_output": (_reused_output, 60)}
+
+
+def batch(rank: int, world: int, port: int, root: str,
+          cases: list[tuple[str, str, tuple[Any, ...]]]) -> None:
+    """Each ``(key, check, args)`` of ``cases``, in order, on one process group: the start-up
+    (interpreter, imports, group) is paid once for all of them
+    (:func:`tests.distributed.spawned.run_cases`).
+
+    Each case writes into its own ``root/cases/<key>``, closes its pipeline (its heartbeat)
+    and marks itself done for this rank; the ranks meet at a barrier before the next one;
+    the group is destroyed once, at the end. Each case runs under its launcher's default
+    group timeout, and profiles into an empty cache of its
+    own (``$AUTOPART_CACHE_DIR``, shared by its ranks), as a launch of it alone from a test
+    would (``tests/conftest.py``). A case that raises writes its traceback as this
+    rank's crash and re-raises, so that ``torch.multiprocessing.spawn`` ends the other ranks
+    at once (they may wait for this one in a send or a collective): the launcher reports it
+    and runs the cases after it in a fresh launch."""
+    import traceback
+
+    from autopart.runtime._torch_private import set_group_timeout
+    from tests.distributed.spawned import case_dir, mark_case
+
+    _setup(rank, world, port, 120)
+    group = dist.group.WORLD
+    assert group is not None
+    for key, check, args in cases:
+        out = case_dir(root, key)
+        out.mkdir(parents=True, exist_ok=True)
+        os.environ["AUTOPART_CACHE_DIR"] = os.path.join(root, "profile-cache", key)
+        run, timeout_s = CASES[check]
+        try:
+            set_group_timeout(group, timeout_s)
+            pipe = run(rank, world, str(out), *args)
+            pipe.close()
+        except BaseException:
+            mark_case(root, key, rank, traceback.format_exc())
+            raise
+        mark_case(root, key, rank)
+        del pipe
+        dist.barrier()
+    end_rank()
