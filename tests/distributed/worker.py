@@ -585,10 +585,10 @@ def pinned(rank: int, world: int, port: int, result_dir: str) -> None:
 #: their launchers above set up: each takes ``(rank, world, result_dir, *args)`` in a
 #: process group already set up, writes what its test reads to ``result_dir`` and returns
 #: its pipeline (still open).
-CASES: dict[str, tuple[Any, float]] = {
-    "numerics": (_numerics, 60), "pp_dp": (_pp_dp, 60), "traced": (_traced, 120),
-    "clip_norm": (_clip_norm, 60), "mixed_precision": (_mixed_precision, 120),
-    "integer_cut": (_integer_cut, 60), "reused_output": (_reused_output, 60)}
+CASES: dict[str, Any] = {
+    "numerics": _numerics, "pp_dp": _pp_dp, "traced": _traced, "clip_norm": _clip_norm,
+    "mixed_precision": _mixed_precision, "integer_cut": _integer_cut,
+    "reused_output": _reused_output}
 
 
 def batch(rank: int, world: int, port: int, root: str,
@@ -599,8 +599,8 @@ def batch(rank: int, world: int, port: int, root: str,
 
     Each case writes into its own ``root/cases/<key>``, closes its pipeline (its heartbeat)
     and marks itself done for this rank; the ranks meet at a barrier before the next one;
-    the group is destroyed once, at the end. Each case runs under its launcher's default
-    group timeout, and profiles into an empty cache of its
+    the group is destroyed once, at the end. Every case runs under the group's timeout of
+    120 s (the launcher's own timeout ends a hung launch), and profiles into an empty cache of its
     own (``$AUTOPART_CACHE_DIR``, shared by its ranks), as a launch of it alone from a test
     would (``tests/conftest.py``). A case that raises writes its traceback as this
     rank's crash and re-raises, so that ``torch.multiprocessing.spawn`` ends the other ranks
@@ -608,20 +608,15 @@ def batch(rank: int, world: int, port: int, root: str,
     and runs the cases after it in a fresh launch."""
     import traceback
 
-    from autopart.runtime._torch_private import set_group_timeout
     from tests.distributed.spawned import case_dir, mark_case
 
     _setup(rank, world, port, 120)
-    group = dist.group.WORLD
-    assert group is not None
     for key, check, args in cases:
         out = case_dir(root, key)
         out.mkdir(parents=True, exist_ok=True)
         os.environ["AUTOPART_CACHE_DIR"] = os.path.join(root, "profile-cache", key)
-        run, timeout_s = CASES[check]
         try:
-            set_group_timeout(group, timeout_s)
-            pipe = run(rank, world, str(out), *args)
+            pipe = CASES[check](rank, world, str(out), *args)
             pipe.close()
         except BaseException:
             mark_case(root, key, rank, traceback.format_exc())
