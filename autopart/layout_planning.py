@@ -12,7 +12,7 @@ from torch import nn
 
 from autopart.codegen.context_parallel import attention_heads, attention_kinds
 from autopart.core.cluster import DeviceSpec
-from autopart.core.context import context_inputs
+from autopart.core.context import context_inputs, sequence_length
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
@@ -141,7 +141,39 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         InfeasiblePlanError: no layout fits the memory.
         TraceError, ProfileError: capture or profiling failed.
     """
-    cp = options.cp
+    if options.cp is None:  # searched on whole sequences, split per cp rank by the search
+        max_cp = _max_cp(model, args, kwargs)
+        plan, profile = _plan_layout(model, args, kwargs, world=world, device=device,
+                                     options=options, loss_fn=loss_fn,
+                                     example_target=example_target,
+                                     state_factor=state_factor, max_cp=max_cp)
+        if plan.cp == 1:
+            return plan, profile
+        # the stages run one cp rank's tokens: profile them there and solve at that cp
+        options = dataclasses.replace(options, cp=plan.cp, cp_attention=plan.cp_attention)
+    return _plan_layout(model, args, kwargs, world=world, device=device, options=options,
+                        loss_fn=loss_fn, example_target=example_target,
+                        state_factor=state_factor)
+
+
+def _max_cp(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The largest cp the inputs allow (S / 2), or None where context parallelism cannot take
+    the model or its inputs (no ``position_ids``, positions given, a sequence of odd length:
+    :func:`autopart.core.context.context_inputs`'s refusals)."""
+    try:
+        context_inputs(model, 2, args, kwargs)
+        return sequence_length(args, kwargs) // 2
+    except PlanError:
+        return None
+
+
+def _plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                 world: int, device: str, options: CompileOptions, loss_fn: Any,
+                 example_target: Any, state_factor: float, max_cp: int | None = None,
+                 ) -> tuple[Plan, Profile]:
+    """:func:`plan_layout` at ``options.cp`` (None: searched up to ``max_cp`` on whole
+    sequences)."""
+    cp = options.cp or 1
     if world % cp:
         raise PlanError(f"cp={cp} does not divide the {world} ranks; launch a multiple of cp "
                         "ranks or choose another cp")
@@ -164,18 +196,20 @@ def plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 plan, profile = solve_auto_recompute(
                     profile, lambda pr, policy: solve_world_layout(
                         pr, dataclasses.replace(options, recompute_policy=policy), world,
-                        num_heads=heads, num_experts=experts, state_factor=state_factor),
+                        num_heads=heads, num_experts=experts, state_factor=state_factor,
+                        max_cp=max_cp),
                     args, kwargs, options.optimize or "speed")
             else:
                 plan = solve_world_layout(profile, options, world, num_heads=heads,
-                                          num_experts=experts, state_factor=state_factor)
+                                          num_experts=experts, state_factor=state_factor,
+                                          max_cp=max_cp)
     profile.timings_s["solve_s"] = time.perf_counter() - t0
     return plan, profile
 
 
 def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
                        num_heads: int | None = None, num_experts: int | None = None,
-                       state_factor: float = 2.0) -> Plan:
+                       state_factor: float = 2.0, max_cp: int | None = None) -> Plan:
     """The (tp, pp, dp, ZeRO) plan for ``world`` ranks on ``profile``'s costs (the layout half
     of :func:`plan_layout`; "profile once, solve several ways").
 
@@ -186,6 +220,8 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
         num_heads: the model's attention heads (a tp must divide them), or None.
         num_experts: the experts per MoE layer (an ep must divide them), or None.
         state_factor: optimizer state bytes per parameter byte.
+        max_cp: with ``options.cp`` None (searched; ``profile`` of whole sequences), the
+            largest cp the sequence allows (S / 2), or None: cp stays 1.
 
     Raises:
         PlanError, InfeasiblePlanError: as :func:`plan_layout`.
@@ -204,10 +240,18 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
     request = layout_request(options, world, spec, num_heads,
                              profile.runtime.collective_bandwidth_bytes_per_s,
                              num_experts=num_experts)
-    if options.cp > 1:  # the profile is of one cp rank's tokens (plan_layout)
+    if (options.cp or 1) > 1:  # the profile is of one cp rank's tokens (plan_layout)
         kinds = attention_kinds(profile.captured)
         request = dataclasses.replace(request, cp_tokens_profiled=True,
                                       causal_attention=all(kinds.values()),
+                                      attention_heads=attention_heads(profile.captured))
+    elif options.cp is None:  # whole sequences: the search splits them where cp can run
+        causal = True
+        try:
+            causal = all(attention_kinds(profile.captured).values())
+        except PlanError:
+            max_cp = None
+        request = dataclasses.replace(request, cp=None, max_cp=max_cp, causal_attention=causal,
                                       attention_heads=attention_heads(profile.captured))
     if profile.microbatch_candidates is not None and options.num_microbatches is None:
         # a replica's microbatches no smaller than the smallest profiled one: below it the

@@ -196,7 +196,10 @@ class CompileOptions:
             loss must pair output and target position by position (pass the target already
             shifted, as Megatron-LM's and torchtitan's data loaders do): a loss that shifts
             inside would pair the last token of a rank's first chunk with the first of its
-            second.
+            second. None: searched with the other degrees (among the divisors of the ranks
+            that divide S / 2, where the model can take it): the search prices whole sequences
+            split per cp rank, and a chosen cp > 1 is profiled again at S / cp tokens and
+            solved at that cp.
         cp_attention: with cp > 1, how attention spans the cp ranks (``Plan.cp_attention``):
             ``"all_gather"`` (keys and values all-gathered) or ``"ulysses"`` (all-to-alls
             between sequence and head sharding; the heads per tp rank must divide by cp).
@@ -229,7 +232,7 @@ class CompileOptions:
     zero_layer_units: bool = True
     sequence_parallel: bool = False
     ep: int | None = 1
-    cp: int = 1
+    cp: int | None = 1
     cp_attention: str | None = None
     issue_threads: int | None = 1
     cuda_graphs: bool = False
@@ -238,10 +241,9 @@ class CompileOptions:
         optimizer_state_factor(self.optimizer, 1, 1)  # checks the name or figure
         for name in ("num_stages", "num_microbatches", "stages_per_rank", "tp", "dp", "ep", "cp"):
             _positive_int(name, getattr(self, name))
-        if self.cp is None or (self.cp > 1 and (self.ep or 1) > 1):
-            raise PlanError(f"cp={self.cp!r} with ep={self.ep!r}: pass cp as a degree >= 1 (the "
-                            "layout search does not choose it), and not with ep > 1 (context "
-                            "and expert parallelism do not run together yet)")
+        if (self.cp or 1) > 1 and (self.ep or 1) > 1:
+            raise PlanError(f"cp={self.cp!r} with ep={self.ep!r}: context and expert "
+                            "parallelism do not run together yet; fix one of them to 1")
         if self.cp_attention not in (None, *CP_ATTENTIONS):
             raise PlanError(f"cp_attention={self.cp_attention!r}: expected one of "
                             f"{CP_ATTENTIONS}, or None to let the layout search choose")
@@ -315,8 +317,9 @@ class CompileOptions:
         tp = max(self.tp or 1, plan.tp if plan is not None else 1)
         dp = max(self.dp or 1, plan.dp if plan is not None else 1)
         zero = max(self.zero_stage or 0, plan.zero_stage if plan is not None else 0)
-        if max(self.cp, plan.cp if plan is not None else 1) > 1:
-            raise PlanError(f"cp={max(self.cp, plan.cp if plan is not None else 1)}: the local "
+        cp = max(self.cp or 1, plan.cp if plan is not None else 1)
+        if cp > 1:
+            raise PlanError(f"cp={cp}: the local "
                             "backend runs one process, and context parallelism splits each "
                             "sequence over ranks; launch with torchrun and "
                             "backend='distributed', or drop cp=")

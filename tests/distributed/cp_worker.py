@@ -130,6 +130,14 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
                 problems.append(f"{name} compiled: plan has cp={pipe.plan.cp}")
             _check(problems, f"{name} compiled", rank, pipe, args, target, loss_fn,
                    copy.deepcopy(initial))
+            # cp searched with the other degrees (whole sequences split per rank by the
+            # search; a cp > 1 it chooses is profiled again at S / cp and solved there)
+            pipe = autopart.compile(copy.deepcopy(initial), args, loss_fn=loss_fn,
+                                    example_target=target, cp=None, num_microbatches=m)
+            if pipe.plan.num_gpus != world:
+                problems.append(f"{name} cp searched: a plan for {pipe.plan.num_gpus} GPUs")
+            _check(problems, f"{name} cp searched (cp={pipe.plan.cp})", rank, pipe, args,
+                   target, loss_fn, copy.deepcopy(initial), context=pipe.plan.cp > 1)
             # planned at the first step (a lazy pipeline), then a sequence twice as long: its
             # own capture at the new shape, cut to this rank's tokens, on the same plan
             model = copy.deepcopy(initial)
@@ -148,14 +156,15 @@ def cp_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, cp: 
 
 def _check(problems: list[str], name: str, rank: int, pipe: Any, args: tuple[Any, ...],
            target: Any, loss_fn: Any, reference: Any, shards: Any = None,
-           tp_group: Any = None, close: bool = True) -> None:
+           tp_group: Any = None, close: bool = True, context: bool = True) -> None:
     """One step of ``pipe`` on the global batch against ``reference``'s loss and gradients
-    (a tp shard's gathered whole over ``tp_group`` by its layout in ``shards``)."""
+    (a tp shard's gathered whole over ``tp_group`` by its layout in ``shards``); with
+    ``context`` (a cp > 1 plan) every attention must be rewritten and the forward refused."""
     loss = pipe.train_step(*args, target=target)
     sources = pipe.stage_sources().values()
-    if not any("context_parallel" in src for src in sources):
+    if context and not any("context_parallel" in src for src in sources):
         problems.append(f"{name}: no attention of rank {rank}'s stages was rewritten")
-    if any("scaled_dot_product_attention" in src for src in sources):
+    if context and any("scaled_dot_product_attention" in src for src in sources):
         problems.append(f"{name}: an attention was left whole on rank {rank}")
     ref_loss = loss_fn(reference(*args), target)
     ref_loss.backward()
@@ -173,9 +182,10 @@ def _check(problems: list[str], name: str, rank: int, pipe: Any, args: tuple[Any
         _close(problems, f"{name} {fqn} grad", grad, ref[fqn].grad)
     try:
         pipe(*args)
-        problems.append(f"{name}: forward with cp > 1 was not refused")
+        if context:
+            problems.append(f"{name}: forward with cp > 1 was not refused")
     except PlanError as exc:
-        if "not gathered back" not in str(exc):
+        if not context or "not gathered back" not in str(exc):
             problems.append(f"{name}: forward refused for another reason: {exc}")
     if close:
         pipe.close()
