@@ -45,8 +45,11 @@ UlyssesAttention`) each attention instead:
   rank's ``[B, H, S / cp, D]``, :func:`autopart.solver.collectives.all_to_all_us`) and
   the output back (one more), and in its backward the same four the other way;
 - holds nothing beyond what the node saved: the exchanged queries, keys, values and the
-  output the kernel saves have the bytes of the rank's own; in its backward the exchange
-  buffers of the three gradients add their bytes to the node's transient working set.
+  output the kernel saves have the bytes of the rank's own; in its backward each gradient
+  of the output and of the three inputs is reordered (``index_select``'s backward) and
+  received (the all-to-all): two copies of each add to the node's transient working set.
+  Measured on this project's CPU (``benchmarks/context_parallel``, cp 2, one stage): 177.2
+  MiB against 171.1 predicted with one copy of the inputs' gradients only.
 
 Gradients and ZeRO over the dp x cp ranks are priced by the layout search (the dp line
 holds dp x cp GPUs, :mod:`autopart.solver.layout_search`).
@@ -180,7 +183,9 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
         if attention == "ulysses":  # q, k, v there and the output back; the reverse after
             gather = scatter = sum(all_to_all_us(b, cp, bandwidth_bytes_per_s, latency_us)
                                    + overhead for b in (*moved, nd.output_bytes))
-            held, transient = 0, sum(moved)
+            # the backward's exchange buffers: each gradient of the output and of the three
+            # inputs reordered (index_select's backward) and received (the all-to-all)
+            held, transient = 0, 2 * (sum(moved) + nd.output_bytes)
         else:
             kv = [b * cp for b in moved[1:3]]
             gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
