@@ -46,10 +46,10 @@ UlyssesAttention`) each attention instead:
   the output back (one more), and in its backward the same four the other way;
 - holds nothing beyond what the node saved: the exchanged queries, keys, values and the
   output the kernel saves have the bytes of the rank's own; in its backward each gradient
-  of the output and of the three inputs is reordered (``index_select``'s backward) and
-  received (the all-to-all): two copies of each add to the node's transient working set.
-  Measured on this project's CPU (``benchmarks/context_parallel``, cp 2, one stage): 177.2
-  MiB against 171.1 predicted with one copy of the inputs' gradients only.
+  of the output and of the three inputs is made contiguous, received (the all-to-all) and
+  reordered (``index_select``'s backward): three copies of each add to the node's transient
+  working set. Measured on this project's CPU (``benchmarks/context_parallel``, cp 2, one
+  stage): 177.2 MiB against 171.1 predicted with one copy of the inputs' gradients only.
 
 Gradients and ZeRO over the dp x cp ranks are priced by the layout search (the dp line
 holds dp x cp GPUs, :mod:`autopart.solver.layout_search`).
@@ -184,8 +184,9 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
             gather = scatter = sum(all_to_all_us(b, cp, bandwidth_bytes_per_s, latency_us)
                                    + overhead for b in (*moved, nd.output_bytes))
             # the backward's exchange buffers: each gradient of the output and of the three
-            # inputs reordered (index_select's backward) and received (the all-to-all)
-            held, transient = 0, 2 * (sum(moved) + nd.output_bytes)
+            # inputs made contiguous, received (the all-to-all) and reordered
+            # (index_select's backward)
+            held, transient = 0, 3 * (sum(moved) + nd.output_bytes)
         else:
             kv = [b * cp for b in moved[1:3]]
             gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead

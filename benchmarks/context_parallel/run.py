@@ -12,7 +12,7 @@ Ulysses' all-to-alls); on 4 ranks: ``pp2xcp2``, ``pp2xcp2-ulysses`` and ``pp2xdp
 Arms alternate step by step (:func:`autopart.apps.bench.run_arms`), the whole is repeated
 ``--repeats`` times in fresh processes; per arm: the prediction, the median of every timed
 step, each repeat's median and the spread, and each pipeline rank's predicted and measured
-peak (rank 0's pipeline).
+peak (rank 0's pipeline; measured after the repeats, each arm in processes of its own).
 
     .venv/bin/python benchmarks/context_parallel/run.py [--steps 7] [--repeats 2] [--out DIR]
 
@@ -153,7 +153,14 @@ def main() -> None:
                 priced[name].append(_price(shared, plan, world, arms[name], heads))
             runs[world].append(run_arms(WORKLOAD, plans[world], ranks=world, steps=opts.steps,
                                         config=dict(CONFIG), single=False, trace=False,
-                                        measure_memory=True))
+                                        measure_memory=False))
+    # each arm's peak in processes of its own: torch's CPU memory profiler (kineto) ran out of
+    # memory (std::bad_alloc) or crashed in 4 of 5 runs here when one process measured three
+    # arms one after the other
+    peak_runs = {name: run_arms(WORKLOAD, {name: plan}, ranks=world, steps=1, warmup=1,
+                                config=dict(CONFIG), single=False, trace=False,
+                                measure_memory=True)[name]
+                 for world in ARMS for name, plan in plans[world].items()}
     loads.append(os.getloadavg()[0])
     rows = []
     for world, arms in plans.items():
@@ -161,8 +168,7 @@ def main() -> None:
             steps = [s for run in runs[world] for s in run[name].steps_s]
             measured = statistics.median(steps)
             predicted = statistics.median(p[0] for p in priced[name])
-            peaks = [max(run[name].peak_bytes[r] for run in runs[world])
-                     for r in range(len(runs[world][0][name].peak_bytes))]
+            peaks = list(peak_runs[name].peak_bytes)
             pp = len(plan.ranks)
             predicted_peaks = priced[name][0][1]
             rows.append({
