@@ -184,7 +184,20 @@ def _stand_in(placeholder: fx.Node) -> torch.Tensor:
     return torch.zeros(tuple(val.shape), dtype=val.dtype)
 
 
-class ContextParallelAttention(nn.Module):
+class _ContextAttention(nn.Module):
+    """What both forms of cp attention hold: the model's attention arguments and this rank's
+    place in its cp group (see :class:`ContextParallelAttention`)."""
+
+    def __init__(self, causal: bool, cp: TensorParallelRank, dropout_p: float,
+                 scale: float | None, enable_gqa: bool, kv_repeat: int = 1) -> None:
+        super().__init__()
+        self.causal, self.dropout_p, self.scale, self.enable_gqa = (causal, dropout_p, scale,
+                                                                     enable_gqa)
+        self.cp_rank, self.cp_size, self.group_name = cp.rank, cp.size, cp.group_name
+        self.kv_repeat = kv_repeat
+
+
+class ContextParallelAttention(_ContextAttention):
     """Attention of a cp rank's queries over the whole sequence's keys and values.
 
     Args:
@@ -200,14 +213,6 @@ class ContextParallelAttention(nn.Module):
     Forward: ``query [B, H, L, D]``, ``key`` / ``value [B, Hk, L, D]`` of the rank's
     ``L = S / cp`` tokens (its two chunks) -> ``[B, H, L, D]``.
     """
-
-    def __init__(self, causal: bool, cp: TensorParallelRank, dropout_p: float,
-                 scale: float | None, enable_gqa: bool, kv_repeat: int = 1) -> None:
-        super().__init__()
-        self.causal, self.dropout_p, self.scale, self.enable_gqa = (causal, dropout_p, scale,
-                                                                     enable_gqa)
-        self.cp_rank, self.cp_size, self.group_name = cp.rank, cp.size, cp.group_name
-        self.kv_repeat = kv_repeat
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 ) -> torch.Tensor:
@@ -252,7 +257,7 @@ def sequence_order(cp: int, local: int, device: torch.device | str | None = None
     return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])
 
 
-class UlyssesAttention(nn.Module):
+class UlyssesAttention(_ContextAttention):
     """Attention over the whole sequence with heads / cp of the heads per cp rank
     (DeepSpeed-Ulysses): all-to-alls swap the rank's tokens of every head for every token
     of its heads, and back.
@@ -271,14 +276,6 @@ class UlyssesAttention(nn.Module):
     Raises:
         PlanError: H or Hk is not a multiple of cp (plan with ``cp_attention="all_gather"``).
     """
-
-    def __init__(self, causal: bool, cp: TensorParallelRank, dropout_p: float,
-                 scale: float | None, enable_gqa: bool, kv_repeat: int = 1) -> None:
-        super().__init__()
-        self.causal, self.dropout_p, self.scale, self.enable_gqa = (causal, dropout_p, scale,
-                                                                     enable_gqa)
-        self.cp_rank, self.cp_size, self.group_name = cp.rank, cp.size, cp.group_name
-        self.kv_repeat = kv_repeat
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 ) -> torch.Tensor:
