@@ -22,8 +22,9 @@ sequences first):
   S / cp queries over S keys, x cp;
 - communication: in the forward the keys and values all-gathered (two ring all-gathers of
   the whole sequence's keys, :func:`autopart.solver.collectives.all_gather_us` on the cp
-  group's link, plus the runtime's fixed cost per collective), in the backward their
-  gradients reduce-scattered (two); in line, not overlapped, as the runtime runs them;
+  group's link, plus the runtime's fixed cost per collective after one GPU's work between
+  two of them, as tp's collectives are priced), in the backward their gradients
+  reduce-scattered (two); in line, not overlapped, as the runtime runs them;
 - memory: the whole sequence's keys and values held from the forward to the backward on
   top of what the node saved: ``2 x`` their bytes for causal attention (the gathered ones
   and their copy in sequence order), ``1 x`` for attention over the whole sequence. Measured
@@ -169,10 +170,23 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
     scatter_us = all_reduce_us if reduce_scatter_as_all_reduce else reduce_scatter_us
     nodes = list(costs.nodes)
     by_name = {nd.name: nd for nd in costs.nodes}
-    overhead = collective_overhead(0.0) if collective_overhead is not None else 0.0
     work = (2 * cp + 1) / 4 if causal else float(cp)
     low = list(costs.low_times)
-    for i in attention_nodes(costs):
+    attn = attention_nodes(costs)
+    # each collective's fixed cost after one GPU's work between two of them (its forward and
+    # backward over the collectives of one forward and backward), as tp's are priced
+    count = (8 if attention == "ulysses" else 4) * len(attn)
+
+    def fixed(times: list[tuple[float, float, float]]) -> float:
+        if collective_overhead is None or not count:
+            return 0.0
+        total = sum(map(sum, times)) + sum((work - 1) * (times[i][0] + times[i][1])
+                                            for i in attn)
+        return collective_overhead(total / count)
+
+    overhead = fixed([(nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us) for nd in nodes])
+    low_overhead = fixed(low) if low else overhead
+    for i in attn:
         nd = nodes[i]
         # the key and value heads the runtime moves: before grouped-query attention's repeat
         # where it reads it (all-gather: always; Ulysses: where cp divides them)
@@ -186,7 +200,8 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
                 moved[j] = by_name[found[0]].output_bytes
         if attention == "ulysses":  # q, k, v there and the output back; the reverse after
             gather = scatter = sum(all_to_all_us(b, cp, bandwidth_bytes_per_s, latency_us)
-                                   + overhead for b in (*moved, nd.output_bytes))
+                                   for b in (*moved, nd.output_bytes))
+            calls = 4
             # the backward's exchange buffers: each gradient of the output and of the three
             # inputs made contiguous, received (the all-to-all) and reordered
             # (index_select's backward)
@@ -196,17 +211,17 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
             transient = 3 * (sum(moved) + nd.output_bytes)
         else:
             kv = [b * cp for b in moved[1:3]]
-            gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
-                         for b in kv)
-            scatter = sum(scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) + overhead
-                          for b in kv)
+            gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) for b in kv)
+            scatter = sum(scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) for b in kv)
+            calls = 2
             # the whole sequence's keys and values as attention takes them (repeated)
             held, transient = (2 if causal else 1) * sum(b * cp for b in shown[1:3]), 0
-        nodes[i] = replace(nd, fwd_us=nd.fwd_us * work + gather,
-                           bwd_input_us=nd.bwd_input_us * work + scatter,
+        nodes[i] = replace(nd, fwd_us=nd.fwd_us * work + gather + calls * overhead,
+                           bwd_input_us=nd.bwd_input_us * work + scatter + calls * overhead,
                            flops=int(nd.flops * work), saved_bytes=nd.saved_bytes + held,
                            transient_bytes=nd.transient_bytes + transient)
         if low:
             f, b, w = low[i]
-            low[i] = (f * work + gather, b * work + scatter, w)
+            low[i] = (f * work + gather + calls * low_overhead,
+                      b * work + scatter + calls * low_overhead, w)
     return replace(costs, nodes=tuple(nodes), low_times=tuple(low))

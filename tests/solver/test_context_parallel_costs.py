@@ -195,3 +195,26 @@ def test_the_search_tries_ulysses_where_tp_x_cp_divides_the_heads_and_it_holds_l
     assert plans["all_gather"].cp_attention == "all_gather"
     peaks = {a: max(r.peak_memory_bytes for r in p.ranks) for a, p in plans.items()}
     assert peaks["ulysses"] < peaks["all_gather"]
+
+
+@pytest.mark.parametrize(("attention", "per_attention"), [("all_gather", 4), ("ulysses", 8)])
+def test_each_collective_pays_its_fixed_cost_after_the_work_between_two(
+        attention: str, per_attention: int) -> None:
+    """As tp's: the fixed cost is read at one GPU's forward and backward (attention at the
+    runtime's work) over the collectives of a forward and backward."""
+    cp, local = 2, _costs(2)
+    attn = attention_nodes(local)
+    plain = context_costs(local, cp, causal=True, bandwidth_bytes_per_s=BW, latency_us=LAT,
+                          attention=attention, heads=4)
+    seen: list[float] = []
+    priced = context_costs(local, cp, causal=True, bandwidth_bytes_per_s=BW, latency_us=LAT,
+                           attention=attention, heads=4,
+                           collective_overhead=lambda w: seen.append(w) or 7.0)
+    total = (sum(nd.fwd_us + nd.bwd_input_us + nd.bwd_weight_us for nd in local.nodes)
+             + sum(0.25 * (local.nodes[i].fwd_us + local.nodes[i].bwd_input_us) for i in attn))
+    assert seen[0] == pytest.approx(total / (per_attention * len(attn)))
+    for i in attn:  # half the collectives in the forward, half in the backward
+        assert priced.nodes[i].fwd_us == pytest.approx(plain.nodes[i].fwd_us
+                                                       + per_attention / 2 * 7.0)
+        assert priced.nodes[i].bwd_input_us == pytest.approx(plain.nodes[i].bwd_input_us
+                                                             + per_attention / 2 * 7.0)
