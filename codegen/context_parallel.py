@@ -204,7 +204,6 @@ class ContextParallelAttention(_ContextAttention):
         causal: causal attention (True) or over every key (False).
         cp: this rank's place in its cp group.
         dropout_p, scale, enable_gqa: the model's ``scaled_dot_product_attention`` arguments.
-
         kv_repeat: the model repeats each key / value head this many times before its
             attention (transformers' ``repeat_kv``, :data:`autopart.core.op_names.
             REPEAT_KV_OPS`); the keys and values given are then the unrepeated heads, gathered
@@ -266,7 +265,6 @@ class UlyssesAttention(_ContextAttention):
         causal: causal attention (True) or over every key (False).
         cp: this rank's place in its cp group.
         dropout_p, scale, enable_gqa: the model's ``scaled_dot_product_attention`` arguments.
-
         kv_repeat: as :class:`ContextParallelAttention`'s: the unrepeated key / value heads
             are exchanged where cp divides them (and repeated after), else repeated first.
 
@@ -296,9 +294,7 @@ class UlyssesAttention(_ContextAttention):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=self.causal, scale=self.scale, enable_gqa=self.enable_gqa)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return self._to_tokens(out, group, inverse)
+        return self._to_tokens(out, group, torch.argsort(order))  # back to rank by rank
 
     def _to_heads(self, t: torch.Tensor, group: Any, order: torch.Tensor) -> torch.Tensor:
         """``[B, H, L, D]`` (this rank's tokens, every head) -> ``[B, H / cp, S, D]`` (every

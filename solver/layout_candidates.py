@@ -112,7 +112,7 @@ def _smallest_crossing(costs: CostGraph) -> int:
 
 
 def layout_candidates(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
-                      layout: LayoutOptions, cache: dict[tuple[int, ...], CostGraph] | None = None
+                      layout: LayoutOptions, cache: dict[tuple[int | str, ...], CostGraph] | None = None
                       ) -> list[LayoutCandidate]:
     """Every layout the request allows, with bounds, most promising first (speed: by
     ``estimate_us``; memory: by state bound, then estimate), ties broken by (tp, pp, dp, zero).
@@ -216,7 +216,7 @@ def replica_options(options: SolveOptions, layout: LayoutOptions, dp: int) -> So
 
 def sharded_costs(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutOptions,
              runtime: RuntimeDescription,
-             cache: dict[tuple[int, ...], CostGraph] | None = None,
+             cache: dict[tuple[int | str, ...], CostGraph] | None = None,
              ep: int | None = None, cp: int = 1, cp_attention: str = "all_gather"
              ) -> CostGraph:
     """One GPU's share at tp (memoised in ``cache``, one entry per (tp, ep, cp,

@@ -38,7 +38,7 @@ __all__ = ["LayoutOptions", "LayoutCandidate", "layout_candidates", "evaluate_la
 
 def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                     layout: LayoutOptions, cand: LayoutCandidate,
-                    cache: dict[tuple[int, ...], CostGraph] | None = None,
+                    cache: dict[tuple[int | str, ...], CostGraph] | None = None,
                     positions: tuple[int, ...] | None = None) -> Plan:
     """The pipeline solver's best plan for one layout, with tp, dp and ZeRO costs added.
 
@@ -211,7 +211,7 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         return auto_recompute(lambda policy: solve_layout(
             costs, device, replace(options, recompute_policy=policy), layout), options.optimize)
     t0 = time.perf_counter()
-    cache: dict[tuple[int, ...], CostGraph] = {}
+    cache: dict[tuple[int | str, ...], CostGraph] = {}
     cands = layout_candidates(costs, device, options, layout, cache)
     cap = options.memory_cap_bytes or device.memory_bytes
     screen = _screen_options(options)

@@ -99,7 +99,6 @@ def node_source(node: fx.Node) -> str:
     return f"{os.path.basename(path)}:{line} ({code.strip()})"
 
 
-
 _PASS_THROUGH_OPS = frozenset({
     "aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.view.default",
     "aten.reshape.default", "aten._unsafe_view.default", "aten.expand.default",
