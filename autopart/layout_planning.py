@@ -16,6 +16,7 @@ from autopart.core.context import context_inputs, sequence_length
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
+from autopart.core.recompute_policy import CHECKPOINTED_POLICIES
 from autopart.core.topology import HostTopology
 from autopart.options import CompileOptions
 from autopart.planning import Profile, profile_model, solve_auto_recompute
@@ -188,7 +189,7 @@ def _plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                                 loss_fn=loss_fn, example_target=example_target,
                                 backend="distributed", collectives=True,
                                 selective_cost=options.recompute is not False
-                                and options.solve_recompute_policy() == "selective")
+                                and options.solve_recompute_policy() in CHECKPOINTED_POLICIES)
         t0 = time.perf_counter()
         heads, experts = model_heads(model), model_experts(model)
         with phase("solve"):

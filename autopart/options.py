@@ -10,7 +10,7 @@ from autopart.core.errors import PlanError
 from autopart.core.layout import check_zero_stage
 from autopart.core.plan import OPTIMIZE_TARGETS, SCHEDULE_KINDS, Plan
 from autopart.core.plan_rules import CP_ATTENTIONS
-from autopart.core.recompute_policy import RECOMPUTE_POLICIES
+from autopart.core.recompute_policy import CHECKPOINTED_POLICIES, RECOMPUTE_POLICIES
 from autopart.core.runtime_model import BACKENDS
 
 if TYPE_CHECKING:
@@ -78,14 +78,16 @@ def recompute_policy_to_solve(policy: str, fuse: bool) -> str:
     but ``"full"`` for ``"auto"`` with ``fuse``.
 
     Raises:
-        PlanError: ``"selective"`` with ``fuse``: Inductor's code calls matmuls' ``out=``
-            forms, which torch's selective checkpointing cannot keep, so they would run again
-            as under ``"full"`` while the plan priced them kept.
+        PlanError: ``"selective"`` or ``"op"`` with ``fuse``: Inductor's code calls matmuls'
+            ``out=`` forms and fuses the graph's nodes, which torch's selective checkpointing
+            cannot keep, so they would run again as under ``"full"`` while the plan priced
+            them kept.
     """
-    if fuse and policy == "selective":
-        raise PlanError("recompute_policy='selective' with fuse=True: torch.compile'd stages "
-                        "call matmuls' out= forms, which selective checkpointing cannot keep; "
-                        "use recompute_policy='full' (or 'auto'), or fuse=False")
+    if fuse and policy in CHECKPOINTED_POLICIES:
+        raise PlanError(f"recompute_policy={policy!r} with fuse=True: torch.compile'd stages "
+                        "call matmuls' out= forms and fuse the graph's nodes, which selective "
+                        "checkpointing cannot keep; use recompute_policy='full' (or 'auto'), "
+                        "or fuse=False")
     return "full" if fuse and policy == "auto" else policy
 
 
@@ -127,7 +129,9 @@ class CompileOptions:
         recompute_policy: what a recomputing stage recomputes (``Plan.recompute_policy``):
             ``"full"`` its whole forward, ``"selective"`` all but the outputs of matmuls,
             attention and tp's collectives (torch's selective activation checkpointing with
-            torchtitan's op policy), ``"auto"`` the better of the two by the objective
+            torchtitan's op policy), ``"op"`` all but the nodes the solver keeps per stage
+            under the memory cap (:mod:`autopart.solver.recompute_choice`), ``"auto"`` the
+            best of the three by the objective
             (``SolveOptions.recompute_policy``; the selective policy's cost is measured only
             where the full policy's plan recomputes a stage,
             :func:`autopart.planning.solve_auto_recompute`). None (default): ``"auto"`` when

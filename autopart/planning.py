@@ -21,6 +21,7 @@ from autopart.core.costgraph import CostGraph
 from autopart.core.errors import PlanError, ProfileError
 from autopart.core.plan import Plan
 from autopart.core.progress import phase, progress
+from autopart.core.recompute_policy import CHECKPOINTED_POLICIES
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.signature import microbatch_inputs
 from autopart.devices import cluster_for_devices, library_versions, resolve_devices
@@ -326,7 +327,8 @@ def solve_auto_recompute(profile: Profile, solve_with: Callable[[Profile, str], 
     solved_on = [profile]
 
     def solve(policy: str) -> Plan:
-        if policy == "selective" and solved_on[0].runtime.selective_us_per_node == (0.0, 0.0):
+        if policy in CHECKPOINTED_POLICIES \
+                and solved_on[0].runtime.selective_us_per_node == (0.0, 0.0):
             t0 = time.perf_counter()
             with phase("selective cost"):
                 solved_on[0] = with_selective_cost(solved_on[0], args, kwargs)
@@ -417,7 +419,7 @@ def plan_model(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                                 devices=device_names, num_microbatches=num_microbatches,
                                 training=training, split_cost=may_split, loss_fn=loss_fn,
                                 selective_cost=recompute is not False and solve_options.get(
-                                    "recompute_policy") == "selective",
+                                    "recompute_policy") in CHECKPOINTED_POLICIES,
                                 example_target=example_target, cache=cache, backend=backend,
                                 fuse=fuse)
         if backend == "local" and (issue_threads, cuda_graphs) != (

@@ -1,12 +1,14 @@
 """Recomputation that leaves a stage's buffers as the forward left them: the whole forward
 again (``"full"``), or what torch's selective activation checkpointing does not keep
-(``"selective"``, :func:`selective_policy`)."""
+(``"selective"``, :func:`selective_policy`; ``"op"``, :func:`op_policy`, keeping the nodes
+:func:`mark_kept` marked in the stage's graph)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -20,10 +22,16 @@ from torch.utils.checkpoint import (
 )
 
 from autopart.core.errors import PlanError
-from autopart.core.recompute_policy import RECOMPUTE_POLICIES, SELECTIVE_KEPT_KERNELS
+from autopart.core.op_names import VIEW_OPS
+from autopart.core.recompute_policy import (
+    RECOMPUTE_POLICIES,
+    SELECTIVE_KEPT_KERNELS,
+    TP_KEPT_NODE_OPS,
+)
 
 __all__ = ["written_by", "written_buffers", "recompute_context", "selective_policy",
-           "selective_context", "check_recompute_policy", "run_recomputed"]
+           "selective_context", "mark_kept", "op_policy", "check_recompute_policy",
+           "run_recomputed"]
 
 ContextFn = Callable[[], tuple[contextlib.AbstractContextManager[Any],
                                contextlib.AbstractContextManager[Any]]]
@@ -136,10 +144,12 @@ def _policy_of(func: Any) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_context(stage: nn.Module) -> ContextFn:
+def selective_context(stage: nn.Module,
+                      policy: Callable[..., CheckpointPolicy] = selective_policy) -> ContextFn:
     """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) running ``stage`` under
-    torch's selective activation checkpointing with :func:`selective_policy`, its written
-    buffers handled as :func:`recompute_context` handles them.
+    torch's selective activation checkpointing with ``policy`` (default
+    :func:`selective_policy`; :func:`op_policy` for ``"op"``), its written buffers handled
+    as :func:`recompute_context` handles them.
 
     Each call gives a forward context and a recomputation context, each the buffer context
     (outer: its copies and restores are not ops the selective cache records or replays)
@@ -151,10 +161,85 @@ def selective_context(stage: nn.Module) -> ContextFn:
     def context_fn() -> tuple[contextlib.AbstractContextManager[Any],
                               contextlib.AbstractContextManager[Any]]:
         forward_buffers, recompute_buffers = buffers()
-        forward_sac, recompute_sac = create_selective_checkpoint_contexts(selective_policy)
+        forward_sac, recompute_sac = create_selective_checkpoint_contexts(policy)
         return _Nested(forward_buffers, forward_sac), _Nested(recompute_buffers, recompute_sac)
 
     return context_fn
+
+
+#: Per thread, how many marked (kept) nodes are running now (the one-process runtime issues
+#: stages from several threads).
+_KEEPING = threading.local()
+
+
+def _keeping(op: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``op`` wrapped so that the kernels it dispatches run with this thread's keeping count
+    raised (:func:`op_policy` reads it). A plain function of this module, so the stage's
+    generated code calls the wrapper rather than the op it names."""
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_KEEPING, "depth", 0)
+        _KEEPING.depth = depth + 1
+        try:
+            return op(*args, **kwargs)
+        finally:
+            _KEEPING.depth = depth
+
+    kept.__name__ = kept.__qualname__ = f"kept_{name}"
+    kept.kept_op = op  # type: ignore[attr-defined]
+    return kept
+
+
+def mark_kept(stage: nn.Module, names: Collection[str]) -> int:
+    """Mark the nodes ``names`` (FX names of the captured graph) of ``stage`` and of every
+    graph module inside it (per-layer units) as kept under ``"op"``: each such node's op is
+    wrapped (:func:`_keeping`) so that :func:`op_policy` keeps the outputs of the kernels it
+    dispatches. Nodes that write in place are left alone (the solver never keeps them:
+    :func:`autopart.core.recompute_policy.op_keepable`), as are names the stage does not
+    have. The graphs are recompiled. Returns how many nodes were marked."""
+    wanted = set(names)
+    marked = 0
+    for mod in stage.modules():
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        changed = False
+        for node in mod.graph.nodes:
+            if (node.op == "call_function" and node.name in wanted and not written_by(node)
+                    and not hasattr(node.target, "kept_op")):
+                node.target = _keeping(node.target, node.name)
+                changed = True
+                marked += 1
+        if changed:
+            mod.recompile()
+    return marked
+
+
+def op_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
+              **kwargs: Any) -> CheckpointPolicy:
+    """The ``"op"`` policy's answer for one kernel a recomputed stage dispatches:
+    ``MUST_SAVE`` for tp's collectives (as under ``"selective"``) and for the kernels of the
+    nodes :func:`mark_kept` marked, but not their views or in-place kernels (a kept
+    ``linear`` of a 3-D input keeps its ``mm``'s output, not the input's reshaped view, which
+    would hold the unkept input); ``PREFER_RECOMPUTE`` for every other."""
+    del ctx, args, kwargs
+    if getattr(_KEEPING, "depth", 0) and _keepable_kernel(func):
+        return CheckpointPolicy.MUST_SAVE
+    return _op_policy_of(func)
+
+
+@functools.cache
+def _keepable_kernel(func: Any) -> bool:
+    """Not a view (``is_view``, or one of :data:`autopart.core.op_names.VIEW_OPS` such as
+    ``_unsafe_view``, which aliases without saying so) and not in place."""
+    schema = getattr(func, "_schema", None)
+    return (not getattr(func, "is_view", False) and str(func) not in VIEW_OPS
+            and not (schema is not None and schema.is_mutable))
+
+
+@functools.cache
+def _op_policy_of(func: Any) -> CheckpointPolicy:
+    if str(func) in TP_KEPT_NODE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _Nested:
@@ -218,7 +303,9 @@ def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | No
             (default): only the inputs are kept and the whole forward runs again;
             ``"selective"``: the outputs of the kernels :func:`selective_policy` keeps
             (matmuls, attention, tp's collectives) are kept too, and only the rest runs
-            again (:func:`selective_context`).
+            again (:func:`selective_context`); ``"op"``: the outputs of the nodes
+            :func:`mark_kept` marked in the stage (the plan's ``recompute_kept``) and of tp's
+            collectives are kept (:func:`op_policy`).
 
     Returns:
         What ``runner(*args)`` returns, with gradients through it.
@@ -227,6 +314,8 @@ def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | No
         PlanError: ``policy`` is not one of ``RECOMPUTE_POLICIES``.
     """
     check_recompute_policy(policy)
-    context_fn = selective_context(stage) if policy == "selective" else recompute_context(stage)
+    context_fn = (selective_context(stage) if policy == "selective"
+                  else selective_context(stage, op_policy) if policy == "op"
+                  else recompute_context(stage))
     return checkpoint(stage if runner is None else runner, *args, use_reentrant=False,
                       context_fn=context_fn)

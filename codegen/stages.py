@@ -15,6 +15,7 @@ from torch import nn
 from autopart.codegen.context_parallel import attention_kinds, context_parallel
 from autopart.codegen.expert_parallel import expert_parallel, find_expert_blocks
 from autopart.codegen.params import Placement, build_stage_modules
+from autopart.codegen.recompute import mark_kept
 from autopart.codegen.sequence_parallel import sequence_parallel
 from autopart.codegen.split import split_graph
 from autopart.codegen.tensor_parallel import shard_stage
@@ -237,6 +238,10 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
     shards = _shard(plan, tp, modules, local, placement)
     ep_shards = _split_experts(captured, plan, ep, modules, local, placement)
     _split_context(captured, plan, cp, modules, local)
+    if plan.recompute_policy == "op":  # last: the marks wrap the ops the rewrites read
+        for s in local:
+            if plan.stages[s].recompute_kept:
+                mark_kept(modules[s], plan.stages[s].recompute_kept)  # type: ignore[arg-type]
     runners: list[nn.Module | None] = list(modules)
     t0 = time.perf_counter()
     if fuse:

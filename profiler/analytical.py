@@ -15,6 +15,7 @@ from autopart.core.capture import CapturedGraph, node_module_path, op_nodes
 from autopart.core.cluster import DeviceSpec
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError, ProfileError
+from autopart.core.op_names import VIEW_OPS
 from autopart.profiler._oputil import GROUPED_MM_OPS, flop_formulas, weight_source
 from autopart.profiler.meters import strided_nbytes
 
@@ -48,14 +49,6 @@ _SDPA_OPS = frozenset({
     "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default"})
 
-VIEW_OPS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-    "aten.transpose.int", "aten.t.default", "aten.permute.default", "aten.unsqueeze.default",
-    "aten.squeeze.dim", "aten.squeeze.default", "aten.slice.Tensor", "aten.select.int",
-    "aten.expand.default", "aten.alias.default", "aten.detach.default",
-    "aten._assert_tensor_metadata.default", "aten.split.Tensor", "aten.unbind.int",
-    "aten.chunk.default", "<built-in function getitem>", "aten.sym_size.int"})
-"""Ops that launch no kernel (views, metadata checks, tuple access): 0 µs, 0 bytes accessed."""
 
 
 def _to_meta(x: Any) -> Any:

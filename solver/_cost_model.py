@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
+from autopart.core.recompute_policy import CHECKPOINTED_POLICIES
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.solver._memory_model import MemoryModel, two_point_line
 from autopart.solver.candidates import CutCandidates
@@ -75,11 +76,15 @@ class CostModel(MemoryModel):
                  runtime: RuntimeDescription = _FREE_RUNTIME,
                  layer_unit_factors: tuple[float, float, float, float] | None = None,
                  recompute_policy: str = "full",
-                 whole_state: tuple[frozenset[str], float] = (frozenset(), 0.0)) -> None:
+                 whole_state: tuple[frozenset[str], float] = (frozenset(), 0.0),
+                 kept_nodes: frozenset[str] = frozenset()) -> None:
         super().__init__(costs, batch_size=batch_size, training=training,
                          state_factor=state_factor, runtime=runtime,
                          layer_unit_factors=layer_unit_factors,
-                         recompute_policy=recompute_policy, whole_state=whole_state)
+                         recompute_policy=recompute_policy, whole_state=whole_state,
+                         kept_nodes=kept_nodes)
+        self._init_args = (cluster, batch_size, training, state_factor, runtime,
+                           layer_unit_factors, whole_state)
         self._split_points = tuple(sorted(runtime.split_backward_points))
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
         self.cluster = cluster
@@ -113,7 +118,7 @@ class CostModel(MemoryModel):
             self._linear.append(self._linear[-1] + linear)
             self._bwd_nodes.append(self._bwd_nodes[-1] + (nd.bwd_us > 0))
             again = (0.0, 0.0) if self.kept[i] else parts[0]
-            if recompute_policy == "selective":  # checkpointing's own cost, every node
+            if recompute_policy in CHECKPOINTED_POLICIES:  # checkpointing's own cost
                 again = (again[0] + runtime.selective_us_per_node[1], again[1])
             for key, (f, ln_) in zip(("fwd", "bwd_input", "bwd_weight", "recompute"),
                                      (*parts, again), strict=True):
@@ -191,9 +196,9 @@ class CostModel(MemoryModel):
 
     def recompute_fwd_extra_us(self, start: int, stop: int) -> float:
         """What a recomputing stage of nodes ``start .. stop - 1`` adds to its forward, µs:
-        under the selective policy, checkpointing's cost per node
+        under the selective and ``"op"`` policies, checkpointing's cost per node
         (``RuntimeDescription.selective_us_per_node``); 0.0 under ``"full"``."""
-        if self.recompute_policy != "selective":
+        if self.recompute_policy not in CHECKPOINTED_POLICIES:
             return 0.0
         return (stop - start) * self.runtime.selective_us_per_node[0]
 
@@ -292,9 +297,11 @@ class CostModel(MemoryModel):
 
     @classmethod
     def for_options(cls, costs: CostGraph, cluster: Cluster, options: SolveOptions,
-                    batch_size: int | None = None) -> CostModel:
+                    batch_size: int | None = None,
+                    kept_nodes: frozenset[str] = frozenset()) -> CostModel:
         """The model a :class:`autopart.solver.SolveOptions` describes (its batch unless
-        ``batch_size`` is given)."""
+        ``batch_size`` is given; under ``recompute_policy="op"`` recomputing stages keep
+        ``kept_nodes``, default none)."""
         return cls(costs, cluster, batch_size=options.batch_size if batch_size is None
                    else batch_size, training=options.training,
                    state_factor=(options.optimizer_state_bytes_per_param_byte
@@ -303,7 +310,17 @@ class CostModel(MemoryModel):
                    runtime=options.runtime, layer_unit_factors=options.layer_unit_factors,
                    recompute_policy=options.recompute_policy,
                    whole_state=(options.whole_state_params,
-                                options.optimizer_state_bytes_per_param_byte))
+                                options.optimizer_state_bytes_per_param_byte),
+                   kept_nodes=kept_nodes)
+
+    def with_kept(self, kept_nodes: frozenset[str]) -> CostModel:
+        """This model under ``recompute_policy="op"`` with recomputing stages keeping the
+        outputs of ``kept_nodes`` (names): everything else as it is."""
+        cluster, batch_size, training, state_factor, runtime, units, whole = self._init_args
+        return CostModel(self.costs, cluster, batch_size=batch_size, training=training,
+                         state_factor=state_factor, runtime=runtime,
+                         layer_unit_factors=units, recompute_policy="op", whole_state=whole,
+                         kept_nodes=kept_nodes)
 
     def speed(self, rank: int) -> float:
         """Time multiplier of ``rank``'s compute against the profiled device: peak FLOP/s of

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from autopart.core.costgraph import CostGraph, layer_of_path
 from autopart.core.errors import PlanError
 from autopart.core.recompute_policy import (
+    CHECKPOINTED_POLICIES,
     RECOMPUTE_POLICIES,
     SELECTIVE_KEPT_NODE_OPS,
     TP_KEPT_NODE_OPS,
@@ -46,26 +47,34 @@ class MemoryModel:
         whole_state: ``(params, factor)``: trainable parameters ZeRO leaves whole
             (``SolveOptions.whole_state_params``), holding ``2 + factor`` times their bytes,
             outside every layer unit's gather.
+        recompute_policy: ``Plan.recompute_policy`` (default ``"full"``).
+        kept_nodes: under ``"op"``, the nodes (names) whose outputs a recomputing stage
+            keeps (``StagePlan.recompute_kept`` of every stage); ignored otherwise.
     """
 
     def __init__(self, costs: CostGraph, *, batch_size: int, training: bool,
                  state_factor: float, runtime: RuntimeDescription,
                  layer_unit_factors: tuple[float, float, float, float] | None = None,
                  recompute_policy: str = "full",
-                 whole_state: tuple[frozenset[str], float] = (frozenset(), 0.0)) -> None:
+                 whole_state: tuple[frozenset[str], float] = (frozenset(), 0.0),
+                 kept_nodes: frozenset[str] = frozenset()) -> None:
         self.costs = costs
         if recompute_policy not in RECOMPUTE_POLICIES:
             raise PlanError(f"recompute_policy={recompute_policy!r} is not one of "
                             f"{RECOMPUTE_POLICIES}")
         self.recompute_policy = recompute_policy
-        # per node: whether a recomputing stage keeps its output (Plan.recompute_policy)
-        self.kept = [recompute_policy == "selective"
-                     and (nd.op in SELECTIVE_KEPT_NODE_OPS or nd.op in TP_KEPT_NODE_OPS)
+        # per node: whether a recomputing stage keeps its output (Plan.recompute_policy; under
+        # "op" the solver's choice, StagePlan.recompute_kept, and tp's collectives)
+        self.kept_nodes = kept_nodes if recompute_policy == "op" else frozenset()
+        self.kept = [(recompute_policy == "selective" and nd.op in SELECTIVE_KEPT_NODE_OPS)
+                     or (recompute_policy in CHECKPOINTED_POLICIES and nd.op in TP_KEPT_NODE_OPS)
+                     or nd.name in self.kept_nodes
                      for nd in costs.nodes]
         self._selective: dict[tuple[int, int], int] = {}
-        # per node, what tp's forward collectives after it return (kept under "selective")
+        # per node, what tp's forward collectives after it return (kept under "selective"
+        # and "op")
         self._collective_out = [0] * len(costs.nodes)
-        if recompute_policy == "selective":
+        if recompute_policy in CHECKPOINTED_POLICIES:
             for i, nbytes in costs.collective_outputs:
                 self._collective_out[i] += nbytes
         self._layer_units = layer_unit_factors if training else None
@@ -199,8 +208,9 @@ class MemoryModel:
 
     def selective_kept_bytes(self, start: int, stop: int) -> int:
         """What a stage of nodes ``start .. stop - 1`` that recomputes under the selective
-        policy (``recompute_policy="selective"``) keeps from its forward to its backward
-        beyond what :meth:`held_parts` counts as its outputs, at the profiled batch, bytes:
+        policy (``recompute_policy="selective"``, or ``"op"`` with its chosen nodes) keeps from
+        its forward to its backward beyond what :meth:`held_parts` counts as its outputs, at
+        the profiled batch, bytes:
         the outputs of its kept nodes (matmuls, attention, grouped GEMMs:
         :data:`autopart.core.recompute_policy.SELECTIVE_KEPT_NODE_OPS`), which torch's
         selective checkpointing caches, and with tensor parallelism what its forward
@@ -216,25 +226,30 @@ class MemoryModel:
         if key in self._selective:
             return self._selective[key]
         kept = 0
-        if self.recompute_policy == "selective":
-            nodes = self.costs.nodes
-            saved_here: set[int] = set()
-            for j in range(start, stop):
-                saved_here.update(j - d for d, _ in nodes[j].saved_from or () if j - d >= start)
-            for i in range(start, stop):
-                in_outputs = self._producers_known and self._last_use[i] >= stop \
-                    and i not in saved_here
-                if self.kept[i] and not in_outputs:
-                    kept += nodes[i].output_bytes
-                kept += self._collective_out[i]
+        if self.recompute_policy in CHECKPOINTED_POLICIES:
+            kept = sum(nbytes for i, nbytes in self.keep_costs(start, stop).items()
+                       if self.kept[i]) + sum(self._collective_out[start:stop])
         self._selective[key] = kept
         return kept
+
+    def keep_costs(self, start: int, stop: int) -> dict[int, int]:
+        """Per node ``i`` of a recomputing stage of nodes ``start .. stop - 1``, what keeping
+        its output adds to what the stage holds from its forward to its backward, at the
+        profiled batch, bytes: its output bytes, or 0 where the stage holds that output
+        anyway (one of its outputs, counted by :meth:`held_parts`)."""
+        nodes = self.costs.nodes
+        saved_here: set[int] = set()
+        for j in range(start, stop):
+            saved_here.update(j - d for d, _ in nodes[j].saved_from or () if j - d >= start)
+        return {i: 0 if self._producers_known and self._last_use[i] >= stop
+                and i not in saved_here else nodes[i].output_bytes
+                for i in range(start, stop)}
 
     def chain_kept_bytes(self, start: int, stop: int) -> int:
         """:meth:`selective_kept_bytes` of nodes ``start .. stop - 1`` for the partition
         solvers' segments: every kept output but the graph's outputs (which the last stage's
         out buffer counts), at the profiled batch, bytes; 0 under ``"full"``."""
-        if self.recompute_policy != "selective":
+        if self.recompute_policy not in CHECKPOINTED_POLICIES:
             return 0
         n = len(self.costs.nodes)
         return sum(self.costs.nodes[i].output_bytes for i in range(start, stop)

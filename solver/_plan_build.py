@@ -83,7 +83,9 @@ def build_plan(costs: CostGraph, cluster: Cluster, model: CostModel, cands: CutC
             predicted_fwd_us=round(c.fwd_us[s], 3),
             predicted_bwd_us=round(c.bwd_input_us[s] + c.bwd_weight_us[s], 3),
             predicted_comm_us=round(c.send_fwd_us[s] + c.send_bwd_us[s], 3),
-            predicted_peak_memory_bytes=best.stage_peaks[s], recompute=best.recompute[s]))
+            predicted_peak_memory_bytes=best.stage_peaks[s], recompute=best.recompute[s],
+            recompute_kept=tuple(nd.name for nd in nodes[a:z] if nd.name in model.kept_nodes)
+            if best.recompute[s] else ()))
     ranks = tuple(RankPlan(rank=r, device=cluster.device_names[r],
                            stage_indices=tuple(s for s in range(len(stages)) if rank_of[s] == r),
                            peak_memory_bytes=best.peaks[r]) for r in range(p))

@@ -15,6 +15,7 @@ from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import Plan
+from autopart.core.recompute_policy import CHECKPOINTED_POLICIES
 from autopart.core.schedule import check_microbatches, splits_backward, stage_ranks
 from autopart.core.v_schedules import V_SCHEDULE_KINDS
 from autopart.solver._closed_form import in_flight, objective_weights
@@ -187,7 +188,7 @@ def chain_problem(st: Setup, kind: str, v: int, m: int) -> ChainProblem:
                         + model.recompute_fwd_extra_us(s.start, s.stop)) * TIME_UNITS_PER_US))
              for s in cands.segments]
     rc_parts = [model.chain_kept_bytes(s.start, s.stop) for s in cands.segments] \
-        if options.training and model.recompute_policy == "selective" else None
+        if options.training and model.recompute_policy in CHECKPOINTED_POLICIES else None
     # state of the parameters first read in each segment; saved bytes at the microbatch size
     state = [model.first_use_state_bytes(s.start, s.stop) for s in cands.segments]
     saved = [model.scale_bytes(model.saved_bytes(s.start, s.stop), ratio) if options.training

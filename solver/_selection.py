@@ -31,6 +31,7 @@ from autopart.solver._problem_grid import (
 )
 from autopart.solver.chain_cpsat import ChainResult
 from autopart.solver.chain_dp import chain_dp_hint
+from autopart.solver.recompute_choice import choose_kept
 
 __all__ = ["choose"]
 
@@ -71,8 +72,16 @@ def choose(st: Setup, solved: list[Subproblem], wall: float) -> Plan:
     n_sim = options.max_simulated if pool[0].m * p * pool[0].v <= _SIMULATE_ABOVE else 1
     measured = st.costs.source.startswith("measured")
     final = [c.simulated() for c in _to_simulate(pool, n_sim, options.optimize, measured)]
+    # "op": each recomputing candidate keeps what fits under its ranks' caps, on a model of
+    # its own kept nodes
+    kept_on = {id(c): (m, c) for m, c in (
+        choose_kept(model, c, st.caps, options.optimize)
+        if model.recompute_policy == "op" and model.training and any(c.recompute)
+        else (model, c) for c in final)}
+    final = [c for _, c in kept_on.values()]
     final = [c for c in final if c.fits] or final
     best = _pick(final, options.optimize, measured)
+    model = kept_on[id(best)][0]
     frontier = pareto(evaluated + base_cands + final)
     sub = best.sub
     report = _report(sub.result if isinstance(sub, Subproblem) else None, st, wall, best)

@@ -39,9 +39,12 @@ class SolveOptions:
         recompute_policy: what a recomputing stage recomputes (``Plan.recompute_policy``):
             ``"full"`` (default) its whole forward, ``"selective"`` all but the outputs of
             matmuls, attention and tp's collectives (torch's selective activation
-            checkpointing with torchtitan's op policy), priced so; ``"auto"``: the better
-            of the two by the objective, solved with ``"selective"`` as well only where the
-            ``"full"`` plan recomputes a stage (:func:`autopart.solver.solve`;
+            checkpointing with torchtitan's op policy), priced so; ``"op"``: the same
+            checkpointing, keeping per recomputing stage the nodes the solver chooses under
+            the ranks' caps (:mod:`autopart.solver.recompute_choice`; ``StagePlan.
+            recompute_kept``); ``"auto"``: the best of the three by the objective, solved
+            with ``"selective"`` and ``"op"`` as well only where the ``"full"`` plan
+            recomputes a stage (:func:`autopart.solver.solve`;
             :func:`autopart.solver.predict.plan_at` takes ``"full"`` for it).
         memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.
         optimizer_state_bytes_per_param_byte: optimizer state per trainable parameter byte

@@ -82,7 +82,8 @@ def predict(plan: Plan, costs: CostGraph, cluster: Cluster, options: SolveOption
                         "on the cost graph it was solved on")
     model = CostModel.for_options(costs, cluster,
                                   replace(options, recompute_policy=plan.recompute_policy),
-                                  batch_size=plan.batch_size)
+                                  batch_size=plan.batch_size,
+                                  kept_nodes=plan.recompute_kept_nodes)
     positions = tuple(c.position for c in plan.cuts)
     recompute = tuple(st.recompute for st in plan.stages)
     m, v, kind = plan.num_microbatches, plan.stages_per_rank, plan.schedule_kind

@@ -80,20 +80,22 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
 
 def auto_recompute(solve_with: Callable[[str], Plan], optimize: str) -> Plan:
     """``recompute_policy="auto"``: ``solve_with("full")``; where that plan recomputes a
-    stage, ``solve_with("selective")`` too, and the better of the two by the objective
-    (:func:`better_plan`). The selective policy recomputes less, so it is faster and holds
-    more: where nothing fits with ``"full"`` nothing fits with it either (the first call's
-    ``InfeasiblePlanError`` is raised), and where only ``"full"`` fits its plan is kept.
-    :func:`solve`, :func:`autopart.solver.layout_search.solve_layout` and
+    stage, ``solve_with("selective")`` and ``solve_with("op")`` too, and the best of the
+    three by the objective (:func:`better_plan`). Both recompute less than ``"full"``, so
+    they are faster and hold more: where nothing fits with ``"full"`` nothing fits with them
+    either (the first call's ``InfeasiblePlanError`` is raised), and where one of them fits
+    nothing the others' plans are compared. :func:`solve`,
+    :func:`autopart.solver.layout_search.solve_layout` and
     ``autopart.planning.solve_auto_recompute`` decide it so."""
-    full = solve_with("full")
-    if not any(st.recompute for st in full.stages):
-        return full
-    try:
-        selective = solve_with("selective")
-    except InfeasiblePlanError:
-        return full
-    return better_plan(full, selective, optimize)
+    best = solve_with("full")
+    if not any(st.recompute for st in best.stages):
+        return best
+    for policy in ("selective", "op"):
+        try:
+            best = better_plan(best, solve_with(policy), optimize)
+        except InfeasiblePlanError:
+            continue
+    return best
 
 
 def better_plan(first: Plan, second: Plan, optimize: str) -> Plan:

@@ -103,7 +103,9 @@ class Plan:
             and what plans written before it load as): its whole forward, keeping its inputs
             only; ``"selective"``: torch's selective activation checkpointing with
             torchtitan's op policy, keeping the outputs of matmuls, attention and tp's
-            collectives and recomputing the rest.
+            collectives and recomputing the rest; ``"op"``: the same checkpointing keeping
+            the nodes each stage lists in ``StagePlan.recompute_kept`` (the solver's choice
+            under the memory cap) and tp's collectives.
         ep: expert-parallel degree, folded into dp as Megatron-Core folds it (ep divides dp;
             each ep group is ep consecutive dp replicas): the experts of every MoE layer are
             split over the ep group, ``E / ep`` per GPU, and tokens reach their experts by
@@ -170,6 +172,12 @@ class Plan:
         """
         check_fields(self, "")
         check_plan_invariants(self)
+
+    @property
+    def recompute_kept_nodes(self) -> frozenset[str]:
+        """The nodes whose outputs recomputing stages keep under ``recompute_policy="op"``
+        (every stage's ``recompute_kept``); empty under the other policies."""
+        return frozenset(name for st in self.stages for name in st.recompute_kept)
 
     @property
     def num_stages(self) -> int:
@@ -278,6 +286,12 @@ def check_plan_invariants(plan: Plan) -> None:
     if plan.recompute_policy not in RECOMPUTE_POLICIES:
         raise bad(f"recompute_policy={plan.recompute_policy!r} is not one of "
                   f"{RECOMPUTE_POLICIES}")
+    for st in plan.stages:
+        if st.recompute_kept and (plan.recompute_policy != "op" or not st.recompute):
+            raise bad(f"stages[{st.stage_index}].recompute_kept lists {len(st.recompute_kept)} "
+                      f"nodes with recompute={st.recompute} and recompute_policy="
+                      f"{plan.recompute_policy!r}: kept nodes belong to a recomputing stage "
+                      "under 'op'; empty the list")
     if plan.ep < 1 or plan.dp % plan.ep:
         raise bad(f"ep={plan.ep} with dp={plan.dp}: expert parallelism splits the experts over "
                   "ep of the dp replicas, so ep must be >= 1 and divide dp; choose a divisor")

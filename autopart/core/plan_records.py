@@ -38,7 +38,10 @@ class Cut:
 class StagePlan:
     """One pipeline stage: a contiguous run of op nodes, and what it is predicted to cost.
 
-    Times are per microbatch, µs; memory in bytes.
+    Times are per microbatch, µs; memory in bytes. ``recompute_kept``: under the plan's
+    ``recompute_policy="op"``, the captured graph's nodes (FX names) whose outputs this
+    recomputing stage keeps from its forward to its backward; every other node of it runs
+    again in the backward. Empty otherwise (and in plans written before it).
     """
 
     stage_index: int
@@ -55,6 +58,7 @@ class StagePlan:
     predicted_comm_us: float
     predicted_peak_memory_bytes: int
     recompute: bool = False
+    recompute_kept: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -159,7 +163,7 @@ class ShardedParameter:
                             f"{self.style!r}; expected one of {SHARD_STYLES}")
 
 
-_TUPLE_FIELDS = {"module_range", "stage_indices"}
+_TUPLE_FIELDS = {"module_range", "stage_indices", "recompute_kept"}
 #: What each field annotation admits: (test, description for the message).
 _KINDS: dict[str, tuple[Any, str]] = {
     "int": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (not a bool or a fraction)"),
@@ -168,6 +172,8 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "str": (lambda v: isinstance(v, str), "a string"),
     "tuple[str, str]": (lambda v: isinstance(v, tuple) and len(v) == 2
                         and all(isinstance(x, str) for x in v), "a list of two strings"),
+    "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
+                        "a list of strings"),
     "tuple[int, ...]": (lambda v: isinstance(v, tuple) and all(_is_int(x) and x >= 0 for x in v),
                         "a list of integers >= 0"),
     "dict[str, str]": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and

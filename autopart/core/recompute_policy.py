@@ -4,8 +4,8 @@ and by codegen on the kernels they dispatch to; no torch import here)."""
 
 from __future__ import annotations
 
-__all__ = ["RECOMPUTE_POLICIES", "SELECTIVE_KEPT_NODE_OPS", "SELECTIVE_KEPT_KERNELS",
-           "TP_KEPT_NODE_OPS"]
+__all__ = ["RECOMPUTE_POLICIES", "CHECKPOINTED_POLICIES", "SELECTIVE_KEPT_NODE_OPS",
+           "SELECTIVE_KEPT_KERNELS", "TP_KEPT_NODE_OPS", "op_keepable"]
 
 #: ``"full"``: a recomputing stage keeps its inputs only and runs its whole forward again in
 #: its backward (``torch.utils.checkpoint`` around the stage). ``"selective"``: torch's
@@ -16,8 +16,16 @@ __all__ = ["RECOMPUTE_POLICIES", "SELECTIVE_KEPT_NODE_OPS", "SELECTIVE_KEPT_KERN
 #: Recomputation in Large Transformer Models", section 4.2, and torchtitan's
 #: ``activation_checkpoint.py`` (``mode = "selective"``, ``selective_ac_option = "op"``).
 #: One difference from torchtitan: it recomputes every second ``aten.mm`` to save more
-#: memory; here every matmul's output is kept.
-RECOMPUTE_POLICIES = ("full", "selective")
+#: memory; here every matmul's output is kept. ``"op"``: the same selective checkpointing, but
+#: which nodes' outputs a recomputing stage keeps is the solver's choice, per stage and node
+#: (``StagePlan.recompute_kept``), under the plan's memory cap (Checkmate's question, Jain et
+#: al., MLSys 2020, answered per stage as a knapsack: :mod:`autopart.solver.recompute_choice`);
+#: tp's collective outputs are always kept, as under ``"selective"``.
+RECOMPUTE_POLICIES = ("full", "selective", "op")
+
+#: The policies that run a recomputing stage under torch's selective checkpointing (its
+#: dispatch mode, whose own cost per node ``RuntimeDescription.selective_us_per_node`` holds).
+CHECKPOINTED_POLICIES = frozenset({"selective", "op"})
 
 #: Graph ops (``NodeCost.op`` of a captured graph) whose outputs ``"selective"`` keeps: the
 #: matmul family (they dispatch to the kernels of :data:`SELECTIVE_KEPT_KERNELS`), attention,
@@ -56,3 +64,20 @@ SELECTIVE_KEPT_KERNELS = frozenset({
     "aten._scaled_dot_product_attention_math.default",
     "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default",
     *TP_KEPT_NODE_OPS})
+
+
+#: Ops whose outputs ``"op"`` never keeps: in-place ops (selective checkpointing cannot hand a
+#: written tensor back) and dropout (its kernel also returns a mask the node's output bytes do
+#: not count). Views are left out by :func:`op_keepable` as well: keeping one keeps its base.
+_NEVER_KEPT = frozenset({"aten.dropout.default", "aten.native_dropout.default",
+                         "aten.feature_dropout.default", "aten.alpha_dropout.default"})
+
+
+def op_keepable(op: str, view_ops: frozenset[str]) -> bool:
+    """Whether ``"op"`` may keep the output of a node calling ``op`` (``NodeCost.op``, e.g.
+    ``"aten.gelu.default"``): not a view (``view_ops``:
+    :data:`autopart.core.op_names.VIEW_OPS`), not in place (``"aten.add_.Tensor"``, an
+    ``out=`` variant), not dropout."""
+    name = op.split(".")[1] if op.count(".") >= 2 else op
+    return (op not in view_ops and op not in _NEVER_KEPT and not name.endswith("_")
+            and not op.endswith(".out"))

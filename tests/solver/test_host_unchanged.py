@@ -70,6 +70,7 @@ def golden_plans(costs: CostGraph) -> dict[str, Any]:
         assert d.pop("ep") == 1
         assert d.pop("cp") == 1
         assert d.pop("cp_attention") == "all_gather"
+        assert not any(st.pop("recompute_kept") for st in d["stages"])
         out[f"{ranks}/{rt_name}/{optimize}/{kind}"] = d
     return out
 

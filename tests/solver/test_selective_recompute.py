@@ -94,8 +94,9 @@ def test_selective_sits_between_keeping_everything_and_full_recompute() -> None:
 
 
 def test_auto_keeps_the_better_policy_under_a_cap(build: Any) -> None:
-    """Under a cap that makes the full-policy plan recompute, "auto" solves with both and
-    keeps the faster fitting plan; without recompute it is the full-policy plan itself.
+    """Under a cap that makes the full-policy plan recompute, "auto" solves with all three
+    policies and keeps the faster fitting plan (the op-level choice may match or beat the
+    selective one); without recompute it is the full-policy plan itself.
     The chain alternates matmuls (kept by the selective policy, 40 µs) and pointwise ops
     (10 µs), each saving its 2000-byte input."""
     g = build.chain(8, saved=2000, out=2000, param_bytes=40)
@@ -115,9 +116,10 @@ def test_auto_keeps_the_better_policy_under_a_cap(build: Any) -> None:
     for cap, want in ((peaks["selective"], "selective"), (peaks["full"], "full")):
         plans = {pol: solve(g, cluster, SolveOptions(**base, memory_cap_bytes=cap,
                                                      recompute_policy=pol))
-                 for pol in ("full", "auto")}
+                 for pol in ("full", "auto", want)}
         assert any(st.recompute for st in plans["full"].stages)
         auto = plans["auto"]
-        assert auto.recompute_policy == want
+        assert auto.recompute_policy in (want, "op")
+        assert auto.predicted_step_time_us <= plans[want].predicted_step_time_us
         assert all(r.peak_memory_bytes <= cap for r in auto.ranks)
         assert auto.predicted_step_time_us <= plans["full"].predicted_step_time_us

@@ -1,0 +1,172 @@
+"""Op-level recompute (``recompute_policy="op"``): which node outputs each recomputing stage
+keeps, chosen under the ranks' memory caps.
+
+The candidate's cuts, microbatches, schedule and recompute flags are fixed; what is chosen
+is, per recomputing stage, the set of nodes whose outputs torch's selective checkpointing
+keeps from the forward to the backward (every other node runs again in the backward).
+Keeping node ``i`` saves its forward time in the recomputation and costs its output bytes
+for every microbatch the rank holds in flight at its peak. Both sums are additive over the
+nodes, so the choice for one rank is a 0/1 knapsack: maximise the forward time kept, within
+the rank's room under its cap. It is solved exactly by OR-Tools' branch-and-bound knapsack
+solver (a few hundred to a few thousand items per rank; the capacity in bytes rules out the
+dynamic-programming solver). This is Checkmate's problem (Jain et al., "Checkmate: Breaking
+the Memory Wall with Optimal Tensor Rematerialization", MLSys 2020) restricted to what
+selective checkpointing can run: a node is either kept or run again once, in the stage's
+single recomputation.
+
+How many microbatches' worth each kept byte costs at the rank's peak is read from the cost
+model (the peak with all of one stage's candidates kept, against none), and every choice is
+checked on the exact evaluation; a rank found over its cap gets a smaller room and is
+solved again. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.algorithms.python import knapsack_solver
+
+from autopart.core.op_names import VIEW_OPS
+from autopart.core.recompute_policy import op_keepable
+from autopart.core.schedule import stage_ranks
+from autopart.solver._candidate import Candidate, evaluate
+from autopart.solver._cost_model import CostModel
+
+__all__ = ["KeepItem", "keep_items", "choose_kept"]
+
+#: Rounds of "solve, check on the exact evaluation, shrink the room of a rank found over".
+_ROUNDS = 6
+#: A rank found over its cap gets this share of its room in the next round.
+_SHRINK = 0.8
+#: Seconds the knapsack solver may spend on one rank.
+_KNAPSACK_LIMIT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeepItem:
+    """One node a recomputing stage may keep.
+
+    Attributes:
+        node: index in ``costs.nodes``.
+        stage: the stage it belongs to.
+        time_us: its forward time at the microbatch size (what keeping it saves), µs.
+        nbytes: what keeping it adds to the stage's held activations per microbatch, bytes
+            (0: the stage holds that output anyway).
+    """
+
+    node: int
+    stage: int
+    time_us: float
+    nbytes: int
+
+
+def keep_items(model: CostModel, cand: Candidate) -> list[KeepItem]:
+    """The nodes of ``cand``'s recomputing stages that ``"op"`` may keep: tensor outputs of
+    ops with a forward time that are neither views, in place nor dropout
+    (:func:`autopart.core.recompute_policy.op_keepable`), and that ``model`` does not keep
+    already (tp's collectives)."""
+    nodes = model.costs.nodes
+    ratio = model.ratio(cand.m)
+    bounds = [0, *cand.positions, len(nodes)]
+    items = []
+    for s, rc in enumerate(cand.recompute):
+        if not rc:
+            continue
+        a, z = bounds[s], bounds[s + 1]
+        costs = model.keep_costs(a, z)
+        for i in range(a, z):
+            nd = nodes[i]
+            if model.kept[i] or not nd.output_is_tensor or not op_keepable(nd.op, VIEW_OPS):
+                continue
+            t = model.part_us("fwd", i, i + 1, ratio)
+            if t > 0.0:
+                items.append(KeepItem(i, s, t, model.scale_bytes(costs[i], ratio)))
+    return items
+
+
+def choose_kept(model: CostModel, cand: Candidate, caps: tuple[int, ...] | None,
+                optimize: str) -> tuple[CostModel, Candidate]:
+    """``cand`` under ``"op"`` with the nodes each recomputing stage keeps chosen.
+
+    A rank's room is its cap less its peak with nothing kept (``optimize="speed"``); under
+    ``"memory"``, or without caps, the plan's largest peak with nothing kept is every rank's
+    limit, so the choice never raises the plan's largest peak.
+
+    Args:
+        model: the cost model ``cand`` was evaluated on (its ``"op"`` kept set is replaced).
+        cand: a candidate whose recomputing stages are to keep what fits.
+        caps: per-rank memory caps, bytes, or None.
+        optimize: ``"speed"`` or ``"memory"``.
+
+    Returns:
+        The model with the chosen kept nodes and ``cand`` evaluated and simulated on it.
+    """
+    base = model.with_kept(frozenset())
+    p = len(cand.peaks)
+
+    def run(kept: frozenset[str]) -> tuple[CostModel, Candidate]:
+        m = base.with_kept(kept)
+        c = evaluate(m, None, cand.kind, p, cand.v, cand.m, cand.positions, caps,
+                     sub=cand.sub, recompute=cand.recompute, name=cand.name).simulated()
+        return m, c
+
+    none_model, none = run(frozenset())
+    items = keep_items(base, cand)
+    if not items:
+        return none_model, none
+    names = [nd.name for nd in base.costs.nodes]
+    rank_of = stage_ranks(cand.kind, p, cand.v)
+    limit = ([min(cap, max(none.peaks)) if optimize == "memory" else cap for cap in caps]
+             if caps is not None else [max(none.peaks)] * p)
+    # per stage, bytes of peak per kept byte: the rank's peak with all its items kept
+    per_byte: dict[int, float] = {}
+    for s in sorted({it.stage for it in items}):
+        mine = [it for it in items if it.stage == s]
+        total = sum(it.nbytes for it in mine)
+        if total == 0:
+            per_byte[s] = 0.0
+            continue
+        _, full = run(frozenset(names[it.node] for it in mine))
+        r = rank_of[s]
+        per_byte[s] = max(full.peaks[r] - none.peaks[r], 0) / total
+    room = [max(limit[r] - none.peaks[r], 0) for r in range(p)]
+    by_rank: dict[int, list[KeepItem]] = {}
+    for it in items:
+        by_rank.setdefault(rank_of[it.stage], []).append(it)
+    chosen = {r: _knapsack(mine, per_byte, room[r]) for r, mine in by_rank.items()}
+    best = (none_model, none)
+    for _ in range(_ROUNDS):
+        kept = frozenset(names[it.node] for mine in chosen.values() for it in mine)
+        m, c = run(kept)
+        over = [r for r in by_rank if c.peaks[r] > limit[r]]
+        if not over:
+            best = (m, c)
+            break
+        for r in over:
+            room[r] = int(room[r] * _SHRINK)
+            chosen[r] = _knapsack(by_rank[r], per_byte, room[r])
+    else:  # still over: keep only what costs nothing
+        kept = frozenset(names[it.node] for it in items
+                         if it.nbytes * per_byte[it.stage] == 0)
+        best = run(kept)
+    return best
+
+
+def _knapsack(items: list[KeepItem], per_byte: dict[int, float], room: int) -> list[KeepItem]:
+    """The items of one rank that keep the most forward time within ``room`` bytes of its
+    peak (each weighing its bytes times its stage's peak bytes per kept byte); items that
+    weigh nothing are always taken."""
+    weights = [math.ceil(it.nbytes * per_byte[it.stage]) for it in items]
+    free = [it for it, w in zip(items, weights, strict=True) if w == 0]
+    rest = [(it, w) for it, w in zip(items, weights, strict=True) if 0 < w <= room]
+    if not rest:
+        return free
+    solver = knapsack_solver.KnapsackSolver(
+        knapsack_solver.SolverType.KNAPSACK_MULTIDIMENSION_BRANCH_AND_BOUND_SOLVER,
+        "autopart-recompute")
+    solver.init([max(1, round(it.time_us * 1000)) for it, _ in rest], [[w for _, w in rest]],
+                [room])
+    solver.set_time_limit(_KNAPSACK_LIMIT_S)
+    solver.solve()
+    return free + [it for k, (it, _) in enumerate(rest) if solver.best_solution_contains(k)]

@@ -1,0 +1,132 @@
+"""The plan's ``"op"`` recompute policy in the one-process runtime: each recomputing stage
+keeps the outputs of the nodes its ``recompute_kept`` lists, and runs the rest again. A
+plan keeping any subset trains as the unpartitioned model does, and the kernels of kept
+nodes run once per step where the others run twice (the distributed runtime's case is in
+``tests/distributed/test_selective_recompute_ranks.py``)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopart
+from autopart.core.capture import capture, op_nodes
+from autopart.core.op_names import VIEW_OPS
+from autopart.core.recompute_policy import op_keepable
+from tests.numerics import assert_train_step_matches
+from tests.plans import even_positions, manual_plan
+from tests.zoo import ZOO
+
+M = 4  # microbatches; batch 8 -> microbatch 2
+
+_CAPTURED: dict[str, tuple[Any, ...]] = {}
+
+
+def _pipe(name: str, kind: str, num_stages: int, v: int,
+          keep: Callable[[int, Any], bool] | None) -> tuple[Any, ...]:
+    """A pipeline of ``ZOO[name]`` from a hand-written plan whose every stage recomputes
+    under ``"op"`` keeping the op nodes ``keep(index, node)`` accepts (None: no stage
+    recomputes), built by ``autopart.compile(plan=...)``, and an untouched copy of the
+    model."""
+    if name not in _CAPTURED:
+        model, args, target, loss_fn = ZOO[name]()
+        _CAPTURED[name] = (model, capture(model, tuple(a[: 8 // M] for a in args)), args,
+                           target, loss_fn)
+    model0, captured0, args, target, loss_fn = _CAPTURED[name]
+    model, captured = copy.deepcopy((model0, captured0))
+    positions = even_positions(captured, num_stages)
+    plan = manual_plan(captured, positions, M, 8, schedule_kind=kind, stages_per_rank=v,
+                       recompute=keep is not None)
+    if keep is not None:
+        nodes = op_nodes(captured.graph_module.graph)
+        bounds = [0, *positions, len(nodes)]
+        stages = tuple(dataclasses.replace(st, recompute_kept=tuple(
+            nd.name for i, nd in enumerate(nodes[bounds[s]:bounds[s + 1]], bounds[s])
+            if keep(i, nd))) for s, st in enumerate(plan.stages))
+        plan = dataclasses.replace(plan, stages=stages, recompute_policy="op")
+    pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan,
+                            devices=["cpu"] * (num_stages // v))
+    return pipe, copy.deepcopy(model0), args, target, loss_fn
+
+
+def _every_other_keepable(i: int, node: Any) -> bool:
+    return i % 2 == 0 and op_keepable(str(node.target), VIEW_OPS)
+
+
+LAYOUTS = [("gpt2", "1f1b", 2, 1), ("llama", "interleaved_1f1b", 4, 2),
+           ("bert", "zero_bubble", 2, 1)]
+
+
+@pytest.mark.parametrize(("name", "kind", "num_stages", "v"), LAYOUTS,
+                         ids=[f"{n}-{k}-S{s}-v{v}" for n, k, s, v in LAYOUTS])
+def test_op_recompute_matches_the_unpartitioned_model(name: str, kind: str, num_stages: int,
+                                                      v: int) -> None:
+    """Every second keepable node kept (Llama: grouped-query attention; BERT under ZB-H1,
+    whose recomputing stages run a whole B)."""
+    pipe, reference, args, target, loss_fn = _pipe(name, kind, num_stages, v,
+                                                   _every_other_keepable)
+    assert pipe.plan.recompute_policy == "op"
+    assert all(st.recompute_kept for st in pipe.plan.stages)
+    assert_train_step_matches(pipe, reference, args, target, loss_fn, atol=4e-5)
+
+
+class _Kernels(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counts(keep: Callable[[int, Any], bool] | None) -> Counter[str]:
+    pipe, _, args, target, _ = _pipe("gpt2", "1f1b", 2, 1, keep)
+    with _Kernels() as kernels:
+        pipe.train_step(*args, target=target)
+    return kernels.count
+
+
+def test_kept_nodes_run_once_and_the_others_twice() -> None:
+    """GPT-2 with only its layer norms kept: ``native_layer_norm`` runs as often as without
+    recompute, its Conv1D matmuls (``addmm``) as often as under a whole-stage recompute;
+    with only the matmuls kept, the other way round."""
+    none, nothing = _counts(None), _counts(lambda i, nd: False)
+    norms = _counts(lambda i, nd: str(nd.target) == "aten.layer_norm.default")
+    matmuls = _counts(lambda i, nd: str(nd.target) in ("aten.addmm.default",
+                                                       "aten.linear.default"))
+    ln, mm = "aten.native_layer_norm.default", "aten.addmm.default"
+    assert none[ln] < nothing[ln] and none[mm] < nothing[mm]
+    assert norms[ln] == none[ln] and norms[mm] == nothing[mm]
+    assert matmuls[mm] == none[mm] and matmuls[ln] == nothing[ln]
+
+
+def test_a_kept_linear_does_not_keep_its_input_view() -> None:
+    """A kept node's view kernels are recomputed, not kept: keeping a 3-D linear's
+    ``view`` of its input would hold the unkept input alive."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from autopart.codegen.recompute import _keeping, op_policy
+
+    seen: list[tuple[str, CheckpointPolicy]] = []
+
+    class _Policy(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            seen.append((str(func), op_policy(None, func)))  # type: ignore[arg-type]
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    with _Policy():
+        _keeping(torch.ops.aten.linear.default, "linear")(x, w)
+        torch.ops.aten.linear.default(x, w)
+    kept = [f for f, pol in seen[:len(seen) // 2] if pol == CheckpointPolicy.MUST_SAVE]
+    assert kept and all("view" not in f and f != "aten.t.default" for f in kept)
+    assert all(pol == CheckpointPolicy.PREFER_RECOMPUTE for _, pol in seen[len(seen) // 2:])

@@ -1,0 +1,132 @@
+"""The ``"op"`` recompute policy: which node outputs each recomputing stage keeps, chosen per
+rank under its cap (:mod:`autopart.solver.recompute_choice`), priced and replayed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from autopart.core.costgraph import CostGraph
+from autopart.core.errors import PlanError
+from autopart.core.plan import Plan
+from autopart.solver import SolveOptions, solve
+from autopart.solver._candidate import evaluate
+from autopart.solver._cost_model import CostModel
+from autopart.solver.predict import predict
+from autopart.solver.recompute_choice import choose_kept, keep_items
+
+
+def _chain(build: Any, n: int = 8) -> CostGraph:
+    """Alternating matmuls (40 µs) and pointwise ops (10 µs) of different output sizes, each
+    saving its input; one view, one in-place op and one dropout that "op" never keeps."""
+    g = build.chain(n, saved=2000, out=2000, param_bytes=40)
+    ops = {3: "aten.view.default", 5: "aten.add_.Tensor", 6: "aten.dropout.default"}
+    return replace(g, nodes=tuple(
+        replace(nd, op=ops.get(i, "aten.linear.default" if i % 2 == 0 else "aten.gelu.default"),
+                fwd_us=40.0 if i % 2 == 0 else 10.0 + i, output_bytes=1000 + 300 * i,
+                saved_from=((1, 2000),) if i else ())
+        for i, nd in enumerate(g.nodes)))
+
+
+BASE: dict[str, Any] = dict(batch_size=8, num_microbatches=8, schedule_kind="gpipe")
+
+
+def _peak(plan: Plan) -> int:
+    return max(r.peak_memory_bytes for r in plan.ranks)
+
+
+def _caps(build: Any, g: CostGraph) -> tuple[int, int]:
+    """The largest peak of the plan recomputing every stage whole, and of the one that
+    recomputes nothing."""
+    cluster = build.cluster(2)
+    full = solve(g, cluster, SolveOptions(**BASE, recompute=True, recompute_policy="full"))
+    free = solve(g, cluster, SolveOptions(**BASE, recompute=False))
+    return _peak(full), _peak(free)
+
+
+def test_views_in_place_ops_and_dropout_are_never_kept(build: Any) -> None:
+    g = _chain(build)
+    model = CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0,
+                      recompute_policy="op")
+    cand = evaluate(model, None, "gpipe", 1, 1, 8, (), None, recompute=True)
+    ops = {g.nodes[it.node].op for it in keep_items(model, cand)}
+    assert ops == {"aten.linear.default", "aten.gelu.default"}
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_the_kept_set_is_the_best_that_fits(build: Any, share: float) -> None:
+    """Against every subset of the keepable nodes, evaluated exactly: the chosen set fits
+    the cap and keeps the most forward time among the subsets that fit."""
+    g = _chain(build)
+    model = CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0,
+                      recompute_policy="op")
+    cand = evaluate(model, None, "gpipe", 1, 1, 8, (), None, recompute=True).simulated()
+    items = keep_items(model, cand)
+    assert len(items) == 5
+    names = [nd.name for nd in g.nodes]
+    every = evaluate(model.with_kept(frozenset(names[it.node] for it in items)), None,
+                     "gpipe", 1, 1, 8, (), None, recompute=True).simulated()
+    caps = (int(cand.peaks[0] + share * (every.peaks[0] - cand.peaks[0])),)
+    cand = replace(cand, caps=caps)
+    best_time = 0.0
+    for k in range(len(items) + 1):
+        for subset in itertools.combinations(items, k):
+            m = model.with_kept(frozenset(names[it.node] for it in subset))
+            c = evaluate(m, None, "gpipe", 1, 1, 8, (), caps, recompute=True).simulated()
+            if c.fits:
+                best_time = max(best_time, sum(it.time_us for it in subset))
+    chosen_model, chosen = choose_kept(model, cand, caps, "speed")
+    assert chosen.fits
+    kept = [it for it in items if names[it.node] in chosen_model.kept_nodes]
+    assert sum(it.time_us for it in kept) == pytest.approx(best_time)
+    assert 0 < len(kept) < len(items)
+
+
+def test_op_plans_fit_beat_whole_stage_recompute_and_replay(build: Any) -> None:
+    """Under a cap that makes the full-policy plan recompute: the "op" plan fits, is no
+    slower than the "full" and "selective" plans, lists what each recomputing stage keeps,
+    and replays (predict, a JSON round trip) to the same figures; under "memory" it never
+    raises the plan's largest peak."""
+    g = _chain(build)
+    full_peak, free_peak = _caps(build, g)
+    cap = (full_peak + free_peak) // 2
+    cluster = build.cluster(2)
+    plans = {pol: solve(g, cluster, SolveOptions(**BASE, memory_cap_bytes=cap,
+                                                 recompute_policy=pol))
+             for pol in ("full", "selective", "op")}
+    assert any(st.recompute for st in plans["full"].stages)
+    op = plans["op"]
+    assert op.recompute_policy == "op" and _peak(op) <= cap
+    assert any(st.recompute_kept for st in op.stages)
+    assert all(not st.recompute_kept for st in op.stages if not st.recompute)
+    assert op.predicted_step_time_us < plans["full"].predicted_step_time_us
+    assert op.predicted_step_time_us <= plans["selective"].predicted_step_time_us
+    again = Plan.from_dict(json.loads(json.dumps(op.to_dict())))
+    assert again == op
+    replay = predict(again, g, cluster, SolveOptions(**BASE, memory_cap_bytes=cap))
+    assert replay.step_time_us == pytest.approx(op.predicted_step_time_us, rel=1e-6)
+    assert list(replay.peak_memory_bytes) == [r.peak_memory_bytes for r in op.ranks]
+    for pol in ("full", "op"):
+        plans[pol] = solve(g, cluster, SolveOptions(**BASE, memory_cap_bytes=cap,
+                                                    recompute=True, optimize="memory",
+                                                    recompute_policy=pol))
+    assert _peak(plans["op"]) <= _peak(plans["full"])
+    assert plans["op"].predicted_step_time_us <= plans["full"].predicted_step_time_us
+
+
+def test_kept_nodes_outside_op_or_a_recomputing_stage_are_refused(build: Any) -> None:
+    g = _chain(build)
+    plan = solve(g, build.cluster(2), SolveOptions(**BASE, recompute=True,
+                                                   recompute_policy="op"))
+    d = plan.to_dict()
+    d["stages"][0]["recompute_kept"] = ["n0"]
+    for change in ({"recompute_policy": "full"}, {}):
+        bad = json.loads(json.dumps({**d, **change}))
+        if not change:
+            bad["stages"][0]["recompute"] = False
+        with pytest.raises(PlanError, match="recompute_kept"):
+            Plan.from_dict(bad)
