@@ -215,8 +215,9 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
              "full", "--recompute-policy",
              help="what a stage that recomputes runs again: 'full' (its whole forward), "
                   "'selective' (all but matmul, attention and tp collective outputs: torch's "
-                  "selective activation checkpointing, torchtitan's op policy) or 'auto' (the "
-                  "better of the two for the objective)"),
+                  "selective activation checkpointing, torchtitan's op policy), 'op' (all but "
+                  "the nodes the solver keeps per stage under the memory cap) or 'auto' (the "
+                  "best of the three for the objective)"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.
 

@@ -1,9 +1,10 @@
-"""Selective against full recompute on 2 gloo CPU ranks (pp 2): measured and predicted
-per-rank peak memory and step time of the same cuts with no recompute, every stage
-recomputing its whole forward, and every stage recomputing under the selective policy
+"""Selective and op-level against full recompute on 2 gloo CPU ranks (pp 2): measured and
+predicted per-rank peak memory and step time of the same cuts with no recompute, every
+stage recomputing its whole forward, and every stage recomputing under the selective policy
 (torch's selective activation checkpointing, torchtitan's op policy); then the solver's own
 plans under the highest per-rank cap (2 MiB steps) at which the full policy's plan
-recomputes a stage, solved with the full policy and with "auto".
+recomputes a stage, solved with the full policy, with "auto" and with "op" (the solver's
+per-node choice of what to keep), and the op plan's cuts under the selective policy.
 
     .venv/bin/python benchmarks/selective_recompute/run.py [--steps 7] [--small]
 
@@ -78,7 +79,33 @@ def _plans(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     plans["solver under cap, full"] = full
     plans["solver under cap, auto"] = profile.solve(**fixed, recompute_policy="auto",
                                                     memory_cap_bytes=cap)
-    return plans, {"cap_mib": cap / 2**20}
+    # the op-level decision under the same cap, and torch's selective-op policy (what
+    # torchtitan ships) on the op plan's own cuts and recompute flags
+    op = profile.solve(**fixed, recompute_policy="op", memory_cap_bytes=cap)
+    plans["solver under cap, op"] = op
+    plans["op's plan, selective policy"] = plan_at(
+        profile.costs, cluster, profile.options(**fixed, recompute_policy="selective"),
+        tuple(c.position for c in op.cuts), kind=KIND, num_microbatches=M,
+        recompute=[st.recompute for st in op.stages], name="selective on the op plan")
+    return plans, {"cap_mib": cap / 2**20,
+                   "nodes": {nd.name: (nd.op, nd.output_bytes) for nd in profile.costs.nodes}}
+
+
+def _decision(plan: Any, st: Any, nodes: dict[str, tuple[str, int]]) -> str:
+    """What a stage recomputes: "no", the policy, and under "op" how many nodes it keeps
+    and of which kinds (the three largest by bytes at the profiled batch)."""
+    if not st.recompute:
+        return "no"
+    if plan.recompute_policy != "op":
+        return plan.recompute_policy
+    by_op: dict[str, int] = {}
+    for name in st.recompute_kept:
+        op, nbytes = nodes[name]
+        short = op.split(".")[1] if op.count(".") >= 2 else op
+        by_op[short] = by_op.get(short, 0) + nbytes
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:3]
+    return (f"op: {len(st.recompute_kept)} of {st.num_nodes} kept ("
+            + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in top) + ")")
 
 
 def _rank(rank: int, world: int, port: int, paths: list[str], steps: int, config: dict,
@@ -129,6 +156,7 @@ def main() -> None:
     config = SMALL if a.small else DEMO
     torch.set_num_threads(1)  # profiled as each rank runs: one thread on its core
     plans, asked = _plans(config)
+    profile_nodes = asked.pop("nodes")
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         paths = {}
         for k, (name, plan) in enumerate(plans.items()):
@@ -147,7 +175,7 @@ def main() -> None:
         steps = [max(t) for t in zip(*(got[(r, p, "step")] for r in range(2)), strict=True)]
         rows.append({
             "arm": name, "cuts": [c.position for c in plan.cuts],
-            "recompute": [plan.recompute_policy if s.recompute else "no" for s in plan.stages],
+            "recompute": [_decision(plan, st, profile_nodes) for st in plan.stages],
             "predicted_peak_mib": [r.peak_memory_bytes / 2**20 for r in plan.ranks],
             "measured_peak_mib": [got[(r, p, "peak")] / 2**20 for r in range(2)],
             "predicted_step_s": plan.predicted_step_time_us / 1e6,

@@ -47,7 +47,7 @@ def test_compile_defaults_to_auto_and_measures_only_when_it_recomputes(every: An
     assert "selective_cost_s" not in plain.timings_s
     assert plain.plan.recompute_policy == "full"
     assert all(st.recompute for st in every.plan.stages)
-    assert every.plan.recompute_policy in ("full", "selective")
+    assert every.plan.recompute_policy in ("full", "selective", "op")
     assert "selective_cost_s" in every.timings_s
     assert CompileOptions().solve_recompute_policy() == "auto"
     assert CompileOptions(fuse=True).solve_recompute_policy() == "full"
@@ -71,7 +71,7 @@ def test_solve_auto_recompute_keeps_the_better_plan(every: Any) -> None:
         return plan if policy == "full" else faster
 
     got, _ = solve_auto_recompute(_Profile(), solve_with, (x,), None, "speed")  # type: ignore[arg-type]
-    assert asked == ["full", "selective"] and got is faster
+    assert asked == ["full", "selective", "op"] and got is faster
     leaner = dataclasses.replace(
         plan, recompute_policy="selective", predicted_step_time_us=plan.predicted_step_time_us * 2,
         ranks=tuple(dataclasses.replace(r, peak_memory_bytes=r.peak_memory_bytes // 2)

@@ -1,5 +1,5 @@
-"""A plan's ``"selective"`` recompute policy on real ranks (gloo, spawned processes): every
-stage recomputes selectively and the step matches the plain model."""
+"""A plan's ``"selective"`` and ``"op"`` recompute policies on real ranks (gloo, spawned
+processes): every stage recomputes selectively and the step matches the plain model."""
 
 import tempfile
 from pathlib import Path
@@ -14,6 +14,22 @@ def test_selective_recompute_on_two_ranks_matches_the_plain_model() -> None:
     (``tests.distributed.worker.numerics``)."""
     with tempfile.TemporaryDirectory() as out:
         proc = _spawn("numerics", 2, "gpt2", "1f1b", 1, out, True, "selective")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
+    assert sorted(reports) == ["rank0.txt", "rank1.txt"]
+    for name, lines in reports.items():
+        assert lines[0].startswith("params ") and int(lines[0].split()[1]) > 0, lines
+        assert lines[1:] == [], f"{name}: {lines[1:]}"
+
+
+def test_op_recompute_on_two_ranks_matches_the_plain_model() -> None:
+    """Llama (grouped-query attention) on 2 ranks under ZB-H1, every stage recomputing under
+    ``"op"`` and keeping every second keepable node (its recomputing stages run a whole
+    ``B``): the loss, the output and every gradient match the unpartitioned model, and the
+    distributed stages' sources (with their kept nodes marked) are the one-process
+    pipeline's."""
+    with tempfile.TemporaryDirectory() as out:
+        proc = _spawn("numerics", 2, "llama", "zero_bubble", 1, out, True, "op")
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
     assert sorted(reports) == ["rank0.txt", "rank1.txt"]

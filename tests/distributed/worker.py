@@ -51,6 +51,17 @@ def _numerics(rank: int, world: int, result_dir: str, model_name: str, kind: str
     plan = manual_plan(captured, even_positions(captured, world * v), m, 8, schedule_kind=kind,
                        stages_per_rank=v, recompute=recompute)
     plan = dataclasses.replace(plan, recompute_policy=recompute_policy)
+    if recompute and recompute_policy == "op":  # every second keepable node kept
+        from autopart.core.capture import op_nodes
+        from autopart.core.op_names import VIEW_OPS
+        from autopart.core.recompute_policy import op_keepable
+
+        nodes = op_nodes(captured.graph_module.graph)
+        bounds = [0, *(c.position for c in plan.cuts), len(nodes)]
+        plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, recompute_kept=tuple(
+            nd.name for i, nd in enumerate(nodes[bounds[s]:bounds[s + 1]], bounds[s])
+            if i % 2 == 0 and op_keepable(str(nd.target), VIEW_OPS)))
+            for s, st in enumerate(plan.stages)))
     pipe = autopart.compile(model, args, loss_fn=loss_fn, plan=plan, backend="distributed")
     # the one-process pipeline of the same plan emits byte-identical sources for this
     # rank's stages: both take them from codegen.build_stages

@@ -110,10 +110,11 @@ def test_kept_nodes_run_once_and_the_others_twice() -> None:
 
 def test_a_kept_linear_does_not_keep_its_input_view() -> None:
     """A kept node's view kernels are recomputed, not kept: keeping a 3-D linear's
-    ``view`` of its input would hold the unkept input alive."""
+    ``view`` of its input would hold the unkept input alive. The same node unmarked keeps
+    nothing."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from autopart.codegen.recompute import _keeping, op_policy
+    from autopart.codegen.recompute import mark_kept, op_policy
 
     seen: list[tuple[str, CheckpointPolicy]] = []
 
@@ -123,10 +124,19 @@ def test_a_kept_linear_does_not_keep_its_input_view() -> None:
             seen.append((str(func), op_policy(None, func)))  # type: ignore[arg-type]
             return func(*args, **(kwargs or {}))
 
+    class _Linear(torch.nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.linear.default(x, w)
+
     x, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    plain, marked = torch.fx.symbolic_trace(_Linear()), torch.fx.symbolic_trace(_Linear())
+    name = next(n.name for n in marked.graph.nodes if n.op == "call_function")
+    assert mark_kept(marked, [name, "not_in_the_graph"]) == 1
     with _Policy():
-        _keeping(torch.ops.aten.linear.default, "linear")(x, w)
-        torch.ops.aten.linear.default(x, w)
-    kept = [f for f, pol in seen[:len(seen) // 2] if pol == CheckpointPolicy.MUST_SAVE]
-    assert kept and all("view" not in f and f != "aten.t.default" for f in kept)
-    assert all(pol == CheckpointPolicy.PREFER_RECOMPUTE for _, pol in seen[len(seen) // 2:])
+        marked(x, w)
+    kept = [f for f, pol in seen if pol == CheckpointPolicy.MUST_SAVE]
+    assert kept == ["aten.mm.default"], seen
+    seen.clear()
+    with _Policy():
+        plain(x, w)
+    assert seen and all(pol == CheckpointPolicy.PREFER_RECOMPUTE for _, pol in seen)
