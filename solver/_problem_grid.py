@@ -85,7 +85,8 @@ class Subproblem:
         return self.seed
 
 
-def setup(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Setup:
+def setup(costs: CostGraph, cluster: Cluster, options: SolveOptions,
+          kept_nodes: frozenset[str] = frozenset()) -> Setup:
     """The cost model, candidates, caps and search grid of one :func:`solve` call.
 
     Raises:
@@ -97,7 +98,7 @@ def setup(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Setup:
     counts = options.microbatch_counts()
     caps = [dev.memory_bytes if options.memory_cap_bytes is None else options.memory_cap_bytes
             for dev in cluster.devices]
-    model = CostModel.for_options(costs, cluster, options)
+    model = CostModel.for_options(costs, cluster, options, kept_nodes=kept_nodes)
     baselines = _baseline_cuts(costs, p) if options.baselines else []
     s_max = p * max(v for _, v in configs) if configs else p
     cands = find_candidates(costs, min(s_max, _valid_count(costs, p)) if s_max > p else p,

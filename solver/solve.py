@@ -15,6 +15,7 @@ from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError
 from autopart.core.plan import Plan
+from autopart.core.recompute_policy import SELECTIVE_KEPT_NODE_OPS
 from autopart.solver._problem_grid import setup, subproblems
 from autopart.solver._refinement import search
 from autopart.solver._selection import choose
@@ -72,10 +73,40 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
         return auto_recompute(
             lambda policy: solve(costs, cluster, replace(options, recompute_policy=policy)),
             options.optimize)
+    if options.recompute_policy == "op" and options.training:
+        return _solve_op(costs, cluster, options)
     st = setup(costs, cluster, options)
     solved, wall = search(st, subproblems(st))
     plan: Plan = choose(st, solved, wall)
     return plan
+
+
+def _solve_op(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
+    """``recompute_policy="op"``: the partition searched twice, with recomputing stages
+    priced keeping nothing and keeping what ``"selective"`` keeps (two guesses of what the
+    choice will keep, which decide which cuts the search finds), each search's best
+    candidates then keeping what fits (:mod:`autopart.solver.recompute_choice`); the better
+    plan by the objective. Raises the first search's ``InfeasiblePlanError`` where neither
+    fits."""
+    selective = frozenset(nd.name for nd in costs.nodes if nd.op in SELECTIVE_KEPT_NODE_OPS)
+    best: Plan | None = None
+    error: InfeasiblePlanError | None = None
+    for seed in (frozenset(), selective):
+        st = setup(costs, cluster, options, kept_nodes=seed)
+        try:
+            solved, wall = search(st, subproblems(st))
+            plan = choose(st, solved, wall)
+        except InfeasiblePlanError as exc:
+            error = error or exc
+            continue
+        best = plan if best is None else better_plan(best, plan, options.optimize)
+        if not seed:
+            if not any(s.recompute for s in plan.stages):
+                break  # nothing recomputes: nothing to keep
+    if best is None:
+        assert error is not None
+        raise error
+    return best
 
 
 def auto_recompute(solve_with: Callable[[str], Plan], optimize: str) -> Plan:

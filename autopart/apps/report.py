@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from autopart.core.plan import Plan
+from autopart.core.plan import Plan, StagePlan
 
 __all__ = ["plan_table", "print_plan", "certificate_table", "pareto_table", "skipped_baselines_table",
            "print_certificate", "layout_table", "print_layout"]
@@ -30,6 +32,18 @@ def _short(path: str) -> str:
     return path
 
 
+def _recompute_cell(plan: Plan, st: StagePlan) -> str:
+    """What a stage recomputes: ``"no"``, its policy, and under ``"op"`` how many of its
+    nodes it keeps, by kind (the FX name without its counter: ``linear_3`` is a linear)."""
+    if not st.recompute:
+        return "no"
+    if plan.recompute_policy != "op":
+        return plan.recompute_policy
+    kinds = Counter(re.sub(r"_\d+$", "", name) for name in st.recompute_kept)
+    top = ", ".join(f"{k} {n}" for k, n in kinds.most_common(3))
+    return f"op: {len(st.recompute_kept)}/{st.num_nodes} kept" + (f" ({top})" if top else "")
+
+
 def plan_table(plan: Plan) -> Table:
     """One row per stage: module range, parameters, predicted fwd+bwd time per microbatch, memory."""
     table = Table(title=f"autopart plan: {plan.num_stages} stages, m={plan.num_microbatches}, "
@@ -44,7 +58,7 @@ def plan_table(plan: Plan) -> Table:
         table.add_row(str(st.stage_index), st.device, modules, f"{st.num_parameters / 1e6:.2f} M",
                       f"{(st.predicted_fwd_us + st.predicted_bwd_us) / 1e3:.1f}",
                       f"{st.predicted_comm_us / 1e3:.2f}", _gib(st.predicted_peak_memory_bytes),
-                      plan.recompute_policy if st.recompute else "no")
+                      _recompute_cell(plan, st))
     s = plan.solver
     table.caption = (f"predicted step {plan.predicted_step_time_us / 1e3:.1f} ms, bubble "
                      f"{plan.bubble_fraction:.1%}; solver {s.name} {s.status}, objective "

@@ -130,3 +130,20 @@ def test_kept_nodes_outside_op_or_a_recomputing_stage_are_refused(build: Any) ->
             bad["stages"][0]["recompute"] = False
         with pytest.raises(PlanError, match="recompute_kept"):
             Plan.from_dict(bad)
+
+
+def test_the_plan_table_says_what_each_stage_keeps(build: Any) -> None:
+    from rich.console import Console
+
+    from autopart.apps.report import plan_table
+
+    g = _chain(build)
+    plan = solve(g, build.cluster(2), SolveOptions(**BASE, recompute=True,
+                                                   recompute_policy="op"))
+    kept = [st for st in plan.stages if st.recompute_kept]
+    assert kept
+    console = Console(width=200, record=True)
+    console.print(plan_table(plan))
+    text = console.export_text()
+    for st in kept:
+        assert f"op: {len(st.recompute_kept)}/{st.num_nodes} kept (n " in text
