@@ -146,4 +146,4 @@ def test_the_plan_table_says_what_each_stage_keeps(build: Any) -> None:
     console.print(plan_table(plan))
     text = console.export_text()
     for st in kept:
-        assert f"op: {len(st.recompute_kept)}/{st.num_nodes} kept (n " in text
+        assert f"op: {len(st.recompute_kept)}/{st.num_nodes} kept ({st.recompute_kept[0]} 1" in text
