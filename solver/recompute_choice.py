@@ -10,8 +10,9 @@ nodes, so the choice for one rank is a 0/1 knapsack: maximise the forward time k
 the rank's room under its cap. It is solved by OR-Tools' dynamic-programming knapsack solver
 on weights in units of 1/20000 of the room, each rounded up (so the choice always fits; what
 the rounding gives away is at most one unit per kept node). Exact branch and bound on the
-bytes took about 1 s per rank on the 5550-node 1008B GPT's stages. This is Checkmate's problem (Jain et al., "Checkmate: Breaking
-the Memory Wall with Optimal Tensor Rematerialization", MLSys 2020) restricted to what
+bytes took about 1 s per rank on the 5550-node 1008B GPT's stages. This is Checkmate's
+problem (Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
+Rematerialization", MLSys 2020) restricted to what
 selective checkpointing can run: a node is either kept or run again once, in the stage's
 single recomputation.
 
