@@ -131,7 +131,7 @@ class CompileOptions:
             attention and tp's collectives (torch's selective activation checkpointing with
             torchtitan's op policy), ``"op"`` all but the nodes the solver keeps per stage
             under the memory cap (:mod:`autopart.solver.recompute_choice`), ``"auto"`` the
-            best of the three by the objective
+            better of ``"full"`` and ``"op"`` by the objective
             (``SolveOptions.recompute_policy``; the selective policy's cost is measured only
             where the full policy's plan recomputes a stage,
             :func:`autopart.planning.solve_auto_recompute`). None (default): ``"auto"`` when

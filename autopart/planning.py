@@ -321,7 +321,7 @@ def solve_auto_recompute(profile: Profile, solve_with: Callable[[Profile, str], 
     """``recompute_policy="auto"`` with the selective policy's cost measured only where it
     can matter: solve with ``"full"`` (``solve_with(profile, "full")``); where that plan
     recomputes a stage, measure the cost (:func:`with_selective_cost`), solve with
-    ``"selective"`` and keep the better by the objective
+    ``"op"`` and keep the better by the objective
     (:func:`autopart.solver.solve.auto_recompute`). Returns the plan and the profile it was
     solved on (with the measured cost when it was measured)."""
     solved_on = [profile]

@@ -204,7 +204,7 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     ``options.recompute_policy="auto"`` is decided for the whole search, not per layout (a
     screening ranked by one policy would leave the other's best layout unrefined): the
     search runs with ``"full"``, and where its plan recomputes a stage once more with
-    ``"selective"``; the better plan by the objective is returned
+    ``"op"``; the better plan by the objective is returned
     (:func:`autopart.solver.solve.auto_recompute`).
     """
     if options.recompute_policy == "auto":

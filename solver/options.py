@@ -42,8 +42,8 @@ class SolveOptions:
             checkpointing with torchtitan's op policy), priced so; ``"op"``: the same
             checkpointing, keeping per recomputing stage the nodes the solver chooses under
             the ranks' caps (:mod:`autopart.solver.recompute_choice`; ``StagePlan.
-            recompute_kept``); ``"auto"``: the best of the three by the objective, solved
-            with ``"selective"`` and ``"op"`` as well only where the ``"full"`` plan
+            recompute_kept``); ``"auto"``: the better of ``"full"`` and ``"op"`` by the
+            objective, solved with ``"op"`` as well only where the ``"full"`` plan
             recomputes a stage (:func:`autopart.solver.solve`;
             :func:`autopart.solver.predict.plan_at` takes ``"full"`` for it).
         memory_cap_bytes: per-device cap, bytes; ``None`` = each device's ``memory_bytes``.

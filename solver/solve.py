@@ -82,51 +82,43 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
 
 
 def _solve_op(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
-    """``recompute_policy="op"``: the partition searched twice, with recomputing stages
-    priced keeping nothing and keeping what ``"selective"`` keeps (two guesses of what the
-    choice will keep, which decide which cuts the search finds), each search's best
-    candidates then keeping what fits (:mod:`autopart.solver.recompute_choice`); the better
-    plan by the objective. Raises the first search's ``InfeasiblePlanError`` where neither
-    fits."""
+    """``recompute_policy="op"``: the partition searched with recomputing stages priced
+    keeping what ``"selective"`` keeps (a guess of what the choice will keep, which decides
+    which cuts the search finds; where nothing fits so, keeping nothing), then the search's
+    best candidates keeping what fits (:mod:`autopart.solver.recompute_choice`). The
+    choice starts from nothing kept, so it can keep less than the guess, or more.
+
+    Raises the search's ``InfeasiblePlanError`` where nothing fits keeping nothing."""
     selective = frozenset(nd.name for nd in costs.nodes if nd.op in SELECTIVE_KEPT_NODE_OPS)
-    best: Plan | None = None
-    error: InfeasiblePlanError | None = None
-    for seed in (frozenset(), selective):
+    for seed in (selective, frozenset()):
         st = setup(costs, cluster, options, kept_nodes=seed)
         try:
             solved, wall = search(st, subproblems(st))
-            plan = choose(st, solved, wall)
-        except InfeasiblePlanError as exc:
-            error = error or exc
-            continue
-        best = plan if best is None else better_plan(best, plan, options.optimize)
-        if not seed:
-            if not any(s.recompute for s in plan.stages):
-                break  # nothing recomputes: nothing to keep
-    if best is None:
-        assert error is not None
-        raise error
-    return best
+            return choose(st, solved, wall)
+        except InfeasiblePlanError:
+            if not seed:
+                raise
+    raise AssertionError("unreachable: the last seed raises")
 
 
 def auto_recompute(solve_with: Callable[[str], Plan], optimize: str) -> Plan:
     """``recompute_policy="auto"``: ``solve_with("full")``; where that plan recomputes a
-    stage, ``solve_with("selective")`` and ``solve_with("op")`` too, and the best of the
-    three by the objective (:func:`better_plan`). Both recompute less than ``"full"``, so
-    they are faster and hold more: where nothing fits with ``"full"`` nothing fits with them
-    either (the first call's ``InfeasiblePlanError`` is raised), and where one of them fits
-    nothing the others' plans are compared. :func:`solve`,
-    :func:`autopart.solver.layout_search.solve_layout` and
+    stage, ``solve_with("op")`` too, and the better of the two by the objective
+    (:func:`better_plan`). ``"op"`` searches the cuts as ``"selective"`` prices them and then
+    keeps what fits, so its plan is at least as fast as ``"selective"``'s (up to the
+    knapsack's rounding); it recomputes less than ``"full"``, so it is faster and holds
+    more: where nothing fits with ``"full"`` nothing fits with it either (the first call's
+    ``InfeasiblePlanError`` is raised), and where only ``"full"`` fits its plan is kept.
+    :func:`solve`, :func:`autopart.solver.layout_search.solve_layout` and
     ``autopart.planning.solve_auto_recompute`` decide it so."""
-    best = solve_with("full")
-    if not any(st.recompute for st in best.stages):
-        return best
-    for policy in ("selective", "op"):
-        try:
-            best = better_plan(best, solve_with(policy), optimize)
-        except InfeasiblePlanError:
-            continue
-    return best
+    full = solve_with("full")
+    if not any(st.recompute for st in full.stages):
+        return full
+    try:
+        op = solve_with("op")
+    except InfeasiblePlanError:
+        return full
+    return better_plan(full, op, optimize)
 
 
 def better_plan(first: Plan, second: Plan, optimize: str) -> Plan:

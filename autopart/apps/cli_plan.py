@@ -217,7 +217,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
                   "'selective' (all but matmul, attention and tp collective outputs: torch's "
                   "selective activation checkpointing, torchtitan's op policy), 'op' (all but "
                   "the nodes the solver keeps per stage under the memory cap) or 'auto' (the "
-                  "best of the three for the objective)"),
+                  "better of 'full' and 'op' for the objective)"),
          ) -> None:
     """Solve a profile onto a cluster; print the plan, the baselines beside it and the gap.
 

@@ -58,7 +58,7 @@ def test_compile_defaults_to_auto_and_measures_only_when_it_recomputes(every: An
 def test_solve_auto_recompute_keeps_the_better_plan(every: Any) -> None:
     x = torch.zeros(8, 32, dtype=torch.long)
     plan = dataclasses.replace(every.plan, recompute_policy="full")
-    faster = dataclasses.replace(plan, recompute_policy="selective",
+    faster = dataclasses.replace(plan, recompute_policy="op",
                                  predicted_step_time_us=plan.predicted_step_time_us / 2)
     asked: list[str] = []
 
@@ -71,9 +71,9 @@ def test_solve_auto_recompute_keeps_the_better_plan(every: Any) -> None:
         return plan if policy == "full" else faster
 
     got, _ = solve_auto_recompute(_Profile(), solve_with, (x,), None, "speed")  # type: ignore[arg-type]
-    assert asked == ["full", "selective", "op"] and got is faster
+    assert asked == ["full", "op"] and got is faster
     leaner = dataclasses.replace(
-        plan, recompute_policy="selective", predicted_step_time_us=plan.predicted_step_time_us * 2,
+        plan, recompute_policy="op", predicted_step_time_us=plan.predicted_step_time_us * 2,
         ranks=tuple(dataclasses.replace(r, peak_memory_bytes=r.peak_memory_bytes // 2)
                     for r in plan.ranks))
     for optimize, want in (("memory", leaner), ("speed", plan)):
