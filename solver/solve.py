@@ -75,7 +75,13 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
             options.optimize)
     if options.recompute_policy == "op" and options.training:
         return _solve_op(costs, cluster, options)
-    st = setup(costs, cluster, options)
+    return _searched(costs, cluster, options)
+
+
+def _searched(costs: CostGraph, cluster: Cluster, options: SolveOptions,
+              kept_nodes: frozenset[str] = frozenset()) -> Plan:
+    """The three steps, recomputing stages priced keeping ``kept_nodes`` under ``"op"``."""
+    st = setup(costs, cluster, options, kept_nodes=kept_nodes)
     solved, wall = search(st, subproblems(st))
     plan: Plan = choose(st, solved, wall)
     return plan
@@ -90,15 +96,10 @@ def _solve_op(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan
 
     Raises the search's ``InfeasiblePlanError`` where nothing fits keeping nothing."""
     selective = frozenset(nd.name for nd in costs.nodes if nd.op in SELECTIVE_KEPT_NODE_OPS)
-    for seed in (selective, frozenset()):
-        st = setup(costs, cluster, options, kept_nodes=seed)
-        try:
-            solved, wall = search(st, subproblems(st))
-            return choose(st, solved, wall)
-        except InfeasiblePlanError:
-            if not seed:
-                raise
-    raise AssertionError("unreachable: the last seed raises")
+    try:
+        return _searched(costs, cluster, options, selective)
+    except InfeasiblePlanError:
+        return _searched(costs, cluster, options)
 
 
 def auto_recompute(solve_with: Callable[[str], Plan], optimize: str) -> Plan:

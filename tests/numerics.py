@@ -1,11 +1,26 @@
-"""One training step of a pipeline against the unpartitioned model: loss and every gradient."""
+"""One training step of a pipeline against the unpartitioned model: loss and every gradient;
+and the kernels a step dispatches, counted."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class KernelCounts(TorchDispatchMode):
+    """While entered, counts every kernel dispatched (``count["aten.addmm.default"]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count[str(func)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def assert_train_step_matches(pipe: Any, reference: nn.Module, args: tuple[Any, ...],

@@ -20,7 +20,7 @@ import autopart
 from autopart.core.capture import capture, op_nodes
 from autopart.core.op_names import VIEW_OPS
 from autopart.core.recompute_policy import op_keepable
-from tests.numerics import assert_train_step_matches
+from tests.numerics import KernelCounts, assert_train_step_matches
 from tests.plans import even_positions, manual_plan
 from tests.zoo import ZOO
 
@@ -77,19 +77,9 @@ def test_op_recompute_matches_the_unpartitioned_model(name: str, kind: str, num_
     assert_train_step_matches(pipe, reference, args, target, loss_fn, atol=4e-5)
 
 
-class _Kernels(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _counts(keep: Callable[[int, Any], bool] | None) -> Counter[str]:
     pipe, _, args, target, _ = _pipe("gpt2", "1f1b", 2, 1, keep)
-    with _Kernels() as kernels:
+    with KernelCounts() as kernels:
         pipe.train_step(*args, target=target)
     return kernels.count
 

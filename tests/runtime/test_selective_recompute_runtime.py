@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopart
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
 from autopart.runtime.distributed._stages import P2PStage
 from autopart.runtime.local.executor import LocalExecutor
-from tests.numerics import assert_train_step_matches
+from tests.numerics import KernelCounts, assert_train_step_matches
 from tests.plans import even_positions, local_pipeline, manual_plan
 from tests.zoo import ZOO
 
@@ -68,16 +66,6 @@ def test_selective_recompute_matches_the_unpartitioned_model(name: str, kind: st
     assert_train_step_matches(pipe, reference, args, target, loss_fn, atol=4e-5)
 
 
-class _Kernels(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_selective_step_runs_the_matmuls_once_and_the_rest_twice() -> None:
     """GPT-2's training step, kernels counted: under ``"selective"`` its Conv1D matmuls
     (``addmm``) run as often as without recompute, its layer norms as often as under
@@ -87,7 +75,7 @@ def test_a_selective_step_runs_the_matmuls_once_and_the_rest_twice() -> None:
     for policy in (None, "full", "selective"):
         pipe, _, args, target, _ = _pipe("gpt2", "1f1b", 2, 1, policy,
                                          via_compile=policy == "selective")
-        with _Kernels() as kernels:
+        with KernelCounts() as kernels:
             pipe.train_step(*args, target=target)
         counts[policy] = kernels.count
     none, full, selective = counts[None], counts["full"], counts["selective"]
