@@ -21,7 +21,7 @@ from autopart.solver._candidate import evaluate
 from autopart.solver._problem_grid import Setup, Subproblem
 from autopart.solver.chain import ChainProblem
 from autopart.solver.chain_bound import relaxation_bound, stage_time_bound, threshold_search
-from autopart.solver.chain_cpsat import ChainResult, solve_chain_cpsat
+from autopart.solver.chain_cpsat import ChainResult, SearchLimitError, solve_chain_cpsat
 from autopart.solver.options import SolveOptions
 
 __all__ = ["search", "is_big"]
@@ -50,7 +50,8 @@ def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
     Returns:
         The subproblems with an answer (refined, else their seed), best seed first, and the
         wall time spent refining, seconds. Equal chain problems are solved once; a subproblem
-        CP-SAT proves infeasible is dropped.
+        CP-SAT proves infeasible, or finds no answer to within its limits without a seed
+        that fits, is dropped.
     """
     options = st.options
     wall = 0.0
@@ -67,7 +68,9 @@ def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
                 big_solves += is_big(sub)
                 try:
                     res: ChainResult | None = _refine(sub, options)
-                except InfeasiblePlanError:
+                except (InfeasiblePlanError, SearchLimitError):
+                    # nothing fits, or CP-SAT found nothing in its limits (and no seed fits):
+                    # the other subproblems (m, v, schedule) may still have answers
                     res = None
                 results[sub.problem] = res
                 wall += res.wall_s if res is not None else 0.0

@@ -18,7 +18,12 @@ from autopart.solver._contiguous_stages import (
 )
 from autopart.solver.chain import ChainAnswer, ChainProblem
 
-__all__ = ["ChainResult", "solve_chain_cpsat"]
+__all__ = ["ChainResult", "SearchLimitError", "solve_chain_cpsat"]
+
+
+class SearchLimitError(PlanError):
+    """CP-SAT stopped at its limits without an answer and there was no feasible hint: the
+    chain problem may have one (unlike :class:`InfeasiblePlanError`, nothing is proved)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +128,8 @@ def solve_chain_cpsat(problem: ChainProblem, hint: ChainAnswer | None = None, *,
 
     Raises:
         InfeasiblePlanError: no answer keeps every rank within its cap.
-        PlanError: CP-SAT found nothing within its limits and there is no feasible hint.
+        SearchLimitError: CP-SAT found nothing within its limits and there is no feasible
+            hint.
     """
     # Data.
     k, s_total = problem.num_segments, problem.num_stages
@@ -185,7 +191,7 @@ def _read(problem: ChainProblem, chain: ChainModel, rc: list[Any], solver: cp_mo
 
     Raises:
         InfeasiblePlanError: CP-SAT proved that no answer fits the caps (and there is no hint).
-        PlanError: CP-SAT found nothing in its limits and there is no hint.
+        SearchLimitError: CP-SAT found nothing in its limits and there is no hint.
     """
     if status == cp_model.INFEASIBLE and hint is None:
         raise InfeasiblePlanError(
@@ -194,7 +200,7 @@ def _read(problem: ChainProblem, chain: ChainModel, rc: list[Any], solver: cp_mo
             "or use more ranks")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if hint is None:
-            raise PlanError(f"CP-SAT found no partition within its limits (status "
+            raise SearchLimitError(f"CP-SAT found no partition within its limits (status "
                             f"{solver.status_name(status)}); raise time_limit_s")
         return ChainResult(hint, "HINT", 0, wall_s)
     cuts = read_cuts(chain, solver)

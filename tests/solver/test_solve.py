@@ -134,6 +134,31 @@ def test_an_unexplained_infeasible_cap_names_the_cap_and_how_to_get_the_diagnosi
                            explain_infeasible=False))
 
 
+def test_a_subproblem_cpsat_leaves_unanswered_does_not_sink_the_others(
+        build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where CP-SAT stops at its limits on one (m, v) subproblem with no seed that fits, the
+    solve goes on with the others (a 530B interleaved search hit this: one subproblem's
+    stop used to abort the whole layout)."""
+    from autopart.solver import _refinement
+    from autopart.solver.chain_cpsat import SearchLimitError
+
+    real, refined = _refinement._refine, []
+
+    def first_stops(sub: Any, options: SolveOptions) -> Any:
+        refined.append(sub.problem)
+        if len(refined) == 1:
+            raise SearchLimitError("CP-SAT found no partition within its limits")
+        return real(sub, options)
+
+    monkeypatch.setattr(_refinement, "_refine", first_stops)
+    g, cluster = build.chain(8), build.cluster(2)
+    opts = SolveOptions(num_stages=2, batch_size=16, microbatch_candidates=(2, 4, 8),
+                        max_cpsat_solves=3)
+    plan = solve(g, cluster, opts)
+    assert len(refined) >= 2
+    assert plan.num_microbatches in (2, 4, 8)
+
+
 def test_memory_mode_never_uses_more_memory(build: Any) -> None:
     g = mixed_graph(build)
     for s in (2, 3, 4):
