@@ -129,8 +129,10 @@ def selective_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
     """The ``"selective"`` policy's answer for one kernel the recomputed stage dispatches:
     ``MUST_SAVE`` (keep its output, never run it again) for the kernels of
     :data:`autopart.core.recompute_policy.SELECTIVE_KEPT_KERNELS` (matmuls, attention, tp's
-    collectives; ``str(func)``, e.g. ``"aten.mm.default"``, ``"autopart.tp_reduce.default"``),
-    ``PREFER_RECOMPUTE`` for every other (norms, activations, adds, dropout, casts, views)."""
+    reducing collectives; ``str(func)``, e.g. ``"aten.mm.default"``,
+    ``"autopart.tp_reduce.default"``), ``PREFER_RECOMPUTE`` for every other (norms,
+    activations, adds, dropout, casts, views, and sequence parallelism's all-gathers, which
+    the recomputation runs again)."""
     del ctx, args, kwargs
     return _policy_of(func)
 
@@ -216,7 +218,7 @@ def mark_kept(stage: nn.Module, names: Collection[str]) -> int:
 def op_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
               **kwargs: Any) -> CheckpointPolicy:
     """The ``"op"`` policy's answer for one kernel a recomputed stage dispatches:
-    ``MUST_SAVE`` for tp's collectives (as under ``"selective"``) and for the kernels of the
+    ``MUST_SAVE`` for tp's reducing collectives (as under ``"selective"``) and for the kernels of the
     nodes :func:`mark_kept` marked, but not their views or in-place kernels (a kept
     ``linear`` of a 3-D input keeps its ``mm``'s output, not the input's reshaped view, which
     would hold the unkept input); ``PREFER_RECOMPUTE`` for every other."""

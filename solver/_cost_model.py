@@ -101,6 +101,12 @@ class CostModel(MemoryModel):
         self._node_fwd: list[tuple[float, float]] = []
         self._node_bwd: list[tuple[float, float]] = []
         b0, b1 = costs.batch_size, costs.low_batch_size
+        # per node, (fixed, linear) µs of sequence parallelism's all-gathers its forward waits
+        # for, which a stage recomputing under "selective" / "op" runs again whether or not
+        # it keeps the node (CostGraph.recomputed_gathers)
+        self._regather: dict[int, tuple[float, float]] = {
+            i: two_point_line(t0, t1, b0, b1) if b1 else (0.0, t0)
+            for i, t0, t1 in costs.recomputed_gathers}
         for i, nd in enumerate(costs.nodes):
             times = (nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us)
             if b1:  # two profiled batches: the line through both, per part
@@ -120,6 +126,8 @@ class CostModel(MemoryModel):
             again = (0.0, 0.0) if self.kept[i] else parts[0]
             if recompute_policy in CHECKPOINTED_POLICIES:  # checkpointing's own cost
                 again = (again[0] + runtime.selective_us_per_node[1], again[1])
+                if self.kept[i] and i in self._regather:
+                    again = (again[0] + self._regather[i][0], again[1] + self._regather[i][1])
             for key, (f, ln_) in zip(("fwd", "bwd_input", "bwd_weight", "recompute"),
                                      (*parts, again), strict=True):
                 fx, ln = self._parts[key]
@@ -211,6 +219,14 @@ class CostModel(MemoryModel):
             return at[part][stop] - at[part][start]
         fx, ln = self._parts[part]
         return fx[stop] - fx[start] + (ln[stop] - ln[start]) * ratio
+
+    def regather_us(self, i: int, ratio: float) -> float:
+        """The part of node ``i``'s forward time at ``ratio = b / b0`` that is sequence
+        parallelism's all-gathers of its token-split inputs
+        (``CostGraph.recomputed_gathers``), µs: a stage recomputing under ``"selective"`` or
+        ``"op"`` runs it again even where it keeps the node's output. 0 for most nodes."""
+        fixed, linear = self._regather.get(i, (0.0, 0.0))
+        return fixed + linear * ratio
 
     @property
     def has_host_times(self) -> bool:

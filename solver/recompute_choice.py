@@ -81,7 +81,9 @@ def keep_items(model: CostModel, cand: Candidate) -> list[KeepItem]:
             nd = nodes[i]
             if model.kept[i] or not nd.output_is_tensor or not op_keepable(nd.op, VIEW_OPS):
                 continue
-            t = model.part_us("fwd", i, i + 1, ratio)
+            # keeping it saves its forward, less sequence parallelism's all-gathers before it
+            # (gathered again either way)
+            t = model.part_us("fwd", i, i + 1, ratio) - model.regather_us(i, ratio)
             if t > 0.0:
                 items.append(KeepItem(i, s, t, model.scale_bytes(costs[i], ratio)))
     return items

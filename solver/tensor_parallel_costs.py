@@ -122,7 +122,7 @@ def _sequence_parallel_ops(costs: CostGraph, split: TensorParallelSplit, tp: int
             if j is None or j not in tokens or j in f_values or j in seen_gather:
                 continue
             seen_gather.add(j)
-            fwd_ops[i].append(("ag", nodes[j].output_bytes))
+            fwd_ops[i].append(("sag", nodes[j].output_bytes))
             bwd_ops[i].append(("copy", nodes[j].output_bytes / tp))
 
 
@@ -240,7 +240,7 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
             bwd_ops[i].append(("ar", whole))
         for j in sources:
             if j in tokens:
-                fwd_ops[i].append(("ag", nodes[j].output_bytes))
+                fwd_ops[i].append(("sag", nodes[j].output_bytes))
                 bwd_ops[i].append(("rs", nodes[j].output_bytes))
     if sequence_parallel:
         _sequence_parallel_ops(costs, split, tp, sp, tokens, f_sources, fwd_ops, bwd_ops)
@@ -250,7 +250,8 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     training = any(nd.transient_bytes for nd in nodes)
     working = [0] * len(nodes)
     for i, ops in enumerate(fwd_ops):
-        whole = [nb for what, nb in ops + bwd_ops[i] if what in ("rs", "ag")] if tokens else []
+        whole = ([nb for what, nb in ops + bwd_ops[i] if what in ("rs", "ag", "sag")]
+                 if tokens else [])
         if whole:
             working[i] = 2 * max(whole) + max(whole) // tp
 
@@ -270,7 +271,7 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     fixed = collective_overhead(work) if collective_overhead else 0.0
     low_fixed = collective_overhead(low_work) if collective_overhead else 0.0
     low_ratio = costs.low_batch_size / costs.batch_size
-    rings = {"ar": all_reduce_us, "ag": all_gather_us,
+    rings = {"ar": all_reduce_us, "ag": all_gather_us, "sag": all_gather_us,
              "rs": all_reduce_us if reduce_scatter_as_all_reduce else reduce_scatter_us}
 
     def price(ops: list[tuple[str, float]], low: bool = False) -> float:
@@ -331,6 +332,15 @@ def shard_costs(costs: CostGraph, tp: int, *, bandwidth_bytes_per_s: float, late
     # before it is whole: the rest of that is counted here
     collective_outputs = tuple((i, kept) for i, ops in enumerate(fwd_ops) if (kept := sum(
         int(nb) for what, nb in ops if what in ("ar", "ag", "rs"))))
+    # sequence parallelism's all-gathers of token-split values ("sag": Megatron's "f" before
+    # a column matmul, and the whole value back before other ops) are not kept: a stage
+    # recomputing under "selective" or "op" gathers them again in its backward, as
+    # Megatron-LM's sequence-parallel linear keeps its input split and re-gathers it
+    recomputed_gathers = tuple(
+        (i, sum(price([op]) for op in sags), sum(price([op], True) for op in sags)
+         if low_out else 0.0)
+        for i, ops in enumerate(fwd_ops) if (sags := [op for op in ops if op[0] == "sag"]))
     return replace(costs, nodes=tuple(out), param_sizes=sizes, param_numel=numel,
                    low_times=low_times, collective_outputs=collective_outputs,
+                   recomputed_gathers=recomputed_gathers,
                    source=f"{costs.source}+tp{tp}", no_cut=costs.no_cut | inside_pairs(split))

@@ -227,10 +227,19 @@ class CostGraph:
             tensor-parallel column/row pair, whose sharded activations exist only between
             its collectives. Optional (default none).
         collective_outputs: ``(node index, bytes)`` of the values tensor parallelism's
-            forward collectives return after a node (all-reduce, reduce-scatter, all-gather;
-            set by ``solver.tensor_parallel_costs.shard_costs``), which a stage recomputing
-            under the selective policy keeps (``Plan.recompute_policy``). Optional (default
-            none).
+            forward collectives return after a node (all-reduce, reduce-scatter, the
+            all-gather of a vocab-parallel head's logits; set by
+            ``solver.tensor_parallel_costs.shard_costs``), which a stage recomputing under
+            the ``"selective"`` or ``"op"`` policy keeps (``Plan.recompute_policy``).
+            Optional (default none).
+        recomputed_gathers: ``(node index, µs at batch_size, µs at low_batch_size)`` of
+            sequence parallelism's all-gathers of token-split values that a node's forward
+            waits for (part of its ``fwd_us``; set by ``shard_costs``). A stage recomputing
+            under ``"selective"`` or ``"op"`` does not keep what they return: it gathers
+            again in its backward, whether or not it keeps the node's own output (as
+            Megatron-LM's sequence-parallel linear keeps its input split and re-gathers it,
+            Korthikanti et al. 2022, section 4.2.2). The low-batch time is 0 without a low
+            batch. Optional (default none).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -252,6 +261,7 @@ class CostGraph:
     batch_scales: tuple[BatchScale, ...] = ()
     no_cut: frozenset[int] = frozenset()
     collective_outputs: tuple[tuple[int, int], ...] = ()
+    recomputed_gathers: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -373,6 +383,8 @@ class CostGraph:
             del d["no_cut"]
         if not self.collective_outputs:
             del d["collective_outputs"]
+        if not self.recomputed_gathers:
+            del d["recomputed_gathers"]
         for node in d["nodes"]:  # not measured: left out, as in files from before them
             for key in [k for k in HOST_FIELDS if node[k] is None]:
                 del node[key]
@@ -409,6 +421,8 @@ class CostGraph:
                        no_cut=frozenset(int(k) for k in d.get("no_cut", ())),
                        collective_outputs=tuple((int(i), int(b)) for i, b in
                                                 d.get("collective_outputs", ())),
+                       recomputed_gathers=tuple((int(i), float(t), float(lo)) for i, t, lo in
+                                                d.get("recomputed_gathers", ())),
                        batch_scales=tuple(
                            BatchScale(int(sc["batch_size"]), tuple(int(q) for q in sc["positions"]),
                                       tuple(float(f) for f in sc["fwd"]),

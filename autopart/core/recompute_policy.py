@@ -11,7 +11,7 @@ __all__ = ["RECOMPUTE_POLICIES", "CHECKPOINTED_POLICIES", "SELECTIVE_KEPT_NODE_O
 #: its backward (``torch.utils.checkpoint`` around the stage). ``"selective"``: torch's
 #: selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_
 #: contexts``) with torchtitan's op policy: the outputs of matmuls, attention and tensor
-#: parallelism's collectives are kept, everything else (norms, activations, residual adds,
+#: parallelism's reducing collectives are kept, everything else (norms, activations, residual adds,
 #: dropout, casts) is recomputed. Korthikanti et al. (2022), "Reducing Activation
 #: Recomputation in Large Transformer Models", section 4.2, and torchtitan's
 #: ``activation_checkpoint.py`` (``mode = "selective"``, ``selective_ac_option = "op"``).
@@ -20,7 +20,7 @@ __all__ = ["RECOMPUTE_POLICIES", "CHECKPOINTED_POLICIES", "SELECTIVE_KEPT_NODE_O
 #: which nodes' outputs a recomputing stage keeps is the solver's choice, per stage and node
 #: (``StagePlan.recompute_kept``), under the plan's memory cap (Checkmate's question, Jain et
 #: al., MLSys 2020, answered per stage as a knapsack: :mod:`autopart.solver.recompute_choice`);
-#: tp's collective outputs are always kept, as under ``"selective"``.
+#: tp's reduced outputs are always kept, as under ``"selective"`` (:data:`TP_KEPT_NODE_OPS`).
 RECOMPUTE_POLICIES = ("full", "selective", "op")
 
 #: The policies that run a recomputing stage under torch's selective checkpointing (its
@@ -42,13 +42,18 @@ SELECTIVE_KEPT_NODE_OPS = frozenset({
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
 
-#: Tensor parallelism's collectives that communicate in the forward
-#: (``autopart/codegen/_tp_ops.py``): ``"selective"`` keeps their outputs, so a recomputed
-#: forward never communicates again.
+#: Tensor parallelism's forward collectives (``autopart/codegen/_tp_ops.py``) whose outputs
+#: ``"selective"`` and ``"op"`` keep, so a recomputed forward does not reduce again: the
+#: all-reduce and reduce-scatter after a row matmul, and the all-gather of a vocab-parallel
+#: head's logits. Sequence parallelism's all-gathers of token-split values
+#: (``tp_seq_gather_split`` before a column matmul, ``tp_seq_gather``) are not kept: the
+#: recomputation gathers again, so a recomputing stage holds those values split over tp,
+#: as Megatron-LM's sequence-parallel linear keeps its input split and re-gathers it in
+#: the backward (Korthikanti et al. 2022, section 4.2.2) and as torchtitan's op policy,
+#: which saves reduce-scatters but not all-gathers, runs them.
 TP_KEPT_NODE_OPS = frozenset({
     "autopart.tp_reduce.default", "autopart.tp_gather.default",
-    "autopart.tp_reduce_scatter.default", "autopart.tp_seq_gather.default",
-    "autopart.tp_seq_gather_split.default"})
+    "autopart.tp_reduce_scatter.default"})
 
 #: The kernels (``OpOverload`` names as ``str(op)`` prints them) whose outputs the selective
 #: policy keeps when a stage runs: what :data:`SELECTIVE_KEPT_NODE_OPS` dispatch to below

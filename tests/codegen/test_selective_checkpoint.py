@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import autopart.codegen  # noqa: F401  (registers tp's collectives as torch.ops.autopart.*)
 from autopart.codegen import build_stages
-from autopart.codegen.recompute import run_recomputed, selective_policy
+from autopart.codegen.recompute import op_policy, run_recomputed, selective_policy
 from autopart.core.capture import capture
 from autopart.core.errors import PlanError
 from autopart.core.recompute_policy import SELECTIVE_KEPT_KERNELS, TP_KEPT_NODE_OPS
@@ -142,6 +142,14 @@ def test_the_kept_kernel_names_are_what_the_ops_print() -> None:
     for kernel in (torch.ops.aten.gelu.default, torch.ops.aten.native_dropout.default,
                    torch.ops.aten.mm.out):
         assert selective_policy(None, kernel) == CheckpointPolicy.PREFER_RECOMPUTE
+    # sequence parallelism's all-gathers run again in the backward (Megatron-LM keeps a
+    # sequence-parallel linear's input split), under both checkpointed policies
+    for kernel in (torch.ops.autopart.tp_seq_gather_split.default,
+                   torch.ops.autopart.tp_seq_gather.default):
+        assert selective_policy(None, kernel) == CheckpointPolicy.PREFER_RECOMPUTE
+        assert op_policy(None, kernel) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert op_policy(None, torch.ops.autopart.tp_reduce_scatter.default) == \
+        CheckpointPolicy.MUST_SAVE
 
 
 def test_an_unknown_policy_is_refused() -> None:

@@ -10,12 +10,15 @@ from tests.distributed.spawned import rank_problems
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize(("world", "sequence_parallel"), [(2, False), (4, False), (2, True),
-                                                         (4, True)],
-                         ids=["tp2", "tp2xpp2", "tp2-sp", "tp2xpp2-sp"])
+@pytest.mark.parametrize(("world", "sequence_parallel", "recompute_policy"),
+                         [(2, False, None), (4, False, None), (2, True, None),
+                          (4, True, "selective")],
+                         ids=["tp2", "tp2xpp2", "tp2-sp", "tp2xpp2-sp-selective"])
 def test_loss_every_gradient_state_and_norm_match_the_plain_model(
-        world: int, sequence_parallel: bool) -> None:
-    # one spawn runs the three models; each rank writes the checks it saw fail
+        world: int, sequence_parallel: bool, recompute_policy: str | None) -> None:
+    # one spawn runs the three models; each rank writes the checks it saw fail. The last
+    # case recomputes every stage selectively: its backward gathers sequence parallelism's
+    # token-split values again and keeps the reduce-scatters' outputs
     problems = rank_problems("tests.distributed.tp_worker", "tp_numerics", world,
-                             sequence_parallel)
+                             sequence_parallel, recompute_policy)
     assert problems == {r: [] for r in range(world)}

@@ -134,11 +134,12 @@ def check_whole_state(pipe: Any, ref: dict[str, torch.Tensor], seen: list[str], 
 
 
 def tp_numerics(rank: int, world: int, port: int, result_dir: str,
-                sequence_parallel: bool = False) -> None:
+                sequence_parallel: bool = False, recompute_policy: str | None = None) -> None:
     """tp = 2 (adjacent ranks) x pp = world / 2 on the three models, with or without
-    sequence parallelism: loss, every gradient (gathered to full), the full state_dict,
-    load_state_dict and the gradient norm against the plain model; write this rank's
-    problems to ``result_dir/<rank>.json``."""
+    sequence parallelism, every stage recomputing under ``recompute_policy`` where one is
+    given: loss, every gradient (gathered to full), the full state_dict, load_state_dict
+    and the gradient norm against the plain model; write this rank's problems to
+    ``result_dir/<rank>.json``."""
     sys.path.insert(0, os.getcwd())
     from autopart.codegen import TensorParallelRank, build_stages
     from autopart.core.capture import capture
@@ -161,6 +162,9 @@ def tp_numerics(rank: int, world: int, port: int, result_dir: str,
         m = 2
         captured = capture(model, tuple(a[: a.shape[0] // m] for a in args))
         plan = tp_plan(name, captured, pp, m, args[0].shape[0], sequence_parallel)
+        if recompute_policy is not None:  # the recomputation runs tp's collectives again
+            plan = dataclasses.replace(plan, recompute_policy=recompute_policy, stages=tuple(
+                dataclasses.replace(st, recompute=True) for st in plan.stages))
         pp_rank = dist.get_rank(pp_group)
         stages = build_stages(captured, plan, ["cpu"] * pp, ranks={pp_rank},
                               tp=TensorParallelRank.of_group(tp_group))

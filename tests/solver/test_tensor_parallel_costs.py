@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -168,3 +169,37 @@ def test_collective_outputs_are_what_the_forward_collectives_return() -> None:
     sp = shard_costs(costs, 2, bandwidth_bytes_per_s=1e9, latency_us=0.0, op_overhead_us=0.0,
                      sequence_parallel=True)
     assert dict(sp.collective_outputs)[3] == 4000
+
+
+def test_sequence_parallel_gathers_are_recomputed_not_kept(build: Any) -> None:
+    """With sequence parallelism, the all-gather of a token-split value (the residual add's
+    output, split by proj's reduce-scatter, before the head) is not among what a selective
+    stage keeps: it gathers again in its backward, also where it keeps the matmul after the
+    gather, so the recomputed forward carries its time (Megatron-LM re-gathers a
+    sequence-parallel linear's input)."""
+    from autopart.solver._cost_model import CostModel
+
+    costs = _block()
+    kw = dict(bandwidth_bytes_per_s=1e9, latency_us=0.0, op_overhead_us=0.0)
+    sp = shard_costs(costs, 2, sequence_parallel=True, **kw)  # type: ignore[arg-type]
+    plain = shard_costs(costs, 2, **kw)  # type: ignore[arg-type]
+    gathers = {i: t for i, t, _ in sp.recomputed_gathers}
+    assert set(gathers) == {5}
+    assert plain.recomputed_gathers == ()
+    for i, t in gathers.items():
+        assert 0.0 < t < sp.nodes[i].fwd_us
+    # kept: proj's reduce-scatter (4000) and the head's logits gather (8000); not the head's
+    # gathered input
+    assert dict(sp.collective_outputs) == {3: 4000, 5: 8000}
+    assert CostGraph.from_dict(sp.to_dict()).recomputed_gathers == sp.recomputed_gathers
+    assert "recomputed_gathers" not in plain.to_dict()
+    cluster = build.cluster(1)
+    sel = CostModel(sp, cluster, batch_size=1, training=True, state_factor=2.0,
+                    recompute_policy="selective")
+    full = CostModel(sp, cluster, batch_size=1, training=True, state_factor=2.0)
+    # the head (kept) is not run again, its input's gather is
+    node_fwd = [full.part_us("fwd", i, i + 1, 1.0) for i in range(len(sp.nodes))]
+    unkept = sum(node_fwd[i] for i in (0, 4))  # ln and the add
+    assert sel.part_us("recompute", 0, 6, 1.0) == pytest.approx(unkept + gathers[5])
+    assert sel.regather_us(5, 1.0) == pytest.approx(gathers[5])
+    assert sel.regather_us(1, 1.0) == 0.0
