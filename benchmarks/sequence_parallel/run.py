@@ -1,6 +1,8 @@
 """Megatron's sequence parallelism on 2 gloo CPU ranks (tp 2): measured and predicted per-rank
-peak memory and step time, with and without it, on a GPT-2-like model whose layer norms' and
-residuals' activations are a visible share of the peak (random weights).
+peak memory and step time, with and without it, each without recompute and with the stage
+recomputing selectively (its all-gathers run again in the backward), on a GPT-2-like model
+whose layer norms' and residuals' activations are a visible share of the peak (random
+weights).
 
     .venv/bin/python benchmarks/sequence_parallel/run.py [--steps 5]
 
@@ -34,21 +36,30 @@ CONFIG = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 2048, "n_posit
           "batch": 8, "seq": 512}
 
 
-def _plan(sequence_parallel: bool) -> object:
+def _profile() -> object:
     from autopart.apps.bench import load_workload
-    from autopart.layout_planning import layout_request, model_heads
-    from autopart.options import CompileOptions
-    from autopart.planning import profile_model, with_collective_overhead
-    from autopart.solver.layout_search import evaluate_layout, layout_candidates
+    from autopart.planning import profile_model, with_collective_overhead, with_selective_cost
 
     model, args, target, loss_fn = load_workload(WORKLOAD, dict(CONFIG))
     profile = profile_model(model, args, devices=["cpu", "cpu"], num_microbatches=2,
                             loss_fn=loss_fn, example_target=target, backend="distributed",
                             split_cost=False, low_batch=False, cache=False)
     profile = with_collective_overhead(profile, 2)  # as compile() prices tp on CPU ranks
+    return with_selective_cost(profile, args)  # for the selective arms, as compile() does
+
+
+def _plan(profile: object, sequence_parallel: bool, selective: bool = False) -> object:
+    from autopart.apps.bench import load_workload
+    from autopart.layout_planning import layout_request, model_heads
+    from autopart.options import CompileOptions
+    from autopart.solver.layout_search import evaluate_layout, layout_candidates
+
+    model = load_workload(WORKLOAD, dict(CONFIG))[0]
     spec = profile.cluster().devices[0]
     options = profile.options(schedule_kind="1f1b", num_microbatches=2, stages_per_rank=1,
-                              recompute=False, optimizer_state_bytes_per_param_byte=2.0)
+                              recompute=selective,
+                              recompute_policy="selective" if selective else "full",
+                              optimizer_state_bytes_per_param_byte=2.0)
     layout = layout_request(CompileOptions(tp=2, dp=1, zero_stage=0,
                                            sequence_parallel=sequence_parallel), 2, spec,
                             model_heads(model), profile.runtime.collective_bandwidth_bytes_per_s)
@@ -99,7 +110,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     a = parser.parse_args()
     torch.set_num_threads(1)  # profiled as each rank runs: one thread on its core
-    plans = {"tp2": _plan(False), "tp2 + sequence parallel": _plan(True)}
+    profile = _profile()
+    plans = {"tp2": _plan(profile, False), "tp2 + sequence parallel": _plan(profile, True),
+             "tp2, selective recompute": _plan(profile, False, True),
+             "tp2 + sequence parallel, selective recompute": _plan(profile, True, True)}
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         paths = {}
         for name, plan in plans.items():
