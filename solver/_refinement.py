@@ -51,33 +51,38 @@ def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
         The subproblems with an answer (refined, else their seed), best seed first, and the
         wall time spent refining, seconds. Equal chain problems are solved once; a subproblem
         CP-SAT proves infeasible, or finds no answer to within its limits without a seed
-        that fits, is dropped.
+        that fits, is dropped, and the next seed is refined in its place (at most
+        ``2 * max_cpsat_solves`` refinements).
     """
     options = st.options
     wall = 0.0
     scored = sorted(range(len(subs)), key=lambda i: _seed_score(st, subs[i]))
     solved: list[Subproblem] = []
     results: dict[ChainProblem, ChainResult | None] = {}
-    big_solves = 0
-    for rank_i, i in enumerate(scored):
+    big_solves = slots = tried = 0
+    for i in scored:
         sub = subs[i]
-        if rank_i < options.max_cpsat_solves and (sub.problem in results
-                                                  or not is_big(sub)
-                                                  or big_solves < _BIG_SOLVES):
-            if sub.problem not in results:
-                big_solves += is_big(sub)
-                try:
-                    res: ChainResult | None = _refine(sub, options)
-                except (InfeasiblePlanError, SearchLimitError):
-                    # nothing fits, or CP-SAT found nothing in its limits (and no seed fits):
-                    # the other subproblems (m, v, schedule) may still have answers
-                    res = None
-                results[sub.problem] = res
-                wall += res.wall_s if res is not None else 0.0
-            res = results[sub.problem]
-            if res is None:
-                continue
-            sub = replace(sub, result=res)
+        # the max_cpsat_solves best seeds have a slot each; one whose refinement gets no
+        # answer passes its slot to the next seed, up to twice that many solves in all
+        if slots < options.max_cpsat_solves and tried < 2 * options.max_cpsat_solves:
+            slots += 1
+            if sub.problem in results or not is_big(sub) or big_solves < _BIG_SOLVES:
+                if sub.problem not in results:
+                    big_solves += is_big(sub)
+                    tried += 1
+                    try:
+                        res: ChainResult | None = _refine(sub, options)
+                    except (InfeasiblePlanError, SearchLimitError):
+                        # nothing fits, or CP-SAT found nothing in its limits (and no seed
+                        # fits): the other subproblems (m, v, schedule) may have answers
+                        res = None
+                    results[sub.problem] = res
+                    wall += res.wall_s if res is not None else 0.0
+                res = results[sub.problem]
+                if res is None:
+                    slots -= 1
+                    continue
+                sub = replace(sub, result=res)
         if sub.result is None and sub.seed is None:
             continue
         solved.append(sub)
