@@ -128,7 +128,7 @@ class CompileOptions:
         recompute: every stage (True), none (False), solver's choice (None).
         recompute_policy: what a recomputing stage recomputes (``Plan.recompute_policy``):
             ``"full"`` its whole forward, ``"selective"`` all but the outputs of matmuls,
-            attention and tp's collectives (torch's selective activation checkpointing with
+            attention and tp's reductions (torch's selective activation checkpointing with
             torchtitan's op policy), ``"op"`` all but the nodes the solver keeps per stage
             under the memory cap (:mod:`autopart.solver.recompute_choice`), ``"auto"`` the
             better of ``"full"`` and ``"op"`` by the objective

@@ -304,7 +304,7 @@ def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | No
         policy: one of :data:`autopart.core.recompute_policy.RECOMPUTE_POLICIES`. ``"full"``
             (default): only the inputs are kept and the whole forward runs again;
             ``"selective"``: the outputs of the kernels :func:`selective_policy` keeps
-            (matmuls, attention, tp's collectives) are kept too, and only the rest runs
+            (matmuls, attention, tp's reductions) are kept too, and only the rest runs
             again (:func:`selective_context`); ``"op"``: the outputs of the nodes
             :func:`mark_kept` marked in the stage (the plan's ``recompute_kept``) and of tp's
             collectives are kept (:func:`op_policy`).

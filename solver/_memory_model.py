@@ -64,7 +64,7 @@ class MemoryModel:
                             f"{RECOMPUTE_POLICIES}")
         self.recompute_policy = recompute_policy
         # per node: whether a recomputing stage keeps its output (Plan.recompute_policy; under
-        # "op" the solver's choice, StagePlan.recompute_kept, and tp's collectives)
+        # "op" the solver's choice, StagePlan.recompute_kept, and tp's reductions)
         self.kept_nodes = kept_nodes if recompute_policy == "op" else frozenset()
         self.kept = [(recompute_policy == "selective" and nd.op in SELECTIVE_KEPT_NODE_OPS)
                      or (recompute_policy in CHECKPOINTED_POLICIES and nd.op in TP_KEPT_NODE_OPS)

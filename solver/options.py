@@ -38,7 +38,7 @@ class SolveOptions:
             per stage.
         recompute_policy: what a recomputing stage recomputes (``Plan.recompute_policy``):
             ``"full"`` (default) its whole forward, ``"selective"`` all but the outputs of
-            matmuls, attention and tp's collectives (torch's selective activation
+            matmuls, attention and tp's reductions (torch's selective activation
             checkpointing with torchtitan's op policy), priced so; ``"op"``: the same
             checkpointing, keeping per recomputing stage the nodes the solver chooses under
             the ranks' caps (:mod:`autopart.solver.recompute_choice`; ``StagePlan.

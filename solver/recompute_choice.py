@@ -67,7 +67,7 @@ def keep_items(model: CostModel, cand: Candidate) -> list[KeepItem]:
     """The nodes of ``cand``'s recomputing stages that ``"op"`` may keep: tensor outputs of
     ops with a forward time that are neither views, in place nor dropout
     (:func:`autopart.core.recompute_policy.op_keepable`), and that ``model`` does not keep
-    already (tp's collectives)."""
+    already (tp's reductions)."""
     nodes = model.costs.nodes
     ratio = model.ratio(cand.m)
     bounds = [0, *cand.positions, len(nodes)]

@@ -214,7 +214,7 @@ def plan(profile: Path = typer.Argument(..., help="CostGraph JSON written by `au
          recompute_policy: str = typer.Option(
              "full", "--recompute-policy",
              help="what a stage that recomputes runs again: 'full' (its whole forward), "
-                  "'selective' (all but matmul, attention and tp collective outputs: torch's "
+                  "'selective' (all but matmul, attention and tp reduction outputs: torch's "
                   "selective activation checkpointing, torchtitan's op policy), 'op' (all but "
                   "the nodes the solver keeps per stage under the memory cap) or 'auto' (the "
                   "better of 'full' and 'op' for the objective)"),

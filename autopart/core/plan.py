@@ -105,7 +105,7 @@ class Plan:
             torchtitan's op policy, keeping the outputs of matmuls, attention and tp's
             collectives and recomputing the rest; ``"op"``: the same checkpointing keeping
             the nodes each stage lists in ``StagePlan.recompute_kept`` (the solver's choice
-            under the memory cap) and tp's collectives.
+            under the memory cap) and tp's reductions.
         ep: expert-parallel degree, folded into dp as Megatron-Core folds it (ep divides dp;
             each ep group is ep consecutive dp replicas): the experts of every MoE layer are
             split over the ep group, ``E / ep`` per GPU, and tokens reach their experts by

@@ -58,7 +58,7 @@ TP_KEPT_NODE_OPS = frozenset({
 #: The kernels (``OpOverload`` names as ``str(op)`` prints them) whose outputs the selective
 #: policy keeps when a stage runs: what :data:`SELECTIVE_KEPT_NODE_OPS` dispatch to below
 #: autograd (``aten.linear`` -> ``aten.mm`` / ``aten.addmm``, ``aten.matmul`` -> ``aten.mm`` /
-#: ``aten.bmm``, attention -> the device's fused kernel), plus tp's collectives.
+#: ``aten.bmm``, attention -> the device's fused kernel), plus tp's reducing collectives.
 SELECTIVE_KEPT_KERNELS = frozenset({
     "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
     "aten.convolution.default", "aten._convolution.default",
