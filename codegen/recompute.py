@@ -307,7 +307,7 @@ def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | No
             (matmuls, attention, tp's reductions) are kept too, and only the rest runs
             again (:func:`selective_context`); ``"op"``: the outputs of the nodes
             :func:`mark_kept` marked in the stage (the plan's ``recompute_kept``) and of tp's
-            collectives are kept (:func:`op_policy`).
+            reductions are kept (:func:`op_policy`).
 
     Returns:
         What ``runner(*args)`` returns, with gradients through it.

@@ -40,7 +40,7 @@ _THRESHOLD_EVALUATIONS = 16
 _THRESHOLD_GAP = 1e-3
 
 
-def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
+def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float, int]:
     """Refine the most promising subproblems (threshold search, CP-SAT).
 
     Args:
@@ -48,8 +48,9 @@ def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
         subs: every seeded subproblem (:func:`autopart.solver._problem_grid.subproblems`).
 
     Returns:
-        The subproblems with an answer (refined, else their seed), best seed first, and the
-        wall time spent refining, seconds. Equal chain problems are solved once; a subproblem
+        The subproblems with an answer (refined, else their seed), best seed first, the
+        wall time spent refining, seconds, and how many refinements stopped at CP-SAT's
+        limits with nothing that fits. Equal chain problems are solved once; a subproblem
         CP-SAT proves infeasible, or finds no answer to within its limits without a seed
         that fits, is dropped, and the next seed is refined in its place (at most
         ``2 * max_cpsat_solves`` refinements).
@@ -59,7 +60,7 @@ def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
     scored = sorted(range(len(subs)), key=lambda i: _seed_score(st, subs[i]))
     solved: list[Subproblem] = []
     results: dict[ChainProblem, ChainResult | None] = {}
-    big_solves = slots = tried = 0
+    big_solves = slots = tried = stopped = 0
     for i in scored:
         sub = subs[i]
         # the max_cpsat_solves best seeds have a slot each; one whose refinement gets no
@@ -72,9 +73,10 @@ def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
                     tried += 1
                     try:
                         res: ChainResult | None = _refine(sub, options)
-                    except (InfeasiblePlanError, SearchLimitError):
+                    except InfeasiblePlanError as exc:
                         # nothing fits, or CP-SAT found nothing in its limits (and no seed
                         # fits): the other subproblems (m, v, schedule) may have answers
+                        stopped += isinstance(exc, SearchLimitError)
                         res = None
                     results[sub.problem] = res
                     wall += res.wall_s if res is not None else 0.0
@@ -86,7 +88,7 @@ def search(st: Setup, subs: list[Subproblem]) -> tuple[list[Subproblem], float]:
         if sub.result is None and sub.seed is None:
             continue
         solved.append(sub)
-    return solved, wall
+    return solved, wall, stopped
 
 
 def is_big(sub: Subproblem) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from autopart.core.errors import InfeasiblePlanError, PlanError
+from autopart.core.errors import InfeasiblePlanError
 from autopart.solver._contiguous_stages import (
     ChainModel,
     add_cut_hint,
@@ -21,9 +21,11 @@ from autopart.solver.chain import ChainAnswer, ChainProblem
 __all__ = ["ChainResult", "SearchLimitError", "solve_chain_cpsat"]
 
 
-class SearchLimitError(PlanError):
+class SearchLimitError(InfeasiblePlanError):
     """CP-SAT stopped at its limits without an answer and there was no feasible hint: the
-    chain problem may have one (unlike :class:`InfeasiblePlanError`, nothing is proved)."""
+    chain problem may have one (nothing is proved infeasible). An
+    :class:`InfeasiblePlanError`, so that whatever tries another option when nothing fits
+    (another subproblem, layout or recompute policy) does so here too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +202,10 @@ def _read(problem: ChainProblem, chain: ChainModel, rc: list[Any], solver: cp_mo
             "or use more ranks")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if hint is None:
-            raise SearchLimitError(f"CP-SAT found no partition within its limits (status "
-                            f"{solver.status_name(status)}); raise time_limit_s")
+            raise SearchLimitError(
+                f"CP-SAT found no partition within its limits (status "
+                f"{solver.status_name(status)}); raise SolveOptions.deterministic_time "
+                f"(CP-SAT's deterministic limit per solve) or time_limit_s")
         return ChainResult(hint, "HINT", 0, wall_s)
     cuts = read_cuts(chain, solver)
     flags = tuple(bool(v) if isinstance(v, int) else solver.boolean_value(v) for v in rc)

@@ -19,6 +19,7 @@ from autopart.core.recompute_policy import SELECTIVE_KEPT_NODE_OPS
 from autopart.solver._problem_grid import setup, subproblems
 from autopart.solver._refinement import search
 from autopart.solver._selection import choose
+from autopart.solver.chain_cpsat import SearchLimitError
 from autopart.solver.options import SolveOptions
 
 __all__ = ["SolveOptions", "solve", "better_plan", "auto_recompute"]
@@ -80,10 +81,26 @@ def solve(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan:
 
 def _searched(costs: CostGraph, cluster: Cluster, options: SolveOptions,
               kept_nodes: frozenset[str] = frozenset()) -> Plan:
-    """The three steps, recomputing stages priced keeping ``kept_nodes`` under ``"op"``."""
+    """The three steps, recomputing stages priced keeping ``kept_nodes`` under ``"op"``.
+
+    Raises:
+        InfeasiblePlanError: nothing fits (:func:`autopart.solver._selection.choose`).
+        SearchLimitError: nothing fits and some subproblem ended at CP-SAT's limits, so
+            more search might find a plan (an ``InfeasiblePlanError``, naming the options
+            to raise)."""
     st = setup(costs, cluster, options, kept_nodes=kept_nodes)
-    solved, wall = search(st, subproblems(st))
-    plan: Plan = choose(st, solved, wall)
+    solved, wall, stopped = search(st, subproblems(st))
+    try:
+        plan: Plan = choose(st, solved, wall)
+    except InfeasiblePlanError as exc:
+        if not stopped:
+            raise
+        # what fits may be among the subproblems CP-SAT left unanswered
+        raise SearchLimitError(
+            f"{stopped} subproblem(s) ended at CP-SAT's limits with nothing that fits, and "
+            f"nothing else fits: raise SolveOptions.deterministic_time (now "
+            f"{options.deterministic_time}) or time_limit_s (now {options.time_limit_s} s) "
+            f"before concluding that nothing fits. {exc}") from exc
     return plan
 
 

@@ -11,9 +11,10 @@ __all__ = ["RECOMPUTE_POLICIES", "CHECKPOINTED_POLICIES", "SELECTIVE_KEPT_NODE_O
 #: its backward (``torch.utils.checkpoint`` around the stage). ``"selective"``: torch's
 #: selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_
 #: contexts``) with torchtitan's op policy: the outputs of matmuls, attention and tensor
-#: parallelism's reducing collectives are kept, everything else (norms, activations, residual adds,
-#: dropout, casts) is recomputed. Korthikanti et al. (2022), "Reducing Activation
-#: Recomputation in Large Transformer Models", section 4.2, and torchtitan's
+#: parallelism's reducing collectives are kept, everything else (norms, activations,
+#: residual adds, dropout, casts, sequence parallelism's all-gathers) is recomputed.
+#: Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer
+#: Models", section 4.2, and torchtitan's
 #: ``activation_checkpoint.py`` (``mode = "selective"``, ``selective_ac_option = "op"``).
 #: One difference from torchtitan: it recomputes every second ``aten.mm`` to save more
 #: memory; here every matmul's output is kept. ``"op"``: the same selective checkpointing, but

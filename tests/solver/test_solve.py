@@ -159,6 +159,25 @@ def test_a_subproblem_cpsat_leaves_unanswered_does_not_sink_the_others(
     assert plan.num_microbatches in (2, 4, 8)
 
 
+def test_nothing_found_within_cpsats_limits_says_so_and_how_to_search_longer(
+        build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where nothing fits and some refinement stopped at CP-SAT's limits, the error says
+    that more search may find a plan, and which options give it (not only "nothing fits")."""
+    from autopart.solver import _refinement
+    from autopart.solver.chain_cpsat import SearchLimitError
+
+    def stops(sub: Any, options: SolveOptions) -> Any:
+        raise SearchLimitError("CP-SAT found no partition within its limits")
+
+    monkeypatch.setattr(_refinement, "_refine", stops)
+    with pytest.raises(SearchLimitError, match=r"ended at CP-SAT's limits .* raise "
+                       r"SolveOptions.deterministic_time \(now 2.0\) .* no partition onto 4 "
+                       r"ranks fits the memory cap"):
+        solve(build.chain(8, param_bytes=400), build.cluster(4),
+              SolveOptions(num_stages=4, batch_size=16, memory_cap_bytes=1000,
+                           explain_infeasible=False))
+
+
 def test_memory_mode_never_uses_more_memory(build: Any) -> None:
     g = mixed_graph(build)
     for s in (2, 3, 4):
