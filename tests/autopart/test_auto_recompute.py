@@ -57,7 +57,10 @@ def test_compile_defaults_to_auto_and_measures_only_when_it_recomputes(every: An
 
 def test_solve_auto_recompute_keeps_the_better_plan(every: Any) -> None:
     x = torch.zeros(8, 32, dtype=torch.long)
-    plan = dataclasses.replace(every.plan, recompute_policy="full")
+    # the fixture's plan is the timing-driven choice: under "op" its stages list kept nodes,
+    # which a "full" plan cannot carry
+    plan = dataclasses.replace(every.plan, recompute_policy="full", stages=tuple(
+        dataclasses.replace(st, recompute_kept=()) for st in every.plan.stages))
     faster = dataclasses.replace(plan, recompute_policy="op",
                                  predicted_step_time_us=plan.predicted_step_time_us / 2)
     asked: list[str] = []
