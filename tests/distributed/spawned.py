@@ -1,21 +1,170 @@
-"""Running a worker function on gloo ranks in a fresh interpreter, for the numerics tests."""
+"""Running a worker function on gloo ranks, for the multi-process tests.
+
+A launch is a process forked from one server per test session that has imported torch,
+autopart and the zoo's transformers models (:mod:`tests.distributed.preload`); it forks its
+ranks in turn (``torch.multiprocessing.start_processes(..., start_method="fork")``). A rank
+then starts in milliseconds instead of importing them again (about 8 s of CPU per rank on a
+2-core machine, most of a small test's time). Each launch runs in a session of its own, with
+the environment and working directory of the test that started it, and its stdout and
+stderr in files.
+"""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import textwrap
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+
+#: the one forkserver of this test session, made on the first launch
+_SERVER: Any = None
+
+
+def _server() -> Any:
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = multiprocessing.get_context("forkserver")
+        _SERVER.set_forkserver_preload(["tests.distributed.preload"])
+    return _SERVER
+
+
+def _launch_main(module: str, function: str, world: int, args: tuple[Any, ...],
+                 env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+    """The launch process: its own session (so that a timeout kills every rank with it), the
+    caller's environment and directory, then ``module.function(rank, *args)`` on ``world``
+    forked ranks."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # gettempdir() reads the launch's TMPDIR, not the server's
+    os.chdir(cwd)
+    if ROOT.as_posix() not in sys.path:
+        sys.path.insert(0, ROOT.as_posix())
+    for fd, path in ((1, stdout), (2, stderr)):
+        with open(path, "w") as f:
+            os.dup2(f.fileno(), fd)
+    import importlib
+
+    import torch.multiprocessing as mp
+
+    if "OMP_NUM_THREADS" in env:  # the server's OpenMP read its own environment at import
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    fn = getattr(importlib.import_module(module), function)
+    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method="fork")
+
+
+class Launch:
+    """``module.function(rank, *args)`` on ``world`` forked ranks, started now.
+
+    ``env`` is added to this process's environment for the launch. ``returncode`` is None
+    while it runs; :meth:`kill` ends it with every rank.
+    """
+
+    def __init__(self, module: str, function: str, world: int, *args: Any,
+                 env: Mapping[str, str] | None = None, cwd: str | Path = ROOT) -> None:
+        self._dir = tempfile.mkdtemp(prefix="launch-")
+        self._out, self._err = f"{self._dir}/stdout", f"{self._dir}/stderr"
+        self.process = _server().Process(
+            target=_launch_main,
+            args=(module, function, world, args, {**os.environ, **(env or {})}, str(cwd),
+                  self._out, self._err))
+        self.process.start()
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode  # type: ignore[no-any-return]
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.process.join(timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the launch and every rank (its session), and reap it."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.kill()
+        self.process.join()
+
+    def output(self) -> tuple[str, str]:
+        """What the launch printed so far: (stdout, stderr)."""
+        return tuple(Path(p).read_text() if Path(p).exists() else ""  # type: ignore[return-value]
+                     for p in (self._out, self._err))
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@dataclass
+class Launched:
+    """A finished launch: its exit code (negative: killed by that signal) and output."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+
+def launch(module: str, function: str, world: int, *args: Any, timeout_s: float = 400,
+           env: Mapping[str, str] | None = None) -> Launched:
+    """``module.function(rank, *args)`` on ``world`` forked ranks (see :class:`Launch`),
+    waited for; killed with every rank after ``timeout_s`` seconds (``timed_out``)."""
+    run = Launch(module, function, world, *args, env=env)
+    try:
+        code = run.wait(timeout_s)
+        if code is None:
+            run.kill()
+        out, err = run.output()
+        return Launched(run.returncode if code is not None else -signal.SIGKILL, out, err,
+                        timed_out=code is None)
+    finally:
+        if run.returncode is None:
+            run.kill()
+        run.close()
+
+
+def _script_rank(rank: int, world: int, port: int, script: str, argv: list[str]) -> None:
+    """Rank ``rank`` of :func:`run_script`: torchrun's environment, then ``script`` as
+    ``__main__`` with ``argv``."""
+    import runpy
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", ROLE_RANK=str(rank),
+                      ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_script(script: str | Path, world: int, *, args: list[str] | None = None,
+               timeout_s: float = 600, env: Mapping[str, str] | None = None) -> Launched:
+    """A script written for torchrun, on ``world`` forked ranks (:class:`Launch`) that each
+    get the variables torchrun sets for a one-host world (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and run it as
+    ``__main__``: the same ``env://`` rendezvous without torchrun's agent and its fresh
+    interpreters. Tests of torchrun itself launch it (:mod:`tests.distributed.torchrun_launch`).
+    """
+    return launch(__name__, "_script_rank", world, world, free_port(), str(script),
+                  list(args or []), timeout_s=timeout_s, env=env)
 
 
 def free_port() -> int:
@@ -28,24 +177,15 @@ def free_port() -> int:
 def rank_problems(module: str, function: str, world: int, *args: Any,
                   timeout_s: float = 400) -> dict[int, list[str]]:
     """``module.function(rank, world, port, out_dir, *args)`` on ``world`` spawned ranks in a
-    new interpreter (``torch.multiprocessing.spawn``); each rank writes the checks it saw
+    (:func:`launch`); each rank writes the checks it saw
     fail to ``out_dir/<rank>.json``. Returns them by rank.
 
     Raises:
         AssertionError: the launch exited non-zero (its stderr's tail in the message).
     """
     with tempfile.TemporaryDirectory() as out:
-        script = textwrap.dedent(f"""
-            import sys
-            sys.path.insert(0, {str(ROOT)!r})
-            import torch.multiprocessing as mp
-            from {module} import {function}
-            if __name__ == "__main__":
-                mp.spawn({function}, nprocs={world}, join=True,
-                         args=({world}, {free_port()}, {out!r}, *{args!r}))
-        """)
-        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout_s)
+        proc = launch(module, function, world, world, free_port(), out, *args,
+                      timeout_s=timeout_s)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return {r: json.loads((Path(out) / f"{r}.json").read_text()) for r in range(world)}
 
@@ -97,37 +237,19 @@ def run_cases(module: str, function: str, world: int, root: str | Path,
             shutil.rmtree(case_dir(root, key), ignore_errors=True)
             for marker in (root / "status").glob(f"{key}.*"):
                 marker.unlink()
-        err_path = root / f"launch{launches}.stderr"
-        script = textwrap.dedent(f"""
-            import sys
-            sys.path.insert(0, {str(ROOT)!r})
-            import torch.multiprocessing as mp
-            from {module} import {function}
-            if __name__ == "__main__":
-                mp.spawn({function}, nprocs={world}, join=True,
-                         args=({world}, {free_port()}, {str(root)!r}, {todo!r}))
-        """)
-        with open(err_path, "w") as err:
-            # its own session: a launch that times out is killed with every rank it spawned
-            proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True,
-                                    stdout=subprocess.DEVNULL, stderr=err,
-                                    start_new_session=True)
-            timed_out, progress = False, 0
-            deadline = time.monotonic() + case_timeout_s
-            while True:
-                try:
-                    proc.wait(timeout=0.5)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                done = sum(_status(root, key, world)[0] for key, _, _ in todo)
-                if done > progress:
-                    progress, deadline = done, time.monotonic() + case_timeout_s
-                elif time.monotonic() > deadline:
-                    timed_out = True
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    break
+        run = Launch(module, function, world, world, free_port(), str(root), todo)
+        timed_out, progress = False, 0
+        deadline = time.monotonic() + case_timeout_s
+        while run.wait(timeout=0.5) is None:
+            done = sum(_status(root, key, world)[0] for key, _, _ in todo)
+            if done > progress:
+                progress, deadline = done, time.monotonic() + case_timeout_s
+            elif time.monotonic() > deadline:
+                timed_out = True
+                run.kill()
+                break
+        stderr = run.output()[1]
+        run.close()
         rest = []
         for i, (key, _, _) in enumerate(todo):
             done, crashes = _status(root, key, world)
@@ -143,9 +265,8 @@ def run_cases(module: str, function: str, world: int, root: str | Path,
         # a launch that ended in a case without a traceback (a rank killed) after getting
         # through others runs that case again, first: it fails there if it fails alone
         if crashes or timed_out or rest == todo:
-            stderr = err_path.read_text()
             outcome[key] = "\n".join(
-                [f"{key}: the launch exited with code {proc.returncode}"
+                [f"{key}: the launch exited with code {run.returncode}"
                  + (f", killed after {case_timeout_s:g} s without progress" if timed_out else ""),
                  *(f"rank {r} crashed:\n{text}" for r, text in sorted(crashes.items())),
                  "stderr's tail:", stderr[-3000:]])

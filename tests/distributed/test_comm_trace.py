@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import tempfile
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from autopart.core.trace import Trace
+from tests.distributed.spawned import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 M = 2  # microbatches of the worker's plans
@@ -36,17 +34,8 @@ def traces() -> dict[str, Any]:
     """Every case's trace (dp replica 0's pipeline) and FSDP units per pp rank, from one
     launch of 4 ranks."""
     with tempfile.TemporaryDirectory() as out:
-        script = textwrap.dedent(f"""
-            import sys
-            sys.path.insert(0, {str(ROOT)!r})
-            import torch.multiprocessing as mp
-            from tests.distributed.comm_trace_worker import traced
-            if __name__ == "__main__":
-                mp.spawn(traced, args=(4, {_free_port()}, {CASES!r}, {out!r}), nprocs=4,
-                         join=True)
-        """)
-        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+        proc = launch("tests.distributed.comm_trace_worker", "traced", 4, 4, _free_port(),
+                      CASES, out, timeout_s=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return {p.stem: json.loads(p.read_text()) for p in Path(out).glob("*.json")}
 

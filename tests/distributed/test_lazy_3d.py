@@ -1,6 +1,6 @@
-"""A lazy compile with tp=2 under torchrun refuses an optimizer built before the first step
-(it would hold the model's tensors, not this rank's slices) and trains with one built after
-it (``torchrun_lazy_3d.py``)."""
+"""A lazy compile with tp=2 on 2 ranks with torchrun's environment refuses an optimizer
+built before the first step (it would hold the model's tensors, not this rank's slices) and
+trains with one built after it (``torchrun_lazy_3d.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,6 @@ from tests.distributed.torchrun_launch import torchrun
 
 def test_a_lazy_tp_pipeline_refuses_an_early_optimizer_and_trains_a_later_one(
         tmp_path: Path) -> None:
-    proc = torchrun("tests/distributed/torchrun_lazy_3d.py", 2, tmp_path)
+    proc = torchrun("tests/distributed/torchrun_lazy_3d.py", 2, tmp_path, forked=True)
     for rank in (0, 1):
         assert f"rank {rank} lazy tp ok" in proc.stdout, proc.stdout[-3000:]

@@ -1,31 +1,19 @@
 """The (pp, dp, tp) mesh on 8 gloo ranks (no model), and autopart.compile replaying and
-choosing a pp 2 x dp 2 plan under torchrun on 4 ranks, against the plain model."""
+choosing a pp 2 x dp 2 plan on 4 ranks with torchrun's environment, against the plain model."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
-from tests.distributed.torchrun_launch import ROOT, free_port, torchrun
+from tests.distributed.spawned import launch
+from tests.distributed.torchrun_launch import free_port, torchrun
 
 
 def test_mesh_groups_on_8_ranks(tmp_path: Path) -> None:
     world = 8
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(ROOT)!r})
-        import torch.multiprocessing as mp
-        from tests.distributed.mesh_worker import mesh_layout
-        if __name__ == "__main__":
-            mp.spawn(mesh_layout, args=({world}, {free_port()}, {str(tmp_path)!r}),
-                     nprocs={world}, join=True)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch("tests.distributed.mesh_worker", "mesh_layout", world, world, free_port(),
+                  str(tmp_path), timeout_s=300, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(world):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
@@ -46,8 +34,9 @@ def test_mesh_groups_on_8_ranks(tmp_path: Path) -> None:
         assert "the mesh's pp dimension has 4 ranks but the plan has pp=2" in wrong_mesh
 
 
-def test_compile_replays_and_chooses_a_pp2_dp2_plan_under_torchrun(tmp_path: Path) -> None:
-    proc = torchrun("tests/distributed/torchrun_3d.py", 4, tmp_path, timeout_s=500)
+def test_compile_replays_and_chooses_a_pp2_dp2_plan_from_torchruns_environment(tmp_path: Path) -> None:
+    proc = torchrun("tests/distributed/torchrun_3d.py", 4, tmp_path, timeout_s=500,
+                    forked=True)
     for rank in range(4):
         for label in ("replay", "chosen"):
             assert f"rank {rank} {label} ok loss" in proc.stdout, proc.stdout

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.spawned import case_dir, run_cases
+from tests.distributed.spawned import Launched, case_dir, launch, run_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,17 +32,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(fn: str, world: int, *args: object, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(ROOT)!r})
-        import torch.multiprocessing as mp
-        from tests.distributed.worker import {fn}
-        if __name__ == "__main__":
-            mp.spawn({fn}, args=({world}, {_free_port()}, *{args!r}), nprocs={world}, join=True)
-    """)
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+def _spawn(fn: str, world: int, *args: object, timeout: float = 240) -> Launched:
+    return launch("tests.distributed.worker", fn, world, world, _free_port(), *args,
+                  timeout_s=timeout)
 
 
 #: per batched test, what its parameters run: ``(world, check, args)``, a check of

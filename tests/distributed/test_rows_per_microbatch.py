@@ -17,7 +17,8 @@ LABELS = [f"pp2xdp2 zero{zero} rows{rows}" for rows in (1, 2) for zero in range(
 
 
 def test_every_layout_trains_at_one_and_two_rows_per_microbatch(tmp_path: Path) -> None:
-    proc = torchrun("tests/distributed/torchrun_rows.py", 4, tmp_path, timeout_s=600)
+    proc = torchrun("tests/distributed/torchrun_rows.py", 4, tmp_path, timeout_s=600,
+                    forked=True)
     assert "FAILED" not in proc.stdout, proc.stdout[-4000:]
     for rank in range(4):
         for label in LABELS:

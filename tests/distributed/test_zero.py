@@ -2,11 +2,10 @@
 the plain model (float32, rtol 1e-5, atol 4e-5), with plans fixed by hand."""
 
 import socket
-import subprocess
-import sys
 import tempfile
-import textwrap
 from pathlib import Path
+
+from tests.distributed.spawned import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,17 +19,8 @@ def _free_port() -> int:
 def _run(cases: list[tuple[object, ...]], timeout: float = 300) -> dict[str, list[str]]:
     """Every case on one pp2 x dp2 mesh of 4 spawned ranks; each rank's problems."""
     with tempfile.TemporaryDirectory() as out:
-        script = textwrap.dedent(f"""
-            import sys
-            sys.path.insert(0, {str(ROOT)!r})
-            import torch.multiprocessing as mp
-            from tests.distributed.zero_worker import numerics
-            if __name__ == "__main__":
-                mp.spawn(numerics, args=(4, {_free_port()}, {cases!r}, {out!r}), nprocs=4,
-                         join=True)
-        """)
-        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = launch("tests.distributed.zero_worker", "numerics", 4, 4, _free_port(), cases,
+                      out, timeout_s=timeout)
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}
     assert sorted(reports) == [f"rank{r}.txt" for r in range(4)]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.distributed.spawned import Launched, run_script
+
 __all__ = ["ROOT", "free_port", "torchrun"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,10 +24,23 @@ def free_port() -> int:
 
 def torchrun(script: str, nproc: int, tmp_path: Path, *, timeout_s: float = 600,
              env: dict[str, str] | None = None,
-             args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+             args: list[str] | None = None,
+             forked: bool = False) -> subprocess.CompletedProcess[str] | Launched:
     """Run ``script`` (relative to the repository root) with ``args`` on ``nproc`` ranks, one
     thread each, with the profile cache in ``tmp_path``; fails the test, with the output's
-    tail, when the launch does not exit 0."""
+    tail, when the launch does not exit 0.
+
+    ``forked``: the ranks are forked from the test session's preloaded server with torchrun's
+    environment (:func:`tests.distributed.spawned.run_script`), not started by torchrun: the
+    same rendezvous and runtime for a fraction of the start-up (for tests of what runs on the
+    ranks, not of torchrun).
+    """
+    if forked:
+        run = run_script(ROOT / script, nproc, args=args, timeout_s=timeout_s,
+                         env={"OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path),
+                              **(env or {})})
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        return run
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", "--max-restarts=0", str(ROOT / script), *(args or [])]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path),
