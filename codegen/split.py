@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from autopart.core.capture import CapturedGraph, op_nodes
+from autopart.core.capturedgraph import buffer_update_cuts
 from autopart.core.errors import PlanError
 
 __all__ = ["StageGraph", "split_graph", "stage_of_nodes", "crossing_names"]
@@ -98,11 +99,19 @@ def split_graph(captured: CapturedGraph, positions: list[int] | tuple[int, ...])
     """Split the captured graph at ``positions`` into ``len(positions) + 1`` stage graphs.
 
     Raises:
-        PlanError: bad positions, or a cut separates a multi-output op (tuple) from its
-            ``getitem`` users; the message names the value and the fix.
+        PlanError: bad positions, a cut separates a multi-output op (tuple) from its
+            ``getitem`` users, or a buffer's in-place update from an op reading it before
+            (:func:`autopart.core.capturedgraph.buffer_update_cuts`); the message names the
+            value and the fix.
     """
     graph = captured.graph_module.graph
     ops = op_nodes(graph)
+    if bad := sorted(set(positions) & buffer_update_cuts(graph)):
+        raise PlanError(
+            f"cut at position {bad[0]} separates a buffer's in-place update from an op that "
+            "reads the buffer before it (a stage ahead would read it before the previous "
+            "microbatch's update); move the cut before the first op reading the buffer or "
+            "after its update, or profile again (profiles rule these positions out)")
     stage_of = stage_of_nodes(len(ops), positions)
     crossings = crossing_names(captured, positions)
     by_name = {node.name: node for node in graph.nodes}

@@ -12,6 +12,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopart.core.capture import CapturedGraph, node_module_path, op_nodes
+from autopart.core.capturedgraph import buffer_update_cuts
 from autopart.core.cluster import DeviceSpec
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError, ProfileError
@@ -153,7 +154,8 @@ def profile_analytical(captured: CapturedGraph, flat_inputs: list[Any] | None, s
         trainable=captured.trainable & frozenset(walker.param_sizes),
         source=f"analytical:{spec.name}", bwd_source=bwd_source,
         batch_size=captured.batch_size, fingerprint=captured.fingerprint,
-        profile_wall_s=time.perf_counter() - start)
+        profile_wall_s=time.perf_counter() - start,
+        no_cut=buffer_update_cuts(captured.graph_module.graph))
 
 
 def _nbytes(value: Any) -> int:

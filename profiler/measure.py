@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from autopart.core.capture import CapturedGraph
+from autopart.core.capturedgraph import buffer_update_cuts
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import ProfileError
 from autopart.profiler._oputil import MeasureReport
@@ -154,4 +155,5 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
         trainable=captured.trainable & frozenset(walker.param_sizes),
         source=f"measured:{dev}", bwd_source=bwd_source, batch_size=captured.batch_size,
         fingerprint=captured.fingerprint, profile_wall_s=time.perf_counter() - start,
+        no_cut=buffer_update_cuts(captured.graph_module.graph),
     ), walker.report

@@ -221,7 +221,8 @@ def update_buffers_where_read(graph: fx.Graph) -> None:
     - any other ``copy_`` into a buffer moves right after the last node that reads the
       buffer or makes its new value, and when the buffer is floating the nodes that read it
       take a ``clone`` made just before the first of them, so autograd keeps the old value.
-      (A cut may still fall between such a reader and its ``copy_``.)
+      No cut falls between such a reader and its ``copy_``: profiles rule those positions
+      out and codegen refuses them (:func:`autopart.core.capturedgraph.buffer_update_cuts`).
 
     Each microbatch then updates the buffers in order, as running the model on the
     microbatches one after another does.

@@ -16,8 +16,8 @@ from torch import nn
 from autopart.core.errors import TraceError
 from autopart.core.op_names import GROUPED_MM_OPS
 
-__all__ = ["GROUPED_MM_OPS", "CapturedGraph", "graph_fingerprint", "op_nodes", "node_module_path",
-           "node_source", "weight_source"]
+__all__ = ["GROUPED_MM_OPS", "CapturedGraph", "buffer_update_cuts", "graph_fingerprint",
+           "op_nodes", "node_module_path", "node_source", "weight_source"]
 
 _OP_KINDS = ("call_function", "call_method", "call_module")
 
@@ -76,6 +76,43 @@ class CapturedGraph:
 def op_nodes(graph: fx.Graph) -> list[fx.Node]:
     """The graph's op nodes (calls) in topological order: what cuts split between."""
     return [n for n in graph.nodes if n.op in _OP_KINDS]
+
+
+def _writes(node: fx.Node, buffer: fx.Node) -> bool:
+    """Whether op ``node`` writes ``buffer`` in place (an argument its schema marks written)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for arg, value in zip(schema.arguments, node.args, strict=False):
+        if value is buffer and arg.alias_info is not None and arg.alias_info.is_write:
+            return True
+    return any(node.kwargs.get(arg.name) is buffer and arg.alias_info is not None
+               and arg.alias_info.is_write for arg in schema.arguments)
+
+
+def buffer_update_cuts(graph: fx.Graph) -> frozenset[int]:
+    """Cut positions (``k`` cuts before op ``k`` of :func:`op_nodes`) that would separate a
+    buffer's in-place update from an earlier op reading that buffer.
+
+    Such a buffer (an EMA that a ``copy_`` writes after the ops computing its new value read
+    its old one) lives in the stage that writes it; a stage before it would read it for
+    microbatch ``i + 1`` before microbatch ``i``'s update ran, or read a copy never updated.
+    Running the microbatches one after another reads each update, so every op from the first
+    reader to the last writer must share a stage. BatchNorm's statistics and
+    ``num_batches_tracked`` are read and written by one op each (the capture makes them in
+    place, :func:`autopart.core._capture_rewrites.update_buffers_where_read`) and rule out
+    nothing.
+    """
+    index = {n: i for i, n in enumerate(op_nodes(graph))}
+    out: set[int] = set()
+    for buffer in graph.nodes:
+        if buffer.op != "get_attr":
+            continue
+        users = [u for u in buffer.users if u in index]
+        writers = [index[u] for u in users if _writes(u, buffer)]
+        if writers:
+            out.update(range(min(index[u] for u in users) + 1, max(writers) + 1))
+    return frozenset(out)
 
 
 def node_module_path(node: fx.Node) -> str:

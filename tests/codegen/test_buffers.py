@@ -5,14 +5,21 @@ with and without recompute; the capture keeps each update next to the node that 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import autopart
-from autopart.core.capture import capture
+from autopart.codegen.split import split_graph
+from autopart.core.capture import capture, op_nodes
+from autopart.core.capturedgraph import buffer_update_cuts
+from autopart.core.errors import PlanError
+from autopart.profiler import profile_graph
+from autopart.solver.candidates import crossing_profile
 from tests.codegen._modules import EmaCentre
+from tests.plans import manual_plan
 
 B, M = 8, 2
 
@@ -41,6 +48,41 @@ def test_capture_updates_buffers_in_place_where_they_are_read() -> None:
     assert copy_node.prev is copy_node.args[1]
 
 
+def test_no_cut_falls_between_a_buffers_readers_and_its_update() -> None:
+    x = torch.randn(B // M, 3, 8, 8)
+    captured = capture(_bn_net(), (x,))
+    ops = op_nodes(captured.graph_module.graph)
+    (clone,) = [i for i, n in enumerate(ops) if n.target == torch.ops.aten.clone.default]
+    (update,) = [i for i, n in enumerate(ops) if n.target == torch.ops.aten.copy_.default]
+    assert ops[clone].args[0] is ops[update].args[0]  # the EMA read, then written
+    # BatchNorm reads and writes its statistics in one op: only the EMA's span is ruled out
+    span = set(range(clone + 1, update + 1))
+    assert buffer_update_cuts(captured.graph_module.graph) == span
+    costs = profile_graph(captured, [x], warmup=0, repeats=1)
+    assert span <= costs.no_cut
+    _, valid = crossing_profile(costs)
+    assert not any(valid[k] for k in span) and valid[clone] and valid[update + 1]
+    for k in (clone + 1, update):  # what profiled before this rule still cannot run
+        with pytest.raises(PlanError, match=f"cut at position {k} separates a buffer"):
+            split_graph(captured, [k])
+    split_graph(captured, [update + 1])
+
+
+@pytest.mark.parametrize("position", ["before_read", "after_update"])
+def test_cuts_around_a_buffers_update_train_as_microbatching_by_hand(position: str) -> None:
+    """The cuts nearest the EMA's span, replayed (the timing-driven test below could take any
+    cut): the loss, buffers and gradients of running the microbatches one after another."""
+    x, y = torch.randn(B, 3, 8, 8), torch.randint(0, 3, (B,))
+    model = _bn_net()
+    reference = copy.deepcopy(model)
+    captured = capture(model, (x[:B // M],))
+    span = sorted(buffer_update_cuts(captured.graph_module.graph))
+    cut = span[0] - 1 if position == "before_read" else span[-1] + 1
+    pipe = autopart.compile(model, (x,), loss_fn=_loss,
+                            plan=manual_plan(captured, [cut], M, B, schedule_kind="1f1b"))
+    _check_against_microbatching(pipe, reference, x, y)
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_running_stats_and_gradients_equal_microbatching_by_hand(num_stages: int,
@@ -51,6 +93,11 @@ def test_running_stats_and_gradients_equal_microbatching_by_hand(num_stages: int
     pipe = autopart.compile(model, (x,), loss_fn=_loss, num_stages=num_stages,
                             num_microbatches=M, recompute=recompute, schedule="1f1b",
                             time_limit_s=5.0)
+    _check_against_microbatching(pipe, reference, x, y)
+
+
+def _check_against_microbatching(pipe: Any, reference: nn.Module, x: torch.Tensor,
+                                 y: torch.Tensor) -> None:
     loss = pipe.train_step(x, target=y)
     ref_loss = torch.zeros(())
     for xc, yc in zip(x.chunk(M), y.chunk(M), strict=True):
