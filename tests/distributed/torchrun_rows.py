@@ -89,9 +89,10 @@ for rows in (1, 2):
 
 # ZB-V with overlap: split backwards (buckets launched after each stage's last W) and GPT-2's
 # tied embedding on both of rank 0's stages (left to the after-the-step reduction)
+one_row = capture(model, (x[:1],))
 zbv = dataclasses.replace(
-    manual_plan(capture(model, (x[:1],)), even_positions(capture(model, (x[:1],)), 4), 4, BATCH,
-                schedule_kind="zbv", stages_per_rank=2),
+    manual_plan(one_row, even_positions(one_row, 4), 4, BATCH, schedule_kind="zbv",
+                stages_per_rank=2),
     dp=2, overlap_grad_reduce=True)
 run("zbv overlap rows1", lambda: replay(zbv))
 
