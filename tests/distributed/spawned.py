@@ -230,9 +230,7 @@ def run_cases(module: str, function: str, world: int, root: str | Path,
     root = Path(root)
     outcome: dict[str, str | None] = {}
     todo = list(cases)
-    launches = 0
     while todo:
-        launches += 1
         for key, _, _ in todo:  # what an earlier launch left of these cases
             shutil.rmtree(case_dir(root, key), ignore_errors=True)
             for marker in (root / "status").glob(f"{key}.*"):
