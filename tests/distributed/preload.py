@@ -1,7 +1,7 @@
-"""What every rank of a multi-rank test imports, imported once in the launcher before it forks
-its ranks (:mod:`tests.distributed.spawned`): each rank then starts with torch, autopart and
-the zoo's transformers models loaded instead of importing them again (about 8 s of CPU per
-rank on a 2-core machine, the larger part of a small test's time).
+"""What every rank of a multi-rank test imports, imported once per test session by the server
+that launches fork from (:mod:`tests.distributed.spawned`): each rank then starts with torch,
+autopart and the zoo's transformers models loaded instead of importing them again (about 8 s
+of CPU per rank on a 2-core machine, a large part of a small test's time).
 
 Nothing here runs a tensor op: a forked rank must not inherit a started intra-op thread pool.
 """

@@ -4,7 +4,7 @@ A launch is a process forked from one server per test session that has imported 
 autopart and the zoo's transformers models (:mod:`tests.distributed.preload`); it forks its
 ranks in turn (``torch.multiprocessing.start_processes(..., start_method="fork")``). A rank
 then starts in milliseconds instead of importing them again (about 8 s of CPU per rank on a
-2-core machine, most of a small test's time). Each launch runs in a session of its own, with
+2-core machine, a large part of a small test's time). Each launch runs in a session of its own, with
 the environment and working directory of the test that started it, and its stdout and
 stderr in files.
 """
