@@ -83,11 +83,9 @@ def _writes(node: fx.Node, buffer: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return False
-    for arg, value in zip(schema.arguments, node.args, strict=False):
-        if value is buffer and arg.alias_info is not None and arg.alias_info.is_write:
-            return True
-    return any(node.kwargs.get(arg.name) is buffer and arg.alias_info is not None
-               and arg.alias_info.is_write for arg in schema.arguments)
+    given = dict(zip((a.name for a in schema.arguments), node.args, strict=False), **node.kwargs)
+    return any(given.get(a.name) is buffer for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write)
 
 
 def buffer_update_cuts(graph: fx.Graph) -> frozenset[int]:

@@ -129,16 +129,13 @@ def launch(module: str, function: str, world: int, *args: Any, timeout_s: float 
     waited for; killed with every rank after ``timeout_s`` seconds (``timed_out``)."""
     run = Launch(module, function, world, *args, env=env)
     try:
-        code = run.wait(timeout_s)
-        if code is None:
-            run.kill()
-        out, err = run.output()
-        return Launched(run.returncode if code is not None else -signal.SIGKILL, out, err,
-                        timed_out=code is None)
-    finally:
+        timed_out = run.wait(timeout_s) is None
+    finally:  # a timeout, or the test interrupted
         if run.returncode is None:
             run.kill()
-        run.close()
+    out, err = run.output()
+    run.close()
+    return Launched(run.returncode, out, err, timed_out=timed_out)
 
 
 def _script_rank(rank: int, world: int, port: int, script: str, argv: list[str]) -> None:

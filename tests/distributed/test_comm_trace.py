@@ -7,7 +7,6 @@ depends on timing."""
 from __future__ import annotations
 
 import json
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,18 +14,12 @@ from typing import Any
 import pytest
 
 from autopart.core.trace import Trace
-from tests.distributed.spawned import launch
+from tests.distributed.spawned import free_port, launch
 
-ROOT = Path(__file__).resolve().parents[2]
 M = 2  # microbatches of the worker's plans
 
 CASES = [(0, False), (1, False), (3, True)]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +27,7 @@ def traces() -> dict[str, Any]:
     """Every case's trace (dp replica 0's pipeline) and FSDP units per pp rank, from one
     launch of 4 ranks."""
     with tempfile.TemporaryDirectory() as out:
-        proc = launch("tests.distributed.comm_trace_worker", "traced", 4, 4, _free_port(),
+        proc = launch("tests.distributed.comm_trace_worker", "traced", 4, 4, free_port(),
                       CASES, out, timeout_s=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return {p.stem: json.loads(p.read_text()) for p in Path(out).glob("*.json")}

@@ -9,7 +9,6 @@ checkpoint the test process writes, launch their own."""
 
 
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,19 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.spawned import Launched, case_dir, launch, run_cases
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.distributed.spawned import ROOT, Launched, case_dir, free_port, launch, run_cases
 
 
 def _spawn(fn: str, world: int, *args: object, timeout: float = 240) -> Launched:
-    return launch("tests.distributed.worker", fn, world, world, _free_port(), *args,
+    return launch("tests.distributed.worker", fn, world, world, free_port(), *args,
                   timeout_s=timeout)
 
 
@@ -143,7 +134,7 @@ def test_loss_output_and_every_gradient_match(model: str, kind: str, v: int, wor
 @pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_a_killed_rank_makes_the_others_exit_naming_it(kind: str, v: int) -> None:
     # separate processes (not mp.spawn, which would terminate the survivors for us)
-    port, world, victim, timeout_s = _free_port(), 2, 1, 8.0
+    port, world, victim, timeout_s = free_port(), 2, 1, 8.0
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
@@ -218,7 +209,7 @@ def test_fuse_is_honoured_by_the_distributed_backend() -> None:
 
 @pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_a_hung_rank_is_named_by_the_others_and_told_to_exit(kind: str, v: int) -> None:
-    port, world, victim, step_timeout_s = _free_port(), 2, 1, 6.0
+    port, world, victim, step_timeout_s = free_port(), 2, 1, 6.0
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
@@ -311,7 +302,7 @@ def test_clip_grad_norm_is_the_whole_models_norm(model: str, norm_type: str, wor
 
 def test_a_torchrun_script_that_never_calls_init_process_group_runs() -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                f"--master-port={_free_port()}", "--max-restarts=0"]
+                f"--master-port={free_port()}", "--max-restarts=0"]
     proc = subprocess.run([*torchrun, str(ROOT / "tests/distributed/torchrun_no_init.py")],
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -334,7 +325,7 @@ def test_an_explicit_group_wins_and_partial_torchrun_variables_are_named(
         launch.init_from_env()
     import torch.distributed as dist
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("WORLD_SIZE", "1")
     dist.init_process_group("gloo", rank=0, world_size=1)  # the program's own group
     try:

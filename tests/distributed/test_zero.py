@@ -1,25 +1,16 @@
 """ZeRO-1/2/3 (FSDP2) composed with the pipeline: pp2 x dp2 on 4 real gloo processes, against
 the plain model (float32, rtol 1e-5, atol 4e-5), with plans fixed by hand."""
 
-import socket
 import tempfile
 from pathlib import Path
 
-from tests.distributed.spawned import launch
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.distributed.spawned import free_port, launch
 
 
 def _run(cases: list[tuple[object, ...]], timeout: float = 300) -> dict[str, list[str]]:
     """Every case on one pp2 x dp2 mesh of 4 spawned ranks; each rank's problems."""
     with tempfile.TemporaryDirectory() as out:
-        proc = launch("tests.distributed.zero_worker", "numerics", 4, 4, _free_port(), cases,
+        proc = launch("tests.distributed.zero_worker", "numerics", 4, 4, free_port(), cases,
                       out, timeout_s=timeout)
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports = {p.name: p.read_text().splitlines() for p in Path(out).iterdir()}

@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.spawned import Launched, run_script
+from tests.distributed.spawned import ROOT, Launched, free_port, run_script
 
 __all__ = ["ROOT", "free_port", "torchrun"]
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def torchrun(script: str, nproc: int, tmp_path: Path, *, timeout_s: float = 600,
@@ -35,16 +25,14 @@ def torchrun(script: str, nproc: int, tmp_path: Path, *, timeout_s: float = 600,
     same rendezvous and runtime for a fraction of the start-up (for tests of what runs on the
     ranks, not of torchrun).
     """
+    rank_env = {"OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path), **(env or {})}
     if forked:
-        run = run_script(ROOT / script, nproc, args=args, timeout_s=timeout_s,
-                         env={"OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path),
-                              **(env or {})})
+        run = run_script(ROOT / script, nproc, args=args, timeout_s=timeout_s, env=rank_env)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
         return run
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", "--max-restarts=0", str(ROOT / script), *(args or [])]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPART_CACHE_DIR": str(tmp_path),
-                **(env or {})}
+    full_env = {**os.environ, **rank_env}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
