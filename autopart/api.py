@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -12,15 +13,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopart.core.capture import CapturedGraph
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
+from autopart.devices import cluster_for_devices, plan_devices
 from autopart.lazy import LazyPipeline, _say, plan_summary
 from autopart.options import CompileOptions, renamed_choices
 from autopart.runtime.checkpoint.save_load import checkpoint_plan, load_checkpoint
+from autopart.runtime.description import describe
 from autopart.runtime.distributed import launch
 from autopart.runtime.pipeline import Pipeline
 from autopart.steps.build_step import build_pipeline
 from autopart.steps.compile_steps import compile_steps
+from autopart.steps.shape_memory import ShapePeaks, check_fits
 
 __all__ = ["compile", "load"]
 
@@ -122,9 +127,10 @@ def compile(model: nn.Module, example_inputs: tuple[Any, ...] = (), *,
                             "its target")
         return LazyPipeline(model, backend=backend, first_build=functools.partial(
             _first_build, model, loss_fn, the_plan, options, backend),
-            rebuild=functools.partial(_rebuild, model, loss_fn, options, backend))
-    pipe = compile_steps(model, args, kwargs, (loss_fn, example_target), the_plan, options,
-                         backend)
+            rebuild=functools.partial(_rebuild, model, loss_fn, options, backend),
+            check_shape=functools.partial(_check_shape, model, loss_fn, options, backend))
+    pipe, _ = compile_steps(model, args, kwargs, (loss_fn, example_target), the_plan, options,
+                            backend)
     if the_plan is None and pipe.plan.num_gpus > len(pipe.plan.ranks):  # a 3D layout
         _say(f"planned a layout for {pipe.plan.num_gpus} ranks: {plan_summary(pipe.plan)}")
     return pipe
@@ -153,17 +159,38 @@ def _options(options: CompileOptions | None, choices: dict[str, Any]) -> Compile
 
 def _first_build(model: nn.Module, loss_fn: LossFn | None, plan: Plan | None,
                  options: CompileOptions, backend: str, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], target: Any) -> Pipeline:
-    """A lazy pipeline's first build: the compile path on its first batch."""
+                 kwargs: dict[str, Any], target: Any) -> tuple[Pipeline, CapturedGraph]:
+    """A lazy pipeline's first build: the compile path on its first batch (the pipeline, and
+    the graph its stages were built from)."""
     return compile_steps(model, args, kwargs, (loss_fn, target), plan, options, backend)
 
 
 def _rebuild(model: nn.Module, loss_fn: LossFn | None, options: CompileOptions, backend: str,
              captured: Any, plan: Plan, tensor_of: Callable[[str], torch.Tensor],
-             cuts_by_name: bool) -> Pipeline:
+             cuts_by_name: bool, cut_already: bool) -> Pipeline:
     """A lazy pipeline's build at a new shape: the plan's stages from another capture."""
     return build_pipeline(model, captured, plan, loss_fn, options, backend, {},
-                          tensor_of=tensor_of, cuts_by_name=cuts_by_name)
+                          tensor_of=tensor_of, cuts_by_name=cuts_by_name,
+                          cut_already=cut_already)
+
+
+def _check_shape(model: nn.Module, loss_fn: LossFn | None, options: CompileOptions, backend: str,
+                 plan: Plan, planned: CapturedGraph, new: CapturedGraph,
+                 shapes: tuple[str, str]) -> ShapePeaks | None:
+    """A lazy pipeline's memory check at a new shape
+    (:func:`autopart.steps.shape_memory.check_fits`), on the devices the pipeline's ranks run
+    on and the runtime and optimizer state it was planned with."""
+    if backend == "local":
+        with warnings.catch_warnings():  # the first build already said where the ranks run
+            warnings.simplefilter("ignore")
+            devices = plan_devices(plan, options.devices)
+    else:
+        devices = [str(launch.rank_device())] * len(plan.ranks)
+    specs = cluster_for_devices(devices).devices
+    return check_fits(plan, planned, new, specs, training=loss_fn is not None,
+                      state_factor=options.state_factor(model),
+                      runtime=describe(backend, issue_threads=options.issue_threads),
+                      shapes=shapes)
 
 
 def load(directory: str | os.PathLike[str], model: nn.Module | LazyPipeline,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
+from autopart.codegen import plan_for_graph
 from autopart.core.capture import CapturedGraph, capture, on_meta
 from autopart.core.context import context_inputs
 from autopart.core.errors import PlanError
@@ -21,15 +22,22 @@ from autopart.core.signature import batch_size, microbatch_inputs
 from autopart.runtime.distributed.pipeline import DistributedPipeline
 from autopart.runtime.local.module import PipelinedModule
 from autopart.runtime.pipeline import Pipeline
+from autopart.steps.shape_memory import ShapePeaks
 
 __all__ = ["LazyPipeline", "input_key", "plan_summary", "MANY_SHAPES"]
 
-#: ``(args, kwargs, target) -> pipeline``: plan (or replay) on this batch and build, as an
-#: eager ``compile`` given these example inputs would.
-FirstBuild = Callable[[tuple[Any, ...], dict[str, Any], Any], Pipeline]
-#: ``(captured, plan, tensor_of, cuts_by_name) -> pipeline``: build ``plan``'s stages from
-#: another capture of the model, weights from ``tensor_of``.
-Rebuild = Callable[[CapturedGraph, Plan, Callable[[str], torch.Tensor], bool], Pipeline]
+#: ``(args, kwargs, target) -> (pipeline, captured)``: plan (or replay) on this batch and
+#: build, as an eager ``compile`` given these example inputs would; ``captured`` is the graph
+#: of one microbatch the stages were built from.
+FirstBuild = Callable[[tuple[Any, ...], dict[str, Any], Any], tuple[Pipeline, CapturedGraph]]
+#: ``(captured, plan, tensor_of, cuts_by_name, cut_already) -> pipeline``: build ``plan``'s
+#: stages from another capture of the model, weights from ``tensor_of`` (this rank's tp
+#: slices and ep experts already cut where ``cut_already``).
+Rebuild = Callable[[CapturedGraph, Plan, Callable[[str], torch.Tensor], bool, bool], Pipeline]
+#: ``(plan, planned, new, (planned shapes, new shapes)) -> peaks or None``: the plan's per-rank
+#: peaks at the shape ``new`` was captured at, raising :class:`PlanError` where a rank no
+#: longer fits (:func:`autopart.steps.shape_memory.check_fits`).
+ShapeCheck = Callable[[Plan, CapturedGraph, CapturedGraph, tuple[str, str]], "ShapePeaks | None"]
 
 #: More input shapes than this draw a warning (each keeps its capture and stages).
 MANY_SHAPES = 8
@@ -85,6 +93,37 @@ def plan_summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _first_tensors(first: Pipeline, shapes: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """The tensors a new shape's stages take from the first pipeline, by FQN, and whether
+    its tp slices and ep experts are among them already cut (a distributed rank holds
+    those; the one-process runtime holds whole tensors).
+
+    Raises:
+        PlanError: a rank whose parameters ZeRO 1-3 shard over dp (FSDP2 units cannot be
+            shared by two pipelines' stages).
+    """
+    if not isinstance(first, DistributedPipeline):
+        return dict(first.checkpoint_state().holds), False
+    if first.zero_sharded:
+        raise PlanError(
+            f"inputs {shapes} have another shape than the planned one, and this plan's "
+            f"ZeRO-{first.plan.zero_stage} shards the parameters over dp with FSDP2 units that "
+            "a second pipeline cannot share: a lazy pipeline with ZeRO 1-3 runs one input "
+            "shape. Pad or bucket the inputs to the planned shape, compile with zero_stage=0, "
+            "or compile one pipeline for this shape with autopart.compile(model, "
+            "example_inputs=...) (its own optimizer)")
+    return first.rank_tensors(), first.plan.tp > 1 or first.plan.ep > 1
+
+
+def _another_graph(shapes: str, exc: PlanError) -> PlanError:
+    """The refusal of a shape whose graph does not carry the plan's cuts."""
+    return PlanError(f"inputs {shapes} give another graph than the planned shape ({exc}): the "
+                     "model's graph changes with this shape, so the plan's cuts do not carry "
+                     "over. Compile a pipeline for this shape with autopart.compile(model, "
+                     "example_inputs=...) (its own parameters' optimizer), or pad the inputs to "
+                     "a shape already seen")
+
+
 def _say(text: str) -> None:
     """Print ``text`` once per launch: on global rank 0 only under torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
@@ -105,9 +144,13 @@ class LazyPipeline:
     structure differ from every batch seen so far runs on a pipeline of its own, built once
     per such :func:`input_key` and kept: the model is captured again at that shape and split
     at the first plan's cuts (found by node name), with the same microbatch size, schedule
-    and recompute, and the same parameter objects. Nothing is profiled or solved again; the
-    plan's predicted times and peaks are those of the first shape, so plan on the largest
-    shape when memory is tight. A later batch of a seen key reuses its pipeline.
+    and recompute, and the same parameter objects. Nothing is profiled or solved again: the
+    plan's predicted times are those of the first shape, and its per-rank peaks are
+    predicted again at the new shape (:func:`autopart.steps.shape_memory.peaks_at_shape`:
+    the planned peaks plus what the analytical memory model adds between the two graphs,
+    in :attr:`peaks_bytes`); a shape at which a rank would exceed its device's memory is
+    refused with :class:`PlanError` before anything is built, so plan on the largest shape
+    when memory is tight. A later batch of a seen key reuses its pipeline.
 
     Parameters: before the first step ``parameters()`` / ``named_parameters()`` /
     ``state_dict()`` / ``load_state_dict()`` are the model's own. The pipeline shares them
@@ -119,10 +162,13 @@ class LazyPipeline:
     Attributes:
         model: the model it partitions.
         pipelines: input key (:func:`input_key`) -> its built pipeline, first shape first.
+        peaks_bytes: input key of each shape after the first -> its predicted per-rank peaks
+            (:class:`autopart.steps.shape_memory.ShapePeaks`; absent where the analytical
+            walk could not cost the graph, with a warning).
     """
 
     def __init__(self, model: nn.Module, *, backend: str, first_build: FirstBuild,
-                 rebuild: Rebuild) -> None:
+                 rebuild: Rebuild, check_shape: ShapeCheck | None = None) -> None:
         """Keep what the first call needs.
 
         Args:
@@ -131,11 +177,16 @@ class LazyPipeline:
             first_build: plans on a batch and builds its pipeline (see :data:`FirstBuild`).
             rebuild: builds a plan's stages from a capture at another shape
                 (:data:`Rebuild`).
+            check_shape: prices the plan at another shape and refuses it where it does not
+                fit (:data:`ShapeCheck`); None: no check.
         """
         self.model = model
         self.pipelines: dict[tuple[Any, ...], Pipeline] = {}
         self._first_build = first_build
         self._rebuild = rebuild
+        self._check_shape = check_shape
+        self.peaks_bytes: dict[tuple[Any, ...], ShapePeaks] = {}
+        self._planned: tuple[CapturedGraph, str] | None = None  # the first graph, its shapes
         self._current: Pipeline | None = None
         step = inspect.signature(_RUNTIME_CLASS[backend].train_step).parameters.values()
         # train_step's own keywords (trace=, optimizer=, ...); every other keyword is the model's
@@ -174,28 +225,40 @@ class LazyPipeline:
         key = input_key(args, kwargs)
         pipe = self.pipelines.get(key)
         if pipe is None and not self.pipelines:
-            pipe = self._first_build(args, kwargs, target)
+            pipe, captured = self._first_build(args, kwargs, target)
+            self._planned = (captured, _shapes(args, kwargs))
             self.pipelines[key] = self._current = pipe  # kept even if the check below fails
             _say(f"planned at the first {call} on inputs {_shapes(args, kwargs)}: "
                  f"{plan_summary(pipe.plan)}")
             self._check_handed_out(pipe)
         elif pipe is None:
-            pipe = self._build_at(args, kwargs)
+            pipe = self._build_at(key, args, kwargs)
             self.pipelines[key] = pipe
             if len(self.pipelines) == MANY_SHAPES + 1:
                 warnings.warn(f"{len(self.pipelines)} input shapes so far, each captured and "
                               "built once and kept: pad or bucket the inputs to a few lengths",
                               RuntimeWarning, stacklevel=3)
+            peaks = self.peaks_bytes.get(key)
             _say(f"new input shape {_shapes(args, kwargs)}: captured and split at the plan's "
-                 "cuts (no profiling); its predicted figures are the first shape's")
+                 "cuts (no profiling); its predicted step is the first shape's"
+                 + ("" if peaks is None else ", its largest predicted peak "
+                    f"{_mib(max(peaks.bytes))} (planned {_mib(max(peaks.planned_bytes))})"))
         self._current = pipe
         return pipe
 
-    def _build_at(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipeline:
+    def _build_at(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
+                  ) -> Pipeline:
         """The first pipeline's plan built from a capture at these inputs' shapes, on the
-        same tensors."""
+        same tensors, once its peaks there are checked against the devices' memory.
+
+        Raises:
+            PlanError: a batch that is not a multiple of the microbatch size; a graph whose
+                cuts are not those of the planned one; a rank predicted over its device's
+                memory at this shape.
+        """
         first = next(iter(self.pipelines.values()))
-        plan, mb = first.plan, first.signature.microbatch_size
+        plan, mb, shapes = first.plan, first.signature.microbatch_size, _shapes(args, kwargs)
+        held, cut_already = _first_tensors(first, shapes)
         batch = batch_size(args, kwargs)
         if batch % mb:
             raise PlanError(f"batch of {batch} is not a multiple of the microbatch size {mb} "
@@ -209,7 +272,15 @@ class LazyPipeline:
         t0 = time.perf_counter()
         captured = capture(self.model, mb_args, mb_kwargs)
         capture_s = time.perf_counter() - t0
-        held = first.checkpoint_state().holds
+        try:
+            plan_for_graph(plan, captured)  # the cuts by name, before pricing or building
+        except PlanError as exc:
+            raise _another_graph(shapes, exc) from exc
+        if self._check_shape is not None and self._planned is not None:
+            peaks = self._check_shape(plan, self._planned[0], captured,
+                                      (self._planned[1], shapes))
+            if peaks is not None:
+                self.peaks_bytes[key] = peaks
         own = {fqn: target for target, fqn in captured.attr_fqns.items()}
 
         def tensor_of(fqn: str) -> torch.Tensor:
@@ -217,14 +288,9 @@ class LazyPipeline:
 
         try:
             pipe = self._rebuild(captured, plan, tensor_of,
-                                 captured.fingerprint != plan.graph_fingerprint)
+                                 captured.fingerprint != plan.graph_fingerprint, cut_already)
         except PlanError as exc:
-            raise PlanError(
-                f"inputs {_shapes(args, kwargs)} give another graph than the planned shape "
-                f"({exc}): the model's graph changes with this shape, so the plan's cuts do not "
-                "carry over. Compile a pipeline for this shape with autopart.compile(model, "
-                "example_inputs=...) (its own parameters' optimizer), or pad the inputs to a "
-                "shape already seen") from exc
+            raise _another_graph(shapes, exc) from exc
         pipe.timings_s["capture_s"] = capture_s
         return pipe
 

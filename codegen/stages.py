@@ -180,7 +180,8 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
                  fuse: bool = False, cuts_by_name: bool = False,
                  tp: TensorParallelRank | None = None,
                  ep: TensorParallelRank | None = None,
-                 cp: TensorParallelRank | None = None) -> BuiltStages:
+                 cp: TensorParallelRank | None = None,
+                 cut_already: bool = False) -> BuiltStages:
     """Split ``captured`` at the plan's cuts and build the stages of ``ranks``.
 
     Both runtimes take their stages from here: the one-process executor builds every rank
@@ -209,6 +210,10 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
             1`` (``captured`` is then the model at S / cp tokens): each attention gathers the
             keys and values of the group (:func:`autopart.codegen.context_parallel.
             context_parallel`).
+        cut_already: ``tensor_of`` gives this rank's tp slices and ep experts already cut
+            (the parameters of a pipeline built from the same plan: a lazy pipeline's first
+            shape); the stages hold those very tensors instead of cutting their own, so both
+            pipelines train one set of parameters. Default False.
 
     Returns:
         The built stages (see :class:`BuiltStages`).
@@ -235,8 +240,8 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
     local = tuple(st.stage_index for st in plan.stages if st.rank in wanted)
     modules, placement = build_stage_modules(captured, stage_graphs, list(stage_devices),
                                              keep=set(local), tensor_of=tensor_of)
-    shards = _shard(plan, tp, modules, local, placement)
-    ep_shards = _split_experts(captured, plan, ep, modules, local, placement)
+    shards = _shard(plan, tp, modules, local, placement, cut_already)
+    ep_shards = _split_experts(captured, plan, ep, modules, local, placement, cut_already)
     _split_context(captured, plan, cp, modules, local)
     if plan.recompute_policy == "op":  # last: the marks wrap the ops the rewrites read
         for s in local:
@@ -255,15 +260,26 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
                        cp=cp if plan.cp > 1 else None)
 
 
+def _pieces(placement: Placement, local: tuple[int, ...], cut_already: bool,
+            ) -> dict[int, nn.Parameter]:
+    """The ``made`` map the tp and ep passes start from (id of a whole tensor -> its piece):
+    with ``cut_already`` every parameter the built stages hold is its own piece."""
+    if not cut_already:
+        return {}
+    return {id(t): t for (s, _), t in placement.tensors.items()
+            if s in local and isinstance(t, nn.Parameter)}
+
+
 def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModule | None],
-           local: tuple[int, ...], placement: Placement) -> dict[str, ShardLayout]:
+           local: tuple[int, ...], placement: Placement,
+           cut_already: bool = False) -> dict[str, ShardLayout]:
     """Each built stage as this tp rank's share; the placement then holds the shards."""
     if plan.tp == 1:
         return {}
     _require_rank("tp", plan.tp, tp, f"a tp group of {plan.tp} ranks (the mesh's 'tp' "
                   "dimension)")
     styles = {sp.name: sp.style for sp in plan.sharded_parameters}
-    made: dict[int, nn.Parameter] = {}
+    made = _pieces(placement, local, cut_already)
     shards: dict[str, ShardLayout] = {}
     for s in local:
         shards.update(shard_stage(modules[s], styles, tp, made=made))  # type: ignore[arg-type]
@@ -275,7 +291,7 @@ def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModu
 
 def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank | None,
                    modules: list[fx.GraphModule | None], local: tuple[int, ...],
-                   placement: Placement) -> dict[str, ShardLayout]:
+                   placement: Placement, cut_already: bool = False) -> dict[str, ShardLayout]:
     """Each built stage with this ep rank's experts; the placement then holds them."""
     if plan.ep == 1:
         return {}
@@ -287,7 +303,7 @@ def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank |
                         "transformers' grouped_mm_fallback, over stacked 3-D expert weights, as "
                         "transformers 5's Mixtral, Qwen-MoE and DeepSeek experts do); re-plan "
                         "with ep=1")
-    made: dict[int, nn.Parameter] = {}
+    made = _pieces(placement, local, cut_already)
     shards: dict[str, ShardLayout] = {}
     for s in local:
         shards.update(expert_parallel(modules[s], ep, made=made))  # type: ignore[arg-type]

@@ -103,7 +103,8 @@ def profile_analytical(captured: CapturedGraph, flat_inputs: list[Any] | None, s
       parameters and buffers excluded, each storage counted once across the graph, by the
       first node that saves it. SDPA follows the fused kernels (flash / memory-efficient:
       q, k, v, the output, the mask and a float32 log-sum-exp per query row), not the math
-      path meta would trace.
+      path meta would trace; except on ``cpu`` with dropout, where the math path runs
+      (``_MetaWalker._fused_attention``).
     - ``transient_bytes``: gradients of the outputs plus of the differentiable inputs.
 
     Args:
@@ -226,6 +227,19 @@ class _MetaWalker:
                     self.producer[id(storage)] = index
                     self._outputs.append(storage)  # kept, so the id stays unique
 
+    def _fused_attention(self, target: str, args: Any, kwargs: Any) -> bool:
+        """Whether an attention node runs a fused kernel on this device (saving q, k, v, the
+        output, the mask and a log-sum-exp), or the math path meta traces (saving the
+        ``S x S`` weights, and with dropout its mask): on ``cpu``,
+        ``scaled_dot_product_attention`` with ``dropout_p > 0`` is the math path (torch's
+        CPU flash kernel takes no dropout; measured with ``saved_tensors_hooks``, torch
+        2.13: 27.0 MiB saved at b 2, 4 heads, S 512, head 64, as meta traces, against 4.0
+        MiB without dropout). GPUs' flash and memory-efficient kernels take dropout."""
+        if self.spec.name != "cpu" or target != "aten.scaled_dot_product_attention.default":
+            return True
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return not (isinstance(dropout, (int, float)) and dropout > 0)
+
     def _pack(self, counted: list[tuple[int | None, int]]) -> Any:
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
@@ -244,10 +258,11 @@ class _MetaWalker:
         counted: list[tuple[int | None, int]] = []  # (id(storage) or None, bytes)
         counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
         fn: Any = node.target
+        fused = target in _SDPA_OPS and self._fused_attention(target, args, kwargs)
         try:
             with torch.set_grad_enabled(self.training), counter, \
                     saved_tensors_hooks(self._pack(counted), lambda t: t):
-                if target in _SDPA_OPS:
+                if fused:
                     with torch.no_grad():
                         out = fn(*args, **kwargs)
                 else:
@@ -267,14 +282,21 @@ class _MetaWalker:
                    if sources[n] is not None
                    and self.fqn.get(sources[n]) in self.captured.trainable]
         needs_grad = self.training and (bool(grad_inputs) or bool(weights))
-        if target in _SDPA_OPS:  # meta picks the math path; keep the captured kernel's layout
+        if fused:  # meta picks the math path; keep the captured kernel's layout
             out = pytree.tree_map(_to_meta, node.meta.get("val", out))
-        if target in _SDPA_OPS and needs_grad:
+        if fused and needs_grad:
             out = _sdpa_with_grad(out)
             q = args[0]
             lse = q.numel() // q.shape[-1] * 4  # float32 log-sum-exp per query row
             out_leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            counted.extend(self._claim(t) for t in in_tensors + out_leaves)
+            kept = in_tensors
+            if self.spec.name == "cpu":  # CPU's flash kernel saves a boolean mask converted
+                # to the queries' dtype, a new copy per call (measured as in _fused_attention:
+                # 6.0 MiB with a (2, 1, 512, 512) boolean mask, 4.0 MiB without)
+                kept = [t for t in in_tensors if t.dtype != torch.bool]
+                counted.extend((None, t.numel() * q.element_size()) for t in in_tensors
+                               if t.dtype == torch.bool)
+            counted.extend(self._claim(t) for t in kept + out_leaves)
             counted.append((None, lse))
         self.env[node] = out
         self._produced(out, index)

@@ -16,7 +16,7 @@ from autopart.solver.layout_search import LayoutCandidate, LayoutOptions, evalua
 from autopart.solver.options import SolveOptions
 from autopart.solver.predict import tied_ranks
 
-__all__ = ["LayoutPrediction", "predict_layout", "predict_layout_comm"]
+__all__ = ["LayoutPrediction", "predict_layout", "predict_layout_comm", "predict_layout_peaks"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,21 @@ def predict_layout(plan: Plan, costs: CostGraph, device: DeviceSpec, options: So
         PlanError: the plan is for another graph or another GPU count.
     """
     return _priced(plan, costs, device, options, layout)[0].predicted_step_time_us
+
+
+def predict_layout_peaks(plan: Plan, costs: CostGraph, device: DeviceSpec,
+                         options: SolveOptions, layout: LayoutOptions) -> tuple[int, ...]:
+    """:func:`predict_layout`'s per-rank peaks: what the layout search charges each pipeline
+    rank of ``plan`` (one GPU of its tp group), bytes, at the plan's own cuts, m, schedule,
+    degrees and ZeRO units, on ``costs``.
+
+    Args:
+        plan, costs, device, options, layout: as for :func:`predict_layout`.
+
+    Raises:
+        PlanError: as :func:`predict_layout`.
+    """
+    return tuple(r.peak_memory_bytes for r in _priced(plan, costs, device, options, layout)[0].ranks)
 
 
 def predict_layout_comm(plan: Plan, costs: CostGraph, device: DeviceSpec,

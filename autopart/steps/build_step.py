@@ -35,7 +35,7 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
                    loss_fn: LossFn | None, options: CompileOptions, backend: str,
                    timings: dict[str, float], *,
                    tensor_of: Callable[[str], torch.Tensor] | None = None,
-                   cuts_by_name: bool = False) -> Pipeline:
+                   cuts_by_name: bool = False, cut_already: bool = False) -> Pipeline:
     """Build ``plan``'s stages from ``captured`` (:func:`autopart.codegen.build_stages`) and
     wrap them in the ``backend``'s runtime.
 
@@ -61,6 +61,8 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
         tensor_of: canonical FQN -> the tensor a stage owns (a lazy pipeline's new shape
             shares the first pipeline's), or None.
         cuts_by_name: find the plan's cuts by node name (a capture at another shape).
+        cut_already: ``tensor_of`` gives this rank's tp slices and ep experts as another
+            pipeline of the plan holds them (:func:`autopart.codegen.build_stages`).
 
     Raises:
         PlanError: the plan does not match ``captured``, or the world / mesh does not fit
@@ -90,7 +92,7 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     with phase("codegen"):
         stages = build_stages(captured, plan, devices, ranks=ranks, fuse=options.fuse,
                               tensor_of=tensor_of, cuts_by_name=cuts_by_name, tp=tp,
-                              ep=ep, cp=cp)
+                              ep=ep, cp=cp, cut_already=cut_already)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from autopart.core.capture import CapturedGraph
 from autopart.core.plan import Plan
 from autopart.core.progress import progress
 from autopart.options import CompileOptions
@@ -18,7 +19,8 @@ __all__ = ["compile_steps"]
 
 
 def compile_steps(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss: Loss,
-                  plan: Plan | None, options: CompileOptions, backend: str) -> Pipeline:
+                  plan: Plan | None, options: CompileOptions, backend: str,
+                  ) -> tuple[Pipeline, CapturedGraph]:
     """What :func:`autopart.compile` does once it has example inputs: choose the plan
     (:func:`autopart.steps.plan_step.choose_plan`), capture ``model`` at its microbatch
     (:func:`autopart.steps.capture_step.capture_for_plan`; at one row the plan moves onto
@@ -26,6 +28,10 @@ def compile_steps(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     the ``backend``'s runtime (:func:`autopart.steps.build_step.build_pipeline`). The phases
     show on stderr (:mod:`autopart.core.progress`); their seconds land in the pipeline's
     ``timings_s``.
+
+    Returns:
+        ``(pipeline, captured)``: the pipeline and the graph of one microbatch its stages
+        were built from (a lazy pipeline keeps it to price another shape against).
 
     Args:
         model: the model.
@@ -44,4 +50,5 @@ def compile_steps(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         chosen, profiled = choose_plan(model, args, kwargs, loss, plan, options, backend,
                                        timings)
         chosen, captured = capture_for_plan(model, args, kwargs, chosen, profiled, timings)
-        return build_pipeline(model, captured, chosen, loss[0], options, backend, timings)
+        return (build_pipeline(model, captured, chosen, loss[0], options, backend, timings),
+                captured)

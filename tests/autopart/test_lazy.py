@@ -213,7 +213,8 @@ def test_an_optimizer_of_parameters_the_pipeline_copied_is_refused() -> None:
     plan = manual_plan(captured, [5], 2, 4)
 
     def first_build(args: Any, kwargs: Any, target: Any) -> Any:
-        return autopart.compile(elsewhere, args, example_kwargs=kwargs, loss_fn=_mse, plan=plan)
+        return (autopart.compile(elsewhere, args, example_kwargs=kwargs, loss_fn=_mse, plan=plan),
+                captured)
 
     pipe = lazy.LazyPipeline(model, backend="local", first_build=first_build,
                              rebuild=lambda *a: None)  # type: ignore[arg-type, return-value]

@@ -1,6 +1,7 @@
 """A lazy compile with tp=2 on 2 ranks with torchrun's environment refuses an optimizer
 built before the first step (it would hold the model's tensors, not this rank's slices) and
-trains with one built after it (``torchrun_lazy_3d.py``)."""
+trains with one built after it, on a longer sequence too (the same slices, the plain model's
+losses); a ZeRO-1 lazy pipeline refuses a second shape (``torchrun_lazy_3d.py``)."""
 
 from __future__ import annotations
 

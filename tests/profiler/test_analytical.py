@@ -49,17 +49,37 @@ def test_linear_roofline_hand_worked() -> None:
     assert node.saved_bytes == 128 * 256 * 4  # the input; the weight is a parameter
 
 
-def test_analytical_saved_matches_measured_except_attention() -> None:
-    model, x = small_gpt2()
+@pytest.mark.parametrize("attn_pdrop", [0.0, 0.1])
+def test_analytical_saved_matches_measured_on_cpu(attn_pdrop: float) -> None:
+    # on the cpu spec attention saves what torch's CPU kernel saves: the flash kernel (with
+    # the boolean causal mask converted per call) without dropout, the math path with it
+    model, x = small_gpt2(attn_pdrop=attn_pdrop)
     captured = capture(model, (x,))
     ana = profile_analytical(captured, [x], PRESETS["cpu"])
     meas = profile_graph(captured, [x], warmup=0, repeats=1)
     for a, m in zip(ana.nodes, meas.nodes, strict=True):
         assert a.flops == m.flops, a.name
-        if "scaled_dot_product" not in a.op:  # analytical follows the GPU fused kernels
-            assert a.saved_bytes == m.saved_bytes, a.name
+        assert a.saved_bytes == m.saved_bytes, a.name
+        if "scaled_dot_product" not in a.op:  # the mask's float copy has no producer
             assert a.saved_from == m.saved_from, a.name
         assert a.strided_output_bytes == m.strided_output_bytes, a.name
+
+
+def test_analytical_attention_follows_the_gpu_fused_kernels() -> None:
+    # on a GPU preset attention saves q, k, v, the output, the mask and a float32
+    # log-sum-exp per query row, dropout or not: no (B, heads, T, T) weights
+    model, x = small_gpt2(attn_pdrop=0.1)
+    captured = capture(model, (x,))
+    on_gpu = profile_analytical(captured, [x], PRESETS["h100-sxm"])
+    on_cpu = profile_analytical(captured, [x], PRESETS["cpu"])
+    attention = [i for i, n in enumerate(on_gpu.nodes) if "scaled_dot_product" in n.op]
+    assert len(attention) == L
+    qkv = B * T * D * 4  # one float32 (B, heads, T, head dim) tensor
+    weights = B * 4 * T * T * 4  # one float32 (B, heads, T, T) tensor
+    lse, mask = B * 4 * T * 4, B * T * T  # the boolean mask, saved once (the first layer)
+    assert on_gpu.nodes[attention[0]].saved_bytes == 4 * qkv + lse + mask
+    for i in attention:  # the math path: q, k, v and the weights before and after dropout
+        assert on_cpu.nodes[i].saved_bytes >= 3 * qkv + 2 * weights
 
 
 def test_meta_llama_profiles_without_weights() -> None:

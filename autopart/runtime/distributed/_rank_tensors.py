@@ -60,6 +60,16 @@ class RankTensors(Pipeline):
         self._whole.load(state_dict, self._local.items())  # tp and ZeRO: each its piece
         return incompatible_keys(missing, [])
 
+    def rank_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors this rank's stages hold, by FQN, as they hold them: tp slices, ep's
+        experts, ZeRO's DTensor shards, the rest whole (the very objects, not copies)."""
+        return dict(self._local)
+
+    @property
+    def zero_sharded(self) -> bool:
+        """Whether ZeRO 1-3 shard this rank's parameters over its dp group (FSDP2)."""
+        return bool(self._whole.sharding.sharded)
+
     def owned_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors whose owning stage is on this rank, by FQN (a tied parameter's
         replica on another rank excluded): what this rank writes to a checkpoint."""
