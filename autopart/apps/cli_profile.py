@@ -202,7 +202,9 @@ def _run(net: Any, inputs: tuple[Any, ...], method: str, target: Any, dtype: str
         flat = captured.flatten_inputs(inputs, {})
         name = target.name if method == "analytical" else target
         key = profile_key(captured.fingerprint, name, flat, dtype=dtype, training=True,
-                          method=method)
+                          # the cpu preset's attention follows torch's CPU kernel since
+                          # 2026-11-30: older cached profiles of it counted GPU saves
+                          method="analytical:cpu-attention" if name == "cpu" else method)
         with phase("profile") as shown:
 
             def compute() -> Any:
