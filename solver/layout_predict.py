@@ -156,5 +156,6 @@ def _priced(plan: Plan, costs: CostGraph, device: DeviceSpec, options: SolveOpti
                      sequence_parallel=plan.sequence_parallel, cp=plan.cp,
                      cp_attention=plan.cp_attention)
     priced = evaluate_layout(costs, device, fixed, layout, cand,
-                             positions=tuple(c.position for c in plan.cuts))
+                             positions=tuple(c.position for c in plan.cuts),
+                             recompute=tuple(s.recompute for s in plan.stages))
     return priced, layout

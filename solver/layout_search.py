@@ -39,7 +39,8 @@ __all__ = ["LayoutOptions", "LayoutCandidate", "layout_candidates", "evaluate_la
 def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                     layout: LayoutOptions, cand: LayoutCandidate,
                     cache: dict[tuple[int | str, ...], CostGraph] | None = None,
-                    positions: tuple[int, ...] | None = None) -> Plan:
+                    positions: tuple[int, ...] | None = None,
+                    recompute: tuple[bool, ...] | None = None) -> Plan:
     """The pipeline solver's best plan for one layout, with tp, dp and ZeRO costs added.
 
     The pipeline solver sees one GPU's share of the model (:func:`shard_costs` at tp), the
@@ -65,6 +66,8 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         positions: cut positions (node indices, ``pp x v - 1``) to cost as given instead of
             searching (:func:`autopart.solver.predict.plan_at`: a hand plan's prediction);
             ``options`` then fixes ``schedule_kind`` and ``num_microbatches`` (per replica).
+        recompute: with ``positions``, whether each stage recomputes (a plan's own flags);
+            default: ``options.recompute`` for every stage (None: none).
 
     Raises:
         InfeasiblePlanError: nothing fits this layout.
@@ -105,7 +108,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         plan = plan_at(sharded, cluster, inner, positions, kind=options.schedule_kind,
                        num_microbatches=options.num_microbatches,
                        stages_per_rank=options.stages_per_rank or 1,
-                       recompute=bool(options.recompute))
+                       recompute=bool(options.recompute) if recompute is None else recompute)
     extra = even = 0.0
     overlap, _ = _hides_reduction(layout, zero, line, options)
     if options.training and line > 1:

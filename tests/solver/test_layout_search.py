@@ -288,3 +288,23 @@ def test_layer_units_are_recorded_only_where_the_runtime_runs_them() -> None:
     d = plan.to_dict()
     del d["zero_layer_units"]  # a plan written before the field loads as one unit per stage
     assert type(plan).from_dict(d).zero_layer_units is False
+
+
+def test_a_fixed_plan_keeps_its_stages_own_recompute() -> None:
+    # a plan whose stages differ in recompute is priced with each stage's flag: the
+    # recomputing stage holds less, and predict_layout_peaks gives the plan's own peaks
+    from autopart.solver.layout_predict import predict_layout_peaks
+
+    costs = _gpt(2)
+    options = _options(batch=8, num_microbatches=2, schedule_kind="1f1b", recompute=None)
+    layout = _layout(4, tp=1, pp=2, dp=2, zero_stage=0)
+    cand = next(c for c in layout_candidates(costs, DEV, options, layout) if c.pp == 2)
+    plans = {flags: evaluate_layout(costs, DEV, options, layout, cand, positions=(5,),
+                                    recompute=flags)
+             for flags in ((False, False), (True, False))}
+    mixed, plain = plans[(True, False)], plans[(False, False)]
+    assert [s.recompute for s in mixed.stages] == [True, False]
+    assert mixed.ranks[0].peak_memory_bytes < plain.ranks[0].peak_memory_bytes
+    assert mixed.ranks[1].peak_memory_bytes == plain.ranks[1].peak_memory_bytes
+    assert predict_layout_peaks(mixed, costs, DEV, options, layout) == tuple(
+        r.peak_memory_bytes for r in mixed.ranks)
