@@ -20,8 +20,8 @@ from autopart.core.op_names import VIEW_OPS
 from autopart.profiler._oputil import GROUPED_MM_OPS, flop_formulas, weight_source
 from autopart.profiler.meters import strided_nbytes
 
-__all__ = ["profile_analytical", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "SDPA_BWD_FLOP_RATIO",
-           "MATMUL_OPS", "VIEW_OPS"]
+__all__ = ["profile_analytical", "ANALYTICAL_REVISION", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
+           "SDPA_BWD_FLOP_RATIO", "MATMUL_OPS", "VIEW_OPS"]
 
 MATMUL_EFFICIENCY = 0.7
 """Share of the datasheet's dense peak a large GEMM reaches (cuBLAS on A100/H100 reaches
@@ -31,6 +31,11 @@ utilisation end to end)."""
 MEMORY_EFFICIENCY = 0.8
 """Share of the datasheet's memory bandwidth a streaming kernel reaches (STREAM-like
 copies reach 80-90 % of HBM peak)."""
+
+ANALYTICAL_REVISION = 2
+"""What the analytical model counts, numbered: a cached analytical profile's key carries it,
+so a profile cached before a change to the counting is not reused (2: attention on the
+``cpu`` preset saves what torch's CPU kernel saves)."""
 
 SDPA_BWD_FLOP_RATIO = 2.5
 """Attention backward FLOPs / forward FLOPs: 5 matmuls against 2 (FlashAttention-2,

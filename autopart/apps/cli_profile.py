@@ -192,6 +192,7 @@ def _run(net: Any, inputs: tuple[Any, ...], method: str, target: Any, dtype: str
     from autopart.core.capture import capture
     from autopart.core.progress import phase, progress
     from autopart.profiler import profile_analytical, profile_graph
+    from autopart.profiler.analytical import ANALYTICAL_REVISION
     from autopart.profiler.cache import cached_profile, profile_key
 
     torch_dtype = getattr(torch, dtype)
@@ -202,9 +203,8 @@ def _run(net: Any, inputs: tuple[Any, ...], method: str, target: Any, dtype: str
         flat = captured.flatten_inputs(inputs, {})
         name = target.name if method == "analytical" else target
         key = profile_key(captured.fingerprint, name, flat, dtype=dtype, training=True,
-                          # the cpu preset's attention follows torch's CPU kernel since
-                          # 2026-11-30: older cached profiles of it counted GPU saves
-                          method="analytical:cpu-attention" if name == "cpu" else method)
+                          method=f"analytical:{ANALYTICAL_REVISION}"
+                          if method == "analytical" else method)
         with phase("profile") as shown:
 
             def compute() -> Any:

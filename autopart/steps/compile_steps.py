@@ -29,10 +29,6 @@ def compile_steps(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     show on stderr (:mod:`autopart.core.progress`); their seconds land in the pipeline's
     ``timings_s``.
 
-    Returns:
-        ``(pipeline, captured)``: the pipeline and the graph of one microbatch its stages
-        were built from (a lazy pipeline keeps it to price another shape against).
-
     Args:
         model: the model.
         args, kwargs: example inputs, tensors ``(batch, ...)``; under torchrun with a 3D
@@ -41,6 +37,10 @@ def compile_steps(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         plan: a plan to replay, or None to profile and solve.
         options: the choices (already checked against ``backend`` and ``plan``).
         backend: ``"local"`` or ``"distributed"``.
+
+    Returns:
+        ``(pipeline, captured)``: the pipeline and the graph of one microbatch its stages
+        were built from (a lazy pipeline keeps it to price another shape against).
 
     Raises:
         TraceError, ProfileError, PlanError, InfeasiblePlanError: as :func:`autopart.compile`.

@@ -64,9 +64,7 @@ def _analytical_peaks(plan: Plan, captured: CapturedGraph, spec: DeviceSpec,
     if on_graph.num_gpus == len(on_graph.ranks):
         cluster = Cluster.uniform(spec, [r.device for r in on_graph.ranks])
         return predict(on_graph, costs, cluster, options).peak_memory_bytes
-    heads = None
-    if plan.cp > 1:
-        heads = attention_heads(captured)
+    heads = attention_heads(captured) if plan.cp > 1 else None
     layout = LayoutOptions(num_gpus=on_graph.num_gpus,
                            topology=host_ranks_topology(on_graph.num_gpus, spec),
                            cp_tokens_profiled=True, attention_heads=heads)
