@@ -147,9 +147,10 @@ def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTe
                                              cross_out, ratio) if not empty_i else 0,
         split_held_bytes=held, weight_grad_bytes=wgrad,
         kept_bytes=_kept_bytes(model, span, grad_in, cross_out),
-        # the output a stage sends is in its saved set from its forward on (held_parts)
+        # the output a stage sends is in its saved set from its forward on (held_parts);
+        # a split backward's stage sends a copy of its own
         kept_held_bytes=cross_out if (_torch_held(model) and training and not span.last
-                                      and not span.recompute) else 0,
+                                      and not span.recompute and not split_here) else 0,
         param_bytes=pbytes, num_parameters=numel,
         host_fwd_us=host[0], host_bwd_input_us=host[1] if training else 0.0,
         host_bwd_weight_us=host[2] if training else 0.0)
@@ -157,10 +158,11 @@ def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTe
 
 def _backward_extra(model: CostModel, span: StageSpan, kind: str, transient: int,
                     recomputed: int, cross_out: int, ratio: float) -> int:
-    """What one backward of the stage holds above what it began with, bytes: the forward it
-    recomputes (if it does), plus the largest node working set, less what the backward freed
-    before reaching it (:meth:`MemoryModel.backward_working_bytes`) where the stage neither
-    recomputes nor splits its backward (an ``I`` keeps the saved set for its ``W``).
+    """What one backward of the stage holds above what it began with, bytes: where the stage
+    neither recomputes nor splits its backward, the largest node working set less what the
+    backward freed before reaching it (:meth:`MemoryModel.backward_working_bytes`);
+    otherwise the forward it recomputes and the largest node working set whole (an ``I``
+    keeps the saved set for its ``W``).
 
     Measured on 2 gloo ranks (Llama, 4 layers, hidden 256, 4 x 1024 tokens, pp 2, the
     distributed runtime): with the credit, stages that recompute nothing were predicted
@@ -171,8 +173,8 @@ def _backward_extra(model: CostModel, span: StageSpan, kind: str, transient: int
         return 0
     if span.recompute or splits_backward(kind, span.recompute):
         return transient + recomputed
-    return recomputed + model.backward_working_bytes(span.start, span.stop, ratio,
-                                                     0 if span.last else cross_out)
+    return model.backward_working_bytes(span.start, span.stop, ratio,
+                                        0 if span.last else cross_out)
 
 
 def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
