@@ -264,6 +264,10 @@ def test_torchs_stages_hold_gradients_only_for_outputs_that_carry_one_and_free_a
     assert pred.peak_memory_bytes[0] == 240 + 350 + 210
     # stage 1 keeps the input gradient it sent: b's (100), none for the mask
     assert (c.kept_bytes[1], c.kept_held_bytes[1]) == (100, 0)
+    # a split backward's stage sends copies of its outputs: none of it was held before
+    split = predict(plan_at(costs, cluster, opts, (3,), kind="zero_bubble", num_microbatches=1),
+                    costs, cluster, opts).stage_costs
+    assert (split.kept_bytes[0], split.kept_held_bytes[0]) == (150, 0)
 
 
 def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_microbatches(
