@@ -133,6 +133,7 @@ def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTe
     empty_i = split_here and span.first
     held, wgrad = _split_bytes(model, span, cross_out, transient, ratio) \
         if split_here else (0, 0)
+    kept, kept_held = _kept_bytes(model, span, grad_in, cross_out, split_here)
     cluster, s, r = model.cluster, span.index, span.rank
     return StageTerms(
         fwd_us=fwd, bwd_input_us=bi if training else 0.0, bwd_weight_us=bw if training else 0.0,
@@ -146,11 +147,7 @@ def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTe
         backward_extra_bytes=_backward_extra(model, span, kind, transient, recomputed,
                                              cross_out, ratio) if not empty_i else 0,
         split_held_bytes=held, weight_grad_bytes=wgrad,
-        kept_bytes=_kept_bytes(model, span, grad_in, cross_out),
-        # the output a stage sends is in its saved set from its forward on (held_parts);
-        # a split backward's stage sends a copy of its own
-        kept_held_bytes=cross_out if (_torch_held(model) and training and not span.last
-                                      and not span.recompute and not split_here) else 0,
+        kept_bytes=kept, kept_held_bytes=kept_held,
         param_bytes=pbytes, num_parameters=numel,
         host_fwd_us=host[0], host_bwd_input_us=host[1] if training else 0.0,
         host_bwd_weight_us=host[2] if training else 0.0)
@@ -323,17 +320,24 @@ def _split_bytes(model: CostModel, span: StageSpan, cross_out: int,
     return held, wgrad
 
 
-def _kept_bytes(model: CostModel, span: StageSpan, grad_in: int, cross_out: int) -> int:
-    """What each backward of the stage leaves held until the step ends, bytes (``grad_in``:
-    the bytes of its inputs' gradients).
+def _kept_bytes(model: CostModel, span: StageSpan, grad_in: int, cross_out: int,
+                split: bool) -> tuple[int, int]:
+    """``(kept, held before)``, bytes: what each backward of the stage leaves held until the
+    step ends, and the part of it the stage held already when that backward began
+    (``grad_in``: the bytes of its inputs' gradients; ``split``: its backward splits).
 
     torch's stages keep what they send: each sent output (the schedule waits on every send at
     the step's end; until B its forward's saved set or the stage's cache held it) and each
-    input gradient (in the receive buffer's ``.grad`` until the next step clears it).
+    input gradient (in the receive buffer's ``.grad`` until the next step clears it). The
+    sent output is in the stage's saved set from its forward on (:meth:`MemoryModel.
+    held_parts`), unless the stage recomputes (its saved set is rebuilt) or its backward
+    splits (it sends a copy of its own).
     """
     if not (model.training and model.runtime.receive_buffers_per_microbatch):
-        return 0
-    return (cross_out if not span.last else 0) + (grad_in if not span.first else 0)
+        return 0, 0
+    out = cross_out if not span.last else 0
+    held = out if _torch_held(model) and not span.recompute and not split else 0
+    return out + (grad_in if not span.first else 0), held
 
 
 def _torch_held(model: CostModel) -> bool:

@@ -47,6 +47,9 @@ def _plan(arm: str, model: Any, args: tuple[Any, ...], target: Any, loss_fn: Any
     from autopart.planning import plan_model
 
     kind, m, *policy = arm.split(":")
+    if not m.isdigit() or len(policy) > 1:
+        raise SystemExit(f"arm {arm!r}: expected kind:m or kind:m:policy, e.g. 1f1b:4 or "
+                         "1f1b:4:selective")
     extra: dict[str, Any] = {"recompute_policy": policy[0]} if policy else {}
     plan, _ = plan_model(model, args, devices=["cpu", "cpu"], num_microbatches=int(m),
                          schedule_kind=kind, recompute=bool(policy), loss_fn=loss_fn,
