@@ -14,7 +14,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
     CheckpointPolicy,
     SelectiveCheckpointContext,
     checkpoint,
@@ -169,26 +172,92 @@ def selective_context(stage: nn.Module,
     return context_fn
 
 
-#: Per thread, how many marked (kept) nodes are running now (the one-process runtime issues
-#: stages from several threads).
+#: Per thread, the marked (kept) node running now: ``keep_at``, the index (among its keepable
+#: kernels) of the one whose output is kept, and ``count``, how many of them have run (the
+#: one-process runtime issues stages from several threads). ``keep_at`` is -1 outside.
 _KEEPING = threading.local()
 
 
 def _keeping(op: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``op`` wrapped so that the kernels it dispatches run with this thread's keeping count
-    raised (:func:`op_policy` reads it). A plain function of this module, so the stage's
-    generated code calls the wrapper rather than the op it names."""
+    """``op`` wrapped so that :func:`op_policy` keeps the output of the last keepable kernel
+    (neither a view nor in place: :func:`_keepable_kernel`) it dispatches, the one that
+    returns the node's output, and runs the others again.
+
+    A node may dispatch several kernels: ``scaled_dot_product_attention`` with a boolean mask
+    first turns the mask into a float one (``aten.where``, ``L x L x 4`` bytes per head group),
+    ``matmul`` of broadcast operands copies them. Keeping those too held 8 MiB per
+    microbatch more than the node's output on a 2-layer Llama stage (hidden 256, 1024
+    tokens), which the solver does not price (``KeepItem.nbytes`` is the node's output).
+    Which kernel is last is known only once the node has run, and the policy answers before
+    each kernel runs, so the first call with given argument shapes runs the node once more,
+    apart (:func:`_last_keepable`); forward and recomputation then count the same kernels.
+    A plain function of this module, so the stage's generated code calls the wrapper rather
+    than the op it names."""
+    last: dict[Any, int] = {}
+
     def kept(*args: Any, **kwargs: Any) -> Any:
-        depth = getattr(_KEEPING, "depth", 0)
-        _KEEPING.depth = depth + 1
+        key = _signature(args, kwargs)
+        if key not in last:
+            last[key] = _last_keepable(op, args, kwargs)
+        outer = (getattr(_KEEPING, "keep_at", -1), getattr(_KEEPING, "count", 0))
+        _KEEPING.keep_at, _KEEPING.count = last[key], 0
         try:
             return op(*args, **kwargs)
         finally:
-            _KEEPING.depth = depth
+            _KEEPING.keep_at, _KEEPING.count = outer
 
     kept.__name__ = kept.__qualname__ = f"kept_{name}"
     kept.kept_op = op  # type: ignore[attr-defined]
     return kept
+
+
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What decides the kernels a node dispatches: its tensors' shapes, strides, dtypes,
+    devices and ``requires_grad``, and its other arguments."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return (str(spec), *((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
+                         if isinstance(x, torch.Tensor) else repr(x) for x in leaves))
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the keepable kernels dispatched under it, as :func:`op_policy` sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func not in SAC_IGNORED_OPS and _keepable_kernel(func):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _last_keepable(op: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> int:
+    """The index, among the keepable kernels ``op(*args, **kwargs)`` dispatches, of the last;
+    -1 where there is none. ``op`` runs apart from the checkpoint: outside the dispatch modes
+    active now, on detached copies of the tensors (each requiring a gradient where the
+    original does, as kernel choices may depend on it), under saved-tensor hooks of its own
+    that keep nothing for the checkpoint, with the random state it started from restored
+    after it (a random op draws the same values in the forward that follows)."""
+    def detached(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.detach().requires_grad_(x.requires_grad)
+
+    args, kwargs = pytree.tree_map(detached, (args, kwargs))
+    cuda = sorted({x.device.index or 0 for x in pytree.tree_leaves((args, kwargs))
+                   if isinstance(x, torch.Tensor) and x.device.type == "cuda"})
+    counter = _Kernels()
+    with (torch.random.fork_rng(devices=cuda), _disable_current_modes(),
+          torch.autograd.graph.saved_tensors_hooks(_same, _same), counter):
+        op(*args, **kwargs)
+    return counter.count - 1
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def mark_kept(stage: nn.Module, names: Collection[str]) -> int:
@@ -218,13 +287,18 @@ def mark_kept(stage: nn.Module, names: Collection[str]) -> int:
 def op_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
               **kwargs: Any) -> CheckpointPolicy:
     """The ``"op"`` policy's answer for one kernel a recomputed stage dispatches:
-    ``MUST_SAVE`` for tp's reducing collectives (as under ``"selective"``) and for the kernels of the
-    nodes :func:`mark_kept` marked, but not their views or in-place kernels (a kept
+    ``MUST_SAVE`` for tp's reducing collectives (as under ``"selective"``) and, in a node
+    :func:`mark_kept` marked, for the last kernel that is neither a view nor in place (a kept
     ``linear`` of a 3-D input keeps its ``mm``'s output, not the input's reshaped view, which
-    would hold the unkept input); ``PREFER_RECOMPUTE`` for every other."""
+    would hold the unkept input; a kept attention its attention kernel's, not the float
+    mask it made first: :func:`_keeping`); ``PREFER_RECOMPUTE`` for every other."""
     del ctx, args, kwargs
-    if getattr(_KEEPING, "depth", 0) and _keepable_kernel(func):
-        return CheckpointPolicy.MUST_SAVE
+    keep_at = getattr(_KEEPING, "keep_at", -1)
+    if keep_at >= 0 and func not in SAC_IGNORED_OPS and _keepable_kernel(func):
+        index = _KEEPING.count
+        _KEEPING.count = index + 1
+        if index == keep_at:
+            return CheckpointPolicy.MUST_SAVE
     return _op_policy_of(func)
 
 

@@ -98,21 +98,31 @@ def test_kept_nodes_run_once_and_the_others_twice() -> None:
     assert matmuls[mm] == none[mm] and matmuls[ln] == nothing[ln]
 
 
+class _Policy(TorchDispatchMode):
+    """Asks :func:`autopart.codegen.recompute.op_policy` about every kernel, as selective
+    checkpointing does, and records its answers in ``seen``."""
+
+    def __init__(self, seen: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        from autopart.codegen.recompute import op_policy
+
+        self.seen.append((str(func), op_policy(None, func)))  # type: ignore[arg-type]
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_kept_linear_does_not_keep_its_input_view() -> None:
     """A kept node's view kernels are recomputed, not kept: keeping a 3-D linear's
     ``view`` of its input would hold the unkept input alive. The same node unmarked keeps
     nothing."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from autopart.codegen.recompute import mark_kept, op_policy
+    from autopart.codegen.recompute import mark_kept
 
     seen: list[tuple[str, CheckpointPolicy]] = []
-
-    class _Policy(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
-            seen.append((str(func), op_policy(None, func)))  # type: ignore[arg-type]
-            return func(*args, **(kwargs or {}))
 
     class _Linear(torch.nn.Module):
         def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -122,11 +132,46 @@ def test_a_kept_linear_does_not_keep_its_input_view() -> None:
     plain, marked = torch.fx.symbolic_trace(_Linear()), torch.fx.symbolic_trace(_Linear())
     name = next(n.name for n in marked.graph.nodes if n.op == "call_function")
     assert mark_kept(marked, [name, "not_in_the_graph"]) == 1
-    with _Policy():
+    with _Policy(seen):
         marked(x, w)
     kept = [f for f, pol in seen if pol == CheckpointPolicy.MUST_SAVE]
     assert kept == ["aten.mm.default"], seen
     seen.clear()
-    with _Policy():
+    with _Policy(seen):
         plain(x, w)
     assert seen and all(pol == CheckpointPolicy.PREFER_RECOMPUTE for _, pol in seen)
+
+
+def test_a_kept_attention_keeps_its_output_not_the_float_mask_it_makes() -> None:
+    """``scaled_dot_product_attention`` with a boolean mask dispatches ``aten.where`` (the
+    mask as floats, 4 bytes per query-key pair) before its attention kernel: only the
+    attention kernel's output is kept, the node's output the solver prices. Twice, with a
+    random op kept in between: the kernels the node dispatches are found by running it
+    apart once per argument shapes, which leaves the random state as it was."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from autopart.codegen.recompute import mark_kept
+
+    class _Attention(torch.nn.Module):
+        def forward(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            a = torch.ops.aten.scaled_dot_product_attention.default(q, q, q, mask)
+            return torch.ops.aten.add.Tensor(a, torch.ops.aten.rand_like.default(a))
+
+    q = torch.randn(1, 2, 8, 4)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    marked = torch.fx.symbolic_trace(_Attention())
+    names = [n.name for n in marked.graph.nodes if n.op == "call_function"]
+    assert mark_kept(marked, names) == 3
+    seen: list[tuple[str, CheckpointPolicy]] = []
+    for _ in range(2):
+        seen.clear()
+        torch.manual_seed(0)
+        with _Policy(seen):
+            out = marked(q, mask)
+        torch.manual_seed(0)
+        assert torch.equal(out, _Attention()(q, mask))
+        kernels = [f for f, _ in seen]
+        assert "aten.where.self" in kernels or "aten.where.ScalarSelf" in kernels, kernels
+        kept = [f for f, pol in seen if pol == CheckpointPolicy.MUST_SAVE]
+        assert kept == ["aten._scaled_dot_product_flash_attention_for_cpu.default",
+                        "aten.rand_like.default", "aten.add.Tensor"], seen

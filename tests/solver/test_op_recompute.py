@@ -17,18 +17,19 @@ from autopart.solver import SolveOptions, solve
 from autopart.solver._candidate import evaluate
 from autopart.solver._cost_model import CostModel
 from autopart.solver.predict import predict
-from autopart.solver.recompute_choice import choose_kept, keep_items
+from autopart.solver.recompute_choice import choose_kept, keep_bounds, keep_items
 
 
-def _chain(build: Any, n: int = 8) -> CostGraph:
+def _chain(build: Any, n: int = 8, saved: int = 2000) -> CostGraph:
     """Alternating matmuls (40 µs) and pointwise ops (10 µs) of different output sizes, each
-    saving its input; one view, one in-place op and one dropout that "op" never keeps."""
-    g = build.chain(n, saved=2000, out=2000, param_bytes=40)
+    saving ``saved`` bytes of its input; one view, one in-place op and one dropout that "op"
+    never keeps."""
+    g = build.chain(n, saved=saved, out=2000, param_bytes=40)
     ops = {3: "aten.view.default", 5: "aten.add_.Tensor", 6: "aten.dropout.default"}
     return replace(g, nodes=tuple(
         replace(nd, op=ops.get(i, "aten.linear.default" if i % 2 == 0 else "aten.gelu.default"),
                 fwd_us=40.0 if i % 2 == 0 else 10.0 + i, output_bytes=1000 + 300 * i,
-                saved_from=((1, 2000),) if i else ())
+                saved_from=((1, saved),) if i else ())
         for i, nd in enumerate(g.nodes)))
 
 
@@ -57,11 +58,13 @@ def test_views_in_place_ops_and_dropout_are_never_kept(build: Any) -> None:
     assert ops == {"aten.linear.default", "aten.gelu.default"}
 
 
-@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
-def test_the_kept_set_is_the_best_that_fits(build: Any, share: float) -> None:
+@pytest.mark.parametrize(("share", "saved"), [(0.25, 2000), (0.5, 2000), (0.75, 2000),
+                                             (0.5, 700), (1.0, 700)])
+def test_the_kept_set_is_the_best_that_fits(build: Any, share: float, saved: int) -> None:
     """Against every subset of the keepable nodes, evaluated exactly: the chosen set fits
-    the cap and keeps the most forward time among the subsets that fit."""
-    g = _chain(build)
+    the cap, keeps no more bytes than the stage saves without recompute (binding where each
+    node saves 700 bytes), and keeps the most forward time among the subsets that do both."""
+    g = _chain(build, saved=saved)
     model = CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0,
                       recompute_policy="op")
     cand = evaluate(model, None, "gpipe", 1, 1, 8, (), None, recompute=True).simulated()
@@ -72,9 +75,16 @@ def test_the_kept_set_is_the_best_that_fits(build: Any, share: float) -> None:
                      "gpipe", 1, 1, 8, (), None, recompute=True).simulated()
     caps = (int(cand.peaks[0] + share * (every.peaks[0] - cand.peaks[0])),)
     cand = replace(cand, caps=caps)
+    (bound,) = keep_bounds(model, cand).values()
+    plain = evaluate(model, None, "gpipe", 1, 1, 8, (), None, recompute=False)
+    assert bound == plain.costs.saved_bytes[0] - cand.costs.saved_bytes[0] > 0
+    binding = sum(it.nbytes for it in items) > bound
+    assert binding == (saved == 700)
     best_time = 0.0
     for k in range(len(items) + 1):
         for subset in itertools.combinations(items, k):
+            if sum(it.nbytes for it in subset) > bound:
+                continue
             m = model.with_kept(frozenset(names[it.node] for it in subset))
             c = evaluate(m, None, "gpipe", 1, 1, 8, (), caps, recompute=True).simulated()
             if c.fits:
@@ -82,8 +92,38 @@ def test_the_kept_set_is_the_best_that_fits(build: Any, share: float) -> None:
     chosen_model, chosen = choose_kept(model, cand, caps, "speed")
     assert chosen.fits
     kept = [it for it in items if names[it.node] in chosen_model.kept_nodes]
+    assert sum(it.nbytes for it in kept) <= bound
     assert sum(it.time_us for it in kept) == pytest.approx(best_time)
     assert 0 < len(kept) < len(items)
+
+
+def test_a_forced_recompute_never_holds_more_than_no_recompute(build: Any) -> None:
+    """Every stage forced to recompute, no cap, outputs larger than what the nodes save:
+    keeping every output would skip the recomputation but hold more than the stage without
+    recompute. The op plan keeps some (not all) of each stage's outputs, and each stage
+    holds per microbatch no more than the same cuts without recompute. (Its backward still
+    holds the recomputed saved set, so the ranks' peaks are not ordered.)"""
+    g = _chain(build, n=12, saved=900)
+    cluster = build.cluster(2)
+    op = solve(g, cluster, SolveOptions(**BASE, recompute=True, recompute_policy="op"))
+    assert all(st.recompute for st in op.stages)
+    cuts = tuple(c.position for c in op.cuts)
+    model = CostModel(g, cluster, batch_size=8, training=True, state_factor=2.0,
+                      recompute_policy="op")
+    keepable = evaluate(model, None, "gpipe", 2, 1, 8, cuts, None, recompute=True)
+    items = keep_items(model, keepable)
+    bounds = keep_bounds(model, keepable)
+    kept = frozenset(n for st in op.stages for n in st.recompute_kept)
+    chosen = evaluate(model.with_kept(kept), None, "gpipe", 2, 1, 8, cuts, None,
+                      recompute=True)
+    plain = evaluate(model, None, "gpipe", 2, 1, 8, cuts, None, recompute=False)
+    for s in range(2):
+        assert sum(it.nbytes for it in items if it.stage == s) > bounds[s]
+        assert chosen.costs.saved_bytes[s] <= plain.costs.saved_bytes[s]
+    # the first stage's bound leaves room for some of its outputs
+    mine = [it for it in items if it.stage == 0]
+    assert 0 < len(op.stages[0].recompute_kept) < len(mine)
+    assert keepable.costs.saved_bytes[0] < chosen.costs.saved_bytes[0]
 
 
 def test_op_plans_fit_beat_whole_stage_recompute_and_replay(build: Any) -> None:
