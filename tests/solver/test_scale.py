@@ -106,17 +106,23 @@ def test_reduced_gpt3_shape_is_reproducible_with_a_small_certified_gap(
         banded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # 12 layers (~380 nodes) onto 8 ranks, full search over 8 m, v, kinds and recompute, with
     # short CP-SAT solves; banded=True takes the big-problem path that the 175B shape takes.
-    # The threshold search proves the chosen (kind, v, m) answer optimal on both paths (CP-SAT
+    # The threshold search proved the chosen (kind, v, m) answer optimal on both paths (CP-SAT
     # alone proved the same objective optimal before it existed). 43,888,765.0 µs until ZB-H1
-    # was charged the gradients it keeps from I to W: that plan no longer fits, 1F1B at m=128
-    # is the optimum.
+    # was charged the gradients it keeps from I to W: that plan no longer fitted, and 1F1B at
+    # m=128 (44,224,221.0, OPTIMAL) was chosen. Since an answer over a rank's cap on the exact
+    # costs is searched again with that rank's chain cap lowered (solver/_refinement.
+    # _tightened), ZB-H1 at m=128 finds cuts that fit: predicted 43.912 s against 1F1B's
+    # 43.953 s, at 60.7 GB against 72.5. Its chain objective is no longer proven optimal: the
+    # bound is the first search's, 0.72 % below it.
     if banded:
         monkeypatch.setattr(sys.modules["autopart.solver._refinement"], "_BAND_ABOVE", 0)
     plan, _ = _solve_twice(12, 8, (8, 16, 24, 32, 48, 64, 96, 128), deterministic_time=0.2)
     _check(plan, 12, 8)
     sol = plan.solver  # type: ignore[attr-defined]
-    assert (sol.name, sol.status, sol.objective, sol.gap) == (
-        "dp+threshold-bound", "OPTIMAL", 44224221.0, 0.0)
+    assert (sol.name, sol.status) == ("dp+threshold-bound", "FEASIBLE")
+    assert plan.schedule_kind == "zero_bubble"  # type: ignore[attr-defined]
+    assert sol.objective == pytest.approx(44206998.6, abs=1.0)
+    assert sol.gap == pytest.approx(0.0072, abs=1e-4)
 
 
 @pytest.mark.slow
