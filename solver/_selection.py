@@ -49,7 +49,9 @@ def choose(st: Setup, solved: list[Subproblem], wall: float) -> Plan:
         wall: CP-SAT wall time spent, seconds (reported as ``solver.wall_s``).
 
     Raises:
-        InfeasiblePlanError: no candidate fits the memory cap.
+        InfeasiblePlanError: no candidate fits the memory cap: neither the search's answers,
+            the baselines, nor the partition of least peak (:func:`_least_peak`, taken where
+            it alone fits).
     """
     model, options, p, caps = st.model, st.options, st.p, st.caps
     evaluated = [evaluate(model, st.cands, s.kind, p, s.v, s.m, s.answer, caps, sub=s)
@@ -66,7 +68,12 @@ def choose(st: Setup, solved: list[Subproblem], wall: float) -> Plan:
         c for c in base_cands if c.fits and allowed
         and options.recompute in (None, any(c.recompute))]
     if not pool:
-        raise _memory_error(st)
+        # the chain problem prices memory more simply than the exact costs: where none of
+        # the searched answers fits, the partition of least peak still may
+        least = _least_peak(st)
+        if least is None or not least.fits:
+            raise _memory_error(st)
+        pool = [least]
     key = _key(options.optimize)
     pool.sort(key=key)
     n_sim = options.max_simulated if pool[0].m * p * pool[0].v <= _SIMULATE_ABOVE else 1

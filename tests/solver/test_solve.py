@@ -193,6 +193,34 @@ def test_an_answer_over_a_ranks_cap_on_the_exact_costs_is_searched_again(
     assert [c.position for c in plan.cuts] == [c.position for c in free.cuts]
 
 
+def test_where_no_searched_answer_fits_the_partition_of_least_peak_is_taken_if_it_does(
+        build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every search answer over the cap on the exact costs, and searching again turned off:
+    the solve does not report that nothing fits (naming a smallest peak under the cap, as
+    it did) but plans the partition of least peak, which fits."""
+    from autopart.solver import _refinement
+    from autopart.solver.chain import ChainAnswer
+
+    real = _refinement._refine
+
+    def lopsided(sub: Any, options: SolveOptions) -> Any:
+        res = real(sub, options)
+        return dataclasses.replace(res, answer=ChainAnswer(
+            (sub.problem.num_segments - 2,), (False, False), res.answer.objective))
+
+    g, cluster = build.chain(8, param_bytes=400), build.cluster(2)
+    fixed: dict[str, Any] = dict(num_stages=2, batch_size=8, num_microbatches=4,
+                                 schedule_kind="1f1b", recompute=False, max_cpsat_solves=1,
+                                 baselines=False)
+    free = solve(g, cluster, SolveOptions(**fixed))
+    cap = max(r.peak_memory_bytes for r in free.ranks) * 21 // 20
+    monkeypatch.setattr(_refinement, "_refine", lopsided)
+    monkeypatch.setattr(_refinement, "_tightened", lambda st, sub, res: res)
+    plan = solve(g, cluster, SolveOptions(**fixed, memory_cap_bytes=cap))
+    assert max(r.peak_memory_bytes for r in plan.ranks) <= cap
+    assert [c.position for c in plan.cuts] == [c.position for c in free.cuts]
+
+
 def test_nothing_found_within_cpsats_limits_says_so_and_how_to_search_longer(
         build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where nothing fits and some refinement stopped at CP-SAT's limits, the error says
