@@ -174,8 +174,10 @@ def selective_context(stage: nn.Module,
 
 #: Per thread, the marked (kept) node running now: ``keep_at``, the index (among its keepable
 #: kernels) of the one whose output is kept, and ``count``, how many of them have run (the
-#: one-process runtime issues stages from several threads). ``keep_at`` is -1 outside.
+#: one-process runtime issues stages from several threads). ``keep_at`` is -1 outside,
+#: :data:`_EVERY` in a node whose every keepable kernel is kept.
 _KEEPING = threading.local()
+_EVERY = -2
 
 
 def _keeping(op: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -191,16 +193,23 @@ def _keeping(op: Callable[..., Any], name: str) -> Callable[..., Any]:
     Which kernel is last is known only once the node has run, and the policy answers before
     each kernel runs, so the first call with given argument shapes runs the node once more,
     apart (:func:`_last_keepable`); forward and recomputation then count the same kernels.
+    Only aten ops are run apart: a node codegen wrote (tp's, cp's and ep's, which issue
+    collectives) keeps every keepable kernel it dispatches, as before.
     A plain function of this module, so the stage's generated code calls the wrapper rather
     than the op it names."""
     last: dict[Any, int] = {}
+    aten = isinstance(op, torch._ops.OpOverload) and op.namespace == "aten"
 
     def kept(*args: Any, **kwargs: Any) -> Any:
-        key = _signature(args, kwargs)
-        if key not in last:
-            last[key] = _last_keepable(op, args, kwargs)
+        if not aten:
+            keep_at = _EVERY
+        else:
+            key = _signature(args, kwargs)
+            if key not in last:
+                last[key] = _last_keepable(op, args, kwargs)
+            keep_at = last[key]
         outer = (getattr(_KEEPING, "keep_at", -1), getattr(_KEEPING, "count", 0))
-        _KEEPING.keep_at, _KEEPING.count = last[key], 0
+        _KEEPING.keep_at, _KEEPING.count = keep_at, 0
         try:
             return op(*args, **kwargs)
         finally:
@@ -294,10 +303,10 @@ def op_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
     mask it made first: :func:`_keeping`); ``PREFER_RECOMPUTE`` for every other."""
     del ctx, args, kwargs
     keep_at = getattr(_KEEPING, "keep_at", -1)
-    if keep_at >= 0 and func not in SAC_IGNORED_OPS and _keepable_kernel(func):
+    if keep_at != -1 and func not in SAC_IGNORED_OPS and _keepable_kernel(func):
         index = _KEEPING.count
         _KEEPING.count = index + 1
-        if index == keep_at:
+        if index == keep_at or keep_at == _EVERY:
             return CheckpointPolicy.MUST_SAVE
     return _op_policy_of(func)
 

@@ -175,3 +175,33 @@ def test_a_kept_attention_keeps_its_output_not_the_float_mask_it_makes() -> None
         kept = [f for f, pol in seen if pol == CheckpointPolicy.MUST_SAVE]
         assert kept == ["aten._scaled_dot_product_flash_attention_for_cpu.default",
                         "aten.rand_like.default", "aten.add.Tensor"], seen
+
+
+def _two_kernels(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.mul.Tensor(torch.ops.aten.add.Tensor(x, 1.0), 2.0)
+
+
+torch.fx.wrap("_two_kernels")
+
+
+def test_a_kept_node_codegen_wrote_keeps_every_kernel_and_is_not_run_apart() -> None:
+    """A node whose target is not an aten op (tp's, cp's and ep's nodes issue collectives)
+    is not run apart to count its kernels: every keepable kernel it dispatches is kept, as
+    before the last-kernel rule."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from autopart.codegen.recompute import mark_kept
+
+    class _Module(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _two_kernels(x)
+
+    marked = torch.fx.symbolic_trace(_Module())
+    names = [n.name for n in marked.graph.nodes if n.op == "call_function"]
+    assert mark_kept(marked, names) == 1
+    seen: list[tuple[str, CheckpointPolicy]] = []
+    x = torch.randn(3)
+    with _Policy(seen):
+        marked(x)
+    assert seen == [("aten.add.Tensor", CheckpointPolicy.MUST_SAVE),
+                    ("aten.mul.Tensor", CheckpointPolicy.MUST_SAVE)]
