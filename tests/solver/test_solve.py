@@ -159,25 +159,18 @@ def test_a_subproblem_cpsat_leaves_unanswered_does_not_sink_the_others(
     assert plan.num_microbatches in (2, 4, 8)
 
 
-def test_an_answer_over_a_ranks_cap_on_the_exact_costs_is_searched_again(
-        build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chain problem prices memory more simply than the exact evaluation, so its answer
-    can be over a rank's cap there. The subproblem is then searched again, that rank's
-    chain cap lowered, and the plan comes from the second answer. Here the first search's
-    answer is replaced by one that puts every segment but the last on rank 0."""
+def _lopsided_case(build: Any, monkeypatch: pytest.MonkeyPatch, replace_answer: Any) -> Any:
+    """An 8-node chain on 2 ranks under a cap 5 % above its plan's peak without one, solved
+    with ``_refine``'s answers passed through ``replace_answer(call, sub, result)`` (call
+    counts from 1), which may put every segment but the last on rank 0
+    (:func:`_lopsided`). Returns the capped plan and the uncapped one."""
     from autopart.solver import _refinement
-    from autopart.solver.chain import ChainAnswer
 
-    real, caps = _refinement._refine, []
+    real, calls = _refinement._refine, []
 
-    def first_over(sub: Any, options: SolveOptions) -> Any:
-        res = real(sub, options)
-        caps.append(sub.problem.rank_caps)
-        if len(caps) > 1:
-            return res
-        lopsided = ChainAnswer((sub.problem.num_segments - 2,), (False, False),
-                               res.answer.objective)
-        return dataclasses.replace(res, answer=lopsided)
+    def refine(sub: Any, options: SolveOptions) -> Any:
+        calls.append(sub.problem.rank_caps)
+        return replace_answer(len(calls), sub, real(sub, options))
 
     g, cluster = build.chain(8, param_bytes=400), build.cluster(2)
     fixed: dict[str, Any] = dict(num_stages=2, batch_size=8, num_microbatches=4,
@@ -185,12 +178,30 @@ def test_an_answer_over_a_ranks_cap_on_the_exact_costs_is_searched_again(
                                  baselines=False)
     free = solve(g, cluster, SolveOptions(**fixed))
     cap = max(r.peak_memory_bytes for r in free.ranks) * 21 // 20
-    monkeypatch.setattr(_refinement, "_refine", first_over)
+    monkeypatch.setattr(_refinement, "_refine", refine)
     plan = solve(g, cluster, SolveOptions(**fixed, memory_cap_bytes=cap))
-    assert len(caps) == 2
-    assert caps[1][0] <= caps[0][0] and caps[1][1] == caps[0][1]  # rank 0 was over
     assert max(r.peak_memory_bytes for r in plan.ranks) <= cap
     assert [c.position for c in plan.cuts] == [c.position for c in free.cuts]
+    return calls
+
+
+def _lopsided(sub: Any, res: Any) -> Any:
+    from autopart.solver.chain import ChainAnswer
+
+    return dataclasses.replace(res, answer=ChainAnswer(
+        (sub.problem.num_segments - 2,), (False, False), res.answer.objective))
+
+
+def test_an_answer_over_a_ranks_cap_on_the_exact_costs_is_searched_again(
+        build: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain problem prices memory more simply than the exact evaluation, so its answer
+    can be over a rank's cap there. The subproblem is then searched again, that rank's
+    chain cap lowered, and the plan comes from the second answer (the first replaced by a
+    lopsided one)."""
+    caps = _lopsided_case(build, monkeypatch,
+                          lambda call, sub, res: _lopsided(sub, res) if call == 1 else res)
+    assert len(caps) == 2
+    assert caps[1][0] <= caps[0][0] and caps[1][1] == caps[0][1]  # rank 0 was over
 
 
 def test_where_no_searched_answer_fits_the_partition_of_least_peak_is_taken_if_it_does(
@@ -199,26 +210,9 @@ def test_where_no_searched_answer_fits_the_partition_of_least_peak_is_taken_if_i
     the solve does not report that nothing fits (naming a smallest peak under the cap, as
     it did) but plans the partition of least peak, which fits."""
     from autopart.solver import _refinement
-    from autopart.solver.chain import ChainAnswer
 
-    real = _refinement._refine
-
-    def lopsided(sub: Any, options: SolveOptions) -> Any:
-        res = real(sub, options)
-        return dataclasses.replace(res, answer=ChainAnswer(
-            (sub.problem.num_segments - 2,), (False, False), res.answer.objective))
-
-    g, cluster = build.chain(8, param_bytes=400), build.cluster(2)
-    fixed: dict[str, Any] = dict(num_stages=2, batch_size=8, num_microbatches=4,
-                                 schedule_kind="1f1b", recompute=False, max_cpsat_solves=1,
-                                 baselines=False)
-    free = solve(g, cluster, SolveOptions(**fixed))
-    cap = max(r.peak_memory_bytes for r in free.ranks) * 21 // 20
-    monkeypatch.setattr(_refinement, "_refine", lopsided)
     monkeypatch.setattr(_refinement, "_tightened", lambda st, sub, res: res)
-    plan = solve(g, cluster, SolveOptions(**fixed, memory_cap_bytes=cap))
-    assert max(r.peak_memory_bytes for r in plan.ranks) <= cap
-    assert [c.position for c in plan.cuts] == [c.position for c in free.cuts]
+    _lopsided_case(build, monkeypatch, lambda call, sub, res: _lopsided(sub, res))
 
 
 def test_nothing_found_within_cpsats_limits_says_so_and_how_to_search_longer(
