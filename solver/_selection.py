@@ -72,7 +72,7 @@ def choose(st: Setup, solved: list[Subproblem], wall: float) -> Plan:
         # the searched answers fits, the partition of least peak still may
         least = _least_peak(st)
         if least is None or not least.fits:
-            raise _memory_error(st)
+            raise _memory_error(st, least)
         pool = [least]
     key = _key(options.optimize)
     pool.sort(key=key)
@@ -307,17 +307,17 @@ def _devices_that_fit(st: Setup, lowest: int) -> tuple[int, Candidate] | None:
     return fits
 
 
-def _memory_error(st: Setup) -> InfeasiblePlanError:
-    """Name the smallest peak any configuration reaches without a cap, and what would fit: the
-    cap on these devices, and a device count checked by solving (or that none fits, with the
-    cap that would on the most devices the graph allows)."""
+def _memory_error(st: Setup, least: Candidate | None) -> InfeasiblePlanError:
+    """Name the smallest peak any configuration reaches without a cap (``least``,
+    :func:`_least_peak` of ``st``), and what would fit: the cap on these devices, and a
+    device count checked by solving (or that none fits, with the cap that would on the most
+    devices the graph allows)."""
     model, caps, p = st.model, st.caps, st.p
     if not st.options.explain_infeasible:
         return InfeasiblePlanError(f"no partition onto {p} ranks fits the memory cap of "
                                    f"{min(caps)} bytes ({min(caps) / _GIB:.3f} GiB); solve with "
                                    "explain_infeasible=True for the smallest peak and what fits, "
                                    "or raise the cap, use more devices or allow recompute")
-    least = _least_peak(st)
     if least is None:  # pragma: no cover - a chain always has some answer without caps
         return InfeasiblePlanError("no partition fits the memory cap")
     state_total = sum(model.state_bytes.values())

@@ -101,19 +101,18 @@ def keep_items(model: CostModel, cand: Candidate) -> list[KeepItem]:
     return items
 
 
-def keep_bounds(model: CostModel, cand: Candidate) -> dict[int, int]:
-    """Per recomputing stage of ``cand``, the most its kept nodes may add to what it holds per
-    microbatch, bytes at ``cand``'s microbatch size (the units of :attr:`KeepItem.nbytes`):
+def keep_bounds(model: CostModel, none: Candidate) -> dict[int, int]:
+    """Per recomputing stage of ``none``, the most its kept nodes may add to what it holds per
+    microbatch, bytes at ``none``'s microbatch size (the units of :attr:`KeepItem.nbytes`):
     what the stage holds per microbatch without recompute less what it holds recomputing
-    and keeping nothing (``StageCosts.saved_bytes`` of both), at least 0. With torch's stages
-    that is what its nodes save for the backward (the inputs the recomputation starts from
-    are its receive buffers, held either way)."""
-    p = len(cand.peaks)
-    base = model.with_kept(frozenset())
-    plain, none = (evaluate(base, None, cand.kind, p, cand.v, cand.m, cand.positions, None,
-                            sub=cand.sub, recompute=rc, name=cand.name).costs.saved_bytes
-                   for rc in ((False,) * len(cand.recompute), cand.recompute))
-    return {s: max(plain[s] - none[s], 0) for s, rc in enumerate(cand.recompute) if rc}
+    and keeping nothing (``StageCosts.saved_bytes``), at least 0. ``none`` is the candidate
+    evaluated on ``model`` with nothing kept (``model.with_kept(frozenset())``). With
+    torch's stages that is what its nodes save for the backward (the inputs the
+    recomputation starts from are its receive buffers, held either way)."""
+    plain = evaluate(model, None, none.kind, len(none.peaks), none.v, none.m, none.positions,
+                     None, sub=none.sub, recompute=False, name=none.name).costs.saved_bytes
+    return {s: max(plain[s] - none.costs.saved_bytes[s], 0)
+            for s, rc in enumerate(none.recompute) if rc}
 
 
 def choose_kept(model: CostModel, cand: Candidate, caps: tuple[int, ...] | None,
@@ -167,7 +166,7 @@ def choose_kept(model: CostModel, cand: Candidate, caps: tuple[int, ...] | None,
     by_rank: dict[int, list[KeepItem]] = {}
     for it in items:
         by_rank.setdefault(rank_of[it.stage], []).append(it)
-    bound = keep_bounds(base, cand)
+    bound = keep_bounds(base, none)
     chosen = {r: _rank_choice(mine, per_byte, room[r], bound) for r, mine in by_rank.items()}
     best = (none_model, none)
     for _ in range(_ROUNDS):
