@@ -1,4 +1,5 @@
-"""Megatron's tensor-parallel collectives as torch.library custom ops with autograd."""
+"""Megatron's tensor-parallel collectives, and the all-to-all context parallelism's Ulysses
+attention exchanges with, as torch.library custom ops with autograd."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["tp_copy", "tp_gather", "tp_reduce", "tp_reduce_scatter", "tp_seq_gather",
+__all__ = ["all_to_all", "tp_copy", "tp_gather", "tp_reduce", "tp_reduce_scatter", "tp_seq_gather",
            "tp_seq_gather_split", "tp_seq_scatter"]
 
 # The ops live in the graph as ``torch.ops.autopart.tp_copy`` / ``tp_reduce`` / ``tp_gather``:
@@ -332,3 +333,44 @@ def _tp_seq_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 
 
 tp_seq_scatter.register_autograd(_tp_seq_scatter_backward, setup_context=_seq_setup)
+
+
+def _all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``x [size, ...]``: part ``j`` goes to rank ``j`` of the group; returns ``[size, ...]``
+    whose part ``i`` came from rank ``i`` (equal splits of dim 0)."""
+    src = x.contiguous()
+    size = src.shape[0]
+    if _metered(src):  # see _metered: every rank's parts summed into place, this rank's taken
+        rank = torch.distributed.get_rank(_group(group_name))
+        flat = src.new_zeros((size, *src.shape))  # [source, destination, ...]
+        flat[rank].copy_(src)
+        return _all_reduce(flat, group_name).select(1, rank).clone()
+    splits = [src.shape[0] // size] * size
+    out = torch.ops._c10d_functional.all_to_all_single(src, splits, splits, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+@torch.library.custom_op("autopart::all_to_all", mutates_args=())
+def all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """All-to-all of equal parts over the group: ``x [size, ...]`` holds in part ``j`` what
+    this rank sends rank ``j``; the result holds in part ``i`` what rank ``i`` sent. Its
+    backward is the reverse all-to-all of the gradient (the same exchange). Context
+    parallelism's Ulysses attention swaps token and head sharding with it; on the CPU memory
+    meter's steps it runs as an all-reduce (:func:`_metered`)."""
+    return _all_to_all(x, group_name)
+
+
+@all_to_all.register_fake
+def _all_to_all_fake(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_to_all_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.group_name = inputs[1]
+
+
+def _all_to_all_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return all_to_all(grad, ctx.group_name), None
+
+
+all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)

@@ -5,10 +5,9 @@ A stage built for cp > 1 runs on the rank's tokens only (two chunks of the seque
 at S / cp tokens computes the rank's share as it is. :func:`context_parallel` replaces each
 attention (``aten.scaled_dot_product_attention``) with :class:`ContextParallelAttention`:
 
-- the keys and values are all-gathered over the cp group
-  (``torch.distributed._functional_collectives.all_gather_single_autograd``: its backward
-  reduce-scatters their gradients, so each rank gets the sum of every rank's queries'
-  gradients for its tokens' keys and values);
+- the keys and values are all-gathered over the cp group (``autopart::tp_seq_gather_split``,
+  :mod:`autopart.codegen._tp_ops`: its backward reduce-scatters their gradients, so each rank
+  gets the sum of every rank's queries' gradients for its tokens' keys and values);
 - causal attention: each of the rank's two query chunks attends to the keys of its own and
   earlier chunks only, with the diagonal block masked (two ``scaled_dot_product_attention``
   calls over (g + 1) / (2 cp) of the keys for chunk g). With the load-balanced chunks every
@@ -27,7 +26,7 @@ held during its attention, and the exchange is not overlapped with the attention
 With ``Plan.cp_attention="ulysses"`` each attention becomes :class:`UlyssesAttention`
 (DeepSpeed-Ulysses, Jacobs et al., 2023, "System Optimizations for Enabling Training of
 Extreme Long Sequence Transformer Models"): the queries, keys and values are exchanged by one
-all-to-all each (``all_to_all_single_autograd``, whose backward is the reverse all-to-all),
+all-to-all each (``autopart::all_to_all``, whose backward is the reverse all-to-all),
 so that each rank holds heads / cp of the heads for the whole sequence; the model's own
 attention runs on them (``is_causal`` over the whole sequence in order, or unmasked), and one
 more all-to-all brings each rank its tokens' outputs for every head. The heads a rank holds
@@ -48,10 +47,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.distributed._functional_collectives import (
-    all_gather_single_autograd,
-    all_to_all_single_autograd,
-)
 
 from autopart.codegen import _tp_ops
 from autopart.codegen.tp_layout import TensorParallelRank
@@ -215,9 +210,9 @@ class ContextParallelAttention(_ContextAttention):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 ) -> torch.Tensor:
-        group = _tp_ops._group(self.group_name)  # addressed by name, as tp's collectives are
-        keys = all_gather_single_autograd(key.contiguous(), 2, group)
-        values = all_gather_single_autograd(value.contiguous(), 2, group)
+        # gathered along the sequence in rank order, the gradients reduce-scattered back
+        keys, values = (_tp_ops.tp_seq_gather_split(t, 2, 1, self.cp_size, self.group_name)
+                        for t in (key, value))
         local = key.shape[2]
         if self.causal:
             order = sequence_order(self.cp_size, local, key.device)
@@ -286,32 +281,31 @@ class UlyssesAttention(_ContextAttention):
                             f"attention has {query.shape[1]} query and {key.shape[1]} key heads "
                             "on each rank; re-plan with cp_attention='all_gather' or a cp "
                             "that divides them")
-        group = _tp_ops._group(self.group_name)  # addressed by name, as tp's collectives are
         order = sequence_order(cp, query.shape[2], query.device)
-        q, k, v = (self._to_heads(t, group, order) for t in (query, key, value))
+        q, k, v = (self._to_heads(t, order) for t in (query, key, value))
         if repeat > 1:
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=self.causal, scale=self.scale, enable_gqa=self.enable_gqa)
-        return self._to_tokens(out, group, torch.argsort(order))  # back to rank by rank
+        return self._to_tokens(out, torch.argsort(order))  # back to rank by rank
 
-    def _to_heads(self, t: torch.Tensor, group: Any, order: torch.Tensor) -> torch.Tensor:
+    def _to_heads(self, t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """``[B, H, L, D]`` (this rank's tokens, every head) -> ``[B, H / cp, S, D]`` (every
         token of this rank's heads, in sequence order)."""
         cp, (b, h, local, d) = self.cp_size, t.shape
         parts = t.reshape(b, cp, h // cp, local, d).transpose(0, 1).contiguous()
-        got = all_to_all_single_autograd(parts, None, None, group)  # [source rank, ...]
+        got = _tp_ops.all_to_all(parts, self.group_name)  # [source rank, ...]
         return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * local, d).index_select(
             2, order)
 
-    def _to_tokens(self, out: torch.Tensor, group: Any, inverse: torch.Tensor) -> torch.Tensor:
+    def _to_tokens(self, out: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
         """``[B, H / cp, S, D]`` in sequence order -> ``[B, H, L, D]`` of this rank's
         tokens."""
         cp, (b, h, seq, d) = self.cp_size, out.shape
         by_rank = out.index_select(2, inverse)  # rank by rank, each its two chunks
         parts = by_rank.reshape(b, h, cp, seq // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-        got = all_to_all_single_autograd(parts, None, None, group)  # [source's heads, ...]
+        got = _tp_ops.all_to_all(parts, self.group_name)  # [source's heads, ...]
         return got.transpose(0, 1).reshape(b, cp * h, seq // cp, d)
 
 

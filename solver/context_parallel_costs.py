@@ -25,15 +25,17 @@ sequences first):
   group's link, plus the runtime's fixed cost per collective after one GPU's work between
   two of them, as tp's collectives are priced), in the backward their gradients
   reduce-scattered (two); in line, not overlapped, as the runtime runs them;
-- memory: the whole sequence's keys and values held from the forward to the backward on
-  top of what the node saved: ``2 x`` their bytes for causal attention (the gathered ones
-  and their copy in sequence order), ``1 x`` for attention over the whole sequence. Measured
-  on this project's CPU (``benchmarks/context_parallel``, 4-layer Llama shape, 2 x 1024
-  tokens per microbatch, cp 2, one stage): a peak of 190.7 MiB against 203.1 predicted;
-  holding only ``(cp - 1) / cp`` of them more (what autograd should keep: ``index_select``
-  saves its indices, not its input) predicted 179.1 MiB against 192.7 measured, under it.
-  The backward's whole-sequence gradients of the keys and values are the likely rest (not
-  separated).
+- memory: the other ranks' keys and values (``(cp - 1) x`` the rank's, as attention takes
+  them: repeated) held from the forward to the backward on top of what the node saved (the
+  kernel saves the whole sequence's where the model's own saved the rank's; ``index_select``
+  and the gather save none), and their whole sequence's gradients (``cp x``) in the node's
+  backward working set. The model's own float mask, which the node saved and the runtime's
+  block masks replace, is not taken off. Measured on this project's CPU
+  (``benchmarks/context_parallel``, 4-layer Llama shape, 2 x 1024 tokens per microbatch, cp
+  2, saved tensors counted with ``saved_tensors_hooks``): autograd keeps 7.3 MiB per layer
+  (the rank's queries, the gathered and repeated keys and values, both outputs, the block
+  masks' float copies) where this prices 8.0 (the model's own attention at 512 tokens, 6.0,
+  plus 2.0);
 
 With ``attention="ulysses"`` (``Plan.cp_attention``; :class:`autopart.codegen.context_parallel.
 UlyssesAttention`) each attention instead:
@@ -45,16 +47,18 @@ UlyssesAttention`) each attention instead:
 - exchanges in its forward the queries, keys and values (one all-to-all each of the
   rank's ``[B, H, S / cp, D]``, :func:`autopart.solver.collectives.all_to_all_us`) and
   the output back (one more), and in its backward the same four the other way;
-- holds, beyond what the node saved, one more copy of the rank's queries, keys, values and
-  output: the kernel saves exchanged ones of the bytes of the rank's own, and the forward's
-  exchange leaves copies alive (measured on 2 gloo ranks, ``[2, 4, 512, 64]`` float32
-  queries, 2 key heads: the attention's forward peaked 3.9 MiB above the model's own
-  attention for 3.0 MiB of queries, unrepeated keys and values and output); in its
-  backward each gradient
-  of the output and of the three inputs is made contiguous, received (the all-to-all) and
-  reordered (``index_select``'s backward): three copies of each add to the node's transient
-  working set. Measured on this project's CPU (``benchmarks/context_parallel``, cp 2, one
-  stage): 177.2 MiB against 171.1 predicted with one copy of the inputs' gradients only.
+- holds nothing beyond what the node saved: the kernel saves exchanged queries, keys,
+  values and output of the bytes of the rank's own (measured as above: 4.1 MiB per layer
+  against the model's own 6.0, which saved its float mask as well); in its backward each
+  gradient of the output and of the three inputs is made contiguous, received (the
+  all-to-all) and reordered (``index_select``'s backward): three copies of each add to the
+  node's transient working set.
+
+The exchanges run through :mod:`autopart.codegen._tp_ops`' collectives, which on the CPU
+memory meter's steps wait for gloo's thread to let go of their buffers; through torch's
+functional collectives those frees fell to gloo's thread, unseen by the meter, and the
+measured peaks of these arms moved by 5-15 MiB from run to run (182-193 MiB for one stage at
+cp 2, against 176.7 MiB on every run since).
 
 Gradients and ZeRO over the dp x cp ranks are priced by the layout search (the dp line
 holds dp x cp GPUs, :mod:`autopart.solver.layout_search`).
@@ -202,20 +206,21 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
             gather = scatter = sum(all_to_all_us(b, cp, bandwidth_bytes_per_s, latency_us)
                                    for b in (*moved, nd.output_bytes))
             calls = 4
-            # the backward's exchange buffers: each gradient of the output and of the three
-            # inputs made contiguous, received (the all-to-all) and reordered
-            # (index_select's backward)
-            # and the forward's exchanged copies beyond the rank's own (measured: 3.9 MiB more
-            # than the model's own attention for 3.0 MiB of queries, keys, values and output)
-            held = sum(moved) + nd.output_bytes
-            transient = 3 * (sum(moved) + nd.output_bytes)
+            # the kernel saves exchanged queries, keys, values and output of the bytes of the
+            # rank's own: nothing held beyond the node's; the backward's exchange buffers: each
+            # gradient of the output and of the three inputs made contiguous, received (the
+            # all-to-all) and reordered (index_select's backward)
+            held, transient = 0, 3 * (sum(moved) + nd.output_bytes)
         else:
             kv = [b * cp for b in moved[1:3]]
             gather = sum(all_gather_us(b, cp, bandwidth_bytes_per_s, latency_us) for b in kv)
             scatter = sum(scatter_us(b, cp, bandwidth_bytes_per_s, latency_us) for b in kv)
             calls = 2
-            # the whole sequence's keys and values as attention takes them (repeated)
-            held, transient = (2 if causal else 1) * sum(b * cp for b in shown[1:3]), 0
+            # the other ranks' keys and values as attention takes them (repeated), saved by
+            # the kernel beside the rank's own; in the backward their whole sequence's
+            # gradients before the reduce-scatter
+            held = (cp - 1) * sum(shown[1:3])
+            transient = cp * sum(shown[1:3])
         nodes[i] = replace(nd, fwd_us=nd.fwd_us * work + gather + calls * overhead,
                            bwd_input_us=nd.bwd_input_us * work + scatter + calls * overhead,
                            flops=int(nd.flops * work), saved_bytes=nd.saved_bytes + held,

@@ -59,7 +59,9 @@ def _collective_peaks(rank: int, world: int, port: int, out: dict[int, tuple[int
         w = ops.tp_seq_gather_split(t, 0, 1, world, group)       # (ROWS, WIDTH)
         v = ops.tp_seq_gather(ops.tp_seq_scatter(x * 3, 0, 1, rank, world, group), 0, 1,
                               rank, world, group)
-        (y.sum() + z.sum() + w.sum() + v.sum()).backward()
+        # context parallelism's Ulysses exchange (its all-gather form uses the gather above)
+        a = ops.all_to_all((x * 2).view(world, ROWS // world, WIDTH), group)
+        (y.sum() + z.sum() + w.sum() + v.sum() + a.sum()).backward()
         x.grad = None
 
     once()  # warm-up: first-use allocations
@@ -72,13 +74,13 @@ def _collective_peaks(rank: int, world: int, port: int, out: dict[int, tuple[int
 
 
 def test_tp_collectives_leave_no_buffer_for_gloos_thread_to_free() -> None:
-    """30 rounds of tp_reduce, tp_copy (forward and backward), tp_gather and sequence
-    parallelism's four ops hold about what one round holds at their peak: blocks the meter
-    saw allocated are seen freed. Before the fix, 30 rounds came out 5-8 MiB (20-30 lost
-    blocks of 256-512 KiB) above one round, on every run (sequence parallelism's ops through
-    gloo's own reduce-scatter and all-gather: 5.9 MiB over); after it, equal or one block
-    above (the CPU meter's own noise: a rare lost or misordered record), hence the slack of
-    4 blocks."""
+    """30 rounds of tp_reduce, tp_copy (forward and backward), tp_gather, sequence
+    parallelism's four ops and the all-to-all hold about what one round holds at their peak:
+    blocks the meter saw allocated are seen freed. Before the fix, 30 rounds came out 5-8
+    MiB (20-30 lost blocks of 256-512 KiB) above one round, on every run (sequence
+    parallelism's ops through gloo's own reduce-scatter and all-gather: 5.9 MiB over); after
+    it, equal or one block above (the CPU meter's own noise: a rare lost or misordered
+    record), hence the slack of 4 blocks."""
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_collective_peaks, args=(2, _free_port(), out), nprocs=2, join=True)
