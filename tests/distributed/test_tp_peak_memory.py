@@ -36,7 +36,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _collective_peaks(rank: int, world: int, port: int, out: dict[int, tuple[int, int]]) -> None:
+def _collective_peaks(rank: int, world: int, port: int,
+                      out: dict[int, tuple[int, int, list[bool]]]) -> None:
     import autopart.codegen  # noqa: F401  (registers torch.ops.autopart.tp_*)
     from autopart.core.memory import allocated_peak_bytes
 
@@ -69,7 +70,23 @@ def _collective_peaks(rank: int, world: int, port: int, out: dict[int, tuple[int
     one = min(allocated_peak_bytes(once, torch.device("cpu"))[1] for _ in range(5))
     _, many = allocated_peak_bytes(lambda: [once() for _ in range(REPEATS)],
                                    torch.device("cpu"))
-    out[rank] = (one, many)
+    # the all-to-all's values and gradient, through gloo's all-to-all and, on the meter's
+    # steps, through an all-reduce: both as torch.distributed's all_to_all_single gives them
+    parts = torch.arange(world * 3 * 4, dtype=torch.float32).view(world, 3, 4) + 100 * rank
+    expected = torch.empty_like(parts)
+    dist.all_to_all_single(expected, parts)
+
+    def exchanged() -> tuple[torch.Tensor, torch.Tensor]:
+        p = parts.clone().requires_grad_()
+        got = ops.all_to_all(p, group)
+        (got * (rank + 1)).sum().backward()  # part j went to rank j, which scales it by j + 1
+        assert p.grad is not None
+        return got.detach(), p.grad
+
+    grad = torch.arange(1, world + 1, dtype=torch.float32).view(world, 1, 1).expand(world, 3, 4)
+    exact = [torch.equal(got, expected) and torch.equal(g, grad)
+             for got, g in (exchanged(), allocated_peak_bytes(exchanged, torch.device("cpu"))[0])]
+    out[rank] = (one, many, exact)
     end_rank()
 
 
@@ -85,7 +102,8 @@ def test_tp_collectives_leave_no_buffer_for_gloos_thread_to_free() -> None:
         out = manager.dict()
         mp.spawn(_collective_peaks, args=(2, _free_port(), out), nprocs=2, join=True)
         peaks = dict(out)
-    for rank, (one, many) in sorted(peaks.items()):
+    for rank, (one, many, exact) in sorted(peaks.items()):
+        assert exact == [True, True], (rank, "all_to_all plain, metered", exact)
         assert one > 0, (rank, one)
         # one collective's tensor is the smallest buffer a lost free would leave behind
         assert many < one + 4 * ROWS * WIDTH * 4, (rank, one, many)
