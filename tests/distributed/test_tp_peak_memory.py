@@ -97,7 +97,9 @@ def test_tp_collectives_leave_no_buffer_for_gloos_thread_to_free() -> None:
     MiB (20-30 lost blocks of 256-512 KiB) above one round, on every run (sequence
     parallelism's ops through gloo's own reduce-scatter and all-gather: 5.9 MiB over); after
     it, equal or one block above (the CPU meter's own noise: a rare lost or misordered
-    record), hence the slack of 4 blocks."""
+    record), hence the slack of 4 blocks. The all-to-all's values and gradient equal
+    torch.distributed's ``all_to_all_single``'s, through gloo's all-to-all and through the
+    all-reduce it runs as on the meter's steps."""
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_collective_peaks, args=(2, _free_port(), out), nprocs=2, join=True)
