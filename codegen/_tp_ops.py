@@ -345,7 +345,7 @@ def _all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
         flat = src.new_zeros((size, *src.shape))  # [source, destination, ...]
         flat[rank].copy_(src)
         return _all_reduce(flat, group_name).select(1, rank).clone()
-    splits = [src.shape[0] // size] * size
+    splits = [1] * size  # one part of dim 0 to and from each rank
     out = torch.ops._c10d_functional.all_to_all_single(src, splits, splits, group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
 

@@ -35,7 +35,7 @@ sequences first):
   2, saved tensors counted with ``saved_tensors_hooks``): autograd keeps 7.3 MiB per layer
   (the rank's queries, the gathered and repeated keys and values, both outputs, the block
   masks' float copies) where this prices 8.0 (the model's own attention at 512 tokens, 6.0,
-  plus 2.0);
+  plus 2.0).
 
 With ``attention="ulysses"`` (``Plan.cp_attention``; :class:`autopart.codegen.context_parallel.
 UlyssesAttention`) each attention instead:
