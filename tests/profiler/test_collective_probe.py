@@ -76,12 +76,18 @@ def test_a_profile_gets_the_points_and_a_failed_probe_warns(
     assert got.runtime.transfer_cost_at(5.0) == max(700.0, profile.runtime.transfer_overhead_us)
     assert got.runtime.collective_bandwidth_bytes_per_s == 1.5e9
     assert got.runtime.copy_bytes_per_s == 4e9
-    # the layout search's tp and dp collectives run at it, the pipeline's sends at the link
+    # the layout search's tp and dp collectives run at it, the pipeline's sends at the link;
+    # never faster than the link (this machine's, measured: the figures are taken from it so
+    # that the verdict does not follow how fast the link measured today)
     spec = got.cluster().devices[0]
+    link = spec.link_bandwidth_bytes_per_s
     topo = layout_planning.layout_request(CompileOptions(tp=2), 4, spec, None,
-                                          1.5e9).topology
-    assert topo.link(2)[0] == pytest.approx(1.5e9)
-    assert topo.intra_host_bandwidth_bytes_per_s == spec.link_bandwidth_bytes_per_s
+                                          link / 3).topology
+    assert topo.link(2)[0] == pytest.approx(link / 3)
+    assert topo.intra_host_bandwidth_bytes_per_s == link
+    capped = layout_planning.layout_request(CompileOptions(tp=2), 4, spec, None,
+                                            3 * link).topology
+    assert capped.link(2)[0] == pytest.approx(link)
     unmeasured = layout_planning.layout_request(CompileOptions(tp=2), 4, spec).topology
     assert unmeasured.link(2)[0] == spec.link_bandwidth_bytes_per_s
     (world, per_core, ring, link), = seen
