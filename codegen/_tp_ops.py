@@ -183,16 +183,13 @@ def _seq_all_gather(x: torch.Tensor, dim: int, outer: int, size: int,
                     group_name: str) -> torch.Tensor:
     """The whole tensor from every rank's tokens (all-gather)."""
     src = x.contiguous()
-    if _metered(src):  # see _metered: each rank's part in place, zeros elsewhere, summed
-        rank = torch.distributed.get_rank(_group(group_name))
-        flat = src.new_zeros((size * src.shape[0], *src.shape[1:]))
-        flat.narrow(0, rank * src.shape[0], src.shape[0]).copy_(src)
-        flat = _all_reduce(flat, group_name)
+    if _metered(src):  # see _metered
+        parts = _placed_and_summed(src, size, group_name)
     else:
         flat = src.new_empty((size * src.shape[0], *src.shape[1:]))  # the ranks' parts
         torch.ops._c10d_functional.all_gather_into_tensor_out(src, size, group_name, out=flat)
         torch.ops._c10d_functional.wait_tensor(flat)
-    parts = flat.unflatten(0, (size, src.shape[0]))
+        parts = flat.unflatten(0, (size, src.shape[0]))
     # parts: [size, ..., outer * inner/size, ...] -> [..., outer, size, inner/size, ...]
     local = parts.unflatten(dim + 1, (outer, -1)).movedim(0, dim + 1)
     return local.flatten(dim, dim + 2)
@@ -208,6 +205,16 @@ def _metered(t: torch.Tensor) -> bool:
     (:func:`_all_reduce`, which waits for gloo to let go) gives the same sums with no
     buffer of gloo's; it moves twice the bytes, on the measured step only."""
     return t.device.type == "cpu" and torch.autograd._profiler_enabled()
+
+
+def _placed_and_summed(src: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
+    """``[size, *src.shape]``: every rank's ``src`` at its rank's place, as an all-gather
+    gives them, through an all-reduce of zeros with this rank's place filled in (the meter's
+    steps, :func:`_metered`)."""
+    rank = torch.distributed.get_rank(_group(group_name))
+    flat = src.new_zeros((size, *src.shape))
+    flat[rank].copy_(src)
+    return _all_reduce(flat, group_name)
 
 
 def _group(group_name: str) -> Any:
@@ -340,11 +347,9 @@ def _all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
     whose part ``i`` came from rank ``i`` (equal splits of dim 0)."""
     src = x.contiguous()
     size = src.shape[0]
-    if _metered(src):  # see _metered: every rank's parts summed into place, this rank's taken
+    if _metered(src):  # see _metered: every rank's parts, [source, destination, ...]
         rank = torch.distributed.get_rank(_group(group_name))
-        flat = src.new_zeros((size, *src.shape))  # [source, destination, ...]
-        flat[rank].copy_(src)
-        return _all_reduce(flat, group_name).select(1, rank).clone()
+        return _placed_and_summed(src, size, group_name).select(1, rank).clone()
     splits = [1] * size  # one part of dim 0 to and from each rank
     out = torch.ops._c10d_functional.all_to_all_single(src, splits, splits, group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
@@ -354,9 +359,10 @@ def _all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
 def all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """All-to-all of equal parts over the group: ``x [size, ...]`` holds in part ``j`` what
     this rank sends rank ``j``; the result holds in part ``i`` what rank ``i`` sent. Its
-    backward is the reverse all-to-all of the gradient (the same exchange). Context
-    parallelism's Ulysses attention swaps token and head sharding with it; on the CPU memory
-    meter's steps it runs as an all-reduce (:func:`_metered`)."""
+    backward is the reverse all-to-all of the gradient (the same exchange). ``x.shape[0]``
+    must be the group's size (torch's all-to-all raises otherwise). Context parallelism's
+    Ulysses attention swaps token and head sharding with it; on the CPU memory meter's steps
+    it runs as an all-reduce (:func:`_metered`)."""
     return _all_to_all(x, group_name)
 
 

@@ -163,7 +163,8 @@ def _lopsided_case(build: Any, monkeypatch: pytest.MonkeyPatch, replace_answer: 
     """An 8-node chain on 2 ranks under a cap 5 % above its plan's peak without one, solved
     with ``_refine``'s answers passed through ``replace_answer(call, sub, result)`` (call
     counts from 1), which may put every segment but the last on rank 0
-    (:func:`_lopsided`). Returns the capped plan and the uncapped one."""
+    (:func:`_lopsided`). Checks that the capped plan fits and keeps the uncapped plan's cuts;
+    returns the rank caps of each ``_refine`` call."""
     from autopart.solver import _refinement
 
     real, calls = _refinement._refine, []
