@@ -214,15 +214,21 @@ class Session:
         """A number cached on the full batch's profile, or None (none, or the cache off)."""
         return load_measure(self.key, name) if self.use_cache else None
 
-    def store(self, name: str, value: float) -> None:
+    def store(self, name: str, value: float, *, busy: str | None | bool = True) -> None:
         """Cache ``name = value`` on the full batch's profile, unless the cache is off or,
-        on a CPU, the machine is oversubscribed now (:func:`machine_busy`): as a profile
+        on a CPU, the machine is oversubscribed (:func:`machine_busy`): as a profile
         measured then is not cached, neither is a timing (a batch point's segment times
         cached under a load average of 4 on this project's 2 CPUs later priced a 4 x 256
-        GPT-2's m = 4 plans 3.5x their measured step)."""
+        GPT-2's m = 4 plans 3.5x their measured step).
+
+        ``busy``: True (default) asks :func:`machine_busy` now; a measurement that loads the
+        machine itself (the time-sharing factor's co-runners) passes what it said before the
+        measurement started (a reason, or None for a quiet machine)."""
         if not self.use_cache:
             return
-        if torch.device(self.device).type == "cpu" and (busy := machine_busy()) is not None:
+        if busy is True:
+            busy = machine_busy()
+        if torch.device(self.device).type == "cpu" and busy:
             if not self._warned_busy:
                 warnings.warn(f"timed while the machine was busy ({busy}): these figures are "
                               "used but not cached", RuntimeWarning, stacklevel=2)

@@ -19,6 +19,7 @@ from autopart.core.errors import PlanError
 from autopart.core.progress import phase
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.signature import batch_size, microbatch_inputs
+from autopart.profiler import profile_state as _profile_state
 from autopart.profiler._state import kept_state
 from autopart.profiler.batch_points import (
     batch_points,
@@ -242,11 +243,15 @@ def _time_sharing_cached(session: Session, captured: CapturedGraph, flat: list[A
     # them): timed on fresh gradients (a held one would be accumulated into in place), and
     # the model left as it was
     gm = captured.graph_module
+    # the machine's load is judged before the co-runners start: they alone put the load
+    # average above the cores (3.5 on this project's 2 CPUs), so judged after, the factor was
+    # never cached and every profile for more ranks than cores measured it again (100-230 s)
+    busy = _profile_state.machine_busy()  # the name Session.store asks
     with kept_state(gm.parameters(), gm.buffers()):
         for p in gm.parameters():
             p.grad = None
         factor = time_sharing_factor(corunner_step(captured, flat), ranks, cores)
-    session.store(name, factor)
+    session.store(name, factor, busy=busy)
     return factor
 
 

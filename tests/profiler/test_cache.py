@@ -138,3 +138,24 @@ def test_machine_busy_compares_the_load_average_with_the_cpus(
     assert real_machine_busy() is None  # the fixtures replace cache.machine_busy
     monkeypatch.setattr(cache.os, "getloadavg", lambda: (4.2, 0.0, 0.0))
     assert real_machine_busy() == "load average 4.2 on 2 CPUs"
+
+
+def test_a_session_number_is_cached_by_the_load_its_caller_judged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import autopart.profiler.profile_state as profile_state
+    from autopart.profiler.profile_state import Session
+
+    x = torch.randn(2, 4)
+    captured = capture(nn.Sequential(nn.Linear(4, 4)), (x,))
+    key = profile_key(captured.fingerprint, "cpu", [x], dtype="float32", training=True,
+                      method="measured:test")
+    store(key, profile_analytical(captured, [x], PRESETS["l4"]))  # $AUTOPART_CACHE_DIR
+    session = Session.__new__(Session)  # only what store() reads
+    session.device, session.use_cache, session.key, session._warned_busy = "cpu", True, key, False
+    monkeypatch.setattr(profile_state, "machine_busy", lambda: "load average 3.5 on 2 CPUs")
+    with pytest.warns(RuntimeWarning, match="not cached"):
+        session.store("asked_now", 1.5)
+    session.store("judged_before", 2.5, busy=None)
+    session.store("busy_before", 3.5, busy="load average 4.0 on 2 CPUs")
+    assert load_measure(key, "asked_now") is None and load_measure(key, "busy_before") is None
+    assert load_measure(key, "judged_before") == 2.5

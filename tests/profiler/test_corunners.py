@@ -153,7 +153,7 @@ def test_measuring_the_time_sharing_factor_leaves_the_models_gradients_as_they_w
         def load(self, name: str) -> float | None:
             return None
 
-        def store(self, name: str, value: float) -> None:
+        def store(self, name: str, value: float, *, busy: str | None | bool = True) -> None:
             self.stored[name] = value
 
     monkeypatch.setattr(session_module, "time_sharing_factor", run_once)
@@ -165,3 +165,43 @@ def test_measuring_the_time_sharing_factor_leaves_the_models_gradients_as_they_w
     assert all(p.grad is None for name, p in model.named_parameters() if name != "0.weight")
     assert torch.equal(model[1].running_mean, stats)
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_the_time_sharing_factor_is_cached_by_the_load_before_its_co_runners_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the co-runners alone lift the load average above the cores (3.5 on 2 CPUs here): judged
+    # after the measurement, the factor was never cached and every profile for more ranks
+    # than cores measured it again
+    from autopart.profiler import profile_state
+    from autopart.profiler import session as session_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    captured = capture(model, (x,))
+    load = {"now": None}
+    monkeypatch.setattr(profile_state, "machine_busy", lambda: load["now"])
+
+    def measure(work, world, cores):  # type: ignore[no-untyped-def]
+        load["now"] = "load average 3.5 on 2 CPUs"  # what the co-runners leave behind
+        return 1.1
+
+    class Store:
+        hits: set[str] = set()
+
+        def __init__(self) -> None:
+            self.stored: list[tuple[str, float, object]] = []
+
+        def load(self, name: str) -> float | None:
+            return None
+
+        def store(self, name: str, value: float, *, busy: str | None | bool = True) -> None:
+            self.stored.append((name, value, busy))
+
+    monkeypatch.setattr(session_module, "time_sharing_factor", measure)
+    quiet, loaded = Store(), Store()
+    session_module._time_sharing_cached(quiet, captured, captured.flatten_inputs((x,), {}), 4,
+                                        2)  # type: ignore[arg-type]
+    assert [s[1:] for s in quiet.stored] == [(1.1, None)]  # quiet before: stored
+    session_module._time_sharing_cached(loaded, captured, captured.flatten_inputs((x,), {}),
+                                        4, 2)  # type: ignore[arg-type]
+    assert [s[1:] for s in loaded.stored] == [(1.1, "load average 3.5 on 2 CPUs")]
