@@ -129,8 +129,11 @@ def main() -> None:
     profiles = {}
     for cp in (1, 2):
         inputs, kwargs, tgt = context_inputs(model, cp, args, {}, target)
+        # measured now, not read from the profile cache: this machine's speed moves by up to
+        # 3x from day to day, and a cached profile would price today's steps at another day's
         profiles[cp] = profile_model(model, inputs, example_kwargs=kwargs, devices=["cpu"] * 4,
-                                     loss_fn=loss_fn, example_target=tgt, backend="distributed")
+                                     loss_fn=loss_fn, example_target=tgt, backend="distributed",
+                                     cache=False)
     plans: dict[int, dict[str, Any]] = {}
     for world, arms in ARMS.items():
         plans[world] = {}

@@ -73,8 +73,10 @@ def main() -> None:
     torch.set_num_threads(1)
     loads = [os.getloadavg()[0]]
     model, args, target, loss_fn = load_workload(WORKLOAD, dict(CONFIG))
+    # measured now, not read from the profile cache: a cached CPU profile keeps another
+    # day's op times, and this machine's speed moves by up to 3x between days
     profile = profile_model(model, args, devices=["cpu"] * 4, loss_fn=loss_fn,
-                            example_target=target, backend="distributed")
+                            example_target=target, backend="distributed", cache=False)
     heads = model_heads(model)
     plans: dict[int, dict[str, Any]] = {}
     for world, arms in ARMS.items():

@@ -51,7 +51,7 @@ def _plans(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     model, args, target, loss_fn = load_workload(WORKLOAD, dict(config))
     profile = profile_model(model, args, devices=["cpu", "cpu"], num_microbatches=M,
                             loss_fn=loss_fn, example_target=target, backend="distributed",
-                            split_cost=False, selective_cost=True)
+                            split_cost=False, selective_cost=True, cache=False)
     cluster = profile.cluster()
     fixed = dict(schedule_kind=KIND, num_microbatches=M, stages_per_rank=1)
     plain = profile.solve(**fixed, recompute=False)
