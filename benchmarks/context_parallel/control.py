@@ -42,7 +42,7 @@ def main() -> None:
     from autopart.planning import profile_model
     from autopart.solver.layout_search import solve_layout
     torch.set_num_threads(1)
-    f3d = cpb._fidelity_3d()
+    f3d = cpb.fidelity_3d()
     cfg_a, cfg_b = dict(cpb.CONFIG), dict(cpb.CONFIG, batch=8, seq=512)
     plans = {}
     for name, cfg, fixed in (("cp2", cfg_a, {**cpb.FIXED, "dp": 1, "cp": 2, **cpb.GATHER}),
@@ -57,7 +57,7 @@ def main() -> None:
         opts = shared.options(schedule_kind="1f1b", recompute=False, num_microbatches=2,
                               optimizer_state_bytes_per_param_byte=2.0)
         plans[name] = solve_layout(shared.costs, shared.cluster().devices[0], opts,
-                                   cpb._request(shared, 2, fixed, heads))
+                                   cpb.layout_request_for(shared, 2, fixed, heads))
         st = plans[name].stages
         per_stage = ", ".join(f"stage {s.stage_index} F {s.predicted_fwd_us / 1e3:.1f} "
                               f"B {s.predicted_bwd_us / 1e3:.1f} ms" for s in st)

@@ -72,7 +72,7 @@ ARMS: dict[int, dict[str, dict[str, Any]]] = {
         "pp2xdp2": {**FIXED, "dp": 2, "cp": 1}}}
 
 
-def _fidelity_3d() -> Any:
+def fidelity_3d() -> Any:
     """benchmarks/fidelity_3d/run.py's helpers (pricing on the world's ranks per core)."""
     path = ROOT / "benchmarks" / "fidelity_3d" / "run.py"
     spec = importlib.util.spec_from_file_location("_fidelity_3d_run", path)
@@ -82,7 +82,7 @@ def _fidelity_3d() -> Any:
     return module
 
 
-def _request(profile: Any, world: int, fixed: dict[str, Any], heads: int | None) -> Any:
+def layout_request_for(profile: Any, world: int, fixed: dict[str, Any], heads: int | None) -> Any:
     """The layout request ``autopart.compile`` makes for ``fixed`` on ``profile``."""
     from autopart import CompileOptions
     from autopart.layout_planning import layout_request
@@ -105,7 +105,7 @@ def _price(shared: Any, plan: Any, world: int, fixed: dict[str, Any],
     spec = shared.cluster().devices[0]
     options = shared.options(schedule_kind="1f1b", optimizer_state_bytes_per_param_byte=2.0)
     priced = predict_layout_comm(plan, shared.costs, spec, options,
-                                 _request(shared, world, fixed, heads)).plan
+                                 layout_request_for(shared, world, fixed, heads)).plan
     return priced.predicted_step_time_us / 1e6, [r.peak_memory_bytes for r in priced.ranks]
 
 
@@ -121,7 +121,7 @@ def main() -> None:
     from autopart.planning import profile_model
     from autopart.solver.layout_search import solve_layout
 
-    f3d = _fidelity_3d()
+    f3d = fidelity_3d()
     torch.set_num_threads(1)
     loads = [os.getloadavg()[0]]
     model, args, target, loss_fn = load_workload(WORKLOAD, dict(CONFIG))
@@ -145,7 +145,7 @@ def main() -> None:
                                     num_microbatches=fixed["num_microbatches"],
                                     optimizer_state_bytes_per_param_byte=2.0)
             plans[world][name] = solve_layout(alone.costs, alone.cluster().devices[0], options,
-                                              _request(alone, world, fixed, heads))
+                                              layout_request_for(alone, world, fixed, heads))
     runs: dict[int, list[Any]] = {w: [] for w in ARMS}
     priced: dict[str, list[tuple[float, list[int]]]] = {n: [] for a in ARMS.values() for n in a}
     for _ in range(opts.repeats):
