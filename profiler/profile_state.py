@@ -8,7 +8,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -214,7 +214,8 @@ class Session:
         """A number cached on the full batch's profile, or None (none, or the cache off)."""
         return load_measure(self.key, name) if self.use_cache else None
 
-    def store(self, name: str, value: float, *, busy: str | None | bool = True) -> None:
+    def store(self, name: str, value: float, *,
+              busy: str | None | Literal[True] = True) -> None:
         """Cache ``name = value`` on the full batch's profile, unless the cache is off or,
         on a CPU, the machine is oversubscribed (:func:`machine_busy`): as a profile
         measured then is not cached, neither is a timing (a batch point's segment times

@@ -153,7 +153,7 @@ def test_measuring_the_time_sharing_factor_leaves_the_models_gradients_as_they_w
         def load(self, name: str) -> float | None:
             return None
 
-        def store(self, name: str, value: float, *, busy: str | None | bool = True) -> None:
+        def store(self, name: str, value: float, *, busy: object = True) -> None:
             self.stored[name] = value
 
     monkeypatch.setattr(session_module, "time_sharing_factor", run_once)
@@ -194,7 +194,7 @@ def test_the_time_sharing_factor_is_cached_by_the_load_before_its_co_runners_sta
         def load(self, name: str) -> float | None:
             return None
 
-        def store(self, name: str, value: float, *, busy: str | None | bool = True) -> None:
+        def store(self, name: str, value: float, *, busy: object = True) -> None:
             self.stored.append((name, value, busy))
 
     monkeypatch.setattr(session_module, "time_sharing_factor", measure)
