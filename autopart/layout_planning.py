@@ -20,10 +20,11 @@ from autopart.core.recompute_policy import CHECKPOINTED_POLICIES
 from autopart.core.topology import HostTopology
 from autopart.options import CompileOptions
 from autopart.planning import Profile, profile_model, solve_auto_recompute
+from autopart.profiler.context_attention import measure_context_attention
 from autopart.solver.layout_search import LayoutOptions, solve_layout
 
-__all__ = ["plan_layout", "solve_world_layout", "layout_request", "host_ranks_topology",
-           "model_heads"]
+__all__ = ["context_request", "plan_layout", "solve_world_layout", "layout_request",
+           "host_ranks_topology", "model_heads"]
 
 
 #: Schedule kinds whose backward is split (I / W): the profile times the split only where
@@ -208,6 +209,34 @@ def _plan_layout(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return plan, profile
 
 
+def context_request(request: LayoutOptions, profile: Profile, cp: int,
+                    cp_attention: str | None = None) -> LayoutOptions:
+    """``request`` for a fixed ``cp`` >= 2 on ``profile``, a profile of one cp rank's S / cp
+    tokens (as :func:`plan_layout` makes it): the model's attention kind and heads read from
+    its graph and, on a measured profile, the runtime's attention timed against the model's
+    on the profiled device for ``cp_attention`` (None: each form whose heads divide), which
+    the solver prices in place of its block count
+    (:func:`autopart.profiler.context_attention.measure_context_attention`, about 1 s each).
+
+    Raises:
+        PlanError: the graph's attention cannot run context-parallel.
+    """
+    kinds = attention_kinds(profile.captured)
+    heads = attention_heads(profile.captured)
+    factors = []
+    if profile.costs.source.startswith("measured"):
+        for kind in (cp_attention,) if cp_attention else ("all_gather", "ulysses"):
+            if kind == "ulysses" and (heads is None or heads % cp):
+                continue
+            with phase(f"timing {kind} attention at cp {cp}"):
+                forward, backward = measure_context_attention(profile.captured, cp, kind,
+                                                              device=profile.devices[0])
+            factors.append((kind, forward, backward))
+    return dataclasses.replace(request, cp_tokens_profiled=True,
+                               causal_attention=all(kinds.values()), attention_heads=heads,
+                               cp_attention_factors=tuple(factors))
+
+
 def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
                        num_heads: int | None = None, num_experts: int | None = None,
                        state_factor: float = 2.0, max_cp: int | None = None) -> Plan:
@@ -242,10 +271,7 @@ def solve_world_layout(profile: Profile, options: CompileOptions, world: int, *,
                              profile.runtime.collective_bandwidth_bytes_per_s,
                              num_experts=num_experts)
     if (options.cp or 1) > 1:  # the profile is of one cp rank's tokens (plan_layout)
-        kinds = attention_kinds(profile.captured)
-        request = dataclasses.replace(request, cp_tokens_profiled=True,
-                                      causal_attention=all(kinds.values()),
-                                      attention_heads=attention_heads(profile.captured))
+        request = context_request(request, profile, options.cp or 1, options.cp_attention)
     elif options.cp is None:  # whole sequences: the search splits them where cp can run
         causal = True
         try:

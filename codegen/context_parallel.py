@@ -42,6 +42,7 @@ sliding window, or attention not computed by ``scaled_dot_product_attention``
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,8 +56,9 @@ from autopart.core.context import context_chunks
 from autopart.core.errors import PlanError
 from autopart.core.op_names import REPEAT_KV_OPS
 
-__all__ = ["ContextParallelAttention", "UlyssesAttention", "attention_heads", "attention_kinds",
-           "context_parallel", "sequence_order"]
+__all__ = ["AttentionCall", "ContextParallelAttention", "UlyssesAttention", "attention_calls",
+           "attention_heads", "attention_kinds", "context_parallel", "sequence_order",
+           "stand_in_attention"]
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -210,9 +212,7 @@ class ContextParallelAttention(_ContextAttention):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 ) -> torch.Tensor:
-        # gathered along the sequence in rank order, the gradients reduce-scattered back
-        keys, values = (_tp_ops.tp_seq_gather_split(t, 2, 1, self.cp_size, self.group_name)
-                        for t in (key, value))
+        keys, values = self._gather(key), self._gather(value)
         local = key.shape[2]
         if self.causal:
             order = sequence_order(self.cp_size, local, key.device)
@@ -230,6 +230,11 @@ class ContextParallelAttention(_ContextAttention):
             outs.append(self._attend(query[:, :, i * chunk:(i + 1) * chunk],
                                      keys[:, :, :seen], values[:, :, :seen], mask))
         return torch.cat(outs, dim=2)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t [B, Hk, L, D]`` of every cp rank, concatenated along the sequence in rank order
+        (``[B, Hk, cp L, D]``); its gradient is reduce-scattered back."""
+        return _tp_ops.tp_seq_gather_split(t, 2, 1, self.cp_size, self.group_name)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -295,7 +300,7 @@ class UlyssesAttention(_ContextAttention):
         token of this rank's heads, in sequence order)."""
         cp, (b, h, local, d) = self.cp_size, t.shape
         parts = t.reshape(b, cp, h // cp, local, d).transpose(0, 1).contiguous()
-        got = _tp_ops.all_to_all(parts, self.group_name)  # [source rank, ...]
+        got = self._exchange(parts)  # [source rank, ...]
         return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * local, d).index_select(
             2, order)
 
@@ -305,8 +310,111 @@ class UlyssesAttention(_ContextAttention):
         cp, (b, h, seq, d) = self.cp_size, out.shape
         by_rank = out.index_select(2, inverse)  # rank by rank, each its two chunks
         parts = by_rank.reshape(b, h, cp, seq // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-        got = _tp_ops.all_to_all(parts, self.group_name)  # [source's heads, ...]
+        got = self._exchange(parts)  # [source's heads, ...]
         return got.transpose(0, 1).reshape(b, cp * h, seq // cp, d)
+
+    def _exchange(self, parts: torch.Tensor) -> torch.Tensor:
+        """``parts [cp, ...]``: part ``i`` sent to cp rank ``i``; returns what each rank sent
+        this one, in rank order (an all-to-all; its backward is the reverse one)."""
+        return _tp_ops.all_to_all(parts, self.group_name)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention of a captured graph as context parallelism rewrites it (shapes of one
+    cp rank's tokens when the graph was captured at S / cp tokens).
+
+    Attributes:
+        query, key: the model's attention operands' shapes, ``[B, H, L, D]`` and
+            ``[B, H or Hk, L, D]`` (the value has the key's).
+        moved_key: the key heads the runtime receives, ``[B, Hk, L, D]`` (before
+            grouped-query attention's repeat where :func:`context_parallel` reads it).
+        kv_repeat: ``key[1] // moved_key[1]``.
+        mask: the model's mask ``(shape, dtype)``, or None (no mask).
+        causal, dropout_p, scale, enable_gqa: as the model's attention computes it.
+    """
+
+    query: tuple[int, ...]
+    key: tuple[int, ...]
+    moved_key: tuple[int, ...]
+    kv_repeat: int
+    mask: tuple[tuple[int, ...], torch.dtype] | None
+    causal: bool
+    dropout_p: float
+    scale: float | None
+    enable_gqa: bool
+
+
+def attention_calls(captured: CapturedGraph) -> list[AttentionCall]:
+    """The distinct attentions of ``captured`` (:class:`AttentionCall`; a transformer's layers
+    share one), in graph order.
+
+    Raises:
+        PlanError: as :func:`attention_kinds`, or an operand without a recorded shape
+            (capture with autopart's capture: ``torch.export`` records them).
+    """
+    kinds = attention_kinds(captured)
+    seen: list[AttentionCall] = []
+    for node in captured.graph_module.graph.nodes:
+        if node.op != "call_function" or node.name not in kinds:
+            continue
+        args = _sdpa_args(node)
+        key = args["key"]
+        heads = _repeated_heads(key), _repeated_heads(args["value"])
+        moved = (heads[0][0] if heads[0] is not None and heads[1] is not None
+                 and heads[0][1] == heads[1][1] else key)  # as context_parallel reads them
+        shapes = []
+        for operand in (args["query"], key, moved):
+            val = operand.meta.get("val") if isinstance(operand, fx.Node) else None
+            if not isinstance(val, torch.Tensor):
+                raise PlanError(f"attention node {node.name} has an operand without a recorded "
+                                f"shape; capture the model with autopart's capture, or {_FIX}")
+            shapes.append(tuple(int(x) for x in val.shape))
+        mask = args["attn_mask"]
+        mval = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        call = AttentionCall(shapes[0], shapes[1], shapes[2], shapes[1][1] // shapes[2][1],
+                             None if not isinstance(mval, torch.Tensor)
+                             else (tuple(int(x) for x in mval.shape), mval.dtype),
+                             kinds[node.name], float(args["dropout_p"] or 0.0), args["scale"],
+                             bool(args["enable_gqa"]))
+        if call not in seen:
+            seen.append(call)
+    return seen
+
+
+class _LocalContextAttention(ContextParallelAttention):
+    """:class:`ContextParallelAttention` whose all-gather is stood in for by this rank's keys
+    repeated cp times (one copy, as the gather's reorder makes one)."""
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t] * self.cp_size, dim=2)
+
+
+class _LocalUlyssesAttention(UlyssesAttention):
+    """:class:`UlyssesAttention` whose all-to-alls are stood in for by a copy."""
+
+    def _exchange(self, parts: torch.Tensor) -> torch.Tensor:
+        return parts.clone()
+
+
+def stand_in_attention(call: AttentionCall, cp: int, rank: int,
+                       attention: str = "all_gather") -> nn.Module:
+    """The module :func:`context_parallel` puts in place of ``call`` on cp rank ``rank`` of
+    ``cp``, with its exchanges stood in for by local copies of this rank's tensors: it runs
+    the same kernels on the same shapes with no process group (the profiler times it,
+    :mod:`autopart.profiler.context_attention`). Forward as :class:`ContextParallelAttention`:
+    ``query`` of ``call.query``'s shape, ``key`` / ``value`` of ``call.moved_key``'s.
+
+    Raises:
+        ValueError: another ``attention``, or ``rank`` outside ``0 .. cp - 1``.
+    """
+    kinds = {"all_gather": _LocalContextAttention, "ulysses": _LocalUlyssesAttention}
+    if attention not in kinds or not 0 <= rank < cp:
+        raise ValueError(f"attention={attention!r}, rank={rank} of cp={cp}: expected "
+                         "'all_gather' or 'ulysses' and 0 <= rank < cp")
+    place = TensorParallelRank(rank, cp, "")
+    return kinds[attention](call.causal, place, call.dropout_p, call.scale, call.enable_gqa,
+                            call.kv_repeat)
 
 
 def context_parallel(gm: fx.GraphModule, kinds: dict[str, bool], cp: TensorParallelRank,

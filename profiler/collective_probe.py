@@ -12,12 +12,13 @@ depends on the load of the host: it is measured when a plan is made, not cached.
 world, so that they share the host's cores as its ranks will), in groups of consecutive
 ranks (tp innermost). Each alternates two arms: ``k`` units of work followed by a
 functional-collective all-reduce within its group (as ``autopart::tp_reduce`` runs it), and
-the same work alone; per work size, the difference of the arms' medians is the collective's
+the same work alone; per work size, the difference of the arms' means is the collective's
 cost. A third arm posts a receive from the pair's other rank before the work, as the
 distributed runtime posts a step's receives first on gloo, then sends it a message and waits
 for both (a pipeline's neighbours exchange an activation and its gradient): half its
 difference is the cost of one transfer. Every work size is timed in every block, so each
-spans the whole probe. Ranks that have a core each are pinned to it, as the distributed
+spans the whole probe; the arms' means over the blocks are compared (a step pays the
+occasional long wait too). Ranks that have a core each are pinned to it, as the distributed
 runtime pins them.
 """
 
@@ -41,8 +42,11 @@ __all__ = ["UNITS", "MESSAGE_BYTES", "LARGE_BYTES", "ProbeFigures", "measure_col
            "probe_points"]
 
 #: Work sizes timed, in units of one ``tanh((128 x 256) @ (256 x 256))`` (about 60 µs on one
-#: core of this project's CPU): from a layer's small op to a whole block.
-UNITS = (1, 6, 40)
+#: core of this project's CPU): from a layer's small op to a whole block (200 units, about
+#: 12 ms: the work between context parallelism's exchanges, one per attention, or a
+#: data-parallel reduction after a backward; past 40 units the wait still grew, 2.1 -> 2.6 ms
+#: per collective in cp 2's attention on this project's CPU).
+UNITS = (1, 6, 40, 200)
 #: The all-reduced message, bytes: small, so that its ring time is a few µs.
 MESSAGE_BYTES = 16 << 10
 #: The large message whose all-reduce, beside the small one's, gives the bandwidth gloo's
@@ -50,6 +54,9 @@ MESSAGE_BYTES = 16 << 10
 LARGE_BYTES = 2 << 20
 _BLOCKS = 15
 _ITERS = 4
+#: Work from which each sample is one iteration, in units (the 200-unit samples are as long
+#: as 4 of 40 units; the probe stays a few seconds).
+_LONG_UNITS = 100
 #: Blocks of the bandwidth's two arms (each a few ms).
 _BANDWIDTH_BLOCKS = 31
 
@@ -140,19 +147,24 @@ def probe_points(rank: int, world: int, group_size: int, ranks_per_core: float,
     for block in range(_BLOCKS):
         for k in units:
             for arm in (block % 3, (block + 1) % 3, (block + 2) % 3):
+                iters = 1 if k >= _LONG_UNITS else _ITERS
                 t0 = time.perf_counter()
-                for _ in range(_ITERS):
+                for _ in range(iters):
                     receive = posted() if arm == 2 else None
                     work(k)
                     if arm == 0:
                         reduce()
                     elif receive is not None:
                         exchange(receive)
-                timed[k][arm].append((time.perf_counter() - t0) / _ITERS * 1e6)
+                timed[k][arm].append((time.perf_counter() - t0) / iters * 1e6)
             reduce()  # the arms of every rank start together
     mine: list[tuple[float, float, float]] = []
     for k in units:
-        r_us, a_us, x_us = (statistics.median(t) for t in timed[k])
+        # means, not medians: a step pays every collective's wait, and the waits are skewed
+        # (a preempted peer now and then): on this project's 2-core CPU the means of the
+        # 16 KiB all-reduce's cost ran 20-30 % above the medians, and in cp 2's attention
+        # the 1 MiB all-gathers waited 1.8-2.4 ms on the mean where their median was 1.0-1.6
+        r_us, a_us, x_us = (statistics.mean(t) for t in timed[k])
         mine.append((a_us / ranks_per_core, max(r_us - a_us, 0.0) / ranks_per_core,
                      max(x_us - a_us, 0.0) / 2 / ranks_per_core))
     # the bandwidth: a large all-reduce against the small one, after the least work

@@ -19,7 +19,11 @@ sequences first):
   against the 4 blocks of the local attention the profile timed with the model's
   materialised mask (transformers builds one under ``torch.export``; a masked kernel
   computes every block): time x (2 cp + 1) / 4. Attention over the whole sequence (BERT):
-  S / cp queries over S keys, x cp;
+  S / cp queries over S keys, x cp. Where the runtime's attention was timed against the
+  model's on the graph's shapes (``measured``: the compile path's profile at S / cp tokens),
+  the measured ratios instead (on this project's CPU 1.43 / 1.49 forward / backward at cp 2
+  where the block count gives 1.25: two calls of half the queries, the boolean block masks,
+  the reorder and the heads' repeat);
 - communication: in the forward the keys and values all-gathered (two ring all-gathers of
   the whole sequence's keys, :func:`autopart.solver.collectives.all_gather_us` on the cp
   group's link, plus the runtime's fixed cost per collective after one GPU's work between
@@ -43,7 +47,8 @@ UlyssesAttention`) each attention instead:
 - computes the model's attention over the whole sequence for heads / cp of the heads, in
   sequence order with ``is_causal`` (the kernel skips the blocks above the diagonal): the
   same (2 cp + 1) chunk-by-chunk blocks per rank as the all-gather form, x (2 cp + 1) / 4
-  causal, x cp over the whole sequence;
+  causal, x cp over the whole sequence, or the measured ratios (``measured``; 1.55 / 1.47
+  on this project's CPU in the case above: the reorders around it);
 - exchanges in its forward the queries, keys and values (one all-to-all each of the
   rank's ``[B, H, S / cp, D]``, :func:`autopart.solver.collectives.all_to_all_us`) and
   the output back (one more), and in its backward the same four the other way;
@@ -145,7 +150,8 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
                   latency_us: float,
                   collective_overhead: Callable[[float], float] | None = None,
                   reduce_scatter_as_all_reduce: bool = False,
-                  attention: str = "all_gather", heads: int | None = None) -> CostGraph:
+                  attention: str = "all_gather", heads: int | None = None,
+                  measured: tuple[float, float] | None = None) -> CostGraph:
     """One GPU's costs at ``cp`` from ``costs`` of the model at S / cp tokens (see the module
     docstring). ``costs`` itself at cp = 1.
 
@@ -163,6 +169,10 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
         attention: ``"all_gather"`` (default) or ``"ulysses"`` (``Plan.cp_attention``).
         heads: the query heads of one GPU's attention before cp (H / tp), or None: Ulysses
             then moves grouped-query keys and values repeated (:func:`repeated_heads`).
+        measured: ``(forward, backward)`` time of the runtime's attention over the model's
+            own on this graph's shapes, measured (:func:`autopart.profiler.context_attention.
+            measure_context_attention`; ``LayoutOptions.cp_attention_factors``), in place of
+            the block count; None (default): the block count.
 
     Raises:
         ValueError: another ``attention``.
@@ -174,7 +184,8 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
     scatter_us = all_reduce_us if reduce_scatter_as_all_reduce else reduce_scatter_us
     nodes = list(costs.nodes)
     by_name = {nd.name: nd for nd in costs.nodes}
-    work = (2 * cp + 1) / 4 if causal else float(cp)
+    work = (2 * cp + 1) / 4 if causal else float(cp)  # FLOPs, and time unless measured
+    fwd_work, bwd_work = measured if measured is not None else (work, work)
     low = list(costs.low_times)
     attn = attention_nodes(costs)
     # each collective's fixed cost after one GPU's work between two of them (its forward and
@@ -184,8 +195,8 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
     def fixed(times: list[tuple[float, float, float]]) -> float:
         if collective_overhead is None or not count:
             return 0.0
-        total = sum(map(sum, times)) + sum((work - 1) * (times[i][0] + times[i][1])
-                                            for i in attn)
+        total = sum(map(sum, times)) + sum((fwd_work - 1) * times[i][0]
+                                            + (bwd_work - 1) * times[i][1] for i in attn)
         return collective_overhead(total / count)
 
     overhead = fixed([(nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us) for nd in nodes])
@@ -221,12 +232,12 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
             # gradients before the reduce-scatter
             held = (cp - 1) * sum(shown[1:3])
             transient = cp * sum(shown[1:3])
-        nodes[i] = replace(nd, fwd_us=nd.fwd_us * work + gather + calls * overhead,
-                           bwd_input_us=nd.bwd_input_us * work + scatter + calls * overhead,
+        nodes[i] = replace(nd, fwd_us=nd.fwd_us * fwd_work + gather + calls * overhead,
+                           bwd_input_us=nd.bwd_input_us * bwd_work + scatter + calls * overhead,
                            flops=int(nd.flops * work), saved_bytes=nd.saved_bytes + held,
                            transient_bytes=nd.transient_bytes + transient)
         if low:
             f, b, w = low[i]
-            low[i] = (f * work + gather + calls * low_overhead,
-                      b * work + scatter + calls * low_overhead, w)
+            low[i] = (f * fwd_work + gather + calls * low_overhead,
+                      b * bwd_work + scatter + calls * low_overhead, w)
     return replace(costs, nodes=tuple(nodes), low_times=tuple(low))

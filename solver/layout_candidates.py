@@ -238,7 +238,9 @@ def sharded_costs(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutO
                               bandwidth_bytes_per_s=cp_bw, latency_us=cp_lat,
                               collective_overhead=runtime.collective_overhead_at,
                               reduce_scatter_as_all_reduce=runtime.reduce_scatter_as_all_reduce,
-                              attention=cp_attention, heads=None if heads is None else heads // tp)
+                              attention=cp_attention, heads=None if heads is None else heads // tp,
+                              measured=next(((f, b) for k, f, b in layout.cp_attention_factors
+                                             if k == cp_attention), None))
         out = sharded_costs(local, tp, device, layout, runtime, None, ep)
     elif ep > 1:  # tp is 1: the ep group is ep adjacent GPUs of one dp line
         base = sharded_costs(costs, tp, device, layout, runtime, cache, 1)

@@ -91,6 +91,11 @@ class LayoutOptions:
         attention_heads: the head count every attention's queries and keys share (the
             greatest common divisor of theirs), or None: ``num_heads``; neither known:
             Ulysses is not searched.
+        cp_attention_factors: ``(cp_attention, forward, backward)``: the runtime's attention
+            at the fixed cp over the model's own on the profiled shapes, measured
+            (:func:`autopart.profiler.context_attention.measure_context_attention`), which
+            :func:`autopart.solver.context_parallel_costs.context_costs` prices in place of
+            its block count (default none: the block count). Needs ``cp_tokens_profiled``.
     """
 
     num_gpus: int
@@ -116,6 +121,7 @@ class LayoutOptions:
     cp_tokens_profiled: bool = False
     cp_attention: str | None = None
     attention_heads: int | None = None
+    cp_attention_factors: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -144,6 +150,12 @@ class LayoutOptions:
         if (self.cp is not None and self.cp < 1) or (self.cp_tokens_profiled and self.cp is None):
             raise PlanError(f"cp={self.cp} must be >= 1, or None (searched) on costs of whole "
                             "sequences (cp_tokens_profiled=False)")
+        if self.cp_attention_factors and not (self.cp_tokens_profiled and all(
+                k in CP_ATTENTIONS and f > 0 and b > 0 for k, f, b in self.cp_attention_factors)):
+            raise PlanError(f"cp_attention_factors={self.cp_attention_factors} must be "
+                            f"(attention in {CP_ATTENTIONS}, forward > 0, backward > 0) "
+                            "triples, measured on costs of one cp rank's tokens "
+                            "(cp_tokens_profiled=True)")
         if self.cp_attention not in (None, *CP_ATTENTIONS):
             raise PlanError(f"cp_attention={self.cp_attention!r}: expected one of "
                             f"{CP_ATTENTIONS}, or None (searched)")

@@ -85,15 +85,14 @@ def fidelity_3d() -> Any:
 def layout_request_for(profile: Any, world: int, fixed: dict[str, Any], heads: int | None) -> Any:
     """The layout request ``autopart.compile`` makes for ``fixed`` on ``profile``."""
     from autopart import CompileOptions
-    from autopart.layout_planning import layout_request
+    from autopart.layout_planning import context_request, layout_request
 
     spec = profile.cluster().devices[0]
     opts = CompileOptions(schedule_kind="1f1b", recompute=False, **fixed)  # type: ignore[arg-type]
     request = layout_request(opts, world, spec, heads,
                              profile.runtime.collective_bandwidth_bytes_per_s)
     if fixed["cp"] > 1:  # the profile is of one cp rank's tokens, as compile takes it
-        request = dataclasses.replace(request, cp_tokens_profiled=True, causal_attention=True,
-                                      attention_heads=heads)
+        request = context_request(request, profile, fixed["cp"], fixed.get("cp_attention"))
     return request
 
 

@@ -221,3 +221,32 @@ def test_each_collective_pays_its_fixed_cost_after_the_work_between_two(
                                                        + per_attention / 2 * 7.0)
         assert priced.nodes[i].bwd_input_us == pytest.approx(plain.nodes[i].bwd_input_us
                                                              + per_attention / 2 * 7.0)
+
+
+def test_a_measured_attention_ratio_replaces_the_block_count_and_only_there() -> None:
+    """The runtime's attention timed against the model's (the profiler's figure) prices each
+    attention's forward and backward; its FLOPs, the other nodes and the exchanges stay."""
+    cp = 2
+    local = _costs(cp)
+    counted = context_costs(local, cp, causal=True, bandwidth_bytes_per_s=BW, latency_us=LAT)
+    timed = context_costs(local, cp, causal=True, bandwidth_bytes_per_s=BW, latency_us=LAT,
+                          measured=(1.5, 2.0))
+    attn = attention_nodes(local)
+    work = (2 * cp + 1) / 4
+    for i, (a, c, t) in enumerate(zip(local.nodes, counted.nodes, timed.nodes, strict=True)):
+        if i not in attn:
+            assert a == c == t
+            continue
+        assert t.fwd_us == pytest.approx(c.fwd_us + (1.5 - work) * a.fwd_us)
+        assert t.bwd_input_us == pytest.approx(c.bwd_input_us + (2.0 - work) * a.bwd_input_us)
+        assert t.flops == c.flops and t.saved_bytes == c.saved_bytes
+
+
+def test_measured_cp_attention_factors_need_one_cp_ranks_costs() -> None:
+    with pytest.raises(autopart.PlanError, match="cp_tokens_profiled=True"):
+        _layout(cp=2, cp_attention_factors=(("all_gather", 1.4, 1.5),))
+    with pytest.raises(autopart.PlanError, match="forward > 0"):
+        _layout(cp=2, cp_tokens_profiled=True, cp_attention_factors=(("ring", 1.4, 1.5),))
+    layout = _layout(cp=2, cp_tokens_profiled=True,
+                     cp_attention_factors=(("all_gather", 1.4, 1.5),))
+    assert layout.cp_attention_factors == (("all_gather", 1.4, 1.5),)
