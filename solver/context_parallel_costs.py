@@ -21,9 +21,9 @@ sequences first):
   computes every block): time x (2 cp + 1) / 4. Attention over the whole sequence (BERT):
   S / cp queries over S keys, x cp. Where the runtime's attention was timed against the
   model's on the graph's shapes (``measured``: the compile path's profile at S / cp tokens),
-  the measured ratios instead (on this project's CPU 1.43 / 1.49 forward / backward at cp 2
-  where the block count gives 1.25: two calls of half the queries, the boolean block masks,
-  the reorder and the heads' repeat);
+  the measured ratios instead (on this project's CPU 1.43-1.66 / 1.49-1.63 forward /
+  backward at cp 2 where the block count gives 1.25: two calls of half the queries, the
+  boolean block masks, the reorder and the heads' repeat);
 - communication: in the forward the keys and values all-gathered (two ring all-gathers of
   the whole sequence's keys, :func:`autopart.solver.collectives.all_gather_us` on the cp
   group's link, plus the runtime's fixed cost per collective after one GPU's work between
