@@ -24,6 +24,7 @@ from autopart.profiler._oputil import (
     _clone_written,
     _Run,
     _written_args,
+    attention_work,
     flop_formulas,
     weight_source,
 )
@@ -371,7 +372,7 @@ class _Walker:
             return thunk
 
         run.us, out = time_calls(self.device, factory, 0, 1)
-        run.flops = int(counter.get_total_flops())
+        run.flops = int(counter.get_total_flops() * attention_work(node))
         run.value = pytree.tree_map(
             lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
         run.outs = [t for t in tensor_leaves(out) if t.requires_grad]

@@ -17,7 +17,13 @@ from autopart.core.cluster import DeviceSpec
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import PlanError, ProfileError
 from autopart.core.op_names import VIEW_OPS
-from autopart.profiler._oputil import GROUPED_MM_OPS, flop_formulas, weight_source
+from autopart.profiler._oputil import (
+    GROUPED_MM_OPS,
+    attention_work,
+    causal_attention,
+    flop_formulas,
+    weight_source,
+)
 from autopart.profiler.meters import strided_nbytes
 
 __all__ = ["profile_analytical", "ANALYTICAL_REVISION", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
@@ -32,10 +38,11 @@ MEMORY_EFFICIENCY = 0.8
 """Share of the datasheet's memory bandwidth a streaming kernel reaches (STREAM-like
 copies reach 80-90 % of HBM peak)."""
 
-ANALYTICAL_REVISION = 2
+ANALYTICAL_REVISION = 3
 """What the analytical model counts, numbered: a cached analytical profile's key carries it,
 so a profile cached before a change to the counting is not reused (2: attention on the
-``cpu`` preset saves what torch's CPU kernel saves)."""
+``cpu`` preset saves what torch's CPU kernel saves; 3: attention run with ``is_causal``
+counts the pairs it keeps, ``_oputil.causal_fraction``)."""
 
 SDPA_BWD_FLOP_RATIO = 2.5
 """Attention backward FLOPs / forward FLOPs: 5 matmuls against 2 (FlashAttention-2,
@@ -87,7 +94,9 @@ def profile_analytical(captured: CapturedGraph, flat_inputs: list[Any] | None, s
 
     - ``flops``: ``torch.utils.flop_counter.FlopCounterMode`` over the meta forward, with
       the formulas torch lacks (:func:`autopart.profiler._oputil.flop_formulas`: grouped
-      GEMMs of mixture-of-experts layers, CPU's fused attention).
+      GEMMs of mixture-of-experts layers, CPU's fused attention); attention run with
+      ``is_causal`` counts the pairs it keeps (``_oputil.causal_fraction``, about half:
+      the kernel skips the blocks above the diagonal), which its time then follows.
     - ``bytes_accessed``: nbytes of the tensor inputs (parameters included) plus outputs;
       0 for :data:`VIEW_OPS`. ``output_bytes``: nbytes of the outputs.
     - ``fwd_us`` = max(flops / (peak x :data:`MATMUL_EFFICIENCY`),
@@ -161,7 +170,8 @@ def profile_analytical(captured: CapturedGraph, flat_inputs: list[Any] | None, s
         source=f"analytical:{spec.name}", bwd_source=bwd_source,
         batch_size=captured.batch_size, fingerprint=captured.fingerprint,
         profile_wall_s=time.perf_counter() - start,
-        no_cut=buffer_update_cuts(captured.graph_module.graph))
+        no_cut=buffer_update_cuts(captured.graph_module.graph),
+        causal_attention=causal_attention(captured.graph_module.graph))
 
 
 def _nbytes(value: Any) -> int:
@@ -310,7 +320,7 @@ class _MetaWalker:
             if key is not None and key in self.producer:
                 dist = index - self.producer[key]
                 back[dist] = back.get(dist, 0) + nbytes
-        flops = int(counter.get_total_flops())
+        flops = int(counter.get_total_flops() * attention_work(node))
         out_bytes = _nbytes(out)
         is_view = target in VIEW_OPS
         nbytes = 0 if is_view else sum(t.numel() * t.element_size() for t in in_tensors) + out_bytes

@@ -11,7 +11,7 @@ from autopart.core.capture import CapturedGraph
 from autopart.core.capturedgraph import buffer_update_cuts
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import ProfileError
-from autopart.profiler._oputil import MeasureReport
+from autopart.profiler._oputil import MeasureReport, causal_attention
 from autopart.profiler._walker import Progress, _Walker
 from autopart.profiler.blocks import repeated_blocks
 from autopart.profiler.meters import tree_nbytes
@@ -80,7 +80,8 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
     - ``transient_bytes`` (when ``training``): nbytes of the outputs that need a gradient
       plus of the inputs that do: the gradients live while its backward runs.
     - ``flops``: ``FlopCounterMode`` over the instrumented forward (torch's formulas plus
-      CPU fused attention; ops without a formula count 0). ``bytes_accessed``: nbytes of
+      CPU fused attention; attention run with ``is_causal`` counts the pairs it keeps,
+      ``_oputil.causal_fraction``; ops without a formula count 0). ``bytes_accessed``: nbytes of
       the tensor inputs
       (parameters included) plus the outputs — a first-order estimate that ignores caches
       and counts views as if they were read.
@@ -156,4 +157,5 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
         source=f"measured:{dev}", bwd_source=bwd_source, batch_size=captured.batch_size,
         fingerprint=captured.fingerprint, profile_wall_s=time.perf_counter() - start,
         no_cut=buffer_update_cuts(captured.graph_module.graph),
+        causal_attention=causal_attention(captured.graph_module.graph),
     ), walker.report

@@ -6,7 +6,8 @@ A cp rank holds S / cp tokens of each sequence (two chunks of S / (2 cp): chunks
 
 - every node's time, FLOPs and bytes (outputs, saved, transient, graph inputs) divided by cp:
   token-wise ops (norms, matmuls, activations, the loss) do 1 / cp of the work on 1 / cp of
-  the activations; parameter bytes stay whole;
+  the activations; parameter bytes stay whole, and so does each op's fixed time (the
+  device's ``op_overhead_us``: a rank issues every op of the sequence);
 - attention (``aten.scaled_dot_product_attention``), quadratic in the tokens: 1 / cp^2, the
   model's own attention over the rank's S / cp tokens.
 
@@ -15,10 +16,13 @@ S / cp tokens (the compile path profiles it there; the CLI splits a profile of w
 sequences first):
 
 - compute: the runtime's attention over the gathered keys. Causal: the rank's two query
-  chunks attend to chunks 0..g, g = r and 2 cp - 1 - r, (2 cp + 1) chunk-by-chunk blocks,
-  against the 4 blocks of the local attention the profile timed with the model's
-  materialised mask (transformers builds one under ``torch.export``; a masked kernel
-  computes every block): time x (2 cp + 1) / 4. Attention over the whole sequence (BERT):
+  chunks attend to chunks 0..g, g = r and 2 cp - 1 - r, (2 cp + 1) chunk-by-chunk blocks
+  (the diagonal ones computed whole, under a mask), against the 4 blocks of the local
+  attention where the profile timed it with a mask (a masked kernel computes every block):
+  time x (2 cp + 1) / 4; against 2 where it ran with ``is_causal`` and skipped the upper
+  half (``CostGraph.causal_attention``: capture gives attention the flag where
+  transformers' mask is causal and built from the shapes alone): x (2 cp + 1) / 2.
+  Attention over the whole sequence (BERT):
   S / cp queries over S keys, x cp. Where the runtime's attention was timed against the
   model's on the graph's shapes (``measured``: the compile path's profile at S / cp tokens),
   the measured ratios instead (on this project's CPU 1.43-1.66 / 1.49-1.63 forward /
@@ -47,7 +51,8 @@ UlyssesAttention`) each attention instead:
 - computes the model's attention over the whole sequence for heads / cp of the heads, in
   sequence order with ``is_causal`` (the kernel skips the blocks above the diagonal): the
   same (2 cp + 1) chunk-by-chunk blocks per rank as the all-gather form, x (2 cp + 1) / 4
-  causal, x cp over the whole sequence, or the measured ratios (``measured``; 1.55 / 1.47
+  causal against a masked kernel, x cp against one that skips as well, x cp over the whole
+  sequence, or the measured ratios (``measured``; 1.55 / 1.47
   on this project's CPU in the case above: the reorders around it);
 - exchanges in its forward the queries, keys and values (one all-to-all each of the
   rank's ``[B, H, S / cp, D]``, :func:`autopart.solver.collectives.all_to_all_us`) and
@@ -82,6 +87,7 @@ from autopart.solver.collectives import (
     all_to_all_us,
     reduce_scatter_us,
 )
+from autopart.solver.tensor_parallel_costs import _split_time
 
 __all__ = ["ATTENTION_OP", "attention_nodes", "context_costs", "repeated_heads", "split_tokens"]
 
@@ -130,20 +136,43 @@ def _scaled(nd: NodeCost, time: float, size: float) -> NodeCost:
             (d, int(b * size)) for d, b in nd.saved_from))
 
 
-def split_tokens(costs: CostGraph, cp: int) -> CostGraph:
+def split_tokens(costs: CostGraph, cp: int, op_overhead_us: float = 0.0) -> CostGraph:
     """One cp rank's costs from those of whole sequences (see the module docstring): every
-    node / cp, attention nodes' time and FLOPs / cp^2. ``costs`` itself at cp = 1."""
+    node / cp, attention nodes' time and FLOPs / cp^2; of each time, the fixed part of an
+    op (``op_overhead_us``, ``DeviceSpec.op_overhead_us``: issuing and launching it) stays
+    whole, as tp's split and the cost model's batch scaling keep it (a cp rank runs every op
+    of the sequence). ``costs`` itself at cp = 1."""
     if cp == 1:
         return costs
     attention = set(attention_nodes(costs))
-    nodes = tuple(_scaled(nd, (1 / cp ** 2) if i in attention else 1 / cp, 1 / cp)
+
+    def div(i: int) -> int:
+        return cp ** 2 if i in attention else cp
+
+    nodes = tuple(replace(_scaled(nd, 1 / div(i), 1 / cp),
+                          **{k: _split_time(getattr(nd, k), div(i), op_overhead_us)
+                             for k in ("fwd_us", "bwd_input_us", "bwd_weight_us")})
                   for i, nd in enumerate(costs.nodes))
-    low = tuple(tuple(t * ((1 / cp ** 2) if i in attention else 1 / cp) for t in times)
+    low = tuple(tuple(_split_time(t, div(i), op_overhead_us) for t in times)
                 for i, times in enumerate(costs.low_times))
     return replace(costs, nodes=nodes, low_times=low,  # type: ignore[arg-type]
                    low_backward_peaks=tuple(b // cp for b in costs.low_backward_peaks),
                    graph_inputs={k: v // cp for k, v in costs.graph_inputs.items()},
                    loss_saved_bytes=costs.loss_saved_bytes // cp)
+
+
+def _block_work(cp: int, causal: bool, attention: str, skips: bool) -> float:
+    """The runtime's attention work on a cp rank over the model's own on the rank's tokens
+    (see the module docstring): x cp over every key; causal, (2 cp + 1) blocks (the
+    all-gather form computes its diagonal blocks whole, under a mask) against 4 where the
+    model's kernel computes every block (a mask) and 2 where it skips the upper half
+    (``is_causal``, ``CostGraph.causal_attention``), and Ulysses, whose kernel skips too,
+    x cp against a kernel that skips."""
+    if not causal:
+        return float(cp)
+    if skips:
+        return float(cp) if attention == "ulysses" else (2 * cp + 1) / 2
+    return (2 * cp + 1) / 4
 
 
 def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_per_s: float,
@@ -184,10 +213,12 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
     scatter_us = all_reduce_us if reduce_scatter_as_all_reduce else reduce_scatter_us
     nodes = list(costs.nodes)
     by_name = {nd.name: nd for nd in costs.nodes}
-    work = (2 * cp + 1) / 4 if causal else float(cp)  # FLOPs, and time unless measured
-    fwd_work, bwd_work = measured if measured is not None else (work, work)
     low = list(costs.low_times)
     attn = attention_nodes(costs)
+    # per attention node: FLOPs, and time unless measured
+    works = {i: _block_work(cp, causal, attention, costs.nodes[i].name in costs.causal_attention)
+             for i in attn}
+    factors = {i: measured if measured is not None else (w, w) for i, w in works.items()}
     # each collective's fixed cost after one GPU's work between two of them (its forward and
     # backward over the collectives of one forward and backward), as tp's are priced
     count = (8 if attention == "ulysses" else 4) * len(attn)
@@ -195,14 +226,15 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
     def fixed(times: list[tuple[float, float, float]]) -> float:
         if collective_overhead is None or not count:
             return 0.0
-        total = sum(map(sum, times)) + sum((fwd_work - 1) * times[i][0]
-                                            + (bwd_work - 1) * times[i][1] for i in attn)
+        total = sum(map(sum, times)) + sum((factors[i][0] - 1) * times[i][0]
+                                            + (factors[i][1] - 1) * times[i][1] for i in attn)
         return collective_overhead(total / count)
 
     overhead = fixed([(nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us) for nd in nodes])
     low_overhead = fixed(low) if low else overhead
     for i in attn:
         nd = nodes[i]
+        fwd_work, bwd_work = factors[i]
         # the key and value heads the runtime moves: before grouped-query attention's repeat
         # where it reads it (all-gather: always; Ulysses: where cp divides them)
         shown = [by_name[n].output_bytes if n in by_name else 0 for n in nd.inputs[:3]]
@@ -234,7 +266,7 @@ def context_costs(costs: CostGraph, cp: int, *, causal: bool, bandwidth_bytes_pe
             transient = cp * sum(shown[1:3])
         nodes[i] = replace(nd, fwd_us=nd.fwd_us * fwd_work + gather + calls * overhead,
                            bwd_input_us=nd.bwd_input_us * bwd_work + scatter + calls * overhead,
-                           flops=int(nd.flops * work), saved_bytes=nd.saved_bytes + held,
+                           flops=int(nd.flops * works[i]), saved_bytes=nd.saved_bytes + held,
                            transient_bytes=nd.transient_bytes + transient)
         if low:
             f, b, w = low[i]

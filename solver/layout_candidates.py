@@ -232,7 +232,8 @@ def sharded_costs(costs: CostGraph, tp: int, device: DeviceSpec, layout: LayoutO
         return cache[key]
     if cp > 1:
         heads = layout.attention_heads or layout.num_heads
-        base = costs if layout.cp_tokens_profiled else split_tokens(costs, cp)
+        base = (costs if layout.cp_tokens_profiled
+                else split_tokens(costs, cp, device.op_overhead_us))
         cp_bw, cp_lat = layout.topology.link(tp * cp)
         local = context_costs(base, cp, causal=layout.causal_attention,
                               bandwidth_bytes_per_s=cp_bw, latency_us=cp_lat,

@@ -2,7 +2,8 @@
 
 Each fixes one way a functionalised ``torch.export`` graph differs from running the model:
 views bound to the capture's strides, ``torch.no_grad()`` regions, ``aten.copy`` without a
-derivative, and buffer updates moved to the graph's end. :func:`autopart.core.capture.capture`
+derivative, buffer updates moved to the graph's end, and attention masks built where eager
+attention passes ``is_causal`` instead. :func:`autopart.core.capture.capture`
 applies them in that order.
 """
 
@@ -18,7 +19,8 @@ from autopart.core._capture_errors import IN_CUSTOM_FUNCTION
 from autopart.core.capturedgraph import _get_attr
 
 __all__ = ["tolerate_real_strides", "detach_grad_disabled_regions", "drop_custom_meta",
-           "differentiable_copies", "update_buffers_where_read"]
+           "differentiable_copies", "update_buffers_where_read", "attention_masks_as_flags",
+           "MASK_CHECK_BUDGET_BYTES"]
 
 
 # Ops that fail unless their input's strides are what the fake tensors of the capture had.
@@ -268,3 +270,125 @@ def update_buffers_where_read(graph: fx.Graph) -> None:
         if last.next is not copy:
             last.append(copy)
     graph.lint()
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")
+# Export's checks of a value's metadata: they go with the value where it goes.
+_ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+#: The most bytes :func:`attention_masks_as_flags` computes to read one mask (every value
+#: the mask's computation makes, from the capture's shapes): 2 GiB reads a boolean causal
+#: mask of one 16384-token sequence (256 MiB) and the comparisons that build it, or of
+#: eight sequences of 8192 tokens.
+MASK_CHECK_BUDGET_BYTES = 2 << 30
+
+
+def _constant_ancestors(mask: fx.Node) -> list[fx.Node] | None:
+    """The nodes ``mask`` is computed from, in graph order, or None when one is a graph
+    input or a stored tensor (its value is then not the capture's to read)."""
+    seen: set[fx.Node] = set()
+    todo = [mask]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        if n.op != "call_function":
+            return None
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return [n for n in mask.graph.nodes if n in seen]
+
+
+def _mask_value(nodes: list[fx.Node], mask: fx.Node) -> torch.Tensor | None:
+    """``mask``'s value computed on the CPU from ``nodes`` (its constant ancestors), or None
+    when that would take more than :data:`MASK_CHECK_BUDGET_BYTES` or fails."""
+    total = 0
+    for n in nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            total += val.numel() * val.element_size()
+    if total > MASK_CHECK_BUDGET_BYTES:
+        return None
+
+    def on_cpu(x: Any) -> Any:
+        return torch.device("cpu") if isinstance(x, torch.device) else x
+
+    env: dict[fx.Node, Any] = {}
+    try:
+        with torch.no_grad():
+            for n in nodes:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                args, kwargs = fx.node.map_aggregate((args, kwargs), on_cpu)
+                env[n] = n.target(*args, **kwargs)  # type: ignore[operator]
+    except Exception:  # noqa: BLE001 - a mask this cannot compute stays as captured
+        return None
+    value = env[mask]
+    return value if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
+
+
+def _mask_kind(value: torch.Tensor) -> str | None:
+    """``"causal"`` where every ``[rows, cols]`` slice of the mask keeps exactly the keys at
+    or before each query (top-left aligned, as ``is_causal`` masks), ``"none"`` where it
+    keeps every key, else None. A float mask keeps where it is 0."""
+    allowed = value if value.dtype == torch.bool else value == 0
+    rows, cols = allowed.shape[-2:]
+    flat = allowed.reshape(-1, rows, cols)
+    if bool(flat.all()):
+        return "none"
+    causal = torch.ones(rows, cols, dtype=torch.bool).tril()
+    return "causal" if bool((flat == causal).all()) else None
+
+
+def attention_masks_as_flags(graph: fx.Graph) -> int:
+    """Give ``scaled_dot_product_attention`` the causal flag in place of a mask that is one.
+
+    Eagerly, transformers calls attention with ``is_causal=True`` and no mask where the
+    sequence is unpadded (``masking_utils._ignore_causal_mask_sdpa``), which lets the kernel
+    skip the blocks above the diagonal (FlashAttention; torch's CPU flash kernel too). Under
+    ``torch.export`` it builds the boolean mask instead, because an exported graph may be run
+    at other shapes; a masked kernel computes every block, and on a GPU a mask rules the
+    flash kernel out. autopart's graphs are captured at the shapes they run (a new shape is
+    a new capture), so an attention whose mask is computed from nothing but those shapes (no
+    graph input, no stored tensor: no ``attention_mask`` or ``position_ids`` passed) is
+    given ``is_causal=True`` and no mask where the mask is causal, and no mask where it keeps
+    every key (an encoder without padding). The mask is computed once on the CPU to check
+    it (at most :data:`MASK_CHECK_BUDGET_BYTES`; a larger one stays as captured, as does
+    one that is neither, a sliding window say), and what computed it goes where no other
+    node reads it.
+
+    Returns:
+        The number of attention nodes rewritten.
+    """
+    kinds: dict[fx.Node, str | None] = {}
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        given = dict(zip(_SDPA_ARGS, node.args, strict=False))
+        given.update(node.kwargs)
+        mask = given.get("attn_mask")
+        if not isinstance(mask, fx.Node) or given.get("is_causal"):
+            continue
+        if mask not in kinds:
+            ancestors = _constant_ancestors(mask)
+            value = None if ancestors is None else _mask_value(ancestors, mask)
+            kinds[mask] = None if value is None else _mask_kind(value)
+        kind = kinds[mask]
+        if kind is None:
+            continue
+        given["attn_mask"] = None
+        given["is_causal"] = kind == "causal"
+        node.args = tuple(given.pop(k) for k in _SDPA_ARGS[:3])
+        node.kwargs = {k: v for k, v in given.items() if k != "attn_mask"}
+        count += 1
+    unread: set[fx.Node] = set()  # what computed a mask, where nothing else reads it
+    for mask in kinds:
+        unread.update(_constant_ancestors(mask) or ())
+    for node in reversed(list(graph.nodes)):
+        if node.target in _ASSERTS and node.all_input_nodes and \
+                set(node.all_input_nodes) <= unread:
+            graph.erase_node(node)  # export's check of a value of the mask's computation
+        elif node in unread and not node.users:
+            graph.erase_node(node)
+    return count

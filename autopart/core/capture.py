@@ -18,6 +18,7 @@ from torch import nn
 
 from autopart.core._capture_errors import check_custom_backward, custom_functions_applied, trace_error
 from autopart.core._capture_rewrites import (
+    attention_masks_as_flags,
     detach_grad_disabled_regions,
     differentiable_copies,
     drop_custom_meta,
@@ -53,7 +54,7 @@ def _leading_dim(leaves: list[Any]) -> int:
 
 
 def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-            ) -> CapturedGraph:
+            *, attention_flags: bool = True) -> CapturedGraph:
     """Capture ``model(*args, **kwargs)`` as a flat FX graph with ``torch.export`` (non-strict).
 
     The graph is functionalised (``run_decompositions({})``: in-place ops become
@@ -65,6 +66,12 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
         model: the module to capture; its parameters are shared, not copied.
         args: positional example inputs; tensors have the batch in dim 0.
         kwargs: keyword example inputs.
+        attention_flags: give ``scaled_dot_product_attention`` ``is_causal=True`` (or no
+            mask) where the mask export built from the shapes alone is causal (or keeps
+            every key), as eager transformers does (default True;
+            ``_capture_rewrites.attention_masks_as_flags``). False keeps the masks: a
+            runtime whose attention computes every block (Megatron-LM's 2021 masked
+            softmax) is priced so.
 
     Returns:
         The captured graph (see :class:`CapturedGraph`).
@@ -100,6 +107,8 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
     tolerate_real_strides(gm.graph)
     differentiable_copies(gm.graph)
     update_buffers_where_read(gm.graph)
+    if attention_flags:
+        attention_masks_as_flags(gm.graph)
     # Flat calling convention: forward(*leaves) -> tuple(leaves).
     gm.graph._codegen = fx.graph.CodeGen()
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -240,6 +240,12 @@ class CostGraph:
             Megatron-LM's sequence-parallel linear keeps its input split and re-gathers it,
             Korthikanti et al. 2022, section 4.2.2). The low-batch time is 0 without a low
             batch. Optional (default none).
+        causal_attention: names of the attention nodes run with ``is_causal`` and no mask,
+            whose kernel skips the blocks above the diagonal (their FLOPs count the pairs
+            kept; ``autopart.core._capture_rewrites.attention_masks_as_flags``). Any other
+            attention computes every block (a materialised mask). Context parallelism's
+            price reads it (``solver.context_parallel_costs``). Optional (default none, as
+            in profiles from before it: their attention ran with masks).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -262,6 +268,7 @@ class CostGraph:
     no_cut: frozenset[int] = frozenset()
     collective_outputs: tuple[tuple[int, int], ...] = ()
     recomputed_gathers: tuple[tuple[int, float, float], ...] = ()
+    causal_attention: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -277,6 +284,10 @@ class CostGraph:
                 if p not in self.param_sizes:
                     raise PlanError(f"CostGraph: node {node.name!r} reads unknown parameter {p!r}")
             seen.add(node.name)
+        if not self.causal_attention <= seen:
+            raise PlanError(f"CostGraph: causal_attention names "
+                            f"{sorted(self.causal_attention - seen)[:5]}, which are not nodes; "
+                            "re-profile the model")
         for out in self.graph_outputs:
             if out not in seen:
                 raise PlanError(f"CostGraph: graph output {out!r} is not a node or graph input")
@@ -385,6 +396,10 @@ class CostGraph:
             del d["collective_outputs"]
         if not self.recomputed_gathers:
             del d["recomputed_gathers"]
+        if self.causal_attention:
+            d["causal_attention"] = sorted(self.causal_attention)
+        else:  # none: left out, as in files from before it
+            del d["causal_attention"]
         for node in d["nodes"]:  # not measured: left out, as in files from before them
             for key in [k for k in HOST_FIELDS if node[k] is None]:
                 del node[key]
@@ -423,6 +438,8 @@ class CostGraph:
                                                 d.get("collective_outputs", ())),
                        recomputed_gathers=tuple((int(i), float(t), float(lo)) for i, t, lo in
                                                 d.get("recomputed_gathers", ())),
+                       causal_attention=frozenset(str(n) for n in
+                                                  d.get("causal_attention", ())),
                        batch_scales=tuple(
                            BatchScale(int(sc["batch_size"]), tuple(int(q) for q in sc["positions"]),
                                       tuple(float(f) for f in sc["fwd"]),

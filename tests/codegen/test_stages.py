@@ -109,16 +109,19 @@ def test_batchnorm_trains_across_stages_like_the_same_microbatching_by_hand() ->
 
 
 def test_a_plan_moves_onto_the_one_row_graph_of_the_same_model() -> None:
-    """At one row torch.export drops GPT-2's no-op position expand and renumbers the other
-    expands: the two-row plan's cuts are found by name there, and the plan then names that
-    graph (fingerprint, cut positions, each stage's first and last node and node count)."""
+    """At one row torch.export drops the no-op expand of the positions GPT-2's mask is
+    built from and renumbers the other expands (with the masks kept; capture's attention
+    flags take them out, and the two graphs with them): the two-row plan's cuts are found
+    by name there, and the plan then names that graph (fingerprint, cut positions, each
+    stage's first and last node and node count)."""
     import dataclasses
 
     from autopart.codegen import check_plan_matches, plan_for_graph
     from autopart.core.capture import op_nodes
 
     model, (x,), _, _ = ZOO["gpt2"]()
-    two, one = capture(model, (x[:2],)), capture(model, (x[:1],))
+    assert capture(model, (x[:2],)).fingerprint == capture(model, (x[:1],)).fingerprint
+    two, one = (capture(model, (x[:n],), attention_flags=False) for n in (2, 1))
     assert two.fingerprint != one.fingerprint
     plan = manual_plan(two, even_positions(two, 3), 4, 8)
     assert plan_for_graph(plan, two) is plan  # made for this graph: unchanged

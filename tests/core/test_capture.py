@@ -122,3 +122,74 @@ def test_a_custom_function_whose_backward_is_its_forwards_derivative_is_captured
     x = torch.randn(2, 4)
     captured = capture(model, (x,))
     torch.testing.assert_close(captured.graph_module(x)[0], model(x))
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+class MaskedAttention(nn.Module):
+    """One attention whose mask the forward builds from the sequence length, as transformers
+    does under torch.export: causal, every key ("full"), or a sliding window of 4."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        pos = torch.arange(s, device=x.device)
+        mask = pos[None, :] <= pos[:, None]
+        if self.kind == "full":
+            mask = mask | ~mask
+        elif self.kind == "window":
+            mask = mask & (pos[:, None] - pos[None, :] < 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, s, 16)
+
+
+def _attention_args(captured: Any) -> list[tuple[Any, dict[str, Any]]]:
+    return [(n.args, dict(n.kwargs)) for n in captured.graph_module.graph.nodes
+            if n.target is _SDPA]
+
+
+@pytest.mark.parametrize(("kind", "flags"), [("causal", {"is_causal": True}),
+                                             ("full", {"is_causal": False}), ("window", None)])
+def test_attention_masks_built_from_the_shapes_become_flags(kind: str, flags: Any) -> None:
+    torch.manual_seed(0)
+    model, x = MaskedAttention(kind), torch.randn(2, 12, 16)
+    captured = capture(model, (x,))
+    ((args, kwargs),) = _attention_args(captured)
+    if flags is None:  # a sliding window is neither: the mask stays as captured
+        assert len(args) == 4 and "is_causal" not in kwargs
+    else:
+        assert len(args) == 3 and kwargs["is_causal"] is flags["is_causal"]
+        assert "attn_mask" not in kwargs
+        # what computed the mask went with it: no [12, 12] value is left in the graph
+        assert not [n for n in captured.graph_module.graph.nodes
+                    if getattr(n.meta.get("val"), "shape", ())[-2:] == (12, 12)]
+    out = captured.graph_module.forward(*captured.flatten_inputs((x,), {}))
+    torch.testing.assert_close(out[0], model(x), rtol=1e-6, atol=1e-6)
+    ((kept, _),) = _attention_args(capture(model, (x,), attention_flags=False))
+    assert len(kept) == 4  # attention_flags=False keeps every mask
+
+
+def test_attention_masks_from_inputs_or_over_budget_stay(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from autopart.core import _capture_rewrites
+
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                   use_cache=False)
+    model, x = transformers.LlamaForCausalLM(cfg), torch.randint(0, 64, (2, 16))
+    rewritten = _attention_args(capture(model, (x,)))
+    assert [len(a) for a, _ in rewritten] == [3, 3]
+    assert all(k["is_causal"] for _, k in rewritten)
+    # positions passed in: packed sequences would make another mask, so it stays
+    positions = torch.arange(16).expand(2, 16)
+    assert [len(a) for a, _ in _attention_args(capture(model, (x,),
+                                                       {"position_ids": positions}))] == [4, 4]
+    monkeypatch.setattr(_capture_rewrites, "MASK_CHECK_BUDGET_BYTES", 1024)
+    assert [len(a) for a, _ in _attention_args(capture(model, (x,)))] == [4, 4]

@@ -11,6 +11,7 @@ from autopart.core.capture import capture
 from autopart.core.cluster import PRESETS
 from autopart.core.errors import PlanError, ProfileError
 from autopart.profiler import flop_formulas, profile_analytical, profile_graph
+from autopart.profiler._oputil import causal_fraction
 from autopart.profiler.analytical import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from tests.profiler._models import B, D, L, T, V, small_gpt2
 
@@ -77,9 +78,42 @@ def test_analytical_attention_follows_the_gpu_fused_kernels() -> None:
     qkv = B * T * D * 4  # one float32 (B, heads, T, head dim) tensor
     weights = B * 4 * T * T * 4  # one float32 (B, heads, T, T) tensor
     lse, mask = B * 4 * T * 4, B * T * T  # the boolean mask, saved once (the first layer)
-    assert on_gpu.nodes[attention[0]].saved_bytes == 4 * qkv + lse + mask
+    assert on_gpu.nodes[attention[0]].saved_bytes == 4 * qkv + lse  # is_causal: no mask
+    masked = profile_analytical(capture(model, (x,), attention_flags=False), [x],
+                                PRESETS["h100-sxm"])
+    with_mask = [n for n in masked.nodes if "scaled_dot_product" in n.op]
+    assert with_mask[0].saved_bytes == 4 * qkv + lse + mask
+    assert not masked.causal_attention
+    assert on_gpu.causal_attention == {on_gpu.nodes[i].name for i in attention}
+    for i, full in zip(attention, with_mask, strict=True):
+        # the kernel that skips does the causal share of the masked one's work
+        kept = on_gpu.nodes[i]
+        assert kept.flops == int(full.flops * causal_fraction(T, T))
     for i in attention:  # the math path: q, k, v and the weights before and after dropout
         assert on_cpu.nodes[i].saved_bytes >= 3 * qkv + 2 * weights
+
+
+def test_causal_attention_is_priced_at_the_pairs_it_keeps() -> None:
+    # a meta Llama at 2048 tokens: attention is compute-bound on an H100, so its time past
+    # the op's fixed cost follows the causal share of its FLOPs, forward and backward
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=1, intermediate_size=512,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=2048, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    x = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    spec = PRESETS["h100-sxm"]
+    skips, full = (profile_analytical(capture(model, (x,), attention_flags=flags), None, spec,
+                                      dtype=torch.bfloat16) for flags in (True, False))
+    (kept,), (every,) = ([n for n in c.nodes if "scaled_dot_product" in n.op]
+                         for c in (skips, full))
+    share = causal_fraction(2048, 2048)
+    assert kept.name in skips.causal_attention and not full.causal_attention
+    ov = spec.op_overhead_us
+    assert kept.fwd_us - ov == pytest.approx((every.fwd_us - ov) * share, rel=1e-3)
+    assert kept.bwd_input_us - ov == pytest.approx((every.bwd_input_us - ov) * share, rel=1e-3)
 
 
 def test_meta_llama_profiles_without_weights() -> None:

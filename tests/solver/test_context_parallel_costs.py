@@ -72,6 +72,40 @@ def test_split_tokens_of_whole_sequences_is_the_profile_at_s_over_cp() -> None:
         sum(whole.graph_inputs.values()) / 2, rel=0.01)
 
 
+def test_split_tokens_keeps_each_ops_fixed_time() -> None:
+    whole, ov = _costs(1), SPEC.op_overhead_us
+    split = split_tokens(whole, 4, ov)
+    attn = set(attention_nodes(whole))
+    for i, (a, b) in enumerate(zip(whole.nodes, split.nodes, strict=True)):
+        div = 16 if i in attn else 4
+        for k in ("fwd_us", "bwd_input_us", "bwd_weight_us"):
+            t = getattr(a, k)
+            want = t if t <= ov else ov + (t - ov) / div  # a rank issues every op
+            assert getattr(b, k) == pytest.approx(want), (a.name, k)
+        assert b.flops == int(a.flops / div)
+    assert split_tokens(whole, 4).total_fwd_us() == pytest.approx(whole.total_fwd_us() / 4,
+                                                                  rel=0.1)
+
+
+@pytest.mark.parametrize("attention", ["all_gather", "ulysses"])
+def test_attention_that_skips_the_upper_half_is_priced_against_its_half(attention: str) -> None:
+    # a profile whose attention ran with is_causal (CostGraph.causal_attention) did about 2
+    # of the 4 chunk blocks a masked kernel computes: the all-gather form's 2 cp + 1 blocks
+    # are (2 cp + 1) / 2 of it, Ulysses' causal kernel over the whole sequence cp of it
+    cp, local = 4, _costs(4)
+    attn = attention_nodes(local)
+    skips = dataclasses.replace(local, causal_attention=frozenset(
+        local.nodes[i].name for i in attn))
+    kw = dict(causal=True, bandwidth_bytes_per_s=BW, latency_us=LAT, attention=attention)
+    masked, skipping = context_costs(local, cp, **kw), context_costs(skips, cp, **kw)
+    work = cp if attention == "ulysses" else (2 * cp + 1) / 2
+    for i in attn:
+        a, m, k = local.nodes[i], masked.nodes[i], skipping.nodes[i]
+        exchange = m.fwd_us - a.fwd_us * (2 * cp + 1) / 4
+        assert k.fwd_us == pytest.approx(a.fwd_us * work + exchange)
+        assert k.flops == int(a.flops * work)
+
+
 @pytest.mark.parametrize(("name", "causal"), [("llama", True), ("bert", False)])
 def test_attention_gathers_keys_and_values_and_attends_to_the_whole_sequence(
         name: str, causal: bool) -> None:
