@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import sdpa_flop_count
 
-from autopart.core.capturedgraph import GROUPED_MM_OPS, weight_source
+from autopart.core.capturedgraph import GROUPED_MM_OPS, sdpa_arguments, weight_source
 
 __all__ = ["EXTRA_FLOP_FORMULAS", "GROUPED_MM_OPS", "MeasureReport", "attention_work",
            "causal_attention", "causal_fraction", "flop_formulas", "grouped_mm_flop",
@@ -42,9 +42,7 @@ def _causal_shapes(node: fx.Node) -> tuple[int, int] | None:
     """``(queries, keys)`` of an attention node run with ``is_causal`` and no mask, else None."""
     if node.op != "call_function" or node.target is not _SDPA:
         return None
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-    given = dict(zip(names, node.args, strict=False))
-    given.update(node.kwargs)
+    given = sdpa_arguments(node)
     if not given.get("is_causal") or given.get("attn_mask") is not None:
         return None
     q, k = (x.meta.get("val") if isinstance(x, fx.Node) else None

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from autopart.core._capture_errors import IN_CUSTOM_FUNCTION
-from autopart.core.capturedgraph import _get_attr
+from autopart.core.capturedgraph import SDPA_ARGS, _get_attr, sdpa_arguments
 
 __all__ = ["tolerate_real_strides", "detach_grad_disabled_regions", "drop_custom_meta",
            "differentiable_copies", "update_buffers_where_read", "attention_masks_as_flags",
@@ -273,8 +273,6 @@ def update_buffers_where_read(graph: fx.Graph) -> None:
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-              "enable_gqa")
 # Export's checks of a value's metadata: they go with the value where it goes.
 _ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 #: The most bytes :func:`attention_masks_as_flags` computes to read one mask (every value
@@ -365,8 +363,7 @@ def attention_masks_as_flags(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not _SDPA:
             continue
-        given = dict(zip(_SDPA_ARGS, node.args, strict=False))
-        given.update(node.kwargs)
+        given = sdpa_arguments(node)
         mask = given.get("attn_mask")
         if not isinstance(mask, fx.Node) or given.get("is_causal"):
             continue
@@ -379,7 +376,7 @@ def attention_masks_as_flags(graph: fx.Graph) -> int:
             continue
         given["attn_mask"] = None
         given["is_causal"] = kind == "causal"
-        node.args = tuple(given.pop(k) for k in _SDPA_ARGS[:3])
+        node.args = tuple(given.pop(k) for k in SDPA_ARGS[:3])
         node.kwargs = {k: v for k, v in given.items() if k != "attn_mask"}
         count += 1
     unread: set[fx.Node] = set()  # what computed a mask, where nothing else reads it

@@ -16,8 +16,8 @@ from torch import nn
 from autopart.core.errors import TraceError
 from autopart.core.op_names import GROUPED_MM_OPS
 
-__all__ = ["GROUPED_MM_OPS", "CapturedGraph", "buffer_update_cuts", "graph_fingerprint",
-           "op_nodes", "node_module_path", "node_source", "weight_source"]
+__all__ = ["GROUPED_MM_OPS", "SDPA_ARGS", "CapturedGraph", "buffer_update_cuts", "graph_fingerprint",
+           "op_nodes", "node_module_path", "node_source", "sdpa_arguments", "weight_source"]
 
 _OP_KINDS = ("call_function", "call_method", "call_module")
 
@@ -196,3 +196,17 @@ def graph_fingerprint(gm: fx.GraphModule, attr_fqns: dict[str, str]) -> str:
                     _abstract(node.kwargs, index), node_module_path(node)]
         h.update(repr(item).encode())
     return h.hexdigest()[:16]
+
+
+#: ``aten.scaled_dot_product_attention``'s arguments, in order.
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa")
+
+
+def sdpa_arguments(node: fx.Node) -> dict[str, Any]:
+    """An attention node's arguments by name (positional and keyword; those not given are
+    left out)."""
+    given = dict(zip(SDPA_ARGS, node.args, strict=False))
+    given.update(node.kwargs)
+    return given
+
