@@ -12,7 +12,8 @@ from autopart.solver.collectives import all_gather_us, all_reduce_us
 
 __all__ = ["state_multiplier", "held_state_multiplier", "DataParallelCost", "data_parallel_cost",
            "gradient_all_reduce_us", "bucket_sizes", "overlapped_reduction_us",
-           "sharded_state_multiplier", "layer_unit_factors", "fsdp_collective_us"]
+           "sharded_state_multiplier", "layer_unit_factors", "fsdp_collective_us",
+           "UnitSegment", "layer_units_exposed_us"]
 
 
 def state_multiplier(zero_stage: int, dp: int, optimizer_factor: float,
@@ -362,3 +363,124 @@ def overlapped_reduction_us(stage_grad_bytes: Sequence[int], stage_elements: Seq
             t = max(t, at) + bucket_us(nbytes)
         tails[rank] = max(0.0, t)
     return tuple(tails)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSegment:
+    """A run of consecutive ops of one stage that belong to one FSDP unit, for one
+    microbatch: ``unit`` indexes the stage's units, ``fwd_us`` / ``bwd_us`` its forward and
+    backward (``I + W``, any recompute included) time, µs."""
+
+    unit: int
+    fwd_us: float
+    bwd_us: float
+
+
+def layer_units_exposed_us(segments: Sequence[UnitSegment], gather_us: Sequence[float],
+                           scatter_us: Sequence[float], *, zero_stage: int,
+                           root: int | None) -> tuple[float, float]:
+    """What ZeRO 2-3's per-layer FSDP units leave exposed in one microbatch's forward and
+    backward of one stage, µs, on a runtime whose collectives run beside its compute
+    (NCCL on GPUs): ``(forward, backward)``, the time the stage's compute waits for
+    all-gathers plus, at the backward's end, for its last reduce-scatters.
+
+    As autopart's runtime runs it (``autopart/runtime/distributed/_sharding.py``,
+    torch 2.13's FSDP2 with one unit per layer and the stage's graph module as the root, as
+    torchtitan shards a model per transformer block):
+
+    - forward: the root's all-gather first (its pre-forward waits for it), then each unit's
+      pre-forward launches the next unit's all-gather (``set_modules_to_forward_prefetch``:
+      the root prefetches the first layer, each layer the one after it). FSDP2 starts an
+      all-gather only once the previous one is consumed, so unit k + 1's gather starts no
+      earlier than unit k's compute; unit k's first op waits for its own gather;
+    - backward (ZeRO-3; the root and every layer were resharded after the forward): the
+      root's all-gather first, then each unit's pre-backward launches the previous layer's
+      (the root's: the last layer's, FSDP2's implicit prefetch); each unit's post-backward
+      (after its last op's backward) launches its gradients' reduce-scatter; the root's,
+      after the stage's last op; the backward returns when the last reduce-scatter is done
+      (the root's post-backward callback waits for them);
+    - ZeRO-2 (``reshard_after_forward=False``): the forward's gathers as above (the previous
+      microbatch's backward resharded every unit), no gathers in the backward; the
+      reduce-scatters as above;
+    - the all-gathers and reduce-scatters share the rank's link: modelled as one queue, each
+      collective starting when it is launched and the previous one is done (FSDP2 runs them
+      on two streams; over one network link their transfers take turns, so the queue is
+      the bandwidth-bound case).
+
+    The compute of a unit is its segments' times in order; the root's segments (embeddings
+    before the layers, final norm and head after) need the root gathered from the stage's
+    pre-forward to its post-forward and likewise in the backward.
+
+    Args:
+        segments: the stage's ops in forward order, grouped in runs by unit.
+        gather_us: per unit, its parameters' all-gather, µs
+            (:func:`fsdp_collective_us`).
+        scatter_us: per unit, its gradients' reduce-scatter, µs.
+        zero_stage: 2 or 3.
+        root: the root unit's index (None: the stage has no parameters outside its layers).
+
+    Returns:
+        ``(forward, backward)`` exposed µs, each >= 0.
+
+    Raises:
+        PlanError: ``zero_stage`` other than 2 or 3, or a segment's unit with no figures.
+    """
+    if zero_stage not in (2, 3):
+        raise PlanError(f"zero_stage={zero_stage}: per-microbatch layer-unit collectives are "
+                        "ZeRO 2-3's (ZeRO-1 gathers once per step)")
+    n = len(gather_us)
+    if len(scatter_us) != n or any(not 0 <= s.unit < n for s in segments) or (
+            root is not None and not 0 <= root < n):
+        raise PlanError(f"layer_units_exposed_us: {n} units' gathers, {len(scatter_us)} "
+                        "scatters; every segment's unit (and the root) must index them")
+    fwd = _units_pass(segments, gather_us, None, root)
+    back = [UnitSegment(s.unit, s.bwd_us, 0.0) for s in reversed(segments)]
+    bwd = _units_pass(back, gather_us if zero_stage == 3 else None, scatter_us, root)
+    return fwd, bwd
+
+
+def _units_pass(segments: Sequence[UnitSegment], gather_us: Sequence[float] | None,
+                scatter_us: Sequence[float] | None, root: int | None) -> float:
+    """One pass of :func:`layer_units_exposed_us` over ``segments`` in run order (their
+    ``fwd_us`` the compute), gathering by ``gather_us`` (None: nothing gathered) and
+    reduce-scattering by ``scatter_us`` (None: nothing); the exposed µs."""
+    layers = list(dict.fromkeys(s.unit for s in segments if s.unit != root))
+    chain = ([root] if root is not None else []) + layers
+    following = dict(zip(chain, chain[1:], strict=False))
+    last_run = {s.unit: i for i, s in enumerate(segments)}
+    queue = 0.0  # when the link's queue is free
+    ready: dict[int, float] = {}
+
+    def launch(cost: float, at: float) -> float:
+        nonlocal queue
+        queue = max(queue, at) + cost
+        return queue
+
+    t = busy = 0.0
+    started: set[int] = set()
+
+    def begin(unit: int) -> None:
+        nonlocal t
+        started.add(unit)
+        if gather_us is not None:
+            if unit not in ready:
+                ready[unit] = launch(gather_us[unit], t)
+            t = max(t, ready[unit])
+            nxt = following.get(unit)
+            if nxt is not None and nxt not in ready:
+                ready[nxt] = launch(gather_us[nxt], t)
+
+    if root is not None:
+        begin(root)  # the stage module's pre-forward / pre-backward
+    for i, seg in enumerate(segments):
+        if seg.unit not in started:
+            begin(seg.unit)
+        t += seg.fwd_us
+        busy += seg.fwd_us
+        if scatter_us is not None and last_run[seg.unit] == i and seg.unit != root:
+            launch(scatter_us[seg.unit], t)  # the unit's post-backward
+    if scatter_us is not None:
+        if root is not None:
+            launch(scatter_us[root], t)
+        t = max(t, queue)
+    return max(0.0, t - busy)

@@ -56,7 +56,7 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     microbatch, L: the batch-proportional times of the replica's whole batch, C: the
     forward and backward sends over pp - 1 cuts of the smallest crossing, each charged to a
     stage's time as the pipeline cost model does), plus the dp collectives of an even share
-    of the parameters (none where ZeRO-0's reduction, or ZeRO-1's with layer units, is
+    of the parameters (none where ZeRO-0's reduction, or ZeRO 1-3's with layer units, is
     overlapped and hides under compute; the estimate then charges one bucket of it); the
     bound is the smallest over the allowed m. With cp > 1 (``sharded`` is then one cp
     rank's) the dp collectives and ZeRO's shards span the dp line's dp x cp GPUs."""
@@ -75,8 +75,9 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     dp_cost = (_dp_cost(share, line, zero, tp, layout, options.runtime)
                if options.training else None)
     _, hidden = _hides_reduction(layout, zero, line, options)
-    # ZeRO-1's layer units overlap their reduce-scatters and gathers likewise
-    hidden = hidden or (zero == 1 and line > 1 and options.training and layout.zero_layer_units
+    # ZeRO 1-3's layer units overlap their reduce-scatters and gathers likewise (ZeRO 2-3's
+    # per microbatch, under each layer's compute: solver.layout_dp._zero23_layers_exposed)
+    hidden = hidden or (zero >= 1 and line > 1 and options.training and layout.zero_layer_units
                         and not options.runtime.collectives_share_compute)
     if hidden:  # overlapped: none of it is surely exposed; one bucket estimated
         tail = _even_bucket_us(trainable * layout.gradient_factor,

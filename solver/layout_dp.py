@@ -13,9 +13,11 @@ from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.schedule import splits_backward
 from autopart.solver.data_parallel import (
     DataParallelCost,
+    UnitSegment,
     data_parallel_cost,
     fsdp_collective_us,
     gradient_all_reduce_us,
+    layer_units_exposed_us,
     overlapped_reduction_us,
 )
 from autopart.solver.layout_options import LayoutOptions
@@ -112,24 +114,34 @@ def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription
     rank's parameters, over its m microbatches for ZeRO 2-3), ``runtime.ranks_per_core``
     times longer where CPU ranks outnumber the cores (every rank runs them at once). With
     ``costs`` (the tp share the plan was solved on) and ``plan.zero_layer_units``, ZeRO
-    1-3's collectives run per layer unit (:func:`layer_units`); without, per stage.
+    1-3's collectives run per layer unit (:func:`layer_units`); without, per stage. ZeRO 2-3
+    with layer units on a runtime whose collectives do not share the ranks' compute: what
+    the prefetched gathers and the reduce-scatters leave exposed in each microbatch
+    (:func:`_zero23_layers_exposed`).
     """
     units = _stage_units(plan, costs, None) if costs is not None else None
     return _dp_exposed(plan, (plan.tp, plan.dp * plan.cp, plan.zero_stage, plan.overlap_grad_reduce),
-                       layout, runtime, units, plan.zero_layer_units and units is not None)
+                       layout, runtime, units, plan.zero_layer_units and units is not None,
+                       costs)
 
 
 def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
                 runtime: RuntimeDescription, units: tuple[int, ...] | None = None,
-                per_layer: bool = False) -> tuple[float, ...]:
+                per_layer: bool = False, costs: CostGraph | None = None
+                ) -> tuple[float, ...]:
     """:func:`dp_exposed_us` of a replica's pipeline plan at ``(tp, dp, zero, overlap)``,
     ZeRO 1-3's collectives run by ``units[s]`` FSDP units in stage s (None: one per stage),
-    per layer (``per_layer``) or not."""
+    per layer (``per_layer``) or not; ``costs``: the cost graph the plan was solved on
+    (needed for ZeRO 2-3's layer units on a runtime whose collectives run beside compute;
+    without it they are priced after the flush)."""
     tp, dp, zero, overlap = degrees
     if dp == 1:
         return (0.0,) * len(plan.ranks)
     if zero == 1 and per_layer and units and not runtime.collectives_share_compute:
         return _zero1_layers_exposed(plan, units, tp, dp, layout, runtime)
+    if (zero in (2, 3) and per_layer and costs is not None
+            and not runtime.collectives_share_compute):
+        return _zero23_layers_exposed(plan, costs, tp, dp, zero, layout, runtime)
     if overlap and not runtime.collectives_share_compute:
         grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
         return overlapped_reduction_us(
@@ -168,6 +180,68 @@ def _zero1_layers_exposed(plan: Plan, units: tuple[int, ...], tp: int, dp: int,
         bucket_elements=max(1, per_unit))
     first = fsdp_collective_us(plan.stages[0].param_bytes / units[0], *link)
     return tuple(first + t for t in tails)
+
+
+def _stage_unit_work(plan: Plan, costs: CostGraph, gradient_factor: float
+                     ) -> list[tuple[list[UnitSegment], list[int], list[int], int | None]]:
+    """Per stage of ``plan``: its ops' runs by FSDP unit (:class:`UnitSegment`, times the
+    stage's predicted forward and backward shared out by the ops' profiled times), each
+    unit's parameter and gradient bytes, and the root unit's index (None: no parameter
+    outside the stage's layers). A unit is a layer (:func:`layer_of_path` of an op's module
+    path, of a parameter's name) or the root (the rest), as ``codegen.fsdp_units`` groups
+    the stage's graph."""
+    out = []
+    start = 0
+    for st in plan.stages:
+        nodes = costs.nodes[start:start + st.num_nodes]
+        start += st.num_nodes
+        index: dict[str | None, int] = {}
+        runs: list[list[float]] = []  # [unit, fwd, bwd] per run, profiled µs
+        for nd in nodes:
+            u = index.setdefault(layer_of_path(nd.module_path), len(index))
+            if runs and runs[-1][0] == u:
+                runs[-1][1] += nd.fwd_us
+                runs[-1][2] += nd.bwd_input_us + nd.bwd_weight_us
+            else:
+                runs.append([u, nd.fwd_us, nd.bwd_input_us + nd.bwd_weight_us])
+        params = dict.fromkeys(p for nd in nodes for p in nd.params if p in costs.trainable)
+        nbytes = [0] * len(index)
+        for p in params:
+            u = index.setdefault(layer_of_path(p), len(index))
+            nbytes += [0] * (len(index) - len(nbytes))
+            nbytes[u] += costs.param_sizes[p]
+        fwd = sum(r[1] for r in runs) or 1.0
+        bwd = sum(r[2] for r in runs) or 1.0
+        segments = [UnitSegment(int(u), f / fwd * st.predicted_fwd_us,
+                                b / bwd * st.predicted_bwd_us) for u, f, b in runs]
+        root = index.get(None)
+        out.append((segments, nbytes, [int(b * gradient_factor) for b in nbytes],
+                    root if root is not None and nbytes[root] > 0 else None))
+    return out
+
+
+def _zero23_layers_exposed(plan: Plan, costs: CostGraph, tp: int, dp: int, zero: int,
+                           layout: LayoutOptions, runtime: RuntimeDescription
+                           ) -> tuple[float, ...]:
+    """ZeRO 2-3 with layer units on a runtime whose collectives run beside compute, per
+    rank: ``m`` times what one microbatch's forward and backward of each of its stages
+    leave exposed (:func:`layer_units_exposed_us`: the gathers prefetched one unit ahead, the
+    reduce-scatters launched at each unit's post-backward, the backward's end waiting for
+    the last). Added after the schedule, as the serialized collectives are: exact for one
+    pipeline rank; with pp > 1 the fill and drain of a pipeline whose actions each wait
+    that long would add up to ``pp - 1`` more of the slowest rank's, which this leaves out.
+    """
+    bw, lat = layout.topology.link(tp * dp)
+    link = (dp, bw, lat, runtime.collective_overhead_at(0.0), runtime.copy_bytes_per_s)
+    per_rank = [0.0] * len(plan.ranks)
+    for st, (segments, params, grads, root) in zip(
+            plan.stages, _stage_unit_work(plan, costs, layout.gradient_factor), strict=True):
+        fwd, bwd = layer_units_exposed_us(
+            segments, [fsdp_collective_us(b, *link) if b else 0.0 for b in params],
+            [fsdp_collective_us(b, *link) if b else 0.0 for b in grads],
+            zero_stage=zero, root=root)
+        per_rank[st.rank] += plan.num_microbatches * (fwd + bwd)
+    return tuple(per_rank)
 
 
 def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,

@@ -114,8 +114,12 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     if options.training and line > 1:
         degrees = (tp, line, zero, overlap)
         extra = max(_dp_exposed(plan, degrees, layout, options.runtime,
-                                _stage_units(plan, sharded, units), units))
-        even = _baselines_dp_us(plan, degrees, layout, options.runtime)
+                                _stage_units(plan, sharded, units), units, sharded))
+        # ZeRO 2-3's layer units hide their collectives under each unit's compute, which
+        # depends on the cuts: the baselines (same layout, same runtime) take the plan's
+        even = (extra if units and zero in (2, 3)
+                and not options.runtime.collectives_share_compute
+                else _baselines_dp_us(plan, degrees, layout, options.runtime))
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()

@@ -10,6 +10,7 @@ import pytest
 from autopart.core.cluster import Cluster, DeviceSpec
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.errors import InfeasiblePlanError, PlanError
+from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.topology import HostTopology
 from autopart.solver import SolveOptions, solve
 from autopart.solver.collectives import all_gather_us, reduce_scatter_us
@@ -164,11 +165,15 @@ def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
     options = _options(batch=8, num_microbatches=2, schedule_kind="1f1b", recompute=False)
     held = (32_192, 64_192)
     peaks, steps = {}, {}
-    for zero in (0, 1, 2, 3, "3 units"):
-        layout = _layout(4, tp=1, pp=2, dp=2, zero_stage=3 if zero == "3 units" else zero,
-                         zero_layer_units=zero == "3 units")
-        cand = next(c for c in layout_candidates(costs, DEV, options, layout) if c.pp == 2)
-        plan = evaluate_layout(costs, DEV, options, layout, cand, positions=(5,))
+    # "3 units" serialized, as CPU ranks run them; "3 units overlapped" as GPUs do
+    serialized = replace(options, runtime=RuntimeDescription(collectives_share_compute=True))
+    for zero in (0, 1, 2, 3, "3 units", "3 units overlapped"):
+        units = isinstance(zero, str)
+        layout = _layout(4, tp=1, pp=2, dp=2, zero_stage=3 if units else zero,
+                         zero_layer_units=units)
+        opts = serialized if zero == "3 units" else options
+        cand = next(c for c in layout_candidates(costs, DEV, opts, layout) if c.pp == 2)
+        plan = evaluate_layout(costs, DEV, opts, layout, cand, positions=(5,))
         assert [c.position for c in plan.cuts] == [5] and plan.num_microbatches == 2
         assert [sum(plan.stages[s].param_bytes for s in r.stage_indices)
                 for r in plan.ranks] == list(held)
@@ -186,6 +191,8 @@ def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
     # rank 1 runs two units (h.1 and the head): each of its two all-gathers and its
     # reduce-scatter per microbatch (m = 2) pays one more ring step (dp = 2)
     assert steps["3 units"] == pytest.approx(steps[3] + 2 * 3 * TOPO.link(2)[1], abs=2e-3)
+    # overlapped with each layer's compute (tests/solver/test_zero_layer_overlap.py): less
+    assert steps["3 units overlapped"] < steps["3 units"]
     # the dp collectives of the fuller rank (64,192 bytes) on the dp link: ZeRO-1 one
     # all-gather and one reduce-scatter per step, ZeRO-2 one of each per microbatch (m = 2),
     # ZeRO-3 two all-gathers and a reduce-scatter per microbatch
