@@ -204,12 +204,11 @@ def _stage_unit_work(plan: Plan, costs: CostGraph, gradient_factor: float
                 runs[-1][2] += nd.bwd_input_us + nd.bwd_weight_us
             else:
                 runs.append([u, nd.fwd_us, nd.bwd_input_us + nd.bwd_weight_us])
-        params = dict.fromkeys(p for nd in nodes for p in nd.params if p in costs.trainable)
-        nbytes = [0] * len(index)
-        for p in params:
+        held: dict[int, int] = {}
+        for p in dict.fromkeys(p for nd in nodes for p in nd.params if p in costs.trainable):
             u = index.setdefault(layer_of_path(p), len(index))
-            nbytes += [0] * (len(index) - len(nbytes))
-            nbytes[u] += costs.param_sizes[p]
+            held[u] = held.get(u, 0) + costs.param_sizes[p]
+        nbytes = [held.get(u, 0) for u in range(len(index))]
         fwd = sum(r[1] for r in runs) or 1.0
         bwd = sum(r[2] for r in runs) or 1.0
         segments = [UnitSegment(int(u), f / fwd * st.predicted_fwd_us,
