@@ -53,6 +53,12 @@ def test_report_quotes_the_recorded_results(tmp_path: Path) -> None:
     for r in selective["rows"]:
         assert (f"| {r['arm']} | {', '.join(r['recompute'])} |" in text
                 and f"| {r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} |" in text)
+    fsdp = json.loads((BENCHMARKS / "fsdp_table" / "results.json").read_text())
+    for r in fsdp["rows"]:
+        o = r["overlapped"]
+        assert (f"| {r['model']} | {r['local_batch']} | {r['checkpointing']} | "
+                f"{r['published_step_s']:.3f} | {o['step_s']:.3f} "
+                f"({o['error_vs_published']:+.1%}) |") in text
     early = json.loads((BENCHMARKS / "early_receives" / "results.json").read_text())
     for r in early["rows"]:
         assert f"| {r['ranks']} | {r['arm']} | {r['median_s']['torch']:.4f} |" in text
@@ -65,8 +71,8 @@ def test_report_lists_missing_results_and_names_a_broken_file(tmp_path: Path) ->
     shutil.copy(BENCHMARKS / "solver_scale" / "results.json", results / "solver_scale")
     text = report.write_report(results, tmp_path / "REPORT.md").read_text()
     # pipeline_cpu, peers, executor_overhead, plan_quality, layout_scale, fidelity,
-    # fidelity_3d, overlap_cpu, selective_recompute, early_receives, gpu, zoo
-    assert text.count("No recorded results") == 12
+    # fidelity_3d, overlap_cpu, fsdp_table, selective_recompute, early_receives, gpu, zoo
+    assert text.count("No recorded results") == 13
     assert "solver_scale: a 175B-parameter plan" in text
 
     (results / "plan_quality").mkdir()
