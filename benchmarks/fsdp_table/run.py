@@ -26,9 +26,10 @@ GB). No factor is fitted to the table.
 
 Every row is priced on the same fixed layout three ways: ZeRO-3's per-layer gathers and
 reduce-scatters overlapped with each layer's compute as the runtime runs them on GPUs
-(``solver.layout_dp._zero23_layers_exposed``); serialized after the step (what autopart
-priced before 2026-12-02: a ``RuntimeDescription`` whose collectives share compute); and
-overlapped with fp32 reduce-scatters (``gradient_factor=2``, memory unchecked).
+(``solver.layout_dp.dp_exposed_us``, ``solver.data_parallel.layer_units_exposed_us``);
+serialized after the step (what autopart priced before 2026-12-02: a
+``RuntimeDescription`` whose collectives share compute); and overlapped with fp32
+reduce-scatters (``gradient_factor=2``).
 
     .venv/bin/python benchmarks/fsdp_table/run.py [--rows 0,1] [--cache DIR]
 
