@@ -433,21 +433,21 @@ def layer_units_exposed_us(segments: Sequence[UnitSegment], gather_us: Sequence[
             root is not None and not 0 <= root < n):
         raise PlanError(f"layer_units_exposed_us: {n} units' gathers, {len(scatter_us)} "
                         "scatters; every segment's unit (and the root) must index them")
-    fwd = _units_pass(segments, gather_us, None, root)
-    back = [UnitSegment(s.unit, s.bwd_us, 0.0) for s in reversed(segments)]
-    bwd = _units_pass(back, gather_us if zero_stage == 3 else None, scatter_us, root)
+    fwd = _units_pass([(s.unit, s.fwd_us) for s in segments], gather_us, None, root)
+    bwd = _units_pass([(s.unit, s.bwd_us) for s in reversed(segments)],
+                      gather_us if zero_stage == 3 else None, scatter_us, root)
     return fwd, bwd
 
 
-def _units_pass(segments: Sequence[UnitSegment], gather_us: Sequence[float] | None,
+def _units_pass(runs: Sequence[tuple[int, float]], gather_us: Sequence[float] | None,
                 scatter_us: Sequence[float] | None, root: int | None) -> float:
-    """One pass of :func:`layer_units_exposed_us` over ``segments`` in run order (their
-    ``fwd_us`` the compute), gathering by ``gather_us`` (None: nothing gathered) and
+    """One pass of :func:`layer_units_exposed_us` over ``runs`` (``(unit, compute µs)`` in
+    the order they run), gathering by ``gather_us`` (None: nothing gathered) and
     reduce-scattering by ``scatter_us`` (None: nothing); the exposed µs."""
-    layers = list(dict.fromkeys(s.unit for s in segments if s.unit != root))
+    layers = list(dict.fromkeys(u for u, _ in runs if u != root))
     chain = ([root] if root is not None else []) + layers
     following = dict(zip(chain, chain[1:], strict=False))
-    last_run = {s.unit: i for i, s in enumerate(segments)}
+    last_run = {u: i for i, (u, _) in enumerate(runs)}
     queue = 0.0  # when the link's queue is free
     ready: dict[int, float] = {}
 
@@ -472,13 +472,13 @@ def _units_pass(segments: Sequence[UnitSegment], gather_us: Sequence[float] | No
 
     if root is not None:
         begin(root)  # the stage module's pre-forward / pre-backward
-    for i, seg in enumerate(segments):
-        if seg.unit not in started:
-            begin(seg.unit)
-        t += seg.fwd_us
-        busy += seg.fwd_us
-        if scatter_us is not None and last_run[seg.unit] == i and seg.unit != root:
-            launch(scatter_us[seg.unit], t)  # the unit's post-backward
+    for i, (unit, compute) in enumerate(runs):
+        if unit not in started:
+            begin(unit)
+        t += compute
+        busy += compute
+        if scatter_us is not None and last_run[unit] == i and unit != root:
+            launch(scatter_us[unit], t)  # the unit's post-backward
     if scatter_us is not None:
         if root is not None:
             launch(scatter_us[root], t)

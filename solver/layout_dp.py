@@ -4,9 +4,10 @@ gathers and reduce-scatters per stage or per layer unit, and what of them a step
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
-from autopart.core.costgraph import CostGraph, layer_of_path
+from autopart.core.costgraph import CostGraph, NodeCost, layer_of_path
 from autopart.core.layout import grad_bucket_elements
 from autopart.core.plan import Plan
 from autopart.core.runtime_model import RuntimeDescription
@@ -23,7 +24,7 @@ from autopart.solver.data_parallel import (
 from autopart.solver.layout_options import LayoutOptions
 from autopart.solver.options import SolveOptions
 
-__all__ = ["dp_exposed_us", "layer_units"]
+__all__ = ["dp_exposed_us", "layer_units", "layer_units_overlap"]
 
 
 def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOptions,
@@ -60,18 +61,25 @@ def layer_units(plan: Plan, costs: CostGraph, per_layer: bool | None = None
     return tuple(units)
 
 
+def _stage_nodes(plan: Plan, costs: CostGraph) -> list[tuple[NodeCost, ...]]:
+    """Per stage of ``plan``, its nodes of ``costs`` (the stages' node counts in order)."""
+    bounds = list(itertools.accumulate((st.num_nodes for st in plan.stages), initial=0))
+    return [costs.nodes[a:z] for a, z in itertools.pairwise(bounds)]
+
+
 def _stage_units(plan: Plan, costs: CostGraph, per_layer: bool | None) -> tuple[int, ...]:
     """:func:`layer_units` per stage."""
     per_layer = plan.zero_layer_units if per_layer is None else per_layer
-    out = []
-    start = 0
-    for st in plan.stages:
-        stop = start + st.num_nodes
-        keys = {layer_of_path(p) for nd in costs.nodes[start:stop] for p in nd.params
-                if p in costs.trainable} if per_layer else set()
-        out.append(max(1, len(keys)))
-        start = stop
-    return tuple(out)
+    return tuple(max(1, len({layer_of_path(p) for nd in nodes for p in nd.params
+                             if p in costs.trainable} if per_layer else set()))
+                 for nodes in _stage_nodes(plan, costs))
+
+
+def layer_units_overlap(zero: int, per_layer: bool, runtime: RuntimeDescription) -> bool:
+    """Whether ZeRO ``zero``'s collectives are priced by what they leave exposed under each
+    layer unit's compute, every microbatch (:func:`_zero23_layers_exposed`): ZeRO 2-3 with
+    layer units on a runtime whose collectives run beside compute (GPUs)."""
+    return zero in (2, 3) and per_layer and not runtime.collectives_share_compute
 
 
 def _bucket_us(dp: int, tp: int, layout: LayoutOptions,
@@ -139,8 +147,7 @@ def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutO
         return (0.0,) * len(plan.ranks)
     if zero == 1 and per_layer and units and not runtime.collectives_share_compute:
         return _zero1_layers_exposed(plan, units, tp, dp, layout, runtime)
-    if (zero in (2, 3) and per_layer and costs is not None
-            and not runtime.collectives_share_compute):
+    if layer_units_overlap(zero, per_layer, runtime) and costs is not None:
         return _zero23_layers_exposed(plan, costs, tp, dp, zero, layout, runtime)
     if overlap and not runtime.collectives_share_compute:
         grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
@@ -191,10 +198,7 @@ def _stage_unit_work(plan: Plan, costs: CostGraph, gradient_factor: float
     path, of a parameter's name) or the root (the rest), as ``codegen.fsdp_units`` groups
     the stage's graph."""
     out = []
-    start = 0
-    for st in plan.stages:
-        nodes = costs.nodes[start:start + st.num_nodes]
-        start += st.num_nodes
+    for st, nodes in zip(plan.stages, _stage_nodes(plan, costs), strict=True):
         index: dict[str | None, int] = {}
         runs: list[list[float]] = []  # [unit, fwd, bwd] per run, profiled µs
         for nd in nodes:

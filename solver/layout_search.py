@@ -25,6 +25,7 @@ from autopart.solver.layout_dp import (
     _stage_units,
     dp_exposed_us,
     layer_units,
+    layer_units_overlap,
 )
 from autopart.solver.layout_options import LayoutCandidate, LayoutOptions
 from autopart.solver.options import SolveOptions
@@ -117,8 +118,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                                 _stage_units(plan, sharded, units), units, sharded))
         # ZeRO 2-3's layer units hide their collectives under each unit's compute, which
         # depends on the cuts: the baselines (same layout, same runtime) take the plan's
-        even = (extra if units and zero in (2, 3)
-                and not options.runtime.collectives_share_compute
+        even = (extra if layer_units_overlap(zero, units, options.runtime)
                 else _baselines_dp_us(plan, degrees, layout, options.runtime))
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
