@@ -58,7 +58,11 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     parameters, after the flush (with more CPU ranks than cores, ``runtime.ranks_per_core``
     times longer: every rank runs them at once), the baselines those of an even parameter
     split over the pp ranks (a lower bound on theirs). The time-memory frontier's points get
-    the plan's.
+    the plan's. ZeRO's collectives run per layer unit where ``layout.zero_layer_units`` says
+    so, but not under a schedule that splits the backward (one unit per stage there): where
+    the search's plan splits, the layout's plan is the better, dp collectives included, of
+    the search with one unit per stage and the search without split schedules (unless the
+    options fix the schedule).
 
     Args:
         costs, device, options, layout: as for :func:`solve_layout`.
@@ -92,15 +96,35 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     inner = replace(state_options(options, layout, dp, zero, units, cp),
                     whole_state_params=whole)
     cluster = pipeline_cluster(device, tp, pp, line, layout.topology)
+    overlap, _ = _hides_reduction(layout, zero, line, options)
+    degrees = (tp, line, zero, overlap)
     if positions is None:
         plan = solve(sharded, cluster, inner)
         if units and splits_backward(plan.schedule_kind, False):
             # a split backward runs one unit per stage (the runtime gathers the stage from
-            # its I to its last W): price that instead
-            units = False
-            plan = solve(sharded, cluster, replace(state_options(options, layout, dp, zero,
-                                                                  False, cp),
-                                                   whole_state_params=whole))
+            # its I to its last W): the better of that, priced so, and the best schedule
+            # that does not split, with its layer units
+            whole_units = replace(state_options(options, layout, dp, zero, False, cp),
+                                  whole_state_params=whole)
+            tries = [(False, whole_units)] + ([(True, replace(inner, split_backward=False))]
+                                              if options.schedule_kind is None else [])
+            priced: list[tuple[tuple[float, ...], bool, Plan]] = []
+            refusal: InfeasiblePlanError | None = None
+            for per_layer, opts in tries:
+                try:
+                    found = solve(sharded, cluster, opts)
+                except InfeasiblePlanError as exc:
+                    refusal = refusal or exc
+                    continue
+                step = found.predicted_step_time_us + _dp_extra(
+                    found, sharded, per_layer, degrees, layout, options)[0]
+                peak = max(r.peak_memory_bytes for r in found.ranks)
+                priced.append(((peak, step) if options.optimize == "memory" else (step, peak),
+                               per_layer, found))
+            if not priced:
+                assert refusal is not None
+                raise refusal
+            _, units, plan = min(priced, key=lambda t: t[0])
     elif options.schedule_kind is None or options.num_microbatches is None:
         raise PlanError("evaluate_layout(positions=...) costs a fixed plan: set the options' "
                         f"schedule_kind ({options.schedule_kind!r}) and num_microbatches "
@@ -110,16 +134,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                        num_microbatches=options.num_microbatches,
                        stages_per_rank=options.stages_per_rank or 1,
                        recompute=bool(options.recompute) if recompute is None else recompute)
-    extra = even = 0.0
-    overlap, _ = _hides_reduction(layout, zero, line, options)
-    if options.training and line > 1:
-        degrees = (tp, line, zero, overlap)
-        extra = max(_dp_exposed(plan, degrees, layout, options.runtime,
-                                _stage_units(plan, sharded, units), units, sharded))
-        # ZeRO 2-3's layer units hide their collectives under each unit's compute, which
-        # depends on the cuts: the baselines (same layout, same runtime) take the plan's
-        even = (extra if layer_units_overlap(zero, units, options.runtime)
-                else _baselines_dp_us(plan, degrees, layout, options.runtime))
+    extra, even = _dp_extra(plan, sharded, units, degrees, layout, options)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()
@@ -147,6 +162,26 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         if step > 0 else plan.bubble_fraction,
         cluster_fingerprint=f"{layout.num_gpus}x{device.name}/{layout.topology.name}",
         model_flops=int(round((3 if options.training else 1) * forward)))
+
+
+def _dp_extra(plan: Plan, sharded: CostGraph, units: bool, degrees: tuple[int, int, int, bool],
+              layout: LayoutOptions, options: SolveOptions) -> tuple[float, float]:
+    """What the dp collectives add to a replica's pipeline ``plan`` (solved on ``sharded``,
+    ZeRO's collectives per layer unit or not: ``units``) at ``degrees`` = (tp, dp x cp,
+    ZeRO stage, overlapped ZeRO-0 reduction), µs: to its step (the largest rank's exposed
+    time, :func:`_dp_exposed`), and to its baselines' (an even share's, or the plan's own
+    where ZeRO 2-3's layer units hide theirs under the compute). ``(0, 0)`` without
+    training or data parallelism."""
+    if not options.training or degrees[1] == 1:
+        return 0.0, 0.0
+    zero = degrees[2]
+    extra = max(_dp_exposed(plan, degrees, layout, options.runtime,
+                            _stage_units(plan, sharded, units), units, sharded))
+    # ZeRO 2-3's layer units hide their collectives under each unit's compute, which
+    # depends on the cuts: the baselines (same layout, same runtime) take the plan's
+    even = (extra if layer_units_overlap(zero, units, options.runtime)
+            else _baselines_dp_us(plan, degrees, layout, options.runtime))
+    return extra, even
 
 
 def _screen_options(options: SolveOptions) -> SolveOptions:

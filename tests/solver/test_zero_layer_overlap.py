@@ -84,3 +84,29 @@ def test_layout_search_prices_the_overlap_on_gpus_and_not_on_cpu_ranks(zero: int
     # the baselines (other schedules of the same layout) pay the same exposed collectives
     for b in gpu.baselines:
         assert b.predicted_step_time_us >= compute
+
+
+def test_a_split_schedule_is_weighed_against_the_layer_units_it_gives_up() -> None:
+    # pp 2 x dp 2, ZeRO-1 on GPUs: with layer units the pipeline search picks DualPipe-V,
+    # which runs one FSDP unit per stage (its reduce-scatters then after the flush). The
+    # layout's plan is the better of DualPipe-V so priced and the best schedule that keeps
+    # the layer units (interleaved 1F1B here, 2 % faster); DualPipe-V's whole-stage price
+    # used to be taken as it came.
+    costs = _gpt(4, scale=50.0)
+    layout = replace(_layout(4, tp=1, pp=2, dp=2, zero_stage=1), topology=_slow_topology(1e9))
+    opts = _options(8)
+    plan = solve_layout(costs, DEV, opts, layout)
+    whole = solve_layout(costs, DEV, replace(opts, schedule_kind="dualpipev"), layout)
+    kept = solve_layout(costs, DEV, replace(opts, split_backward=False), layout)
+    assert not whole.zero_layer_units and kept.zero_layer_units
+    assert plan.zero_layer_units and plan.schedule_kind == "interleaved_1f1b"
+    assert plan.predicted_step_time_us == kept.predicted_step_time_us \
+        < whole.predicted_step_time_us
+
+
+def test_split_backward_off_leaves_the_split_schedules_out() -> None:
+    kinds = {kind for kind, _ in _options(8, split_backward=False).configurations(4)}
+    assert kinds and not kinds & {"zero_bubble", "zbv", "dualpipev"}
+    assert {"zero_bubble", "zbv", "dualpipev"} <= {k for k, _ in _options(8).configurations(4)}
+    with pytest.raises(PlanError, match="split_backward=False leaves out"):
+        _options(8, schedule_kind="zero_bubble", split_backward=False)
