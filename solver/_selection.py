@@ -64,7 +64,8 @@ def choose(st: Setup, solved: list[Subproblem], wall: float) -> Plan:
     # A baseline may replace the solver's answer only where its setting (1F1B, v = 1, its
     # recompute) is one the options allow.
     allowed = (options.schedule_kind in (None, base_cands[0].kind if base_cands else None)
-               and options.stages_per_rank in (None, 1) and options.num_stages in (None, p))
+               and options.stages_per_rank in (None, 1) and options.num_stages in (None, p)
+               and not options.split_backward)
     pool = [c for c in evaluated if c.fits] + [
         c for c in base_cands if c.fits and allowed
         and options.recompute in (None, any(c.recompute))]

@@ -59,10 +59,10 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     times longer: every rank runs them at once), the baselines those of an even parameter
     split over the pp ranks (a lower bound on theirs). The time-memory frontier's points get
     the plan's. ZeRO's collectives run per layer unit where ``layout.zero_layer_units`` says
-    so, but not under a schedule that splits the backward (one unit per stage there): where
-    the search's plan splits, the layout's plan is the better, dp collectives included, of
-    the search with one unit per stage and the search without split schedules (unless the
-    options fix the schedule).
+    so, but not under a schedule that splits the backward (one unit per stage there): unless
+    the options fix the schedule, the schedules that run whole backwards are searched with
+    the layer units and those that split with one unit per stage
+    (``SolveOptions.split_backward``), and the better plan, dp collectives included, kept.
 
     Args:
         costs, device, options, layout: as for :func:`solve_layout`.
@@ -98,33 +98,37 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     cluster = pipeline_cluster(device, tp, pp, line, layout.topology)
     overlap, _ = _hides_reduction(layout, zero, line, options)
     degrees = (tp, line, zero, overlap)
-    if positions is None:
+    points: list[ParetoPoint] = []
+    if positions is None and units and options.schedule_kind is None:
+        # a split backward runs one unit per stage (the runtime gathers the stage from its I
+        # to its last W): the schedules that run whole backwards searched with the layer
+        # units, those that split with one unit per stage, the better kept
+        whole_units = replace(state_options(options, layout, dp, zero, False, cp),
+                              whole_state_params=whole)
+        priced: list[tuple[tuple[float, ...], bool, Plan]] = []
+        refusal: PlanError | None = None
+        for per_layer, opts in ((True, replace(inner, split_backward=False)),
+                                (False, replace(whole_units, split_backward=True))):
+            try:
+                found = solve(sharded, cluster, opts)
+            except PlanError as exc:  # nothing fits, or no m suits these schedules
+                if refusal is None or isinstance(exc, InfeasiblePlanError):
+                    refusal = exc
+                continue
+            added = _dp_extra(found, sharded, per_layer, degrees, layout, options)[0]
+            step = found.predicted_step_time_us + added
+            peak = max(r.peak_memory_bytes for r in found.ranks)
+            # the frontier is both searches'
+            points += [ParetoPoint(round(pt.predicted_step_time_us + added, 3),
+                                   pt.peak_memory_bytes) for pt in found.pareto]
+            priced.append(((peak, step) if options.optimize == "memory" else (step, peak),
+                           per_layer, found))
+        if not priced:
+            assert refusal is not None
+            raise refusal
+        _, units, plan = min(priced, key=lambda t: t[0])
+    elif positions is None:
         plan = solve(sharded, cluster, inner)
-        if units and splits_backward(plan.schedule_kind, False):
-            # a split backward runs one unit per stage (the runtime gathers the stage from
-            # its I to its last W): the better of that, priced so, and the best schedule
-            # that does not split, with its layer units
-            whole_units = replace(state_options(options, layout, dp, zero, False, cp),
-                                  whole_state_params=whole)
-            tries = [(False, whole_units)] + ([(True, replace(inner, split_backward=False))]
-                                              if options.schedule_kind is None else [])
-            priced: list[tuple[tuple[float, ...], bool, Plan]] = []
-            refusal: InfeasiblePlanError | None = None
-            for per_layer, opts in tries:
-                try:
-                    found = solve(sharded, cluster, opts)
-                except InfeasiblePlanError as exc:
-                    refusal = refusal or exc
-                    continue
-                step = found.predicted_step_time_us + _dp_extra(
-                    found, sharded, per_layer, degrees, layout, options)[0]
-                peak = max(r.peak_memory_bytes for r in found.ranks)
-                priced.append(((peak, step) if options.optimize == "memory" else (step, peak),
-                               per_layer, found))
-            if not priced:
-                assert refusal is not None
-                raise refusal
-            _, units, plan = min(priced, key=lambda t: t[0])
     elif options.schedule_kind is None or options.num_microbatches is None:
         raise PlanError("evaluate_layout(positions=...) costs a fixed plan: set the options' "
                         f"schedule_kind ({options.schedule_kind!r}) and num_microbatches "
@@ -144,9 +148,9 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     baselines = tuple(replace(b, predicted_step_time_us=round(b.predicted_step_time_us + even, 3))
                       for b in plan.baselines)
     own = ParetoPoint(round(step, 3), max(r.peak_memory_bytes for r in plan.ranks))
-    pareto = tuple(sorted({own, *(ParetoPoint(round(p.predicted_step_time_us + extra, 3),
-                                              p.peak_memory_bytes)
-                                   for p in plan.pareto)},
+    pareto = tuple(sorted({own, *points, *(ParetoPoint(round(p.predicted_step_time_us + extra, 3),
+                                                       p.peak_memory_bytes)
+                                            for p in plan.pareto)},
                           key=lambda p: (p.predicted_step_time_us, p.peak_memory_bytes)))
     pareto = tuple(p for p in pareto if not any(
         q != p and q.predicted_step_time_us <= p.predicted_step_time_us

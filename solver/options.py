@@ -75,11 +75,13 @@ class SolveOptions:
         max_simulated: how many best candidates the schedule simulator replays (default 4;
             only the best when a replay has more than 8192 microbatch-stage pairs, and
             baselines then keep their closed-form time).
-        split_backward: whether schedules that split a stage's backward into ``I`` and ``W``
-            (ZB-H1, ZB-V, DualPipe-V: :func:`autopart.core.schedule.splits_backward`) are
-            searched (default True). The layout search turns it off to price ZeRO's per-layer
-            FSDP units, which a split backward does not run (one unit per stage there).
-            ``schedule_kind`` naming such a schedule with it off raises ``PlanError``.
+        split_backward: which schedules are searched by how they run a stage's backward:
+            ``None`` (default) all; ``False`` those that run it whole (GPipe, 1F1B,
+            interleaved 1F1B); ``True`` those that split it into ``I`` and ``W`` (ZB-H1, ZB-V,
+            DualPipe-V: :func:`autopart.core.schedule.splits_backward`). The layout search
+            searches the two apart to price ZeRO's per-layer FSDP units, which a split
+            backward does not run (one unit per stage there). A ``schedule_kind`` of the
+            other group raises ``PlanError``.
         hint: a previous plan whose cuts seed the search (warm start after a change of
             batch, sequence length or device count).
         library_versions: package -> version recorded in the plan (ortools is added).
@@ -118,7 +120,7 @@ class SolveOptions:
     deterministic_time: float = 2.0
     max_cpsat_solves: int = 8
     max_simulated: int = 4
-    split_backward: bool = True
+    split_backward: bool | None = None
     hint: Plan | None = None
     library_versions: dict[str, str] = field(default_factory=dict)
     runtime: RuntimeDescription = RuntimeDescription()
@@ -141,11 +143,11 @@ class SolveOptions:
         if self.schedule_kind in V_SCHEDULE_KINDS and self.stages_per_rank not in (None, 2):
             raise PlanError(f"schedule_kind={self.schedule_kind!r} runs 2 stages per rank (a V); "
                             f"stages_per_rank={self.stages_per_rank} must be 2 or None")
-        if not self.split_backward and self.schedule_kind is not None \
-                and splits_backward(self.schedule_kind, False):
-            raise PlanError(f"schedule_kind={self.schedule_kind!r} splits the backward, which "
-                            "split_backward=False leaves out; pass split_backward=True or "
-                            "another schedule kind")
+        if self.split_backward is not None and self.schedule_kind is not None \
+                and splits_backward(self.schedule_kind, False) != self.split_backward:
+            raise PlanError(f"schedule_kind={self.schedule_kind!r} is not among the schedules "
+                            f"split_backward={self.split_backward} leaves in; pass "
+                            "split_backward=None or another schedule kind")
         if self.recompute_policy not in (*RECOMPUTE_POLICIES, "auto"):
             raise PlanError(f"recompute_policy={self.recompute_policy!r}; expected one of "
                             f"{(*RECOMPUTE_POLICIES, 'auto')}")
@@ -213,8 +215,8 @@ class SolveOptions:
             kind = self.schedule_kind or "gpipe"
             return [(kind, 2 if kind in V_SCHEDULE_KINDS else v_fixed or 1)]
         kinds = (self.schedule_kind,) if self.schedule_kind else SCHEDULE_KINDS
-        if not self.split_backward:
-            kinds = tuple(k for k in kinds if not splits_backward(k, False))
+        if self.split_backward is not None:
+            kinds = tuple(k for k in kinds if splits_backward(k, False) == self.split_backward)
         out = []
         for kind in kinds:
             vs: tuple[int, ...]

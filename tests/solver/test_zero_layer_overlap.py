@@ -87,11 +87,11 @@ def test_layout_search_prices_the_overlap_on_gpus_and_not_on_cpu_ranks(zero: int
 
 
 def test_a_split_schedule_is_weighed_against_the_layer_units_it_gives_up() -> None:
-    # pp 2 x dp 2, ZeRO-1 on GPUs: with layer units the pipeline search picks DualPipe-V,
-    # which runs one FSDP unit per stage (its reduce-scatters then after the flush). The
-    # layout's plan is the better of DualPipe-V so priced and the best schedule that keeps
-    # the layer units (interleaved 1F1B here, 2 % faster); DualPipe-V's whole-stage price
-    # used to be taken as it came.
+    # pp 2 x dp 2, ZeRO-1 on GPUs: with layer units the pipeline search would pick
+    # DualPipe-V, which runs one FSDP unit per stage (its reduce-scatters then after the
+    # flush). The layout's plan is the better of the split schedules so priced and the
+    # schedules that keep the layer units (interleaved 1F1B here, 2 % faster); the search
+    # used to take DualPipe-V's whole-stage price as it came.
     costs = _gpt(4, scale=50.0)
     layout = replace(_layout(4, tp=1, pp=2, dp=2, zero_stage=1), topology=_slow_topology(1e9))
     opts = _options(8)
@@ -104,9 +104,13 @@ def test_a_split_schedule_is_weighed_against_the_layer_units_it_gives_up() -> No
         < whole.predicted_step_time_us
 
 
-def test_split_backward_off_leaves_the_split_schedules_out() -> None:
-    kinds = {kind for kind, _ in _options(8, split_backward=False).configurations(4)}
-    assert kinds and not kinds & {"zero_bubble", "zbv", "dualpipev"}
-    assert {"zero_bubble", "zbv", "dualpipev"} <= {k for k, _ in _options(8).configurations(4)}
-    with pytest.raises(PlanError, match="split_backward=False leaves out"):
+def test_split_backward_picks_the_schedules_by_how_they_run_the_backward() -> None:
+    split = {"zero_bubble", "zbv", "dualpipev"}
+    whole = {kind for kind, _ in _options(8, split_backward=False).configurations(4)}
+    assert whole and not whole & split
+    assert {kind for kind, _ in _options(8, split_backward=True).configurations(4)} == split
+    assert {k for k, _ in _options(8).configurations(4)} == whole | split
+    with pytest.raises(PlanError, match="split_backward=False leaves in"):
         _options(8, schedule_kind="zero_bubble", split_backward=False)
+    with pytest.raises(PlanError, match="split_backward=True leaves in"):
+        _options(8, schedule_kind="1f1b", split_backward=True)
