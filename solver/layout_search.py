@@ -102,9 +102,12 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     if positions is None and units and options.schedule_kind is None:
         # a split backward runs one unit per stage (the runtime gathers the stage from its I
         # to its last W): the schedules that run whole backwards searched with the layer
-        # units, those that split with one unit per stage, the better kept
+        # units, those that split with one unit per stage, the better kept; the two share
+        # the refinements one search would make
+        half = -(-options.max_cpsat_solves // 2)
+        inner = replace(inner, max_cpsat_solves=half)
         whole_units = replace(state_options(options, layout, dp, zero, False, cp),
-                              whole_state_params=whole)
+                              whole_state_params=whole, max_cpsat_solves=half)
         priced: list[tuple[tuple[float, ...], bool, Plan]] = []
         refusal: PlanError | None = None
         for per_layer, opts in ((True, replace(inner, split_backward=False)),
