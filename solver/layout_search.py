@@ -102,10 +102,11 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     if positions is None and units and options.schedule_kind is None:
         # a split backward runs one unit per stage (the runtime gathers the stage from its I
         # to its last W): the schedules that run whole backwards searched with the layer
-        # units, those that split with one unit per stage, the better kept; the two share
-        # the refinements one search would make
+        # units, those that split with one unit per stage, the better kept; the second
+        # refines half as many subproblems (with all of them a 1T GPT's search on 1024
+        # H100s took 52.6 s, with half each 20.8 s but the 76B row of megatron_table lost
+        # its interleaved plan, 222.5 -> 209.6 TFLOP/s per GPU; so 33.4 s and kept)
         half = -(-options.max_cpsat_solves // 2)
-        inner = replace(inner, max_cpsat_solves=half)
         whole_units = replace(state_options(options, layout, dp, zero, False, cp),
                               whole_state_params=whole, max_cpsat_solves=half)
         priced: list[tuple[tuple[float, ...], bool, Plan]] = []
