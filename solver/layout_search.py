@@ -98,6 +98,8 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     cluster = pipeline_cluster(device, tp, pp, line, layout.topology)
     overlap, _ = _hides_reduction(layout, zero, line, options)
     degrees = (tp, line, zero, overlap)
+    # with two searches (below): the chosen one's dp collectives, and both frontiers
+    searched: tuple[float, float] | None = None
     points: list[ParetoPoint] = []
     if positions is None and units and options.schedule_kind is None:
         # a split backward runs one unit per stage (the runtime gathers the stage from its I
@@ -109,7 +111,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         half = -(-options.max_cpsat_solves // 2)
         whole_units = replace(state_options(options, layout, dp, zero, False, cp),
                               whole_state_params=whole, max_cpsat_solves=half)
-        priced: list[tuple[tuple[float, ...], bool, Plan]] = []
+        priced: list[tuple[tuple[float, ...], bool, Plan, tuple[float, float]]] = []
         refusal: PlanError | None = None
         for per_layer, opts in ((True, replace(inner, split_backward=False)),
                                 (False, replace(whole_units, split_backward=True))):
@@ -119,18 +121,15 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                 if refusal is None or isinstance(exc, InfeasiblePlanError):
                     refusal = exc
                 continue
-            added = _dp_extra(found, sharded, per_layer, degrees, layout, options)[0]
-            step = found.predicted_step_time_us + added
-            peak = max(r.peak_memory_bytes for r in found.ranks)
-            # the frontier is both searches'
-            points += [ParetoPoint(round(pt.predicted_step_time_us + added, 3),
-                                   pt.peak_memory_bytes) for pt in found.pareto]
-            priced.append(((peak, step) if options.optimize == "memory" else (step, peak),
-                           per_layer, found))
+            dp_us = _dp_extra(found, sharded, per_layer, degrees, layout, options)
+            points += _shifted(found.pareto, dp_us[0])
+            priced.append((_key(replace(found, predicted_step_time_us=(
+                found.predicted_step_time_us + dp_us[0])), options.optimize),
+                per_layer, found, dp_us))
         if not priced:
             assert refusal is not None
             raise refusal
-        _, units, plan = min(priced, key=lambda t: t[0])
+        _, units, plan, searched = min(priced, key=lambda t: t[0])
     elif positions is None:
         plan = solve(sharded, cluster, inner)
     elif options.schedule_kind is None or options.num_microbatches is None:
@@ -142,7 +141,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                        num_microbatches=options.num_microbatches,
                        stages_per_rank=options.stages_per_rank or 1,
                        recompute=bool(options.recompute) if recompute is None else recompute)
-    extra, even = _dp_extra(plan, sharded, units, degrees, layout, options)
+    extra, even = searched or _dp_extra(plan, sharded, units, degrees, layout, options)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()
@@ -152,9 +151,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     baselines = tuple(replace(b, predicted_step_time_us=round(b.predicted_step_time_us + even, 3))
                       for b in plan.baselines)
     own = ParetoPoint(round(step, 3), max(r.peak_memory_bytes for r in plan.ranks))
-    pareto = tuple(sorted({own, *points, *(ParetoPoint(round(p.predicted_step_time_us + extra, 3),
-                                                       p.peak_memory_bytes)
-                                            for p in plan.pareto)},
+    pareto = tuple(sorted({own, *(points or _shifted(plan.pareto, extra))},
                           key=lambda p: (p.predicted_step_time_us, p.peak_memory_bytes)))
     pareto = tuple(p for p in pareto if not any(
         q != p and q.predicted_step_time_us <= p.predicted_step_time_us
@@ -170,6 +167,12 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         if step > 0 else plan.bubble_fraction,
         cluster_fingerprint=f"{layout.num_gpus}x{device.name}/{layout.topology.name}",
         model_flops=int(round((3 if options.training else 1) * forward)))
+
+
+def _shifted(points: tuple[ParetoPoint, ...], added_us: float) -> list[ParetoPoint]:
+    """A replica's time-memory frontier with ``added_us`` µs of dp collectives on each step."""
+    return [ParetoPoint(round(p.predicted_step_time_us + added_us, 3), p.peak_memory_bytes)
+            for p in points]
 
 
 def _dp_extra(plan: Plan, sharded: CostGraph, units: bool, degrees: tuple[int, int, int, bool],
