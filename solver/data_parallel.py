@@ -161,10 +161,14 @@ class DataParallelCost:
             gradient reduce-scatter, once per step, µs.
         per_microbatch_us: ZeRO 2-3's parameter all-gathers and gradient reduce-scatter,
             paid for every microbatch, µs.
+        forward_us: the part of ``per_microbatch_us`` a stage's forward runs (its
+            parameters' all-gather); the rest runs in its backward (ZeRO-3's second
+            all-gather and the reduce-scatter). Default 0.0.
     """
 
     per_step_us: float
     per_microbatch_us: float
+    forward_us: float = 0.0
 
     def step_us(self, num_microbatches: int) -> float:
         """Total on one rank for ``num_microbatches`` microbatches, µs (none of it overlapped
@@ -185,12 +189,14 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
     - stage 1: one all-gather of the parameters (before the stage's first action) and one
       reduce-scatter of the accumulated gradients (after its last backward) per step: the
       volume of an all-reduce (ZeRO, SC'20, section 7).
-    - stage 2: per microbatch, an all-gather of the parameters and a reduce-scatter of the
-      gradients: the runtime reduce-scatters and reshards after every backward, so the next
-      forward or backward of the stage gathers its parameters again.
+    - stage 2: per microbatch, an all-gather of the parameters (in the forward) and a
+      reduce-scatter of the gradients (in the backward): the runtime reduce-scatters and
+      reshards after every backward, so the next forward gathers its parameters again.
     - stage 3: per microbatch, an all-gather of the parameters in forward and again in
       backward, and a reduce-scatter of the gradients (ZeRO's 1.5x of an all-reduce, paid
       per microbatch because a pipeline runs m forward/backward passes per step).
+
+    ZeRO 2-3's ``forward_us`` is the forward's all-gather.
 
     Args:
         param_bytes: trainable parameter bytes this rank holds before ZeRO (after tp).
@@ -239,7 +245,7 @@ def data_parallel_cost(param_bytes: int, *, dp: int, zero_stage: int,
     if zero_stage == 1:
         return DataParallelCost(scatter + gather, 0.0)
     gathers = 1 if zero_stage == 2 else 2
-    return DataParallelCost(0.0, gathers * gather + scatter)
+    return DataParallelCost(0.0, gathers * gather + scatter, gather)
 
 
 def fsdp_collective_us(nbytes: float, dp: int, bandwidth_bytes_per_s: float,

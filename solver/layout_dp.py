@@ -12,6 +12,7 @@ from autopart.core.layout import grad_bucket_elements
 from autopart.core.plan import Plan
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.schedule import splits_backward
+from autopart.solver._closed_form import closed_form_step_us
 from autopart.solver.data_parallel import (
     DataParallelCost,
     UnitSegment,
@@ -23,8 +24,9 @@ from autopart.solver.data_parallel import (
 )
 from autopart.solver.layout_options import LayoutOptions
 from autopart.solver.options import SolveOptions
+from autopart.solver.stage_costs import StageCosts
 
-__all__ = ["dp_exposed_us", "layer_units", "layer_units_overlap"]
+__all__ = ["dp_exposed_us", "dp_step_us", "layer_units", "layer_units_overlap"]
 
 
 def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOptions,
@@ -141,14 +143,19 @@ def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutO
     ZeRO 1-3's collectives run by ``units[s]`` FSDP units in stage s (None: one per stage),
     per layer (``per_layer``) or not; ``costs``: the cost graph the plan was solved on
     (needed for ZeRO 2-3's layer units on a runtime whose collectives run beside compute;
-    without it they are priced after the flush)."""
+    without it they are priced whole). ZeRO 2-3: per rank, ``m`` times its stages'
+    :func:`_microbatch_extras`."""
     tp, dp, zero, overlap = degrees
     if dp == 1:
         return (0.0,) * len(plan.ranks)
+    extras = _microbatch_extras(plan, degrees, layout, runtime, units, per_layer, costs)
+    if extras is not None:
+        per_rank = [0.0] * len(plan.ranks)
+        for st, (fwd, bwd) in zip(plan.stages, extras, strict=True):
+            per_rank[st.rank] += plan.num_microbatches * (fwd + bwd)
+        return tuple(per_rank)
     if zero == 1 and per_layer and units and not runtime.collectives_share_compute:
         return _zero1_layers_exposed(plan, units, tp, dp, layout, runtime)
-    if layer_units_overlap(zero, per_layer, runtime) and costs is not None:
-        return _zero23_layers_exposed(plan, costs, tp, dp, zero, layout, runtime)
     if overlap and not runtime.collectives_share_compute:
         grad_bytes = [int(st.param_bytes * layout.gradient_factor) for st in plan.stages]
         return overlapped_reduction_us(
@@ -163,6 +170,76 @@ def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutO
                                    sum(units[s] for s in r.stage_indices) if units
                                    else len(r.stage_indices)).step_us(plan.num_microbatches)
                  for r in plan.ranks)
+
+
+def dp_step_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
+               runtime: RuntimeDescription, units: tuple[int, ...] | None = None,
+               per_layer: bool = False, costs: CostGraph | None = None) -> float:
+    """What a replica's pipeline plan's dp collectives add to its step, µs, arguments as
+    :func:`_dp_exposed`: the largest rank's collectives after its schedule's last action
+    (ZeRO-0, ZeRO-1); for ZeRO 2-3, whose collectives run inside every microbatch's forward
+    and backward, the schedule's step with each stage's ``F`` and ``B`` that much longer
+    less its step without (:func:`_replayed_us`): the fill and drain of a pipeline whose
+    every action waits count too, and a stage's collectives can fill its bubble."""
+    extras = (_microbatch_extras(plan, degrees, layout, runtime, units, per_layer, costs)
+              if degrees[1] > 1 else None)
+    if extras is None:
+        return max(_dp_exposed(plan, degrees, layout, runtime, units, per_layer, costs),
+                   default=0.0)
+    return _replayed_us(plan, extras)
+
+
+def _microbatch_extras(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
+                       runtime: RuntimeDescription, units: tuple[int, ...] | None,
+                       per_layer: bool, costs: CostGraph | None
+                       ) -> list[tuple[float, float]] | None:
+    """Per stage of ``plan``, what ZeRO 2-3's collectives add to one of its forwards and one
+    of its backwards, µs; None below ZeRO 2 (nothing runs per microbatch). With layer units
+    on a runtime whose collectives run beside compute, what the prefetched gathers and the
+    reduce-scatters leave exposed (:func:`_zero23_layers_exposed`); otherwise the whole of
+    them (:func:`data_parallel_cost`'s all-gather in the forward, the rest in the backward,
+    per ``units[s]`` FSDP units), ``runtime.ranks_per_core`` times longer where CPU ranks
+    outnumber the cores."""
+    tp, dp, zero, _ = degrees
+    if zero not in (2, 3) or dp == 1:
+        return None
+    if layer_units_overlap(zero, per_layer, runtime) and costs is not None:
+        return _zero23_layers_exposed(plan, costs, tp, dp, zero, layout, runtime)
+    shared = max(1.0, runtime.ranks_per_core)
+    out = []
+    for s, st in enumerate(plan.stages):
+        cost = _dp_cost(st.param_bytes, dp, zero, tp, layout, runtime, units[s] if units else 1)
+        out.append((shared * cost.forward_us,
+                    shared * (cost.per_microbatch_us - cost.forward_us)))
+    return out
+
+
+def _replayed_us(plan: Plan, extras: list[tuple[float, float]]) -> float:
+    """How much longer ``plan``'s schedule runs with ``extras[s] = (forward, backward)`` µs
+    added to every ``F`` and ``B`` of stage s, µs, by the schedule's closed form
+    (:func:`autopart.solver._closed_form.closed_form_step_us`) on the plan's stage times
+    with and without them (a split backward's ``I`` and ``W`` taken as halves, the extra on
+    ``I``; the sends as the plan's per-stage figure, half each way). The closed form, not
+    the simulator's replay: the layout search prices every layout's plan this way, and a
+    replay of 10^5-10^6 actions per layout would not stay within its time."""
+    split = splits_backward(plan.schedule_kind, False)
+
+    def stage_costs(scale: float) -> StageCosts:
+        fwd = [st.predicted_fwd_us + scale * f for st, (f, _) in zip(plan.stages, extras,
+                                                                      strict=True)]
+        whole = [st.predicted_bwd_us / (2 if split and not st.recompute else 1)
+                 for st in plan.stages]
+        weight = [st.predicted_bwd_us - w for st, w in zip(plan.stages, whole, strict=True)]
+        grad = [w + scale * b for w, (_, b) in zip(whole, extras, strict=True)]
+        send = [st.predicted_comm_us / 2 for st in plan.stages]
+        zeros = [0] * len(plan.stages)
+        return StageCosts(fwd, grad, weight, send, send, zeros, zeros, zeros)
+
+    def step(c: StageCosts) -> float:
+        return closed_form_step_us(plan.schedule_kind, len(plan.ranks), plan.num_microbatches,
+                                   plan.stages_per_rank, c)
+
+    return max(0.0, step(stage_costs(1.0)) - step(stage_costs(0.0)))
 
 
 def _zero1_layers_exposed(plan: Plan, units: tuple[int, ...], tp: int, dp: int,
@@ -225,26 +302,20 @@ def _stage_unit_work(plan: Plan, costs: CostGraph, gradient_factor: float
 
 def _zero23_layers_exposed(plan: Plan, costs: CostGraph, tp: int, dp: int, zero: int,
                            layout: LayoutOptions, runtime: RuntimeDescription
-                           ) -> tuple[float, ...]:
+                           ) -> list[tuple[float, float]]:
     """ZeRO 2-3 with layer units on a runtime whose collectives run beside compute, per
-    rank: ``m`` times what one microbatch's forward and backward of each of its stages
-    leave exposed (:func:`layer_units_exposed_us`: the gathers prefetched one unit ahead, the
+    stage: what one microbatch's forward and backward leave exposed
+    (:func:`layer_units_exposed_us`: the gathers prefetched one unit ahead, the
     reduce-scatters launched at each unit's post-backward, the backward's end waiting for
-    the last). Added after the schedule, as the serialized collectives are: exact for one
-    pipeline rank; with pp > 1 the fill and drain of a pipeline whose actions each wait
-    that long would add up to ``pp - 1`` more of the slowest rank's, which this leaves out.
-    """
+    the last)."""
     bw, lat = layout.topology.link(tp * dp)
     link = (dp, bw, lat, runtime.collective_overhead_at(0.0), runtime.copy_bytes_per_s)
-    per_rank = [0.0] * len(plan.ranks)
-    for st, (segments, params, grads, root) in zip(
-            plan.stages, _stage_unit_work(plan, costs, layout.gradient_factor), strict=True):
-        fwd, bwd = layer_units_exposed_us(
-            segments, [fsdp_collective_us(b, *link) if b else 0.0 for b in params],
-            [fsdp_collective_us(b, *link) if b else 0.0 for b in grads],
-            zero_stage=zero, root=root)
-        per_rank[st.rank] += plan.num_microbatches * (fwd + bwd)
-    return tuple(per_rank)
+    return [layer_units_exposed_us(
+                segments, [fsdp_collective_us(b, *link) if b else 0.0 for b in params],
+                [fsdp_collective_us(b, *link) if b else 0.0 for b in grads],
+                zero_stage=zero, root=root)
+            for segments, params, grads, root in _stage_unit_work(plan, costs,
+                                                                  layout.gradient_factor)]
 
 
 def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,

@@ -20,10 +20,10 @@ from autopart.solver.layout_candidates import (
 )
 from autopart.solver.layout_dp import (
     _baselines_dp_us,
-    _dp_exposed,
     _hides_reduction,
     _stage_units,
     dp_exposed_us,
+    dp_step_us,
     layer_units,
     layer_units_overlap,
 )
@@ -180,14 +180,14 @@ def _dp_extra(plan: Plan, sharded: CostGraph, units: bool, degrees: tuple[int, i
     """What the dp collectives add to a replica's pipeline ``plan`` (solved on ``sharded``,
     ZeRO's collectives per layer unit or not: ``units``) at ``degrees`` = (tp, dp x cp,
     ZeRO stage, overlapped ZeRO-0 reduction), µs: to its step (the largest rank's exposed
-    time, :func:`_dp_exposed`), and to its baselines' (an even share's, or the plan's own
+    time, :func:`dp_step_us`), and to its baselines' (an even share's, or the plan's own
     where ZeRO 2-3's layer units hide theirs under the compute). ``(0, 0)`` without
     training or data parallelism."""
     if not options.training or degrees[1] == 1:
         return 0.0, 0.0
     zero = degrees[2]
-    extra = max(_dp_exposed(plan, degrees, layout, options.runtime,
-                            _stage_units(plan, sharded, units), units, sharded))
+    extra = dp_step_us(plan, degrees, layout, options.runtime,
+                       _stage_units(plan, sharded, units), units, sharded)
     # ZeRO 2-3's layer units hide their collectives under each unit's compute, which
     # depends on the cuts: the baselines (same layout, same runtime) take the plan's
     even = (extra if layer_units_overlap(zero, units, options.runtime)

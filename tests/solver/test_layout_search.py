@@ -14,7 +14,15 @@ from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.topology import HostTopology
 from autopart.solver import SolveOptions, solve
 from autopart.solver.collectives import all_gather_us, reduce_scatter_us
-from autopart.solver.layout_search import LayoutOptions, evaluate_layout, layout_candidates, solve_layout
+from autopart.solver.layout_dp import dp_step_us
+from autopart.solver.layout_dp import layer_units as units_of
+from autopart.solver.layout_search import (
+    LayoutOptions,
+    dp_exposed_us,
+    evaluate_layout,
+    layout_candidates,
+    solve_layout,
+)
 
 MM = "aten.addmm.default"
 DEV = DeviceSpec("test-gpu", 10**9, 1e12, 1e12, 1e9, 2.0, "made up for tests", op_overhead_us=2.0)
@@ -193,18 +201,47 @@ def test_a_fixed_pp2_dp2_plan_holds_the_hand_counted_state_per_rank() -> None:
     assert steps["3 units"] == pytest.approx(steps[3] + 2 * 3 * TOPO.link(2)[1], abs=2e-3)
     # overlapped with each layer's compute (tests/solver/test_zero_layer_overlap.py): less
     assert steps["3 units overlapped"] < steps["3 units"]
-    # the dp collectives of the fuller rank (64,192 bytes) on the dp link: ZeRO-1 one
-    # all-gather and one reduce-scatter per step, ZeRO-2 one of each per microbatch (m = 2),
-    # ZeRO-3 two all-gathers and a reduce-scatter per microbatch
+    # the dp collectives on the dp link: ZeRO-1 one all-gather and one reduce-scatter per
+    # step, after the schedule, the fuller rank's (64,192 bytes); ZeRO-2 one of each in every
+    # microbatch's forward and backward, ZeRO-3 a second all-gather in the backward, which
+    # 1F1B's step ((m - 1) x the slowest stage + every stage once; stage 1, with the head,
+    # is the slowest with or without them) pays (m - 1) + 1 = 2 times on stage 1, once on
+    # stage 0
     bw, lat = TOPO.link(2)
-    gather = all_gather_us(held[1], 2, bw, lat)
-    scatter = reduce_scatter_us(held[1], 2, bw, lat)
-    assert steps[2] - steps[1] == pytest.approx(gather + scatter, abs=2e-3)
-    assert steps[3] - steps[2] == pytest.approx(2 * gather, abs=2e-3)
+    gather = [all_gather_us(h, 2, bw, lat) for h in held]
+    scatter = [reduce_scatter_us(h, 2, bw, lat) for h in held]
+    zero1 = gather[1] + scatter[1]
+    zero2 = 2 * (gather[1] + scatter[1]) + gather[0] + scatter[0]
+    assert steps[2] - steps[1] == pytest.approx(zero2 - zero1, abs=2e-3)
+    assert steps[3] - steps[2] == pytest.approx(2 * gather[1] + gather[0], abs=2e-3)
     with pytest.raises(PlanError, match=r"costs a fixed plan: set the options' schedule_kind "
                                         r"\(None\) and num_microbatches \(2\) too"):
         evaluate_layout(costs, DEV, replace(options, schedule_kind=None), _layout(
             4, tp=1, pp=2, dp=2, zero_stage=0), cand, positions=(5,))
+
+
+def test_zero23_collectives_in_every_action_cost_m_times_at_pp1_and_fill_the_pipeline() -> None:
+    # dp_step_us prices ZeRO 2-3's per-microbatch collectives inside each F and B and takes
+    # the schedule's step with them less without: at pp = 1 that is m times a microbatch's,
+    # the rank's collectives (dp_exposed_us); at pp 2 the fill and drain pay them again
+    costs = _gpt(2)
+    options = _options(batch=8, num_microbatches=4, schedule_kind="1f1b", recompute=False)
+    runtime = RuntimeDescription(collectives_share_compute=True)
+    for pp, positions in ((1, ()), (2, (5,))):
+        layout = _layout(2 * pp, tp=1, pp=pp, dp=2, zero_stage=3)
+        cand = next(c for c in layout_candidates(costs, DEV, options, layout) if c.pp == pp)
+        plan = evaluate_layout(costs, DEV, options, layout, cand, positions=positions)
+        per_rank = dp_exposed_us(plan, layout, runtime, costs)
+        # one stage per rank: the plan's units per rank are its units per stage
+        step = dp_step_us(plan, (1, 2, 3, False), layout, runtime, units_of(plan, costs),
+                          plan.zero_layer_units, costs)
+        if pp == 1:
+            assert step == pytest.approx(per_rank[0], rel=1e-9)
+        else:  # 1F1B: (m - 1) x the slowest stage's extra (stage 1's, which holds more) + both
+            extra = [x / 4 for x in per_rank]
+            assert extra[1] > extra[0] > 0
+            assert step == pytest.approx(3 * extra[1] + extra[0] + extra[1], rel=1e-6)
+            assert step > max(per_rank)
 
 
 def test_fixed_degrees_are_kept() -> None:
