@@ -169,6 +169,15 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
         model_flops=int(round((3 if options.training else 1) * forward)))
 
 
+def _first_clause(message: str, limit: int = 200) -> str:
+    """A layout's refusal for the search's own message: its first clause (up to the first
+    ``"; "``), cut at a word if still longer than ``limit`` characters."""
+    clause = message.split("; ", 1)[0]
+    if len(clause) <= limit:
+        return clause
+    return clause[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def _shifted(points: tuple[ParetoPoint, ...], added_us: float) -> list[ParetoPoint]:
     """A replica's time-memory frontier with ``added_us`` µs of dp collectives on each step."""
     return [ParetoPoint(round(p.predicted_step_time_us + added_us, 3), p.peak_memory_bytes)
@@ -293,7 +302,7 @@ def solve_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
             plan = evaluate_layout(costs, device, screen, layout, cand, cache)
         except InfeasiblePlanError as exc:
             failures.append(f"tp {cand.tp} x pp {cand.pp} x dp {cand.dp} "
-                            f"ZeRO-{cand.zero_stage}: {str(exc)[:160]}")
+                            f"ZeRO-{cand.zero_stage}: {_first_clause(str(exc))}")
             continue
         screened.append((plan, cand))
         if _better(plan, best, options.optimize):

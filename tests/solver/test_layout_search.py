@@ -299,6 +299,24 @@ def test_nothing_fits_names_the_smallest_state() -> None:
         solve_layout(_gpt(2), tiny, _options(), _layout())
 
 
+def test_a_layout_whose_activations_do_not_fit_is_named_in_whole_clauses() -> None:
+    # the state fits, the activations do not: the refusal names the layout and why, the
+    # pipeline solver's first clause whole (not cut mid-word), without its advice for
+    # solve() callers (explain_infeasible), and the search's own advice
+    costs, options = _gpt(2), _options(recompute=False)
+    layout = _layout(tp=1, pp=1, dp=8, zero_stage=0)
+    cand = layout_candidates(costs, DEV, options, layout)[0]
+    peak = max(r.peak_memory_bytes for r in solve_layout(costs, DEV, options, layout).ranks)
+    cap = (cand.state_lb_bytes + peak) // 2
+    with pytest.raises(InfeasiblePlanError) as info:
+        solve_layout(costs, replace(DEV, memory_bytes=cap), options, layout)
+    message = str(info.value)
+    assert (f"tp 1 x pp 1 x dp 8 ZeRO-0: no partition onto 1 ranks fits the memory cap of "
+            f"{cap} bytes") in message
+    assert "explain_infeasible" not in message
+    assert message.endswith("Use more GPUs, a higher ZeRO stage, or recompute")
+
+
 def test_microbatch_sizes_set_m_per_layout() -> None:
     layout = _layout(tp=1, pp=2, dp=4, microbatch_sizes=(1, 2))
     plan = solve_layout(_gpt(2), DEV, _options(batch=16), layout)
