@@ -169,8 +169,12 @@ def test_segment_times_run_every_segment_and_leave_the_model_as_it_was() -> None
     captured = capture(model, (x,))
     flat = captured.flatten_inputs((x,), {})
     costs = profile_graph(captured, flat)
-    cuts = segment_cuts(costs, find_candidates(costs, 3).positions, 3)
-    assert len(cuts) == 2
+    # two cut candidates a third and two thirds down the graph: fixed by the graph, not by
+    # the measured times (segment_cuts on them gave one cut under load, two times one
+    # candidate; test_segment_cuts_split_the_profiled_time_evenly checks that choice)
+    positions = [q for q in find_candidates(costs, 3).positions if 0 < q < len(costs.nodes)]
+    cuts = (positions[len(positions) // 3], positions[2 * len(positions) // 3])
+    assert cuts[0] < cuts[1]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.random.get_rng_state()
     times = segment_times(captured, flat, "cpu", cuts, budget_s=0.05)
