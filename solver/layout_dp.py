@@ -114,8 +114,10 @@ def _even_bucket_us(grad_bytes: float, elements: int, pp: int, dp: int, tp: int,
 
 def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription,
                   costs: CostGraph | None = None) -> tuple[float, ...]:
-    """Per pipeline rank of ``plan`` (a training plan of the layout search), how long its dp
-    collectives run after its schedule's last action, µs; the step grows by the largest.
+    """Per pipeline rank of ``plan`` (a training plan of the layout search), how long its
+    thread waits on its dp collectives, µs: ZeRO 0-1's run after its schedule's last action
+    and the step grows by the largest; ZeRO 2-3's run inside every microbatch's forward and
+    backward (``m`` times its stages' share here) and the step grows by :func:`dp_step_us`.
 
     ZeRO-0 with ``plan.overlap_grad_reduce`` on a runtime whose collectives do not share the
     ranks' compute: the tail of the buckets launched during each stage's last backward
@@ -175,14 +177,30 @@ def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutO
 def dp_step_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
                runtime: RuntimeDescription, units: tuple[int, ...] | None = None,
                per_layer: bool = False, costs: CostGraph | None = None) -> float:
-    """What a replica's pipeline plan's dp collectives add to its step, µs, arguments as
-    :func:`_dp_exposed`: the largest rank's collectives after its schedule's last action
-    (ZeRO-0, ZeRO-1); for ZeRO 2-3, whose collectives run inside every microbatch's forward
-    and backward, the schedule's step with each stage's ``F`` and ``B`` that much longer
-    less its step without (:func:`_replayed_us`): the fill and drain of a pipeline whose
-    every action waits count too, and a stage's collectives can fill its bubble."""
-    extras = (_microbatch_extras(plan, degrees, layout, runtime, units, per_layer, costs)
-              if degrees[1] > 1 else None)
+    """What a replica's pipeline plan's dp collectives add to its step, µs.
+
+    ZeRO 0-1: the largest rank's collectives after its schedule's last action
+    (:func:`dp_exposed_us`). ZeRO 2-3, whose collectives run inside every microbatch's
+    forward and backward: the schedule's step with each stage's ``F`` and ``B`` that much
+    longer, less its step without (:func:`_replayed_us`), so the fill and drain of a
+    pipeline whose every action waits count too, and a stage's collectives can fill its
+    bubble.
+
+    Args:
+        plan: a training plan of the layout search (its stages' times, ranks, schedule).
+        degrees: ``(tp, dp x cp, ZeRO stage, overlapped ZeRO-0 reduction)``.
+        layout: the GPU count and topology (the dp link).
+        runtime: the runtime's collective costs (fixed cost, copy rate, ranks per core).
+        units: per stage, the FSDP units its ZeRO 1-3 collectives run by (None: one each).
+        per_layer: the units are layers (``Plan.zero_layer_units``).
+        costs: the cost graph the plan was solved on (tp's share); needed to price ZeRO
+            2-3's layer units on a runtime whose collectives run beside compute, which
+            without it are priced whole.
+
+    Returns:
+        µs added to the step, >= 0 (0.0 at dp 1).
+    """
+    extras = _microbatch_extras(plan, degrees, layout, runtime, units, per_layer, costs)
     if extras is None:
         return max(_dp_exposed(plan, degrees, layout, runtime, units, per_layer, costs),
                    default=0.0)
@@ -223,17 +241,16 @@ def _replayed_us(plan: Plan, extras: list[tuple[float, float]]) -> float:
     the simulator's replay: the layout search prices every layout's plan this way, and a
     replay of 10^5-10^6 actions per layout would not stay within its time."""
     split = splits_backward(plan.schedule_kind, False)
+    fwd = [st.predicted_fwd_us for st in plan.stages]
+    grad = [st.predicted_bwd_us / (2 if split and not st.recompute else 1) for st in plan.stages]
+    weight = [st.predicted_bwd_us - g for st, g in zip(plan.stages, grad, strict=True)]
+    send = [st.predicted_comm_us / 2 for st in plan.stages]
+    zeros = [0] * len(plan.stages)
 
     def stage_costs(scale: float) -> StageCosts:
-        fwd = [st.predicted_fwd_us + scale * f for st, (f, _) in zip(plan.stages, extras,
-                                                                      strict=True)]
-        whole = [st.predicted_bwd_us / (2 if split and not st.recompute else 1)
-                 for st in plan.stages]
-        weight = [st.predicted_bwd_us - w for st, w in zip(plan.stages, whole, strict=True)]
-        grad = [w + scale * b for w, (_, b) in zip(whole, extras, strict=True)]
-        send = [st.predicted_comm_us / 2 for st in plan.stages]
-        zeros = [0] * len(plan.stages)
-        return StageCosts(fwd, grad, weight, send, send, zeros, zeros, zeros)
+        return StageCosts([f + scale * e for f, (e, _) in zip(fwd, extras, strict=True)],
+                          [g + scale * e for g, (_, e) in zip(grad, extras, strict=True)],
+                          weight, send, send, zeros, zeros, zeros)
 
     def step(c: StageCosts) -> float:
         return closed_form_step_us(plan.schedule_kind, len(plan.ranks), plan.num_microbatches,

@@ -188,8 +188,9 @@ def _dp_extra(plan: Plan, sharded: CostGraph, units: bool, degrees: tuple[int, i
               layout: LayoutOptions, options: SolveOptions) -> tuple[float, float]:
     """What the dp collectives add to a replica's pipeline ``plan`` (solved on ``sharded``,
     ZeRO's collectives per layer unit or not: ``units``) at ``degrees`` = (tp, dp x cp,
-    ZeRO stage, overlapped ZeRO-0 reduction), µs: to its step (the largest rank's exposed
-    time, :func:`dp_step_us`), and to its baselines' (an even share's, or the plan's own
+    ZeRO stage, overlapped ZeRO-0 reduction), µs: to its step (:func:`dp_step_us`: ZeRO
+    0-1's after the schedule, ZeRO 2-3's inside every microbatch's actions), and to its
+    baselines' (an even share's, or the plan's own
     where ZeRO 2-3's layer units hide theirs under the compute). ``(0, 0)`` without
     training or data parallelism."""
     if not options.training or degrees[1] == 1:
