@@ -270,6 +270,44 @@ def test_torchs_stages_hold_gradients_only_for_outputs_that_carry_one_and_free_a
     assert (split.kept_bytes[0], split.kept_held_bytes[0]) == (150, 0)
 
 
+def test_torchs_last_stage_recomputes_after_the_loss_has_freed_what_it_saved(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # a -> b -> c, cut at 1 and at 2 (3 ranks); c is the last node, its saved 500 bytes
+    # include the loss's 200 (folded in by the profiler) and its working set is 900 (the
+    # loss's); b saves 300 and needs 100. Parameters w0..w2 of 10 bytes each
+    def node(name: str, inputs: tuple[str, ...], saved: int, transient: int, w: str) -> Any:
+        base = build.node(name, inputs, out=100, saved=saved, params=(w,))
+        return dataclasses.replace(base, saved_from=(), transient_bytes=transient)
+
+    nodes = [node("a", ("x",), 300, 100, "w0"), node("b", ("a",), 300, 100, "w1"),
+             node("c", ("b",), 500, 900, "w2")]
+    costs = dataclasses.replace(
+        build.graph(nodes, params={f"w{i}": (10, 2) for i in range(3)}), loss_saved_bytes=200)
+    cluster = build.cluster(3, link_bw=1e12)
+    opts = SolveOptions(batch_size=8, num_microbatches=1,
+                        runtime=RuntimeDescription(receive_buffers_per_microbatch=True))
+
+    def extra(recompute: list[bool]) -> list[int]:
+        plan = plan_at(costs, cluster, opts, (1, 2), kind="1f1b", num_microbatches=1,
+                       recompute=recompute)
+        return list(predict(plan, costs, cluster, opts).stage_costs.backward_extra_bytes)
+
+    plain, again = extra([False] * 3), extra([True] * 3)
+    # recomputing, a middle stage holds its recomputed saved set (300) beside its largest
+    # working set (100 + its weight's new gradient, 10)
+    assert again[1] == 300 + 110
+    # the last stage recomputes what it saved less the loss's set (500 - 200) only after the
+    # loss's backward freed that set: 910 + 300 - 200, not 910 + 300
+    assert again[2] == 910 + 300 - 200
+    # the loss's set larger than the rest: the recomputation adds nothing over the working set
+    big_loss = dataclasses.replace(costs, loss_saved_bytes=450)
+    plan = plan_at(big_loss, cluster, opts, (1, 2), kind="1f1b", num_microbatches=1,
+                   recompute=[True] * 3)
+    assert predict(plan, big_loss, cluster, opts).stage_costs.backward_extra_bytes[2] == 910
+    # without recompute nothing moved: the working set, nothing freed before it
+    assert plain[2] == 910
+
+
 def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_microbatches(
         build) -> None:  # type: ignore[no-untyped-def]
     # the test_zero_bubble chain: 8 nodes of fwd 10, I 10, W 10 µs at b0 = 8 (batch 32)
