@@ -178,11 +178,10 @@ def _backward_extra(model: CostModel, span: StageSpan, kind: str, transient: int
     peaks (0.99x and 1.01x without)."""
     if not model.training:
         return 0
-    if span.recompute and span.last and _torch_held(model):  # (a recomputing stage never splits)
-        return transient + max(recomputed - model.scale_bytes(model.costs.loss_saved_bytes,
-                                                              ratio), 0)
     if span.recompute or splits_backward(kind, span.recompute):
-        return transient + recomputed
+        freed = (model.scale_bytes(model.costs.loss_saved_bytes, ratio)
+                 if span.recompute and span.last and _torch_held(model) else 0)
+        return transient + max(recomputed - freed, 0)
     return model.backward_working_bytes(span.start, span.stop, ratio,
                                         0 if span.last else cross_out)
 
