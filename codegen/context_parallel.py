@@ -51,7 +51,7 @@ from torch import nn
 
 from autopart.codegen import _tp_ops
 from autopart.codegen.tp_layout import TensorParallelRank
-from autopart.core.capturedgraph import CapturedGraph, node_module_path
+from autopart.core.capturedgraph import SINK_ATTENTION_META, CapturedGraph, node_module_path
 from autopart.core.context import context_chunks
 from autopart.core.errors import PlanError
 from autopart.core.op_names import REPEAT_KV_OPS
@@ -88,6 +88,11 @@ def attention_kinds(captured: CapturedGraph) -> dict[str, bool]:
         if node.op != "call_function":
             continue
         if node.target is SDPA:
+            if node.meta.get(SINK_ATTENTION_META):
+                raise PlanError(f"attention node {node.name} has learned sinks (GPT-OSS and "
+                                "its kind), captured as one attention over an extra sink key "
+                                "and a dummy query; context parallelism does not split it "
+                                f"yet; {_FIX}")
             args = _sdpa_args(node)
             mask = args["attn_mask"]
             kinds[node.name] = (bool(args["is_causal"]) if mask is None

@@ -9,6 +9,9 @@ computing ``out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x_t)))`` with ``e = id
 through two grouped GEMMs (``aten._grouped_mm``, or transformers' ``grouped_mm_fallback`` on
 CPU). Mixtral, Qwen3-MoE, DeepSeek-V3 and the other zoo models built on that experts module
 export this way; the router and a shared expert stay outside the block and stay dense.
+GPT-OSS's experts differ in two ways the pass reads too: their weights are stored
+transposed (``[E, H, 2I]`` and ``[E, I, H]``, handed to the GEMM as they are) and each GEMM
+adds a per-expert bias (``[E, 2I]``, ``[E, H]``) gathered by the rows' expert ids.
 
 :func:`expert_parallel` rewrites each block into a call of :class:`ExpertParallelExperts` on
 this ep rank's ``E / ep`` experts (experts ``[r E/ep, (r+1) E/ep)``, Megatron-Core's
@@ -26,7 +29,8 @@ call runs, for one microbatch:
    the unsharded block's).
 
 What the pass refuses, with a :class:`PlanError` naming the op and the fix (ep = 1): an
-experts module with other parameters (biases, GPT-OSS), one whose routing weights are applied
+experts module with other parameters than the two weights and their biases (a bias added
+any other way than per row of its expert), one whose routing weights are applied
 to the inputs instead of the outputs (Llama 4), an activation that reads anything but the
 first GEMM's output, and an expert count ep does not divide.
 """
@@ -66,6 +70,10 @@ class ExpertBlock:
         gate_up, down: the ``get_attr`` nodes of the stacked expert weights.
         first_mm, second_mm: the two grouped GEMMs.
         act: the nodes between them (the activation: ``silu(gate) * up`` for Mixtral).
+        gate_up_bias, down_bias: the ``get_attr`` nodes of the per-expert biases added to
+            the GEMMs' outputs (``[E, 2I]``, ``[E, H]``; GPT-OSS), or None.
+        transposed: per GEMM, whether it reads its weight transposed (``w.transpose(-2,
+            -1)``, Mixtral's ``[E, 2I, H]``) rather than as stored (GPT-OSS's ``[E, H, 2I]``).
         num_experts: E, the layer's experts (the stacked weights' first dimension, as
             captured: the rewrite then shards the weights, not this).
     """
@@ -82,6 +90,9 @@ class ExpertBlock:
     second_mm: fx.Node
     act: tuple[fx.Node, ...]
     num_experts: int
+    gate_up_bias: fx.Node | None = None
+    down_bias: fx.Node | None = None
+    transposed: tuple[bool, bool] = (True, True)
 
 
 def _error(node: fx.Node, path: str, why: str) -> PlanError:
@@ -134,14 +145,16 @@ def _read_block(graph: fx.Graph, path: str, mms: list[fx.Node]) -> ExpertBlock:
                          "grouped GEMM (a bias?), which the split does not carry")
     gate_up, down = weights
     assert gate_up is not None and down is not None
+    transposed = tuple(_transposed(mm, w, path) for mm, w in zip(mms, weights, strict=True))
     nodes = tuple(n for n in graph.nodes if n.op == "call_function" and _inside(n, path))
     inside = set(nodes)
-    params = {gate_up, down}
+    (first_out, gate_up_bias), (second_out, down_bias) = (_bias(mm, inside) for mm in mms)
+    params = {gate_up, down} | {b for b in (gate_up_bias, down_bias) if b is not None}
     extra = [n for n in graph.nodes if n.op == "get_attr" and n not in params
              and any(u in inside for u in n.users)]
     if extra:
         raise _error(extra[0], path, f"it reads parameter {extra[0].target} besides the two "
-                     "stacked expert weights")
+                     "stacked expert weights and their per-expert biases")
     outside_in: list[fx.Node] = []
     for n in nodes:
         for a in n.all_input_nodes:
@@ -164,10 +177,42 @@ def _read_block(graph: fx.Graph, path: str, mms: list[fx.Node]) -> ExpertBlock:
     routing = next((a for a in two_d if tuple(a.meta["val"].shape) == k_shape), None)
     if hidden is None or routing is None:
         raise _error(nodes[0], path, "its routing weights are not shaped like its expert ids")
-    act = _activation(first, second, inside, path)
-    _check_weights_after(second, routing, inside, path)
+    act = _activation(first_out, second, inside, path)
+    _check_weights_after(second_out, routing, inside, path)
     return ExpertBlock(path, nodes, hidden, index, routing, output, gate_up, down, first,
-                       second, act, int(gate_up.meta["val"].shape[0]))
+                       second, act, int(gate_up.meta["val"].shape[0]), gate_up_bias,
+                       down_bias, transposed)  # type: ignore[arg-type]
+
+
+def _transposed(mm: fx.Node, weight: fx.Node, path: str) -> bool:
+    """Whether ``mm`` reads ``weight`` as ``weight.transpose(-2, -1)`` (True) or as stored."""
+    operand = mm.args[1]
+    if operand is weight:
+        return False
+    assert isinstance(operand, fx.Node)
+    if operand.target is torch.ops.aten.transpose.int and operand.args[0] is weight and \
+            {d % 3 for d in operand.args[1:3]} == {1, 2}:  # type: ignore[operator]
+        return True
+    raise _error(mm, path, f"its weight reaches the grouped GEMM through {operand.target}, "
+                 "not as stored or transposed")
+
+
+def _bias(mm: fx.Node, inside: set[fx.Node]) -> tuple[fx.Node, fx.Node | None]:
+    """``(the GEMM's output with its bias, the bias parameter)`` where the GEMM's one reader
+    adds ``bias[expert id of each row]`` (GPT-OSS), else ``(mm, None)``."""
+    users = list(mm.users)
+    if len(users) != 1 or users[0].target is not torch.ops.aten.add.Tensor:
+        return mm, None
+    add = users[0]
+    other = add.args[1] if add.args[0] is mm else add.args[0]
+    if not isinstance(other, fx.Node) or other.target is not torch.ops.aten.index.Tensor or \
+            other not in inside:
+        return mm, None
+    param = other.args[0]
+    if not isinstance(param, fx.Node) or param.op != "get_attr" or \
+            param.meta["val"].dim() != 2 or len(other.args[1]) != 1:  # type: ignore[arg-type]
+        return mm, None
+    return add, param
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
@@ -227,10 +272,11 @@ def _derives_from(node: fx.Node, source: fx.Node, inside: set[fx.Node]) -> bool:
 
 
 def _act_module(block: ExpertBlock) -> fx.GraphModule:
-    """The block's activation as a module of one input (the first GEMM's ``[N, 2I]`` output)
-    and one output (the second GEMM's ``[N, I]`` input), for any N."""
+    """The block's activation as a module of one input (the first GEMM's ``[N, 2I]`` output,
+    its bias added) and one output (the second GEMM's ``[N, I]`` input), for any N."""
     g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {block.first_mm: g.placeholder("gate_up")}
+    source = block.first_mm if block.gate_up_bias is None else next(iter(block.first_mm.users))
+    env: dict[fx.Node, fx.Node] = {source: g.placeholder("gate_up")}
     for n in block.act:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[block.second_mm.args[0]])  # type: ignore[index]
@@ -241,7 +287,9 @@ class ExpertParallelExperts(nn.Module):
     """One MoE layer's experts on this ep rank, with the dispatch and combine all-to-alls.
 
     Called as ``(hidden [T, H], index [T, k], weights [T, k], gate_up [E/ep, 2I, H],
-    down [E/ep, H, I]) -> [T, H]`` (the captured block's contract, with this rank's experts).
+    down [E/ep, H, I][, gate_up_bias [E/ep, 2I], down_bias [E/ep, H]]) -> [T, H]`` (the
+    captured block's contract, with this rank's experts; the weights ``[E/ep, H, 2I]`` and
+    ``[E/ep, I, H]`` where ``transposed`` says the block read them as stored).
     Collective over the ep group: every ep rank calls it for the same microbatches in the
     same order (dp replicas run the same schedule), whatever tokens each routes where.
 
@@ -251,18 +299,24 @@ class ExpertParallelExperts(nn.Module):
             int32 cumulative rows) -> [N, M]``.
         num_experts: E, the layer's experts over all ep ranks.
         ep: this rank's place in its ep group.
+        transposed: per GEMM, whether the block read its weight transposed (default both,
+            transformers' usual ``[E, out, in]`` storage).
     """
 
     def __init__(self, act: fx.GraphModule, grouped_mm: Callable[..., torch.Tensor],
-                 num_experts: int, ep: TensorParallelRank) -> None:
+                 num_experts: int, ep: TensorParallelRank,
+                 transposed: tuple[bool, bool] = (True, True)) -> None:
         super().__init__()
         self.act = act
         self.grouped_mm = grouped_mm
         self.num_experts = num_experts
         self.ep_size, self.group_name = ep.size, ep.group_name
+        self.transposed = transposed
 
     def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                gate_up: torch.Tensor, down: torch.Tensor,
+                gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None) -> torch.Tensor:
         tokens, top_k = index.shape
         local = gate_up.shape[0]
         group = _tp_ops._group(self.group_name)  # addressed by name, as tp's collectives are
@@ -279,8 +333,16 @@ class ExpertParallelExperts(nn.Module):
             torch.arange(local, device=index.device).repeat(self.ep_size), received)
         by_expert = torch.sort(expert_of, stable=True).indices
         offs = torch.cumsum(torch.bincount(expert_of, minlength=local), 0, dtype=torch.int32)
-        h = self.grouped_mm(mine[by_expert], gate_up.transpose(-2, -1), offs)
-        y = self.grouped_mm(self.act(h), down.transpose(-2, -1), offs)
+        w1 = gate_up.transpose(-2, -1) if self.transposed[0] else gate_up
+        w2 = down.transpose(-2, -1) if self.transposed[1] else down
+        h = self.grouped_mm(mine[by_expert], w1, offs)
+        if gate_up_bias is not None or down_bias is not None:
+            row_expert = expert_of[by_expert]  # each grouped row's local expert
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[row_expert]
+        y = self.grouped_mm(self.act(h), w2, offs)
+        if down_bias is not None:
+            y = y + down_bias[row_expert]
         y = y[_inverse(by_expert)]  # back in received order
         back = all_to_all_single_autograd(y, send, recv, group)
         pairs = back[_inverse(order)]  # (token, slot) order
@@ -329,10 +391,13 @@ def expert_parallel(gm: fx.GraphModule, ep: TensorParallelRank, *,
         # (ZeRO's per-layer FSDP units, codegen/fsdp_units.py) takes it along
         name = f"{block.path}.expert_parallel"
         gm.add_submodule(name, ExpertParallelExperts(_act_module(block), _mm_callable(
-            block.first_mm), block.num_experts, ep))
+            block.first_mm), block.num_experts, ep, block.transposed))
+        biases = [b for b in (block.gate_up_bias, block.down_bias) if b is not None]
         with gm.graph.inserting_before(block.output.next):
             call = gm.graph.call_module(name, (block.hidden, block.index, block.weights,
-                                               block.gate_up, block.down))
+                                               block.gate_up, block.down),
+                                        {"gate_up_bias": block.gate_up_bias,
+                                         "down_bias": block.down_bias} if biases else {})
         call.meta.update({k: block.output.meta[k] for k in ("val", "nn_module_stack",
                                                              "stack_trace")
                           if k in block.output.meta})
@@ -341,7 +406,7 @@ def expert_parallel(gm: fx.GraphModule, ep: TensorParallelRank, *,
             if not n.users:
                 gm.graph.erase_node(n)
         layout = ShardLayout(0, (block.num_experts,))
-        for attr in (block.gate_up, block.down):
+        for attr in (block.gate_up, block.down, *biases):
             layouts[str(attr.target)] = layout
             hold_shard(gm, attr, layout, ep, made)
     if layouts:

@@ -25,6 +25,7 @@ from autopart.core._capture_rewrites import (
     tolerate_real_strides,
     update_buffers_where_read,
 )
+from autopart.core._sink_attention import sink_attention_as_sdpa
 from autopart.core.capturedgraph import (
     CapturedGraph,
     _get_attr,
@@ -107,6 +108,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
     tolerate_real_strides(gm.graph)
     differentiable_copies(gm.graph)
     update_buffers_where_read(gm.graph)
+    sink_attention_as_sdpa(gm.graph)
     if attention_flags:
         attention_masks_as_flags(gm.graph)
     # Flat calling convention: forward(*leaves) -> tuple(leaves).

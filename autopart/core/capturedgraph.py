@@ -16,8 +16,9 @@ from torch import nn
 from autopart.core.errors import TraceError
 from autopart.core.op_names import GROUPED_MM_OPS
 
-__all__ = ["GROUPED_MM_OPS", "SDPA_ARGS", "CapturedGraph", "buffer_update_cuts", "graph_fingerprint",
-           "op_nodes", "node_module_path", "node_source", "sdpa_arguments", "weight_source"]
+__all__ = ["GROUPED_MM_OPS", "SDPA_ARGS", "SINK_ATTENTION_META", "CapturedGraph",
+           "buffer_update_cuts", "graph_fingerprint", "op_nodes", "node_module_path", "node_source",
+           "sdpa_arguments", "weight_source"]
 
 _OP_KINDS = ("call_function", "call_method", "call_module")
 
@@ -199,6 +200,11 @@ def graph_fingerprint(gm: fx.GraphModule, attr_fqns: dict[str, str]) -> str:
 
 
 #: ``aten.scaled_dot_product_attention``'s arguments, in order.
+#: ``node.meta`` key of the attention nodes the capture made from eager attention with learned
+#: sinks (``autopart.core.capture``): their queries, keys and values carry a sink row and
+#: column, so a pass that splits the sequence or the head dimension must refuse them.
+SINK_ATTENTION_META = "autopart_sink_attention"
+
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
              "enable_gqa")
 

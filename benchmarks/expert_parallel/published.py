@@ -16,8 +16,10 @@ Profiles (meta capture, analytical bf16 H100 costs, one sequence of 4096 tokens)
   kernel, as Megatron runs it). Not modelled: GPT-OSS's attention sinks and biases, and
   its sliding-window (128-token) layers, priced here as full causal attention (half the
   layers; attention is 4 % of the forward).
-- ``hf-gpt-oss``: ``GptOssForCausalLM`` as transformers captures it: eager attention with
-  sinks, every score matrix materialised.
+- ``hf-gpt-oss``: ``GptOssForCausalLM`` as transformers writes it (GptOssConfig's defaults
+  are the 120B shape): eager attention with sinks, which the capture fuses into one
+  ``scaled_dot_product_attention`` over an extra sink key (``autopart/core/
+  _sink_attention.py``), experts with biases, the sliding-window layers' masks kept.
 
 Plans: the published layout fixed (``--tp 1 --pp 4 --dp 16 --ep 8 --zero-stage 1``, 1F1B,
 m = 1280 / 16 = 80 microbatches of one sequence), and the layout searched (``--3d
@@ -59,7 +61,7 @@ PROFILES = {"stand-in": ("hf:MixtralForCausalLM", STAND_IN), "hf-gpt-oss":
 FIXED = ["--tp", "1", "--pp", "4", "--dp", "16", "--ep", "8", "--zero-stage", "1",
          "--schedule", "1f1b", "--num-microbatches", "80"]
 CASES = [("stand-in", "published layout", FIXED), ("stand-in", "searched", ["--3d"]),
-         ("hf-gpt-oss", "published layout", FIXED)]
+         ("hf-gpt-oss", "published layout", FIXED), ("hf-gpt-oss", "searched", ["--3d"])]
 
 
 def _run(args: list[str]) -> tuple[int, str, float]:

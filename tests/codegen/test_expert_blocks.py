@@ -77,13 +77,44 @@ def test_an_expert_count_ep_does_not_divide_is_refused() -> None:
         expert_parallel(module, TensorParallelRank(0, 3, "ep-test"))
 
 
-def test_experts_with_biases_are_refused_naming_the_parameter() -> None:
+def test_gpt_oss_experts_are_read_with_their_biases_and_stored_layout() -> None:
     torch.manual_seed(0)
     gpt_oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
         intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
         **{**COMMON, "num_hidden_layers": 1}))
-    with pytest.raises(PlanError, match=r"gate_up_proj_bias.*ep=1"):
-        find_expert_blocks(_captured(gpt_oss).graph_module.graph)
+    captured = _captured(gpt_oss)
+    [block] = find_expert_blocks(captured.graph_module.graph)
+    assert (str(block.gate_up_bias.target), str(block.down_bias.target)) == (
+        "model.layers.0.mlp.experts.gate_up_proj_bias",
+        "model.layers.0.mlp.experts.down_proj_bias")
+    assert block.transposed == (False, False)  # [E, H, 2I] handed to the GEMM as stored
+    assert any(n.target is torch.ops.aten.sigmoid.default for n in block.act)
+    [module], _ = build_stage_modules(captured, split_graph(captured, []), [torch.device("cpu")])
+    layouts = expert_parallel(module, TensorParallelRank(1, 2, "ep-test"))
+    assert set(layouts) == {f"model.layers.0.mlp.experts.{w}" for w in (
+        "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")}
+    whole = dict(gpt_oss.named_parameters())
+    for fqn in layouts:
+        torch.testing.assert_close(module.get_parameter(fqn), whole[fqn][2:], rtol=0, atol=0)
+
+
+def test_experts_reading_another_parameter_are_refused_naming_it() -> None:
+    model = _mixtral()
+    captured = _captured(model)
+    graph = captured.graph_module.graph
+    [block, _] = find_expert_blocks(graph)
+    # scale the first GEMM's output by a stored tensor: not a weight, not a per-expert bias
+    captured.graph_module.register_buffer("stray", torch.ones(1))
+    with graph.inserting_after(block.first_mm):
+        stray = graph.get_attr("stray")
+        stray.meta["val"] = torch.ones(1)
+        stray.meta["nn_module_stack"] = block.first_mm.meta["nn_module_stack"]
+        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (block.first_mm, stray))
+        scaled.meta.update(block.first_mm.meta)
+    block.first_mm.replace_all_uses_with(scaled)
+    scaled.args = (block.first_mm, stray)
+    with pytest.raises(PlanError, match=r"stray.*ep=1"):
+        find_expert_blocks(graph)
 
 
 def test_ep_on_a_model_without_readable_experts_is_refused() -> None:

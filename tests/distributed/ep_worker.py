@@ -1,5 +1,5 @@
-"""Worker processes for the expert-parallel tests (spawned, gloo): tiny Mixtral, Qwen3-MoE and
-DeepSeek-V3 with their experts split over ep of the dp replicas, against the plain model."""
+"""Worker processes for the expert-parallel tests (spawned, gloo): tiny Mixtral, Qwen3-MoE,
+DeepSeek-V3 and GPT-OSS with their experts split over ep of the dp replicas, against the plain model."""
 
 from __future__ import annotations
 
@@ -46,6 +46,15 @@ def tiny_moe(name: str) -> tuple[Any, tuple[Any, ...], Any, Any]:
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
             topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=8, **{**common, "num_key_value_heads": 4}))
+    elif name == "gpt_oss":  # experts stored transposed, with biases; attention with sinks
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+            sliding_window=4, **common))
+        with torch.no_grad():  # biases initialise to zero, which would hide them
+            for module in model.modules():
+                for attr in ("gate_up_proj_bias", "down_proj_bias", "sinks"):
+                    if hasattr(module, attr):
+                        getattr(module, attr).normal_(std=0.1)
     else:
         raise ValueError(f"no tiny MoE model {name!r}")
 

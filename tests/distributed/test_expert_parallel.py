@@ -1,5 +1,6 @@
-"""Expert parallelism in real gloo processes (no mocks): tiny Mixtral, Qwen3-MoE and
-DeepSeek-V3 (shared expert, grouped routing) with their experts split over ep of the dp
+"""Expert parallelism in real gloo processes (no mocks): tiny Mixtral, Qwen3-MoE,
+DeepSeek-V3 (shared expert, grouped routing) and GPT-OSS (experts stored transposed, with
+biases) with their experts split over ep of the dp
 replicas (ep = dp, ep < dp with expert-data-parallel replicas, ep x pp), against the plain
 model on the global batch: the loss on every rank, every gradient, the whole state dict,
 reloading it and the gradient norm; with ZeRO 1 and 3 (one FSDP unit per stage or per
@@ -13,8 +14,8 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize(("world", "pp", "ep", "names", "zero", "units"), [
-    (2, 1, 2, ["mixtral", "qwen3_moe", "deepseek_v3"], 0, False),
-    (4, 2, 2, ["qwen3_moe"], 0, False),
+    (2, 1, 2, ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"], 0, False),
+    (4, 2, 2, ["qwen3_moe", "gpt_oss"], 0, False),
     (4, 1, 4, ["deepseek_v3"], 0, False),
     (4, 1, 2, ["mixtral"], 1, True),
     (4, 2, 2, ["deepseek_v3"], 3, True),
