@@ -82,6 +82,10 @@ class _Walker:
         self._index = -1  # op index of the node being profiled (-1: graph inputs)
         self._ops: list[fx.Node] = []  # op nodes in order
         self._grad_call_us: tuple[float, float] | None = None  # see _empty_grad_call_us
+        # MoE routing: top-k id node -> (experts module path, its experts); the tokens
+        # each expert was routed, counted as the ids are computed (CostGraph.expert_tokens)
+        self.watch: dict[fx.Node, tuple[str, int]] = {}
+        self.expert_tokens: dict[str, tuple[int, ...]] = {}
 
     # ---- walk --------------------------------------------------------------------
     def run(self, flat_inputs: list[Any]) -> list[NodeCost]:
@@ -122,6 +126,10 @@ class _Walker:
 
     def _set(self, node: fx.Node, value: Any) -> None:
         self.env[node] = value
+        if node in self.watch and isinstance(value, torch.Tensor):
+            path, experts = self.watch[node]
+            counts = torch.bincount(value.detach().reshape(-1).cpu(), minlength=experts)
+            self.expert_tokens[path] = tuple(int(c) for c in counts.tolist())
         keys = {k for t in tensor_leaves(value) if (k := storage_key(t))}
         self._live_refs.update(keys)
         for key in keys:  # a view keeps its base's producer

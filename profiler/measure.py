@@ -6,11 +6,13 @@ import time
 from typing import Any
 
 import torch
+import torch.fx as fx
 
+from autopart.codegen.expert_parallel import find_expert_blocks
 from autopart.core.capture import CapturedGraph
 from autopart.core.capturedgraph import buffer_update_cuts
 from autopart.core.costgraph import CostGraph
-from autopart.core.errors import ProfileError
+from autopart.core.errors import PlanError, ProfileError
 from autopart.profiler._oputil import MeasureReport, causal_attention
 from autopart.profiler._walker import Progress, _Walker
 from autopart.profiler.blocks import repeated_blocks
@@ -138,6 +140,7 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
         if reuse_repeated_blocks:
             walker.reuse = repeated_blocks(captured.graph_module)
         walker.progress = progress
+        walker.watch = _routing_ids(graph)
         nodes = walker.run(flat_inputs)
     n_est = len(walker.estimated)
     if not training:
@@ -158,4 +161,16 @@ def profile_graph_report(captured: CapturedGraph, flat_inputs: list[Any], *,
         fingerprint=captured.fingerprint, profile_wall_s=time.perf_counter() - start,
         no_cut=buffer_update_cuts(captured.graph_module.graph),
         causal_attention=causal_attention(captured.graph_module.graph),
+        expert_tokens=tuple(sorted(walker.expert_tokens.items())),
     ), walker.report
+
+
+def _routing_ids(graph: fx.Graph) -> dict[fx.Node, tuple[str, int]]:
+    """Each MoE layer's top-k expert ids node -> (its experts module path, its experts),
+    as expert parallelism reads the layer (``autopart.codegen.expert_parallel``); none for
+    a dense model or one whose experts that pass cannot read."""
+    try:
+        blocks = find_expert_blocks(graph)
+    except PlanError:
+        return {}
+    return {b.index: (b.path, b.num_experts) for b in blocks}

@@ -7,14 +7,21 @@
 - memory: the expert weights the module reads (``param_bytes``, ``param_sizes``,
   ``param_numel``) divided by ep (each GPU holds ``E / ep`` experts); their gradients and
   optimizer state follow the parameter bytes;
-- compute: unchanged, as under balanced routing: each GPU runs ``T * k / ep`` token-expert
-  pairs of each of the ep GPUs' microbatches, ``T * k`` in all, the count it ran at ep = 1
-  (the profiling batch's measured routing is not read yet: an imbalance is not priced);
+- compute: under balanced routing each GPU runs ``T * k / ep`` token-expert pairs of each
+  of the ep GPUs' microbatches, ``T * k`` in all, the count it ran at ep = 1. Where the
+  profile counted the tokens routed to each expert on its batch (``CostGraph.
+  expert_tokens``, measured profiles), the layer's grouped GEMMs and the activation between
+  them take :func:`routing_imbalance` times as long: every ep GPU waits for the most loaded
+  one at the combine, so the layer runs at its pace (each ep GPU's microbatches assumed
+  routed like the profiled batch; the imbalance at another microbatch size is the
+  profiled one). Analytical profiles have no routing and are priced balanced, as
+  Megatron-Bridge's published MoE runs force it;
 - communication: per MoE layer and microbatch, the dispatch and combine all-to-alls of the
   ``T * k`` rows of ``H`` values each GPU sends (:func:`autopart.solver.collectives.
-  all_to_all_us` on the ep group's link), in line with the forward as the runtime runs them
-  (not overlapped), and the same two in the backward; the exchange of per-expert counts
-  before the dispatch is one latency.
+  all_to_all_us` on the ep group's link; the most loaded GPU receives the imbalance times
+  as many), in line with the forward as the runtime runs them (not overlapped), and the
+  same two in the backward; the exchange of per-expert counts before the dispatch is one
+  latency.
 - activation memory: the received rows (as many as sent, balanced) are the same bytes the
   block saved at ep = 1: unchanged.
 """
@@ -28,7 +35,7 @@ from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.op_names import GROUPED_MM_OPS
 from autopart.solver.collectives import all_to_all_us
 
-__all__ = ["expert_costs", "expert_module_paths", "expert_params"]
+__all__ = ["expert_costs", "expert_module_paths", "expert_params", "routing_imbalance"]
 
 
 def expert_module_paths(costs: CostGraph) -> list[str]:
@@ -46,6 +53,22 @@ def expert_params(costs: CostGraph) -> frozenset[str]:
     paths = expert_module_paths(costs)
     return frozenset(p for nd in costs.nodes if any(_inside(nd, path) for path in paths)
                      for p in nd.params)
+
+
+def routing_imbalance(tokens: tuple[int, ...] | None, ep: int) -> float:
+    """The most loaded ep GPU's token-expert pairs over the mean, >= 1: expert ``e`` on GPU
+    ``e // (E / ep)`` (``autopart/codegen/expert_parallel.py``'s contiguous placement),
+    ``tokens[e]`` routed to it. 1.0 without counts, at ep = 1, or where ep does not divide
+    the experts.
+
+    >>> routing_imbalance((6, 2, 1, 3), 2)
+    1.3333333333333333
+    """
+    if not tokens or ep <= 1 or len(tokens) % ep or sum(tokens) <= 0:
+        return 1.0
+    per = len(tokens) // ep
+    loads = [sum(tokens[r * per:(r + 1) * per]) for r in range(ep)]
+    return max(loads) * ep / sum(loads)
 
 
 def _inside(nd: NodeCost, path: str) -> bool:
@@ -71,23 +94,31 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
     paths = expert_module_paths(costs)
     if ep == 1 or not paths:
         return costs
+    routed = dict(costs.expert_tokens)
     nodes = list(costs.nodes)
     sizes, numel = dict(costs.param_sizes), dict(costs.param_numel)
     by_name = {nd.name: nd for nd in costs.nodes}
     for path in paths:
         members = [i for i, nd in enumerate(nodes) if _inside(nd, path)]
         first = next(i for i in members if nodes[i].op in GROUPED_MM_OPS)
+        second = max(i for i in members if nodes[i].op in GROUPED_MM_OPS)
         mm = nodes[first]
+        imbalance = routing_imbalance(routed.get(path), ep)
         # the rows the first grouped GEMM reads: T * k token-expert pairs of H values
         src = by_name.get(mm.inputs[0]) if mm.inputs else None
         rows_bytes = src.output_bytes if src is not None else 0
-        one = all_to_all_us(rows_bytes, ep, bandwidth_bytes_per_s, latency_us)
+        one = all_to_all_us(int(rows_bytes * imbalance), ep, bandwidth_bytes_per_s, latency_us)
         overhead = collective_overhead(0.0) if collective_overhead is not None else 0.0
         counts = latency_us * (ep - 1) + overhead
         fwd = 2 * (one + overhead) + counts
         bwd = 2 * (one + overhead)
         for i in members:
             nd = nodes[i]
+            if imbalance > 1.0 and first <= i <= second:  # the rows this GPU computes
+                nd = replace(nd, fwd_us=nd.fwd_us * imbalance,
+                             bwd_input_us=nd.bwd_input_us * imbalance,
+                             bwd_weight_us=nd.bwd_weight_us * imbalance)
+                nodes[i] = nd
             if nd.param_bytes:
                 nodes[i] = replace(nd, param_bytes=nd.param_bytes // ep)
             for fqn in nd.params:  # the stacked expert weights (the pass refuses any other)

@@ -246,6 +246,12 @@ class CostGraph:
             attention computes every block (a materialised mask). Context parallelism's
             price reads it (``solver.context_parallel_costs``). Optional (default none, as
             in profiles from before it: their attention ran with masks).
+        expert_tokens: ``(experts module path, tokens routed to each of its experts)`` per
+            MoE layer, counted on the profiled batch (token-expert pairs: ``batch x seq x
+            top-k`` in all) where the profile ran real values; expert parallelism's price
+            reads the load of the most loaded ep rank from it
+            (``solver.expert_parallel_costs``). Optional (default none: analytical profiles
+            and those from before it, priced as balanced routing).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -269,6 +275,7 @@ class CostGraph:
     collective_outputs: tuple[tuple[int, int], ...] = ()
     recomputed_gathers: tuple[tuple[int, float, float], ...] = ()
     causal_attention: frozenset[str] = frozenset()
+    expert_tokens: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -400,6 +407,8 @@ class CostGraph:
             d["causal_attention"] = sorted(self.causal_attention)
         else:  # none: left out, as in files from before it
             del d["causal_attention"]
+        if not self.expert_tokens:  # none: left out, as in files from before it
+            del d["expert_tokens"]
         for node in d["nodes"]:  # not measured: left out, as in files from before them
             for key in [k for k in HOST_FIELDS if node[k] is None]:
                 del node[key]
@@ -440,6 +449,8 @@ class CostGraph:
                                                 d.get("recomputed_gathers", ())),
                        causal_attention=frozenset(str(n) for n in
                                                   d.get("causal_attention", ())),
+                       expert_tokens=tuple((str(path), tuple(int(c) for c in counts))
+                                           for path, counts in d.get("expert_tokens", ())),
                        batch_scales=tuple(
                            BatchScale(int(sc["batch_size"]), tuple(int(q) for q in sc["positions"]),
                                       tuple(float(f) for f in sc["fwd"]),

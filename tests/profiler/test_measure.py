@@ -175,3 +175,29 @@ def test_bad_inputs_and_counts_raise(
         profile_graph(captured, [x], repeats=0)
     with pytest.raises(ProfileError, match=r"node 'linear' .* failed on cpu"):
         profile_graph(captured, [torch.randn(B, D_IN + 1)])
+
+
+def test_a_moe_profile_counts_the_tokens_routed_to_each_expert() -> None:
+    pytest.importorskip("transformers")
+    from tests.distributed.ep_worker import tiny_moe
+
+    model, args, _, _ = tiny_moe("mixtral")
+    batch = args[0][:2]
+    # the router's own choices, read from the eager model: (logits, scores, top-k ids)
+    chosen: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: chosen.append(out[2]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(batch)
+    for hook in hooks:
+        hook.remove()
+    captured = capture(model, (batch,))
+    costs = profile_graph(captured, captured.flatten_inputs((batch,), {}), device="cpu",
+                          warmup=0, repeats=1)
+    routed = dict(costs.expert_tokens)
+    assert sorted(routed) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for i, ids in enumerate(chosen):
+        want = tuple(torch.bincount(ids.reshape(-1), minlength=4).tolist())
+        assert routed[f"model.layers.{i}.mlp.experts"] == want
+        assert sum(want) == 2 * 8 * 2  # 2 rows x 8 tokens x top-2
+    assert CostGraph.from_dict(costs.to_dict()).expert_tokens == costs.expert_tokens

@@ -10,7 +10,11 @@ from autopart.core.capture import capture  # noqa: E402
 from autopart.core.cluster import PRESETS  # noqa: E402
 from autopart.profiler import profile_analytical  # noqa: E402
 from autopart.solver.collectives import all_to_all_us  # noqa: E402
-from autopart.solver.expert_parallel_costs import expert_costs, expert_module_paths  # noqa: E402
+from autopart.solver.expert_parallel_costs import (  # noqa: E402
+    expert_costs,
+    expert_module_paths,
+    routing_imbalance,
+)
 from tests.distributed.ep_worker import tiny_moe  # noqa: E402
 
 BW, LAT = 100e9, 5.0
@@ -46,6 +50,41 @@ def test_each_gpu_holds_its_experts_and_pays_two_all_to_alls_each_way() -> None:
     assert sum(nd.param_bytes for nd in out.nodes) < sum(nd.param_bytes for nd in costs.nodes)
     for a, b in zip(costs.nodes, out.nodes, strict=True):  # compute as under balanced routing
         assert b.flops == a.flops
+
+
+def test_the_most_loaded_gpu_sets_the_layers_expert_compute_and_all_to_alls() -> None:
+    import dataclasses
+
+    from autopart.core.op_names import GROUPED_MM_OPS
+
+    assert routing_imbalance((6, 2, 1, 3), 2) == pytest.approx(8 / 6)
+    assert routing_imbalance((6, 2, 1, 3), 4) == pytest.approx(6 / 3)
+    assert routing_imbalance((6, 2, 1, 3), 3) == 1.0  # 3 does not divide 4 experts
+    assert routing_imbalance(None, 2) == routing_imbalance((5, 5, 5, 5), 2) == 1.0
+    costs = _costs()
+    paths = expert_module_paths(costs)
+    # layer 0: experts 0-1 get 24 of the 32 token-expert pairs (GPU 0: 1.5x the mean of 16);
+    # layer 1: balanced
+    routed = dataclasses.replace(costs, expert_tokens=((paths[0], (12, 12, 4, 4)),
+                                                       (paths[1], (8, 8, 8, 8))))
+    base = expert_costs(costs, 2, bandwidth_bytes_per_s=BW, latency_us=LAT)
+    out = expert_costs(routed, 2, bandwidth_bytes_per_s=BW, latency_us=LAT)
+    rows = 2 * 8 * 2 * 32 * 4
+    for a, b, nd in zip(base.nodes, out.nodes, costs.nodes, strict=True):
+        layer0 = nd.module_path.startswith(paths[0])
+        if layer0 and nd.op in GROUPED_MM_OPS:
+            assert b.fwd_us == pytest.approx(1.5 * a.fwd_us) and b.fwd_us > 0
+            assert b.bwd_input_us == pytest.approx(1.5 * a.bwd_input_us)
+        elif not layer0:
+            assert b == a
+    # the layer's last node (after its second GEMM: the weighted sum) carries the
+    # all-to-alls, of 1.5x the rows into the most loaded GPU
+    last0 = max(i for i, nd in enumerate(costs.nodes) if nd.module_path.startswith(paths[0]))
+    assert costs.nodes[last0].op not in GROUPED_MM_OPS
+    extra = all_to_all_us(int(rows * 1.5), 2, BW, LAT) - all_to_all_us(rows, 2, BW, LAT)
+    assert out.nodes[last0].fwd_us - base.nodes[last0].fwd_us == pytest.approx(2 * extra)
+    assert out.nodes[last0].bwd_input_us - base.nodes[last0].bwd_input_us == \
+        pytest.approx(2 * extra)
 
 
 def test_ep_1_and_dense_models_are_unchanged() -> None:
