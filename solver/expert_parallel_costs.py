@@ -81,7 +81,8 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
     (see the module docstring). ``costs`` itself at ep = 1 or without experts.
 
     Args:
-        costs: the model's (or one tp GPU's) cost graph, at its microbatch.
+        costs: the model's (or one tp GPU's) cost graph; with a second profiled batch
+            (``low_times``) its times get the same changes at that batch's rows.
         ep: the expert-parallel degree.
         bandwidth_bytes_per_s, latency_us: the ep group's link (bus bandwidth one way, one
             step's latency).
@@ -95,7 +96,18 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
     if ep == 1 or not paths:
         return costs
     routed = dict(costs.expert_tokens)
+    overhead = collective_overhead(0.0) if collective_overhead is not None else 0.0
+
+    def exchange(rows_bytes: float) -> tuple[float, float]:
+        """A layer's forward and backward all-to-alls of ``rows_bytes`` into the most loaded
+        GPU, and the counts' exchange before the forward's, µs."""
+        one = all_to_all_us(int(rows_bytes), ep, bandwidth_bytes_per_s, latency_us) + overhead
+        return 2 * one + latency_us * (ep - 1) + overhead, 2 * one
+
     nodes = list(costs.nodes)
+    # a second profiled batch (the batch line): its times get the same changes at its size
+    low = list(costs.low_times)
+    low_share = costs.low_batch_size / costs.batch_size if low and costs.batch_size else 0.0
     sizes, numel = dict(costs.param_sizes), dict(costs.param_numel)
     by_name = {nd.name: nd for nd in costs.nodes}
     for path in paths:
@@ -107,11 +119,7 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
         # the rows the first grouped GEMM reads: T * k token-expert pairs of H values
         src = by_name.get(mm.inputs[0]) if mm.inputs else None
         rows_bytes = src.output_bytes if src is not None else 0
-        one = all_to_all_us(int(rows_bytes * imbalance), ep, bandwidth_bytes_per_s, latency_us)
-        overhead = collective_overhead(0.0) if collective_overhead is not None else 0.0
-        counts = latency_us * (ep - 1) + overhead
-        fwd = 2 * (one + overhead) + counts
-        bwd = 2 * (one + overhead)
+        fwd, bwd = exchange(rows_bytes * imbalance)
         for i in members:
             nd = nodes[i]
             if imbalance > 1.0 and first <= i <= second:  # the rows this GPU computes
@@ -119,6 +127,8 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
                              bwd_input_us=nd.bwd_input_us * imbalance,
                              bwd_weight_us=nd.bwd_weight_us * imbalance)
                 nodes[i] = nd
+                if low:
+                    low[i] = tuple(t * imbalance for t in low[i])  # type: ignore[assignment]
             if nd.param_bytes:
                 nodes[i] = replace(nd, param_bytes=nd.param_bytes // ep)
             for fqn in nd.params:  # the stacked expert weights (the pass refuses any other)
@@ -126,5 +136,10 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
         last = members[-1]
         nodes[last] = replace(nodes[last], fwd_us=nodes[last].fwd_us + fwd,
                               bwd_input_us=nodes[last].bwd_input_us + bwd)
-    return replace(costs, nodes=tuple(nodes), param_sizes=sizes, param_numel=numel)
+        if low:
+            low_fwd, low_bwd = exchange(rows_bytes * imbalance * low_share)
+            f, b_in, b_w = low[last]
+            low[last] = (f + low_fwd, b_in + low_bwd, b_w)
+    return replace(costs, nodes=tuple(nodes), param_sizes=sizes, param_numel=numel,
+                   low_times=tuple(low))
 

@@ -87,6 +87,32 @@ def test_the_most_loaded_gpu_sets_the_layers_expert_compute_and_all_to_alls() ->
         pytest.approx(2 * extra)
 
 
+def test_a_second_profiled_batch_gets_the_same_all_to_alls_and_imbalance_at_its_rows() -> None:
+    import dataclasses
+
+    from autopart.core.op_names import GROUPED_MM_OPS
+
+    costs = _costs()
+    assert costs.batch_size == 2
+    paths = expert_module_paths(costs)
+    # the batch line through a second batch of 1 row: half of every time there
+    two = dataclasses.replace(
+        costs, low_batch_size=1, expert_tokens=((paths[0], (12, 12, 4, 4)),),
+        low_times=tuple((nd.fwd_us / 2, nd.bwd_input_us / 2, nd.bwd_weight_us / 2)
+                        for nd in costs.nodes))
+    out = expert_costs(two, 2, bandwidth_bytes_per_s=BW, latency_us=LAT)
+    rows = 2 * 8 * 2 * 32 * 4  # at 2 rows; the most loaded GPU of layer 0 takes 1.5x
+    for i, nd in enumerate(costs.nodes):
+        if nd.module_path.startswith(paths[0]) and nd.op in GROUPED_MM_OPS:
+            assert out.low_times[i][0] == pytest.approx(1.5 * two.low_times[i][0])
+    for path, share in ((paths[0], 1.5), (paths[1], 1.0)):
+        last = max(i for i, nd in enumerate(costs.nodes) if nd.module_path.startswith(path))
+        for batch_rows, got, was in ((1.0, out.nodes[last].fwd_us, costs.nodes[last].fwd_us),
+                                     (0.5, out.low_times[last][0], two.low_times[last][0])):
+            one = all_to_all_us(int(rows * share * batch_rows), 2, BW, LAT)
+            assert got - was == pytest.approx(2 * one + LAT)
+
+
 def test_ep_1_and_dense_models_are_unchanged() -> None:
     costs = _costs()
     assert expert_costs(costs, 1, bandwidth_bytes_per_s=BW, latency_us=LAT) is costs
