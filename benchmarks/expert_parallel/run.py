@@ -68,6 +68,7 @@ def main() -> None:
     from autopart.apps.bench import load_workload, run_arms
     from autopart.layout_planning import model_heads, solve_world_layout
     from autopart.planning import profile_model
+    from autopart.solver.expert_parallel_costs import routing_imbalance
 
     f3d = _fidelity_3d()
     torch.set_num_threads(1)
@@ -88,6 +89,7 @@ def main() -> None:
             for name, fixed in arms.items()}
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in ARMS}
     priced: dict[str, list[float]] = {n: [] for arms in ARMS.values() for n in arms}
+    even: dict[str, list[float]] = {n: [] for arms in ARMS.values() for n in arms}
     for _ in range(opts.repeats):
         for world in ARMS:
             loads.append(os.getloadavg()[0])
@@ -95,6 +97,11 @@ def main() -> None:
             for name, plan in plans[world].items():
                 step_s, _ = f3d.price(shared, plan, world, ARMS[world][name], heads)
                 priced[name].append(step_s)
+                # the same profile with its measured routing left out: balanced routing
+                even_costs = dataclasses.replace(shared.costs, expert_tokens=())
+                step_s, _ = f3d.price(dataclasses.replace(shared, costs=even_costs), plan,
+                                      world, ARMS[world][name], heads)
+                even[name].append(step_s)
             runs[world].append(run_arms(WORKLOAD, plans[world], ranks=world, steps=opts.steps,
                                         config=dict(CONFIG), single=False, trace=False,
                                         measure_memory=False))
@@ -110,6 +117,7 @@ def main() -> None:
                 "dp": plan.dp, "ep": plan.ep, "zero_stage": plan.zero_stage,
                 "m": plan.num_microbatches, "cuts": [c.position for c in plan.cuts],
                 "predicted_step_s": predicted, "repeat_predictions_s": priced[name],
+                "predicted_balanced_s": statistics.median(even[name]),
                 "measured_step_s": measured,
                 "repeat_medians_s": [statistics.median(r[name].steps_s) for r in runs[world]],
                 "step_spread": (max(steps) - min(steps)) / measured, "steps_s": steps,
@@ -122,7 +130,10 @@ def main() -> None:
             "transformers": __import__("transformers").__version__,
             "threads_per_rank": 1, "load_averages": loads, "steps": opts.steps,
             "repeats": opts.repeats, "workload": WORKLOAD, "config": CONFIG,
-            "cost_source": profile.costs.source}
+            "cost_source": profile.costs.source,
+            "expert_tokens": [list(x) for x in profile.costs.expert_tokens],
+            "routing_imbalance_ep2": {path: routing_imbalance(tokens, 2)
+                                      for path, tokens in profile.costs.expert_tokens}}
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
@@ -130,11 +141,15 @@ def main() -> None:
              f"{meta['machine']}; Python {meta['python']}, torch {meta['torch']}, "
              f"transformers {meta['transformers']}; {opts.steps} steps x {opts.repeats} "
              f"repeats; load {min(loads):.1f}-{max(loads):.1f}.", "",
-             "| arm | ranks | pp | dp | ep | m | predicted | measured (median) | error | "
-             "repeat medians | spread |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "Routing imbalance at ep 2, per MoE layer, measured on the profiled batch: "
+             + ", ".join(f"{v:.3f}" for v in meta["routing_imbalance_ep2"].values()) + ".", "",
+             "| arm | ranks | pp | dp | ep | m | predicted | predicted, balanced routing | "
+             "measured (median) | error | repeat medians | spread |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['world']} | {r['pp']} | {r['dp']} | {r['ep']} | "
                      f"{r['m']} | {r['predicted_step_s'] * 1e3:.1f} ms | "
+                     f"{r['predicted_balanced_s'] * 1e3:.1f} ms | "
                      f"{r['measured_step_s'] * 1e3:.1f} ms | {r['error'] * 100:+.1f} % | "
                      + ", ".join(f"{x * 1e3:.1f}" for x in r["repeat_medians_s"])
                      + f" ms | {r['step_spread'] * 100:.0f} % |")

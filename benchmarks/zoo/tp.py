@@ -55,7 +55,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.zoo.models import CI_SUBSET, Built, Entry, build, entries  # noqa: E402
 from benchmarks.zoo.run import TOLERANCE, _errors, _first_line, _reference  # noqa: E402
 
-__all__ = ["TP", "run_tp_one", "markdown", "main"]
+__all__ = ["TP", "run_ranks", "run_tp_one", "markdown", "main"]
 
 TP = 2
 """Tensor-parallel degree of the arm (2 gloo ranks)."""
@@ -182,13 +182,23 @@ def run_tp_one(entry: Entry, timeout_s: float = 240.0) -> dict[str, Any]:
     A rank that does not answer within ``timeout_s`` seconds gives ``status="timeout"``;
     both processes are killed when the record is in.
     """
+    return run_ranks(entry, _rank_main, TP, timeout_s)
+
+
+def run_ranks(entry: Entry, rank_main: Any, world: int, timeout_s: float) -> dict[str, Any]:
+    """Run ``rank_main(entry, rank, port, conn)`` in ``world`` forked processes; the record
+    rank 0 sends through ``conn`` (JSON), with ``wall_s``.
+
+    A rank that does not answer within ``timeout_s`` seconds gives ``status="timeout"``;
+    every process is killed when the record is in.
+    """
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     port = _free_port()
     recv, send = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_rank_main, args=(entry, r, port, send), daemon=True)
-             for r in range(TP)]
+    procs = [ctx.Process(target=rank_main, args=(entry, r, port, send), daemon=True)
+             for r in range(world)]
     t0 = time.perf_counter()
     for p in procs:
         p.start()
