@@ -32,14 +32,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import datetime
+import functools
 import json
 import os
 import platform
 import re
 import sys
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -55,12 +54,11 @@ from benchmarks.zoo.models import (  # noqa: E402
     BATCH,
     OVERRIDES,
     Entry,
-    build,
     entries,
     tiny_config,
 )
-from benchmarks.zoo.run import TOLERANCE, _errors, _first_line, _reference  # noqa: E402
-from benchmarks.zoo.tp import _plan, run_ranks  # noqa: E402
+from benchmarks.zoo.run import TOLERANCE  # noqa: E402
+from benchmarks.zoo.tp import _plan, full_grads, rank_main, run_ranks  # noqa: E402
 
 __all__ = ["EP", "EP_OVERRIDES", "experts_of", "main", "markdown", "run_ep_one"]
 
@@ -98,7 +96,6 @@ def _step(built: Any, captured: Any) -> tuple[Any, dict[str, Any], dict[str, tor
                                               int]:
     """One train step of this rank's replica: (the global loss, full gradients, buffers,
     the expert tensors split); raises PlanError where the experts cannot be split."""
-    import torch.distributed as dist
 
     from autopart import DistributedPipeline
     from autopart.codegen import TensorParallelRank, build_stages
@@ -116,76 +113,32 @@ def _step(built: Any, captured: Any) -> tuple[Any, dict[str, Any], dict[str, tor
                                dp_group=groups.dp_group, ep_group=groups.ep_group,
                                edp_group=groups.edp_group)
     loss = pipe.train_step(**built.kwargs, target=built.target)
-    grads: dict[str, Any] = {}
-    for fqn, p in pipe.named_parameters():
-        grad = p.grad
-        layout = stages.ep_shards.get(fqn)
-        if layout is not None:
-            g = grad if grad is not None else torch.zeros_like(p)
-            parts = [torch.empty_like(g) for _ in range(EP)]
-            dist.all_gather(parts, g.contiguous(), group=groups.ep_group)
-            grad = layout.full(parts)
-        grads[fqn] = grad
+    grads = full_grads(pipe, stages.ep_shards, groups.ep_group, EP)
     buffers = {n: b for n, b in pipe.named_buffers()}
     pipe.close()
     return loss, grads, buffers, len(stages.ep_shards)
 
 
-class _Done(Exception):
-    """The record is complete before the step (a dense tiny model)."""
-
-
-def _rank_main(entry: Entry, rank: int, port: int, conn: Any) -> None:
-    """One rank of one model (a forked process); rank 0 sends the record."""
-    import warnings
-
-    import torch.distributed as dist
-
+def _ep_arm(built: Any, rec: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+    """This rank's step of ``built`` at ep = 2, its figures in ``rec``; None when ``rec``
+    is complete without one (a dense tiny model)."""
     from autopart.core.capture import capture
-    from autopart.core.errors import PlanError
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    rec: dict[str, Any] = {"family": entry.family, "model_type": entry.model_type,
-                           "class": entry.class_name}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=EP, timeout=datetime.timedelta(seconds=600))
-        built = build(entry)
-        rec["experts"] = experts_of(built.model.config)
-        if not any(name.rsplit(".", 1)[-1] == "experts" or
-                   re.search(r"(experts?|moe)$", type(m).__name__, re.IGNORECASE)
-                   for name, m in built.model.named_modules()):
-            rec.update(status="dense", error="the tiny config builds no experts module")
-            raise _Done
-        kwargs = {k: v[: v.shape[0] // EP] for k, v in built.kwargs.items()}
-        captured = capture(copy.deepcopy(built.model), (), kwargs)
-        try:
-            loss, grads, buffers, rec["split"] = _step(built, captured)
-        except PlanError as exc:
-            rec.update(status="refused", error=_first_line(exc))
-        else:
-            if rank == 0:
-                errs, missing = _errors(loss, grads, buffers, _reference(built, True))
-                worst = max(errs, key=errs.__getitem__)
-                ok = errs[worst] <= TOLERANCE and not missing
-                rec.update(status="match" if ok else "mismatch", max_rel_err=errs[worst],
-                           worst=worst, missing_grads=missing[:5], checked=len(errs))
-    except _Done:
-        pass
-    except Exception as exc:
-        rec.update(status="failed", error=_first_line(exc), error_type=type(exc).__name__,
-                   traceback_tail=traceback.format_exc().strip().splitlines()[-4:])
-    if rank == 0:
-        conn.send(json.dumps(rec, default=str))
-    conn.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    rec["experts"] = experts_of(built.model.config)
+    if not any(name.rsplit(".", 1)[-1] == "experts" or
+               re.search(r"(experts?|moe)$", type(m).__name__, re.IGNORECASE)
+               for name, m in built.model.named_modules()):
+        rec.update(status="dense", error="the tiny config builds no experts module")
+        return None
+    kwargs = {k: v[: v.shape[0] // EP] for k, v in built.kwargs.items()}
+    captured = capture(copy.deepcopy(built.model), (), kwargs)
+    loss, grads, buffers, rec["split"] = _step(built, captured)
+    return loss, grads, buffers
 
 
 def run_ep_one(entry: Entry, timeout_s: float = 240.0) -> dict[str, Any]:
     """Run ``entry`` at dp = ep = 2 in two forked processes (one thread each); its record."""
-    return run_ranks(entry, _rank_main, EP, timeout_s)
+    return run_ranks(entry, functools.partial(rank_main, world=EP, arm=_ep_arm), EP, timeout_s)
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import os
 import platform
@@ -42,6 +43,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.zoo.models import CI_SUBSET, Built, Entry, build, entries  # noqa: E402
 from benchmarks.zoo.run import TOLERANCE, _errors, _first_line, _reference  # noqa: E402
 
-__all__ = ["TP", "run_ranks", "run_tp_one", "markdown", "main"]
+__all__ = ["TP", "full_grads", "rank_main", "run_ranks", "run_tp_one", "markdown", "main"]
 
 TP = 2
 """Tensor-parallel degree of the arm (2 gloo ranks)."""
@@ -110,23 +112,53 @@ def _step(built: Built, captured: Any, styles: dict[str, str], group: Any,
                                loss_fn=built.loss_fn, pp_group=pp_group, tp_group=group)
     collectives = sum(src.count("autopart.tp_") for src in pipe.stage_sources().values())
     loss = pipe.train_step(**built.kwargs, target=built.target)
-    grads: dict[str, Any] = {}
-    for fqn, p in pipe.named_parameters():
-        grad = p.grad
-        layout = stages.shards.get(fqn)
-        if layout is not None:
-            g = grad if grad is not None else torch.zeros_like(p)
-            parts = [torch.empty_like(g) for _ in range(TP)]
-            dist.all_gather(parts, g.contiguous(), group=group)
-            grad = layout.full(parts)
-        grads[fqn] = grad
+    grads = full_grads(pipe, stages.shards, group, TP)
     buffers = {n: b for n, b in pipe.named_buffers()}
     pipe.close()
     return loss, grads, buffers, collectives
 
 
-def _rank_main(entry: Entry, rank: int, port: int, conn: Any) -> None:
-    """One tp rank of one model (a forked process); rank 0 sends the record."""
+def full_grads(pipe: Any, shards: dict[str, Any], group: Any, size: int) -> dict[str, Any]:
+    """Every parameter's gradient, those split in ``shards`` (FQN -> layout over ``group``
+    of ``size`` ranks) all-gathered to full."""
+    import torch.distributed as dist
+
+    grads: dict[str, Any] = {}
+    for fqn, p in pipe.named_parameters():
+        grad = p.grad
+        layout = shards.get(fqn)
+        if layout is not None:
+            g = grad if grad is not None else torch.zeros_like(p)
+            parts = [torch.empty_like(g) for _ in range(size)]
+            dist.all_gather(parts, g.contiguous(), group=group)
+            grad = layout.full(parts)
+        grads[fqn] = grad
+    return grads
+
+
+def _tp_arm(built: Built, rec: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+    """This tp rank's step of ``built``, its figures in ``rec``; None when ``rec`` is
+    complete without one (no pairs)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(TP)))
+    captured, styles, pairs = _styles(built)
+    rec.update(pairs=pairs, sharded=len(styles),
+               vocab=sorted(k for k, v in styles.items() if v == "vocab"))
+    if not styles:
+        rec.update(status="no_pairs", error="no pairs found")
+        return None
+    loss, grads, buffers, rec["collectives"] = _step(built, captured, styles, group)
+    return loss, grads, buffers
+
+
+def rank_main(entry: Entry, rank: int, port: int, conn: Any, *, world: int,
+              arm: Callable[[Built, dict[str, Any]], tuple[Any, Any, Any] | None]) -> None:
+    """One rank of one model (a forked process of :func:`run_ranks`): join the gloo world,
+    build the tiny model, run ``arm(built, rec)`` and, on rank 0, compare the ``(loss,
+    gradients, buffers)`` it returns with the plain model; rank 0 sends the record. A
+    :class:`~autopart.PlanError` from the arm is ``refused``, any other error ``failed``;
+    an arm returning None has completed the record itself."""
     import warnings
 
     import torch.distributed as dist
@@ -139,27 +171,19 @@ def _rank_main(entry: Entry, rank: int, port: int, conn: Any) -> None:
                            "class": entry.class_name}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=TP, timeout=datetime.timedelta(seconds=600))
-        group = dist.new_group(list(range(TP)))
+                                world_size=world, timeout=datetime.timedelta(seconds=600))
         built = build(entry)
-        captured, styles, pairs = _styles(built)
-        rec.update(pairs=pairs, sharded=len(styles),
-                   vocab=sorted(k for k, v in styles.items() if v == "vocab"))
-        if not styles:
-            rec.update(status="no_pairs", error="no pairs found")
+        try:
+            result = arm(built, rec)
+        except PlanError as exc:
+            rec.update(status="refused", error=_first_line(exc))
         else:
-            try:
-                loss, grads, buffers, rec["collectives"] = _step(built, captured, styles,
-                                                                 group)
-            except PlanError as exc:
-                rec.update(status="refused", error=_first_line(exc))
-            else:
-                if rank == 0:
-                    errs, missing = _errors(loss, grads, buffers, _reference(built, True))
-                    worst = max(errs, key=errs.__getitem__)
-                    ok = errs[worst] <= TOLERANCE and not missing
-                    rec.update(status="match" if ok else "mismatch", max_rel_err=errs[worst],
-                               worst=worst, missing_grads=missing[:5], checked=len(errs))
+            if result is not None and rank == 0:
+                errs, missing = _errors(*result, _reference(built, True))
+                worst = max(errs, key=errs.__getitem__)
+                ok = errs[worst] <= TOLERANCE and not missing
+                rec.update(status="match" if ok else "mismatch", max_rel_err=errs[worst],
+                           worst=worst, missing_grads=missing[:5], checked=len(errs))
     except Exception as exc:
         rec.update(status="failed", error=_first_line(exc), error_type=type(exc).__name__,
                    traceback_tail=traceback.format_exc().strip().splitlines()[-4:])
@@ -182,7 +206,7 @@ def run_tp_one(entry: Entry, timeout_s: float = 240.0) -> dict[str, Any]:
     A rank that does not answer within ``timeout_s`` seconds gives ``status="timeout"``;
     both processes are killed when the record is in.
     """
-    return run_ranks(entry, _rank_main, TP, timeout_s)
+    return run_ranks(entry, functools.partial(rank_main, world=TP, arm=_tp_arm), TP, timeout_s)
 
 
 def run_ranks(entry: Entry, rank_main: Any, world: int, timeout_s: float) -> dict[str, Any]:
