@@ -123,7 +123,7 @@ def _match(cat: fx.Node) -> dict[str, Any] | None:
         a, b = scores.args[:2]
         for s, m in ((a, b), (b, a)):
             if isinstance(s, fx.Node) and isinstance(m, fx.Node) and \
-                    isinstance(_val(m), torch.Tensor) and _val(m).dim() == 4:
+                    isinstance(_val(m), torch.Tensor) and 2 <= _val(m).dim() <= 4:
                 parts = _scores(s)
                 if parts is not None:
                     mask = m
@@ -233,6 +233,10 @@ def _rewrite(graph: fx.Graph, m: dict[str, Any]) -> None:
     attn_mask = None
     if mask is not None:
         mv = _val(mask)
+        if mv.dim() < 4:  # a [Q, K] or [B, Q, K] mask broadcast over the heads
+            shape = [1] * (4 - mv.dim()) + list(mv.shape)
+            mask = new(aten.reshape.default, mask, shape)
+            mv = _val(mask) if _val(mask) is not None else mv.reshape(shape)
         keep, drop = (True, False) if mv.dtype == torch.bool else \
             (0.0, torch.finfo(mv.dtype).min)
         # every query sees the sink; the dummy query sees the sink only
@@ -274,7 +278,8 @@ def sink_attention_as_sdpa(graph: fx.Graph) -> int:
     mask), an optional max subtracted, a softmax over the last dimension, the last column
     sliced off, optional dropout with ``p = 0`` and same-dtype casts, and a product with
     the values ``[B, H, K, Dv]``. Shapes: queries and keys ``[B, H, Q|K, D]`` (keys
-    already repeated for grouped-query attention, as eager attention does).
+    already repeated for grouped-query attention, as eager attention does); the mask
+    ``[Q, K]``, ``[B|1, Q, K]`` or ``[B|1, H|1, Q, K]``, additive or boolean.
 
     Returns:
         The number of attentions rewritten; others are left as captured.

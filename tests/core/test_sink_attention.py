@@ -105,3 +105,13 @@ def test_context_parallelism_refuses_sink_attention_with_the_fix() -> None:
     ids = torch.randint(0, 128, (2, 12))
     with pytest.raises(PlanError, match=r"learned sinks.*cp=1"):
         attention_kinds(capture(model, (ids,)))
+
+
+def test_a_two_dimensional_causal_mask_is_read_and_becomes_the_flag() -> None:
+    from benchmarks.gpu.sink_attention import SinkAttention  # GPT-OSS's eager code, a [S, S] mask
+
+    torch.manual_seed(0)
+    module = SinkAttention(heads=4, kv_heads=2, dim=8)
+    args = (torch.randn(2, 6, 32), torch.randn(2, 6, 16), torch.randn(2, 6, 16))
+    calls = _check_loss_and_grads(module, args, {})
+    assert len(calls) == 1 and calls[0].kwargs.get("is_causal")
