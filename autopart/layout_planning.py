@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from autopart.codegen.context_parallel import attention_heads, attention_kinds
+from autopart.codegen.attention_graph import attention_heads, attention_kinds
 from autopart.core.cluster import DeviceSpec
 from autopart.core.context import context_inputs, sequence_length
 from autopart.core.errors import PlanError

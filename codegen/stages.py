@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopart.codegen.context_parallel import attention_kinds, context_parallel
+from autopart.codegen.attention_graph import attention_kinds
+from autopart.codegen.context_parallel import context_parallel
 from autopart.codegen.expert_parallel import expert_parallel, find_expert_blocks
 from autopart.codegen.params import Placement, build_stage_modules
 from autopart.codegen.recompute import mark_kept
@@ -225,7 +226,7 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
             cannot be split over tp (:func:`autopart.codegen.tensor_parallel.shard_stage`)
             or its experts over ep (:func:`autopart.codegen.expert_parallel.expert_parallel`),
             or attention that context parallelism cannot split
-            (:func:`autopart.codegen.context_parallel.attention_kinds`).
+            (:func:`autopart.codegen.attention_graph.attention_kinds`).
     """
     if len(devices) != len(plan.ranks):
         raise PlanError(f"the plan has {len(plan.ranks)} ranks but {len(devices)} devices "

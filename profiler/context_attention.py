@@ -14,7 +14,7 @@ masked local attention, leaves out what the blocks cost beyond their count: on t
 took 4.1 / 9.1: 1.5x, not the 1.25x of the block count.
 
 :func:`measure_context_attention` times both, alternated, on tensors of the captured shapes
-(:func:`autopart.codegen.context_parallel.attention_calls`), the runtime's module with its
+(:func:`autopart.codegen.attention_graph.attention_calls`), the runtime's module with its
 exchanges stood in for by local copies (:func:`autopart.codegen.context_parallel.
 stand_in_attention`; the exchanges are priced as collectives). Its ratio replaces the solver's
 block count for that cp (``LayoutOptions.cp_attention_factors``).
@@ -29,7 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from autopart.codegen.context_parallel import AttentionCall, attention_calls, stand_in_attention
+from autopart.codegen.attention_graph import AttentionCall, attention_calls
+from autopart.codegen.context_parallel import stand_in_attention
 from autopart.core.capture import CapturedGraph
 from autopart.profiler.timer import check_device
 
@@ -78,7 +79,7 @@ def measure_context_attention(captured: CapturedGraph, cp: int, attention: str =
     """``(forward, backward)`` time of the runtime's attention at ``cp`` over the model's own,
     on ``captured`` (a graph of one cp rank's S / cp tokens), measured on ``device``.
 
-    Each distinct attention (:func:`autopart.codegen.context_parallel.attention_calls`) runs,
+    Each distinct attention (:func:`autopart.codegen.attention_graph.attention_calls`) runs,
     per pair, once as the model computes it and once as each of the cp ranks' modules would
     (the slowest rank's time: the ranks wait for each other at the next exchange), the order
     alternating; the first pair is a warm-up; pairs until ``pairs`` or ``budget_s`` seconds
@@ -99,7 +100,7 @@ def measure_context_attention(captured: CapturedGraph, cp: int, attention: str =
 
     Raises:
         PlanError: the graph's attention cannot run context-parallel
-            (:func:`autopart.codegen.context_parallel.attention_calls`).
+            (:func:`autopart.codegen.attention_graph.attention_calls`).
         ValueError: ``cp`` below 2 or another ``attention``.
         ProfileError: a bad ``device``.
     """

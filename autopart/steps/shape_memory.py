@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 
 from autopart.codegen import plan_for_graph
-from autopart.codegen.context_parallel import attention_heads
+from autopart.codegen.attention_graph import attention_heads
 from autopart.core.capture import CapturedGraph
 from autopart.core.cluster import Cluster, DeviceSpec
 from autopart.core.errors import PlanError, ProfileError

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from autopart.codegen.context_parallel import attention_kinds  # noqa: E402
+from autopart.codegen.attention_graph import attention_kinds  # noqa: E402
 from autopart.core.capture import capture  # noqa: E402
 from autopart.core.context import context_inputs, context_positions, context_share  # noqa: E402
 from autopart.core.errors import PlanError  # noqa: E402

@@ -99,7 +99,7 @@ def test_dropout_in_training_is_left_as_captured() -> None:
 
 
 def test_context_parallelism_refuses_sink_attention_with_the_fix() -> None:
-    from autopart.codegen.context_parallel import attention_kinds
+    from autopart.codegen.attention_graph import attention_kinds
 
     model = _gpt_oss()
     ids = torch.randint(0, 128, (2, 12))

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from autopart.codegen.attention_graph import attention_calls  # noqa: E402
 from autopart.codegen.context_parallel import (  # noqa: E402
     ContextParallelAttention,
-    attention_calls,
     sequence_order,
     stand_in_attention,
 )
