@@ -38,8 +38,6 @@ What the pass reads is the model's own mask, on the whole captured graph
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 from torch import nn
@@ -47,7 +45,7 @@ from torch import nn
 from autopart.codegen import _tp_ops
 from autopart.codegen.attention_graph import SDPA, AttentionCall, repeated_heads, sdpa_args
 from autopart.codegen.tp_layout import TensorParallelRank
-from autopart.core.capturedgraph import node_module_path
+from autopart.core.capturedgraph import erase_unread, node_module_path
 from autopart.core.context import context_chunks
 from autopart.core.errors import PlanError
 
@@ -264,8 +262,7 @@ def context_parallel(gm: fx.GraphModule, kinds: dict[str, bool], cp: TensorParal
         node.replace_all_uses_with(call)
         mask = args["attn_mask"]
         gm.graph.erase_node(node)
-        for operand in (mask, args["key"], args["value"]):
-            _erase_unused(gm.graph, operand)
+        erase_unread([mask, args["key"], args["value"]])
         done += 1
     if done:
         gm.graph.lint()
@@ -279,16 +276,3 @@ def _has_submodule(gm: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _erase_unused(graph: fx.Graph, node: Any) -> None:
-    """Erase ``node`` and what only it read, while unused and computed in this graph (a mask
-    received from another stage stays an input)."""
-    todo = [node] if isinstance(node, fx.Node) else []
-    while todo:
-        n = todo.pop()
-        if n.users or n.op != "call_function" or n.is_impure():
-            continue
-        inputs = n.all_input_nodes
-        graph.erase_node(n)
-        todo.extend(inputs)

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from autopart.core._capture_errors import IN_CUSTOM_FUNCTION
-from autopart.core.capturedgraph import SDPA_ARGS, _get_attr, sdpa_arguments
+from autopart.core.capturedgraph import METADATA_CHECKS, SDPA_ARGS, _get_attr, sdpa_arguments
 
 __all__ = ["tolerate_real_strides", "detach_grad_disabled_regions", "drop_custom_meta",
            "differentiable_copies", "update_buffers_where_read", "attention_masks_as_flags",
@@ -273,8 +273,6 @@ def update_buffers_where_read(graph: fx.Graph) -> None:
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
-# Export's checks of a value's metadata: they go with the value where it goes.
-_ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 #: The most bytes :func:`attention_masks_as_flags` computes to read one mask (every value
 #: the mask's computation makes, from the capture's shapes): 2 GiB reads a boolean causal
 #: mask of one 16384-token sequence (256 MiB) and the comparisons that build it, or of
@@ -383,7 +381,7 @@ def attention_masks_as_flags(graph: fx.Graph) -> int:
     for mask in kinds:
         unread.update(_constant_ancestors(mask) or ())
     for node in reversed(list(graph.nodes)):
-        if node.target in _ASSERTS and node.all_input_nodes and \
+        if node.target in METADATA_CHECKS and node.all_input_nodes and \
                 set(node.all_input_nodes) <= unread:
             graph.erase_node(node)  # export's check of a value of the mask's computation
         elif node in unread and not node.users:

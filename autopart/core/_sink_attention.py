@@ -40,13 +40,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopart.core.capturedgraph import SINK_ATTENTION_META
+from autopart.core.capturedgraph import METADATA_CHECKS, SINK_ATTENTION_META, erase_unread
 
 __all__ = ["sink_attention_as_sdpa"]
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
-_ASSERTS = frozenset({aten._assert_tensor_metadata.default})
 _SHAPE_OPS = frozenset({aten.reshape.default, aten.view.default, aten.expand.default,
                         aten.unsqueeze.default, aten._to_copy.default, aten.to.dtype})
 # What may sit between the probabilities' slice and the product with the values, changing
@@ -65,7 +64,7 @@ def _last_dim(dim: Any, rank: int) -> bool:
 
 def _users(node: fx.Node) -> list[fx.Node]:
     """``node``'s readers, export's metadata checks left out."""
-    return [u for u in node.users if u.target not in _ASSERTS]
+    return [u for u in node.users if u.target not in METADATA_CHECKS]
 
 
 def _sink_param(node: fx.Node) -> fx.Node | None:
@@ -249,24 +248,7 @@ def _rewrite(graph: fx.Graph, m: dict[str, Any]) -> None:
     out.meta[SINK_ATTENTION_META] = True
     out = new(aten.slice.Tensor, out, 2, 1, queries + 1)
     m["out"].replace_all_uses_with(out)
-    _erase_unread([*m["chain"], m["scores"], m["sink"]])
-
-
-def _erase_unread(start: list[fx.Node]) -> None:
-    """Erase ``start``'s nodes that nothing reads any more (with export's checks of them),
-    then what only they read, up to the graph's inputs and stored tensors."""
-    todo = list(reversed(start))
-    while todo:
-        node = todo.pop(0)
-        if getattr(node, "_erased", False) or node.op != "call_function":
-            continue
-        for check in [u for u in node.users if u.target in _ASSERTS]:
-            node.graph.erase_node(check)
-        if node.users:
-            continue
-        inputs = node.all_input_nodes
-        node.graph.erase_node(node)
-        todo.extend(inputs)
+    erase_unread([*m["chain"], m["scores"], m["sink"]])
 
 
 def sink_attention_as_sdpa(graph: fx.Graph) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +17,9 @@ from torch import nn
 from autopart.core.errors import TraceError
 from autopart.core.op_names import GROUPED_MM_OPS
 
-__all__ = ["GROUPED_MM_OPS", "SDPA_ARGS", "SINK_ATTENTION_META", "CapturedGraph",
-           "buffer_update_cuts", "graph_fingerprint", "op_nodes", "node_module_path", "node_source",
-           "sdpa_arguments", "weight_source"]
+__all__ = ["GROUPED_MM_OPS", "METADATA_CHECKS", "SDPA_ARGS", "SINK_ATTENTION_META",
+           "CapturedGraph", "buffer_update_cuts", "erase_unread", "graph_fingerprint",
+           "op_nodes", "node_module_path", "node_source", "sdpa_arguments", "weight_source"]
 
 _OP_KINDS = ("call_function", "call_method", "call_module")
 
@@ -200,6 +201,29 @@ def graph_fingerprint(gm: fx.GraphModule, attr_fqns: dict[str, str]) -> str:
 
 
 #: ``aten.scaled_dot_product_attention``'s arguments, in order.
+#: Export's checks of a value's metadata (``aten._assert_tensor_metadata``): they read the
+#: value and nothing reads them, so they go where the value goes.
+METADATA_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+
+
+def erase_unread(nodes: Iterable[Any]) -> None:
+    """Erase each of ``nodes`` (fx nodes; anything else is skipped) that nothing but export's
+    metadata checks reads any more, with those checks, then what only it read, up to the
+    graph's inputs, stored tensors and impure ops (a value received from another stage
+    stays an input)."""
+    todo = [n for n in nodes if isinstance(n, fx.Node)]
+    while todo:
+        node = todo.pop()
+        if getattr(node, "_erased", False) or node.op != "call_function" or \
+                node.is_impure() or any(u.target not in METADATA_CHECKS for u in node.users):
+            continue
+        for check in list(node.users):
+            node.graph.erase_node(check)
+        inputs = node.all_input_nodes
+        node.graph.erase_node(node)
+        todo.extend(inputs)
+
+
 #: ``node.meta`` key of the attention nodes the capture made from eager attention with learned
 #: sinks (``autopart.core.capture``): their queries, keys and values carry a sink row and
 #: column, so a pass that splits the sequence or the head dimension must refuse them.
