@@ -182,7 +182,8 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
                  tp: TensorParallelRank | None = None,
                  ep: TensorParallelRank | None = None,
                  cp: TensorParallelRank | None = None,
-                 cut_already: bool = False) -> BuiltStages:
+                 cut_already: bool = False,
+                 ep_chunk: TensorParallelRank | None = None) -> BuiltStages:
     """Split ``captured`` at the plan's cuts and build the stages of ``ranks``.
 
     Both runtimes take their stages from here: the one-process executor builds every rank
@@ -207,6 +208,11 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
         ep: this process's place in its expert-parallel group; required when ``plan.ep >
             1``: each built stage then holds this rank's experts and dispatches tokens to the
             others (:func:`autopart.codegen.expert_parallel.expert_parallel`).
+        ep_chunk: the same place in a second group of the same ranks, whose all-to-alls the
+            second V chunk's stages (``s >= p``) run instead: a DualPipe-V pair runs a stage
+            of each chunk at once, on two threads, and each group must see its collectives in
+            one order on every rank (:func:`autopart.core.plan_rules.
+            overlaps_expert_exchanges`). Default None: every stage on ``ep``.
         cp: this process's place in its context-parallel group; required when ``plan.cp >
             1`` (``captured`` is then the model at S / cp tokens): each attention gathers the
             keys and values of the group (:func:`autopart.codegen.context_parallel.
@@ -242,7 +248,8 @@ def build_stages(captured: CapturedGraph, plan: Plan, devices: Sequence[str | to
     modules, placement = build_stage_modules(captured, stage_graphs, list(stage_devices),
                                              keep=set(local), tensor_of=tensor_of)
     shards = _shard(plan, tp, modules, local, placement, cut_already)
-    ep_shards = _split_experts(captured, plan, ep, modules, local, placement, cut_already)
+    ep_shards = _split_experts(captured, plan, ep, modules, local, placement, cut_already,
+                               ep_chunk)
     _split_context(captured, plan, cp, modules, local)
     if plan.recompute_policy == "op":  # last: the marks wrap the ops the rewrites read
         for s in local:
@@ -292,8 +299,10 @@ def _shard(plan: Plan, tp: TensorParallelRank | None, modules: list[fx.GraphModu
 
 def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank | None,
                    modules: list[fx.GraphModule | None], local: tuple[int, ...],
-                   placement: Placement, cut_already: bool = False) -> dict[str, ShardLayout]:
-    """Each built stage with this ep rank's experts; the placement then holds them."""
+                   placement: Placement, cut_already: bool = False,
+                   ep_chunk: TensorParallelRank | None = None) -> dict[str, ShardLayout]:
+    """Each built stage with this ep rank's experts (the second V chunk's stages on
+    ``ep_chunk``'s group where given); the placement then holds them."""
     if plan.ep == 1:
         return {}
     _require_rank("ep", plan.ep, ep, f"dp x tp x pp ranks (the ep group is {plan.ep} of the "
@@ -306,8 +315,10 @@ def _split_experts(captured: CapturedGraph, plan: Plan, ep: TensorParallelRank |
                         "with ep=1")
     made = _pieces(placement, local, cut_already)
     shards: dict[str, ShardLayout] = {}
+    p = len(plan.ranks)
     for s in local:
-        shards.update(expert_parallel(modules[s], ep, made=made))  # type: ignore[arg-type]
+        group = ep_chunk if ep_chunk is not None and s >= p else ep
+        shards.update(expert_parallel(modules[s], group, made=made))  # type: ignore[arg-type]
     _hold_made(placement, made)
     return shards
 

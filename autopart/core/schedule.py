@@ -175,9 +175,11 @@ def zbv_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
 def dualpipev_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipe-V (DeepSeek 2024): ``2p`` stages in a V, forwards of one chunk paired with
     backwards of the other, the tail's backwards split into ``I`` and ``W``. Each of torch's
-    overlapped F+B pairs is an ``F`` then a ``B`` here (no runtime of autopart overlaps them;
-    the solver prices them one after the other). Action order as torch 2.13's
-    ``ScheduleDualPipeV`` (:func:`autopart.core.v_schedules.dualpipev_rank_actions`).
+    overlapped F+B pairs is an ``F`` then a ``B`` here
+    (:func:`autopart.core.v_schedules.dualpipev_pairs` lists them): run and priced one after
+    the other, except with expert parallelism, whose all-to-alls each action of a pair runs
+    under the other's compute (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`).
+    Action order as torch 2.13's ``ScheduleDualPipeV`` (:func:`autopart.core.v_schedules.dualpipev_rank_actions`).
 
     Raises:
         PlanError: ``num_microbatches < 2 * num_ranks``.

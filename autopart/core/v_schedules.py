@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from autopart.core.errors import PlanError
 
-__all__ = ["V_SCHEDULE_KINDS", "v_stage_ranks", "zbv_rank_actions", "dualpipev_rank_actions"]
+__all__ = ["V_SCHEDULE_KINDS", "v_stage_ranks", "zbv_rank_actions", "dualpipev_rank_actions",
+           "dualpipev_pairs"]
 
 #: Schedule kinds that place two stages on each rank in a V (rank r: stages r and 2p - 1 - r).
 V_SCHEDULE_KINDS = ("zbv", "dualpipev")
@@ -82,13 +83,35 @@ def zbv_rank_actions(num_ranks: int, num_microbatches: int, rank: int) -> list[_
 
 
 def dualpipev_rank_actions(num_ranks: int, num_microbatches: int, rank: int) -> list[_Act]:
+    """DualPipe-V's actions of rank ``rank`` (see :func:`_dualpipev`)."""
+    return _dualpipev(num_ranks, num_microbatches, rank)[0]
+
+
+def dualpipev_pairs(num_ranks: int, num_microbatches: int, rank: int,
+                    ) -> frozenset[tuple[_Act, _Act]]:
+    """The overlapped forward-backward pairs of rank ``rank``'s DualPipe-V actions: each
+    ``(F of one chunk, B of the other)`` that torch 2.13's ``ScheduleDualPipeV`` writes as
+    one ``OVERLAP_F_B`` action, the forward immediately followed by its backward in
+    :func:`dualpipev_rank_actions`. The last rank's first main-step forward and backward are
+    not a pair (torch keeps them apart to shorten the bubble), nor is any action of the
+    warm-up or the tail.
+
+    Raises:
+        PlanError: ``m < 2p`` (as :func:`dualpipev_rank_actions`).
+    """
+    return frozenset(_dualpipev(num_ranks, num_microbatches, rank)[1])
+
+
+def _dualpipev(num_ranks: int, num_microbatches: int, rank: int,
+               ) -> tuple[list[_Act], list[tuple[_Act, _Act]]]:
     """DualPipe-V (DeepSeek-V3 report, arXiv 2412.19437; the V variant of
     github.com/deepseek-ai/DualPipe): rank ``rank``'s actions, in the order torch 2.13's
     ``ScheduleDualPipeV`` builds them (``_calculate_single_rank_operations``, the same
     algorithm; tested against it), with each overlapped forward-backward pair
-    (``OVERLAP_F_B``) written as its forward then its full backward: torch's runtime runs
-    the pair's two sub-actions one after the other too unless a custom overlap function is
-    registered, and autopart's runtimes do not overlap them.
+    (``OVERLAP_F_B``) written as its forward then its full backward, and listed as a pair:
+    torch's runtime runs the pair's two sub-actions one after the other unless a custom
+    overlap function is registered, as the distributed runtime does for expert parallelism
+    (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`).
 
     Steps: ``2 (p - r - 1)`` chunk-0 forwards; ``r + 1`` (F0, F1); ``p - r - 1`` (I1, a
     pending W, F1); ``m - 2p + r + 1`` main pairs (F0 + B1, F1 + B0); ``p - r - 1``
@@ -104,6 +127,7 @@ def dualpipev_rank_actions(num_ranks: int, num_microbatches: int, rank: int) -> 
                         f"num_microbatches={m} < 2 x {p} ranks; choose m >= {2 * p}")
     c0, c1 = r, 2 * p - 1 - r
     out: list[_Act] = []
+    pairs: list[tuple[_Act, _Act]] = []
     count: dict[tuple[int, str], int] = {}
     weights: list[tuple[int, int]] = []  # (stage, microbatch) whose W is still to run
 
@@ -129,15 +153,18 @@ def dualpipev_rank_actions(num_ranks: int, num_microbatches: int, rank: int) -> 
         add(c1, "I")
         add_weight()
         add(c1, "F")
-    for _ in range(m - 2 * p + r + 1):
-        add(c0, "F")  # the first of rank p - 1 is not overlapped in torch; the same here
-        add(c1, "B")
-        add(c1, "F")
-        add(c0, "B")
+    def pair(forward: int, backward: int, overlapped: bool = True) -> None:
+        add(forward, "F")
+        add(backward, "B")
+        if overlapped:
+            pairs.append((out[-2], out[-1]))
+
+    for i in range(m - 2 * p + r + 1):
+        pair(c0, c1, overlapped=not (i == 0 and r == p - 1))  # as torch: shorter bubble
+        pair(c1, c0)
     for _ in range(p - r - 1):
         add(c1, "B")
-        add(c1, "F")
-        add(c0, "B")
+        pair(c1, c0)
     split = False
     steps = r + 1
     for i in range(steps):
@@ -152,4 +179,4 @@ def dualpipev_rank_actions(num_ranks: int, num_microbatches: int, rank: int) -> 
         add(c0, "I" if split else "B")
     for _ in range(r + 1):
         add_weight()
-    return out
+    return out, pairs

@@ -8,8 +8,10 @@ checks that no other runtime module touches a private torch name.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +24,8 @@ from autopart.core.schedule import Schedule
 from autopart.runtime.tracing import CollectiveTimer
 
 __all__ = ["ScheduleRuntime", "ZeroIndexStage", "default_store", "found_non_finite",
-           "incompatible_keys", "new_schedule_runtime", "receive_buffers", "receives_first_order",
+           "incompatible_keys", "new_schedule_runtime", "overlap_pairs", "receive_buffers",
+           "receives_first_order",
            "set_group_timeout", "split_stage_backward", "time_fsdp_collectives",
            "version_counter"]
 
@@ -34,6 +37,7 @@ ScheduleRuntime = _PipelineScheduleRuntime
 def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
                          schedule: Schedule,
                          loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                         pairs: Sequence[Collection[tuple[Any, Any]]] = (),
                          ) -> _PipelineScheduleRuntime:
     """torch's schedule runtime over ``stages`` running ``schedule`` (one action list per
     pipeline rank), with the sends and receives torch inserts between the actions.
@@ -51,11 +55,19 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
     Torch 2.13 lowers with ``_prepare_schedule_with_comms``; older releases (2.6) named it
     ``_load_actions``. The distributed runtime reorders the lowered actions of gloo ranks
     with :func:`receives_first_order`.
+
+    ``pairs`` (per rank, default none): ``(F, B)`` pairs of ``(stage, kind, microbatch)``
+    whose forward is followed at once by its backward on the rank; each becomes torch's
+    ``OVERLAP_F_B`` action with the two as its sub-actions, which torch's lowering places
+    and feeds as it does the two, and which the runtime runs one after the other unless a
+    function is registered for it (:func:`overlap_pairs`).
     """
     runtime = _PipelineScheduleRuntime(  # type: ignore[no-untyped-call]
         list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
     for rank, actions in enumerate(schedule):
-        runtime.pipeline_order[rank] = [_Action.from_str(str(a)) for a in actions]
+        runtime.pipeline_order[rank] = _with_pairs(
+            [_Action.from_str(str(a)) for a in actions],
+            pairs[rank] if rank < len(pairs) else ())
     if all(a.kind == "F" for acts in schedule for a in acts):
         _lower_forward_only(runtime, stages, schedule, num_microbatches)
     else:
@@ -67,6 +79,96 @@ def new_schedule_runtime(stages: Sequence[PipelineStage], num_microbatches: int,
             lower = runtime._load_actions  # type: ignore[attr-defined]
         lower(runtime.pipeline_order)
     return runtime
+
+
+def _with_pairs(actions: list[_Action], pairs: Collection[tuple[Any, Any]]) -> list[_Action]:
+    """``actions`` with each listed ``(F, B)`` pair (adjacent, in that order) as one
+    ``OVERLAP_F_B`` action."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    def key(a: _Action) -> tuple[int, str, int | None]:
+        return a.stage_index, str(a)[len(str(a.stage_index))], a.microbatch_index
+
+    wanted = {tuple(f): tuple(b) for f, b in pairs}
+    out: list[_Action] = []
+    i = 0
+    while i < len(actions):
+        a = actions[i]
+        b = actions[i + 1] if i + 1 < len(actions) else None
+        if b is not None and wanted.get(key(a)) == key(b):
+            out.append(_Action(-1, OVERLAP_F_B, None, (a, b)))
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def overlap_pairs(runtime: _PipelineScheduleRuntime,
+                  side_thread: Callable[[], contextlib.AbstractContextManager[Any]],
+                  ) -> None:
+    """Have ``runtime`` run each ``OVERLAP_F_B`` action's forward and backward at once: the
+    backward on a thread of its own (inside ``side_thread()``), the forward on the calling
+    thread, as torchtitan's DualPipe-V overlap callback runs them (``torchtitan/distributed/
+    dual_pipe_v.py``, 2025). Each collective one of them issues then waits while the other
+    computes. The receives both wait for are waited for first, on the calling thread, and
+    the loss the backward starts from is taken before the thread starts; what the two hand
+    to neighbouring stages of this rank (a V's turn) is handed after both end. The stages'
+    collectives must keep one order per process group across ranks whatever the two
+    threads' timing: the distributed runtime gives each V chunk's all-to-alls their own ep
+    group, and overlaps only where the stages run no other collective
+    (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`).
+
+    Private: torch 2.13's runtime calls a registered function with the action and a
+    ``_PipelineContext``; what it must do for the two sub-actions is what torch's own
+    ``_perform_action`` does for ``FORWARD`` and ``FULL_BACKWARD`` (``_wait_batch_p2p``,
+    ``fwd_recv_ops`` / ``bwd_recv_ops``, ``_assert_unsharded``, ``_maybe_compute_loss``,
+    ``_maybe_get_loss``, ``backward_counter``, ``set_local_fwd_input`` /
+    ``set_local_bwd_input``), none of it public (read on torch 2.13).
+    """
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, _wait_batch_p2p
+
+    def run(action: _Action, ctx: Any) -> None:
+        schedule = ctx.schedule_ref
+        fwd, bwd = action.sub_actions  # type: ignore[misc]
+        by_index = {st.stage_index: st for st in schedule._stages}
+        f_stage, b_stage = by_index[fwd.stage_index], by_index[bwd.stage_index]
+        f_mb, b_mb = fwd.microbatch_index, bwd.microbatch_index
+        if not f_stage.is_first and fwd.stage_index - 1 not in by_index:
+            _wait_batch_p2p(schedule.fwd_recv_ops.pop((fwd.stage_index, f_mb)))
+        if not b_stage.is_last and bwd.stage_index + 1 not in by_index:
+            _wait_batch_p2p(schedule.bwd_recv_ops.pop((bwd.stage_index, b_mb)))
+        schedule._assert_unsharded(f_stage)
+        schedule._assert_unsharded(b_stage)
+        loss = schedule._maybe_get_loss(b_stage, b_mb)
+        schedule.backward_counter[bwd.stage_index] += 1
+        last = schedule.backward_counter[bwd.stage_index] == schedule._n_microbatches
+        failed: list[BaseException] = []
+
+        def backward() -> None:
+            try:
+                with side_thread():
+                    b_stage.backward_one_chunk(b_mb, loss=loss, full_backward=True,
+                                               last_backward=last)
+            except BaseException as exc:  # re-raised on the calling thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=backward, name=f"autopart-{bwd}", daemon=True)
+        thread.start()
+        try:
+            output = f_stage.forward_one_chunk(f_mb, ctx.arg_mbs[f_mb], ctx.kwarg_mbs[f_mb])
+            schedule._maybe_compute_loss(f_stage, output, ctx.target_mbs, f_mb)
+        finally:
+            thread.join()
+        if failed:
+            raise failed[0]
+        if fwd.stage_index + 1 in by_index:
+            by_index[fwd.stage_index + 1].set_local_fwd_input(output, f_mb)
+        if bwd.stage_index - 1 in by_index:
+            by_index[bwd.stage_index - 1].set_local_bwd_input(
+                b_stage.get_local_bwd_output(b_mb), b_mb)
+
+    runtime.register_custom_function(OVERLAP_F_B, run)
 
 
 def receives_first_order(actions: Sequence[_Action]) -> list[_Action]:

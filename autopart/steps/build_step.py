@@ -72,7 +72,7 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     groups = None if local else mesh_groups(plan, options.mesh)  # PlanError if it does not fit
     if groups is None:
         devices: list[str | torch.device] = list(plan_devices(plan, options.devices))
-        ranks = tp = ep = cp = None
+        ranks = tp = ep = cp = ep_chunk = None
     else:
         device = launch.rank_device()
         devices, ranks = [device] * groups.pp, {dist.get_rank(groups.pp_group)}
@@ -82,6 +82,8 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
               else None)
         cp = (TensorParallelRank.of_group(groups.cp_group) if groups.cp_group is not None
               else None)
+        ep_chunk = (TensorParallelRank.of_group(groups.ep_chunk_group)
+                    if groups.ep_chunk_group is not None else None)
         meta = on_meta(model)
         cuts_by_name = cuts_by_name or meta  # codegen points the meta literals at device
         if tensor_of is None and options.checkpoint is not None:
@@ -92,7 +94,7 @@ def build_pipeline(model: nn.Module, captured: CapturedGraph, plan: Plan,
     with phase("codegen"):
         stages = build_stages(captured, plan, devices, ranks=ranks, fuse=options.fuse,
                               tensor_of=tensor_of, cuts_by_name=cuts_by_name, tp=tp,
-                              ep=ep, cp=cp, cut_already=cut_already)
+                              ep=ep, cp=cp, cut_already=cut_already, ep_chunk=ep_chunk)
     timings["codegen_s"] = time.perf_counter() - t0
     if options.fuse:
         timings["fuse_s"] = stages.fuse_s

@@ -26,14 +26,21 @@ def _runs(kind: str, p: int, m: int) -> bool:
     return kind == "zbv" or m >= 2 * p
 
 
-def _torch_rows(kind: str, p: int, m: int) -> list[list[str]]:
-    """torch 2.13's own action lists for p ranks and m microbatches (its generator, called
-    without building stages: it reads only these four fields), each overlapped F+B pair
-    written as its two sub-actions."""
+def _torch_schedule(kind: str, p: int, m: int) -> ScheduleZBVZeroBubble | ScheduleDualPipeV:
+    """torch 2.13's schedule object for p ranks and m microbatches, without stages: its
+    generator reads only these four fields."""
     cls = ScheduleZBVZeroBubble if kind == "zbv" else ScheduleDualPipeV
     sched = cls.__new__(cls)
     sched.pp_group_size, sched._n_microbatches = p, m
     sched.num_stages = sched._num_stages = 2 * p
+    return sched
+
+
+def _torch_rows(kind: str, p: int, m: int) -> list[list[str]]:
+    """torch 2.13's own action lists for p ranks and m microbatches (its generator, called
+    without building stages: it reads only these four fields), each overlapped F+B pair
+    written as its two sub-actions."""
+    sched = _torch_schedule(kind, p, m)
     rows = []
     for r in range(p):
         row: list[str] = []
@@ -156,3 +163,22 @@ def test_plans_check_the_v_kinds_counts() -> None:
         Plan.from_dict(dict(_plan("zbv", 2).to_dict(), stages_per_rank=1))
     with pytest.raises(PlanError, match="dualpipev needs at least as many microbatches"):
         Plan.from_dict(dict(_plan("dualpipev", 2).to_dict(), num_microbatches=2))
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 2), (2, 4), (2, 7), (3, 6), (4, 9)])
+def test_dualpipev_pairs_are_torchs_overlapped_actions(p: int, m: int) -> None:
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    from autopart.core.v_schedules import dualpipev_pairs, dualpipev_rank_actions
+
+    sched = _torch_schedule("dualpipev", p, m)
+    for r in range(p):
+        want = {tuple((a.stage_index, str(a)[len(str(a.stage_index))], a.microbatch_index)
+                      for a in act.sub_actions)
+                for act in sched._calculate_single_rank_operations(r)
+                if act is not None and act.computation_type == OVERLAP_F_B}
+        pairs = dualpipev_pairs(p, m, r)
+        assert pairs == want
+        acts = dualpipev_rank_actions(p, m, r)
+        for f, b in pairs:  # each pair's backward follows its forward
+            assert acts[acts.index(f) + 1] == b

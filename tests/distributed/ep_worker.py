@@ -22,14 +22,14 @@ from tests.distributed.tp_worker import check_whole_state
 SECOND_LAYER = "model.layers.1"
 
 
-def tiny_moe(name: str) -> tuple[Any, tuple[Any, ...], Any, Any]:
-    """A 2-layer, hidden-32 MoE model with 4 experts (top-2) and random weights, its global
-    batch of 8 rows, target and loss."""
+def tiny_moe(name: str, layers: int = 2) -> tuple[Any, tuple[Any, ...], Any, Any]:
+    """A ``layers``-layer (default 2), hidden-32 MoE model with 4 experts (top-2) and random
+    weights, its global batch of 8 rows, target and loss."""
     import transformers
     from torch import nn
 
     torch.manual_seed(0)
-    common = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+    common = dict(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
                   use_cache=False)
     if name == "mixtral":
@@ -83,9 +83,12 @@ def _close(problems: list[str], what: str, got: torch.Tensor, want: torch.Tensor
 
 
 def ep_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, ep: int,
-                names: list[str], zero_stage: int = 0, layer_units: bool = False) -> None:
+                names: list[str], zero_stage: int = 0, layer_units: bool = False,
+                kind: str = "1f1b") -> None:
     """pp x dp (= world / pp) with ep, and ZeRO ``zero_stage`` (per-layer FSDP units with
-    ``layer_units``) on the dense parameters, on each model: the global loss, every gradient
+    ``layer_units``) on the dense parameters, on each model, under schedule ``kind``
+    (``"dualpipev"``: a 4-layer model in 2 pp stages per rank, one layer each, m = 4, with
+    its pairs' all-to-alls overlapped, which is checked to run): the global loss, every gradient
     (experts gathered whole, ZeRO's shards too), the whole state_dict, load_state_dict and the gradient norm
     against the plain model on the global batch; write this rank's problems to
     ``result_dir/<rank>.json``."""
@@ -104,24 +107,29 @@ def ep_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, ep: 
                             timeout=datetime.timedelta(seconds=120))
     dp = world // pp
     problems: list[str] = []
+    v = 2 if kind == "dualpipev" else 1
     for name in names:
-        model, args, target, loss_fn = tiny_moe(name)
+        model, args, target, loss_fn = tiny_moe(name, layers=2 * v)
         reference = copy.deepcopy(model)
-        m = 2
+        m = 2 * v
         batch = args[0].shape[0]
         captured = capture(model, tuple(a[: batch // (m * dp)] for a in args))
-        positions = []
-        if pp == 2:
-            nodes = op_nodes(captured.graph_module.graph)
-            positions = [next(k for k, n in enumerate(nodes)
-                              if node_module_path(n).startswith(SECOND_LAYER))]
+        nodes = op_nodes(captured.graph_module.graph)
+        positions = [next(k for k, n in enumerate(nodes)
+                          if node_module_path(n).startswith(f"model.layers.{layer}"))
+                     for layer in range(1, pp * v)]
         plan = dataclasses.replace(manual_plan(captured, positions, m, batch,
-                                               schedule_kind="1f1b"), dp=dp, ep=ep,
-                                   zero_stage=zero_stage, zero_layer_units=layer_units)
+                                               schedule_kind=kind, stages_per_rank=v),
+                                   dp=dp, ep=ep, zero_stage=zero_stage,
+                                   zero_layer_units=layer_units)
         groups = mesh_groups(plan)
+        chunk = groups.ep_chunk_group
+        if (chunk is not None) != (kind == "dualpipev" and zero_stage <= 1):
+            problems.append(f"{name}: second V chunk's ep group {chunk}")
         stages = build_stages(captured, plan, ["cpu"] * pp,
                               ranks={dist.get_rank(groups.pp_group)},
-                              ep=TensorParallelRank.of_group(groups.ep_group))
+                              ep=TensorParallelRank.of_group(groups.ep_group),
+                              ep_chunk=None if chunk is None else TensorParallelRank.of_group(chunk))
         pipe = DistributedPipeline(model, stages, InputSignature.of(captured),
                                    torch.device("cpu"), loss_fn=loss_fn,
                                    pp_group=groups.pp_group, dp_group=groups.dp_group,
@@ -130,6 +138,10 @@ def ep_numerics(rank: int, world: int, port: int, result_dir: str, pp: int, ep: 
                and "expert_parallel" not in src for src in pipe.stage_sources().values()):
             problems.append(f"{name}: a stage with experts was not rewritten")
         loss = pipe.train_step(*args, target=target)
+        if chunk is not None:
+            order = pipe._schedule(m, True).pipeline_order_with_comms[pipe.pp_rank]
+            if not any(a.sub_actions for a in order):
+                problems.append(f"{name}: no overlapped F+B pair in rank {pipe.pp_rank}'s actions")
         ref_loss = loss_fn(reference(*args), target)
         ref_loss.backward()
         ref = dict(reference.named_parameters())

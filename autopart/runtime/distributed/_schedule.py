@@ -12,13 +12,16 @@ from torch.distributed.pipelining import PipelineStage
 
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
+from autopart.core.plan_rules import overlaps_expert_exchanges
 from autopart.core.schedule import build_schedule, forward_schedule
-from autopart.core.v_schedules import V_SCHEDULE_KINDS
+from autopart.core.v_schedules import V_SCHEDULE_KINDS, dualpipev_pairs
 from autopart.runtime._torch_private import (
     ScheduleRuntime,
     new_schedule_runtime,
+    overlap_pairs,
     receives_first_order,
 )
+from autopart.runtime.distributed._stages import side_thread
 
 __all__ = ["StepSchedules"]
 
@@ -44,6 +47,11 @@ class StepSchedules:
             (:func:`autopart.core.schedule.build_schedule`'s ``recompute``).
         loss_of_flat: the loss on the last stage's flat output, for training runtimes.
         gloo: the pipeline's sends and receives run on gloo.
+
+    Training runtimes of a plan whose DualPipe-V pairs overlap their expert all-to-alls
+    (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`) run each pair
+    (:func:`autopart.core.v_schedules.dualpipev_pairs`) as one action, its backward on a
+    thread of its own (:func:`autopart.runtime._torch_private.overlap_pairs`).
     """
 
     def __init__(self, stages: Sequence[PipelineStage], plan: Plan, pp_size: int,
@@ -88,5 +96,13 @@ class StepSchedules:
         actions = (forward_schedule(self._pp_size, m, v, kind=kind)
                    if not training and kind in V_SCHEDULE_KINDS
                    else build_schedule(kind, self._pp_size, m, v, recompute=self._recompute))
-        return new_schedule_runtime(self._stages, m, actions,
-                                    self._loss_of_flat if training else None)
+        plan = self._plan
+        overlap = training and overlaps_expert_exchanges(kind, plan.ep, plan.tp, plan.cp,
+                                                         plan.zero_stage)
+        pairs = [dualpipev_pairs(self._pp_size, m, r) for r in range(self._pp_size)] \
+            if overlap else []
+        runtime = new_schedule_runtime(self._stages, m, actions,
+                                       self._loss_of_flat if training else None, pairs)
+        if overlap:
+            overlap_pairs(runtime, side_thread)
+        return runtime

@@ -4,6 +4,7 @@ recompute, and each action marked on the heartbeat and timed into a trace."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,23 @@ from autopart.runtime.distributed._grad_buckets import GradBuckets
 from autopart.runtime.distributed.heartbeat import Heartbeat
 from autopart.runtime.tracing import ActionRecorder
 
-__all__ = ["P2PStage", "TracedStage", "restride"]
+__all__ = ["P2PStage", "TracedStage", "restride", "side_thread"]
+
+_SIDE = threading.local()
+
+
+@contextlib.contextmanager
+def side_thread() -> Iterator[None]:
+    """Mark the calling thread, while inside, as running an action beside the rank's own
+    thread (the backward of a DualPipe-V pair overlapped with its forward,
+    :func:`autopart.runtime._torch_private.overlap_pairs`): its actions are traced without a
+    ``"wait"`` before them and are not marked on the heartbeat, which follows the rank's
+    own thread."""
+    _SIDE.active = True
+    try:
+        yield
+    finally:
+        _SIDE.active = False
 
 
 class P2PStage(nn.Module):
@@ -139,12 +156,13 @@ class TracedStage(ZeroIndexStage):
 
     @contextlib.contextmanager
     def _action(self, name: str) -> Iterator[None]:
-        with self._heartbeat.action(name):
+        side = getattr(_SIDE, "active", False)
+        with contextlib.nullcontext() if side else self._heartbeat.action(name):
             if self.recorder is None:
                 yield
                 return
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            with self.recorder.span(self.track, name, stream):
+            with self.recorder.span(self.track, name, stream, waits=not side):
                 yield
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:

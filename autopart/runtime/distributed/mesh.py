@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopart.core.errors import PlanError
 from autopart.core.plan import Plan
+from autopart.core.plan_rules import overlaps_expert_exchanges
 
 __all__ = ["MESH_DIMS", "MeshGroups", "check_world", "build_mesh", "context_group",
            "mesh_groups"]
@@ -46,6 +47,11 @@ class MeshGroups:
             dp x cp ranks (``dp`` above is its size): each dp replica is cp consecutive ranks
             of it holding the same rows and different tokens (:func:`context_group`).
         cp_group: this rank's cp group, or None when cp = 1.
+        ep_chunk_group: a second group of ``ep_group``'s ranks, for the all-to-alls of the
+            second V chunk's stages where DualPipe-V's pairs overlap them
+            (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`; the two chunks'
+            collectives then run on two threads, each keeping one order on its own group);
+            None otherwise.
     """
 
     mesh: DeviceMesh | None
@@ -60,6 +66,7 @@ class MeshGroups:
     edp_group: dist.ProcessGroup | None = None
     cp: int = 1
     cp_group: dist.ProcessGroup | None = None
+    ep_chunk_group: dist.ProcessGroup | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -151,9 +158,13 @@ def mesh_groups(plan: Plan, mesh: DeviceMesh | None = None) -> MeshGroups:
                             "the mesh with the plan's sizes, or leave mesh= out to let autopart "
                             "build it")
     ep_group, edp_group = expert_groups(mesh, plan.ep)
+    chunk = None
+    if overlaps_expert_exchanges(plan.schedule_kind, plan.ep, plan.tp, plan.cp,
+                                 plan.zero_stage):
+        chunk = expert_groups(mesh, plan.ep, copy=1)[0]
     return MeshGroups(mesh, mesh.get_group("pp"), _group(mesh, "dp"), _group(mesh, "tp"),
                       pp, sizes["dp"], tp, plan.ep, ep_group, edp_group, plan.cp,
-                      context_group(mesh, plan.cp))
+                      context_group(mesh, plan.cp), chunk)
 
 
 def context_group(mesh: DeviceMesh, cp: int) -> dist.ProcessGroup | None:
@@ -168,7 +179,7 @@ def context_group(mesh: DeviceMesh, cp: int) -> dist.ProcessGroup | None:
     return expert_groups(mesh, cp)[0]
 
 
-def expert_groups(mesh: DeviceMesh, ep: int,
+def expert_groups(mesh: DeviceMesh, ep: int, copy: int = 0,
                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """This rank's ep and expert-data-parallel groups, folded into the mesh's dp dimension
     as Megatron-Core folds them: each dp group's ranks, in dp order, cut into ``dp / ep``
@@ -176,6 +187,10 @@ def expert_groups(mesh: DeviceMesh, ep: int,
     form an expert-data-parallel group (they hold the same experts). Every rank creates
     every group, in the same order (``new_subgroups_by_enumeration``), once per process for
     a mesh and ep (later calls return the same groups).
+
+    ``copy`` > 0 asks for another set of groups of the same ranks (one more process group
+    each, made once per copy): the second V chunk's all-to-alls run on copy 1
+    (:attr:`MeshGroups.ep_chunk_group`).
 
     Returns:
         ``(ep_group, edp_group)``: None for a group of one rank (ep = 1; ep = dp).
@@ -185,13 +200,13 @@ def expert_groups(mesh: DeviceMesh, ep: int,
     """
     if ep == 1:
         return None, None
-    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), ep)
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), ep, copy)
     if key not in _EXPERT_GROUPS:
-        _EXPERT_GROUPS[key] = _new_expert_groups(mesh, ep)
+        _EXPERT_GROUPS[key] = _new_expert_groups(mesh, ep, with_edp=copy == 0)
     return _EXPERT_GROUPS[key]
 
 
-def _new_expert_groups(mesh: DeviceMesh, ep: int,
+def _new_expert_groups(mesh: DeviceMesh, ep: int, with_edp: bool = True,
                        ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     names = tuple(mesh.mesh_dim_names or ())
     dp = _dim_size(mesh, "dp")
@@ -201,7 +216,7 @@ def _new_expert_groups(mesh: DeviceMesh, ep: int,
     lines = mesh.mesh.movedim(names.index("dp"), -1).reshape(-1, dp).tolist()
     eps = [line[j:j + ep] for line in lines for j in range(0, dp, ep)]
     ep_group, _ = dist.new_subgroups_by_enumeration(eps)
-    if dp == ep:
+    if dp == ep or not with_edp:
         return ep_group, None
     edps = [line[i::ep] for line in lines for i in range(ep)]
     edp_group, _ = dist.new_subgroups_by_enumeration(edps)
