@@ -179,7 +179,8 @@ def dualpipev_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
     (:func:`autopart.core.v_schedules.dualpipev_pairs` lists them): run and priced one after
     the other, except with expert parallelism, whose all-to-alls each action of a pair runs
     under the other's compute (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`).
-    Action order as torch 2.13's ``ScheduleDualPipeV`` (:func:`autopart.core.v_schedules.dualpipev_rank_actions`).
+    Action order as torch 2.13's ``ScheduleDualPipeV``
+    (:func:`autopart.core.v_schedules.dualpipev_rank_actions`).
 
     Raises:
         PlanError: ``num_microbatches < 2 * num_ranks``.
