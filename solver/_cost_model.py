@@ -107,6 +107,20 @@ class CostModel(MemoryModel):
         self._regather: dict[int, tuple[float, float]] = {
             i: two_point_line(t0, t1, b0, b1) if b1 else (0.0, t0)
             for i, t0, t1 in costs.recomputed_gathers}
+        # expert parallelism's all-to-alls inside the node times (CostGraph.expert_exchanges):
+        # per part ("fwd", "bwd"), (fixed, linear) prefix sums, µs
+        self._exchange: dict[str, tuple[list[float], list[float]]] = {}
+        if costs.expert_exchanges:
+            by_node = {i: (two_point_line(f0, f1, b0, b1), two_point_line(g0, g1, b0, b1))
+                       if b1 else ((0.0, f0), (0.0, g0))
+                       for i, f0, g0, f1, g1 in costs.expert_exchanges}
+            for k, part in enumerate(("fwd", "bwd")):
+                fixed, linear = [0.0], [0.0]
+                for i in range(len(costs.nodes)):
+                    fx_, ln_ = by_node[i][k] if i in by_node else (0.0, 0.0)
+                    fixed.append(fixed[-1] + fx_)
+                    linear.append(linear[-1] + ln_)
+                self._exchange[part] = (fixed, linear)
         for i, nd in enumerate(costs.nodes):
             times = (nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us)
             if b1:  # two profiled batches: the line through both, per part
@@ -219,6 +233,22 @@ class CostModel(MemoryModel):
             return at[part][stop] - at[part][start]
         fx, ln = self._parts[part]
         return fx[stop] - fx[start] + (ln[stop] - ln[start]) * ratio
+
+    @property
+    def has_exchanges(self) -> bool:
+        """Whether the costs record expert parallelism's all-to-alls apart
+        (``CostGraph.expert_exchanges``: a layout whose DualPipe-V pairs hide them)."""
+        return bool(self._exchange)
+
+    def exchange_us(self, part: str, start: int, stop: int, ratio: float) -> float:
+        """Expert parallelism's all-to-alls inside the ``part`` (``"fwd"``, or ``"bwd"``:
+        the input-gradient part) times of nodes ``start .. stop - 1`` at ``ratio = b / b0``
+        (``CostGraph.expert_exchanges``), µs; 0.0 without them."""
+        sums = self._exchange.get(part)
+        if sums is None:
+            return 0.0
+        fixed, linear = sums
+        return fixed[stop] - fixed[start] + (linear[stop] - linear[start]) * ratio
 
     def regather_us(self, i: int, ratio: float) -> float:
         """The part of node ``i``'s forward time at ``ratio = b / b0`` that is sequence

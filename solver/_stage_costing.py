@@ -74,6 +74,10 @@ class StageTerms:
         host_fwd_us, host_bwd_input_us, host_bwd_weight_us: the host's issue time of F, I
             (or the whole B) and W, the runtime's cost per transfer included, µs (0.0: the
             profile has no host times).
+        fwd_exchange_us, bwd_exchange_us: the expert all-to-alls inside F and inside a whole
+            B (a recomputing stage's B runs its forward's again) that a DualPipe-V pair
+            hides, µs (0.0 but under DualPipe-V on costs that record them apart:
+            :meth:`CostModel.exchange_us`).
     """
 
     fwd_us: float
@@ -93,6 +97,8 @@ class StageTerms:
     host_fwd_us: float = 0.0
     host_bwd_input_us: float = 0.0
     host_bwd_weight_us: float = 0.0
+    fwd_exchange_us: float = 0.0
+    bwd_exchange_us: float = 0.0
 
 
 def stage_costs(terms: Sequence[StageTerms], issue_thread: Sequence[int] = (),
@@ -102,6 +108,7 @@ def stage_costs(terms: Sequence[StageTerms], issue_thread: Sequence[int] = (),
     runtime's rank processes per CPU core (default 1.0, a core each). The host columns are
     left empty when every host time is 0 (a profile without host times)."""
     host = any(t.host_fwd_us or t.host_bwd_input_us or t.host_bwd_weight_us for t in terms)
+    paired = any(t.fwd_exchange_us or t.bwd_exchange_us for t in terms)
     return StageCosts(
         [t.fwd_us for t in terms], [t.bwd_input_us for t in terms],
         [t.bwd_weight_us for t in terms], [t.send_fwd_us for t in terms],
@@ -112,7 +119,9 @@ def stage_costs(terms: Sequence[StageTerms], issue_thread: Sequence[int] = (),
         host_fwd_us=[t.host_fwd_us for t in terms] if host else (),
         host_bwd_input_us=[t.host_bwd_input_us for t in terms] if host else (),
         host_bwd_weight_us=[t.host_bwd_weight_us for t in terms] if host else (),
-        issue_thread=tuple(issue_thread) if host else (), ranks_per_core=ranks_per_core)
+        issue_thread=tuple(issue_thread) if host else (), ranks_per_core=ranks_per_core,
+        fwd_exchange_us=[t.fwd_exchange_us for t in terms] if paired else (),
+        bwd_exchange_us=[t.bwd_exchange_us for t in terms] if paired else ())
 
 
 def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTerms:
@@ -150,7 +159,21 @@ def stage_terms(model: CostModel, kind: str, span: StageSpan, m: int) -> StageTe
         kept_bytes=kept, kept_held_bytes=kept_held,
         param_bytes=pbytes, num_parameters=numel,
         host_fwd_us=host[0], host_bwd_input_us=host[1] if training else 0.0,
-        host_bwd_weight_us=host[2] if training else 0.0)
+        host_bwd_weight_us=host[2] if training else 0.0,
+        **_exchanges(model, kind, span, ratio, fwd, bi + bw))
+
+
+def _exchanges(model: CostModel, kind: str, span: StageSpan, ratio: float, fwd: float,
+               bwd: float) -> dict[str, float]:
+    """The stage's ``fwd_exchange_us`` and ``bwd_exchange_us`` (:class:`StageTerms`), at
+    the rank's speed, within its ``F`` (``fwd``) and whole ``B`` (``bwd``), µs: only for
+    training under DualPipe-V, whose pairs hide them, on costs that record them."""
+    if kind != "dualpipev" or not model.training or not model.has_exchanges:
+        return {}
+    a, z, f = span.start, span.stop, model.speed(span.rank)
+    fx = model.exchange_us("fwd", a, z, ratio) * f
+    bx = model.exchange_us("bwd", a, z, ratio) * f + (fx if span.recompute else 0.0)
+    return {"fwd_exchange_us": min(fx, fwd), "bwd_exchange_us": min(bx, bwd)}
 
 
 def _backward_extra(model: CostModel, span: StageSpan, kind: str, transient: int,

@@ -19,9 +19,11 @@
 - communication: per MoE layer and microbatch, the dispatch and combine all-to-alls of the
   ``T * k`` rows of ``H`` values each GPU sends (:func:`autopart.solver.collectives.
   all_to_all_us` on the ep group's link; the most loaded GPU receives the imbalance times
-  as many), in line with the forward as the runtime runs them (not overlapped), and the
-  same two in the backward; the exchange of per-expert counts before the dispatch is one
-  latency.
+  as many), in line with the forward as the runtime runs them, and the same two in the
+  backward; the exchange of per-expert counts before the dispatch is one latency. They are
+  recorded apart too: under DualPipe-V, where the runtime runs a pair's two actions at once,
+  each pair hides them under its other action's compute
+  (:meth:`autopart.solver.stage_costs.StageCosts.pair_us`).
 - activation memory: the received rows (as many as sent, balanced) are the same bytes the
   block saved at ep = 1: unchanged.
 """
@@ -90,7 +92,10 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
             work, µs (``RuntimeDescription.collective_overhead_at``), or None.
 
     Returns:
-        The cost graph one ep GPU runs.
+        The cost graph one ep GPU runs, its all-to-alls also recorded apart
+        (``CostGraph.expert_exchanges``) for DualPipe-V's pairs, which hide them where the
+        layout's runtime overlaps them (a layout whose runtime does not drops the record:
+        :func:`autopart.core.plan_rules.overlaps_expert_exchanges`).
     """
     paths = expert_module_paths(costs)
     if ep == 1 or not paths:
@@ -110,6 +115,7 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
     low_share = costs.low_batch_size / costs.batch_size if low and costs.batch_size else 0.0
     sizes, numel = dict(costs.param_sizes), dict(costs.param_numel)
     by_name = {nd.name: nd for nd in costs.nodes}
+    exchanges: list[tuple[int, float, float, float, float]] = []
     for path in paths:
         members = [i for i, nd in enumerate(nodes) if _inside(nd, path)]
         first = next(i for i in members if nodes[i].op in GROUPED_MM_OPS)
@@ -136,10 +142,13 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
         last = members[-1]
         nodes[last] = replace(nodes[last], fwd_us=nodes[last].fwd_us + fwd,
                               bwd_input_us=nodes[last].bwd_input_us + bwd)
+        low_fwd = low_bwd = 0.0
         if low:
             low_fwd, low_bwd = exchange(rows_bytes * imbalance * low_share)
             f, b_in, b_w = low[last]
             low[last] = (f + low_fwd, b_in + low_bwd, b_w)
+        exchanges.append((last, fwd, bwd, low_fwd, low_bwd))
     return replace(costs, nodes=tuple(nodes), param_sizes=sizes, param_numel=numel,
-                   low_times=tuple(low))
+                   low_times=tuple(low),
+                   expert_exchanges=tuple(exchanges))
 

@@ -10,6 +10,7 @@ from autopart.core.cluster import DeviceSpec
 from autopart.core.costgraph import CostGraph
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import ParetoPoint, Plan, ShardedParameter
+from autopart.core.plan_rules import overlaps_expert_exchanges
 from autopart.core.schedule import splits_backward
 from autopart.solver.expert_parallel_costs import expert_params
 from autopart.solver.layout_candidates import (
@@ -82,6 +83,11 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     line = dp * cp  # the GPUs that reduce gradients together and share ZeRO's shards
     sharded = sharded_costs(costs, tp, device, layout, options.runtime, cache, cand.ep, cp,
                             cand.cp_attention)
+    if sharded.expert_exchanges and not overlaps_expert_exchanges("dualpipev", cand.ep, tp, cp,
+                                                                  zero):
+        # DualPipe-V's pairs run one after the other at this layout: nothing hides the
+        # all-to-alls
+        sharded = replace(sharded, expert_exchanges=())
     # ZeRO-1's layer units hold what one unit per stage holds and gain only by overlapping
     # their collectives with compute, which CPU ranks' collectives do not (measured,
     # benchmarks/overlap_cpu): a search there keeps one unit per stage (a given plan is

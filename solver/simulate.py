@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from autopart.core.errors import PlanError
 from autopart.core.schedule import Schedule
+from autopart.core.v_schedules import dualpipev_pairs
 from autopart.solver.simulate_memory import rank_peaks
 from autopart.solver.stage_costs import StageCosts
 
@@ -59,9 +60,11 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
     ``W`` lasts ``W`` and follows its own ``I``. Memory of a rank follows its own order: its
     stages' ``static_bytes``, plus ``saved_bytes`` from each ``F`` until the matching ``B``
     (or ``W``) ends, plus ``backward_extra_bytes`` while a ``B``/``I`` runs, plus the
-    ``kept_bytes`` of every ``B``/``I`` done. With host times, the step is at least the
-    busiest issuing thread's host time (:func:`host_bound_us`): ranks issued by one thread
-    cannot run faster than it issues their actions. With more CPU ranks than cores
+    ``kept_bytes`` of every ``B``/``I`` done. With exchange columns (``costs.
+    overlaps_pairs``; DualPipe-V only) each overlapped pair runs at once and lasts
+    :meth:`StageCosts.pair_us`, its backward ending with its forward. With host times, the
+    step is at least the busiest issuing thread's host time (:func:`host_bound_us`): ranks
+    issued by one thread cannot run faster than it issues their actions. With more CPU ranks than cores
     (``costs.ranks_per_core > 1``), the step is at least :func:`core_bound_us`.
 
     Args:
@@ -120,6 +123,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
                 d = bwd_b[s] if kind == "B" else bwd_i[s]
             plan.append((deps, d))
         plans.append(plan)
+    if costs.overlaps_pairs:
+        _pair_up(lists, ids, plans, costs)
 
     if costs.ranks_per_core > 1.0:
         free, busy, timeline = _replay_shared(schedule, lists, ids, plans, len(index),
@@ -135,6 +140,30 @@ def simulate(schedule: Schedule, costs: StageCosts, *, record: bool = False) -> 
     return SimResult(step_time_us=step, bubble_fraction=min(max(bubble, 0.0), 1.0),
                      busy_us=tuple(busy), peak_memory_bytes=rank_peaks(schedule, costs),
                      timeline=tuple(timeline), host_bound_us=bound, core_bound_us=shared)
+
+
+def _pair_up(lists: list[list[_Act]], ids: list[list[int]], plans: list[_RankPlan],
+             costs: StageCosts) -> None:
+    """Each DualPipe-V pair (:func:`autopart.core.v_schedules.dualpipev_pairs`) in ``plans``
+    as the runtime runs it: the forward starts once both it and the backward may, and lasts
+    the pair (:meth:`StageCosts.pair_us`); the backward ends with it (it lasts 0 after it).
+
+    Raises:
+        PlanError: a pair that is not a forward followed at once by its backward (the
+            exchange columns are for DualPipe-V schedules only).
+    """
+    p = len(lists)
+    m = sum(1 for a in lists[0] if a[1] == "F" and a[0] == 0) if p else 0
+    for r, acts in enumerate(lists):
+        at = {a: k for k, a in enumerate(acts)}
+        for fwd, bwd in dualpipev_pairs(p, m, r):
+            k = at.get(fwd)
+            if k is None or k + 1 >= len(acts) or acts[k + 1] != bwd:
+                raise PlanError(f"rank {r}'s actions do not pair {fwd} with {bwd}: "
+                                "StageCosts' exchange columns are for DualPipe-V schedules only")
+            deps = tuple(dict.fromkeys((*plans[r][k][0], *plans[r][k + 1][0])))
+            plans[r][k] = (deps, costs.pair_us(fwd[0], bwd[0]))
+            plans[r][k + 1] = ((ids[r][k],), 0.0)
 
 
 def _replay(schedule: Schedule, lists: list[list[_Act]], ids: list[list[int]],

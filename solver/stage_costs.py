@@ -54,6 +54,11 @@ class StageCosts:
         ranks_per_core: rank processes per CPU core of the host
             (``RuntimeDescription.ranks_per_core``; default 1.0: a core each, no bound);
             above 1, a step is no shorter than :func:`core_bound_us`.
+        fwd_exchange_us, bwd_exchange_us: the part of ``fwd_us`` and of a full ``B``
+            (``bwd_input_us``) that is expert parallelism's all-to-alls, which the other
+            action of a DualPipe-V pair hides under its compute where the runtime overlaps
+            them (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`): the pair then
+            takes :meth:`pair_us`. Default: none (pairs run one after the other).
     """
 
     fwd_us: Sequence[float]
@@ -73,6 +78,8 @@ class StageCosts:
     host_bwd_weight_us: Sequence[float] = ()
     issue_thread: Sequence[int] = ()
     ranks_per_core: float = 1.0
+    fwd_exchange_us: Sequence[float] = ()
+    bwd_exchange_us: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         n = len(self.fwd_us)
@@ -87,7 +94,8 @@ class StageCosts:
             if len(getattr(self, name)) != n:
                 raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
                                 f"fwd_us has {n}; give one per stage")
-        for name in ("host_fwd_us", "host_bwd_input_us", "host_bwd_weight_us", "issue_thread"):
+        for name in ("host_fwd_us", "host_bwd_input_us", "host_bwd_weight_us", "issue_thread",
+                     "fwd_exchange_us", "bwd_exchange_us"):
             if len(getattr(self, name)) not in (0, n):
                 raise PlanError(f"StageCosts.{name} has {len(getattr(self, name))} entries, "
                                 f"fwd_us has {n}; give one per stage or none")
@@ -95,6 +103,30 @@ class StageCosts:
                 len(self.host_bwd_weight_us)}) > 1:
             raise PlanError("StageCosts: give the three host columns (host_fwd_us, "
                             "host_bwd_input_us, host_bwd_weight_us) together or none of them")
+
+    @property
+    def overlaps_pairs(self) -> bool:
+        """Whether DualPipe-V's forward-backward pairs hide all-to-alls (the exchange columns
+        are given and not all 0)."""
+        return any(self.fwd_exchange_us) or any(self.bwd_exchange_us)
+
+    def pair_us(self, forward: int, backward: int) -> float:
+        """One DualPipe-V pair, stage ``forward``'s ``F`` with stage ``backward``'s whole
+        ``B`` at once, as the runtime runs it (the backward on a second thread): each
+        thread's own chain of compute and all-to-alls, and the two computes one after the
+        other (they share the device: a GPU's streams, a CPU rank's cores), so the longest
+        of the three; the sends after both, as torch sends after the pair. µs.
+
+        ``max(Fc + Bc, Fc + Fx, Bc + Bx) + send_F + send_B`` with ``Fx``, ``Bx`` the
+        exchange columns and ``Fc = F - Fx``, ``Bc = I + W - Bx``.
+        """
+        fx = self.fwd_exchange_us[forward] if self.fwd_exchange_us else 0.0
+        bx = self.bwd_exchange_us[backward] if self.bwd_exchange_us else 0.0
+        f = self.fwd_us[forward]
+        b = self.bwd_input_us[backward] + self.bwd_weight_us[backward]
+        fc, bc = f - fx, b - bx
+        return (max(fc + bc, f, b) + self.send_fwd_us[forward]
+                + self.send_bwd_us[backward])
 
     @property
     def has_host(self) -> bool:

@@ -252,6 +252,12 @@ class CostGraph:
             reads the load of the most loaded ep rank from it
             (``solver.expert_parallel_costs``). Optional (default none: analytical profiles
             and those from before it, priced as balanced routing).
+        expert_exchanges: ``(node index, forward µs, backward µs, forward µs, backward µs)``
+            of expert parallelism's all-to-alls folded into that node's ``fwd_us`` and
+            ``bwd_input_us`` (first pair at ``batch_size``, second at ``low_batch_size``,
+            0 without a low batch), where a DualPipe-V pair may hide them under its other
+            action's compute (``solver.expert_parallel_costs.expert_costs``). Optional
+            (default none: a profile, or a layout whose runtime does not overlap them).
     """
 
     nodes: tuple[NodeCost, ...]
@@ -276,6 +282,7 @@ class CostGraph:
     recomputed_gathers: tuple[tuple[int, float, float], ...] = ()
     causal_attention: frozenset[str] = frozenset()
     expert_tokens: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    expert_exchanges: tuple[tuple[int, float, float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         seen: set[str] = set(self.graph_inputs)
@@ -409,6 +416,8 @@ class CostGraph:
             del d["causal_attention"]
         if not self.expert_tokens:  # none: left out, as in files from before it
             del d["expert_tokens"]
+        if not self.expert_exchanges:
+            del d["expert_exchanges"]
         for node in d["nodes"]:  # not measured: left out, as in files from before them
             for key in [k for k in HOST_FIELDS if node[k] is None]:
                 del node[key]
@@ -451,6 +460,9 @@ class CostGraph:
                                                   d.get("causal_attention", ())),
                        expert_tokens=tuple((str(path), tuple(int(c) for c in counts))
                                            for path, counts in d.get("expert_tokens", ())),
+                       expert_exchanges=tuple(
+                           (int(i), float(a), float(b), float(c), float(e))
+                           for i, a, b, c, e in d.get("expert_exchanges", ())),
                        batch_scales=tuple(
                            BatchScale(int(sc["batch_size"]), tuple(int(q) for q in sc["positions"]),
                                       tuple(float(f) for f in sc["fwd"]),

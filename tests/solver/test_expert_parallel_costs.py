@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("transformers")
 
 from autopart.core.capture import capture  # noqa: E402
 from autopart.core.cluster import PRESETS  # noqa: E402
+from autopart.core.costgraph import CostGraph  # noqa: E402
 from autopart.profiler import profile_analytical  # noqa: E402
 from autopart.solver.collectives import all_to_all_us  # noqa: E402
 from autopart.solver.expert_parallel_costs import (  # noqa: E402
@@ -47,6 +50,11 @@ def test_each_gpu_holds_its_experts_and_pays_two_all_to_alls_each_way() -> None:
         if b.fwd_us != a.fwd_us:
             assert b.fwd_us - a.fwd_us == pytest.approx(2 * one + LAT)  # + the counts' exchange
             assert b.bwd_input_us - a.bwd_input_us == pytest.approx(2 * one)
+    # recorded apart too, for the DualPipe-V pairs that hide them (no low batch here)
+    index = {nd.name: i for i, nd in enumerate(out.nodes)}
+    assert [(i, f, b) for i, f, b, _, _ in out.expert_exchanges] == [
+        (index[nd.name], pytest.approx(2 * one + LAT), pytest.approx(2 * one)) for nd in lasts]
+    assert CostGraph.from_dict(out.to_dict()).expert_exchanges == out.expert_exchanges
     assert sum(nd.param_bytes for nd in out.nodes) < sum(nd.param_bytes for nd in costs.nodes)
     for a, b in zip(costs.nodes, out.nodes, strict=True):  # compute as under balanced routing
         assert b.flops == a.flops
@@ -150,7 +158,9 @@ def test_the_layout_search_tries_ep_where_it_divides_dp_and_the_experts() -> Non
     # the same layout holds a quarter of the experts per GPU at ep 4, and pays all-to-alls
     from autopart.solver.layout_search import LayoutCandidate, evaluate_layout
 
-    at = {ep: evaluate_layout(costs, spec, options, replace_ep(searched, ep, 4),
+    # (one schedule for both: at ep 4 a one-rank DualPipe-V would hide its all-to-alls)
+    one = replace(options, schedule_kind="1f1b")
+    at = {ep: evaluate_layout(costs, spec, one, replace_ep(searched, ep, 4),
                               LayoutCandidate(1, 1, 4, 0, 0.0, 0, ep=ep)) for ep in (1, 4)}
     assert at[4].ep == 4 and at[1].ep == 1
     assert at[4].stages[0].param_bytes < at[1].stages[0].param_bytes
