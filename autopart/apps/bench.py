@@ -175,7 +175,8 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
              measure_memory: bool = True, untimed: Collection[str] = (),
              save_plan_to: str | os.PathLike[str] | None = None,
              on_step: Callable[[int, int], None] | None = None,
-             fuse: Collection[str] = ()) -> dict[str, ArmResult]:
+             fuse: Collection[str] = (),
+             sequential_pairs: Collection[str] = ()) -> dict[str, ArmResult]:
     """Run every plan (and the unpartitioned model) on ``ranks`` local processes.
 
     Args:
@@ -197,6 +198,8 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
         on_step: called in this process as ``on_step(done, total)`` while steps run.
         fuse: arms whose stages run compiled (``autopart.compile(..., fuse=True)``; the
             first warm-up step compiles them).
+        sequential_pairs: arms whose DualPipe-V pairs run one action after the other where
+            the plan overlaps them (``DistributedPipeline.overlap_pairs = False``).
 
     Returns:
         Arm name -> :class:`ArmResult`.
@@ -208,7 +211,8 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
 
     if not plans:
         raise UsageError("run_arms needs at least one plan")
-    for what, named in (("untimed", untimed), ("fused", fuse)):
+    for what, named in (("untimed", untimed), ("fused", fuse),
+                        ("sequential_pairs", sequential_pairs)):
         unknown = sorted(set(named) - set(plans))
         if unknown:
             raise UsageError(f"{what} arms {unknown} are not among the plans {list(plans)}")
@@ -223,6 +227,7 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
                 "steps": steps, "warmup": warmup, "single": single,
                 "threads": threads_per_rank, "trace": traced, "memory": measure_memory,
                 "untimed": sorted(untimed), "fuse": sorted(fuse),
+                "sequential_pairs": sorted(sequential_pairs),
                 "save": None if save_plan_to is None else str(Path(save_plan_to).resolve())}
         Path(work, "spec.json").write_text(json.dumps(spec))
         with socket.socket() as s:
@@ -279,6 +284,8 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
         first_m = first_m if i else plan.num_microbatches
         pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan,
                                 backend="distributed", fuse=name in spec["fuse"])
+        if name in spec["sequential_pairs"]:
+            pipe.overlap_pairs = False  # type: ignore[union-attr]
         # a rank whose stages hold no parameter (a cut after the input's reshape) still
         # steps: AdamW over one empty group, as torch refuses an empty parameter list
         arms.append((name, pipe, torch.optim.AdamW([{"params": list(pipe.parameters())}],

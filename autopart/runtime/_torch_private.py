@@ -106,7 +106,7 @@ def _with_pairs(actions: list[_Action], pairs: Collection[tuple[Any, Any]]) -> l
 
 def overlap_pairs(runtime: _PipelineScheduleRuntime,
                   side_thread: Callable[[], contextlib.AbstractContextManager[Any]],
-                  ) -> None:
+                  on: bool = True) -> None:
     """Have ``runtime`` run each ``OVERLAP_F_B`` action's forward and backward at once: the
     backward on a thread of its own (inside ``side_thread()``), the forward on the calling
     thread, as torchtitan's DualPipe-V overlap callback runs them (``torchtitan/distributed/
@@ -124,9 +124,15 @@ def overlap_pairs(runtime: _PipelineScheduleRuntime,
     ``_perform_action`` does for ``FORWARD`` and ``FULL_BACKWARD`` (``_wait_batch_p2p``,
     ``fwd_recv_ops`` / ``bwd_recv_ops``, ``_assert_unsharded``, ``_maybe_compute_loss``,
     ``_maybe_get_loss``, ``backward_counter``, ``set_local_fwd_input`` /
-    ``set_local_bwd_input``), none of it public (read on torch 2.13).
+    ``set_local_bwd_input``), none of it public (read on torch 2.13). ``on=False`` removes
+    the function again (``_comp_type_to_function_map``): torch then runs each pair's two
+    sub-actions one after the other.
     """
     from torch.distributed.pipelining.schedules import OVERLAP_F_B, _wait_batch_p2p
+
+    if not on:
+        runtime._comp_type_to_function_map.pop(OVERLAP_F_B, None)
+        return
 
     def run(action: _Action, ctx: Any) -> None:
         schedule = ctx.schedule_ref

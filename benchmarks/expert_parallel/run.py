@@ -4,12 +4,15 @@ One profile of a Mixtral-like model (4 layers, hidden 256, 8 experts of FFN 512,
 8 / 2 heads, vocabulary 2048, global batch 16 x 64 tokens) is taken for 4 ``cpu`` ranks as
 ``autopart.compile`` takes it under torchrun (distributed backend, host link and the
 collectives' fixed costs measured). Each arm's degrees are fixed and the layout search
-(:func:`autopart.layout_planning.solve_world_layout`, 1F1B, ZeRO 0) plans it with every rank on
-a core of its own; the plan runs, and is priced again with the world's ranks per core by
+(:func:`autopart.layout_planning.solve_world_layout`, 1F1B unless the arm names its
+schedule, ZeRO 0) plans it with every rank on a core of its own; the plan runs, and is
+priced again with the world's ranks per core by
 :func:`autopart.solver.layout_predict.predict_layout_comm` (as ``benchmarks/fidelity_3d``
-does). On 4 ranks: ``pp2xdp2-ep2`` and ``pp2xdp2`` (ep 1); on 2 ranks: ``dp2-ep2`` and
-``dp2``. Arms alternate step by step (:func:`autopart.apps.bench.run_arms`), the whole is
-repeated ``--repeats`` times in fresh processes; per arm: the prediction, the median of every
+does). On 4 ranks: ``pp2xdp2-ep2`` and ``pp2xdp2`` (ep 1), and ``dualpipev-ep2`` (pp 2 x
+dp 2, DualPipe-V, each forward-backward pair run at once so that one's all-to-alls wait
+while the other computes) beside the same plan run ``dualpipev-ep2-sequential`` (the pairs
+one action after the other, priced so); on 2 ranks: ``dp2-ep2`` and ``dp2``. Arms
+alternate step by step (:func:`autopart.apps.bench.run_arms`), the whole is repeated ``--repeats`` times in fresh processes; per arm: the prediction, the median of every
 timed step, each repeat's median and the spread.
 
     .venv/bin/python benchmarks/expert_parallel/run.py [--steps 7] [--repeats 2] [--out DIR]
@@ -41,11 +44,47 @@ CONFIG = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
           "num_local_experts": 8, "num_experts_per_tok": 2, "num_attention_heads": 8,
           "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 64,
           "batch": 16, "seq": 64}
-ARMS: dict[int, dict[str, dict[str, int]]] = {
+ARMS: dict[int, dict[str, dict[str, Any]]] = {
     4: {"pp2xdp2-ep2": {"tp": 1, "dp": 2, "zero_stage": 0, "ep": 2, "num_microbatches": 4},
-        "pp2xdp2": {"tp": 1, "dp": 2, "zero_stage": 0, "num_microbatches": 4}},
+        "pp2xdp2": {"tp": 1, "dp": 2, "zero_stage": 0, "num_microbatches": 4},
+        "dualpipev-ep2": {"tp": 1, "dp": 2, "zero_stage": 0, "ep": 2, "num_microbatches": 4,
+                          "schedule_kind": "dualpipev"},
+        "dualpipev-ep2-sequential": {"tp": 1, "dp": 2, "zero_stage": 0, "ep": 2,
+                                     "num_microbatches": 4, "schedule_kind": "dualpipev"}},
     2: {"dp2-ep2": {"tp": 1, "dp": 2, "zero_stage": 0, "ep": 2, "num_microbatches": 2},
         "dp2": {"tp": 1, "dp": 2, "zero_stage": 0, "num_microbatches": 2}}}
+
+
+#: arms that run another arm's plan with its DualPipe-V pairs one action after the other
+#: (``DistributedPipeline.overlap_pairs = False``), priced so
+SEQUENTIAL = {"dualpipev-ep2-sequential": "dualpipev-ep2"}
+
+
+def _price(shared: Any, plan: Any, world: int, fixed: dict[str, Any], heads: int | None,
+           sequential: bool) -> float:
+    """``plan``'s step on ``shared`` (``benchmarks/fidelity_3d``'s world profile) under its
+    own schedule kind, s; ``sequential``: with its DualPipe-V pairs priced one action after
+    the other (the layout's rule that overlaps them switched off for the pricing)."""
+    from autopart import CompileOptions
+    from autopart.layout_planning import layout_request
+    from autopart.solver import layout_search
+    from autopart.solver.layout_predict import predict_layout_comm
+
+    spec = shared.cluster().devices[0]
+    kind = fixed.get("schedule_kind", "1f1b")
+    opts = CompileOptions(**{"schedule_kind": "1f1b", **fixed})
+    rule = layout_search.overlaps_expert_exchanges
+    if sequential:
+        layout_search.overlaps_expert_exchanges = lambda *_, **__: False  # type: ignore[assignment]
+    try:
+        pred = predict_layout_comm(plan, shared.costs, spec,
+                                   shared.options(schedule_kind=kind,
+                                                  optimizer_state_bytes_per_param_byte=2.0),
+                                   layout_request(opts, world, spec, heads,
+                                                  shared.runtime.collective_bandwidth_bytes_per_s))
+    finally:
+        layout_search.overlaps_expert_exchanges = rule  # type: ignore[assignment]
+    return pred.step_us / 1e6
 
 
 def _fidelity_3d() -> Any:
@@ -85,8 +124,10 @@ def main() -> None:
         alone = dataclasses.replace(shared, runtime=dataclasses.replace(shared.runtime,
                                                                        ranks_per_core=1.0))
         plans[world] = {name: solve_world_layout(alone, CompileOptions(
-            schedule_kind="1f1b", recompute=False, **fixed), world, num_heads=heads)
-            for name, fixed in arms.items()}
+            **{"schedule_kind": "1f1b", **fixed}, recompute=False), world, num_heads=heads)
+            for name, fixed in arms.items() if name not in SEQUENTIAL}
+        plans[world].update({name: plans[world][of] for name, of in SEQUENTIAL.items()
+                             if name in arms})
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in ARMS}
     priced: dict[str, list[float]] = {n: [] for arms in ARMS.values() for n in arms}
     even: dict[str, list[float]] = {n: [] for arms in ARMS.values() for n in arms}
@@ -95,16 +136,18 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             shared = f3d.world_profile(profile, world)
             for name, plan in plans[world].items():
-                step_s, _ = f3d.price(shared, plan, world, ARMS[world][name], heads)
-                priced[name].append(step_s)
+                sequential = name in SEQUENTIAL
+                priced[name].append(_price(shared, plan, world, ARMS[world][name], heads,
+                                           sequential))
                 # the same profile with its measured routing left out: balanced routing
                 even_costs = dataclasses.replace(shared.costs, expert_tokens=())
-                step_s, _ = f3d.price(dataclasses.replace(shared, costs=even_costs), plan,
-                                      world, ARMS[world][name], heads)
-                even[name].append(step_s)
+                even[name].append(_price(dataclasses.replace(shared, costs=even_costs), plan,
+                                         world, ARMS[world][name], heads, sequential))
             runs[world].append(run_arms(WORKLOAD, plans[world], ranks=world, steps=opts.steps,
                                         config=dict(CONFIG), single=False, trace=False,
-                                        measure_memory=False))
+                                        measure_memory=False,
+                                        sequential_pairs=[n for n in SEQUENTIAL
+                                                          if n in plans[world]]))
     loads.append(os.getloadavg()[0])
     rows = []
     for world, arms in plans.items():
@@ -113,7 +156,9 @@ def main() -> None:
             measured = statistics.median(steps)
             predicted = statistics.median(priced[name])
             rows.append({
-                "arm": name, "world": world, "tp": plan.tp, "pp": len(plan.ranks),
+                "arm": name, "world": world, "schedule": plan.schedule_kind,
+                "pairs_overlapped": plan.schedule_kind == "dualpipev" and name not in SEQUENTIAL,
+                "tp": plan.tp, "pp": len(plan.ranks),
                 "dp": plan.dp, "ep": plan.ep, "zero_stage": plan.zero_stage,
                 "m": plan.num_microbatches, "cuts": [c.position for c in plan.cuts],
                 "predicted_step_s": predicted, "repeat_predictions_s": priced[name],
@@ -143,11 +188,13 @@ def main() -> None:
              f"repeats; load {min(loads):.1f}-{max(loads):.1f}.", "",
              "Routing imbalance at ep 2, per MoE layer, measured on the profiled batch: "
              + ", ".join(f"{v:.3f}" for v in meta["routing_imbalance_ep2"].values()) + ".", "",
-             "| arm | ranks | pp | dp | ep | m | predicted | predicted, balanced routing | "
-             "measured (median) | error | repeat medians | spread |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| arm | ranks | schedule | pp | dp | ep | m | predicted | "
+             "predicted, balanced routing | measured (median) | error | repeat medians | "
+             "spread |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['world']} | {r['pp']} | {r['dp']} | {r['ep']} | "
+        lines.append(f"| {r['arm']} | {r['world']} | {r['schedule']} | {r['pp']} | "
+                     f"{r['dp']} | {r['ep']} | "
                      f"{r['m']} | {r['predicted_step_s'] * 1e3:.1f} ms | "
                      f"{r['predicted_balanced_s'] * 1e3:.1f} ms | "
                      f"{r['measured_step_s'] * 1e3:.1f} ms | {r['error'] * 100:+.1f} % | "

@@ -61,11 +61,15 @@ class StepSchedules:
         self._plan, self._pp_size, self._recompute = plan, pp_size, recompute
         self._loss_of_flat, self.gloo = loss_of_flat, gloo
         self._built: tuple[tuple[int, bool], ScheduleRuntime] | None = None
+        self._pairs_on: bool | None = None  # the built runtime's pairs run at once
         self._orders: dict[bool, dict[int, list[Any]]] = {}
 
-    def runtime(self, m: int, training: bool, receives_first: bool) -> ScheduleRuntime:
+    def runtime(self, m: int, training: bool, receives_first: bool,
+                overlap: bool = True) -> ScheduleRuntime:
         """The runtime for ``m`` microbatches (built unless the last one was for the same
-        ``m`` and ``training``), set to post its receives first or in torch's order.
+        ``m`` and ``training``), set to post its receives first or in torch's order, and,
+        where the plan's DualPipe-V pairs overlap, to run them at once (``overlap``) or one
+        action after the other.
 
         Raises:
             PlanError: ``receives_first`` on a pipeline whose sends do not run on gloo.
@@ -79,10 +83,18 @@ class StepSchedules:
             lowered = runtime.pipeline_order_with_comms
             self._orders = {False: lowered,
                             True: {r: receives_first_order(a) for r, a in lowered.items()}}
-            self._built = ((m, training), runtime)
+            self._built, self._pairs_on = ((m, training), runtime), None
         runtime = self._built[1]
         runtime.pipeline_order_with_comms = self._orders[receives_first]
+        if self._overlaps(training) and self._pairs_on != overlap:
+            overlap_pairs(runtime, side_thread, on=overlap)
+            self._pairs_on = overlap
         return runtime
+
+    def _overlaps(self, training: bool) -> bool:
+        plan = self._plan
+        return training and overlaps_expert_exchanges(plan.schedule_kind, plan.ep, plan.tp,
+                                                      plan.cp, plan.zero_stage)
 
     def _new(self, m: int, training: bool) -> ScheduleRuntime:
         # gradients are divided by m once per step in train_step, not by each stage: torch
@@ -96,13 +108,7 @@ class StepSchedules:
         actions = (forward_schedule(self._pp_size, m, v, kind=kind)
                    if not training and kind in V_SCHEDULE_KINDS
                    else build_schedule(kind, self._pp_size, m, v, recompute=self._recompute))
-        plan = self._plan
-        overlap = training and overlaps_expert_exchanges(kind, plan.ep, plan.tp, plan.cp,
-                                                         plan.zero_stage)
         pairs = [dualpipev_pairs(self._pp_size, m, r) for r in range(self._pp_size)] \
-            if overlap else []
-        runtime = new_schedule_runtime(self._stages, m, actions,
-                                       self._loss_of_flat if training else None, pairs)
-        if overlap:
-            overlap_pairs(runtime, side_thread)
-        return runtime
+            if self._overlaps(training) else []
+        return new_schedule_runtime(self._stages, m, actions,
+                                    self._loss_of_flat if training else None, pairs)

@@ -87,6 +87,11 @@ class DistributedPipeline(RankTensors):
             receives_first_order`): gloo holds a send until its receive is posted. Set
             between steps, on every rank alike; True on NCCL raises ``PlanError`` at the
             next step.
+        overlap_pairs: where the plan's DualPipe-V pairs hide their expert all-to-alls
+            (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`), run each pair's
+            forward and backward at once, on two threads (default True, as the plan prices
+            them); False runs them one after the other, to measure what the overlap gains.
+            Set between steps, on every rank alike.
 
     Args:
         model: the model (its tensors may be on ``meta`` when ``stages`` were built from
@@ -187,6 +192,7 @@ class DistributedPipeline(RankTensors):
                                         self._recompute, self.loss_of_flat,
                                         gloo=dist.get_backend(self._p2p_group) == "gloo")
         self.receives_first = self._schedules.gloo  # see the class docstring
+        self.overlap_pairs = True  # see the class docstring
         self._recorder: ActionRecorder | None = None
         self._scaled_losses: ScaledLosses | None = None  # during a step with a grad_scaler
 
@@ -197,7 +203,8 @@ class DistributedPipeline(RankTensors):
 
     # ---- running ---------------------------------------------------------------------
     def _schedule(self, m: int, training: bool) -> ScheduleRuntime:
-        return self._schedules.runtime(m, training, bool(self.receives_first))
+        return self._schedules.runtime(m, training, bool(self.receives_first),
+                                       bool(self.overlap_pairs))
 
     def loss_of_flat(self, out: Any, target: Any) -> torch.Tensor:
         """``loss_fn`` on the last stage's flat output (a tensor or a tuple of them), as
