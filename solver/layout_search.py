@@ -35,7 +35,18 @@ from autopart.solver.solve import auto_recompute, solve
 from autopart.solver.tensor_parallel import find_tensor_parallel
 
 __all__ = ["LayoutOptions", "LayoutCandidate", "layout_candidates", "evaluate_layout",
-           "solve_layout", "dp_exposed_us", "layer_units"]
+           "solve_layout", "dp_exposed_us", "layer_units", "hides_expert_exchanges"]
+
+
+def hides_expert_exchanges(cand: LayoutCandidate, options: SolveOptions) -> bool:
+    """Whether DualPipe-V's pairs at layout ``cand`` run at once, each hiding its expert
+    all-to-alls under the other's compute, as the distributed runtime runs them
+    (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`) on ranks whose collectives
+    do not share the compute's cores (``RuntimeDescription.collectives_share_compute``:
+    CPU ranks run the pairs one after the other, ``DistributedPipeline.overlap_pairs``)."""
+    return (overlaps_expert_exchanges("dualpipev", cand.ep, cand.tp, cand.cp,
+                                      cand.zero_stage)
+            and not options.runtime.collectives_share_compute)
 
 
 def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
@@ -83,8 +94,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
     line = dp * cp  # the GPUs that reduce gradients together and share ZeRO's shards
     sharded = sharded_costs(costs, tp, device, layout, options.runtime, cache, cand.ep, cp,
                             cand.cp_attention)
-    if sharded.expert_exchanges and not overlaps_expert_exchanges("dualpipev", cand.ep, tp, cp,
-                                                                  zero):
+    if sharded.expert_exchanges and not hides_expert_exchanges(cand, options):
         # DualPipe-V's pairs run one after the other at this layout: nothing hides the
         # all-to-alls
         sharded = replace(sharded, expert_exchanges=())

@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,7 +176,7 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
              save_plan_to: str | os.PathLike[str] | None = None,
              on_step: Callable[[int, int], None] | None = None,
              fuse: Collection[str] = (),
-             sequential_pairs: Collection[str] = ()) -> dict[str, ArmResult]:
+             overlap_pairs: Mapping[str, bool] | None = None) -> dict[str, ArmResult]:
     """Run every plan (and the unpartitioned model) on ``ranks`` local processes.
 
     Args:
@@ -198,8 +198,9 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
         on_step: called in this process as ``on_step(done, total)`` while steps run.
         fuse: arms whose stages run compiled (``autopart.compile(..., fuse=True)``; the
             first warm-up step compiles them).
-        sequential_pairs: arms whose DualPipe-V pairs run one action after the other where
-            the plan overlaps them (``DistributedPipeline.overlap_pairs = False``).
+        overlap_pairs: arm -> whether its DualPipe-V pairs run at once where the plan's
+            layout allows it (``DistributedPipeline.overlap_pairs``; default: the
+            runtime's, off on CPU ranks).
 
     Returns:
         Arm name -> :class:`ArmResult`.
@@ -211,8 +212,9 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
 
     if not plans:
         raise UsageError("run_arms needs at least one plan")
+    overlap_pairs = dict(overlap_pairs or {})
     for what, named in (("untimed", untimed), ("fused", fuse),
-                        ("sequential_pairs", sequential_pairs)):
+                        ("overlap_pairs", overlap_pairs)):
         unknown = sorted(set(named) - set(plans))
         if unknown:
             raise UsageError(f"{what} arms {unknown} are not among the plans {list(plans)}")
@@ -227,7 +229,7 @@ def run_arms(workload: str, plans: dict[str, Plan], *, ranks: int, steps: int = 
                 "steps": steps, "warmup": warmup, "single": single,
                 "threads": threads_per_rank, "trace": traced, "memory": measure_memory,
                 "untimed": sorted(untimed), "fuse": sorted(fuse),
-                "sequential_pairs": sorted(sequential_pairs),
+                "overlap_pairs": overlap_pairs,
                 "save": None if save_plan_to is None else str(Path(save_plan_to).resolve())}
         Path(work, "spec.json").write_text(json.dumps(spec))
         with socket.socket() as s:
@@ -284,8 +286,8 @@ def _rank_main(rank: int, world: int, port: int, work: str) -> None:
         first_m = first_m if i else plan.num_microbatches
         pipe = autopart.compile(copy.deepcopy(model), args, loss_fn=loss_fn, plan=plan,
                                 backend="distributed", fuse=name in spec["fuse"])
-        if name in spec["sequential_pairs"]:
-            pipe.overlap_pairs = False  # type: ignore[union-attr]
+        if name in spec["overlap_pairs"]:
+            pipe.overlap_pairs = spec["overlap_pairs"][name]  # type: ignore[union-attr]
         # a rank whose stages hold no parameter (a cut after the input's reshape) still
         # steps: AdamW over one empty group, as torch refuses an empty parameter list
         arms.append((name, pipe, torch.optim.AdamW([{"params": list(pipe.parameters())}],

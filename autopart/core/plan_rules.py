@@ -31,7 +31,10 @@ def overlaps_expert_exchanges(schedule_kind: str, ep: int, tp: int = 1, cp: int 
     solver prices the pair so: ``dualpipev`` with ``ep > 1``, and no other collective inside
     the stages' actions whose order two threads could swap between ranks (tp's and cp's, and
     ZeRO-2/3's gathers and reduce-scatters per microbatch): ``tp == cp == 1`` and
-    ``zero_stage <= 1``. The two chunks' all-to-alls run on an ep group each.
+    ``zero_stage <= 1``. The two chunks' all-to-alls run on an ep group each. CPU ranks
+    run the pairs one after the other all the same unless told otherwise
+    (``DistributedPipeline.overlap_pairs``: measured slower there), and the solver prices
+    them so (``autopart.solver.layout_search.hides_expert_exchanges``).
     """
     return (schedule_kind == "dualpipev" and ep > 1 and tp == 1 and cp == 1
             and zero_stage <= 1)

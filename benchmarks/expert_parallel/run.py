@@ -9,9 +9,9 @@ schedule, ZeRO 0) plans it with every rank on a core of its own; the plan runs, 
 priced again with the world's ranks per core by
 :func:`autopart.solver.layout_predict.predict_layout_comm` (as ``benchmarks/fidelity_3d``
 does). On 4 ranks: ``pp2xdp2-ep2`` and ``pp2xdp2`` (ep 1), and ``dualpipev-ep2`` (pp 2 x
-dp 2, DualPipe-V, each forward-backward pair run at once so that one's all-to-alls wait
-while the other computes) beside the same plan run ``dualpipev-ep2-sequential`` (the pairs
-one action after the other, priced so); on 2 ranks: ``dp2-ep2`` and ``dp2``. Arms
+dp 2, DualPipe-V, its forward-backward pairs one action after the other, as CPU ranks run
+them) beside the same plan run ``dualpipev-ep2-overlapped`` (each pair at once, on two
+threads, so that one's all-to-alls wait while the other computes; priced so); on 2 ranks: ``dp2-ep2`` and ``dp2``. Arms
 alternate step by step (:func:`autopart.apps.bench.run_arms`), the whole is repeated ``--repeats`` times in fresh processes; per arm: the prediction, the median of every
 timed step, each repeat's median and the spread.
 
@@ -49,22 +49,24 @@ ARMS: dict[int, dict[str, dict[str, Any]]] = {
         "pp2xdp2": {"tp": 1, "dp": 2, "zero_stage": 0, "num_microbatches": 4},
         "dualpipev-ep2": {"tp": 1, "dp": 2, "zero_stage": 0, "ep": 2, "num_microbatches": 4,
                           "schedule_kind": "dualpipev"},
-        "dualpipev-ep2-sequential": {"tp": 1, "dp": 2, "zero_stage": 0, "ep": 2,
+        "dualpipev-ep2-overlapped": {"tp": 1, "dp": 2, "zero_stage": 0, "ep": 2,
                                      "num_microbatches": 4, "schedule_kind": "dualpipev"}},
     2: {"dp2-ep2": {"tp": 1, "dp": 2, "zero_stage": 0, "ep": 2, "num_microbatches": 2},
         "dp2": {"tp": 1, "dp": 2, "zero_stage": 0, "num_microbatches": 2}}}
 
 
-#: arms that run another arm's plan with its DualPipe-V pairs one action after the other
-#: (``DistributedPipeline.overlap_pairs = False``), priced so
-SEQUENTIAL = {"dualpipev-ep2-sequential": "dualpipev-ep2"}
+#: arms that run another arm's plan with its DualPipe-V pairs at once
+#: (``DistributedPipeline.overlap_pairs = True``; CPU ranks run them one after the other by
+#: default), priced so
+OVERLAPPED = {"dualpipev-ep2-overlapped": "dualpipev-ep2"}
 
 
 def _price(shared: Any, plan: Any, world: int, fixed: dict[str, Any], heads: int | None,
-           sequential: bool) -> float:
+           overlapped: bool) -> float:
     """``plan``'s step on ``shared`` (``benchmarks/fidelity_3d``'s world profile) under its
-    own schedule kind, s; ``sequential``: with its DualPipe-V pairs priced one action after
-    the other (the layout's rule that overlaps them switched off for the pricing)."""
+    own schedule kind, s; ``overlapped``: with its DualPipe-V pairs priced as run at once
+    (``layout_search.hides_expert_exchanges`` answering yes for the pricing; on CPU ranks
+    it says no, as the runtime runs them)."""
     from autopart import CompileOptions
     from autopart.layout_planning import layout_request
     from autopart.solver import layout_search
@@ -73,9 +75,9 @@ def _price(shared: Any, plan: Any, world: int, fixed: dict[str, Any], heads: int
     spec = shared.cluster().devices[0]
     kind = fixed.get("schedule_kind", "1f1b")
     opts = CompileOptions(**{"schedule_kind": "1f1b", **fixed})
-    rule = layout_search.overlaps_expert_exchanges
-    if sequential:
-        layout_search.overlaps_expert_exchanges = lambda *_, **__: False  # type: ignore[assignment]
+    rule = layout_search.hides_expert_exchanges
+    if overlapped:
+        layout_search.hides_expert_exchanges = lambda *_, **__: True  # type: ignore[assignment]
     try:
         pred = predict_layout_comm(plan, shared.costs, spec,
                                    shared.options(schedule_kind=kind,
@@ -83,7 +85,7 @@ def _price(shared: Any, plan: Any, world: int, fixed: dict[str, Any], heads: int
                                    layout_request(opts, world, spec, heads,
                                                   shared.runtime.collective_bandwidth_bytes_per_s))
     finally:
-        layout_search.overlaps_expert_exchanges = rule  # type: ignore[assignment]
+        layout_search.hides_expert_exchanges = rule  # type: ignore[assignment]
     return pred.step_us / 1e6
 
 
@@ -125,8 +127,8 @@ def main() -> None:
                                                                        ranks_per_core=1.0))
         plans[world] = {name: solve_world_layout(alone, CompileOptions(
             **{"schedule_kind": "1f1b", **fixed}, recompute=False), world, num_heads=heads)
-            for name, fixed in arms.items() if name not in SEQUENTIAL}
-        plans[world].update({name: plans[world][of] for name, of in SEQUENTIAL.items()
+            for name, fixed in arms.items() if name not in OVERLAPPED}
+        plans[world].update({name: plans[world][of] for name, of in OVERLAPPED.items()
                              if name in arms})
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in ARMS}
     priced: dict[str, list[float]] = {n: [] for arms in ARMS.values() for n in arms}
@@ -136,18 +138,18 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             shared = f3d.world_profile(profile, world)
             for name, plan in plans[world].items():
-                sequential = name in SEQUENTIAL
+                overlapped = name in OVERLAPPED
                 priced[name].append(_price(shared, plan, world, ARMS[world][name], heads,
-                                           sequential))
+                                           overlapped))
                 # the same profile with its measured routing left out: balanced routing
                 even_costs = dataclasses.replace(shared.costs, expert_tokens=())
                 even[name].append(_price(dataclasses.replace(shared, costs=even_costs), plan,
-                                         world, ARMS[world][name], heads, sequential))
+                                         world, ARMS[world][name], heads, overlapped))
             runs[world].append(run_arms(WORKLOAD, plans[world], ranks=world, steps=opts.steps,
                                         config=dict(CONFIG), single=False, trace=False,
                                         measure_memory=False,
-                                        sequential_pairs=[n for n in SEQUENTIAL
-                                                          if n in plans[world]]))
+                                        overlap_pairs={n: True for n in OVERLAPPED
+                                                       if n in plans[world]}))
     loads.append(os.getloadavg()[0])
     rows = []
     for world, arms in plans.items():
@@ -157,7 +159,7 @@ def main() -> None:
             predicted = statistics.median(priced[name])
             rows.append({
                 "arm": name, "world": world, "schedule": plan.schedule_kind,
-                "pairs_overlapped": plan.schedule_kind == "dualpipev" and name not in SEQUENTIAL,
+                "pairs_overlapped": name in OVERLAPPED,
                 "tp": plan.tp, "pp": len(plan.ranks),
                 "dp": plan.dp, "ep": plan.ep, "zero_stage": plan.zero_stage,
                 "m": plan.num_microbatches, "cuts": [c.position for c in plan.cuts],

@@ -62,3 +62,17 @@ def test_the_runtime_overlaps_only_where_no_other_collective_runs_in_an_action()
     assert not overlaps_expert_exchanges("dualpipev", ep=2, tp=2)
     assert not overlaps_expert_exchanges("dualpipev", ep=2, cp=2)
     assert not overlaps_expert_exchanges("dualpipev", ep=2, zero_stage=2)
+
+
+def test_the_layout_search_hides_them_where_collectives_do_not_share_the_cores() -> None:
+    from autopart.core.runtime_model import RuntimeDescription
+    from autopart.solver import SolveOptions
+    from autopart.solver.layout_search import LayoutCandidate, hides_expert_exchanges
+
+    gpu = SolveOptions(batch_size=8)
+    cpu = replace(gpu, runtime=RuntimeDescription(collectives_share_compute=True))
+    at = LayoutCandidate(1, 2, 2, 0, 0.0, 0, ep=2)
+    assert hides_expert_exchanges(at, gpu)
+    assert not hides_expert_exchanges(at, cpu)  # CPU ranks run the pairs one after the other
+    assert not hides_expert_exchanges(replace(at, zero_stage=3), gpu)
+    assert not hides_expert_exchanges(replace(at, ep=1), gpu)

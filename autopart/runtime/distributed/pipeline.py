@@ -87,10 +87,14 @@ class DistributedPipeline(RankTensors):
             receives_first_order`): gloo holds a send until its receive is posted. Set
             between steps, on every rank alike; True on NCCL raises ``PlanError`` at the
             next step.
-        overlap_pairs: where the plan's DualPipe-V pairs hide their expert all-to-alls
+        overlap_pairs: where the plan's DualPipe-V pairs may hide their expert all-to-alls
             (:func:`autopart.core.plan_rules.overlaps_expert_exchanges`), run each pair's
-            forward and backward at once, on two threads (default True, as the plan prices
-            them); False runs them one after the other, to measure what the overlap gains.
+            forward and backward at once, on two threads; else one after the other. Default
+            True on CUDA ranks, False on CPU ranks, as the solver prices them: on CPU the
+            two threads share the rank's cores with the all-to-alls themselves and with the
+            other ranks, and measured slower (this project's 2-core CPU, 4 gloo ranks, a
+            Mixtral-like model at pp 2 x dp 2 x ep 2, DualPipe-V m 4: 572.4 ms a step
+            overlapped against 462.7 ms one after the other, ``benchmarks/expert_parallel``).
             Set between steps, on every rank alike.
 
     Args:
@@ -192,7 +196,7 @@ class DistributedPipeline(RankTensors):
                                         self._recompute, self.loss_of_flat,
                                         gloo=dist.get_backend(self._p2p_group) == "gloo")
         self.receives_first = self._schedules.gloo  # see the class docstring
-        self.overlap_pairs = True  # see the class docstring
+        self.overlap_pairs = device.type == "cuda"  # see the class docstring
         self._recorder: ActionRecorder | None = None
         self._scaled_losses: ScaledLosses | None = None  # during a step with a grad_scaler
 
