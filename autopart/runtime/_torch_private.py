@@ -150,10 +150,15 @@ def overlap_pairs(runtime: _PipelineScheduleRuntime,
         schedule.backward_counter[bwd.stage_index] += 1
         last = schedule.backward_counter[bwd.stage_index] == schedule._n_microbatches
         failed: list[BaseException] = []
+        # a thread starts on its device's default stream: the backward's kernels go to the
+        # caller's stream, as torchtitan's callback sets it
+        device = getattr(b_stage, "device", torch.device("cpu"))
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
         def backward() -> None:
             try:
-                with side_thread():
+                with side_thread(), (torch.cuda.stream(stream) if stream is not None
+                                     else contextlib.nullcontext()):
                     b_stage.backward_one_chunk(b_mb, loss=loss, full_backward=True,
                                                last_backward=last)
             except BaseException as exc:  # re-raised on the calling thread
