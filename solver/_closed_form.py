@@ -148,7 +148,7 @@ def _schedule_step_us(kind: str, num_ranks: int, num_microbatches: int,
         # back up the V
         load = m * loads(t)
         if kind == "dualpipev" and c.overlaps_pairs:
-            load = _paired_load_us(p, m, c, t)
+            load = _paired_load_us(p, m, c, fp, bp)
         steady = load + (p - 1) * max(max(f, i) for f, i in zip(fp, ip, strict=True))
         return max(steady, sum(fp) + sum(ip) + c.bwd_weight_us[0] + (m - 1) * max(t))
     if kind == "interleaved_1f1b" and v > 1:
@@ -160,22 +160,23 @@ def _schedule_step_us(kind: str, num_ranks: int, num_microbatches: int,
     return (m - 1) * max(t) + sum(t)
 
 
-def _paired_load_us(p: int, m: int, c: StageCosts, t: Sequence[float]) -> float:
+def _paired_load_us(p: int, m: int, c: StageCosts, fp: Sequence[float],
+                    bp: Sequence[float]) -> float:
     """The busiest rank's work in one DualPipe-V step whose pairs hide their all-to-alls
-    (:meth:`StageCosts.pair_us`): ``m (t_c0 + t_c1)`` less what each of its pairs saves,
-    rank ``r`` running ``m - 2p + r + 1`` pairs (F of chunk 0, B of chunk 1), one fewer on
-    the last rank, and ``m - p`` pairs (F of chunk 1, B of chunk 0)
-    (:func:`autopart.core.v_schedules.dualpipev_pairs`), µs."""
+    (:meth:`StageCosts.pair_us`), µs: ``m (t_c0 + t_c1)`` (``t = fp + bp``: each stage's
+    forward and backward with their sends) less what each of its pairs saves, rank ``r``
+    running ``m - 2p + r + 1`` pairs (F of chunk 0, B of chunk 1), one fewer on the last
+    rank, and ``m - p`` pairs (F of chunk 1, B of chunk 0)
+    (:func:`autopart.core.v_schedules.dualpipev_pairs`)."""
     def saved(forward: int, backward: int) -> float:
-        whole = t[forward] - c.bwd_input_us[forward] - c.bwd_weight_us[forward] \
-            - c.send_bwd_us[forward] + t[backward] - c.fwd_us[backward] - c.send_fwd_us[backward]
-        return max(whole - c.pair_us(forward, backward), 0.0)
+        return max(fp[forward] + bp[backward] - c.pair_us(forward, backward), 0.0)
 
     loads = []
     for r in range(p):
         c0, c1 = r, 2 * p - 1 - r
         n01 = m - 2 * p + r + 1 - (r == p - 1)
-        loads.append(m * (t[c0] + t[c1]) - n01 * saved(c0, c1) - (m - p) * saved(c1, c0))
+        loads.append(m * (fp[c0] + bp[c0] + fp[c1] + bp[c1])
+                     - n01 * saved(c0, c1) - (m - p) * saved(c1, c0))
     return max(loads)
 
 

@@ -86,16 +86,14 @@ def _with_pairs(actions: list[_Action], pairs: Collection[tuple[Any, Any]]) -> l
     ``OVERLAP_F_B`` action."""
     from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
-    def key(a: _Action) -> tuple[int, str, int | None]:
-        return a.stage_index, str(a)[len(str(a.stage_index))], a.microbatch_index
-
-    wanted = {tuple(f): tuple(b) for f, b in pairs}
+    # each action by its text ("2F0"), which is how the actions were made (_Action.from_str)
+    wanted = {"{}{}{}".format(*f): "{}{}{}".format(*b) for f, b in pairs}
     out: list[_Action] = []
     i = 0
     while i < len(actions):
         a = actions[i]
         b = actions[i + 1] if i + 1 < len(actions) else None
-        if b is not None and wanted.get(key(a)) == key(b):
+        if b is not None and wanted.get(str(a)) == str(b):
             out.append(_Action(-1, OVERLAP_F_B, None, (a, b)))
             i += 2
             continue
