@@ -147,6 +147,12 @@ def profile_model(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             runtime = dataclasses.replace(runtime, selective_us_per_node=_selective_cached(
                 session, captured, flat, costs))
         timings["selective_cost_s"] = time.perf_counter() - t0
+    if options.training and torch.device(session.device).type == "cpu":
+        # torch.utils.checkpoint keeps the CPU generator's state from each recomputing
+        # stage's forward to its backward (preserve_rng_state): on CPU ranks, device memory
+        state = torch.get_rng_state()
+        runtime = dataclasses.replace(
+            runtime, checkpoint_held_bytes=state.numel() * state.element_size())
     cores = usable_cores()
     if (options.runtime.ranks_are_processes and options.training and ranks > cores
             and torch.device(session.device).type == "cpu" and corunners_available()):

@@ -179,10 +179,19 @@ def _exchanges(model: CostModel, kind: str, span: StageSpan, ratio: float, fwd: 
 def _backward_extra(model: CostModel, span: StageSpan, kind: str, transient: int,
                     recomputed: int, cross_out: int, ratio: float) -> int:
     """What one backward of the stage holds above what it began with, bytes: where the stage
-    neither recomputes nor splits its backward, the largest node working set less what the
-    backward freed before reaching it (:meth:`MemoryModel.backward_working_bytes`);
-    otherwise the forward it recomputes and the largest node working set whole (an ``I``
-    keeps the saved set for its ``W``), less, on torch's last stage, the loss's saved set.
+    does not split its backward, the largest node working set less what the backward freed
+    before reaching it (:meth:`MemoryModel.backward_working_bytes`), and where it
+    recomputes, the forward it recomputes beside the larger of that and the recomputation's
+    own working set (:meth:`MemoryModel.recomputation_bytes`); where it splits, the forward
+    it recomputes (if it does) and the largest node working set whole (an ``I`` keeps the
+    saved set for its ``W``). Less, on torch's last stage recomputing, the loss's saved set.
+
+    Measured on 2 gloo ranks (1F1B m 4): the demo's GPT-2 (12 layers, n_embd 768, vocabulary
+    50257, 2 x 128 tokens per microbatch), its first stage recomputing whole or selectively,
+    peaked at 1781.5 and 1849.8 MiB, where the recomputed set beside the whole largest working
+    set (the embedding table's dense gradient, made last, after the recomputed set is freed)
+    priced 1918.2 and 1985.7 (1.08x); with the walk, 1783.0 and 1850.6 (1.00x). On the
+    6-layer, n_embd 384 one and on a 4-layer Llama (every policy): 1.000-1.04x.
 
     torch's last stage runs the loss outside the forward it recomputes: the loss's backward
     runs first and frees what the loss saved, and only then does the stage's first saved
@@ -196,14 +205,19 @@ def _backward_extra(model: CostModel, span: StageSpan, kind: str, transient: int
 
     Measured on 2 gloo ranks (Llama, 4 layers, hidden 256, 4 x 1024 tokens, pp 2, the
     distributed runtime): with the credit, stages that recompute nothing were predicted
-    1.01-1.07x of their measured peak (1.03-1.16x without). Recomputing stages take none:
-    credited, the op-level policy's plan was predicted 0.94x and 0.97x of its measured
-    peaks (0.99x and 1.01x without)."""
+    1.01-1.07x of their measured peak (1.03-1.16x without). Recomputing stages: credited
+    without the recomputation's own working set, the op-level policy's first rank was
+    0.996x (its peak fell inside the recomputation); with it, 1.003x."""
     if not model.training:
         return 0
     if span.recompute or splits_backward(kind, span.recompute):
         freed = (model.scale_bytes(model.costs.loss_saved_bytes, ratio)
                  if span.recompute and span.last and _torch_held(model) else 0)
+        if span.recompute and not splits_backward(kind, span.recompute):
+            walk = model.backward_working_bytes(span.start, span.stop, ratio,
+                                                0 if span.last else cross_out)
+            return max(recomputed - freed, 0) + max(
+                walk, model.recomputation_bytes(span.start, span.stop, ratio))
         return transient + max(recomputed - freed, 0)
     return model.backward_working_bytes(span.start, span.stop, ratio,
                                         0 if span.last else cross_out)
@@ -324,14 +338,16 @@ def _saved_bytes(model: CostModel, span: StageSpan, cross_in: int, cross_out: in
     # holds the saved set instead (MemoryModel.selective_kept_bytes; 0 under "full")
     kept = model.scale_bytes(model.selective_kept_bytes(span.start, span.stop), ratio) \
         if training else 0
+    # what the checkpoint itself keeps from F to B (the CPU generator's state on CPU ranks)
+    rng = model.runtime.checkpoint_held_bytes if training else 0
     if _torch_held(model):
         # a recomputed stage of torch's keeps its outputs (the stage's cache), the copies of
         # strided values and the loss's saved set (the loss runs outside the recomputed
         # forward) from F to B; its inputs are receive buffers (static). The backward
         # recomputes the rest
         loss = model.scale_bytes(model.costs.loss_saved_bytes, ratio) if span.last else 0
-        return outs + strided + loss + kept, max(inside - loss - kept, 0)
-    return cross_in + held_out + kept, max(inside + outs - kept, 0)
+        return outs + strided + loss + kept + rng, max(inside - loss - kept, 0)
+    return cross_in + held_out + kept + rng, max(inside + outs - kept, 0)
 
 
 def _split_bytes(model: CostModel, span: StageSpan, cross_out: int,

@@ -56,6 +56,12 @@ class RuntimeDescription:
             modes (default ``(0.0, 0.0)``; each must be >= 0; measured by
             ``autopart.profiler.selective_cost.measure_selective_overhead``). The same at every
             microbatch size.
+        checkpoint_held_bytes: what each checkpointed forward (a recomputing stage's, per
+            microbatch) holds on the rank's device from its forward until its backward
+            beyond the activations it keeps, bytes (default 0; must be >= 0): on CPU ranks
+            the generator state ``torch.utils.checkpoint`` saves (``preserve_rng_state``,
+            ``torch.get_rng_state()``: 5056 bytes in torch 2.13), set by the profiler; a
+            CUDA generator's state is saved on the host, so 0 there.
         ranks_are_processes: each rank is a process computing at the same time as the host's
             other ranks (default False): the profiler then calibrates beside co-runners.
         transfer_steps: ``"module:function"`` the profiler's two timing processes call to
@@ -164,6 +170,7 @@ class RuntimeDescription:
     split_backward_us_per_node: float = 0.0
     split_backward_points: tuple[tuple[float, float], ...] = ()
     selective_us_per_node: tuple[float, float] = (0.0, 0.0)
+    checkpoint_held_bytes: int = 0
     ranks_are_processes: bool = False
     transfer_steps: str | None = None
     issue_threads: int | None = 1
@@ -194,6 +201,9 @@ class RuntimeDescription:
         if len(self.selective_us_per_node) != 2 or not min(self.selective_us_per_node) >= 0.0:
             raise PlanError(f"selective_us_per_node={self.selective_us_per_node} must be "
                             "(forward µs, backward µs) per node, each >= 0")
+        if not self.checkpoint_held_bytes >= 0:
+            raise PlanError(f"checkpoint_held_bytes={self.checkpoint_held_bytes} must be >= 0 "
+                            "(bytes a checkpointed forward holds until its backward)")
         if not self.split_backward_us_per_node >= 0.0:
             raise PlanError(f"split_backward_us_per_node={self.split_backward_us_per_node} "
                             "must be >= 0 (splitting a backward cannot make it cheaper)")

@@ -40,6 +40,9 @@ def test_profile_model_measures_it_only_when_asked() -> None:
     plain = profile_model(model, (x,), devices=["cpu"], num_microbatches=2, cache=False,
                           low_batch=False, split_cost=False)
     assert plain.runtime.selective_us_per_node == (0.0, 0.0)
+    # a CPU profile says what torch.utils.checkpoint keeps beside the activations: the
+    # generator's state (preserve_rng_state)
+    assert plain.runtime.checkpoint_held_bytes == torch.get_rng_state().numel() > 0
     assert "selective_cost_s" not in plain.timings_s
     asked = profile_model(model, (x,), devices=["cpu"], num_microbatches=2, cache=False,
                           low_batch=False, split_cost=False, selective_cost=True)

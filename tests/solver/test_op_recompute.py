@@ -167,9 +167,10 @@ def test_op_is_never_slower_than_full_under_the_same_cap(build: Any) -> None:
             ("gelu", 10.0, 3408, 4405), ("gelu", 40.0, 745, 3969), ("gelu", 40.0, 4831, 204),
             ("gelu", 10.0, 1740, 4140), ("gelu", 80.0, 2766, 2515)]
     g = build.chain(len(rows), saved=2000, out=2000, param_bytes=40)
+    # each node saves its input (the node before returned it), nothing of its own
     g = replace(g, nodes=tuple(
         replace(nd, op=f"aten.{op}.default", fwd_us=fwd, output_bytes=out, saved_bytes=saved,
-                saved_from=((1, 100),) if i else ())
+                saved_from=((1, saved),) if i else ())
         for i, (nd, (op, fwd, out, saved)) in enumerate(zip(g.nodes, rows, strict=True))))
     base: dict[str, Any] = dict(batch_size=8, num_microbatches=4, schedule_kind="1f1b")
     cluster = build.cluster(2)

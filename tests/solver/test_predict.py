@@ -293,9 +293,11 @@ def test_torchs_last_stage_recomputes_after_the_loss_has_freed_what_it_saved(
         return list(predict(plan, costs, cluster, opts).stage_costs.backward_extra_bytes)
 
     plain, again = extra([False] * 3), extra([True] * 3)
-    # recomputing, a middle stage holds its recomputed saved set (300) beside its largest
-    # working set (100 + its weight's new gradient, 10)
-    assert again[1] == 300 + 110
+    # recomputing, a middle stage holds its recomputed saved set (300) beside the larger of
+    # its backward's working set (100 + its weight's new gradient, 10) and the recomputation's
+    # (b's output gradient, 100, live from the backward that unpacks first; no node before b
+    # runs again)
+    assert again[1] == 300 + max(110, 100 + 0)
     # the last stage recomputes what it saved less the loss's set (500 - 200) only after the
     # loss's backward freed that set: 910 + 300 - 200, not 910 + 300
     assert again[2] == 910 + 300 - 200
@@ -306,6 +308,59 @@ def test_torchs_last_stage_recomputes_after_the_loss_has_freed_what_it_saved(
     assert predict(plan, big_loss, cluster, opts).stage_costs.backward_extra_bytes[2] == 910
     # without recompute nothing moved: the working set, nothing freed before it
     assert plain[2] == 910
+
+
+def test_a_recomputing_stage_is_credited_what_its_backward_freed_before_its_largest_need(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # a -> b | c (cut at 2, 2 ranks). a is an embedding: it saves nothing, and its backward
+    # makes the table's dense gradient (working set 900 + its weight's new gradient, 10) last
+    # of all; b saves 300 of its own and needs 100 (+ 10). Recomputing, the first stage
+    # rebuilds b's 300, and b's backward frees them before a's runs
+    def node(name: str, inputs: tuple[str, ...], saved: int, transient: int, w: str,
+             out: int = 100) -> Any:
+        base = build.node(name, inputs, out=out, saved=saved, params=(w,))
+        return dataclasses.replace(base, saved_from=(), transient_bytes=transient)
+
+    def first_stage_extra(a_need: int, b_out: int) -> int:
+        nodes = [node("a", ("x",), 0, a_need, "w0"), node("b", ("a",), 300, 100, "w1", b_out),
+                 node("c", ("b",), 100, 100, "w2")]
+        costs = build.graph(nodes, params={f"w{i}": (10, 2) for i in range(3)})
+        cluster = build.cluster(2, link_bw=1e12)
+        opts = SolveOptions(batch_size=8, num_microbatches=1,
+                            runtime=RuntimeDescription(receive_buffers_per_microbatch=True))
+        plan = plan_at(costs, cluster, opts, (2,), kind="1f1b", num_microbatches=1,
+                       recompute=[True, False])
+        return predict(plan, costs, cluster, opts).stage_costs.backward_extra_bytes[0]
+
+    # the backward's walk: b's 110 with the 300 held, then a's 910 with b's 300 freed:
+    # 300 + max(110, 910 - 300), where the whole working set beside the whole recomputed set
+    # (300 + 910) would count a's gradient over the saved set b has already let go
+    assert first_stage_extra(900, 100) == 300 + 610
+    # the recomputation's own: b's output gradient (500, live from b's backward, which
+    # unpacks first) beside a's output being run again (100) outweighs the walk
+    # (500 at b; 210 - 300 at a)
+    assert first_stage_extra(200, 500) == 300 + 500 + 100
+
+
+def test_a_checkpointed_forward_holds_what_the_runtime_says_until_its_backward(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # on CPU ranks torch.utils.checkpoint keeps the generator's state (5056 bytes) from each
+    # recomputing stage's forward to its backward; the profiler sets it, 0 elsewhere
+    costs = build.chain(4, saved=100, out=100, param_bytes=40)
+    cluster = build.cluster(2, link_bw=1e12)
+
+    def saved(held: int, recompute: list[bool]) -> list[int]:
+        opts = SolveOptions(batch_size=8, num_microbatches=2, runtime=RuntimeDescription(
+            receive_buffers_per_microbatch=True, checkpoint_held_bytes=held))
+        plan = plan_at(costs, cluster, opts, (2,), kind="1f1b", num_microbatches=2,
+                       recompute=recompute)
+        return list(predict(plan, costs, cluster, opts).stage_costs.saved_bytes)
+
+    rc = [True, False]
+    assert [a - b for a, b in zip(saved(5056, rc), saved(0, rc), strict=True)] == [5056, 0]
+    assert saved(5056, [False, False]) == saved(0, [False, False])
+    with pytest.raises(PlanError, match="checkpoint_held_bytes"):
+        RuntimeDescription(checkpoint_held_bytes=-1)
 
 
 def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_microbatches(

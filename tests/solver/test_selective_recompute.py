@@ -64,6 +64,32 @@ def test_hand_worked_kept_bytes_and_recomputed_forward(build: Any) -> None:
         SolveOptions(batch_size=8, recompute_policy="some")
 
 
+
+def test_a_kept_op_keeps_what_it_saves_of_its_own(build: Any) -> None:
+    """Selective checkpointing caches every tensor a kept op returns: an attention that
+    saves 60 bytes of its own beside its input (the CPU flash kernel's logsumexp) keeps
+    them with its output; the last node's share of the loss's saved set is no such part."""
+    n = build.node
+    nodes = [replace(n("qkv", ("x",), fwd=40.0, out=300, saved=100, params=("w",),
+                       param_bytes=64), op="aten.linear.default", saved_from=((1, 100),)),
+             replace(n("attn", ("qkv",), fwd=30.0, out=100, saved=360),
+                     op="aten.scaled_dot_product_attention.default", saved_from=((1, 300),)),
+             replace(n("head", ("attn",), fwd=40.0, out=200, saved=100 + 250,
+                       params=("h",), param_bytes=64), op="aten.linear.default",
+                     saved_from=((1, 100),))]
+    g = replace(build.graph(nodes, inputs={"x": 100}, params={"w": (64, 16), "h": (64, 16)}),
+                loss_saved_bytes=250)
+    sel = CostModel(g, build.cluster(1), batch_size=8, training=True, state_factor=2.0,
+                    recompute_policy="selective")
+    costs = sel.keep_costs(0, 3)
+    assert costs[1] == 100 + 60  # its output and its own statistics
+    assert costs[0] == 300  # a matmul saves nothing of its own
+    # the head's output is the graph's (held as an output anyway), and the loss's 250
+    # folded into the last node's saved bytes are not the head's own
+    assert costs[2] == 0
+    # kept: every matmul and attention, each with what it saves of its own
+    assert sel.selective_kept_bytes(0, 3) == 300 + 160
+
 def test_selective_sits_between_keeping_everything_and_full_recompute() -> None:
     """GPT-2 measured on this CPU (the golden profile): with every stage recomputing, the
     selective policy is faster than full recompute and holds less from forward to backward
