@@ -21,7 +21,17 @@ from autopart.solver.candidates import CutCandidates
 from autopart.solver.chain import ChainAnswer
 from autopart.solver.simulate import StageCosts, rank_peaks, simulate, simulate_1f1b
 
-__all__ = ["Candidate", "evaluate"]
+__all__ = ["TIE_TOLERANCE", "Candidate", "evaluate"]
+
+#: Predicted step times within this fraction of the fastest candidate's are a tie (speed
+#: target, measured costs): op times measured twice differ by per cents, so a plan predicted
+#: less than this much faster is not known to be faster, and picking it would make the plan
+#: depend on one launch's noise. Kept below the 3 % by which a chosen plan may trail the
+#: fastest measured one. Plans that differ in their cuts no tie-break among whole candidates
+#: can fix: a second launch gets the same plan from the profile cache
+#: (``benchmarks/determinism``). Used by the plan's selection and by ``"op"``'s choice of
+#: what to keep (:mod:`autopart.solver.recompute_choice`).
+TIE_TOLERANCE = 0.02
 
 
 @functools.lru_cache(maxsize=256)

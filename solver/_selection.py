@@ -19,7 +19,7 @@ from autopart.core.cluster import Cluster
 from autopart.core.errors import InfeasiblePlanError, PlanError
 from autopart.core.plan import SCHEDULE_KINDS, BaselineReport, Plan, SolverReport
 from autopart.core.schedule import splits_backward
-from autopart.solver._candidate import Candidate, evaluate
+from autopart.solver._candidate import TIE_TOLERANCE, Candidate, evaluate
 from autopart.solver._cost_model import TIME_UNITS_PER_US
 from autopart.solver._plan_build import build_plan, lower_bounds, pareto
 from autopart.solver._problem_grid import (
@@ -187,16 +187,6 @@ def _key(optimize: str) -> Callable[[Candidate], tuple[float, ...]]:
     if optimize == "speed":
         return lambda c: (round(c.step_us, 6), c.max_peak, sum(c.peaks), c.m, c.v, order[c.kind])
     return lambda c: (c.max_peak, round(c.step_us, 6), sum(c.peaks), c.m, c.v, order[c.kind])
-
-
-#: Predicted step times within this fraction of the fastest candidate's are a tie (speed
-#: target, measured costs): op times measured twice differ by per cents, so a plan predicted
-#: less than this much faster is not known to be faster, and picking it would make the plan
-#: depend on one launch's noise. Kept below the 3 % by which a chosen plan may trail the
-#: fastest measured one. Plans that differ in their cuts no tie-break among whole candidates
-#: can fix: a second launch gets the same plan from the profile cache
-#: (``benchmarks/determinism``).
-TIE_TOLERANCE = 0.02
 
 
 def _to_simulate(pool: list[Candidate], n_sim: int, optimize: str,
