@@ -224,6 +224,31 @@ class CostModel(MemoryModel):
             return 0.0
         return (stop - start) * self.runtime.selective_us_per_node[0]
 
+    def recompute_stop(self, start: int, stop: int) -> int:
+        """Where the recomputation of a stage of nodes ``start .. stop - 1`` ends (exclusive):
+        torch's non-reentrant checkpoint stops (``early_stop``, its default) once it has
+        packed as many saved tensors as the forward did, so nothing after the stage's last
+        node that saves anything runs again, nor that node's kernel where what it saves is
+        only its inputs (autograd packs those before the kernel runs; a node saving its own
+        output or statistics, or one whose profile does not say, runs). ``start`` where no
+        node saves anything.
+
+        Measured on 2 gloo ranks (the demo's GPT-2, 12 layers, n_embd 768, vocabulary 50257,
+        2 x 128 tokens per microbatch, 1F1B m 4): both stages recomputing were priced at
+        10.273 s against 9.229 s measured while the last stage's recomputation counted the
+        LM head's matmul (256 x 768 x 50257 per microbatch), which torch does not run again.
+        """
+        nodes = self.costs.nodes
+        for i in range(stop - 1, start - 1, -1):
+            nd = nodes[i]
+            if not nd.saved_bytes:
+                continue
+            if nd.saved_from is None or self._own_saved(i) or any(
+                    dist == 0 for dist, _ in nd.saved_from):
+                return i + 1
+            return i
+        return start
+
     def part_us(self, part: str, start: int, stop: int, ratio: float) -> float:
         """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``, or ``"recompute"``:
         the forward a recomputing stage runs again, its kept nodes' left out) of nodes

@@ -239,7 +239,10 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
     f = model.speed(span.rank)
     split_us = (model.split_overhead_us(a, z, ratio)
                 if splits_backward(kind, span.recompute) and not span.first else 0.0)
-    fwd, bi, bw = _actions(kind, span, *(model.part_us(part, a, z, ratio) * f
+    # a recomputation runs the stage's forward again up to its last saved tensor only
+    again = model.recompute_stop(a, z) if span.recompute else z
+    ends = {"recompute": again}
+    fwd, bi, bw = _actions(kind, span, *(model.part_us(part, a, ends.get(part, z), ratio) * f
                                          for part in _PARTS), split_us * f)
     if span.recompute:  # the selective policy's checkpointing runs in the forward too
         fwd += model.recompute_fwd_extra_us(a, z) * f
@@ -247,8 +250,8 @@ def _compute_us(model: CostModel, kind: str, span: StageSpan, ratio: float,
     graphed = (model.runtime.cuda_graphs and not span.recompute
                and not splits_backward(kind, span.recompute))
     if model.has_host_times and not graphed:  # a graph replay issues its kernels at once
-        host = _actions(kind, span, *(model.host_part_us(part, a, z) for part in _PARTS),
-                        split_us)
+        host = _actions(kind, span, *(model.host_part_us(part, a, ends.get(part, z))
+                                      for part in _PARTS), split_us)
         if splits_backward(kind, span.recompute):  # I and W are actions of their own
             fwd, bi, bw = max(fwd, host[0]), max(bi, host[1]), max(bw, host[2])
         else:  # one B: the slower side of the whole backward, all in I

@@ -91,7 +91,9 @@ def keep_items(model: CostModel, cand: Candidate) -> list[KeepItem]:
             continue
         a, z = bounds[s], bounds[s + 1]
         costs = model.keep_costs(a, z)
-        for i in range(a, z):
+        # what the recomputation does not run again (past the stage's last saved tensor,
+        # CostModel.recompute_stop) saves nothing kept
+        for i in range(a, model.recompute_stop(a, z)):
             nd = nodes[i]
             if model.kept[i] or not nd.output_is_tensor or not op_keepable(nd.op, VIEW_OPS):
                 continue

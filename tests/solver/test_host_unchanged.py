@@ -22,9 +22,10 @@ already brought within its 0.1 % gap (``solver/_refinement._refine``): one plan'
 report (its bound, status and name: CP-SAT had proved the same answer optimal), nothing else.
 Regenerated on 2026-12-03, when a recomputing stage's backward was credited with the saved
 tensors it has freed (and charged the recomputation's own working set), and the memory
-target's polish compared every rank's peak, largest first: the recomputing stages' peaks,
-and the memory-optimised zero-bubble plan (m 4, largest peak 1293056 bytes, was 1305600 at
-m 2); every other plan byte for byte.
+target's polish compared every rank's peak, largest first, and a recomputation was priced
+up to the stage's last saved tensor (torch's early stop): the recomputing stages' peaks and
+steps, and the memory-optimised zero-bubble plan (m 4, largest peak 1293056 bytes, was
+1305600 at m 2); every other plan byte for byte.
 """
 
 from __future__ import annotations

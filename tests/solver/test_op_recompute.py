@@ -69,7 +69,9 @@ def test_the_kept_set_is_the_best_that_fits(build: Any, share: float, saved: int
                       recompute_policy="op")
     cand = evaluate(model, None, "gpipe", 1, 1, 8, (), None, recompute=True).simulated()
     items = keep_items(model, cand)
-    assert len(items) == 5
+    # the last linear saves only its input: torch's recomputation stops before its kernel
+    # (CostModel.recompute_stop), so keeping its output would save nothing
+    assert len(items) == 4 and all(it.node < 7 for it in items)
     names = [nd.name for nd in g.nodes]
     every = evaluate(model.with_kept(frozenset(names[it.node] for it in items)), None,
                      "gpipe", 1, 1, 8, (), None, recompute=True).simulated()

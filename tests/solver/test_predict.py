@@ -363,6 +363,32 @@ def test_a_checkpointed_forward_holds_what_the_runtime_says_until_its_backward(
         RuntimeDescription(checkpoint_held_bytes=-1)
 
 
+def test_a_recomputation_stops_at_the_stages_last_saved_tensor(
+        build) -> None:  # type: ignore[no-untyped-def]
+    # a -> b -> c -> d, one stage: b saves its input, c saves nothing, d (an LM head) saves
+    # only its input. torch's checkpoint stops once the last saved tensor is packed, before
+    # d's kernel: a, b and c run again (10 + 20 + 30 µs; c makes d's input), d not
+    from autopart.solver._cost_model import CostModel
+
+    def node(name: str, inputs: tuple[str, ...], fwd: float, saved: int,
+             saved_from: tuple[tuple[int, int], ...] | None) -> Any:
+        return dataclasses.replace(build.node(name, inputs, fwd=fwd, out=100, saved=saved),
+                                   saved_from=saved_from)
+
+    def again(d_saves: tuple[tuple[int, int], ...] | None) -> tuple[int, float]:
+        nodes = [node("a", ("x",), 10.0, 0, ()), node("b", ("a",), 20.0, 100, ((1, 100),)),
+                 node("c", ("b",), 30.0, 0, ()), node("d", ("c",), 40.0, 100, d_saves)]
+        model = CostModel(build.graph(nodes), build.cluster(1), batch_size=8, training=True,
+                          state_factor=2.0)
+        stop = model.recompute_stop(0, 4)
+        return stop, model.part_us("recompute", 0, stop, 1.0)
+
+    assert again(((1, 100),)) == (3, 60.0)  # up to d, without d's kernel
+    # d saving its own output (a tanh's) or a profile that does not say: d runs again
+    assert again(((0, 100),)) == (4, 100.0)
+    assert again(None) == (4, 100.0)
+
+
 def test_the_split_cost_per_node_is_read_off_the_points_measured_at_several_microbatches(
         build) -> None:  # type: ignore[no-untyped-def]
     # the test_zero_bubble chain: 8 nodes of fwd 10, I 10, W 10 µs at b0 = 8 (batch 32)
