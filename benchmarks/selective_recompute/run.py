@@ -86,13 +86,18 @@ def _plans(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     # the op-level decision within the full-policy plan's own largest peak: what it gains at
     # the same memory (the cap above leaves room the full-policy plan does not use)
     tight = max(r.peak_memory_bytes for r in full.ranks)
-    plans["solver under full's peak, op"] = profile.solve(**fixed, recompute_policy="op",
-                                                          memory_cap_bytes=tight)
+    refused = None
+    try:
+        plans["solver under full's peak, op"] = profile.solve(**fixed, recompute_policy="op",
+                                                              memory_cap_bytes=tight)
+    except InfeasiblePlanError as exc:  # recorded: "op" should fit wherever "full" does
+        refused = str(exc)
     plans["op's plan, selective policy"] = plan_at(
         profile.costs, cluster, profile.options(**fixed, recompute_policy="selective"),
         tuple(c.position for c in op.cuts), kind=KIND, num_microbatches=M,
         recompute=[st.recompute for st in op.stages], name="selective on the op plan")
     return plans, {"cap_mib": cap / 2**20, "full_peak_mib": tight / 2**20,
+                   "op_at_full_peak_refused": refused,
                    "nodes": {nd.name: (nd.op, nd.output_bytes) for nd in profile.costs.nodes}}
 
 
