@@ -238,16 +238,13 @@ class CostModel(MemoryModel):
         10.273 s against 9.229 s measured while the last stage's recomputation counted the
         LM head's matmul (256 x 768 x 50257 per microbatch), which torch does not run again.
         """
-        nodes = self.costs.nodes
-        for i in range(stop - 1, start - 1, -1):
-            nd = nodes[i]
-            if not nd.saved_bytes:
-                continue
-            if nd.saved_from is None or self._own_saved(i) or any(
-                    dist == 0 for dist, _ in nd.saved_from):
-                return i + 1
-            return i
-        return start
+        i = self.last_saving_node(start, stop)
+        if i is None:
+            return start
+        nd = self.costs.nodes[i]
+        runs = (nd.saved_from is None or self._own_saved(i) > 0
+                or any(dist == 0 for dist, _ in nd.saved_from))
+        return i + 1 if runs else i
 
     def part_us(self, part: str, start: int, stop: int, ratio: float) -> float:
         """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``, or ``"recompute"``:

@@ -441,6 +441,13 @@ class MemoryModel:
             freed += self.scale_bytes(max(nodes[i].saved_bytes - stays, 0), ratio)
         return out
 
+    def last_saving_node(self, start: int, stop: int) -> int | None:
+        """Index of the last node of ``start .. stop - 1`` that saves anything for the
+        backward (``NodeCost.saved_bytes`` > 0), or None: where a checkpointed recomputation
+        of those nodes is triggered and where it stops."""
+        nodes = self.costs.nodes
+        return next((i for i in range(stop - 1, start - 1, -1) if nodes[i].saved_bytes), None)
+
     def recomputation_bytes(self, start: int, stop: int, ratio: float) -> int:
         """Most a recomputation of nodes ``start .. stop - 1`` holds beside the saved set it
         rebuilds, bytes: torch's checkpoint recomputes at the first unpack, inside the
@@ -455,7 +462,7 @@ class MemoryModel:
         recomputation (a rotary embedding's ``neg``), 0.6 MiB above the backward's own
         walk."""
         nodes = self.costs.nodes
-        first = next((i for i in range(stop - 1, start - 1, -1) if nodes[i].saved_bytes), None)
+        first = self.last_saving_node(start, stop)
         if first is None:
             return 0
         return self.scale_bytes(nodes[first].output_bytes, ratio) + max(

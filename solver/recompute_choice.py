@@ -206,9 +206,9 @@ def _selective_on_a_tie(base: CostModel, items: list[KeepItem],
     nodes, their residual adds and GELU products among them, for a predicted 0.3 % over
     the selective set, and measured 1.7-2.1 % slower at 81 MiB more (the kernels between
     kept nodes run again either way)."""
-    nodes, names = base.costs.nodes, [nd.name for nd in base.costs.nodes]
-    sel = frozenset(names[it.node] for it in items if nodes[it.node].op in SELECTIVE_KEPT_NODE_OPS)
-    other = run(sel)
+    nodes = base.costs.nodes
+    other = run(frozenset(nodes[it.node].name for it in items
+                          if nodes[it.node].op in SELECTIVE_KEPT_NODE_OPS))
     c, mine = other[1], best[1]
     fits = all(peak <= cap for peak, cap in zip(c.peaks, limit, strict=True))
     less = (max(c.peaks), sum(c.peaks)) < (max(mine.peaks), sum(mine.peaks))
