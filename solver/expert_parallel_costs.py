@@ -20,7 +20,18 @@
   ``T * k`` rows of ``H`` values each GPU sends (:func:`autopart.solver.collectives.
   all_to_all_us` on the ep group's link; the most loaded GPU receives the imbalance times
   as many), in line with the forward as the runtime runs them, and the same two in the
-  backward; the exchange of per-expert counts before the dispatch is one latency. They are
+  backward; the exchange of per-expert counts before the dispatch is one latency. The
+  runtime's fixed cost per collective (``collective_overhead``: on CPU ranks, mostly the
+  wait for an ep partner still computing) is paid once per layer, by the counts' exchange,
+  which blocks until both partners are in it: the dispatch follows it after a few µs of
+  host work, the combine follows the experts' compute (whose imbalance is priced above),
+  and the backward's two reuse the forward's splits with the partners in step. Measured on
+  4 gloo ranks (2 cores, ``benchmarks/expert_parallel``'s Mixtral-like model, pp 2 x dp 2,
+  2026-12-03 17:05 UTC, one traced step, core time per microbatch): a stage's backward ran
+  0.55-0.7 ms longer at ep 2 than at ep 1 for its 4 all-to-alls, where the fixed cost on
+  each priced 7.3 more; its forward 5.7-12.4 ms longer for its 6 collectives and the
+  routing imbalance, priced 14.1 with the fixed cost on each (the last stage, 12.4, runs the
+  most imbalanced layer). They are
   recorded apart too: under DualPipe-V, where the runtime runs a pair's two actions at once,
   each pair hides them under its other action's compute
   (:meth:`autopart.solver.stage_costs.StageCosts.pair_us`).
@@ -105,9 +116,10 @@ def expert_costs(costs: CostGraph, ep: int, *, bandwidth_bytes_per_s: float, lat
 
     def exchange(rows_bytes: float) -> tuple[float, float]:
         """A layer's forward and backward all-to-alls of ``rows_bytes`` into the most loaded
-        GPU, and the counts' exchange before the forward's, µs."""
-        one = all_to_all_us(int(rows_bytes), ep, bandwidth_bytes_per_s, latency_us) + overhead
-        return 2 * one + latency_us * (ep - 1) + overhead, 2 * one
+        GPU, and the counts' exchange before the forward's, µs; the fixed cost per
+        collective once, on the counts' exchange (see the module docstring)."""
+        move = all_to_all_us(int(rows_bytes), ep, bandwidth_bytes_per_s, latency_us)
+        return 2 * move + latency_us * (ep - 1) + overhead, 2 * move
 
     nodes = list(costs.nodes)
     # a second profiled batch (the batch line): its times get the same changes at its size

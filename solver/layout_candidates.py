@@ -26,7 +26,7 @@ from autopart.solver.data_parallel import (
     sharded_state_multiplier,
     state_multiplier,
 )
-from autopart.solver.expert_parallel_costs import expert_costs, expert_module_paths
+from autopart.solver.expert_parallel_costs import expert_costs, expert_module_paths, expert_params
 from autopart.solver.layout_dp import _dp_cost, _even_bucket_us, _hides_reduction
 from autopart.solver.layout_options import LayoutCandidate, LayoutOptions
 from autopart.solver.options import SolveOptions
@@ -58,7 +58,9 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     stage's time as the pipeline cost model does), plus the dp collectives of an even share
     of the parameters (none where ZeRO-0's reduction, or ZeRO 1-3's with layer units, is
     overlapped and hides under compute; the estimate then charges one bucket of it); the
-    bound is the smallest over the allowed m. With cp > 1 (``sharded`` is then one cp
+    bound is the smallest over the allowed m. At ep > 1 the experts' share is left out of
+    those collectives and all-reduced over its ``dp / ep`` replicas after the flush instead
+    (:func:`autopart.solver.layout_dp.without_experts`). With cp > 1 (``sharded`` is then one cp
     rank's) the dp collectives and ZeRO's shards span the dp line's dp x cp GPUs."""
     overhead_us = device.op_overhead_us
     line = dp * cp
@@ -71,9 +73,16 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
                 linear += max(t - overhead_us, 0.0) * rows
                 fixed += min(t, overhead_us)
     trainable = sum(b for p, b in sharded.param_sizes.items() if p in sharded.trainable)
-    share = -(-trainable // pp)
+    # an ep rank's experts are reduced over their dp / ep replicas after the flush, apart
+    # from the dense rest (solver.layout_dp.without_experts)
+    experts = expert_params(sharded) & sharded.trainable if ep > 1 else frozenset()
+    expert_bytes = sum(sharded.param_sizes[p] for p in experts)
+    share = -(-(trainable - expert_bytes) // pp)
     dp_cost = (_dp_cost(share, line, zero, tp, layout, options.runtime)
                if options.training else None)
+    expert_cost = (_dp_cost(-(-expert_bytes // pp), line // ep, 0, tp, layout, options.runtime,
+                            link_gpus=tp * line)
+                   if options.training and expert_bytes else None)
     _, hidden = _hides_reduction(layout, zero, line, options)
     # ZeRO 1-3's layer units overlap their reduce-scatters and gathers likewise (ZeRO 2-3's
     # per microbatch, under each layer's compute: solver.layout_dp._zero23_layers_exposed)
@@ -95,9 +104,10 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     lb = est = math.inf
     for m in counts:
         dp_us = dp_cost.step_us(m) if dp_cost else 0.0
+        after = expert_cost.step_us(m) if expert_cost else 0.0
         work = (m * fixed + linear + m * send_us(m)) / pp
-        lb = min(lb, max(work, fixed + linear / m) + (0.0 if hidden else dp_us))
-        est = min(est, work * (m + pp - 1) / m + (tail if hidden else dp_us))
+        lb = min(lb, max(work, fixed + linear / m) + (0.0 if hidden else dp_us) + after)
+        est = min(est, work * (m + pp - 1) / m + (tail if hidden else dp_us) + after)
     mult = (state_multiplier(zero, line, options.optimizer_state_bytes_per_param_byte,
                              layout.gradient_factor) if options.training else 1.0)
     frozen = sum(b for p, b in sharded.param_sizes.items() if p not in sharded.trainable)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 
 from autopart.core.costgraph import CostGraph, NodeCost, layer_of_path
 from autopart.core.layout import grad_bucket_elements
@@ -22,19 +23,21 @@ from autopart.solver.data_parallel import (
     layer_units_exposed_us,
     overlapped_reduction_us,
 )
+from autopart.solver.expert_parallel_costs import expert_params
 from autopart.solver.layout_options import LayoutOptions
 from autopart.solver.options import SolveOptions
 from autopart.solver.stage_costs import StageCosts
 
-__all__ = ["dp_exposed_us", "dp_step_us", "layer_units", "layer_units_overlap"]
+__all__ = ["dp_exposed_us", "dp_step_us", "layer_units", "layer_units_overlap", "without_experts"]
 
 
 def _dp_cost(param_bytes: int, dp: int, zero: int, tp: int, layout: LayoutOptions,
-             runtime: RuntimeDescription, units: int = 1) -> DataParallelCost:
+             runtime: RuntimeDescription, units: int = 1,
+             link_gpus: int | None = None) -> DataParallelCost:
     """The dp collectives of one rank; each pays the runtime's fixed cost per collective
     after no work (they follow one another after the flush), per FSDP unit at ZeRO 1-3, and
-    the copies around them."""
-    bw, lat = layout.topology.link(tp * dp)
+    the copies around them; on the link of ``link_gpus`` GPUs (default ``tp x dp``)."""
+    bw, lat = layout.topology.link(tp * dp if link_gpus is None else link_gpus)
     return data_parallel_cost(param_bytes, dp=dp, zero_stage=zero,
                               bandwidth_bytes_per_s=bw, latency_us=lat,
                               gradient_factor=layout.gradient_factor,
@@ -75,6 +78,65 @@ def _stage_units(plan: Plan, costs: CostGraph, per_layer: bool | None) -> tuple[
     return tuple(max(1, len({layer_of_path(p) for nd in nodes for p in nd.params
                              if p in costs.trainable} if per_layer else set()))
                  for nodes in _stage_nodes(plan, costs))
+
+
+def without_experts(plan: Plan, costs: CostGraph | None, degrees: tuple[int, int, int, bool],
+                    layout: LayoutOptions, runtime: RuntimeDescription
+                    ) -> tuple[Plan, tuple[float, ...]]:
+    """``plan`` with each stage's expert weights left out of what its dp collectives carry,
+    and per pipeline rank the all-reduce of their gradients after the flush, µs.
+
+    An ep rank's experts are its own: ZeRO leaves them whole and the dense gradients' dp
+    average leaves them out; their gradients are averaged over the ``dp / ep`` replicas
+    holding the same experts (``autopart/runtime/distributed/_grads.py``'s ``ExpertGrads``,
+    Megatron-Core's expert data parallel), after the flush and before the dense reduction,
+    and not at all where ``ep = dp``. Priced as ZeRO-0's all-reduce of that many bytes
+    (:func:`_dp_cost`: ring, fixed cost, the three copies) on the dp line's link,
+    ``runtime.ranks_per_core`` times longer where CPU ranks outnumber the cores. ``plan``
+    itself and no time where ``plan.ep == 1`` or without ``costs``.
+
+    Args:
+        plan: a training plan of the layout search solved on ``costs``.
+        costs: the cost graph the plan was solved on (one ep rank's share), or None.
+        degrees: ``(tp, dp x cp, ZeRO stage, overlapped ZeRO-0 reduction)``; ep > 1 runs
+            only at cp = 1, so the expert replicas are ``dp / ep``.
+        layout, runtime: the link and the collectives' costs.
+    """
+    dense, held = _split_experts(plan, costs)
+    return dense, tuple(_expert_reduce_us(b, plan, degrees, layout, runtime) for b in held)
+
+
+def _split_experts(plan: Plan, costs: CostGraph | None) -> tuple[Plan, tuple[int, ...]]:
+    """``plan`` with its stages' expert weights left out of their parameters, and the
+    expert bytes each pipeline rank holds (:func:`without_experts`)."""
+    if plan.ep == 1 or costs is None:
+        return plan, (0,) * len(plan.ranks)
+    experts = _experts_of(plan, costs)
+    held = [0] * len(plan.ranks)
+    stages = []
+    for st, nodes in zip(plan.stages, _stage_nodes(plan, costs), strict=True):
+        mine = dict.fromkeys(p for nd in nodes for p in nd.params if p in experts)
+        nbytes = sum(costs.param_sizes[p] for p in mine)
+        numel = sum(costs.param_numel[p] for p in mine)
+        held[st.rank] += nbytes
+        stages.append(replace(st, param_bytes=max(st.param_bytes - nbytes, 0),
+                              num_parameters=max(st.num_parameters - numel, 0)))
+    return replace(plan, stages=tuple(stages)), tuple(held)
+
+
+def _experts_of(plan: Plan, costs: CostGraph) -> frozenset[str]:
+    """The trainable expert weights of ``costs`` that ``plan``'s ep splits (none at ep 1)."""
+    return expert_params(costs) & costs.trainable if plan.ep > 1 else frozenset()
+
+
+def _expert_reduce_us(nbytes: float, plan: Plan, degrees: tuple[int, int, int, bool],
+                      layout: LayoutOptions, runtime: RuntimeDescription) -> float:
+    """One rank's all-reduce of ``nbytes`` of expert weights' gradients over the ``dp / ep``
+    replicas holding them, after the flush, µs (:func:`without_experts`)."""
+    tp, line, _, _ = degrees
+    shared = max(1.0, runtime.ranks_per_core)
+    return shared * _dp_cost(int(nbytes), line // plan.ep, 0, tp, layout, runtime,
+                             link_gpus=tp * line).step_us(plan.num_microbatches)
 
 
 def layer_units_overlap(zero: int, per_layer: bool, runtime: RuntimeDescription) -> bool:
@@ -129,12 +191,16 @@ def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription
     1-3's collectives run per layer unit (:func:`layer_units`); without, per stage. ZeRO 2-3
     with layer units on a runtime whose collectives do not share the ranks' compute: what
     the prefetched gathers and the reduce-scatters leave exposed in each microbatch
-    (:func:`_zero23_layers_exposed`).
+    (:func:`_zero23_layers_exposed`). At ep > 1 (with ``costs``) the experts' gradients are
+    left out of all that and averaged over their own replicas after the flush
+    (:func:`without_experts`).
     """
     units = _stage_units(plan, costs, None) if costs is not None else None
-    return _dp_exposed(plan, (plan.tp, plan.dp * plan.cp, plan.zero_stage, plan.overlap_grad_reduce),
-                       layout, runtime, units, plan.zero_layer_units and units is not None,
-                       costs)
+    degrees = (plan.tp, plan.dp * plan.cp, plan.zero_stage, plan.overlap_grad_reduce)
+    dense, after = without_experts(plan, costs, degrees, layout, runtime)
+    exposed = _dp_exposed(dense, degrees, layout, runtime, units,
+                          plan.zero_layer_units and units is not None, costs)
+    return tuple(e + a for e, a in zip(exposed, after, strict=True))
 
 
 def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
@@ -184,7 +250,8 @@ def dp_step_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOp
     forward and backward: the schedule's step with each stage's ``F`` and ``B`` that much
     longer, less its step without (:func:`_replayed_us`), so the fill and drain of a
     pipeline whose every action waits count too, and a stage's collectives can fill its
-    bubble.
+    bubble. At ep > 1 (with ``costs``), the experts' reduction after the flush instead of
+    their share of the above (:func:`without_experts`), on the rank that holds the most.
 
     Args:
         plan: a training plan of the layout search (its stages' times, ranks, schedule).
@@ -200,11 +267,12 @@ def dp_step_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOp
     Returns:
         µs added to the step, >= 0 (0.0 at dp 1).
     """
+    plan, after = without_experts(plan, costs, degrees, layout, runtime)
     extras = _microbatch_extras(plan, degrees, layout, runtime, units, per_layer, costs)
     if extras is None:
-        return max(_dp_exposed(plan, degrees, layout, runtime, units, per_layer, costs),
-                   default=0.0)
-    return _replayed_us(plan, extras)
+        exposed = _dp_exposed(plan, degrees, layout, runtime, units, per_layer, costs)
+        return max((e + a for e, a in zip(exposed, after, strict=True)), default=0.0)
+    return _replayed_us(plan, extras) + max(after, default=0.0)
 
 
 def _microbatch_extras(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
@@ -292,6 +360,7 @@ def _stage_unit_work(plan: Plan, costs: CostGraph, gradient_factor: float
     path, of a parameter's name) or the root (the rest), as ``codegen.fsdp_units`` groups
     the stage's graph."""
     out = []
+    experts = _experts_of(plan, costs)  # whole on their ep rank: no FSDP unit gathers them
     for st, nodes in zip(plan.stages, _stage_nodes(plan, costs), strict=True):
         index: dict[str | None, int] = {}
         runs: list[list[float]] = []  # [unit, fwd, bwd] per run, profiled µs
@@ -303,7 +372,8 @@ def _stage_unit_work(plan: Plan, costs: CostGraph, gradient_factor: float
             else:
                 runs.append([u, nd.fwd_us, nd.bwd_input_us + nd.bwd_weight_us])
         held: dict[int, int] = {}
-        for p in dict.fromkeys(p for nd in nodes for p in nd.params if p in costs.trainable):
+        for p in dict.fromkeys(p for nd in nodes for p in nd.params
+                               if p in costs.trainable and p not in experts):
             u = index.setdefault(layer_of_path(p), len(index))
             held[u] = held.get(u, 0) + costs.param_sizes[p]
         nbytes = [held.get(u, 0) for u in range(len(index))]
@@ -336,17 +406,21 @@ def _zero23_layers_exposed(plan: Plan, costs: CostGraph, tp: int, dp: int, zero:
 
 
 def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
-                     runtime: RuntimeDescription) -> float:
+                     runtime: RuntimeDescription, costs: CostGraph | None = None) -> float:
     """A lower bound on what any partition of ``plan``'s layout pays for its dp collectives,
     µs: those of an even parameter split over the pp ranks (any partition's fullest rank
     holds at least that); overlapped, one bucket of it, which the rank whose last backward
-    ends the step cannot hide."""
+    ends the step cannot hide. With ``costs`` (the graph ``plan`` was solved on) and ep > 1,
+    the experts' reduction of an even share of them too (:func:`without_experts`)."""
     tp, dp, zero, overlap = degrees
+    plan, held = _split_experts(plan, costs)
+    experts = _expert_reduce_us(sum(held) / len(plan.ranks), plan, degrees, layout,
+                                runtime) if any(held) else 0.0
     total = sum(st.param_bytes for st in plan.stages)
     share = -(-total // len(plan.ranks))
     if overlap and not runtime.collectives_share_compute:
-        return _even_bucket_us(total * layout.gradient_factor,
-                               sum(st.num_parameters for st in plan.stages), len(plan.ranks),
-                               dp, tp, layout, runtime)
-    return (max(1.0, runtime.ranks_per_core)
-            * _dp_cost(share, dp, zero, tp, layout, runtime).step_us(plan.num_microbatches))
+        return experts + _even_bucket_us(total * layout.gradient_factor,
+                                          sum(st.num_parameters for st in plan.stages),
+                                          len(plan.ranks), dp, tp, layout, runtime)
+    return experts + (max(1.0, runtime.ranks_per_core)
+                      * _dp_cost(share, dp, zero, tp, layout, runtime).step_us(plan.num_microbatches))

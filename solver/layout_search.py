@@ -217,7 +217,7 @@ def _dp_extra(plan: Plan, sharded: CostGraph, units: bool, degrees: tuple[int, i
     # ZeRO 2-3's layer units hide their collectives under each unit's compute, which
     # depends on the cuts: the baselines (same layout, same runtime) take the plan's
     even = (extra if layer_units_overlap(zero, units, options.runtime)
-            else _baselines_dp_us(plan, degrees, layout, options.runtime))
+            else _baselines_dp_us(plan, degrees, layout, options.runtime, sharded))
     return extra, even
 
 

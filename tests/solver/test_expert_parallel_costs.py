@@ -60,6 +60,22 @@ def test_each_gpu_holds_its_experts_and_pays_two_all_to_alls_each_way() -> None:
         assert b.flops == a.flops
 
 
+def test_the_fixed_cost_per_collective_is_paid_once_per_layer_by_the_counts_exchange() -> None:
+    """The forward's counts exchange pays the runtime's fixed cost per collective (the wait
+    for the ep partner); the dispatch, the combine and the backward's two all-to-alls, with
+    the partners in step, move their rows only (measured on CPU ranks: a stage's backward at
+    ep 2 within 0.7 ms per microbatch of ep 1's)."""
+    costs = _costs()
+    plain = expert_costs(costs, 2, bandwidth_bytes_per_s=BW, latency_us=LAT)
+    fixed = expert_costs(costs, 2, bandwidth_bytes_per_s=BW, latency_us=LAT,
+                         collective_overhead=lambda work_us: 100.0)
+    changed = [(a, b) for a, b in zip(plain.nodes, fixed.nodes, strict=True) if a != b]
+    assert len(changed) == 2  # each MoE layer's last node
+    for a, b in changed:
+        assert b.fwd_us - a.fwd_us == pytest.approx(100.0)
+        assert b.bwd_input_us == a.bwd_input_us
+
+
 def test_the_most_loaded_gpu_sets_the_layers_expert_compute_and_all_to_alls() -> None:
     import dataclasses
 
@@ -193,6 +209,55 @@ def test_zero_leaves_the_experts_state_whole_in_the_memory_model() -> None:
     expert_bytes = sum(costs.param_sizes[p] for p in experts)
     got = state(experts) - state(frozenset())
     assert got == pytest.approx(expert_bytes * (4.0 - (2.0 + zero3)), abs=len(experts))
+
+def test_expert_gradients_are_averaged_over_their_own_replicas_not_over_dp() -> None:
+    """By hand: at dp 4 the dense gradients are all-reduced over the 4 replicas; an ep rank's
+    experts over the dp / ep replicas holding the same ones (none at ep = dp), as
+    ``ExpertGrads`` runs it, where the plan charged them over all 4 before."""
+    from autopart.core.runtime_model import RuntimeDescription
+    from autopart.core.topology import topology_for_device
+    from autopart.solver import SolveOptions
+    from autopart.solver.data_parallel import data_parallel_cost
+    from autopart.solver.expert_parallel_costs import expert_params
+    from autopart.solver.layout_dp import dp_exposed_us
+    from autopart.solver.layout_search import (
+        LayoutCandidate,
+        LayoutOptions,
+        evaluate_layout,
+        sharded_costs,
+    )
+
+    costs = _costs()
+    spec = PRESETS["a100-80gb"]
+    topology = topology_for_device(spec.name, spec.link_bandwidth_bytes_per_s,
+                                   spec.link_latency_us)
+    # collectives after the flush (as on CPU ranks), with a fixed cost and copies to count
+    runtime = RuntimeDescription(collectives_share_compute=True,
+                                 collective_overhead_points=((0.0, 40.0),),
+                                 copy_bytes_per_s=5e9)
+    options = SolveOptions(batch_size=8, num_microbatches=2, schedule_kind="1f1b",
+                           time_limit_s=5.0, runtime=runtime)
+    bw, lat = topology.link(4)
+
+    def reduce_us(nbytes: int, replicas: int) -> float:
+        return data_parallel_cost(nbytes, dp=replicas, zero_stage=0, bandwidth_bytes_per_s=bw,
+                                  latency_us=lat, overhead_us=40.0,
+                                  copy_bytes_per_s=5e9).step_us(2)
+
+    exposed = {}
+    for ep in (1, 2, 4):
+        layout = LayoutOptions(num_gpus=4, topology=topology, ep=ep, num_experts=4)
+        plan = evaluate_layout(costs, spec, options, layout,
+                               LayoutCandidate(1, 1, 4, 0, 0.0, 0, ep=ep))
+        sharded = sharded_costs(costs, 1, spec, layout, runtime, None, ep)
+        # the stage's parameter bytes, as the dense reduction prices them
+        experts = sum(sharded.param_sizes[p] for p in expert_params(sharded)) if ep > 1 else 0
+        want = reduce_us(sum(sharded.param_sizes.values()) - experts, 4) + (
+            reduce_us(experts, 4 // ep) if 1 < ep < 4 else 0.0)
+        (exposed[ep],) = dp_exposed_us(plan, layout, runtime, sharded)
+        assert exposed[ep] == pytest.approx(want, rel=1e-9)
+    assert exposed[4] < exposed[2] < exposed[1]
+
 
 def replace_ep(layout, ep, num_experts):  # type: ignore[no-untyped-def]
     from dataclasses import replace
