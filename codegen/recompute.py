@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -33,7 +34,7 @@ from autopart.core.recompute_policy import (
 )
 
 __all__ = ["written_by", "written_buffers", "recompute_context", "selective_policy",
-           "selective_context", "mark_kept", "op_policy", "check_recompute_policy",
+           "selective_context", "mark_kept", "keeps_any", "op_policy", "check_recompute_policy",
            "run_recomputed"]
 
 ContextFn = Callable[[], tuple[contextlib.AbstractContextManager[Any],
@@ -293,6 +294,23 @@ def mark_kept(stage: nn.Module, names: Collection[str]) -> int:
     return marked
 
 
+_KEEPS_ANY: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def keeps_any(stage: nn.Module) -> bool:
+    """Whether ``stage`` (a recomputed stage under ``"op"``) keeps any output: a node
+    :func:`mark_kept` marked, or one of tp's reductions
+    (:data:`autopart.core.recompute_policy.TP_KEPT_NODE_OPS`), in it or in a graph module
+    inside it. Read once per stage (the marks are made when the stages are built)."""
+    if stage not in _KEEPS_ANY:
+        _KEEPS_ANY[stage] = any(
+            node.op == "call_function" and (hasattr(node.target, "kept_op")
+                                            or str(node.target) in TP_KEPT_NODE_OPS)
+            for mod in stage.modules() if isinstance(mod, fx.GraphModule)
+            for node in mod.graph.nodes)
+    return _KEEPS_ANY[stage]
+
+
 def op_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
               **kwargs: Any) -> CheckpointPolicy:
     """The ``"op"`` policy's answer for one kernel a recomputed stage dispatches:
@@ -390,7 +408,10 @@ def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | No
             (matmuls, attention, tp's reductions) are kept too, and only the rest runs
             again (:func:`selective_context`); ``"op"``: the outputs of the nodes
             :func:`mark_kept` marked in the stage (the plan's ``recompute_kept``) and of tp's
-            reductions are kept (:func:`op_policy`).
+            reductions are kept (:func:`op_policy`); a stage keeping none of them
+            (:func:`keeps_any`) runs as under ``"full"``, without selective checkpointing's
+            cost per kernel, as the solver prices it
+            (``CostModel.checkpoints_selectively``).
 
     Returns:
         What ``runner(*args)`` returns, with gradients through it.
@@ -400,7 +421,7 @@ def run_recomputed(stage: nn.Module, *args: Any, runner: Callable[..., Any] | No
     """
     check_recompute_policy(policy)
     context_fn = (selective_context(stage) if policy == "selective"
-                  else selective_context(stage, op_policy) if policy == "op"
+                  else selective_context(stage, op_policy) if policy == "op" and keeps_any(stage)
                   else recompute_context(stage))
     return checkpoint(stage if runner is None else runner, *args, use_reentrant=False,
                       context_fn=context_fn)

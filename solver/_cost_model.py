@@ -87,6 +87,10 @@ class CostModel(MemoryModel):
                            layer_unit_factors, whole_state)
         self._split_points = tuple(sorted(runtime.split_backward_points))
         self._bwd_nodes = [0]  # prefix counts of the nodes with a backward
+        # prefix counts of the nodes a recomputing stage keeps (checkpoints_selectively)
+        self._kept_count = [0]
+        for flag in self.kept:
+            self._kept_count.append(self._kept_count[-1] + flag)
         self.cluster = cluster
         self.overhead_us = cluster.devices[0].op_overhead_us
         ov = self.overhead_us
@@ -218,11 +222,23 @@ class CostModel(MemoryModel):
 
     def recompute_fwd_extra_us(self, start: int, stop: int) -> float:
         """What a recomputing stage of nodes ``start .. stop - 1`` adds to its forward, µs:
-        under the selective and ``"op"`` policies, checkpointing's cost per node
-        (``RuntimeDescription.selective_us_per_node``); 0.0 under ``"full"``."""
-        if self.recompute_policy not in CHECKPOINTED_POLICIES:
+        where it runs under selective checkpointing (:meth:`checkpoints_selectively`), its
+        cost per node (``RuntimeDescription.selective_us_per_node``); else 0.0."""
+        if not self.checkpoints_selectively(start, stop):
             return 0.0
         return (stop - start) * self.runtime.selective_us_per_node[0]
+
+    def checkpoints_selectively(self, start: int, stop: int) -> bool:
+        """Whether a recomputing stage of nodes ``start .. stop - 1`` runs under torch's
+        selective checkpointing, as ``codegen.recompute.run_recomputed`` runs it: always
+        under ``"selective"``; under ``"op"`` where the stage keeps an output (a node the
+        choice kept, or one of tp's reductions); else (``"full"``, and an ``"op"`` stage
+        keeping nothing) under plain checkpointing, without selective checkpointing's cost
+        per node, so that ``"op"`` keeping nothing is ``"full"``."""
+        if self.recompute_policy == "selective":
+            return True
+        return (self.recompute_policy == "op"
+                and self._kept_count[stop] - self._kept_count[start] > 0)
 
     def recompute_stop(self, start: int, stop: int) -> int:
         """Where the recomputation of a stage of nodes ``start .. stop - 1`` ends (exclusive):
@@ -248,8 +264,12 @@ class CostModel(MemoryModel):
 
     def part_us(self, part: str, start: int, stop: int, ratio: float) -> float:
         """Time of ``part`` (``"fwd"``, ``"bwd_input"``, ``"bwd_weight"``, or ``"recompute"``:
-        the forward a recomputing stage runs again, its kept nodes' left out) of nodes
-        ``start .. stop - 1`` at ``ratio = b / b0``, µs (each part scaled as its own op)."""
+        the forward a recomputing stage runs again, its kept nodes' left out, with selective
+        checkpointing's cost per node where it runs under it: :meth:`checkpoints_selectively`)
+        of nodes ``start .. stop - 1`` at ``ratio = b / b0``, µs (each part scaled as its own
+        op)."""
+        if part == "recompute" and not self.checkpoints_selectively(start, stop):
+            part = "fwd"  # plain checkpointing runs the whole forward again, nothing more
         at = self._measured_at(ratio)
         if at is not None:
             return at[part][stop] - at[part][start]

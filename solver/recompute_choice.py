@@ -189,6 +189,11 @@ def choose_kept(model: CostModel, cand: Candidate, caps: tuple[int, ...] | None,
         best = run(kept)
     if optimize == "speed" and base.costs.source.startswith("measured"):
         best = _selective_on_a_tie(base, items, best, run, limit)
+    # keeping nothing runs plain checkpointing (CostModel.checkpoints_selectively): where
+    # selective checkpointing's cost per node outweighs what the kept nodes save, that
+    # is faster, and it never holds more
+    if none.step_us <= best[1].step_us:
+        return none_model, none
     return best
 
 

@@ -111,7 +111,9 @@ def _solve_op(costs: CostGraph, cluster: Cluster, options: SolveOptions) -> Plan
     each search's best candidates then keeping what fits
     (:mod:`autopart.solver.recompute_choice`); the better of the two plans by the objective
     (:func:`better_plan`). The choice starts from nothing kept, so it can keep less than the
-    guess, or more; and since keeping nothing is ``"full"``'s plan, ``"op"`` is never slower
+    guess, or more; and since keeping nothing is ``"full"``'s plan (a stage keeping nothing
+    runs plain checkpointing, priced so: ``CostModel.checkpoints_selectively``), ``"op"`` is
+    never slower
     than ``"full"`` under the same cap (the guess alone was not: on a 9-node chain under a cap
     halfway between the two policies' peaks, 314.6 against ``"full"``'s 304.3 µs; the search
     keeping nothing found 280.9, ``tests/solver/test_op_recompute.py``).

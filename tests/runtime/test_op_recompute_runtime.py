@@ -142,6 +142,40 @@ def test_a_kept_linear_does_not_keep_its_input_view() -> None:
     assert seen and all(pol == CheckpointPolicy.PREFER_RECOMPUTE for _, pol in seen)
 
 
+def test_a_stage_keeping_nothing_runs_plain_checkpointing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under "op", a recomputed stage with no kept node and no tp reduction runs torch's
+    plain checkpoint (no selective checkpointing context), as the solver prices it; marked,
+    it runs under the op policy. The same numbers either way."""
+    import autopart.codegen.recompute as recompute
+
+    selective: list[object] = []
+    real = recompute.selective_context
+
+    def counted(stage: Any, *args: Any) -> Any:
+        selective.append(stage)
+        return real(stage, *args)
+
+    monkeypatch.setattr(recompute, "selective_context", counted)
+
+    class _Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.gelu.default(torch.ops.aten.linear.default(x, w))
+
+    plain, marked = torch.fx.symbolic_trace(_Block()), torch.fx.symbolic_trace(_Block())
+    name = next(n.name for n in marked.graph.nodes if n.op == "call_function")
+    assert recompute.mark_kept(marked, [name]) == 1
+    assert not recompute.keeps_any(plain) and recompute.keeps_any(marked)
+    grads = []
+    for stage in (plain, marked):
+        x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        w = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        recompute.run_recomputed(stage, x, w, policy="op").sum().backward()
+        grads.append((x.grad, w.grad))
+    assert selective == [marked]
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_a_kept_attention_keeps_its_output_not_the_float_mask_it_makes() -> None:
     """``scaled_dot_product_attention`` with a boolean mask dispatches ``aten.where`` (the
     mask as floats, 4 bytes per query-key pair) before its attention kernel: only the

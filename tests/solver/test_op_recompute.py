@@ -238,3 +238,46 @@ def test_a_choice_no_faster_than_selectives_set_by_the_tie_tolerance_keeps_that_
     linears = {"aten.linear.default"}
     assert kept == (linears if source.startswith("measured") else linears | {"aten.gelu.default"})
     assert chosen.max_peak <= every.max_peak
+
+
+def test_a_stage_keeping_nothing_is_priced_as_full_and_selective_checkpointing_as_run(
+        build: Any) -> None:
+    """Under "op", a recomputing stage that keeps nothing runs plain checkpointing
+    (``codegen.recompute.run_recomputed``): its recomputation is the whole forward, with no
+    cost per node; keeping one node puts the whole stage under selective checkpointing,
+    whose cost per node is then paid on every node."""
+    from autopart.core.runtime_model import RuntimeDescription
+
+    g = _chain(build)
+    runtime = RuntimeDescription(selective_us_per_node=(3.0, 2.0))
+    kw: dict[str, Any] = dict(batch_size=8, training=True, state_factor=2.0, runtime=runtime)
+    full = CostModel(g, build.cluster(1), recompute_policy="full", **kw)
+    none = CostModel(g, build.cluster(1), recompute_policy="op", **kw)
+    n = len(g.nodes)
+    assert not none.checkpoints_selectively(0, n)
+    assert none.part_us("recompute", 0, n, 1.0) == full.part_us("recompute", 0, n, 1.0)
+    assert none.recompute_fwd_extra_us(0, n) == 0.0
+    one = none.with_kept(frozenset({g.nodes[2].name}))
+    assert one.checkpoints_selectively(0, n) and not one.checkpoints_selectively(3, n)
+    assert one.recompute_fwd_extra_us(0, n) == pytest.approx(3.0 * n)
+    # the kept node's forward is not run again; every node pays 2 µs in the recomputation
+    assert one.part_us("recompute", 0, n, 1.0) == pytest.approx(
+        full.part_us("recompute", 0, n, 1.0) - g.nodes[2].fwd_us + 2.0 * n)
+
+
+def test_keeping_is_chosen_only_where_it_beats_plain_checkpointing(build: Any) -> None:
+    """Selective checkpointing's cost per node (here 30 µs in the forward and again in the
+    recomputation, on each of 8 nodes) outweighs what keeping the matmuls saves (40 µs
+    each): "op" keeps nothing and runs the stage as "full" does, at its step."""
+    from autopart.core.runtime_model import RuntimeDescription
+
+    g = _chain(build)
+    runtime = RuntimeDescription(selective_us_per_node=(30.0, 30.0))
+    kw: dict[str, Any] = dict(batch_size=8, training=True, state_factor=2.0, runtime=runtime)
+    model = CostModel(g, build.cluster(1), recompute_policy="op", **kw)
+    cand = evaluate(model, None, "gpipe", 1, 1, 8, (), None, recompute=True).simulated()
+    chosen_model, chosen = choose_kept(model, cand, (10**12,), "speed")  # room for all
+    assert not any(chosen_model.kept)
+    full = CostModel(g, build.cluster(1), recompute_policy="full", **kw)
+    assert chosen.step_us == pytest.approx(evaluate(
+        full, None, "gpipe", 1, 1, 8, (), None, recompute=True).simulated().step_us)
