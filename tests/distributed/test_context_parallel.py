@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize(("world", "pp", "cp", "names", "seq", "zero", "compiled", "tp"), [
-    (2, 1, 2, ["llama", "gpt2", "bert"], 64, 0, True, 1),
+    # GPT-2 and BERT at cp 2 in the rows below (CI's time): Llama alone, and compiled
+    (2, 1, 2, ["llama"], 64, 0, True, 1),
     (4, 1, 4, ["llama"], 4096, 0, False, 1),
     (4, 2, 2, ["llama", "bert"], 64, 0, False, 1),
     (4, 1, 2, ["llama", "gpt2"], 64, 1, False, 1),

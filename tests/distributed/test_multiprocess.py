@@ -131,7 +131,9 @@ def test_loss_output_and_every_gradient_match(model: str, kind: str, v: int, wor
     assert total > 0
 
 
-@pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+# one schedule each (the fault paths do not depend on it; CI's time): a killed rank under
+# interleaved 1F1B (two stages per rank), a hung one under 1F1B
+@pytest.mark.parametrize(("kind", "v"), [("interleaved_1f1b", 2)])
 def test_a_killed_rank_makes_the_others_exit_naming_it(kind: str, v: int) -> None:
     # separate processes (not mp.spawn, which would terminate the survivors for us)
     port, world, victim, timeout_s = free_port(), 2, 1, 8.0
@@ -207,7 +209,7 @@ def test_fuse_is_honoured_by_the_distributed_backend() -> None:
         assert lines[1:] == [], f"{name}: {lines[1:]}"  # torch.compile'd stages, same numbers
 
 
-@pytest.mark.parametrize(("kind", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize(("kind", "v"), [("1f1b", 1)])
 def test_a_hung_rank_is_named_by_the_others_and_told_to_exit(kind: str, v: int) -> None:
     port, world, victim, step_timeout_s = free_port(), 2, 1, 6.0
     script = textwrap.dedent(f"""
