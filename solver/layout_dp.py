@@ -81,10 +81,12 @@ def _stage_units(plan: Plan, costs: CostGraph, per_layer: bool | None) -> tuple[
 
 
 def without_experts(plan: Plan, costs: CostGraph | None, degrees: tuple[int, int, int, bool],
-                    layout: LayoutOptions, runtime: RuntimeDescription
-                    ) -> tuple[Plan, tuple[float, ...]]:
-    """``plan`` with each stage's expert weights left out of what its dp collectives carry,
-    and per pipeline rank the all-reduce of their gradients after the flush, µs.
+                    layout: LayoutOptions, runtime: RuntimeDescription, ep: int | None = None
+                    ) -> tuple[Plan, CostGraph | None, tuple[float, ...]]:
+    """``plan`` and ``costs`` with the expert weights left out of what the dp collectives
+    carry (out of each stage's parameters, and out of ``costs.trainable``, which ZeRO's
+    layer units read), and per pipeline rank the all-reduce of their gradients after the
+    flush, µs.
 
     An ep rank's experts are its own: ZeRO leaves them whole and the dense gradients' dp
     average leaves them out; their gradients are averaged over the ``dp / ep`` replicas
@@ -93,7 +95,7 @@ def without_experts(plan: Plan, costs: CostGraph | None, degrees: tuple[int, int
     and not at all where ``ep = dp``. Priced as ZeRO-0's all-reduce of that many bytes
     (:func:`_dp_cost`: ring, fixed cost, the three copies) on the dp line's link,
     ``runtime.ranks_per_core`` times longer where CPU ranks outnumber the cores. ``plan``
-    itself and no time where ``plan.ep == 1`` or without ``costs``.
+    itself and no time at ep 1 or without ``costs``.
 
     Args:
         plan: a training plan of the layout search solved on ``costs``.
@@ -101,17 +103,24 @@ def without_experts(plan: Plan, costs: CostGraph | None, degrees: tuple[int, int
         degrees: ``(tp, dp x cp, ZeRO stage, overlapped ZeRO-0 reduction)``; ep > 1 runs
             only at cp = 1, so the expert replicas are ``dp / ep``.
         layout, runtime: the link and the collectives' costs.
+        ep: the ep degree (default ``plan.ep``; the layout search prices a replica's plan
+            before it carries its layout's degrees).
     """
-    dense, held = _split_experts(plan, costs)
-    return dense, tuple(_expert_reduce_us(b, plan, degrees, layout, runtime) for b in held)
+    ep = plan.ep if ep is None else ep
+    dense, held = _split_experts(plan, costs, ep)
+    if costs is not None and any(held):
+        costs = replace(costs, trainable=costs.trainable - _experts_of(costs, ep))
+    return dense, costs, tuple(_expert_reduce_us(b, plan, degrees, layout, runtime, ep)
+                               for b in held)
 
 
-def _split_experts(plan: Plan, costs: CostGraph | None) -> tuple[Plan, tuple[int, ...]]:
+def _split_experts(plan: Plan, costs: CostGraph | None, ep: int
+                   ) -> tuple[Plan, tuple[int, ...]]:
     """``plan`` with its stages' expert weights left out of their parameters, and the
-    expert bytes each pipeline rank holds (:func:`without_experts`)."""
-    if plan.ep == 1 or costs is None:
+    expert bytes each pipeline rank holds, at ep (:func:`without_experts`)."""
+    if ep == 1 or costs is None:
         return plan, (0,) * len(plan.ranks)
-    experts = _experts_of(plan, costs)
+    experts = _experts_of(costs, ep)
     held = [0] * len(plan.ranks)
     stages = []
     for st, nodes in zip(plan.stages, _stage_nodes(plan, costs), strict=True):
@@ -124,18 +133,18 @@ def _split_experts(plan: Plan, costs: CostGraph | None) -> tuple[Plan, tuple[int
     return replace(plan, stages=tuple(stages)), tuple(held)
 
 
-def _experts_of(plan: Plan, costs: CostGraph) -> frozenset[str]:
-    """The trainable expert weights of ``costs`` that ``plan``'s ep splits (none at ep 1)."""
-    return expert_params(costs) & costs.trainable if plan.ep > 1 else frozenset()
+def _experts_of(costs: CostGraph, ep: int) -> frozenset[str]:
+    """The trainable expert weights of ``costs`` that ep splits (none at ep 1)."""
+    return expert_params(costs) & costs.trainable if ep > 1 else frozenset()
 
 
 def _expert_reduce_us(nbytes: float, plan: Plan, degrees: tuple[int, int, int, bool],
-                      layout: LayoutOptions, runtime: RuntimeDescription) -> float:
+                      layout: LayoutOptions, runtime: RuntimeDescription, ep: int) -> float:
     """One rank's all-reduce of ``nbytes`` of expert weights' gradients over the ``dp / ep``
     replicas holding them, after the flush, µs (:func:`without_experts`)."""
     tp, line, _, _ = degrees
     shared = max(1.0, runtime.ranks_per_core)
-    return shared * _dp_cost(int(nbytes), line // plan.ep, 0, tp, layout, runtime,
+    return shared * _dp_cost(int(nbytes), line // ep, 0, tp, layout, runtime,
                              link_gpus=tp * line).step_us(plan.num_microbatches)
 
 
@@ -197,7 +206,7 @@ def dp_exposed_us(plan: Plan, layout: LayoutOptions, runtime: RuntimeDescription
     """
     units = _stage_units(plan, costs, None) if costs is not None else None
     degrees = (plan.tp, plan.dp * plan.cp, plan.zero_stage, plan.overlap_grad_reduce)
-    dense, after = without_experts(plan, costs, degrees, layout, runtime)
+    dense, costs, after = without_experts(plan, costs, degrees, layout, runtime)
     exposed = _dp_exposed(dense, degrees, layout, runtime, units,
                           plan.zero_layer_units and units is not None, costs)
     return tuple(e + a for e, a in zip(exposed, after, strict=True))
@@ -242,7 +251,8 @@ def _dp_exposed(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutO
 
 def dp_step_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
                runtime: RuntimeDescription, units: tuple[int, ...] | None = None,
-               per_layer: bool = False, costs: CostGraph | None = None) -> float:
+               per_layer: bool = False, costs: CostGraph | None = None,
+               ep: int | None = None) -> float:
     """What a replica's pipeline plan's dp collectives add to its step, µs.
 
     ZeRO 0-1: the largest rank's collectives after its schedule's last action
@@ -267,7 +277,7 @@ def dp_step_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOp
     Returns:
         µs added to the step, >= 0 (0.0 at dp 1).
     """
-    plan, after = without_experts(plan, costs, degrees, layout, runtime)
+    plan, costs, after = without_experts(plan, costs, degrees, layout, runtime, ep)
     extras = _microbatch_extras(plan, degrees, layout, runtime, units, per_layer, costs)
     if extras is None:
         exposed = _dp_exposed(plan, degrees, layout, runtime, units, per_layer, costs)
@@ -360,7 +370,6 @@ def _stage_unit_work(plan: Plan, costs: CostGraph, gradient_factor: float
     path, of a parameter's name) or the root (the rest), as ``codegen.fsdp_units`` groups
     the stage's graph."""
     out = []
-    experts = _experts_of(plan, costs)  # whole on their ep rank: no FSDP unit gathers them
     for st, nodes in zip(plan.stages, _stage_nodes(plan, costs), strict=True):
         index: dict[str | None, int] = {}
         runs: list[list[float]] = []  # [unit, fwd, bwd] per run, profiled µs
@@ -372,8 +381,7 @@ def _stage_unit_work(plan: Plan, costs: CostGraph, gradient_factor: float
             else:
                 runs.append([u, nd.fwd_us, nd.bwd_input_us + nd.bwd_weight_us])
         held: dict[int, int] = {}
-        for p in dict.fromkeys(p for nd in nodes for p in nd.params
-                               if p in costs.trainable and p not in experts):
+        for p in dict.fromkeys(p for nd in nodes for p in nd.params if p in costs.trainable):
             u = index.setdefault(layer_of_path(p), len(index))
             held[u] = held.get(u, 0) + costs.param_sizes[p]
         nbytes = [held.get(u, 0) for u in range(len(index))]
@@ -406,16 +414,17 @@ def _zero23_layers_exposed(plan: Plan, costs: CostGraph, tp: int, dp: int, zero:
 
 
 def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: LayoutOptions,
-                     runtime: RuntimeDescription, costs: CostGraph | None = None) -> float:
+                     runtime: RuntimeDescription, costs: CostGraph | None = None,
+                     ep: int = 1) -> float:
     """A lower bound on what any partition of ``plan``'s layout pays for its dp collectives,
     µs: those of an even parameter split over the pp ranks (any partition's fullest rank
     holds at least that); overlapped, one bucket of it, which the rank whose last backward
     ends the step cannot hide. With ``costs`` (the graph ``plan`` was solved on) and ep > 1,
     the experts' reduction of an even share of them too (:func:`without_experts`)."""
     tp, dp, zero, overlap = degrees
-    plan, held = _split_experts(plan, costs)
+    plan, held = _split_experts(plan, costs, ep)
     experts = _expert_reduce_us(sum(held) / len(plan.ranks), plan, degrees, layout,
-                                runtime) if any(held) else 0.0
+                                runtime, ep) if any(held) else 0.0
     total = sum(st.param_bytes for st in plan.stages)
     share = -(-total // len(plan.ranks))
     if overlap and not runtime.collectives_share_compute:

@@ -137,7 +137,7 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                 if refusal is None or isinstance(exc, InfeasiblePlanError):
                     refusal = exc
                 continue
-            dp_us = _dp_extra(found, sharded, per_layer, degrees, layout, options)
+            dp_us = _dp_extra(found, sharded, per_layer, degrees, layout, options, cand.ep)
             points += _shifted(found.pareto, dp_us[0])
             priced.append((_key(replace(found, predicted_step_time_us=(
                 found.predicted_step_time_us + dp_us[0])), options.optimize),
@@ -157,7 +157,8 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                        num_microbatches=options.num_microbatches,
                        stages_per_rank=options.stages_per_rank or 1,
                        recompute=bool(options.recompute) if recompute is None else recompute)
-    extra, even = searched or _dp_extra(plan, sharded, units, degrees, layout, options)
+    extra, even = searched or _dp_extra(plan, sharded, units, degrees, layout, options,
+                                        cand.ep)
     split = find_tensor_parallel(costs) if tp > 1 else None
     sharded_params = tuple(ShardedParameter(name, style)
                            for name, style in sorted(split.params.items())) if split else ()
@@ -201,23 +202,25 @@ def _shifted(points: tuple[ParetoPoint, ...], added_us: float) -> list[ParetoPoi
 
 
 def _dp_extra(plan: Plan, sharded: CostGraph, units: bool, degrees: tuple[int, int, int, bool],
-              layout: LayoutOptions, options: SolveOptions) -> tuple[float, float]:
+              layout: LayoutOptions, options: SolveOptions, ep: int = 1) -> tuple[float, float]:
     """What the dp collectives add to a replica's pipeline ``plan`` (solved on ``sharded``,
     ZeRO's collectives per layer unit or not: ``units``) at ``degrees`` = (tp, dp x cp,
     ZeRO stage, overlapped ZeRO-0 reduction), µs: to its step (:func:`dp_step_us`: ZeRO
     0-1's after the schedule, ZeRO 2-3's inside every microbatch's actions), and to its
     baselines' (an even share's, or the plan's own
-    where ZeRO 2-3's layer units hide theirs under the compute). ``(0, 0)`` without
-    training or data parallelism."""
+    where ZeRO 2-3's layer units hide theirs under the compute); at ``ep`` > 1 the experts'
+    gradients reduced apart (:func:`autopart.solver.layout_dp.without_experts`: the replica's
+    plan does not carry its layout's ep yet). ``(0, 0)`` without training or data
+    parallelism."""
     if not options.training or degrees[1] == 1:
         return 0.0, 0.0
     zero = degrees[2]
     extra = dp_step_us(plan, degrees, layout, options.runtime,
-                       _stage_units(plan, sharded, units), units, sharded)
+                       _stage_units(plan, sharded, units), units, sharded, ep)
     # ZeRO 2-3's layer units hide their collectives under each unit's compute, which
     # depends on the cuts: the baselines (same layout, same runtime) take the plan's
     even = (extra if layer_units_overlap(zero, units, options.runtime)
-            else _baselines_dp_us(plan, degrees, layout, options.runtime, sharded))
+            else _baselines_dp_us(plan, degrees, layout, options.runtime, sharded, ep))
     return extra, even
 
 

@@ -55,9 +55,10 @@ def _failure(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize(("layout", "who"), [("tp", "rank 1 (pp 0, dp 0, tp 1; stages [0])"),
-                                             ("zero0", "rank 1 (pp 0, dp 1, tp 0; stages [0])")],
-                         ids=["tp2", "dp2-zero0"])
+# one collective each (CI's time): a rank killed inside ZeRO-0's gradient all-reduce, and
+# one hung beside a tp all-reduce (below); the other two pairings ran until 2026-12-03
+@pytest.mark.parametrize(("layout", "who"), [("zero0", "rank 1 (pp 0, dp 1, tp 0; stages [0])")],
+                         ids=["dp2-zero0"])
 def test_a_rank_killed_inside_a_tp_or_dp_collective_is_named(layout: str, who: str) -> None:
     # tp2: rank 0 waits in the stage's tp all-reduce; dp2: in ZeRO-0's gradient all-reduce
     # after the step (ZeRO 1-3's FSDP2 collectives run inside the step, as tp's do)
@@ -68,8 +69,7 @@ def test_a_rank_killed_inside_a_tp_or_dp_collective_is_named(layout: str, who: s
     assert f"{who} died or stopped responding" in line, line
 
 
-@pytest.mark.parametrize(("layout", "world"), [("tp", 4), ("zero0", 2)],
-                         ids=["tp2xpp2", "dp2-zero0"])
+@pytest.mark.parametrize(("layout", "world"), [("tp", 4)], ids=["tp2xpp2"])
 def test_a_rank_hung_beside_a_tp_or_dp_collective_is_named_and_told_to_exit(
         layout: str, world: int) -> None:
     # rank 1 hangs in its forward; its tp peer (rank 0) waits for it in a tp all-reduce inside

@@ -219,7 +219,7 @@ def test_expert_gradients_are_averaged_over_their_own_replicas_not_over_dp() -> 
     from autopart.solver import SolveOptions
     from autopart.solver.data_parallel import data_parallel_cost
     from autopart.solver.expert_parallel_costs import expert_params
-    from autopart.solver.layout_dp import dp_exposed_us
+    from autopart.solver.layout_dp import dp_exposed_us, dp_step_us
     from autopart.solver.layout_search import (
         LayoutCandidate,
         LayoutOptions,
@@ -256,6 +256,11 @@ def test_expert_gradients_are_averaged_over_their_own_replicas_not_over_dp() -> 
             reduce_us(experts, 4 // ep) if 1 < ep < 4 else 0.0)
         (exposed[ep],) = dp_exposed_us(plan, layout, runtime, sharded)
         assert exposed[ep] == pytest.approx(want, rel=1e-9)
+        # the layout search prices a replica's plan before it carries its layout's ep
+        replica = replace(plan, ep=1)
+        degrees = (1, 4, 0, plan.overlap_grad_reduce)
+        assert dp_step_us(replica, degrees, layout, runtime, costs=sharded,
+                          ep=ep) == pytest.approx(want, rel=1e-9)
     assert exposed[4] < exposed[2] < exposed[1]
 
 
