@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/autopart demo
 
-# Two runs: the one-process tests on two pytest workers (pytest-xdist), then the multi-rank
+# Two runs: the one-process tests on two pytest workers (pytest-xdist; a module marked
+# xdist_group runs on one worker, so its module fixture is built once), then the multi-rank
 # tests of tests/distributed alone, one at a time (their ranks already use every core).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --ignore=tests/distributed
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --ignore=tests/distributed
 	$(BIN)/python -m pytest -q tests/distributed
 
 # Optional, for benchmarks/pipeline_cpu/peers.py only (never a package or CI dependency):

@@ -73,6 +73,11 @@ def _pip(venv_python: Path | str, args: list[str], cwd: Path, what: str,
     raise AssertionError(f"{what} failed (exit {res.returncode}): {tail}")
 
 
+# one xdist worker builds and installs the wheel for every test here (``make test`` runs
+# ``--dist loadgroup``): two workers built it twice, 31 s each
+pytestmark = pytest.mark.xdist_group("wheel")
+
+
 @pytest.fixture(scope="module")
 def installed() -> Iterator[Installed]:
     tmp = Path(tempfile.mkdtemp(prefix="autopart-wheel-"))
