@@ -110,8 +110,7 @@ def without_experts(plan: Plan, costs: CostGraph | None, degrees: tuple[int, int
     dense, held = _split_experts(plan, costs, ep)
     if costs is not None and any(held):
         costs = replace(costs, trainable=costs.trainable - _experts_of(costs, ep))
-    return dense, costs, tuple(_expert_reduce_us(b, plan, degrees, layout, runtime, ep)
-                               for b in held)
+    return dense, costs, tuple(_expert_reduce_us(b, degrees, layout, runtime, ep) for b in held)
 
 
 def _split_experts(plan: Plan, costs: CostGraph | None, ep: int
@@ -138,14 +137,14 @@ def _experts_of(costs: CostGraph, ep: int) -> frozenset[str]:
     return expert_params(costs) & costs.trainable if ep > 1 else frozenset()
 
 
-def _expert_reduce_us(nbytes: float, plan: Plan, degrees: tuple[int, int, int, bool],
+def _expert_reduce_us(nbytes: float, degrees: tuple[int, int, int, bool],
                       layout: LayoutOptions, runtime: RuntimeDescription, ep: int) -> float:
     """One rank's all-reduce of ``nbytes`` of expert weights' gradients over the ``dp / ep``
-    replicas holding them, after the flush, µs (:func:`without_experts`)."""
+    replicas holding them, once a step after the flush, µs (:func:`without_experts`)."""
     tp, line, _, _ = degrees
     shared = max(1.0, runtime.ranks_per_core)
     return shared * _dp_cost(int(nbytes), line // ep, 0, tp, layout, runtime,
-                             link_gpus=tp * line).step_us(plan.num_microbatches)
+                             link_gpus=tp * line).per_step_us
 
 
 def layer_units_overlap(zero: int, per_layer: bool, runtime: RuntimeDescription) -> bool:
@@ -423,8 +422,8 @@ def _baselines_dp_us(plan: Plan, degrees: tuple[int, int, int, bool], layout: La
     the experts' reduction of an even share of them too (:func:`without_experts`)."""
     tp, dp, zero, overlap = degrees
     plan, held = _split_experts(plan, costs, ep)
-    experts = _expert_reduce_us(sum(held) / len(plan.ranks), plan, degrees, layout,
-                                runtime, ep) if any(held) else 0.0
+    experts = (_expert_reduce_us(sum(held) / len(plan.ranks), degrees, layout, runtime, ep)
+               if any(held) else 0.0)
     total = sum(st.param_bytes for st in plan.stages)
     share = -(-total // len(plan.ranks))
     if overlap and not runtime.collectives_share_compute:
