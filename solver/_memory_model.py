@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import numpy as np
+
 from autopart.core.costgraph import CostGraph, layer_of_path
 from autopart.core.errors import PlanError
 from autopart.core.recompute_policy import (
@@ -14,7 +16,7 @@ from autopart.core.recompute_policy import (
     TP_KEPT_NODE_OPS,
 )
 from autopart.core.runtime_model import RuntimeDescription
-from autopart.solver.candidates import _values, crossing_profile, crossing_sums
+from autopart.solver.candidates import _per_graph, _values, crossing_profile, crossing_sums
 
 __all__ = ["MemoryModel", "two_point_line"]
 
@@ -82,33 +84,19 @@ class MemoryModel:
         self.batch_size = batch_size
         self.training = training
         self.crossing, _ = crossing_profile(costs)
-        # for held_parts: where each node's output is last read (n: a graph output), whether
-        # every node says which saved storages other nodes returned, and per position
-        # 0 .. n the bytes of the non-contiguous node outputs crossing it
-        values = _values(costs)
-        self._last_use = [v.last_use for v in values if v.produced >= 0]
-        self._producers_known = all(nd.saved_from is not None for nd in costs.nodes)
+        # what reads the graph alone (and training): made once per graph
+        # (:class:`_GraphTables`), shared by every model of it
+        made = _per_graph("memory model tables", costs, lambda _: {})
+        tables = made.get(training)
+        if tables is None:
+            tables = made[training] = _GraphTables(costs, training)
+        self._last_use = tables.last_use
+        self._producers_known = tables.producers_known
         self._held: dict[tuple[int, int], tuple[int, int, int]] = {}
-        # per position, the bytes of the crossing values that carry a gradient back: a node
-        # output does when the node reads a trainable parameter or such a value (graph
-        # inputs do not); a mask or a rotary table built from buffers does not, and torch's
-        # stages neither allocate nor send its gradient
-        needs_grad: dict[str, bool] = {}
-        for nd in costs.nodes:
-            needs_grad[nd.name] = (any(p in costs.trainable for p in nd.params)
-                                   or any(needs_grad.get(x, False) for x in nd.inputs))
-        self.grad_crossing = crossing_sums(
-            costs, values, lambda v: v.nbytes if v.produced >= 0 and needs_grad[v.name] else 0)
-        self._strided_crossing = crossing_sums(
-            costs, values,
-            lambda v: costs.nodes[v.produced].strided_output_bytes if v.produced >= 0 else 0)
-        self._saved = [0]  # prefix sums of saved bytes at b0
-        first_use: dict[str, int] = {}
-        for i, nd in enumerate(costs.nodes):
-            self._saved.append(self._saved[-1] + nd.saved_bytes)
-            for p in nd.params:
-                first_use.setdefault(p, i)
-        self._first_use = first_use
+        self.grad_crossing = tables.grad_crossing
+        self._strided_crossing = tables.strided_crossing
+        self._saved = tables.saved
+        self._first_use = first_use = tables.first_use
         mult = (2.0 + state_factor) if training else 1.0
         whole, whole_mult = whole_state[0], (2.0 + whole_state[1]) if training else 1.0
         self.state_bytes = {
@@ -131,21 +119,7 @@ class MemoryModel:
             per_node[i] += self.state_bytes[p]
         for i, v in enumerate(per_node):
             self._first_state[i + 1] = self._first_state[i] + v
-        # per node, the gradient its backward returns for each trainable parameter it reads,
-        # alive beside .grad until AccumulateGrad adds it in (every microbatch but a step's
-        # first, whose gradient .grad takes over): not scaled with the batch
-        self._new_grad = [sum(costs.param_sizes[p] for p in nd.params if p in costs.trainable)
-                          if training else 0 for nd in costs.nodes]
-        # per node, its backward's measured allocation peak at both profiled batches as
-        # (fixed, linear at b0): the weight gradients and the kernel's copies of them do not
-        # grow with the batch, the activations' gradients do
-        b0, b1 = costs.batch_size, costs.low_batch_size
-        self._bwd_peak = ([two_point_line(float(nd.backward_peak_bytes), float(lo), b0, b1)
-                           for nd, lo in zip(costs.nodes, costs.low_backward_peaks, strict=True)]
-                          if training and b1 and costs.low_backward_peaks else [])
-        # ratio -> each node's working set (transient_bytes of one node), computed once per
-        # microbatch size: a layout search asks for thousands of stage spans at a few sizes
-        self._node_needs: dict[float, list[int]] = {}
+        self._tables = tables
 
     # ---- scaling -------------------------------------------------------------------
     def ratio(self, m: int) -> float:
@@ -390,25 +364,10 @@ class MemoryModel:
         - otherwise its gradients (scaled) plus the new gradients of the trainable
           parameters it reads (not scaled: they live beside ``.grad`` until added to it).
         """
-        needs = self._node_needs.get(ratio)
-        if needs is None:
-            needs = self._node_needs[ratio] = [self._node_need(i, ratio)
-                                               for i in range(len(self.costs.nodes))]
+        needs, most = self._tables.needs(ratio)
+        if start == 0 and stop >= len(needs):
+            return most
         return max(needs[start:stop], default=0)
-
-    def _node_need(self, i: int, ratio: float) -> int:
-        """Node ``i``'s working set at ``ratio`` (:meth:`transient_bytes` of it alone)."""
-        nd = self.costs.nodes[i]
-        output = self.scale_bytes(nd.output_bytes, ratio)
-        need = output
-        if self.training:
-            grads = self.scale_bytes(nd.transient_bytes, ratio)
-            if self._bwd_peak and nd.backward_peak_bytes:
-                fixed, linear = self._bwd_peak[i]
-                need = max(need, grads, int(math.ceil(fixed + linear * ratio)) + output)
-            else:
-                need = max(need, grads + self._new_grad[i])
-        return need
 
     def backward_working_bytes(self, start: int, stop: int, ratio: float, held_out: int) -> int:
         """Most one backward of nodes ``start .. stop - 1`` (one autograd call over a stage
@@ -429,16 +388,22 @@ class MemoryModel:
         tokens per microbatch): the first stage's backward peaked 1.3 MiB above its start
         and the new gradients, where the largest node working set is 12.0 MiB.
         """
-        nodes, known = self.costs.nodes, self._producers_known
+        nodes, known, last_use = self.costs.nodes, self._producers_known, self._last_use
+        needs, _ = self._tables.needs(ratio)  # each node's transient_bytes
         held = 0 if known else held_out
         freed = out = 0
+        ceil = math.ceil
         for i in range(stop - 1, start - 1, -1):
-            out = max(out, self.transient_bytes(i, i + 1, ratio) - max(freed - held, 0))
+            out = max(out, needs[i] - max(freed - held, 0))
+            nd = nodes[i]
+            if not nd.saved_bytes:
+                continue
             # storages from before the stage, or returned by a node whose output the stage
             # sends on, stay held
-            stays = sum(nbytes for dist, nbytes in nodes[i].saved_from or ()
-                        if i - dist < start or self._last_use[i - dist] >= stop)
-            freed += self.scale_bytes(max(nodes[i].saved_bytes - stays, 0), ratio)
+            stays = sum(nbytes for dist, nbytes in nd.saved_from or ()
+                        if i - dist < start or last_use[i - dist] >= stop)
+            if nd.saved_bytes > stays:  # scale_bytes, inline
+                freed += int(ceil((nd.saved_bytes - stays) * ratio - 1e-9))
         return out
 
     def last_saving_node(self, start: int, stop: int) -> int | None:
@@ -490,3 +455,84 @@ class MemoryModel:
     def max_transient_bytes(self, ratio: float) -> int:
         """:meth:`transient_bytes` over the whole graph."""
         return self.transient_bytes(0, len(self.costs.nodes), ratio)
+
+
+class _GraphTables:
+    """What :class:`MemoryModel` reads of one graph alone (and whether it trains), made
+    once per graph object (:func:`autopart.solver.candidates._per_graph`) and read-only but
+    for the memo of :meth:`needs`."""
+
+    def __init__(self, costs: CostGraph, training: bool) -> None:
+        # for held_parts: where each node's output is last read (n: a graph output), whether
+        # every node says which saved storages other nodes returned, and per position
+        # 0 .. n the bytes of the non-contiguous node outputs crossing it
+        values = _values(costs)
+        self.last_use = [v.last_use for v in values if v.produced >= 0]
+        self.producers_known = all(nd.saved_from is not None for nd in costs.nodes)
+        # per position, the bytes of the crossing values that carry a gradient back: a node
+        # output does when the node reads a trainable parameter or such a value (graph
+        # inputs do not); a mask or a rotary table built from buffers does not, and torch's
+        # stages neither allocate nor send its gradient
+        needs_grad: dict[str, bool] = {}
+        for nd in costs.nodes:
+            needs_grad[nd.name] = (any(p in costs.trainable for p in nd.params)
+                                   or any(needs_grad.get(x, False) for x in nd.inputs))
+        self.grad_crossing = crossing_sums(
+            costs, values, lambda v: v.nbytes if v.produced >= 0 and needs_grad[v.name] else 0)
+        self.strided_crossing = crossing_sums(
+            costs, values,
+            lambda v: costs.nodes[v.produced].strided_output_bytes if v.produced >= 0 else 0)
+        self.saved = [0]  # prefix sums of saved bytes at b0
+        self.first_use: dict[str, int] = {}
+        for i, nd in enumerate(costs.nodes):
+            self.saved.append(self.saved[-1] + nd.saved_bytes)
+            for p in nd.params:
+                self.first_use.setdefault(p, i)
+        # per node, the gradient its backward returns for each trainable parameter it reads,
+        # alive beside .grad until AccumulateGrad adds it in (every microbatch but a step's
+        # first, whose gradient .grad takes over): not scaled with the batch
+        new_grad = [sum(costs.param_sizes[p] for p in nd.params if p in costs.trainable)
+                    if training else 0 for nd in costs.nodes]
+        # per node, its backward's measured allocation peak at both profiled batches as
+        # (fixed, linear at b0): the weight gradients and the kernel's copies of them do not
+        # grow with the batch, the activations' gradients do
+        b0, b1 = costs.batch_size, costs.low_batch_size
+        bwd_peak = ([two_point_line(float(nd.backward_peak_bytes), float(lo), b0, b1)
+                     for nd, lo in zip(costs.nodes, costs.low_backward_peaks, strict=True)]
+                    if training and b1 and costs.low_backward_peaks else [])
+        nodes = costs.nodes
+        self.training = training
+        self._output = np.array([nd.output_bytes for nd in nodes], dtype=np.float64)
+        self._grads = np.array([nd.transient_bytes for nd in nodes], dtype=np.float64)
+        self._new_grad = np.array(new_grad, dtype=np.int64)
+        measured = [bool(bwd_peak) and bool(nd.backward_peak_bytes) for nd in nodes]
+        self._measured = np.array(measured, dtype=bool)
+        self._fixed = np.array([bwd_peak[i][0] if m else 0.0 for i, m in enumerate(measured)],
+                               dtype=np.float64)
+        self._linear = np.array([bwd_peak[i][1] if m else 0.0 for i, m in enumerate(measured)],
+                                dtype=np.float64)
+        # ratio -> each node's working set and the largest, computed once per microbatch
+        # size: a layout search asks for thousands of stage spans at a few sizes
+        self._needs: dict[float, tuple[list[int], int]] = {}
+
+    def needs(self, ratio: float) -> tuple[list[int], int]:
+        """Every node's working set at ``ratio`` (``b / b0``; :meth:`MemoryModel.
+        transient_bytes` of the node alone) and the largest, bytes: its output, or when
+        training the larger of its gradients and its backward's peak (the two-point line
+        plus its outputs, where measured at both profiled batches) or its gradients plus the
+        new gradients of the parameters it reads; each scaled figure rounded up as
+        :meth:`MemoryModel.scale_bytes` rounds it (the same float64 arithmetic)."""
+        hit = self._needs.get(ratio)
+        if hit is not None:
+            return hit
+        output = np.ceil(self._output * ratio - 1e-9).astype(np.int64)
+        if self.training:
+            grads = np.ceil(self._grads * ratio - 1e-9).astype(np.int64)
+            peak = np.ceil(self._fixed + self._linear * ratio).astype(np.int64) + output
+            need = np.where(self._measured, np.maximum(np.maximum(output, grads), peak),
+                            np.maximum(output, grads + self._new_grad))
+        else:
+            need = output
+        values = need.tolist()
+        hit = self._needs[ratio] = (values, max(values, default=0))
+        return hit

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -79,25 +81,32 @@ class CutCandidates:
     fallback: bool = False
 
 
-#: What :func:`_values`, :func:`crossing_profile` and :func:`_set_hashes` made of a cost graph,
-#: by (function, graph identity); each entry holds its graph, so its id is not reused while
-#: cached (CostGraph is frozen). The layout search asks for the same few (one per tp degree)
-#: hundreds of times; the oldest entry goes first.
-_BY_GRAPH: dict[tuple[str, int], tuple[CostGraph, Any]] = {}
-_BY_GRAPH_SIZE = 12
+#: What :func:`_values`, :func:`crossing_profile`, :func:`_set_hashes` and the solver's cost
+#: and memory tables (:func:`_per_graph`) made of a cost graph, by (what, graph identity); each
+#: entry lives as long as its graph (CostGraph is frozen, so what was made of it stays true;
+#: a weak reference drops the entry when the graph goes, so its id is not reused while
+#: cached). The layout search asks for the same few graphs (one per tp, ep and cp degree)
+#: hundreds of times.
+_BY_GRAPH: dict[tuple[str, int], tuple[weakref.ref[CostGraph], Any]] = {}
 
 
 def _per_graph(what: str, costs: CostGraph, make: Callable[[CostGraph], Any]) -> Any:
-    """``make(costs)``, computed once per graph object while it stays in :data:`_BY_GRAPH`."""
+    """``make(costs)``, computed once per graph object and ``what`` while the graph lives
+    (:data:`_BY_GRAPH`). ``what`` names everything beside the graph that ``make`` reads."""
     key = (what, id(costs))
     hit = _BY_GRAPH.get(key)
-    if hit is not None and hit[0] is costs:
+    if hit is not None and hit[0]() is costs:
         return hit[1]
     value = make(costs)
-    while len(_BY_GRAPH) >= _BY_GRAPH_SIZE:
-        del _BY_GRAPH[next(iter(_BY_GRAPH))]
-    _BY_GRAPH[key] = (costs, value)
+    _BY_GRAPH[key] = (weakref.ref(costs, functools.partial(_forget, key)), value)
     return value
+
+
+def _forget(key: tuple[str, int], ref: weakref.ref[CostGraph]) -> None:
+    """Drop ``key``'s entry once its graph is gone (the entry of that graph only)."""
+    entry = _BY_GRAPH.get(key)
+    if entry is not None and entry[0] is ref:
+        del _BY_GRAPH[key]
 
 
 def _values(costs: CostGraph) -> list[_Value]:

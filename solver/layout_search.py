@@ -96,8 +96,15 @@ def evaluate_layout(costs: CostGraph, device: DeviceSpec, options: SolveOptions,
                             cand.cp_attention)
     if sharded.expert_exchanges and not hides_expert_exchanges(cand, options):
         # DualPipe-V's pairs run one after the other at this layout: nothing hides the
-        # all-to-alls
-        sharded = replace(sharded, expert_exchanges=())
+        # all-to-alls (one copy per sharded graph: the solver's tables are kept per graph
+        # object, solver.candidates._per_graph)
+        quiet = ("no exchanges", cand.tp, cand.ep, cp, cand.cp_attention)
+        if cache is None or quiet not in cache:
+            sharded = replace(sharded, expert_exchanges=())
+            if cache is not None:
+                cache[quiet] = sharded
+        else:
+            sharded = cache[quiet]
     # ZeRO-1's layer units hold what one unit per stage holds and gain only by overlapping
     # their collectives with compute, which CPU ranks' collectives do not (measured,
     # benchmarks/overlap_cpu): a search there keeps one unit per stage (a given plan is

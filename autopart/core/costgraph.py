@@ -190,7 +190,7 @@ class BatchScale:
         return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class CostGraph:
     """Nodes of a captured graph in topological order, with their costs.
 
