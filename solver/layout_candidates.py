@@ -18,7 +18,7 @@ from autopart.core.layout import (
 )
 from autopart.core.runtime_model import RuntimeDescription
 from autopart.core.topology import HostTopology
-from autopart.solver.candidates import crossing_profile
+from autopart.solver.candidates import _per_graph, crossing_profile
 from autopart.solver.context_parallel_costs import context_costs, split_tokens
 from autopart.solver.data_parallel import (
     held_state_multiplier,
@@ -65,13 +65,8 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     overhead_us = device.op_overhead_us
     line = dp * cp
     rows = options.batch_size / dp / sharded.batch_size
-    fixed = linear = 0.0
-    for nd in sharded.nodes:
-        for t in (nd.fwd_us, nd.bwd_input_us if options.training else 0.0,
-                  nd.bwd_weight_us if options.training else 0.0):
-            if t > 0:
-                linear += max(t - overhead_us, 0.0) * rows
-                fixed += min(t, overhead_us)
+    fixed, linear = _work_us(sharded, overhead_us, options.training)
+    linear *= rows
     trainable = sum(b for p, b in sharded.param_sizes.items() if p in sharded.trainable)
     # an ep rank's experts are reduced over their dp / ep replicas after the flush, apart
     # from the dense rest (solver.layout_dp.without_experts)
@@ -113,6 +108,24 @@ def _bounds(sharded: CostGraph, tp: int, pp: int, dp: int, zero: int, counts: tu
     frozen = sum(b for p, b in sharded.param_sizes.items() if p not in sharded.trainable)
     state = int(trainable * mult + frozen) // pp
     return LayoutCandidate(tp, pp, dp, zero, lb, state, est, ep, cp, cp_attention)
+
+
+def _work_us(costs: CostGraph, overhead_us: float, training: bool) -> tuple[float, float]:
+    """The per-op fixed times of one microbatch of ``costs`` and the batch-proportional rest
+    at its profiled batch, µs (:func:`_bounds`), summed once per graph, fixed time per op and
+    training flag (:func:`autopart.solver.candidates._per_graph`)."""
+    made = _per_graph("bound sums", costs, lambda _: {})
+    key = (overhead_us, training)
+    if key not in made:
+        fixed = linear = 0.0
+        for nd in costs.nodes:
+            for t in (nd.fwd_us, nd.bwd_input_us if training else 0.0,
+                      nd.bwd_weight_us if training else 0.0):
+                if t > 0:
+                    linear += max(t - overhead_us, 0.0)
+                    fixed += min(t, overhead_us)
+        made[key] = (fixed, linear)
+    return made[key]  # type: ignore[no-any-return]
 
 
 def _smallest_crossing(costs: CostGraph) -> int:
