@@ -290,6 +290,15 @@ def find_candidates(costs: CostGraph, num_stages: int, *, crossing_factor: float
             ``max_candidates < 1`` or the graph has no nodes.
         InfeasiblePlanError: the graph has fewer than ``num_stages - 1`` valid cut positions.
     """
+    made = _per_graph("cut candidates", costs, lambda _: {})
+    key = (num_stages, crossing_factor, window, max_candidates)
+    if key not in made:  # the same few per graph in a layout search (immutable: shared)
+        made[key] = _find_candidates(costs, num_stages, crossing_factor, window, max_candidates)
+    return made[key]  # type: ignore[no-any-return]
+
+
+def _find_candidates(costs: CostGraph, num_stages: int, crossing_factor: float, window: int,
+                     max_candidates: int) -> CutCandidates:
     n = len(costs.nodes)
     if n == 0:
         raise PlanError("the cost graph has no op nodes; there is nothing to partition")
