@@ -46,6 +46,7 @@ from dataclasses import replace
 
 from autopart.core.costgraph import CostGraph, NodeCost
 from autopart.core.op_names import GROUPED_MM_OPS
+from autopart.solver.candidates import _per_graph
 from autopart.solver.collectives import all_to_all_us
 
 __all__ = ["expert_costs", "expert_module_paths", "expert_params", "routing_imbalance"]
@@ -64,25 +65,15 @@ def expert_params(costs: CostGraph) -> frozenset[str]:
     """The FQNs the experts modules of ``costs`` read: their stacked expert weights (the
     pass refuses a module reading any other).
 
-    Read from the nodes alone, and remembered for the last :data:`_MEMO_SIZE` node tuples
-    (the layout search asks once per layout and per priced plan of the same few sharded
-    graphs: DeepSeek-V3's 58 MoE layers took 264 of a 355 s search to answer it afresh)."""
-    key = id(costs.nodes)
-    hit = _EXPERT_PARAMS.get(key)
-    if hit is not None and hit[0] is costs.nodes:
-        return hit[1]
+    Made once per graph (:func:`autopart.solver.candidates._per_graph`): the layout search
+    asks once per layout and per priced plan about the same few sharded graphs (DeepSeek-V3's
+    58 MoE layers took 264 of a 355 s profiled search to answer it afresh each time)."""
+    return _per_graph("expert params", costs, _expert_params)  # type: ignore[no-any-return]
+
+
+def _expert_params(costs: CostGraph) -> frozenset[str]:
     members = _members(costs.nodes, expert_module_paths(costs))
-    found = frozenset(p for idx in members.values() for i in idx for p in costs.nodes[i].params)
-    if len(_EXPERT_PARAMS) >= _MEMO_SIZE:
-        del _EXPERT_PARAMS[next(iter(_EXPERT_PARAMS))]
-    # the tuple is held with its answer, so its id is not reused while the entry lives
-    _EXPERT_PARAMS[key] = (costs.nodes, found)
-    return found
-
-
-#: how many node tuples :func:`expert_params` remembers (oldest dropped first)
-_MEMO_SIZE = 32
-_EXPERT_PARAMS: dict[int, tuple[tuple[NodeCost, ...], frozenset[str]]] = {}
+    return frozenset(p for idx in members.values() for i in idx for p in costs.nodes[i].params)
 
 
 def _members(nodes: tuple[NodeCost, ...] | list[NodeCost], paths: list[str]
