@@ -96,8 +96,9 @@ def test_tp_collectives_leave_no_buffer_for_gloos_thread_to_free() -> None:
     blocks the meter saw allocated are seen freed. Before the fix, 30 rounds came out 5-8
     MiB (20-30 lost blocks of 256-512 KiB) above one round, on every run (sequence
     parallelism's ops through gloo's own reduce-scatter and all-gather: 5.9 MiB over); after
-    it, equal or one block above (the CPU meter's own noise: a rare lost or misordered
-    record), hence the slack of 4 blocks. The all-to-all's values and gradient equal
+    it, equal or one block above on a quiet machine (the CPU meter's own noise: a rare lost
+    or misordered record), and 4 blocks above once in a CI run on a loaded machine
+    (2026-12-03: 1.0 MiB), hence a slack of 8 blocks, under half of the 20 the fix removed. The all-to-all's values and gradient equal
     torch.distributed's ``all_to_all_single``'s, through gloo's all-to-all and through the
     all-reduce it runs as on the meter's steps."""
     with mp.Manager() as manager:
@@ -108,7 +109,7 @@ def test_tp_collectives_leave_no_buffer_for_gloos_thread_to_free() -> None:
         assert exact == [True, True], (rank, "all_to_all plain, metered", exact)
         assert one > 0, (rank, one)
         # one collective's tensor is the smallest buffer a lost free would leave behind
-        assert many < one + 4 * ROWS * WIDTH * 4, (rank, one, many)
+        assert many < one + 8 * ROWS * WIDTH * 4, (rank, one, many)
 
 
 #: GPT-2-like (tied wte / lm_head: a vocab-parallel head whose logits tp_gather all-gathers),
