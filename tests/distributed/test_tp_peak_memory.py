@@ -98,9 +98,9 @@ def test_tp_collectives_leave_no_buffer_for_gloos_thread_to_free() -> None:
     parallelism's ops through gloo's own reduce-scatter and all-gather: 5.9 MiB over); after
     it, equal or one block above on a quiet machine (the CPU meter's own noise: a rare lost
     or misordered record), and 4 blocks above once in a CI run on a loaded machine
-    (2026-12-03: 1.0 MiB), hence a slack of 8 blocks, under half of the 20 the fix removed. The all-to-all's values and gradient equal
-    torch.distributed's ``all_to_all_single``'s, through gloo's all-to-all and through the
-    all-reduce it runs as on the meter's steps."""
+    (2026-12-03: 1.0 MiB), hence a slack of 8 blocks, under half of the 20 the fix removed.
+    The all-to-all's values and gradient equal torch.distributed's ``all_to_all_single``'s,
+    through gloo's all-to-all and through the all-reduce it runs as on the meter's steps."""
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_collective_peaks, args=(2, _free_port(), out), nprocs=2, join=True)
