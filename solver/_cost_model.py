@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from autopart.core.cluster import Cluster
 from autopart.core.costgraph import CostGraph
-from autopart.core.recompute_policy import CHECKPOINTED_POLICIES
 from autopart.core.runtime_model import RuntimeDescription
-from autopart.solver._memory_model import MemoryModel, two_point_line
+from autopart.solver._graph_tables import TimeTables
+from autopart.solver._memory_model import MemoryModel
 from autopart.solver.candidates import CutCandidates, _per_graph
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class CostModel(MemoryModel):
         made = _per_graph("cost model tables", costs, lambda _: {})
         tables = made.get(key)
         if tables is None:
-            tables = made[key] = _TimeTables(costs, self.kept, self.overhead_us, training,
+            tables = made[key] = TimeTables(costs, self.kept, self.overhead_us, training,
                                              recompute_policy, runtime.selective_us_per_node[1])
         self._bwd_nodes = tables.bwd_nodes
         self._kept_count = tables.kept_count
@@ -355,113 +355,3 @@ class CostModel(MemoryModel):
         out = [to_time_units(self.link_us(self.scale_bytes(c, r))) for c in cands.crossing_bytes]
         cin = out if self.training else [0] * len(out)
         return seg, out, cin
-
-
-class _TimeTables:
-    """The prefix sums :class:`CostModel` reads, made of one graph (see its ``__init__``):
-    per node the forward's and the backward's (fixed, linear) µs, per part and whole, and
-    what a recomputing stage runs again; read-only once made, shared by every model of
-    that graph, fixed time per op, training flag, policy and kept set."""
-
-    def __init__(self, costs: CostGraph, kept: list[bool], ov: float, training: bool,
-                 recompute_policy: str, selective_fixed_us: float) -> None:
-        self.bwd_nodes = [0]  # prefix counts of the nodes with a backward
-        # prefix counts of the nodes a recomputing stage keeps (checkpoints_selectively)
-        self.kept_count = [0]
-        for flag in kept:
-            self.kept_count.append(self.kept_count[-1] + flag)
-        self.fixed = [0.0]   # prefix sums of the batch-independent part of node time, µs
-        self.linear = [0.0]  # prefix sums of the part linear in b / b0, µs
-        # forward, input-gradient and weight-gradient parts, and the forward a recomputing
-        # stage runs again (the forward less its kept nodes' under "selective"), (fixed,
-        # linear) prefix sums, µs
-        self.parts: dict[str, tuple[list[float], list[float]]] = {
-            key: ([0.0], [0.0]) for key in ("fwd", "bwd_input", "bwd_weight", "recompute")}
-        # per node (fixed, linear) of the forward and of the whole backward, µs
-        self.node_fwd: list[tuple[float, float]] = []
-        self.node_bwd: list[tuple[float, float]] = []
-        b0, b1 = costs.batch_size, costs.low_batch_size
-        # per node, (fixed, linear) µs of sequence parallelism's all-gathers its forward waits
-        # for, which a stage recomputing under "selective" / "op" runs again whether or not
-        # it keeps the node (CostGraph.recomputed_gathers)
-        self.regather: dict[int, tuple[float, float]] = {
-            i: two_point_line(t0, t1, b0, b1) if b1 else (0.0, t0)
-            for i, t0, t1 in costs.recomputed_gathers}
-        # expert parallelism's all-to-alls inside the node times (CostGraph.expert_exchanges):
-        # per part ("fwd", "bwd"), (fixed, linear) prefix sums, µs
-        self.exchange: dict[str, tuple[list[float], list[float]]] = {}
-        if costs.expert_exchanges:
-            by_node = {i: (two_point_line(f0, f1, b0, b1), two_point_line(g0, g1, b0, b1))
-                       if b1 else ((0.0, f0), (0.0, g0))
-                       for i, f0, g0, f1, g1 in costs.expert_exchanges}
-            for k, part in enumerate(("fwd", "bwd")):
-                fixed, linear = [0.0], [0.0]
-                for i in range(len(costs.nodes)):
-                    fx_, ln_ = by_node[i][k] if i in by_node else (0.0, 0.0)
-                    fixed.append(fixed[-1] + fx_)
-                    linear.append(linear[-1] + ln_)
-                self.exchange[part] = (fixed, linear)
-        for i, nd in enumerate(costs.nodes):
-            times = (nd.fwd_us, nd.bwd_input_us, nd.bwd_weight_us)
-            if b1:  # two profiled batches: the line through both, per part
-                parts = [two_point_line(t0, t1, b0, b1)
-                         for t0, t1 in zip(times, costs.low_times[i], strict=True)]
-                bwd = (parts[1][0] + parts[2][0], parts[1][1] + parts[2][1])
-            else:
-                parts = [(min(t, ov), max(t - ov, 0.0)) for t in times]
-                bwd = (min(nd.bwd_us, ov), max(nd.bwd_us - ov, 0.0))  # scaled as one op
-            self.node_fwd.append(parts[0])
-            self.node_bwd.append(bwd)
-            fixed = parts[0][0] + (bwd[0] if training else 0.0)
-            linear = parts[0][1] + (bwd[1] if training else 0.0)
-            self.fixed.append(self.fixed[-1] + fixed)
-            self.linear.append(self.linear[-1] + linear)
-            self.bwd_nodes.append(self.bwd_nodes[-1] + (nd.bwd_us > 0))
-            again = (0.0, 0.0) if kept[i] else parts[0]
-            if recompute_policy in CHECKPOINTED_POLICIES:  # checkpointing's own cost
-                again = (again[0] + selective_fixed_us, again[1])
-                if kept[i] and i in self.regather:
-                    again = (again[0] + self.regather[i][0], again[1] + self.regather[i][1])
-            for key, (f, ln_) in zip(("fwd", "bwd_input", "bwd_weight", "recompute"),
-                                     (*parts, again), strict=True):
-                fx, ln = self.parts[key]
-                fx.append(fx[-1] + f)
-                ln.append(ln[-1] + ln_)
-        # host issue times, per part: prefix sums, µs (none when the profile has none)
-        self.host: dict[str, list[float]] = {}
-        if costs.has_host_times:
-            for k, key in enumerate(("fwd", "bwd_input", "bwd_weight")):
-                sums = [0.0]
-                for nd in costs.nodes:
-                    sums.append(sums[-1] + nd.host_times[k])  # type: ignore[index]
-                self.host[key] = sums
-            again = [0.0]
-            for i, nd in enumerate(costs.nodes):
-                again.append(again[-1] + (0.0 if kept[i]
-                                          else nd.host_times[0]))  # type: ignore[index]
-            self.host["recompute"] = again
-        # trainable parameters read by more than one node (GPT-2's tied wte / lm_head): the
-        # nodes reading each, for tied_sync_us
-        readers: dict[str, list[int]] = {}
-        for i, nd in enumerate(costs.nodes):
-            for p in nd.params:
-                if p in costs.trainable:
-                    readers.setdefault(p, []).append(i)
-        self.shared = {p: idx for p, idx in readers.items() if len(idx) > 1}
-        # microbatches measured segment by segment beside the two points (CostGraph.batch_scales):
-        # rows -> prefix sums of each part's and of the whole node's time there, µs
-        self.scaled: dict[float, dict[str, list[float]]] = {}
-        for sc in costs.batch_scales:
-            r = sc.batch_size / b0
-            sums: dict[str, list[float]] = {key: [0.0] for key in ("fwd", "bwd_input",
-                                                                   "bwd_weight", "recompute",
-                                                                   "time")}
-            for i, (ff, fb) in enumerate(sc.factors(len(costs.nodes))):
-                at = {key: (fx[i + 1] - fx[i] + (ln[i + 1] - ln[i]) * r)
-                      * (ff if key in ("fwd", "recompute") else fb)
-                      for key, (fx, ln) in self.parts.items()}
-                for key, t in at.items():
-                    sums[key].append(sums[key][-1] + t)
-                sums["time"].append(sums["time"][-1] + at["fwd"] + (
-                    at["bwd_input"] + at["bwd_weight"] if training else 0.0))
-            self.scaled[round(float(sc.batch_size), 6)] = sums

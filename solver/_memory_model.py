@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import numpy as np
-
 from autopart.core.costgraph import CostGraph, layer_of_path
 from autopart.core.errors import PlanError
 from autopart.core.recompute_policy import (
@@ -16,16 +14,10 @@ from autopart.core.recompute_policy import (
     TP_KEPT_NODE_OPS,
 )
 from autopart.core.runtime_model import RuntimeDescription
-from autopart.solver.candidates import _per_graph, _values, crossing_profile, crossing_sums
+from autopart.solver._graph_tables import MemoryTables, two_point_line
+from autopart.solver.candidates import _per_graph, crossing_profile
 
 __all__ = ["MemoryModel", "two_point_line"]
-
-
-def two_point_line(t0: float, t1: float, b0: int, b1: int) -> tuple[float, float]:
-    """``(fixed, linear at b0)`` of the line through ``(b1, t1)`` and ``(b0, t0)``, its slope
-    kept >= 0 (a figure measured lower at the larger batch is noise: held at ``t1``)."""
-    slope = max((t0 - t1) / (b0 - b1), 0.0)
-    return t1 - slope * b1, slope * b0
 
 
 class MemoryModel:
@@ -85,11 +77,11 @@ class MemoryModel:
         self.training = training
         self.crossing, _ = crossing_profile(costs)
         # what reads the graph alone (and training): made once per graph
-        # (:class:`_GraphTables`), shared by every model of it
+        # (:class:`autopart.solver._graph_tables.MemoryTables`), shared by every model of it
         made = _per_graph("memory model tables", costs, lambda _: {})
         tables = made.get(training)
         if tables is None:
-            tables = made[training] = _GraphTables(costs, training)
+            tables = made[training] = MemoryTables(costs, training)
         self._last_use = tables.last_use
         self._producers_known = tables.producers_known
         self._held: dict[tuple[int, int], tuple[int, int, int]] = {}
@@ -455,84 +447,3 @@ class MemoryModel:
     def max_transient_bytes(self, ratio: float) -> int:
         """:meth:`transient_bytes` over the whole graph."""
         return self.transient_bytes(0, len(self.costs.nodes), ratio)
-
-
-class _GraphTables:
-    """What :class:`MemoryModel` reads of one graph alone (and whether it trains), made
-    once per graph object (:func:`autopart.solver.candidates._per_graph`) and read-only but
-    for the memo of :meth:`needs`."""
-
-    def __init__(self, costs: CostGraph, training: bool) -> None:
-        # for held_parts: where each node's output is last read (n: a graph output), whether
-        # every node says which saved storages other nodes returned, and per position
-        # 0 .. n the bytes of the non-contiguous node outputs crossing it
-        values = _values(costs)
-        self.last_use = [v.last_use for v in values if v.produced >= 0]
-        self.producers_known = all(nd.saved_from is not None for nd in costs.nodes)
-        # per position, the bytes of the crossing values that carry a gradient back: a node
-        # output does when the node reads a trainable parameter or such a value (graph
-        # inputs do not); a mask or a rotary table built from buffers does not, and torch's
-        # stages neither allocate nor send its gradient
-        needs_grad: dict[str, bool] = {}
-        for nd in costs.nodes:
-            needs_grad[nd.name] = (any(p in costs.trainable for p in nd.params)
-                                   or any(needs_grad.get(x, False) for x in nd.inputs))
-        self.grad_crossing = crossing_sums(
-            costs, values, lambda v: v.nbytes if v.produced >= 0 and needs_grad[v.name] else 0)
-        self.strided_crossing = crossing_sums(
-            costs, values,
-            lambda v: costs.nodes[v.produced].strided_output_bytes if v.produced >= 0 else 0)
-        self.saved = [0]  # prefix sums of saved bytes at b0
-        self.first_use: dict[str, int] = {}
-        for i, nd in enumerate(costs.nodes):
-            self.saved.append(self.saved[-1] + nd.saved_bytes)
-            for p in nd.params:
-                self.first_use.setdefault(p, i)
-        # per node, the gradient its backward returns for each trainable parameter it reads,
-        # alive beside .grad until AccumulateGrad adds it in (every microbatch but a step's
-        # first, whose gradient .grad takes over): not scaled with the batch
-        new_grad = [sum(costs.param_sizes[p] for p in nd.params if p in costs.trainable)
-                    if training else 0 for nd in costs.nodes]
-        # per node, its backward's measured allocation peak at both profiled batches as
-        # (fixed, linear at b0): the weight gradients and the kernel's copies of them do not
-        # grow with the batch, the activations' gradients do
-        b0, b1 = costs.batch_size, costs.low_batch_size
-        bwd_peak = ([two_point_line(float(nd.backward_peak_bytes), float(lo), b0, b1)
-                     for nd, lo in zip(costs.nodes, costs.low_backward_peaks, strict=True)]
-                    if training and b1 and costs.low_backward_peaks else [])
-        nodes = costs.nodes
-        self.training = training
-        self._output = np.array([nd.output_bytes for nd in nodes], dtype=np.float64)
-        self._grads = np.array([nd.transient_bytes for nd in nodes], dtype=np.float64)
-        self._new_grad = np.array(new_grad, dtype=np.int64)
-        measured = [bool(bwd_peak) and bool(nd.backward_peak_bytes) for nd in nodes]
-        self._measured = np.array(measured, dtype=bool)
-        self._fixed = np.array([bwd_peak[i][0] if m else 0.0 for i, m in enumerate(measured)],
-                               dtype=np.float64)
-        self._linear = np.array([bwd_peak[i][1] if m else 0.0 for i, m in enumerate(measured)],
-                                dtype=np.float64)
-        # ratio -> each node's working set and the largest, computed once per microbatch
-        # size: a layout search asks for thousands of stage spans at a few sizes
-        self._needs: dict[float, tuple[list[int], int]] = {}
-
-    def needs(self, ratio: float) -> tuple[list[int], int]:
-        """Every node's working set at ``ratio`` (``b / b0``; :meth:`MemoryModel.
-        transient_bytes` of the node alone) and the largest, bytes: its output, or when
-        training the larger of its gradients and its backward's peak (the two-point line
-        plus its outputs, where measured at both profiled batches) or its gradients plus the
-        new gradients of the parameters it reads; each scaled figure rounded up as
-        :meth:`MemoryModel.scale_bytes` rounds it (the same float64 arithmetic)."""
-        hit = self._needs.get(ratio)
-        if hit is not None:
-            return hit
-        output = np.ceil(self._output * ratio - 1e-9).astype(np.int64)
-        if self.training:
-            grads = np.ceil(self._grads * ratio - 1e-9).astype(np.int64)
-            peak = np.ceil(self._fixed + self._linear * ratio).astype(np.int64) + output
-            need = np.where(self._measured, np.maximum(np.maximum(output, grads), peak),
-                            np.maximum(output, grads + self._new_grad))
-        else:
-            need = output
-        values = need.tolist()
-        hit = self._needs[ratio] = (values, max(values, default=0))
-        return hit
